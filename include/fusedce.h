@@ -1,0 +1,229 @@
+/*
+ * fusedce.h — fused cross-entropy for large vocabularies: the public C ABI.
+ *
+ * Three compute calls:
+ *   fce_forward    cross-entropy over given logits z [rows, vocab]: loss (+ lse), and, when a
+ *                  gradient buffer is given, dloss/dz in the same pass (one read, one write).
+ *   fce_backward   dloss/dz from z, the targets and the lse saved by fce_forward.
+ *   fce_linear_ce  z = hidden · weightᵀ + bias, then cross-entropy, then the gradients of hidden,
+ *                  weight and bias, without ever holding all of z.
+ * The math is ../shared/SPEC.md's; every option lives in fce_options.
+ *
+ * Conventions (the same for every call):
+ *   - Every function returns an fce_status. On failure nothing has been written to any output
+ *     buffer, and fce_last_error() returns a message naming the argument that was wrong.
+ *   - Caller-owned memory: every buffer, the workspace and the stream come from the caller. The
+ *     library never allocates device or pinned memory, never synchronises the host with the
+ *     device, and enqueues work only on the stream it is given, so every compute call can be
+ *     captured in a CUDA graph. (fce_linear_ce creates one cuBLASLt handle per device the first
+ *     time it runs there, host-side; make one eager call before capturing if that matters.)
+ *   - Backends: FCE_BACKEND_CUDA takes device pointers (on the calling thread's current device)
+ *     and a cudaStream_t passed as void* (NULL = the legacy default stream); the call returns as
+ *     soon as the work is enqueued (asynchronous). FCE_BACKEND_CPU takes host pointers, ignores
+ *     the stream, and returns when the results are written (synchronous, multithreaded).
+ *   - Thread safety: every function may be called from any number of threads at once. Calls
+ *     that share an output buffer or a workspace must be ordered by the caller (the same stream,
+ *     or events). The last-error message is per thread.
+ *   - Sizes are int64_t; offsets inside are 64-bit, so tensors past 2^31 elements are fine.
+ *   - Pointers must be aligned to their element size, the workspace to 16 bytes.
+ */
+#ifndef FUSEDCE_H
+#define FUSEDCE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#if defined(_WIN32)
+#define FCE_API __declspec(dllexport)
+#elif defined(__GNUC__)
+#define FCE_API __attribute__((visibility("default")))
+#else
+#define FCE_API
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---------------------------------------------------------------- version ---- */
+#define FCE_VERSION_MAJOR 0
+#define FCE_VERSION_MINOR 1
+#define FCE_VERSION_PATCH 0
+#define FCE_VERSION_NUMBER (FCE_VERSION_MAJOR * 10000 + FCE_VERSION_MINOR * 100 + FCE_VERSION_PATCH)
+
+/* The FCE_VERSION_NUMBER the library was built with: a binding compares it with its header's. */
+FCE_API unsigned fce_version(void);
+
+/* ----------------------------------------------------------------- status ---- */
+/* Append-only: codes are never renumbered or removed. */
+typedef enum fce_status {
+  FCE_SUCCESS = 0,
+  FCE_ERROR_INVALID_ARGUMENT = 1,    /* a size, option or enum out of its domain */
+  FCE_ERROR_NULL_POINTER = 2,        /* a required pointer is NULL */
+  FCE_ERROR_MISALIGNED = 3,          /* a pointer not aligned to its element (workspace: 16 B) */
+  FCE_ERROR_UNSUPPORTED = 4,         /* a valid request this build or device cannot do */
+  FCE_ERROR_WORKSPACE_TOO_SMALL = 5, /* workspace_bytes below what the query returned */
+  FCE_ERROR_BACKEND_UNAVAILABLE = 6, /* CUDA backend not built in, or no CUDA device */
+  FCE_ERROR_CUDA = 7,                /* the CUDA runtime reported an error (launch, pointer) */
+  FCE_ERROR_CUBLAS = 8,              /* cuBLASLt reported an error */
+  FCE_ERROR_INTERNAL = 9             /* a bug in fusedce: please report it */
+} fce_status;
+
+/* A static string naming the status ("FCE_ERROR_NULL_POINTER: a required pointer is NULL"). */
+FCE_API const char* fce_status_string(fce_status status);
+
+/* The message of the last failing call on this thread ("" when none): it names the function and
+ * the argument, e.g. "fce_forward: row_stride (100) is less than vocab (128)". The pointer stays
+ * valid until the next fusedce call on this thread. */
+FCE_API const char* fce_last_error(void);
+
+/* ------------------------------------------------------------------ enums ---- */
+typedef enum fce_dtype {
+  FCE_FLOAT32 = 0,
+  FCE_FLOAT16 = 1,
+  FCE_BFLOAT16 = 2,
+  FCE_INT32 = 3, /* targets only */
+  FCE_INT64 = 4  /* targets only */
+} fce_dtype;
+
+typedef enum fce_reduction {
+  FCE_REDUCTION_MEAN = 0, /* sum of row losses / sum of w[y_i] over non-ignored rows (torch's) */
+  FCE_REDUCTION_SUM = 1,
+  FCE_REDUCTION_NONE = 2 /* one loss per row */
+} fce_reduction;
+
+typedef enum fce_backend { FCE_BACKEND_CUDA = 0, FCE_BACKEND_CPU = 1 } fce_backend;
+
+/* Bits of the device-side error flags word (see error_flags below). */
+#define FCE_FLAG_TARGET_OUT_OF_RANGE 1u /* a target outside [0, vocab), not ignore_index */
+
+/* ---------------------------------------------------------------- options ---- */
+/* Every option of every call. Start from FCE_OPTIONS_INIT or fce_options_default(); fields are
+ * only ever appended, and struct_size tells the library which ones the caller knows. */
+typedef struct fce_options {
+  size_t struct_size;         /* sizeof(fce_options) */
+  const float* class_weights; /* w [vocab] float32 in the backend's memory, or NULL (all 1) */
+  int64_t ignore_index;       /* rows whose target equals it get loss 0 and a zero gradient: -100 */
+  int64_t row_stride;         /* elements between rows of logits; 0 = vocab (dense) */
+  int64_t grad_row_stride;    /* elements between rows of grad_logits; 0 = vocab (dense) */
+  int64_t shift_seq_len;      /* T > 0: causal shift, row b*T+t is scored against target
+                                 b*T+t+1, rows with t = T-1 are ignored; rows % T must be 0.
+                                 0 = no shift */
+  int64_t hidden_row_stride;  /* fce_linear_ce: elements between rows of hidden; 0 = hidden size */
+  int32_t backend;            /* fce_backend: FCE_BACKEND_CUDA */
+  int32_t dtype;              /* fce_dtype of logits / hidden, weight, bias, and of their
+                                 gradients (but see grad_weight_fp32): FCE_FLOAT32 */
+  int32_t target_dtype;       /* FCE_INT32 or FCE_INT64: FCE_INT64 (torch's) */
+  int32_t reduction;          /* fce_reduction: FCE_REDUCTION_MEAN */
+  float label_smoothing;      /* epsilon in [0, 1): 0 */
+  float z_loss_scale;         /* lambda >= 0, adds lambda * lse^2 to each row's loss: 0 */
+  float softcap;              /* c >= 0: a = c * tanh(a / c) when c > 0: 0 (off) */
+  float logit_scale;          /* s, finite: a = s * z before anything else: 1 */
+  int32_t deterministic;      /* nonzero: bitwise-identical results run to run. Every path of
+                                 this version is deterministic; the flag keeps it so. */
+  int32_t accumulate;         /* fce_linear_ce: nonzero adds into grad_weight and grad_bias
+                                 (gradient accumulation); 0 overwrites them. grad_hidden is
+                                 always overwritten */
+  int32_t grad_weight_fp32;   /* fce_linear_ce: nonzero = grad_weight and grad_bias are float32
+                                 whatever dtype is; 0 = they have dtype */
+  int32_t reserved0;          /* must be 0 */
+} fce_options;
+
+#define FCE_OPTIONS_INIT                                                                      \
+  {                                                                                           \
+    sizeof(fce_options), NULL, -100, 0, 0, 0, 0, FCE_BACKEND_CUDA, FCE_FLOAT32, FCE_INT64,   \
+        FCE_REDUCTION_MEAN, 0.0f, 0.0f, 0.0f, 1.0f, 0, 0, 0, 0                                \
+  }
+
+/* Fills *options with the defaults above (for bindings that cannot use the macro). */
+FCE_API void fce_options_default(fce_options* options);
+
+/* ---------------------------------------------------------- cross-entropy ---- */
+/*
+ * Common arguments of fce_forward / fce_backward:
+ *   rows, vocab   N >= 1 rows of 1 <= V <= 2^31-1 classes.
+ *   logits        z [rows, row_stride] of options->dtype (read only).
+ *   targets       y [rows] of options->target_dtype.
+ *   grad_output   upstream gradient g, float32 in the backend's memory: one value for
+ *                 mean/sum, [rows] values for none; NULL means g = 1 (each row, for none).
+ *                 Being a pointer, it can be written by earlier work on the stream.
+ *   grad_logits   dloss/dz [rows, grad_row_stride] of options->dtype. It may be logits itself
+ *                 (in place; then grad_row_stride must equal row_stride); any other overlap
+ *                 with an input or output is an error.
+ *   error_flags   optional uint32 in the backend's memory: the call ORs FCE_FLAG_* bits into
+ *                 it and never clears it (zero it once, read it whenever convenient). A row
+ *                 whose target is out of range gets loss NaN and a NaN gradient row; it counts
+ *                 1 (not its class weight) in the mean's denominator.
+ *   workspace     scratch of at least the size the matching *_workspace_size query returned
+ *                 for the same options and sizes; NULL is fine when that size is 0. Its
+ *                 contents on entry and exit are meaningless.
+ *
+ * A mean over zero non-ignored rows is 0 with a zero gradient (torch gives NaN).
+ */
+
+/* Workspace bytes fce_forward needs for these options and sizes. */
+FCE_API fce_status fce_forward_workspace_size(const fce_options* options, int64_t rows,
+                                              int64_t vocab, size_t* workspace_bytes);
+
+/* Loss (and optionally lse, the z-loss total and the gradient) in one pass over the logits.
+ *   loss      float32: [1] for mean/sum, [rows] for none (ignored rows get 0). Required.
+ *   lse       optional float32 [rows]: log-sum-exp of each row's (scaled, capped) logits, written
+ *             for every row, ignored ones too; what fce_backward needs.
+ *   z_loss    optional float32 [1]: lambda * sum lse_i^2 over non-ignored rows, divided like
+ *             the loss for mean (summed for sum and none): for logging.
+ *   grad_logits, grad_output: when grad_logits is not NULL, the gradient of the loss scaled by
+ *             grad_output is written in the same pass: the training path. */
+FCE_API fce_status fce_forward(const fce_options* options, int64_t rows, int64_t vocab,
+                               const void* logits, const void* targets, float* loss, float* lse,
+                               float* z_loss, void* grad_logits, const float* grad_output,
+                               uint32_t* error_flags, void* workspace, size_t workspace_bytes,
+                               void* stream);
+
+/* Workspace bytes fce_backward needs for these options and sizes. */
+FCE_API fce_status fce_backward_workspace_size(const fce_options* options, int64_t rows,
+                                               int64_t vocab, size_t* workspace_bytes);
+
+/* The gradient only, from the logits, the targets and lse [rows] saved by fce_forward with the
+ * same options: one read of the logits, one write of grad_logits (required). */
+FCE_API fce_status fce_backward(const fce_options* options, int64_t rows, int64_t vocab,
+                                const void* logits, const void* targets, const float* lse,
+                                const float* grad_output, void* grad_logits,
+                                uint32_t* error_flags, void* workspace, size_t workspace_bytes,
+                                void* stream);
+
+/* ------------------------------------------------------ fused linear + CE ---- */
+/*
+ *   hidden        h [rows, hidden_row_stride] of dtype; weight W [vocab, hidden] row-major
+ *                 (torch.nn.Linear(hidden, vocab).weight); bias b [vocab] or NULL.
+ *   loss, lse, z_loss, targets, grad_output, error_flags: as for fce_forward.
+ *   grad_hidden   dloss/dh [rows, hidden] dense, of dtype, always overwritten; or NULL.
+ *   grad_weight   dloss/dW [vocab, hidden] dense, of dtype or float32 (grad_weight_fp32);
+ *                 overwritten, or added to with options->accumulate; or NULL.
+ *   grad_bias     dloss/db [vocab], the dtype of grad_weight; or NULL (must be NULL without a
+ *                 bias).
+ *   With all three gradient pointers NULL the call computes the loss only (evaluation).
+ *   No gradient output may overlap another buffer.
+ * The logits are produced chunk by chunk in the workspace and never exist whole. Any workspace
+ * of at least min_bytes gives the same result (bitwise, for a given size); optimal_bytes or
+ * more runs at full speed.
+ */
+FCE_API fce_status fce_linear_ce_workspace_size(const fce_options* options, int64_t rows,
+                                                int64_t hidden, int64_t vocab, int with_grad,
+                                                size_t* min_bytes, size_t* optimal_bytes);
+
+FCE_API fce_status fce_linear_ce(const fce_options* options, int64_t rows, int64_t hidden,
+                                 int64_t vocab, const void* hidden_states, const void* weight,
+                                 const void* bias, const void* targets, float* loss, float* lse,
+                                 float* z_loss, void* grad_hidden, void* grad_weight,
+                                 void* grad_bias, const float* grad_output, uint32_t* error_flags,
+                                 void* workspace, size_t workspace_bytes, void* stream);
+
+/* ---------------------------------------------------------------- backends ---- */
+/* 1 when this build has the CUDA backend and a CUDA device is visible, else 0. */
+FCE_API int fce_cuda_available(void);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* FUSEDCE_H */

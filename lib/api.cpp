@@ -1,0 +1,434 @@
+// api.cpp — the C ABI: validates every argument, names the bad one, then dispatches to a
+// backend. Nothing is written to any output before every check has passed, so a failing call
+// leaves the caller's buffers untouched.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#include "internal.h"
+
+namespace fce {
+void clear_error();
+}
+
+namespace {
+
+using fce::fail;
+
+constexpr int64_t kMaxVocab = std::numeric_limits<int32_t>::max();
+constexpr int64_t kMaxBytes = std::numeric_limits<int64_t>::max() / 2;
+
+// One buffer the call reads or writes, for the overlap and alignment checks.
+struct Range {
+  const char* name;
+  const void* ptr;
+  uint64_t bytes;
+  bool output;
+};
+
+bool overlaps(const Range& a, const Range& b) {
+  if (!a.ptr || !b.ptr || a.bytes == 0 || b.bytes == 0) return false;
+  const uintptr_t a0 = reinterpret_cast<uintptr_t>(a.ptr), b0 = reinterpret_cast<uintptr_t>(b.ptr);
+  return a0 < b0 + b.bytes && b0 < a0 + a.bytes;
+}
+
+// Every output must be disjoint from every other buffer, except the pairs in `allowed`.
+fce_status check_overlaps(const char* fn, const Range* r, int n, const void* in_place_a,
+                          const void* in_place_b) {
+  for (int i = 0; i < n; ++i) {
+    for (int j = i + 1; j < n; ++j) {
+      if (!(r[i].output || r[j].output)) continue;
+      if (!overlaps(r[i], r[j])) continue;
+      const bool in_place = in_place_a && ((r[i].ptr == in_place_a && r[j].ptr == in_place_b) ||
+                                           (r[i].ptr == in_place_b && r[j].ptr == in_place_a));
+      if (in_place) continue;
+      return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: %s overlaps %s", fn, r[i].name, r[j].name);
+    }
+  }
+  return FCE_SUCCESS;
+}
+
+fce_status check_alignment(const char* fn, const char* name, const void* p, size_t align) {
+  if (p && reinterpret_cast<uintptr_t>(p) % align != 0)
+    return fail(FCE_ERROR_MISALIGNED, "%s: %s (%p) is not aligned to %zu bytes", fn, name, p,
+                align);
+  return FCE_SUCCESS;
+}
+
+// Bytes spanned by `rows` rows of `cols` elements, `stride` apart; -1 if it overflows.
+int64_t span_bytes(int64_t rows, int64_t cols, int64_t stride, size_t elem) {
+  if (rows <= 0 || cols <= 0) return 0;
+  const int64_t max_elems = kMaxBytes / static_cast<int64_t>(elem);
+  if (stride > 0 && rows - 1 > (max_elems - cols) / stride) return -1;
+  return ((rows - 1) * stride + cols) * static_cast<int64_t>(elem);
+}
+
+#define FCE_TRY(expr)                          \
+  do {                                         \
+    const fce_status _s = (expr);              \
+    if (_s != FCE_SUCCESS) return _s;          \
+  } while (0)
+
+// Checks the options struct and the sizes every call shares; fills `out`.
+fce_status check_options(const char* fn, const fce_options* o, int64_t rows, int64_t vocab,
+                         fce::CeOptions* out) {
+  if (!o) return fail(FCE_ERROR_NULL_POINTER, "%s: options is NULL", fn);
+  if (o->struct_size < sizeof(fce_options))
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "%s: options->struct_size (%zu) is smaller than sizeof(fce_options) (%zu): "
+                "initialise it with FCE_OPTIONS_INIT or fce_options_default()",
+                fn, o->struct_size, sizeof(fce_options));
+  if (o->struct_size > sizeof(fce_options))
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "%s: options->struct_size (%zu) is larger than this library's fce_options "
+                "(%zu): the caller's header is newer than the library (version %u)",
+                fn, o->struct_size, sizeof(fce_options), (unsigned)FCE_VERSION_NUMBER);
+  if (o->reserved0 != 0)
+    return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: options->reserved0 (%d) must be 0", fn,
+                o->reserved0);
+  if (o->backend != FCE_BACKEND_CUDA && o->backend != FCE_BACKEND_CPU)
+    return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: options->backend (%d) is not an fce_backend", fn,
+                o->backend);
+  if (o->dtype != FCE_FLOAT32 && o->dtype != FCE_FLOAT16 && o->dtype != FCE_BFLOAT16)
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "%s: options->dtype (%d) must be FCE_FLOAT32, FCE_FLOAT16 or FCE_BFLOAT16", fn,
+                o->dtype);
+  if (o->target_dtype != FCE_INT32 && o->target_dtype != FCE_INT64)
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "%s: options->target_dtype (%d) must be FCE_INT32 or FCE_INT64", fn,
+                o->target_dtype);
+  if (o->reduction != FCE_REDUCTION_MEAN && o->reduction != FCE_REDUCTION_SUM &&
+      o->reduction != FCE_REDUCTION_NONE)
+    return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: options->reduction (%d) is not an fce_reduction",
+                fn, o->reduction);
+  if (!(o->label_smoothing >= 0.0f && o->label_smoothing < 1.0f))
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "%s: options->label_smoothing (%g) must be in [0, 1)", fn,
+                (double)o->label_smoothing);
+  if (!(o->z_loss_scale >= 0.0f) || !std::isfinite(o->z_loss_scale))
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "%s: options->z_loss_scale (%g) must be finite and >= 0", fn,
+                (double)o->z_loss_scale);
+  if (!(o->softcap >= 0.0f) || !std::isfinite(o->softcap))
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "%s: options->softcap (%g) must be finite and >= 0 (0 = off)", fn,
+                (double)o->softcap);
+  if (!std::isfinite(o->logit_scale) || o->logit_scale == 0.0f)
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "%s: options->logit_scale (%g) must be finite and non-zero", fn,
+                (double)o->logit_scale);
+  if (rows < 1)
+    return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: rows (%lld) must be >= 1", fn, (long long)rows);
+  if (vocab < 1 || vocab > kMaxVocab)
+    return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: vocab (%lld) must be in [1, 2^31-1]", fn,
+                (long long)vocab);
+  if (o->shift_seq_len < 0)
+    return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: options->shift_seq_len (%lld) must be >= 0", fn,
+                (long long)o->shift_seq_len);
+  if (o->shift_seq_len > 0 && rows % o->shift_seq_len != 0)
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "%s: rows (%lld) is not a multiple of options->shift_seq_len (%lld)", fn,
+                (long long)rows, (long long)o->shift_seq_len);
+  FCE_TRY(check_alignment(fn, "options->class_weights", o->class_weights, 4));
+  if (o->backend == FCE_BACKEND_CUDA && !fce::cuda_available())
+    return fail(FCE_ERROR_BACKEND_UNAVAILABLE,
+                "%s: options->backend is FCE_BACKEND_CUDA but %s", fn,
+#if defined(FCE_WITH_CUDA)
+                "no CUDA device is visible"
+#else
+                "this build has no CUDA backend"
+#endif
+    );
+  out->dtype = o->dtype;
+  out->targets_int64 = o->target_dtype == FCE_INT64;
+  out->reduction = o->reduction;
+  out->ignore_index = o->ignore_index;
+  out->label_smoothing = o->label_smoothing;
+  out->z_loss_scale = o->z_loss_scale;
+  out->softcap = o->softcap;
+  out->logit_scale = o->logit_scale;
+  out->class_weights = o->class_weights;
+  out->shift_seq_len = o->shift_seq_len;
+  out->deterministic = o->deterministic != 0;
+  return FCE_SUCCESS;
+}
+
+fce_status check_stride(const char* fn, const char* name, int64_t stride, int64_t cols,
+                        int64_t* resolved) {
+  if (stride == 0) stride = cols;
+  if (stride < cols)
+    return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: %s (%lld) is less than %s (%lld)", fn, name,
+                (long long)stride, std::strstr(name, "hidden") ? "hidden" : "vocab",
+                (long long)cols);
+  *resolved = stride;
+  return FCE_SUCCESS;
+}
+
+fce_status check_workspace(const char* fn, size_t need, const void* workspace, size_t bytes) {
+  if (bytes < need)
+    return fail(FCE_ERROR_WORKSPACE_TOO_SMALL,
+                "%s: workspace_bytes (%zu) is less than the %zu bytes the workspace query "
+                "returned",
+                fn, bytes, need);
+  if (need > 0 && !workspace)
+    return fail(FCE_ERROR_NULL_POINTER, "%s: workspace is NULL but %zu bytes are needed", fn,
+                need);
+  return check_alignment(fn, "workspace", workspace, 16);
+}
+
+size_t ce_workspace(const fce_options* o, const fce::CeOptions& opt, int64_t rows, int64_t vocab,
+                    bool backward) {
+  return o->backend == FCE_BACKEND_CPU ? fce::cpu_ce_workspace_size(opt, rows, vocab, backward)
+                                       : fce::cuda_ce_workspace_size(opt, rows, vocab, backward);
+}
+
+fce_status ce_workspace_query(const char* fn, const fce_options* o, int64_t rows, int64_t vocab,
+                              bool backward, size_t* bytes) {
+  fce::clear_error();
+  fce::CeOptions opt;
+  FCE_TRY(check_options(fn, o, rows, vocab, &opt));
+  if (!bytes) return fail(FCE_ERROR_NULL_POINTER, "%s: workspace_bytes is NULL", fn);
+  *bytes = ce_workspace(o, opt, rows, vocab, backward);
+  return FCE_SUCCESS;
+}
+
+// Shared by fce_forward and fce_backward (backward: lse_in set, loss/lse/z_loss NULL).
+fce_status ce_call(const char* fn, const fce_options* o, int64_t rows, int64_t vocab,
+                   const void* logits, const void* targets, float* loss, float* lse,
+                   float* z_loss, void* grad, const float* grad_output, const float* lse_in,
+                   uint32_t* error_flags, void* workspace, size_t workspace_bytes, void* stream) {
+  fce::clear_error();
+  const bool backward = lse_in != nullptr || loss == nullptr;
+  fce::CeProblem p{};
+  FCE_TRY(check_options(fn, o, rows, vocab, &p.opt));
+  if (!logits) return fail(FCE_ERROR_NULL_POINTER, "%s: logits is NULL", fn);
+  if (!targets) return fail(FCE_ERROR_NULL_POINTER, "%s: targets is NULL", fn);
+  FCE_TRY(check_stride(fn, "options->row_stride", o->row_stride, vocab, &p.row_stride));
+  FCE_TRY(
+      check_stride(fn, "options->grad_row_stride", o->grad_row_stride, vocab, &p.grad_row_stride));
+  const size_t esize = fce::dtype_size(o->dtype), tsize = fce::dtype_size(o->target_dtype);
+  const int64_t logits_bytes = span_bytes(rows, vocab, p.row_stride, esize);
+  const int64_t grad_bytes = grad ? span_bytes(rows, vocab, p.grad_row_stride, esize) : 0;
+  if (logits_bytes < 0 || grad_bytes < 0 || rows > kMaxBytes / 8)
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "%s: rows (%lld) x row stride overflows a 64-bit byte offset", fn,
+                (long long)rows);
+  const bool per_row = o->reduction == FCE_REDUCTION_NONE;
+  FCE_TRY(check_alignment(fn, "logits", logits, esize));
+  FCE_TRY(check_alignment(fn, "targets", targets, tsize));
+  FCE_TRY(check_alignment(fn, "loss", loss, 4));
+  FCE_TRY(check_alignment(fn, "lse", lse, 4));
+  FCE_TRY(check_alignment(fn, "z_loss", z_loss, 4));
+  FCE_TRY(check_alignment(fn, "grad_logits", grad, esize));
+  FCE_TRY(check_alignment(fn, "grad_output", grad_output, 4));
+  FCE_TRY(check_alignment(fn, "lse", lse_in, 4));
+  FCE_TRY(check_alignment(fn, "error_flags", error_flags, 4));
+  if (grad && grad == logits && p.grad_row_stride != p.row_stride)
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "%s: grad_logits is logits (in place) but options->grad_row_stride (%lld) != "
+                "options->row_stride (%lld)",
+                fn, (long long)p.grad_row_stride, (long long)p.row_stride);
+  const uint64_t rbytes = static_cast<uint64_t>(rows) * 4;
+  const Range ranges[] = {
+      {"logits", logits, static_cast<uint64_t>(logits_bytes), false},
+      {"targets", targets, static_cast<uint64_t>(rows) * tsize, false},
+      {"options->class_weights", o->class_weights, static_cast<uint64_t>(vocab) * 4, false},
+      {"grad_output", grad_output, per_row ? rbytes : 4, false},
+      {"lse", lse_in, rbytes, false},
+      {"loss", loss, per_row ? rbytes : 4, true},
+      {"lse", lse, rbytes, true},
+      {"z_loss", z_loss, 4, true},
+      {"grad_logits", grad, static_cast<uint64_t>(grad_bytes), true},
+      {"error_flags", error_flags, 4, true},
+      {"workspace", workspace, workspace_bytes, true},
+  };
+  FCE_TRY(check_overlaps(fn, ranges, sizeof ranges / sizeof ranges[0], grad, logits));
+  FCE_TRY(check_workspace(fn, ce_workspace(o, p.opt, rows, vocab, backward), workspace,
+                          workspace_bytes));
+  p.rows = rows;
+  p.vocab = vocab;
+  p.logits = logits;
+  p.targets = targets;
+  p.loss = loss;
+  p.lse = lse;
+  p.z_loss = z_loss;
+  p.grad = grad;
+  p.grad_output = grad_output;
+  p.lse_in = lse_in;
+  p.error_flags = error_flags;
+  p.workspace = workspace;
+  p.workspace_bytes = workspace_bytes;
+  p.stream = stream;
+  return o->backend == FCE_BACKEND_CPU ? fce::cpu_ce(p) : fce::cuda_ce(p);
+}
+
+void linear_workspace(const fce_options* o, const fce::CeOptions& opt, int64_t rows,
+                      int64_t hidden, int64_t vocab, bool with_grad, size_t* min_bytes,
+                      size_t* optimal_bytes) {
+  const bool fp32 = o->grad_weight_fp32 != 0;
+  if (o->backend == FCE_BACKEND_CPU)
+    fce::cpu_linear_ce_workspace_size(opt, rows, hidden, vocab, with_grad, fp32, min_bytes,
+                                      optimal_bytes);
+  else
+    fce::cuda_linear_ce_workspace_size(opt, rows, hidden, vocab, with_grad, fp32, min_bytes,
+                                       optimal_bytes);
+}
+
+fce_status check_hidden(const char* fn, int64_t hidden) {
+  if (hidden < 1 || hidden > kMaxVocab)
+    return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: hidden (%lld) must be in [1, 2^31-1]", fn,
+                (long long)hidden);
+  return FCE_SUCCESS;
+}
+
+}  // namespace
+
+extern "C" {
+
+FCE_API int fce_cuda_available(void) { return fce::cuda_available() ? 1 : 0; }
+
+FCE_API fce_status fce_forward_workspace_size(const fce_options* options, int64_t rows,
+                                              int64_t vocab, size_t* workspace_bytes) {
+  return ce_workspace_query("fce_forward_workspace_size", options, rows, vocab, false,
+                            workspace_bytes);
+}
+
+FCE_API fce_status fce_backward_workspace_size(const fce_options* options, int64_t rows,
+                                               int64_t vocab, size_t* workspace_bytes) {
+  return ce_workspace_query("fce_backward_workspace_size", options, rows, vocab, true,
+                            workspace_bytes);
+}
+
+FCE_API fce_status fce_forward(const fce_options* options, int64_t rows, int64_t vocab,
+                               const void* logits, const void* targets, float* loss, float* lse,
+                               float* z_loss, void* grad_logits, const float* grad_output,
+                               uint32_t* error_flags, void* workspace, size_t workspace_bytes,
+                               void* stream) {
+  const char* fn = "fce_forward";
+  if (!loss) {
+    fce::clear_error();
+    return fail(FCE_ERROR_NULL_POINTER, "%s: loss is NULL", fn);
+  }
+  return ce_call(fn, options, rows, vocab, logits, targets, loss, lse, z_loss, grad_logits,
+                 grad_output, nullptr, error_flags, workspace, workspace_bytes, stream);
+}
+
+FCE_API fce_status fce_backward(const fce_options* options, int64_t rows, int64_t vocab,
+                                const void* logits, const void* targets, const float* lse,
+                                const float* grad_output, void* grad_logits,
+                                uint32_t* error_flags, void* workspace, size_t workspace_bytes,
+                                void* stream) {
+  const char* fn = "fce_backward";
+  fce::clear_error();
+  if (!lse) return fail(FCE_ERROR_NULL_POINTER, "%s: lse is NULL", fn);
+  if (!grad_logits) return fail(FCE_ERROR_NULL_POINTER, "%s: grad_logits is NULL", fn);
+  return ce_call(fn, options, rows, vocab, logits, targets, nullptr, nullptr, nullptr,
+                 grad_logits, grad_output, lse, error_flags, workspace, workspace_bytes, stream);
+}
+
+FCE_API fce_status fce_linear_ce_workspace_size(const fce_options* options, int64_t rows,
+                                                int64_t hidden, int64_t vocab, int with_grad,
+                                                size_t* min_bytes, size_t* optimal_bytes) {
+  const char* fn = "fce_linear_ce_workspace_size";
+  fce::clear_error();
+  fce::CeOptions opt;
+  FCE_TRY(check_options(fn, options, rows, vocab, &opt));
+  FCE_TRY(check_hidden(fn, hidden));
+  if (!min_bytes) return fail(FCE_ERROR_NULL_POINTER, "%s: min_bytes is NULL", fn);
+  size_t lo = 0, hi = 0;
+  linear_workspace(options, opt, rows, hidden, vocab, with_grad != 0, &lo, &hi);
+  *min_bytes = lo;
+  if (optimal_bytes) *optimal_bytes = hi;
+  return FCE_SUCCESS;
+}
+
+FCE_API fce_status fce_linear_ce(const fce_options* o, int64_t rows, int64_t hidden,
+                                 int64_t vocab, const void* hidden_states, const void* weight,
+                                 const void* bias, const void* targets, float* loss, float* lse,
+                                 float* z_loss, void* grad_hidden, void* grad_weight,
+                                 void* grad_bias, const float* grad_output, uint32_t* error_flags,
+                                 void* workspace, size_t workspace_bytes, void* stream) {
+  const char* fn = "fce_linear_ce";
+  fce::clear_error();
+  fce::LinearCeProblem p{};
+  FCE_TRY(check_options(fn, o, rows, vocab, &p.opt));
+  FCE_TRY(check_hidden(fn, hidden));
+  if (!hidden_states) return fail(FCE_ERROR_NULL_POINTER, "%s: hidden_states is NULL", fn);
+  if (!weight) return fail(FCE_ERROR_NULL_POINTER, "%s: weight is NULL", fn);
+  if (!targets) return fail(FCE_ERROR_NULL_POINTER, "%s: targets is NULL", fn);
+  if (!loss) return fail(FCE_ERROR_NULL_POINTER, "%s: loss is NULL", fn);
+  if (grad_bias && !bias)
+    return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: grad_bias is given but bias is NULL", fn);
+  FCE_TRY(check_stride(fn, "options->hidden_row_stride", o->hidden_row_stride, hidden,
+                       &p.hidden_row_stride));
+  const size_t esize = fce::dtype_size(o->dtype), tsize = fce::dtype_size(o->target_dtype);
+  const size_t gw_size = o->grad_weight_fp32 ? 4 : esize;
+  const int64_t h_bytes = span_bytes(rows, hidden, p.hidden_row_stride, esize);
+  const int64_t w_bytes = span_bytes(vocab, hidden, hidden, 4);  // largest: f32 grad_weight
+  const int64_t gh_bytes = span_bytes(rows, hidden, hidden, esize);
+  if (h_bytes < 0 || w_bytes < 0 || gh_bytes < 0 || rows > kMaxBytes / 8)
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "%s: the sizes (rows %lld, hidden %lld, vocab %lld) overflow a 64-bit byte "
+                "offset",
+                fn, (long long)rows, (long long)hidden, (long long)vocab);
+  FCE_TRY(check_alignment(fn, "hidden_states", hidden_states, esize));
+  FCE_TRY(check_alignment(fn, "weight", weight, esize));
+  FCE_TRY(check_alignment(fn, "bias", bias, esize));
+  FCE_TRY(check_alignment(fn, "targets", targets, tsize));
+  FCE_TRY(check_alignment(fn, "loss", loss, 4));
+  FCE_TRY(check_alignment(fn, "lse", lse, 4));
+  FCE_TRY(check_alignment(fn, "z_loss", z_loss, 4));
+  FCE_TRY(check_alignment(fn, "grad_hidden", grad_hidden, esize));
+  FCE_TRY(check_alignment(fn, "grad_weight", grad_weight, gw_size));
+  FCE_TRY(check_alignment(fn, "grad_bias", grad_bias, gw_size));
+  FCE_TRY(check_alignment(fn, "grad_output", grad_output, 4));
+  FCE_TRY(check_alignment(fn, "error_flags", error_flags, 4));
+  const bool per_row = o->reduction == FCE_REDUCTION_NONE;
+  const uint64_t rbytes = static_cast<uint64_t>(rows) * 4;
+  const uint64_t vd = static_cast<uint64_t>(vocab) * static_cast<uint64_t>(hidden);
+  const Range ranges[] = {
+      {"hidden_states", hidden_states, static_cast<uint64_t>(h_bytes), false},
+      {"weight", weight, vd * esize, false},
+      {"bias", bias, static_cast<uint64_t>(vocab) * esize, false},
+      {"targets", targets, static_cast<uint64_t>(rows) * tsize, false},
+      {"options->class_weights", o->class_weights, static_cast<uint64_t>(vocab) * 4, false},
+      {"grad_output", grad_output, per_row ? rbytes : 4, false},
+      {"loss", loss, per_row ? rbytes : 4, true},
+      {"lse", lse, rbytes, true},
+      {"z_loss", z_loss, 4, true},
+      {"grad_hidden", grad_hidden, static_cast<uint64_t>(gh_bytes), true},
+      {"grad_weight", grad_weight, vd * gw_size, true},
+      {"grad_bias", grad_bias, static_cast<uint64_t>(vocab) * gw_size, true},
+      {"error_flags", error_flags, 4, true},
+      {"workspace", workspace, workspace_bytes, true},
+  };
+  FCE_TRY(check_overlaps(fn, ranges, sizeof ranges / sizeof ranges[0], nullptr, nullptr));
+  const bool with_grad = grad_hidden || grad_weight || grad_bias;
+  size_t min_bytes = 0, optimal_bytes = 0;
+  linear_workspace(o, p.opt, rows, hidden, vocab, with_grad, &min_bytes, &optimal_bytes);
+  FCE_TRY(check_workspace(fn, min_bytes, workspace, workspace_bytes));
+  p.rows = rows;
+  p.hidden = hidden;
+  p.vocab = vocab;
+  p.hidden_states = hidden_states;
+  p.weight = weight;
+  p.bias = bias;
+  p.targets = targets;
+  p.loss = loss;
+  p.lse = lse;
+  p.z_loss = z_loss;
+  p.grad_hidden = grad_hidden;
+  p.grad_weight = grad_weight;
+  p.grad_bias = grad_bias;
+  p.grad_weight_fp32 = o->grad_weight_fp32 != 0;
+  p.accumulate = o->accumulate != 0;
+  p.grad_output = grad_output;
+  p.error_flags = error_flags;
+  p.workspace = workspace;
+  p.workspace_bytes = workspace_bytes;
+  p.stream = stream;
+  return o->backend == FCE_BACKEND_CPU ? fce::cpu_linear_ce(p) : fce::cuda_linear_ce(p);
+}
+
+}  // extern "C"

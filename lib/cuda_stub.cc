@@ -1,0 +1,18 @@
+// cuda_stub.cc — the CUDA backend's entry points in a build without CUDA (FCE_WITH_CUDA=OFF):
+// the ABI layer reports FCE_ERROR_BACKEND_UNAVAILABLE before reaching them.
+#include "internal.h"
+
+namespace fce {
+bool cuda_available() { return false; }
+size_t cuda_ce_workspace_size(const CeOptions&, int64_t, int64_t, bool) { return 0; }
+fce_status cuda_ce(const CeProblem&) {
+  return fail(FCE_ERROR_BACKEND_UNAVAILABLE, "this build has no CUDA backend");
+}
+void cuda_linear_ce_workspace_size(const CeOptions&, int64_t, int64_t, int64_t, bool, bool,
+                                   size_t* min_bytes, size_t* optimal_bytes) {
+  *min_bytes = *optimal_bytes = 0;
+}
+fce_status cuda_linear_ce(const LinearCeProblem&) {
+  return fail(FCE_ERROR_BACKEND_UNAVAILABLE, "this build has no CUDA backend");
+}
+}  // namespace fce

@@ -1,0 +1,109 @@
+// internal.h — what the ABI layer (lib/api.cpp) hands to a backend once every argument is
+// validated: sizes resolved (strides never 0), pointers checked for null, alignment, overlap,
+// and the workspace checked against the backend's own size query. A backend trusts these.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "fusedce.h"
+
+namespace fce {
+
+// Records the message for fce_last_error() on this thread (printf-style) and returns status.
+fce_status fail(fce_status status, const char* fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+
+inline size_t dtype_size(int dtype) {
+  switch (dtype) {
+    case FCE_FLOAT32: return 4;
+    case FCE_FLOAT16: return 2;
+    case FCE_BFLOAT16: return 2;
+    case FCE_INT32: return 4;
+    case FCE_INT64: return 8;
+    default: return 0;
+  }
+}
+
+// The options every cross-entropy computation shares (SPEC.md, "The loss, row by row").
+struct CeOptions {
+  int dtype;               // FCE_FLOAT32 / FCE_FLOAT16 / FCE_BFLOAT16 of the logits
+  bool targets_int64;      // target dtype
+  int reduction;           // fce_reduction
+  int64_t ignore_index;
+  float label_smoothing;   // epsilon
+  float z_loss_scale;      // lambda
+  float softcap;           // c, 0 = off
+  float logit_scale;       // s
+  const float* class_weights;  // [vocab] or nullptr
+  int64_t shift_seq_len;   // T, 0 = off
+  bool deterministic;
+};
+
+// fce_forward (lse_in == nullptr) and fce_backward (lse_in != nullptr; loss/lse/z_loss null).
+struct CeProblem {
+  CeOptions opt;
+  int64_t rows, vocab;
+  int64_t row_stride;       // >= vocab
+  int64_t grad_row_stride;  // >= vocab
+  const void* logits;
+  const void* targets;
+  float* loss;              // [1] or [rows] (none); nullptr for backward
+  float* lse;               // optional [rows] output (forward)
+  float* z_loss;            // optional [1]
+  void* grad;               // optional (forward), required (backward); may == logits
+  const float* grad_output; // nullptr = 1
+  const float* lse_in;      // backward: saved lse [rows]
+  uint32_t* error_flags;    // optional
+  void* workspace;          // >= the backend's workspace size, 16-byte aligned (or null if 0)
+  size_t workspace_bytes;
+  void* stream;
+};
+
+// fce_linear_ce.
+struct LinearCeProblem {
+  CeOptions opt;
+  int64_t rows, hidden, vocab;
+  int64_t hidden_row_stride;  // >= hidden
+  const void* hidden_states;  // [rows, hidden_row_stride]
+  const void* weight;         // [vocab, hidden]
+  const void* bias;           // [vocab] or nullptr
+  const void* targets;
+  float* loss;                // [1] or [rows]
+  float* lse;                 // optional [rows]
+  float* z_loss;              // optional [1]
+  void* grad_hidden;          // optional [rows, hidden] dense, dtype
+  void* grad_weight;          // optional [vocab, hidden] dense, dtype or f32
+  void* grad_bias;            // optional [vocab], same dtype as grad_weight
+  bool grad_weight_fp32;
+  bool accumulate;
+  const float* grad_output;   // nullptr = 1
+  uint32_t* error_flags;
+  void* workspace;
+  size_t workspace_bytes;
+  void* stream;
+  bool with_grad() const { return grad_hidden || grad_weight || grad_bias; }
+};
+
+// ---- CPU backend (lib/cpu/) ----
+size_t cpu_ce_workspace_size(const CeOptions& opt, int64_t rows, int64_t vocab, bool backward);
+fce_status cpu_ce(const CeProblem& p);  // forward or backward (p.lse_in != nullptr)
+void cpu_linear_ce_workspace_size(const CeOptions& opt, int64_t rows, int64_t hidden,
+                                  int64_t vocab, bool with_grad, bool grad_weight_fp32,
+                                  size_t* min_bytes, size_t* optimal_bytes);
+fce_status cpu_linear_ce(const LinearCeProblem& p);
+
+// ---- CUDA backend (lib/cuda/); stubs returning FCE_ERROR_BACKEND_UNAVAILABLE when not built --
+bool cuda_available();
+size_t cuda_ce_workspace_size(const CeOptions& opt, int64_t rows, int64_t vocab, bool backward);
+// Checks that each non-null pointer of p is device-accessible on the current device.
+fce_status cuda_ce(const CeProblem& p);
+void cuda_linear_ce_workspace_size(const CeOptions& opt, int64_t rows, int64_t hidden,
+                                   int64_t vocab, bool with_grad, bool grad_weight_fp32,
+                                   size_t* min_bytes, size_t* optimal_bytes);
+fce_status cuda_linear_ce(const LinearCeProblem& p);
+
+}  // namespace fce

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# make test: every test that needs no GPU, against the library in build dir $1.
+# Each suite's own runner prints its details; the last line counts the suites.
+set -uo pipefail
+BUILD=${1:-build}
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+BUILD=$(cd "$BUILD" && pwd)
+export FUSEDCE_LIBRARY="$BUILD/libfusedce.so"
+export LD_LIBRARY_PATH="$BUILD${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+PYTHON=${PYTHON:-python3}
+passed=0; failed=0; failed_names=()
+
+suite() {  # suite NAME COMMAND...
+  local name=$1; shift
+  echo "=== $name"
+  if "$@"; then passed=$((passed + 1)); echo "--- $name: ok"
+  else failed=$((failed + 1)); failed_names+=("$name"); echo "--- $name: FAILED"; fi
+}
+
+suite "C ABI tests (CPU backend, ctest)" ctest --test-dir "$BUILD" --output-on-failure -j 2
+if [ -d "$ROOT/bindings/python/tests" ]; then
+  suite "Python binding (NumPy, CPU backend)" env PYTHONPATH="$ROOT/bindings/python" \
+    "$PYTHON" -m pytest -q "$ROOT/bindings/python/tests"
+fi
+if [ -x "$ROOT/bindings/rust/run_tests.sh" ]; then
+  suite "Rust crates fusedce-sys + fusedce" "$ROOT/bindings/rust/run_tests.sh" "$BUILD"
+fi
+if [ -x "$ROOT/bindings/julia/run_tests.sh" ]; then
+  suite "Julia package (header/ccall checker)" "$ROOT/bindings/julia/run_tests.sh" "$BUILD"
+fi
+suite "C example (demo, CPU backend, small sizes)" "$BUILD/examples/demo" --cpu --small
+if [ -f "$ROOT/examples/python/train_lm_head.py" ]; then
+  if "$PYTHON" -c "import torch" >/dev/null 2>&1; then
+    suite "Python example (CPU)" env PYTHONPATH="$ROOT/bindings/python" \
+      "$PYTHON" "$ROOT/examples/python/train_lm_head.py" --device cpu --steps 3
+  else
+    echo "SKIPPED: Python example (examples/python/train_lm_head.py) needs torch, not installed here"
+  fi
+fi
+if [ -x "$BUILD/examples/cpp_example" ]; then
+  suite "C++ example (CPU backend)" "$BUILD/examples/cpp_example" --cpu
+fi
+echo "SKIPPED: GPU tests (make test-gpu) need a CUDA device; this run tests the CPU backend"
+echo
+[ $failed -gt 0 ] && echo "failed suites: ${failed_names[*]}"
+echo "suites: $passed passed, $failed failed"
+[ $failed -eq 0 ]
