@@ -1,0 +1,136 @@
+"""Fused linear + cross-entropy, forward + all gradients: fusedce against torch eager,
+torch.compile, Liger-Kernel and cut-cross-entropy, and the floor 6*N*D*V / (bf16 rate of a plain
+8192^3 product measured in this run). Writes bench/results/linear-<device>.json.
+"""
+import argparse
+import ctypes
+import gc
+
+import torch
+import torch.nn.functional as F
+
+from common import (DTYPES, _lib, bench_ms, device_name, gemm_tflops, options, peak_extra_mib,
+                    print_table, ptr, stream, write_results)
+
+SHAPES = [(8192, 4096, 128256, "bf16"), (8192, 2304, 256000, "bf16"), (16384, 4096, 32000, "bf16"),
+          (65536, 4096, 128256, "bf16")]
+
+
+class Fused:
+    """fce_linear_ce with a given workspace; gradients into preallocated buffers."""
+
+    def __init__(self, h, W, y, ws_bytes=None, grad=True, fp32_dw=False):
+        N, D = h.shape
+        V = W.shape[0]
+        self.o = options(h.dtype, grad_weight_fp32=int(fp32_dw))
+        lo, hi = ctypes.c_size_t(), ctypes.c_size_t()
+        _lib.call("fce_linear_ce_workspace_size", ctypes.byref(self.o), N, D, V, int(grad),
+                  ctypes.byref(lo), ctypes.byref(hi))
+        self.min_bytes, self.opt_bytes = lo.value, hi.value
+        self.ws_bytes = hi.value if ws_bytes is None else max(ws_bytes, lo.value)
+        self.ws = torch.empty(max(self.ws_bytes, 16), dtype=torch.uint8, device="cuda")
+        self.loss = torch.empty(1, device="cuda")
+        self.dh = torch.empty_like(h) if grad else None
+        self.dW = (torch.empty(W.shape, device="cuda", dtype=torch.float32 if fp32_dw else W.dtype)
+                   if grad else None)
+        self.args = (N, D, V, h, W, y)
+
+    def __call__(self):
+        N, D, V, h, W, y = self.args
+        _lib.check(_lib.load().fce_linear_ce(
+            ctypes.byref(self.o), N, D, V, ptr(h), ptr(W), None, ptr(y), ptr(self.loss), None, None,
+            ptr(self.dh), ptr(self.dW), None, None, None, ptr(self.ws), self.ws_bytes, stream()),
+            "fce_linear_ce")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--shapes", default=None, help="e.g. 8192x4096x128256xbf16")
+    ap.add_argument("--no-peers", action="store_true")
+    args = ap.parse_args()
+    shapes = SHAPES
+    if args.shapes:
+        shapes = [(int(a), int(b), int(c), d) for a, b, c, d in (s.split("x") for s in args.shapes.split(","))]
+    peers = []
+    if not args.no_peers:
+        def eager(h, W, y):
+            return F.cross_entropy(F.linear(h, W).float(), y)
+        peers.append(("torch-eager", eager))
+        peers.append(("torch-compile", torch.compile(eager)))
+        try:
+            from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+            peers.append(("liger", lambda h, W, y: liger_fused_linear_cross_entropy(h, W, y)))
+        except Exception as e:  # noqa: BLE001
+            print(f"Liger-Kernel not available ({e})")
+        try:
+            from cut_cross_entropy import linear_cross_entropy as cce
+            peers.append(("cce", lambda h, W, y: cce(h, W, y)))
+            peers.append(("cce-exact", lambda h, W, y: cce(h, W, y, filter_eps=None)))
+            peers.append(("cce-torch-compile", lambda h, W, y: cce(h, W, y, impl="torch_compile")))
+        except Exception as e:  # noqa: BLE001
+            print(f"cut-cross-entropy not available ({e})")
+
+    dev = device_name()
+    rate = gemm_tflops()
+    print(f"device {dev}: bf16 8192^3 product {rate:.0f} TFLOP/s")
+    records = []
+    for N, D, V, dt in shapes:
+        dtype = DTYPES[dt]
+        gen = torch.Generator(device="cuda").manual_seed(N + D + V)
+        h = torch.randn(N, D, device="cuda", generator=gen).to(dtype)
+        W = (torch.randn(V, D, device="cuda", generator=gen) * (2.0 / D ** 0.5)).to(dtype)
+        y = torch.randint(0, V, (N,), device="cuda", generator=gen)
+        flops = 6.0 * N * D * V
+        floor_ms = flops / (rate * 1e12) * 1e3
+
+        def rec(impl, ms, extra, fl=flops, fm=floor_ms):
+            records.append(dict(op="forward+grad" if fl == flops else "forward", impl=impl, dtype=dt, N=N, D=D, V=V,
+                                ms=round(ms, 3), tflops=round(fl / (ms * 1e-3) / 1e12, 1),
+                                pct_of_floor=round(100 * fm / ms, 1), extra_mib=round(extra, 1), device=dev))
+
+        rec("floor", floor_ms, 0)
+        grads_mib = (N * D + V * D) * h.element_size() / 2 ** 20
+        for impl, ws in (("fusedce", None), ("fusedce-64MiB", 64 << 20)):
+            try:
+                f = Fused(h, W, y, ws_bytes=ws)
+                if ws is not None and f.min_bytes > ws:
+                    print(f"  {impl}: minimum workspace is {f.min_bytes / 2**20:.0f} MiB > 64 MiB")
+                f()
+                rec(impl, bench_ms(f, warmup=3, rep=20), f.ws_bytes / 2 ** 20)
+                del f
+            except _lib.FusedCEError as e:
+                print(f"  {impl}: {e}")
+        f = Fused(h, W, y, grad=False)
+        rec("fusedce-loss-only", bench_ms(f, warmup=3, rep=20), f.ws_bytes / 2 ** 20, fl=flops / 3, fm=floor_ms / 3)
+        del f
+        for name, fn in peers:
+            if N * V > 16384 * 128256 and name.startswith("torch"):
+                continue  # the unfused logits alone exceed the card
+            hh = h.detach().requires_grad_(True)
+            WW = W.detach().requires_grad_(True)
+
+            def run():
+                hh.grad = WW.grad = None
+                fn(hh, WW, y).backward()
+            try:
+                run()
+                extra = peak_extra_mib(run, 0) - grads_mib
+                rec(name, bench_ms(run, warmup=2, rep=10), max(extra, 0.0))
+            except torch.cuda.OutOfMemoryError:
+                print(f"  {name}: out of memory")
+            del hh, WW
+            gc.collect()
+            torch.cuda.empty_cache()
+        del h, W, y
+        gc.collect()
+        torch.cuda.empty_cache()
+        print_table([r for r in records if (r["N"], r["D"], r["V"]) == (N, D, V)],
+                    ["op", "impl", "dtype", "N", "D", "V", "ms", "tflops", "pct_of_floor", "extra_mib"])
+        print()
+    name = write_results(records, "linear", ["bench/results", args.out])
+    print(f"wrote bench/results/{name}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# make bench: on a GPU machine, times fusedce and its peers; writes bench/results/*.json.
+# Peers (Liger-Kernel, cut-cross-entropy) are used when importable, or installed from wheels
+# carried in .whl/ (see bench/NOTES.md); never vendored.
+set -euo pipefail
+BUILD=$(cd "${1:-build}" && pwd)
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+export FUSEDCE_LIBRARY="$BUILD/libfusedce.so"
+if [ -d "$ROOT/.whl" ] && ls "$ROOT"/.whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/fce-peers "$ROOT"/.whl/*.whl
+  export PYTHONPATH=/tmp/fce-peers${PYTHONPATH:+:$PYTHONPATH}
+fi
+cd "$ROOT/bench"
+export PYTHONUNBUFFERED=1
+python3 bench_ce.py ${OUT:+--out "$OUT"} ${FCE_BENCH_CE_ARGS:-}
+python3 bench_linear.py ${OUT:+--out "$OUT"} ${FCE_BENCH_LINEAR_ARGS:-}
