@@ -135,7 +135,13 @@ typedef struct fce_options {
         FCE_REDUCTION_MEAN, 0.0f, 0.0f, 0.0f, 1.0f, 0, 0, 0, 0                                \
   }
 
-/* Fills *options with the defaults above (for bindings that cannot use the macro). */
+/* sizeof(fce_options) in version 0.1, the first: the smallest struct_size any library accepts. */
+#define FCE_OPTIONS_SIZE_V0_1 104
+
+/* Fills *options with the defaults above (for bindings that cannot use the macro). It writes
+ * options->struct_size bytes at most, so set struct_size to the size of your fce_options first;
+ * a struct_size of 0 means FCE_OPTIONS_SIZE_V0_1 (what a 0.1 caller's zeroed struct holds). A
+ * newer library therefore never writes past an older caller's struct. */
 FCE_API void fce_options_default(fce_options* options);
 
 /* ---------------------------------------------------------- cross-entropy ---- */

@@ -74,11 +74,14 @@ int64_t span_bytes(int64_t rows, int64_t cols, int64_t stride, size_t elem) {
 fce_status check_options(const char* fn, const fce_options* o, int64_t rows, int64_t vocab,
                          fce::CeOptions* out) {
   if (!o) return fail(FCE_ERROR_NULL_POINTER, "%s: options is NULL", fn);
-  if (o->struct_size < sizeof(fce_options))
+  // Version 0.1's struct is the first and the only one so far: a later version reads the fields
+  // an older caller's struct_size covers and defaults the rest.
+  static_assert(sizeof(fce_options) == FCE_OPTIONS_SIZE_V0_1, "fce_options changed size");
+  if (o->struct_size < FCE_OPTIONS_SIZE_V0_1)
     return fail(FCE_ERROR_INVALID_ARGUMENT,
-                "%s: options->struct_size (%zu) is smaller than sizeof(fce_options) (%zu): "
+                "%s: options->struct_size (%zu) is smaller than the smallest fce_options (%d): "
                 "initialise it with FCE_OPTIONS_INIT or fce_options_default()",
-                fn, o->struct_size, sizeof(fce_options));
+                fn, o->struct_size, FCE_OPTIONS_SIZE_V0_1);
   if (o->struct_size > sizeof(fce_options))
     return fail(FCE_ERROR_INVALID_ARGUMENT,
                 "%s: options->struct_size (%zu) is larger than this library's fce_options "

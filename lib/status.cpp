@@ -1,6 +1,7 @@
 // status.cpp — status strings, the thread-local last-error message, version, option defaults.
 #include <cstdarg>
 #include <cstdio>
+#include <cstring>
 
 #include "internal.h"
 
@@ -51,8 +52,12 @@ FCE_API const char* fce_last_error(void) { return g_last_error; }
 
 FCE_API void fce_options_default(fce_options* options) {
   if (!options) return;
-  const fce_options defaults = FCE_OPTIONS_INIT;
-  *options = defaults;
+  size_t size = options->struct_size ? options->struct_size : FCE_OPTIONS_SIZE_V0_1;
+  if (size < sizeof(size_t)) return;
+  if (size > sizeof(fce_options)) size = sizeof(fce_options);
+  fce_options defaults = FCE_OPTIONS_INIT;
+  defaults.struct_size = options->struct_size ? options->struct_size : FCE_OPTIONS_SIZE_V0_1;
+  std::memcpy(options, &defaults, size);
 }
 
 }  // extern "C"

@@ -1,0 +1,83 @@
+//! Safe Rust wrappers over libfusedce: fused cross-entropy for large vocabularies.
+//!
+//! Three calls, as in the C ABI (`include/fusedce.h`; the math is `shared/SPEC.md`'s):
+//! - [`forward`]: loss (+ lse, z-loss) over logits `[rows, vocab]`, and the gradient over the
+//!   logits in the same pass when given a buffer for it;
+//! - [`backward`]: the gradient from the logits, the targets and the saved lse;
+//! - [`linear_ce`]: z = h·Wᵀ + b and the cross-entropy without holding z whole, with the
+//!   gradients of h, W and b.
+//!
+//! The safe functions take host slices and run on the CPU backend: `f32` slices for float32,
+//! `u16` bit slices ([`bits`] converts) for float16/bfloat16 selected by [`Options::dtype`],
+//! `i32`/`i64` targets. Slice lengths are checked here; everything else is checked by the
+//! library, whose message comes back in [`Error`]. For device memory and a CUDA stream, use
+//! the `unsafe` functions of [`raw`].
+//!
+//! ```no_run
+//! # fn main() -> fusedce::Result<()> {
+//! use fusedce::{forward, ForwardBuffers, Options, Reduction};
+//! let (rows, vocab) = (2, 4);
+//! let logits = [0.1f32, 2.0, -1.0, 0.5, 1.5, 0.0, 0.3, -0.2];
+//! let targets = [1i64, 3];
+//! let opts = Options::new().reduction(Reduction::Mean).label_smoothing(0.1);
+//! let mut loss = [0.0f32];
+//! let mut grad = vec![0.0f32; rows * vocab];
+//! forward(&opts, rows, vocab, &logits, &targets,
+//!         ForwardBuffers::new(&mut loss).grad_logits(&mut grad))?;
+//! println!("loss {}", loss[0]);
+//! # Ok(()) }
+//! ```
+//!
+//! Linking: `fusedce-sys` finds libfusedce through `FUSEDCE_LIB_DIR`, then pkg-config.
+#![warn(missing_docs)]
+
+pub use fusedce_sys as sys;
+
+pub mod bits;
+mod error;
+mod host;
+mod options;
+pub mod raw;
+
+pub use error::{Error, Result, Status};
+pub use host::{
+    backward, backward_in_place, backward_workspace_size, forward, forward_in_place,
+    forward_workspace_size, linear_ce, linear_ce_workspace_size, BackwardBuffers, Element,
+    ForwardBuffers, HostWorkspace, LinearCeBuffers, Target, WorkspaceSize,
+};
+pub use options::{Backend, Dtype, Options, Reduction, TargetDtype};
+
+/// `FCE_FLAG_TARGET_OUT_OF_RANGE`: a bit of the error-flags word: some target was outside
+/// [0, vocab) and not ignore_index (its row's loss is NaN).
+pub const FLAG_TARGET_OUT_OF_RANGE: u32 = sys::FCE_FLAG_TARGET_OUT_OF_RANGE;
+
+/// `FCE_VERSION_NUMBER` of the header these bindings were generated from.
+pub const HEADER_VERSION: u32 = sys::FCE_VERSION_NUMBER;
+
+/// `FCE_VERSION_NUMBER` the loaded library was built with (major·10000 + minor·100 + patch).
+pub fn version() -> u32 {
+    // SAFETY: no arguments, no state.
+    unsafe { sys::fce_version() }
+}
+
+/// Ok when the loaded library can serve these bindings: the same major version and a minor
+/// version at least the header's (fields of fce_options are only ever appended).
+pub fn check_version() -> Result<()> {
+    let (lib, hdr) = (version(), HEADER_VERSION);
+    if lib / 10000 == hdr / 10000 && lib >= hdr {
+        Ok(())
+    } else {
+        Err(Error::new(
+            Status::Unsupported,
+            format!(
+                "fusedce: the library is version {lib}, these bindings need {hdr} or a later minor"
+            ),
+        ))
+    }
+}
+
+/// Whether this library has the CUDA backend and sees a CUDA device.
+pub fn cuda_available() -> bool {
+    // SAFETY: no arguments.
+    unsafe { sys::fce_cuda_available() != 0 }
+}

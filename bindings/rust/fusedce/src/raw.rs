@@ -1,0 +1,253 @@
+//! Raw-pointer calls for device memory (CUDA backend) or any memory the caller vouches for:
+//! the C functions one for one, with a struct of pointers (null by default) instead of a long
+//! argument list. Nothing is checked on the Rust side; the library checks what it can (nulls,
+//! alignment, sizes, overlap, workspace size) and returns the error that names the argument.
+//!
+//! ```no_run
+//! # use std::ffi::c_void;
+//! # fn demo(d_logits: *const c_void, d_targets: *const c_void, d_loss: *mut f32,
+//! #         d_grad: *mut c_void, stream: *mut c_void) -> fusedce::Result<()> {
+//! use fusedce::{raw, Backend, Options};
+//! let opts = Options::new().backend(Backend::Cuda);
+//! let (rows, vocab) = (4096, 128_256);
+//! // A non-zero size means: allocate that much device memory and pass it as `workspace`.
+//! let _bytes = fusedce::forward_workspace_size(&opts, rows, vocab)?;
+//! unsafe {
+//!     raw::forward(&opts, rows as i64, vocab as i64, &raw::ForwardArgs {
+//!         logits: d_logits, targets: d_targets, loss: d_loss, grad_logits: d_grad, stream,
+//!         ..Default::default()
+//!     })?;
+//! }
+//! # Ok(()) }
+//! ```
+use std::ffi::c_void;
+use std::ptr;
+
+use crate::error::{check, Result};
+use crate::options::Options;
+use crate::sys;
+
+/// A `cudaStream_t`, as the C ABI takes it (`void*`); null is the legacy default stream.
+pub type Stream = *mut c_void;
+
+/// Pointers of `fce_forward` (see include/fusedce.h). `Default` makes every one null.
+#[derive(Clone, Copy, Debug)]
+pub struct ForwardArgs {
+    /// z `[rows, row_stride]` of options' dtype. Required.
+    pub logits: *const c_void,
+    /// y `[rows]` of options' target dtype. Required.
+    pub targets: *const c_void,
+    /// float32 `[1]` (mean/sum) or `[rows]` (none). Required.
+    pub loss: *mut f32,
+    /// Optional float32 `[rows]`.
+    pub lse: *mut f32,
+    /// Optional float32 `[1]`.
+    pub z_loss: *mut f32,
+    /// Optional `[rows, grad_row_stride]` of dtype; may equal `logits` (in place).
+    pub grad_logits: *mut c_void,
+    /// Optional float32 `[1]` or `[rows]`; null = 1.
+    pub grad_output: *const f32,
+    /// Optional uint32 the call ORs flag bits into.
+    pub error_flags: *mut u32,
+    /// Scratch of `workspace_bytes` (16-byte aligned), at least the query's size.
+    pub workspace: *mut c_void,
+    /// Size of `workspace`.
+    pub workspace_bytes: usize,
+    /// The stream the work is enqueued on (CUDA; ignored by the CPU backend).
+    pub stream: Stream,
+}
+
+impl Default for ForwardArgs {
+    fn default() -> Self {
+        ForwardArgs {
+            logits: ptr::null(),
+            targets: ptr::null(),
+            loss: ptr::null_mut(),
+            lse: ptr::null_mut(),
+            z_loss: ptr::null_mut(),
+            grad_logits: ptr::null_mut(),
+            grad_output: ptr::null(),
+            error_flags: ptr::null_mut(),
+            workspace: ptr::null_mut(),
+            workspace_bytes: 0,
+            stream: ptr::null_mut(),
+        }
+    }
+}
+
+/// Pointers of `fce_backward`. `Default` makes every one null.
+#[derive(Clone, Copy, Debug)]
+pub struct BackwardArgs {
+    /// z `[rows, row_stride]`. Required.
+    pub logits: *const c_void,
+    /// y `[rows]`. Required.
+    pub targets: *const c_void,
+    /// float32 `[rows]` saved by forward with the same options. Required.
+    pub lse: *const f32,
+    /// Optional float32 `[1]` or `[rows]`; null = 1.
+    pub grad_output: *const f32,
+    /// `[rows, grad_row_stride]` of dtype; may equal `logits`. Required.
+    pub grad_logits: *mut c_void,
+    /// Optional uint32 flag word.
+    pub error_flags: *mut u32,
+    /// Scratch (16-byte aligned).
+    pub workspace: *mut c_void,
+    /// Size of `workspace`.
+    pub workspace_bytes: usize,
+    /// The stream.
+    pub stream: Stream,
+}
+
+impl Default for BackwardArgs {
+    fn default() -> Self {
+        BackwardArgs {
+            logits: ptr::null(),
+            targets: ptr::null(),
+            lse: ptr::null(),
+            grad_output: ptr::null(),
+            grad_logits: ptr::null_mut(),
+            error_flags: ptr::null_mut(),
+            workspace: ptr::null_mut(),
+            workspace_bytes: 0,
+            stream: ptr::null_mut(),
+        }
+    }
+}
+
+/// Pointers of `fce_linear_ce`. `Default` makes every one null.
+#[derive(Clone, Copy, Debug)]
+pub struct LinearCeArgs {
+    /// h `[rows, hidden_row_stride]` of dtype. Required.
+    pub hidden_states: *const c_void,
+    /// W `[vocab, hidden]` row-major of dtype. Required.
+    pub weight: *const c_void,
+    /// Optional b `[vocab]` of dtype.
+    pub bias: *const c_void,
+    /// y `[rows]`. Required.
+    pub targets: *const c_void,
+    /// float32 `[1]` or `[rows]`. Required.
+    pub loss: *mut f32,
+    /// Optional float32 `[rows]`.
+    pub lse: *mut f32,
+    /// Optional float32 `[1]`.
+    pub z_loss: *mut f32,
+    /// Optional `[rows, hidden]` dense of dtype.
+    pub grad_hidden: *mut c_void,
+    /// Optional `[vocab, hidden]` of dtype, or float32 with grad_weight_fp32.
+    pub grad_weight: *mut c_void,
+    /// Optional `[vocab]`, the type of grad_weight; needs a bias.
+    pub grad_bias: *mut c_void,
+    /// Optional float32 `[1]` or `[rows]`; null = 1.
+    pub grad_output: *const f32,
+    /// Optional uint32 flag word.
+    pub error_flags: *mut u32,
+    /// Scratch (16-byte aligned), at least the query's min_bytes.
+    pub workspace: *mut c_void,
+    /// Size of `workspace`.
+    pub workspace_bytes: usize,
+    /// The stream.
+    pub stream: Stream,
+}
+
+impl Default for LinearCeArgs {
+    fn default() -> Self {
+        LinearCeArgs {
+            hidden_states: ptr::null(),
+            weight: ptr::null(),
+            bias: ptr::null(),
+            targets: ptr::null(),
+            loss: ptr::null_mut(),
+            lse: ptr::null_mut(),
+            z_loss: ptr::null_mut(),
+            grad_hidden: ptr::null_mut(),
+            grad_weight: ptr::null_mut(),
+            grad_bias: ptr::null_mut(),
+            grad_output: ptr::null(),
+            error_flags: ptr::null_mut(),
+            workspace: ptr::null_mut(),
+            workspace_bytes: 0,
+            stream: ptr::null_mut(),
+        }
+    }
+}
+
+/// `fce_forward` on `opts`' backend.
+///
+/// # Safety
+/// Every non-null pointer must point to memory of the backend (device memory on the calling
+/// thread's current device for CUDA, host memory for CPU) of at least the size the header gives
+/// it, live until the work completes (CUDA: asynchronous, ordered on `stream`), and the outputs
+/// must not be accessed concurrently. `stream` must be a valid CUDA stream or null.
+pub unsafe fn forward(opts: &Options<'_>, rows: i64, vocab: i64, a: &ForwardArgs) -> Result<()> {
+    check(sys::fce_forward(
+        opts.as_raw(),
+        rows,
+        vocab,
+        a.logits,
+        a.targets,
+        a.loss,
+        a.lse,
+        a.z_loss,
+        a.grad_logits,
+        a.grad_output,
+        a.error_flags,
+        a.workspace,
+        a.workspace_bytes,
+        a.stream,
+    ))
+}
+
+/// `fce_backward` on `opts`' backend.
+///
+/// # Safety
+/// As for [`forward`].
+pub unsafe fn backward(opts: &Options<'_>, rows: i64, vocab: i64, a: &BackwardArgs) -> Result<()> {
+    check(sys::fce_backward(
+        opts.as_raw(),
+        rows,
+        vocab,
+        a.logits,
+        a.targets,
+        a.lse,
+        a.grad_output,
+        a.grad_logits,
+        a.error_flags,
+        a.workspace,
+        a.workspace_bytes,
+        a.stream,
+    ))
+}
+
+/// `fce_linear_ce` on `opts`' backend.
+///
+/// # Safety
+/// As for [`forward`].
+pub unsafe fn linear_ce(
+    opts: &Options<'_>,
+    rows: i64,
+    hidden: i64,
+    vocab: i64,
+    a: &LinearCeArgs,
+) -> Result<()> {
+    check(sys::fce_linear_ce(
+        opts.as_raw(),
+        rows,
+        hidden,
+        vocab,
+        a.hidden_states,
+        a.weight,
+        a.bias,
+        a.targets,
+        a.loss,
+        a.lse,
+        a.z_loss,
+        a.grad_hidden,
+        a.grad_weight,
+        a.grad_bias,
+        a.grad_output,
+        a.error_flags,
+        a.workspace,
+        a.workspace_bytes,
+        a.stream,
+    ))
+}

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The Rust binding's tests, against the libfusedce.so in build dir $1 (what `make test` runs):
+#   1. check_bindings.sh: fusedce-sys/src/bindings.rs is what bindgen makes of include/fusedce.h
+#   2. cargo test for fusedce-sys and fusedce (CPU backend; float64 reference in the tests)
+#   3. the example: cargo run --example cross_entropy
+# Usage: bindings/rust/run_tests.sh BUILD_DIR
+# Cargo writes only under BUILD_DIR/rust-target (CARGO_TARGET_DIR); --offline --locked: no
+# network, no change to Cargo.lock. FCE_SKIP_BINDGEN_CHECK=1 skips step 1 (no bindgen).
+set -euo pipefail
+[ $# -ge 1 ] || { echo "usage: $0 BUILD_DIR (the directory holding libfusedce.so)" >&2; exit 2; }
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+root="$(cd "$here/../.." && pwd)"
+build="$(cd "$1" && pwd)"
+[ -e "$build/libfusedce.so" ] || { echo "$0: no libfusedce.so in $build (run make first)" >&2; exit 1; }
+
+CARGO="${CARGO:-$(command -v cargo || echo "$HOME/.cargo/bin/cargo")}"
+[ -x "$CARGO" ] || { echo "$0: cargo not found (install rustup, or set CARGO)" >&2; exit 1; }
+
+export FUSEDCE_LIB_DIR="$build"
+export FUSEDCE_INCLUDE_DIR="$root/include"
+export LD_LIBRARY_PATH="$build${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export CARGO_TARGET_DIR="$build/rust-target"
+manifest="$here/Cargo.toml"
+cargo_flags=(--offline --locked --manifest-path "$manifest")
+
+step() { echo "--- rust: $*"; }
+
+step "bindings are current (check_bindings.sh)"
+bash "$here/check_bindings.sh"
+
+step "cargo test (fusedce-sys, fusedce)"
+"$CARGO" test "${cargo_flags[@]}" --workspace
+
+step "example: cargo run --example cross_entropy"
+"$CARGO" run "${cargo_flags[@]}" -p fusedce --example cross_entropy
+
+echo "--- rust: all passed"
