@@ -28,6 +28,7 @@ fi
 if [ -x "$ROOT/bindings/julia/run_tests.sh" ]; then
   suite "Julia package (header/ccall checker)" "$ROOT/bindings/julia/run_tests.sh" "$BUILD"
 fi
+suite "install + find_package + pkg-config consumer" "$ROOT/tools/check_install.sh" "$BUILD"
 suite "C example (demo, CPU backend, small sizes)" "$BUILD/examples/demo" --cpu --small
 if [ -f "$ROOT/examples/python/train_lm_head.py" ]; then
   if "$PYTHON" -c "import torch" >/dev/null 2>&1; then
