@@ -1,0 +1,404 @@
+// linear_ce.cu — fce_linear_ce on CUDA: z = h·Wᵀ + b, cross-entropy, and ∂h, ∂W, ∂b, without
+// ever holding all of z (SPEC.md "fce_linear_ce", SEMANTICS.md rule 13).
+//
+// Token chunks of Nc rows (the 6·N·D·V algorithm of shared/PERF.md). For each chunk c:
+//   1. Z_c = h_c·Wᵀ (+ b)       cuBLASLt, float32 [Nc, V] in the workspace (the bias rides the
+//                               BIAS epilogue; float32 logits are more accurate than torch's)
+//   2. CE pass                  launch_ce_rows (ce_rows.cuh) on Z_c: row losses, lse, and
+//                               ∂Z_c in the GEMM dtype (a second buffer; f32: in place over Z_c)
+//   3. ∂h_c = ∂Z_c·W            one GEMM over K = V, written straight into grad_hidden
+//   4. ∂W (+)= ∂Z_cᵀ·h_c        float32 accumulation (beta = 1 after the first chunk), either in
+//                               the caller's float32 grad_weight or in a float32 [V, D] workspace
+//                               accumulator stored (and added to the old values) at the end
+//   5. ∂b (+)= colsum(∂Z_c)     fixed-order column sums in float32
+// then the fixed-order loss reduction (launch_ce_finalize). Loss only: steps 1, 2 (forward).
+//
+// Plans, by workspace size (choose_plan; the query returns the smallest and the full-speed one):
+//   kChunked      loss only, or float32 ∂W (grad_weight_fp32 or dtype f32), or no grad_weight:
+//                 Nc = the most rows that fit, ≤ 4096, ≥ min(N, 128).
+//   kDirectWeight f16/bf16 ∂W and all N rows fit in one chunk: ∂W is one GEMM (K = N) written
+//                 straight into grad_weight (one rounding; beta = 1 with accumulate). Preferred
+//                 when N ≤ 4096.
+//   kAccumulate   f16/bf16 ∂W over several chunks: float32 [V, D] accumulator in the workspace.
+//   The vocab-sliced fallback (8·N·D·V, ∂W per vocab slice) is not implemented: CeRowsArgs
+//   cannot express a column slice (the target column, the class weights and ε/V are those of
+//   the whole row), so a workspace that holds neither one chunk of all N rows nor the [V, D]
+//   accumulator is FCE_ERROR_WORKSPACE_TOO_SMALL (the query's min_bytes already says so).
+//
+// Determinism: the plan (mode, Nc, cuBLASLt workspace) is a function of the sizes, the options,
+// which gradients are asked for, and workspace_bytes only, and every step has a fixed order
+// (cuBLASLt picks one algorithm per shape and alignment; no atomics), so for a given workspace
+// size the results are bitwise identical run to run. Different workspace sizes change only the
+// float32 rounding order (of the ∂W/∂b chunk sums, and cuBLASLt's algorithm for another Nc).
+//
+// No allocation, no synchronisation, one stream: everything is carved from the caller's
+// workspace (256-byte aligned) and enqueued on p.stream, so the call is graph-capturable once
+// the device's cuBLASLt handle exists (created on the first call on that device).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "cuda/ce_rows.cuh"
+#include "cuda/gemm.cuh"
+#include "cuda/linear_kernels.cuh"
+#include "internal.h"
+
+namespace fce {
+namespace cuda {
+namespace {
+
+constexpr size_t kAlign = 256;                  // every workspace slice starts 256-byte aligned
+constexpr size_t kLtWorkspaceFull = 32u << 20;  // cuBLASLt workspace for full speed on Hopper
+constexpr size_t kLtWorkspaceMin = 4u << 20;    // ... when the workspace is tight
+constexpr int64_t kMaxChunkRows = 4096;  // more rows per chunk gives no more speed: ∂W's GEMM is
+                                         // compute bound from Nc ≈ 1024 (PERF.md)
+constexpr int64_t kMinChunkRows = 128;   // below this, W is re-read too often per FLOP
+constexpr int64_t kRowQuantum = 128;     // chunk rows are a multiple of this (or all rows)
+constexpr int64_t kVocabPad = 64;        // Z_c / ∂Z_c rows padded to 64 elements (256 B in f32)
+
+enum class Mode { kChunked, kDirectWeight, kAccumulate };
+
+// ---- size arithmetic that saturates at SIZE_MAX instead of wrapping
+constexpr size_t kHuge = SIZE_MAX;
+size_t sat_add(size_t a, size_t b) { return a > kHuge - b ? kHuge : a + b; }
+size_t sat_mul(size_t a, size_t b) { return (a != 0 && b > kHuge / a) ? kHuge : a * b; }
+size_t sat_round(size_t a) { return a > kHuge - (kAlign - 1) ? kHuge : (a + kAlign - 1) / kAlign * kAlign; }
+
+// What the workspace has to hold, from the sizes and options alone.
+struct Sizes {
+  int64_t rows, hidden, vocab, vocab_padded;
+  size_t elem;          // bytes of one element of dtype
+  bool reduction_none;  // the per-row losses go straight into the caller's loss
+  bool with_grad;       // ∂Z_c is produced
+  bool dz_separate;     // ∂Z_c has its own buffer (dtype ≠ f32); f32 writes it over Z_c
+};
+
+Sizes sizes_of(const CeOptions& opt, int64_t rows, int64_t hidden, int64_t vocab, bool with_grad) {
+  Sizes s;
+  s.rows = rows;
+  s.hidden = hidden;
+  s.vocab = vocab;
+  s.vocab_padded = (vocab + kVocabPad - 1) / kVocabPad * kVocabPad;
+  s.elem = dtype_size(opt.dtype);
+  s.reduction_none = opt.reduction == FCE_REDUCTION_NONE;
+  s.with_grad = with_grad;
+  s.dz_separate = with_grad && opt.dtype != FCE_FLOAT32;
+  return s;
+}
+
+// Byte offsets of the workspace slices, from a 256-byte aligned base. total includes kAlign of
+// slack for aligning the caller's (16-byte aligned) pointer; kHuge when it overflows.
+struct Layout {
+  size_t denoms, row_loss, row_zloss, bias, db, dw, lt, z, dz, total;
+};
+
+Layout layout_of(const Sizes& s, int64_t chunk_rows, size_t lt_bytes, bool dw_accumulator) {
+  Layout l;
+  size_t at = 0;
+  auto take = [&at](size_t bytes) {
+    size_t off = at;
+    at = sat_add(at, sat_round(bytes));
+    return off;
+  };
+  const size_t rows = static_cast<size_t>(s.rows), vocab = static_cast<size_t>(s.vocab);
+  const size_t chunk_logits = sat_mul(static_cast<size_t>(chunk_rows),
+                                      static_cast<size_t>(s.vocab_padded));
+  l.denoms = take(sizeof(CeDenoms));
+  l.row_loss = take(s.reduction_none ? 0 : sat_mul(rows, 4));
+  l.row_zloss = take(sat_mul(rows, 4));
+  l.bias = take(sat_mul(vocab, 4));                  // the bias as float32 (if any)
+  l.db = take(s.with_grad ? sat_mul(vocab, 4) : 0);  // ∂b accumulator (if needed)
+  l.dw = take(dw_accumulator ? sat_mul(sat_mul(vocab, static_cast<size_t>(s.hidden)), 4) : 0);
+  l.lt = take(lt_bytes);
+  l.z = take(sat_mul(chunk_logits, 4));
+  l.dz = take(s.dz_separate ? sat_mul(chunk_logits, s.elem) : 0);
+  l.total = sat_add(at, kAlign);
+  return l;
+}
+
+bool fits(const Layout& l, size_t workspace_bytes) {
+  return l.total != kHuge && l.total <= workspace_bytes;
+}
+
+struct Plan {
+  Mode mode;
+  int64_t chunk_rows, chunks;
+  size_t lt_bytes;
+  Layout layout;
+};
+
+// The plan of one mode in workspace_bytes, or false when even its smallest chunk does not fit.
+bool plan_mode(const Sizes& s, Mode mode, size_t workspace_bytes, Plan* out) {
+  const bool acc = mode == Mode::kAccumulate;
+  const int64_t min_rows = mode == Mode::kDirectWeight ? s.rows : std::min(s.rows, kMinChunkRows);
+  const int64_t max_rows = mode == Mode::kDirectWeight ? s.rows : std::min(s.rows, kMaxChunkRows);
+  if (!fits(layout_of(s, min_rows, kLtWorkspaceMin, acc), workspace_bytes)) return false;
+  const size_t lt = fits(layout_of(s, min_rows, kLtWorkspaceFull, acc), workspace_bytes)
+                        ? kLtWorkspaceFull
+                        : kLtWorkspaceMin;
+  // The most rows that fit: layout_of grows with the rows, so bisect [min_rows, max_rows].
+  int64_t lo = min_rows, hi = max_rows;
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo + 1) / 2;
+    if (fits(layout_of(s, mid, lt, acc), workspace_bytes)) lo = mid; else hi = mid - 1;
+  }
+  int64_t rows = lo;
+  if (rows < s.rows) {
+    // Several chunks (then rows ≥ 128): a multiple of 128, and balanced so the last chunk is
+    // not a sliver: the fewest chunks of this size, each ceil(N / chunks) rounded up to 128.
+    rows = rows / kRowQuantum * kRowQuantum;
+    const int64_t chunks = (s.rows + rows - 1) / rows;
+    const int64_t even = (s.rows + chunks - 1) / chunks;
+    rows = std::min(rows, (even + kRowQuantum - 1) / kRowQuantum * kRowQuantum);
+  }
+  out->mode = mode;
+  out->chunk_rows = rows;
+  out->chunks = (s.rows + rows - 1) / rows;
+  out->lt_bytes = lt;
+  out->layout = layout_of(s, rows, lt, acc);
+  return true;
+}
+
+// need_dw: grad_weight is asked for; dw_fp32: it is float32 (grad_weight_fp32 or dtype f32).
+bool choose_plan(const Sizes& s, bool need_dw, bool dw_fp32, size_t workspace_bytes, Plan* out) {
+  if (!need_dw || dw_fp32) return plan_mode(s, Mode::kChunked, workspace_bytes, out);
+  if (s.rows <= kMaxChunkRows)
+    return plan_mode(s, Mode::kDirectWeight, workspace_bytes, out) ||
+           plan_mode(s, Mode::kAccumulate, workspace_bytes, out);
+  return plan_mode(s, Mode::kAccumulate, workspace_bytes, out) ||
+         plan_mode(s, Mode::kDirectWeight, workspace_bytes, out);
+}
+
+// The smallest workspace any plan runs in.
+size_t min_workspace(const Sizes& s, bool need_dw, bool dw_fp32) {
+  const int64_t few = std::min(s.rows, kMinChunkRows);
+  const size_t chunked = layout_of(s, few, kLtWorkspaceMin, false).total;
+  if (!need_dw || dw_fp32) return chunked;
+  const size_t direct = layout_of(s, s.rows, kLtWorkspaceMin, false).total;
+  const size_t accumulate = layout_of(s, few, kLtWorkspaceMin, true).total;
+  return std::min(direct, accumulate);
+}
+
+// A non-null pointer must be memory the current device can dereference.
+fce_status check_device_pointer(const void* p, const char* name, int device) {
+  if (!p) return FCE_SUCCESS;
+  cudaPointerAttributes attr;
+  cudaError_t e = cudaPointerGetAttributes(&attr, p);
+  if (e != cudaSuccess) {
+    cudaGetLastError();  // not sticky: do not leave it for the caller's next check
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "fce_linear_ce: %s (%p) is not a CUDA pointer: %s", name, p, cudaGetErrorString(e));
+  }
+  const bool ok = (attr.type == cudaMemoryTypeDevice && attr.device == device) ||
+                  attr.type == cudaMemoryTypeManaged ||
+                  (attr.type == cudaMemoryTypeHost && attr.devicePointer == p);
+  if (!ok)
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "fce_linear_ce: %s (%p) is not memory of the current CUDA device %d", name, p,
+                device);
+  return FCE_SUCCESS;
+}
+
+#define FCE_TRY(expr)                        \
+  do {                                       \
+    fce_status fce_try_status_ = (expr);     \
+    if (fce_try_status_ != FCE_SUCCESS)      \
+      return fce_try_status_;                \
+  } while (0)
+
+}  // namespace
+}  // namespace cuda
+
+void cuda_linear_ce_workspace_size(const CeOptions& opt, int64_t rows, int64_t hidden,
+                                   int64_t vocab, bool with_grad, bool grad_weight_fp32,
+                                   size_t* min_bytes, size_t* optimal_bytes) {
+  using namespace cuda;
+  // The worst case of the gradients a call with these options may ask for: all of them.
+  const Sizes s = sizes_of(opt, rows, hidden, vocab, with_grad);
+  const bool dw_fp32 = grad_weight_fp32 || opt.dtype == FCE_FLOAT32;
+  Plan best;
+  const bool ok = choose_plan(s, with_grad, dw_fp32, kHuge - 1, &best);
+  if (min_bytes) *min_bytes = min_workspace(s, with_grad, dw_fp32);
+  if (optimal_bytes) *optimal_bytes = ok ? best.layout.total : kHuge;
+}
+
+fce_status cuda_linear_ce(const LinearCeProblem& p) {
+  using namespace cuda;
+  const CeOptions& opt = p.opt;
+  const int dtype = opt.dtype;
+  if (dtype != FCE_FLOAT32 && dtype != FCE_FLOAT16 && dtype != FCE_BFLOAT16)
+    return fail(FCE_ERROR_INTERNAL, "fce_linear_ce: dtype %d reached the CUDA backend", dtype);
+  const int64_t N = p.rows, D = p.hidden, V = p.vocab, hs = p.hidden_row_stride;
+  const bool with_grad = p.with_grad();
+  const bool dw_fp32 = p.grad_weight_fp32 || dtype == FCE_FLOAT32;
+  const int grad_w_dtype = dw_fp32 ? FCE_FLOAT32 : dtype;  // of grad_weight and grad_bias
+  const size_t e = dtype_size(dtype);
+
+  // ---- everything that can fail before any work is enqueued
+  int device = 0;
+  cudaError_t ce = cudaGetDevice(&device);
+  if (ce != cudaSuccess)
+    return fail(FCE_ERROR_CUDA, "fce_linear_ce: cudaGetDevice failed: %s", cudaGetErrorString(ce));
+  const struct {
+    const void* ptr;
+    const char* name;
+  } pointers[] = {{p.hidden_states, "hidden_states"}, {p.weight, "weight"}, {p.bias, "bias"},
+                  {p.targets, "targets"}, {p.loss, "loss"}, {p.lse, "lse"},
+                  {p.z_loss, "z_loss"}, {p.grad_hidden, "grad_hidden"},
+                  {p.grad_weight, "grad_weight"}, {p.grad_bias, "grad_bias"},
+                  {p.grad_output, "grad_output"}, {p.error_flags, "error_flags"},
+                  {opt.class_weights, "options->class_weights"}, {p.workspace, "workspace"}};
+  for (const auto& ptr : pointers) FCE_TRY(check_device_pointer(ptr.ptr, ptr.name, device));
+
+  const Sizes s = sizes_of(opt, N, D, V, with_grad);
+  Plan plan;
+  if (!choose_plan(s, p.grad_weight != nullptr, dw_fp32, p.workspace_bytes, &plan)) {
+    size_t min_bytes = 0, optimal_bytes = 0;
+    cuda_linear_ce_workspace_size(opt, N, D, V, with_grad, p.grad_weight_fp32, &min_bytes,
+                                  &optimal_bytes);
+    return fail(FCE_ERROR_WORKSPACE_TOO_SMALL,
+                "fce_linear_ce: workspace_bytes (%zu) is too small: the CUDA backend needs at "
+                "least %zu bytes for these sizes (%zu for full speed)",
+                p.workspace_bytes, min_bytes, optimal_bytes);
+  }
+  if (!p.workspace)
+    return fail(FCE_ERROR_NULL_POINTER, "fce_linear_ce: workspace is NULL (%zu bytes needed)",
+                plan.layout.total);
+
+  // ---- carve the workspace
+  const Layout& L = plan.layout;
+  char* base = reinterpret_cast<char*>(
+      (reinterpret_cast<uintptr_t>(p.workspace) + kAlign - 1) / kAlign * kAlign);
+  CeDenoms* denoms = reinterpret_cast<CeDenoms*>(base + L.denoms);
+  float* row_loss = s.reduction_none ? p.loss : reinterpret_cast<float*>(base + L.row_loss);
+  float* row_zloss = p.z_loss ? reinterpret_cast<float*>(base + L.row_zloss) : nullptr;
+  float* bias32 = p.bias ? reinterpret_cast<float*>(base + L.bias) : nullptr;
+  float* db32 = reinterpret_cast<float*>(base + L.db);
+  float* dw32 = reinterpret_cast<float*>(base + L.dw);
+  void* lt_ws = base + L.lt;
+  float* z = reinterpret_cast<float*>(base + L.z);
+  void* dz = s.dz_separate ? static_cast<void*>(base + L.dz) : static_cast<void*>(z);
+  const int dz_dtype = s.dz_separate ? dtype : FCE_FLOAT32;  // == dtype either way
+  const int64_t ldz = s.vocab_padded;
+
+  cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
+  const char* hidden = static_cast<const char*>(p.hidden_states);
+
+  // ---- the loss denominators (need all targets), the bias in float32
+  FCE_TRY(launch_ce_denominators(opt, N, V, p.targets, denoms, stream));
+  if (p.bias) FCE_TRY(launch_to_f32(p.bias, dtype, bias32, V, stream));
+
+  for (int64_t c = 0; c < plan.chunks; ++c) {
+    const int64_t r0 = c * plan.chunk_rows;
+    const int64_t rc = std::min(plan.chunk_rows, N - r0);
+    const bool first = c == 0;
+    const void* h_c = hidden + static_cast<size_t>(r0) * static_cast<size_t>(hs) * e;
+
+    // 1. Z_c[rc, V] = h_c[rc, D] · W[V, D]ᵀ + b   (float32, ld = ldz)
+    RowMajorGemm g{};
+    g.name = "logits (hidden · weightᵀ + bias)";
+    g.M = rc; g.N = V; g.K = D;
+    g.A = h_c; g.lda = hs; g.trans_a = false;
+    g.B = p.weight; g.ldb = D; g.trans_b = true;
+    g.ab_dtype = dtype;
+    g.C = z; g.ldc = ldz; g.c_dtype = FCE_FLOAT32;
+    g.alpha = 1.f; g.beta = 0.f;
+    g.bias = bias32;
+    g.workspace = lt_ws; g.workspace_bytes = plan.lt_bytes;
+    bool bias_applied = false;
+    FCE_TRY(gemm(g, stream, &bias_applied));
+    if (bias32 && !bias_applied) FCE_TRY(launch_add_bias_rows(z, rc, V, ldz, bias32, stream));
+
+    // 2. the CE pass: row losses, lse, and ∂Z_c in dtype
+    CeRowsArgs a{};
+    a.opt = opt;
+    a.vocab = V;
+    a.total_rows = N;
+    a.row_begin = r0;
+    a.row_count = rc;
+    a.logits = z;
+    a.logits_dtype = FCE_FLOAT32;
+    a.row_stride = ldz;
+    a.grad = with_grad ? dz : nullptr;
+    a.grad_dtype = dz_dtype;
+    a.grad_row_stride = ldz;
+    a.targets = p.targets;
+    a.denoms = denoms;
+    a.grad_output = p.grad_output;
+    a.lse_in = nullptr;
+    a.row_loss = row_loss;
+    a.row_zloss = row_zloss;
+    a.lse_out = p.lse;
+    a.error_flags = p.error_flags;
+    FCE_TRY(launch_ce_rows(a, stream));
+    if (!with_grad) continue;
+
+    // 3. ∂h_c[rc, D] = ∂Z_c[rc, V] · W[V, D]   (straight into grad_hidden, dense)
+    if (p.grad_hidden) {
+      RowMajorGemm gh{};
+      gh.name = "grad_hidden (dZ · weight)";
+      gh.M = rc; gh.N = D; gh.K = V;
+      gh.A = dz; gh.lda = ldz; gh.trans_a = false;
+      gh.B = p.weight; gh.ldb = D; gh.trans_b = false;
+      gh.ab_dtype = dtype;
+      gh.C = static_cast<char*>(p.grad_hidden) + static_cast<size_t>(r0) * static_cast<size_t>(D) * e;
+      gh.ldc = D; gh.c_dtype = dtype;
+      gh.alpha = 1.f; gh.beta = 0.f;
+      gh.workspace = lt_ws; gh.workspace_bytes = plan.lt_bytes;
+      FCE_TRY(gemm(gh, stream, nullptr));
+    }
+
+    // 4. ∂W[V, D] (+)= ∂Z_c[rc, V]ᵀ · h_c[rc, D]
+    if (p.grad_weight) {
+      RowMajorGemm gw{};
+      gw.name = "grad_weight (dZᵀ · hidden)";
+      gw.M = V; gw.N = D; gw.K = rc;
+      gw.A = dz; gw.lda = ldz; gw.trans_a = true;
+      gw.B = h_c; gw.ldb = hs; gw.trans_b = false;
+      gw.ab_dtype = dtype;
+      gw.ldc = D;
+      gw.alpha = 1.f;
+      switch (plan.mode) {
+        case Mode::kDirectWeight:  // the only chunk: one rounding into f16/bf16
+          gw.C = p.grad_weight; gw.c_dtype = dtype; gw.beta = p.accumulate ? 1.f : 0.f;
+          break;
+        case Mode::kAccumulate:    // float32 workspace accumulator, stored after the loop
+          gw.C = dw32; gw.c_dtype = FCE_FLOAT32; gw.beta = first ? 0.f : 1.f;
+          break;
+        case Mode::kChunked:       // the caller's float32 grad_weight
+          gw.C = p.grad_weight; gw.c_dtype = FCE_FLOAT32;
+          gw.beta = (first && !p.accumulate) ? 0.f : 1.f;
+          break;
+      }
+      gw.workspace = lt_ws; gw.workspace_bytes = plan.lt_bytes;
+      FCE_TRY(gemm(gw, stream, nullptr));
+    }
+
+    // 5. ∂b[V] (+)= Σ_rows ∂Z_c   (float32: the caller's, or the workspace accumulator)
+    if (p.grad_bias) {
+      if (dw_fp32)
+        FCE_TRY(launch_column_sums(dz, dz_dtype, rc, V, ldz, p.grad_bias, FCE_FLOAT32,
+                                   !(first && !p.accumulate), stream));
+      else
+        FCE_TRY(launch_column_sums(dz, dz_dtype, rc, V, ldz, db32, FCE_FLOAT32, !first, stream));
+    }
+  }
+
+  // ---- f16/bf16 gradients out of their float32 accumulators (one rounding, + old values)
+  if (p.grad_weight && plan.mode == Mode::kAccumulate)
+    FCE_TRY(launch_store_accumulator(dw32, p.grad_weight, grad_w_dtype, V * D, p.accumulate,
+                                     stream));
+  if (p.grad_bias && !dw_fp32)
+    FCE_TRY(launch_store_accumulator(db32, p.grad_bias, grad_w_dtype, V, p.accumulate, stream));
+
+  // ---- the reduced loss and z-loss, fixed order. For none the per-row losses already are the
+  // caller's loss: only the z-loss total remains.
+  if (!s.reduction_none)
+    FCE_TRY(launch_ce_finalize(opt, N, row_loss, row_zloss, denoms, p.loss, p.z_loss, stream));
+  else if (p.z_loss)
+    FCE_TRY(launch_ce_finalize(opt, N, row_loss, row_zloss, denoms, nullptr, p.z_loss, stream));
+  return FCE_SUCCESS;
+}
+
+}  // namespace fce
