@@ -1,0 +1,317 @@
+"""The ctypes core: find and load libfusedce, mirror include/fusedce.h, raise on statuses.
+
+Everything here is a one-to-one image of the C header written for FCE_VERSION 0.1.0; nothing
+above the C ABI (arrays, allocation, frameworks) lives in this module: see core.py.
+
+The library is searched in this order:
+  1. the path in the environment variable FUSEDCE_LIBRARY (a file, or a folder holding
+     libfusedce.so);
+  2. beside this package (fusedce/libfusedce.so*, where a wheel or a developer may put it);
+  3. the system: ctypes.util.find_library("fusedce"), then "libfusedce.so.0" (the soname) and
+     "libfusedce.so" through the dynamic loader's own path (LD_LIBRARY_PATH, ldconfig).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import glob
+import os
+import threading
+
+# ---------------------------------------------------------------- the header we mirror ----
+HEADER_VERSION_MAJOR = 0
+HEADER_VERSION_MINOR = 1
+HEADER_VERSION_PATCH = 0
+HEADER_VERSION_NUMBER = (HEADER_VERSION_MAJOR * 10000 + HEADER_VERSION_MINOR * 100
+                         + HEADER_VERSION_PATCH)
+
+# fce_status (append-only in the header, so a code we do not know is still reported).
+FCE_SUCCESS = 0
+FCE_ERROR_INVALID_ARGUMENT = 1
+FCE_ERROR_NULL_POINTER = 2
+FCE_ERROR_MISALIGNED = 3
+FCE_ERROR_UNSUPPORTED = 4
+FCE_ERROR_WORKSPACE_TOO_SMALL = 5
+FCE_ERROR_BACKEND_UNAVAILABLE = 6
+FCE_ERROR_CUDA = 7
+FCE_ERROR_CUBLAS = 8
+FCE_ERROR_INTERNAL = 9
+
+# fce_dtype
+FCE_FLOAT32 = 0
+FCE_FLOAT16 = 1
+FCE_BFLOAT16 = 2
+FCE_INT32 = 3
+FCE_INT64 = 4
+
+# fce_reduction
+FCE_REDUCTION_MEAN = 0
+FCE_REDUCTION_SUM = 1
+FCE_REDUCTION_NONE = 2
+
+# fce_backend
+FCE_BACKEND_CUDA = 0
+FCE_BACKEND_CPU = 1
+
+# error_flags bits
+FCE_FLAG_TARGET_OUT_OF_RANGE = 1
+
+
+class Options(ctypes.Structure):
+    """fce_options, field for field. Only ever appended to, like the C struct."""
+
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("class_weights", ctypes.c_void_p),
+        ("ignore_index", ctypes.c_int64),
+        ("row_stride", ctypes.c_int64),
+        ("grad_row_stride", ctypes.c_int64),
+        ("shift_seq_len", ctypes.c_int64),
+        ("hidden_row_stride", ctypes.c_int64),
+        ("backend", ctypes.c_int32),
+        ("dtype", ctypes.c_int32),
+        ("target_dtype", ctypes.c_int32),
+        ("reduction", ctypes.c_int32),
+        ("label_smoothing", ctypes.c_float),
+        ("z_loss_scale", ctypes.c_float),
+        ("softcap", ctypes.c_float),
+        ("logit_scale", ctypes.c_float),
+        ("deterministic", ctypes.c_int32),
+        ("accumulate", ctypes.c_int32),
+        ("grad_weight_fp32", ctypes.c_int32),
+        ("reserved0", ctypes.c_int32),
+    ]
+
+
+# sizeof(fce_options) on every LP64 platform the library supports (C: 8+8+5*8+4*4+4*4+4*4).
+OPTIONS_C_SIZEOF = 104
+assert ctypes.sizeof(Options) == OPTIONS_C_SIZEOF, ctypes.sizeof(Options)
+
+
+# ------------------------------------------------------------------------ exceptions ----
+class FusedCEError(RuntimeError):
+    """A non-success fce_status. ``status`` is the code, ``message`` fce_last_error()."""
+
+    def __init__(self, status: int, message: str, function: str = ""):
+        self.status = int(status)
+        self.message = message
+        self.function = function
+        self.status_string = status_string(status) if _LIB is not None else str(status)
+        text = message or self.status_string
+        if message and self.status_string not in message:
+            text = f"{message} [{self.status_string}]"
+        super().__init__(text)
+
+
+class InvalidArgumentError(FusedCEError, ValueError):
+    """FCE_ERROR_INVALID_ARGUMENT."""
+
+
+class NullPointerError(FusedCEError, ValueError):
+    """FCE_ERROR_NULL_POINTER."""
+
+
+class MisalignedError(FusedCEError, ValueError):
+    """FCE_ERROR_MISALIGNED."""
+
+
+class UnsupportedError(FusedCEError):
+    """FCE_ERROR_UNSUPPORTED."""
+
+
+class WorkspaceTooSmallError(FusedCEError, ValueError):
+    """FCE_ERROR_WORKSPACE_TOO_SMALL."""
+
+
+class BackendUnavailableError(FusedCEError):
+    """FCE_ERROR_BACKEND_UNAVAILABLE: no CUDA backend in this build, or no device."""
+
+
+class CudaError(FusedCEError):
+    """FCE_ERROR_CUDA."""
+
+
+class CublasError(FusedCEError):
+    """FCE_ERROR_CUBLAS."""
+
+
+class InternalError(FusedCEError):
+    """FCE_ERROR_INTERNAL: a bug in fusedce."""
+
+
+class LibraryNotFoundError(ImportError):
+    """libfusedce could not be found or loaded (see the module docstring for the search order)."""
+
+
+class VersionMismatchError(ImportError):
+    """The library's major version differs from the header this binding mirrors."""
+
+
+_ERRORS = {
+    FCE_ERROR_INVALID_ARGUMENT: InvalidArgumentError,
+    FCE_ERROR_NULL_POINTER: NullPointerError,
+    FCE_ERROR_MISALIGNED: MisalignedError,
+    FCE_ERROR_UNSUPPORTED: UnsupportedError,
+    FCE_ERROR_WORKSPACE_TOO_SMALL: WorkspaceTooSmallError,
+    FCE_ERROR_BACKEND_UNAVAILABLE: BackendUnavailableError,
+    FCE_ERROR_CUDA: CudaError,
+    FCE_ERROR_CUBLAS: CublasError,
+    FCE_ERROR_INTERNAL: InternalError,
+}
+
+
+def error_for_status(status: int, message: str, function: str = "") -> FusedCEError:
+    """The exception object for a status code (FusedCEError itself for a code we do not know)."""
+    return _ERRORS.get(int(status), FusedCEError)(status, message, function)
+
+
+# --------------------------------------------------------------------------- loading ----
+_LIB = None
+_LIB_PATH = None
+_LOCK = threading.Lock()
+
+
+def _candidates():
+    """(description, path-or-name) pairs, in search order."""
+    env = os.environ.get("FUSEDCE_LIBRARY")
+    if env:
+        if os.path.isdir(env):
+            for name in ("libfusedce.so", "libfusedce.so.0", "libfusedce.dylib"):
+                yield ("FUSEDCE_LIBRARY", os.path.join(env, name))
+        else:
+            yield ("FUSEDCE_LIBRARY", env)
+        return  # an explicit choice is never silently replaced by another library
+    here = os.path.dirname(os.path.abspath(__file__))
+    for path in sorted(glob.glob(os.path.join(here, "libfusedce.so*"))) + sorted(
+        glob.glob(os.path.join(here, "libfusedce*.dylib"))
+    ):
+        yield ("beside the package", path)
+    found = ctypes.util.find_library("fusedce")
+    if found:
+        yield ("ctypes.util.find_library", found)
+    yield ("system loader", "libfusedce.so.%d" % HEADER_VERSION_MAJOR)
+    yield ("system loader", "libfusedce.so")
+
+
+def _declare(lib) -> None:
+    c = ctypes
+    i64, sz, vp, fp = c.c_int64, c.c_size_t, c.c_void_p, c.c_void_p
+    opt = c.POINTER(Options)
+    st = c.c_int  # fce_status: a C enum, int-sized
+    sigs = {
+        "fce_version": (c.c_uint, []),
+        "fce_status_string": (c.c_char_p, [st]),
+        "fce_last_error": (c.c_char_p, []),
+        "fce_options_default": (None, [opt]),
+        "fce_forward_workspace_size": (st, [opt, i64, i64, c.POINTER(sz)]),
+        "fce_forward": (st, [opt, i64, i64, vp, vp, fp, fp, fp, vp, fp, vp, vp, sz, vp]),
+        "fce_backward_workspace_size": (st, [opt, i64, i64, c.POINTER(sz)]),
+        "fce_backward": (st, [opt, i64, i64, vp, vp, fp, fp, vp, vp, vp, sz, vp]),
+        "fce_linear_ce_workspace_size": (
+            st, [opt, i64, i64, i64, c.c_int, c.POINTER(sz), c.POINTER(sz)]),
+        "fce_linear_ce": (
+            st, [opt, i64, i64, i64, vp, vp, vp, vp, fp, fp, fp, vp, vp, vp, fp, vp, vp, sz, vp]),
+        "fce_cuda_available": (c.c_int, []),
+    }
+    for name, (restype, argtypes) in sigs.items():
+        fn = getattr(lib, name)  # AttributeError names the missing symbol
+        fn.restype = restype
+        fn.argtypes = argtypes
+
+
+def check_version(library_version: int, header_version: int = HEADER_VERSION_NUMBER) -> None:
+    """Raise VersionMismatchError unless the majors of the two FCE_VERSION_NUMBERs agree."""
+    lib_major = int(library_version) // 10000
+    hdr_major = int(header_version) // 10000
+    if lib_major != hdr_major:
+        raise VersionMismatchError(
+            "libfusedce version %s (major %d) does not match the version %s (major %d) this "
+            "binding was written for; rebuild the library or install a matching binding"
+            % (format_version(library_version), lib_major, format_version(header_version),
+               hdr_major))
+
+
+def format_version(number: int) -> str:
+    number = int(number)
+    return "%d.%d.%d" % (number // 10000, number // 100 % 100, number % 100)
+
+
+def load(reload: bool = False):
+    """The loaded ctypes.CDLL (loading it on first use). Raises LibraryNotFoundError."""
+    global _LIB, _LIB_PATH
+    with _LOCK:
+        if _LIB is not None and not reload:
+            return _LIB
+        tried = []
+        for origin, path in _candidates():
+            if os.sep in path and not os.path.exists(path):
+                tried.append(f"{path} ({origin}: no such file)")
+                continue
+            try:
+                lib = ctypes.CDLL(path)
+            except OSError as e:
+                tried.append(f"{path} ({origin}: {e})")
+                continue
+            try:
+                _declare(lib)
+            except AttributeError as e:
+                tried.append(f"{path} ({origin}: not a fusedce library: {e})")
+                continue
+            check_version(lib.fce_version())
+            probe = Options()
+            lib.fce_options_default(ctypes.byref(probe))
+            if probe.struct_size != ctypes.sizeof(Options):
+                raise VersionMismatchError(
+                    "fce_options_default() reports struct_size %d, the binding's Options has %d "
+                    "bytes: the header and this binding disagree" %
+                    (probe.struct_size, ctypes.sizeof(Options)))
+            _LIB, _LIB_PATH = lib, path
+            return lib
+        raise LibraryNotFoundError(
+            "libfusedce not found; set FUSEDCE_LIBRARY to the path of libfusedce.so "
+            "(e.g. build/libfusedce.so). Tried:\n  " + "\n  ".join(tried))
+
+
+def library_path() -> str:
+    load()
+    return _LIB_PATH
+
+
+# ----------------------------------------------------------------- thin C wrappers ----
+def version() -> int:
+    """fce_version(): the FCE_VERSION_NUMBER the library was built with."""
+    return int(load().fce_version())
+
+
+def status_string(status: int) -> str:
+    s = load().fce_status_string(int(status))
+    return s.decode("utf-8", "replace") if s else ""
+
+
+def last_error() -> str:
+    s = load().fce_last_error()
+    return s.decode("utf-8", "replace") if s else ""
+
+
+def cuda_available() -> bool:
+    return bool(load().fce_cuda_available())
+
+
+def default_options() -> Options:
+    o = Options()
+    load().fce_options_default(ctypes.byref(o))
+    return o
+
+
+def check(status: int, function: str) -> None:
+    """Raise the FusedCEError subclass for a failing status, with fce_last_error()."""
+    if status != FCE_SUCCESS:
+        message = last_error()  # read on the same thread, right after the failing call
+        raise error_for_status(status, message or f"{function} failed", function)
+
+
+def call(function: str, *args) -> None:
+    """Call fce_<function>(*args) and check its status."""
+    fn = getattr(load(), function)
+    check(fn(*args), function)

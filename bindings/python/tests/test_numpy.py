@@ -1,0 +1,679 @@
+"""The Python binding on the CPU backend, with NumPy, against an independent float64 reference
+(fce_reference.py). Runs in CI (`make test`): no GPU, no torch.
+
+    FUSEDCE_LIBRARY=build/libfusedce.so python -m pytest -q bindings/python/tests/test_numpy.py
+"""
+
+import ctypes
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import fce_reference as R
+import fusedce
+from fusedce import _lib
+
+try:
+    import ml_dtypes
+except ImportError:  # the raw-uint16 path is tested either way
+    ml_dtypes = None
+
+V, N = 97, 24
+REDUCTIONS = ["mean", "sum", "none"]
+
+
+def _weights(v, seed=5):
+    return np.random.default_rng(seed).uniform(0.2, 2.0, v).astype(np.float32)
+
+
+OPTION_SETS = {
+    "plain": {},
+    "class_weights": {"class_weights": _weights(V)},
+    "label_smoothing": {"label_smoothing": 0.1},
+    "smoothing+weights": {"label_smoothing": 0.2, "class_weights": _weights(V)},
+    "z_loss": {"z_loss_scale": 1e-3},
+    "softcap": {"softcap": 15.0},
+    "logit_scale": {"logit_scale": 0.37},
+    "ignore_index=3": {"ignore_index": 3},
+    "shift": {"shift_seq_len": 6},
+    "everything": {"class_weights": _weights(V), "label_smoothing": 0.1, "z_loss_scale": 1e-4,
+                   "softcap": 20.0, "logit_scale": 1.5, "ignore_index": 5, "shift_seq_len": 4},
+}
+
+
+def make_inputs(n=N, v=V, std=1.0, seed=0, ignore_index=-100, target_dtype=np.int64):
+    rng = np.random.default_rng(seed)
+    z = (rng.standard_normal((n, v)) * std).astype(np.float32)
+    y = rng.integers(0, v, n).astype(target_dtype)
+    y[1::5] = ignore_index
+    return z, y
+
+
+def poison(shape, dtype=np.float32):
+    return np.full(shape, np.nan, dtype=dtype)
+
+
+def assert_close(actual, ref, rtol, what=""):
+    """Element-wise |a - r| <= rtol * (|r| + max|r|): a relative error bound scaled to the
+    array's magnitude (SPEC.md: relative error <= 1e-5 for float32)."""
+    actual = np.asarray(actual, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    assert actual.shape == ref.shape, (what, actual.shape, ref.shape)
+    assert not np.isnan(actual[np.isfinite(ref)]).any(), f"{what}: NaN where ref is finite"
+    scale = np.max(np.abs(ref[np.isfinite(ref)])) if np.isfinite(ref).any() else 1.0
+    np.testing.assert_allclose(actual, ref, rtol=rtol, atol=rtol * max(scale, 1e-30),
+                               err_msg=what)
+
+
+# ------------------------------------------------------------------ version, ABI ----
+def test_version_matches_header():
+    major, minor, patch = fusedce.library_version()
+    assert major == _lib.HEADER_VERSION_MAJOR
+    assert _lib.version() == major * 10000 + minor * 100 + patch
+    assert fusedce.__version__.split(".")[0] == str(major)
+
+
+def test_version_check_rejects_other_major():
+    _lib.check_version(_lib.HEADER_VERSION_NUMBER)        # same
+    _lib.check_version(_lib.HEADER_VERSION_NUMBER + 1)    # newer patch: fine
+    _lib.check_version(_lib.HEADER_VERSION_NUMBER + 100)  # newer minor: fine
+    with pytest.raises(fusedce.VersionMismatchError,
+                       match=r"1\.1\.0 \(major 1\).*0\.1\.0 \(major 0\)"):
+        _lib.check_version(_lib.HEADER_VERSION_NUMBER + 10000)
+    with pytest.raises(ImportError, match="libfusedce version 2.0.0"):
+        _lib.check_version(20000, 100)
+
+
+def test_options_struct_layout():
+    assert ctypes.sizeof(_lib.Options) == 104
+    o = _lib.default_options()
+    assert o.struct_size == ctypes.sizeof(_lib.Options)
+    assert o.ignore_index == -100 and o.logit_scale == 1.0 and o.softcap == 0.0
+    assert o.backend == _lib.FCE_BACKEND_CUDA and o.dtype == _lib.FCE_FLOAT32
+    assert o.target_dtype == _lib.FCE_INT64 and o.reduction == _lib.FCE_REDUCTION_MEAN
+    assert (o.row_stride, o.grad_row_stride, o.shift_seq_len, o.hidden_row_stride) == (0, 0, 0, 0)
+    assert (o.deterministic, o.accumulate, o.grad_weight_fp32, o.reserved0) == (0, 0, 0, 0)
+    # field offsets as in the C header
+    offsets = {name: getattr(_lib.Options, name).offset for name, _ in _lib.Options._fields_}
+    assert offsets["ignore_index"] == 16 and offsets["backend"] == 56
+    assert offsets["label_smoothing"] == 72 and offsets["reserved0"] == 100
+
+
+def test_status_strings():
+    assert "NULL" in fusedce.status_string(_lib.FCE_ERROR_NULL_POINTER)
+    assert fusedce.status_string(_lib.FCE_SUCCESS).startswith("FCE_SUCCESS")
+
+
+def _run_python(code, env_library):
+    env = dict(os.environ)
+    env["FUSEDCE_LIBRARY"] = env_library
+    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + (
+        os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+
+
+def test_library_not_found_message(tmp_path):
+    missing = str(tmp_path / "nope" / "libfusedce.so")
+    p = _run_python("import fusedce\ntry:\n    fusedce.load()\nexcept fusedce.LibraryNotFoundError "
+                    "as e:\n    print('NOTFOUND', e)\n", missing)
+    assert p.returncode == 0, p.stderr
+    assert "NOTFOUND" in p.stdout and "FUSEDCE_LIBRARY" in p.stdout and missing in p.stdout
+
+
+def test_library_from_folder():
+    folder = os.path.dirname(fusedce.library_path())
+    p = _run_python("import fusedce; print(fusedce.library_version())", folder)
+    assert p.returncode == 0, p.stderr
+    assert str(fusedce.library_version()) in p.stdout
+
+
+# ---------------------------------------------------------- forward / backward ----
+@pytest.mark.parametrize("std", [1.0, 30.0])
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("case", list(OPTION_SETS))
+def test_forward_backward_float32(case, reduction, std):
+    opts = OPTION_SETS[case]
+    z, y = make_inputs(std=std, seed=hash((case, reduction, std)) % 1000,
+                       ignore_index=opts.get("ignore_index", -100))
+    if reduction == "none":
+        g = np.random.default_rng(1).uniform(-2, 2, N).astype(np.float32)
+    else:
+        g = np.array(0.75, dtype=np.float32)
+    ref = R.cross_entropy(z, y, reduction=reduction, grad_output=g, **opts)
+    loss = poison((N,) if reduction == "none" else ())
+    lse, zl, grad = poison((N,)), poison(()), poison((N, V))
+    r = fusedce.forward(z, y, reduction=reduction, loss=loss, lse=lse, z_loss=zl,
+                        grad_logits=grad, grad_output=g, **opts)
+    assert r.loss is loss and r.grad_logits is grad
+    assert_close(loss, ref["loss"], 1e-5, "loss")
+    assert_close(lse, ref["lse"], 1e-5, "lse")
+    assert_close(zl, ref["z_loss"], 1e-5, "z_loss")
+    assert_close(grad, ref["grad"], 1e-5, "grad_logits")
+    assert int(r.error_flags[0]) == 0
+
+    # loss only: the same loss
+    r2 = fusedce.forward(z, y, reduction=reduction, **opts)
+    np.testing.assert_array_equal(r2.loss, loss)
+
+    # fce_backward from the saved lse: the gradient fce_forward wrote (SEMANTICS.md rule 12)
+    gb = fusedce.backward(z, y, lse, g, reduction=reduction, grad_logits=poison((N, V)), **opts)
+    assert_close(gb, ref["grad"], 1e-5, "backward grad")
+    np.testing.assert_array_equal(gb, grad)
+
+
+def test_reference_gradient_by_finite_differences():
+    """The reference's analytic gradient is itself checked against central differences."""
+    z, y = make_inputs(n=6, v=11, std=2.0, seed=3)
+    w = _weights(11)
+    opts = dict(class_weights=w, label_smoothing=0.1, z_loss_scale=0.01, softcap=3.0,
+                logit_scale=0.8, shift_seq_len=3)
+    for reduction in REDUCTIONS:
+        zz = z.astype(np.float64)
+        ref = R.cross_entropy(zz, y, reduction=reduction, **opts)["grad"]
+        num = np.zeros_like(zz)
+        h = 1e-6
+        for i in range(zz.shape[0]):
+            for j in range(zz.shape[1]):
+                zp, zm = zz.copy(), zz.copy()
+                zp[i, j] += h
+                zm[i, j] -= h
+                lp = np.sum(R.cross_entropy(zp, y, reduction=reduction, **opts)["loss"])
+                lm = np.sum(R.cross_entropy(zm, y, reduction=reduction, **opts)["loss"])
+                num[i, j] = (lp - lm) / (2 * h)
+        np.testing.assert_allclose(ref, num, rtol=1e-5, atol=1e-7)
+
+
+def test_grad_output_scalar_forms():
+    z, y = make_inputs()
+    ref = R.cross_entropy(z, y, grad_output=2.5)["grad"]
+    for g in (2.5, np.float32(2.5), np.array(2.5, np.float32), np.array([2.5], np.float32)):
+        r = fusedce.forward(z, y, return_grad=True, grad_output=g)
+        assert_close(r.grad_logits, ref, 1e-5, repr(g))
+    r = fusedce.forward(z, y, reduction="none", return_grad=True, grad_output=0.5)
+    assert_close(r.grad_logits, R.cross_entropy(z, y, reduction="none", grad_output=0.5)["grad"],
+                 1e-5)
+
+
+def test_shift_equals_explicitly_shifted_targets():
+    b, t = 4, 6
+    z, y = make_inputs(n=b * t)
+    ref_rows = R.cross_entropy(z, y, reduction="none", shift_seq_len=t)["loss"]
+    # the same thing by hand: logits[:, :-1] against targets[:, 1:]
+    zs = z.reshape(b, t, V)[:, :-1].reshape(-1, V)
+    ys = y.reshape(b, t)[:, 1:].reshape(-1)
+    direct = fusedce.forward(zs, ys, reduction="none").loss
+    shifted = fusedce.forward(z, y, reduction="none", shift_seq_len=t).loss
+    assert np.all(shifted.reshape(b, t)[:, -1] == 0)
+    assert_close(shifted.reshape(b, t)[:, :-1].reshape(-1), direct, 1e-6)
+    assert_close(shifted, ref_rows, 1e-5)
+    m1 = fusedce.forward(z, y, shift_seq_len=t).loss
+    m2 = fusedce.forward(zs, ys).loss
+    assert_close(m1, m2, 1e-6)
+
+
+def test_ignored_rows_get_zero_loss_and_gradient():
+    z, y = make_inputs()
+    y[:] = -100
+    y[3] = 7
+    r = fusedce.forward(z, y, reduction="none", grad_logits=poison((N, V)),
+                        lse=poison((N,)))
+    assert np.all(r.loss[np.arange(N) != 3] == 0)
+    assert np.all(r.grad_logits[np.arange(N) != 3] == 0)
+    assert np.all(np.isfinite(r.lse))  # lse is written for ignored rows too
+
+
+def test_mean_over_no_rows_is_zero():
+    z, y = make_inputs()
+    y[:] = -100
+    r = fusedce.forward(z, y, return_grad=True, return_z_loss=True, z_loss_scale=0.1)
+    assert float(r.loss) == 0.0 and float(r.z_loss) == 0.0
+    assert np.all(r.grad_logits == 0)
+
+
+def test_invalid_target_nan_and_flag():
+    z, y = make_inputs()
+    y[2] = V + 5
+    y[4] = -7
+    r = fusedce.forward(z, y, reduction="none", return_grad=True)
+    assert np.isnan(r.loss[2]) and np.isnan(r.loss[4])
+    assert np.all(np.isfinite(np.delete(r.loss, [2, 4])))
+    assert np.all(np.isnan(r.grad_logits[2]))
+    assert int(r.error_flags[0]) & _lib.FCE_FLAG_TARGET_OUT_OF_RANGE
+    assert np.isnan(fusedce.forward(z, y).loss)
+    with pytest.raises(ValueError, match="outside"):
+        fusedce.forward(z, y, check_targets=True)
+    # the caller's flags word is ORed into, never cleared
+    flags = np.zeros(1, np.uint32)
+    fusedce.forward(z, y, error_flags=flags)
+    z2, y2 = make_inputs()
+    fusedce.forward(z2, y2, error_flags=flags)
+    assert flags[0] == _lib.FCE_FLAG_TARGET_OUT_OF_RANGE
+    with pytest.raises(ValueError):
+        fusedce.check_error_flags(flags)
+
+
+@pytest.mark.parametrize("tdtype", [np.int32, np.int64])
+def test_target_dtypes(tdtype):
+    z, y = make_inputs(target_dtype=tdtype)
+    ref = R.cross_entropy(z, y)
+    assert_close(fusedce.forward(z, y).loss, ref["loss"], 1e-5)
+    with pytest.raises(TypeError, match="target_dtype"):
+        fusedce.forward(z, y, target_dtype="int64" if tdtype == np.int32 else "int32")
+
+
+def test_row_strides_and_no_write_outside():
+    z, y = make_inputs()
+    big = np.full((N, V + 13), np.nan, np.float32)
+    big[:, :V] = z
+    gbig = np.full((N, V + 7), 7.0, np.float32)
+    r = fusedce.forward(big[:, :V], y, grad_logits=gbig[:, :V], row_stride=V + 13,
+                        grad_row_stride=V + 7)
+    ref = R.cross_entropy(z, y)
+    assert_close(r.loss, ref["loss"], 1e-5)
+    assert_close(gbig[:, :V], ref["grad"], 1e-5)
+    assert np.all(gbig[:, V:] == 7.0)
+    with pytest.raises(ValueError, match="row_stride"):
+        fusedce.forward(big[:, :V], y, row_stride=V)
+    g = fusedce.backward(big[:, :V], y, fusedce.forward(z, y, return_lse=True).lse,
+                         grad_logits=gbig[:, :V])
+    assert_close(g, ref["grad"], 1e-5)
+
+
+def test_in_place_gradient():
+    z, y = make_inputs(std=5.0)
+    ref = R.cross_entropy(z, y, label_smoothing=0.1)
+    zc = z.copy()
+    r = fusedce.forward(zc, y, in_place=True, label_smoothing=0.1)
+    assert r.grad_logits is zc
+    assert_close(r.loss, ref["loss"], 1e-5)
+    assert_close(zc, ref["grad"], 1e-5)
+    # backward in place, with a strided buffer
+    big = np.zeros((N, V + 3), np.float32)
+    big[:, :V] = z
+    lse = fusedce.forward(z, y, return_lse=True, label_smoothing=0.1).lse
+    fusedce.backward(big[:, :V], y, lse, in_place=True, label_smoothing=0.1)
+    assert_close(big[:, :V], ref["grad"], 1e-5)
+
+
+def test_deterministic_bitwise():
+    z, y = make_inputs(n=64, v=1000, std=10.0)
+    a = fusedce.forward(z, y, return_grad=True, deterministic=True, label_smoothing=0.1)
+    b = fusedce.forward(z, y, return_grad=True, deterministic=True, label_smoothing=0.1)
+    assert a.loss.tobytes() == b.loss.tobytes()
+    assert a.grad_logits.tobytes() == b.grad_logits.tobytes()
+
+
+# ------------------------------------------------------------- 16-bit dtypes ----
+def _half_rtol(dtype):
+    return {"float16": 2.0 ** -10, "bfloat16": 2.0 ** -7}[dtype]
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("std", [1.0, 30.0])
+def test_float16(reduction, std):
+    z32, y = make_inputs(std=std)
+    z = z32.astype(np.float16)
+    opts = dict(label_smoothing=0.1, class_weights=_weights(V), z_loss_scale=1e-4)
+    ref = R.cross_entropy(z.astype(np.float64), y, reduction=reduction, **opts)
+    r = fusedce.forward(z, y, reduction=reduction, return_grad=True, return_lse=True, **opts)
+    assert r.grad_logits.dtype == np.float16
+    assert_close(r.loss, ref["loss"], 1e-5, "loss")  # float32 loss, accumulated in double
+    assert_close(r.lse, ref["lse"], 1e-5, "lse")
+    assert_close(r.grad_logits, ref["grad"], _half_rtol("float16"), "grad")
+
+
+@pytest.mark.parametrize("std", [1.0, 30.0])
+def test_bfloat16_raw_bits(std):
+    z32, y = make_inputs(std=std)
+    bits = fusedce.float_to_bfloat16_bits(z32)
+    assert bits.dtype == np.uint16
+    zq = fusedce.bfloat16_bits_to_float(bits)
+    assert np.max(np.abs(zq - z32) / np.maximum(np.abs(z32), 1e-30)) <= 2.0 ** -8
+    ref = R.cross_entropy(zq, y, softcap=10.0)
+    with pytest.raises(TypeError, match="dtype='bfloat16'"):
+        fusedce.forward(bits, y)
+    r = fusedce.forward(bits, y, dtype="bfloat16", return_grad=True, softcap=10.0)
+    assert r.grad_logits.dtype == np.uint16
+    assert_close(r.loss, ref["loss"], 1e-5, "loss")
+    assert_close(fusedce.bfloat16_bits_to_float(r.grad_logits), ref["grad"],
+                 _half_rtol("bfloat16"), "grad")
+
+
+@pytest.mark.skipif(ml_dtypes is None, reason="ml_dtypes is not installed")
+def test_bfloat16_ml_dtypes():
+    z32, y = make_inputs(std=3.0)
+    z = z32.astype(ml_dtypes.bfloat16)
+    ref = R.cross_entropy(z.astype(np.float64), y, reduction="sum")
+    r = fusedce.forward(z, y, reduction="sum", return_grad=True)
+    assert r.grad_logits.dtype == z.dtype
+    assert_close(r.loss, ref["loss"], 1e-5)
+    assert_close(r.grad_logits.astype(np.float64), ref["grad"], _half_rtol("bfloat16"))
+    # the same bits through the raw path
+    r2 = fusedce.forward(z.view(np.uint16), y, dtype="bf16", reduction="sum")
+    assert float(r2.loss) == float(r.loss)
+
+
+# ------------------------------------------------------------------- linear_ce ----
+LIN_N, LIN_D, LIN_V = 20, 24, 67
+
+
+def make_linear(seed=0, dtype=np.float32, std=1.0, bias=True):
+    rng = np.random.default_rng(seed)
+    h = (rng.standard_normal((LIN_N, LIN_D)) * std).astype(dtype)
+    W = (rng.standard_normal((LIN_V, LIN_D)) / np.sqrt(LIN_D)).astype(dtype)
+    b = (rng.standard_normal(LIN_V) * 0.1).astype(dtype) if bias else None
+    y = rng.integers(0, LIN_V, LIN_N).astype(np.int64)
+    y[2::7] = -100
+    return h, W, b, y
+
+
+LINEAR_OPTIONS = {
+    "plain": {},
+    "weights+smoothing": {"class_weights": _weights(LIN_V), "label_smoothing": 0.1},
+    "z_loss+softcap+scale": {"z_loss_scale": 1e-3, "softcap": 5.0, "logit_scale": 2.0},
+    "shift": {"shift_seq_len": 5},
+}
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("case", list(LINEAR_OPTIONS))
+def test_linear_ce_float32(case, reduction, bias):
+    opts = LINEAR_OPTIONS[case]
+    h, W, b, y = make_linear(seed=len(case), std=4.0, bias=bias)
+    g = (np.random.default_rng(2).uniform(-1, 1, LIN_N).astype(np.float32)
+         if reduction == "none" else 1.5)
+    ref = R.linear_cross_entropy(h, W, y, b, grad_output=g, reduction=reduction, **opts)
+    gh, gw = poison((LIN_N, LIN_D)), poison((LIN_V, LIN_D))
+    gb = poison((LIN_V,)) if bias else None
+    r = fusedce.linear_ce(h, W, y, b, reduction=reduction, grad_hidden=gh, grad_weight=gw,
+                          grad_bias=gb, grad_output=g, return_lse=True, return_z_loss=True,
+                          **opts)
+    assert_close(r.loss, ref["loss"], 1e-5, "loss")
+    assert_close(r.lse, ref["lse"], 1e-5, "lse")
+    assert_close(r.z_loss, ref["z_loss"], 1e-5, "z_loss")
+    assert_close(gh, ref["grad_hidden"], 1e-5, "grad_hidden")
+    assert_close(gw, ref["grad_weight"], 1e-5, "grad_weight")
+    if bias:
+        assert_close(gb, ref["grad_bias"], 1e-5, "grad_bias")
+    # evaluation: loss only, any workspace size at least the minimum gives the same loss
+    lo = fusedce.linear_ce(h, W, y, b, reduction=reduction, workspace_size="min", **opts)
+    hi = fusedce.linear_ce(h, W, y, b, reduction=reduction, workspace_size="optimal", **opts)
+    assert lo.grad_hidden is None and lo.grad_weight is None
+    assert_close(lo.loss, ref["loss"], 1e-5, "loss (min workspace)")
+    assert_close(hi.loss, ref["loss"], 1e-5, "loss (optimal workspace)")
+
+
+def test_linear_ce_gradient_subsets_and_accumulate():
+    h, W, b, y = make_linear(seed=4)
+    ref = R.linear_cross_entropy(h, W, y, b)
+    r = fusedce.linear_ce(h, W, y, b, return_grad=("weight",))
+    assert r.grad_hidden is None and r.grad_bias is None
+    assert_close(r.grad_weight, ref["grad_weight"], 1e-5)
+    gw = np.ones((LIN_V, LIN_D), np.float32)
+    gb = np.full(LIN_V, 2.0, np.float32)
+    fusedce.linear_ce(h, W, y, b, grad_weight=gw, grad_bias=gb, accumulate=True)
+    assert_close(gw, 1.0 + ref["grad_weight"], 1e-5)
+    assert_close(gb, 2.0 + ref["grad_bias"], 1e-5)
+    r = fusedce.linear_ce(h, W, y, b, return_grad=True, accumulate=True)  # zeros allocated
+    assert_close(r.grad_weight, ref["grad_weight"], 1e-5)
+    with pytest.raises(ValueError, match="no bias"):
+        fusedce.linear_ce(h, W, y, None, return_grad=("bias",))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_linear_ce_half(dtype):
+    h32, W32, b32, y = make_linear(seed=6, std=2.0)
+    if dtype == "float16":
+        h, W, b = h32.astype(np.float16), W32.astype(np.float16), b32.astype(np.float16)
+        hq, Wq, bq = h, W, b
+        kw = {}
+    else:
+        h, W, b = (fusedce.float_to_bfloat16_bits(a) for a in (h32, W32, b32))
+        hq, Wq, bq = (fusedce.bfloat16_bits_to_float(a) for a in (h, W, b))
+        kw = {"dtype": "bfloat16"}
+    ref = R.linear_cross_entropy(hq, Wq, y, bq, label_smoothing=0.1)
+    r = fusedce.linear_ce(h, W, y, b, return_grad=True, grad_weight_fp32=True,
+                          label_smoothing=0.1, **kw)
+    assert r.grad_weight.dtype == np.float32 and r.grad_bias.dtype == np.float32
+    assert r.grad_hidden.dtype == h.dtype
+    to64 = (lambda a: a.astype(np.float64)) if dtype == "float16" else (
+        lambda a: fusedce.bfloat16_bits_to_float(a).astype(np.float64))
+    # logits are formed in float32 from 16-bit inputs: the loss is float32-accurate
+    assert_close(r.loss, ref["loss"], 1e-4, "loss")
+    assert_close(r.grad_weight, ref["grad_weight"], 1e-4, "grad_weight (float32)")
+    assert_close(to64(r.grad_hidden), ref["grad_hidden"], _half_rtol(dtype) * 2, "grad_hidden")
+    r2 = fusedce.linear_ce(h, W, y, b, return_grad=True, label_smoothing=0.1, **kw)
+    assert r2.grad_weight.dtype == h.dtype
+    assert_close(to64(r2.grad_weight), ref["grad_weight"], _half_rtol(dtype) * 2, "grad_weight")
+
+
+def test_linear_ce_strided_hidden():
+    h, W, b, y = make_linear(seed=8)
+    big = np.zeros((LIN_N, LIN_D + 5), np.float32)
+    big[:, :LIN_D] = h
+    ref = R.linear_cross_entropy(h, W, y, b)
+    r = fusedce.linear_ce(big[:, :LIN_D], W, y, b, return_grad=True,
+                          hidden_row_stride=LIN_D + 5)
+    assert_close(r.loss, ref["loss"], 1e-5)
+    assert_close(r.grad_hidden, ref["grad_hidden"], 1e-5)
+    with pytest.raises(ValueError, match="must be dense"):
+        fusedce.linear_ce(h, np.zeros((LIN_V, LIN_D + 2), np.float32)[:, :LIN_D], y)
+
+
+# ------------------------------------------------------------ workspace queries ----
+def test_workspace_queries_and_user_workspace():
+    assert isinstance(fusedce.forward_workspace_size(N, V), int)
+    assert isinstance(fusedce.backward_workspace_size(N, V, reduction="none"), int)
+    lo, hi = fusedce.linear_ce_workspace_size(LIN_N, LIN_D, LIN_V)
+    assert 0 < lo <= hi
+    h, W, b, y = make_linear(seed=9)
+    ref = R.linear_cross_entropy(h, W, y, b)
+    raw = np.empty(hi + 32, np.uint8)
+    ws = raw[(-raw.ctypes.data) % 16:][:hi]
+    r = fusedce.linear_ce(h, W, y, b, workspace=ws, return_grad=True)
+    assert_close(r.grad_weight, ref["grad_weight"], 1e-5)
+    with pytest.raises(ValueError, match="workspace has"):
+        fusedce.linear_ce(h, W, y, b, workspace=ws[: lo - 16])
+    with pytest.raises(ValueError, match="16-byte"):
+        fusedce.linear_ce(h, W, y, b, workspace=raw[((-raw.ctypes.data) % 16) + 1:][:lo])
+
+
+# ---------------------------------------------------------------- array kinds ----
+class DLPackOnly:
+    """An array known only through the DLPack protocol (as a JAX array would be)."""
+
+    def __init__(self, a):
+        self._a = a
+
+    def __dlpack__(self, stream=None):
+        return self._a.__dlpack__()
+
+    def __dlpack_device__(self):
+        return self._a.__dlpack_device__()
+
+
+def test_dlpack_inputs():
+    z, y = make_inputs(std=4.0)
+    big = np.zeros((N, V + 4), np.float32)
+    big[:, :V] = z
+    ref = R.cross_entropy(z, y, reduction="none")
+    r = fusedce.forward(DLPackOnly(big[:, :V]), DLPackOnly(y), reduction="none",
+                        return_grad=True)
+    assert isinstance(r.loss, np.ndarray)
+    assert_close(r.loss, ref["loss"], 1e-5)
+    assert_close(r.grad_logits, ref["grad"], 1e-5)
+    gl = np.zeros((N, V), np.float32)
+    fusedce.forward(DLPackOnly(z), DLPackOnly(y), grad_logits=DLPackOnly(gl))
+    assert_close(gl, R.cross_entropy(z, y)["grad"], 1e-5)
+
+
+class FakeCudaArray:
+    """__cuda_array_interface__ for a pointer no one may dereference: the binding must fail
+    before (validation) or in the library (no CUDA backend in a CPU build)."""
+
+    def __init__(self, shape, typestr, strides=None, ptr=0x7F0000000000):
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr,
+                                         "data": (ptr, False), "strides": strides,
+                                         "version": 3, "stream": 1}
+
+
+def test_cuda_array_interface_validation():
+    with pytest.raises(TypeError, match="float32, float16 or bfloat16"):
+        fusedce.forward(FakeCudaArray((4, 10), "<f8"), FakeCudaArray((4,), "<i8"))
+    with pytest.raises(TypeError, match="int32 or int64"):
+        fusedce.forward(FakeCudaArray((4, 10), "<f4"), FakeCudaArray((4,), "<f4"))
+    with pytest.raises(ValueError, match="same device"):
+        fusedce.forward(FakeCudaArray((4, 10), "<f4"), np.zeros(4, np.int64))
+    with pytest.raises(ValueError, match="last dimension must be contiguous"):
+        fusedce.forward(FakeCudaArray((4, 10), "<f4", strides=(4, 16)), FakeCudaArray((4,), "<i8"))
+    with pytest.raises(TypeError, match="dtype='bfloat16'"):
+        fusedce.forward(FakeCudaArray((4, 10), "<V2"), FakeCudaArray((4,), "<i8"))
+    with pytest.raises(TypeError, match="loss must be passed"):
+        fusedce.forward(FakeCudaArray((4, 10), "<f4"), FakeCudaArray((4,), "<i8"))
+    with pytest.raises(ValueError, match="backend='cpu'"):
+        fusedce.forward(FakeCudaArray((4, 10), "<f4"), FakeCudaArray((4,), "<i8"), backend="cpu")
+
+
+@pytest.mark.skipif(fusedce.cuda_available(), reason="this build has a usable CUDA backend")
+def test_cuda_backend_unavailable_is_reported():
+    with pytest.raises(fusedce.BackendUnavailableError) as e:
+        fusedce.forward(FakeCudaArray((4, 10), "<f4"), FakeCudaArray((4,), "<i8"),
+                        loss=FakeCudaArray((), "<f4"), workspace=FakeCudaArray((1024,), "|u1"))
+    assert e.value.status == _lib.FCE_ERROR_BACKEND_UNAVAILABLE
+    assert "FCE_BACKEND_CUDA" in str(e.value)
+    with pytest.raises(fusedce.BackendUnavailableError):
+        fusedce.forward_workspace_size(4, 10, backend="cuda")
+
+
+# ---------------------------------------------------------------------- errors ----
+def test_python_validation_errors():
+    z, y = make_inputs()
+    with pytest.raises(TypeError, match="float64"):
+        fusedce.forward(z.astype(np.float64), y)
+    with pytest.raises(TypeError, match="int32 or int64"):
+        fusedce.forward(z, y.astype(np.float32))
+    with pytest.raises(ValueError, match="2-D"):
+        fusedce.forward(z[0], y)
+    with pytest.raises(ValueError, match="targets must have shape"):
+        fusedce.forward(z, y[:-1])
+    with pytest.raises(ValueError, match="last dimension must be contiguous"):
+        fusedce.forward(np.asfortranarray(z), y)
+    with pytest.raises(ValueError, match="contiguous"):
+        fusedce.forward(z[::2], np.repeat(y, 2)[::4])
+    with pytest.raises(ValueError, match="reduction"):
+        fusedce.forward(z, y, reduction="avg")
+    with pytest.raises(ValueError, match="shift_seq_len"):
+        fusedce.forward(z, y, shift_seq_len=5)
+    with pytest.raises(ValueError, match="shift_seq_len"):
+        fusedce.forward(z, y, shift_seq_len=-1)
+    with pytest.raises(TypeError, match="class_weights must be float32"):
+        fusedce.forward(z, y, class_weights=np.ones(V))
+    with pytest.raises(ValueError, match="class_weights must have shape"):
+        fusedce.forward(z, y, class_weights=np.ones(V - 1, np.float32))
+    with pytest.raises(TypeError, match="dtype float32 but dtype='float16'"):
+        fusedce.forward(z, y, dtype="float16")
+    with pytest.raises(TypeError, match="loss must be float32"):
+        fusedce.forward(z, y, loss=np.zeros((), np.float64))
+    with pytest.raises(ValueError, match="loss must have shape"):
+        fusedce.forward(z, y, reduction="none", loss=np.zeros((), np.float32))
+    with pytest.raises(TypeError, match="grad_logits has dtype float16"):
+        fusedce.forward(z, y, grad_logits=np.zeros((N, V), np.float16))
+    with pytest.raises(ValueError, match="grad_logits has 23 rows"):
+        fusedce.forward(z, y, grad_logits=np.zeros((N - 1, V), np.float32))
+    ro = np.zeros((), np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        fusedce.forward(z, y, loss=ro)
+    with pytest.raises(ValueError, match="grad_output must have shape"):
+        fusedce.forward(z, y, reduction="none", return_grad=True,
+                        grad_output=np.ones(3, np.float32))
+    with pytest.raises(ValueError, match="either in_place"):
+        fusedce.forward(z, y, in_place=True, grad_logits=np.zeros_like(z))
+    with pytest.raises(TypeError, match="expected a NumPy array"):
+        fusedce.forward(z.tolist(), y)
+    with pytest.raises(ValueError, match="backend='cuda'"):
+        fusedce.forward(z, y, backend="cuda")
+    with pytest.raises(TypeError, match="ignore_index must be an int"):
+        fusedce.forward(z, y, ignore_index=1.5)
+    h, W, b, yl = make_linear()
+    with pytest.raises(ValueError, match="weight has 25 columns"):
+        fusedce.linear_ce(h, np.zeros((LIN_V, LIN_D + 1), np.float32), yl)
+    with pytest.raises(TypeError, match="weight has dtype float16"):
+        fusedce.linear_ce(h, W.astype(np.float16), yl)
+    with pytest.raises(ValueError, match="bias must have shape"):
+        fusedce.linear_ce(h, W, yl, b[:-1])
+    with pytest.raises(ValueError, match="return_grad"):
+        fusedce.linear_ce(h, W, yl, b, return_grad=("logits",))
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"label_smoothing": 1.0}, "label_smoothing"),
+    ({"label_smoothing": -0.1}, "label_smoothing"),
+    ({"softcap": -1.0}, "softcap"),
+    ({"z_loss_scale": -1.0}, "z_loss_scale"),
+    ({"z_loss_scale": float("inf")}, "z_loss_scale"),
+    ({"logit_scale": float("nan")}, "logit_scale"),
+])
+def test_library_rejects_option_values(kwargs, needle):
+    z, y = make_inputs()
+    with pytest.raises(fusedce.InvalidArgumentError) as e:
+        fusedce.forward(z, y, **kwargs)
+    err = e.value
+    assert isinstance(err, ValueError) and isinstance(err, fusedce.FusedCEError)
+    assert err.status == _lib.FCE_ERROR_INVALID_ARGUMENT
+    assert needle in err.message and "fce_forward" in err.message
+    assert err.message in str(err)
+    with pytest.raises(fusedce.InvalidArgumentError, match=needle):
+        fusedce.linear_ce(*make_linear()[:2], make_linear()[3], **kwargs)
+
+
+def test_library_errors_through_raw_calls():
+    """Statuses the high-level API never lets through, raised from the raw C calls."""
+    z, y = make_inputs()
+    loss = np.zeros(1, np.float32)
+    o = _lib.default_options()
+    o.backend = _lib.FCE_BACKEND_CPU
+
+    def fwd(opts, logits_ptr, workspace=None, workspace_bytes=0):
+        _lib.call("fce_forward", ctypes.byref(opts), N, V, logits_ptr, y.ctypes.data,
+                  loss.ctypes.data, None, None, None, None, None, workspace, workspace_bytes,
+                  None)
+
+    fwd(o, z.ctypes.data)  # fine
+    with pytest.raises(fusedce.NullPointerError) as e:
+        fwd(o, None)
+    assert e.value.status == _lib.FCE_ERROR_NULL_POINTER and "logits" in e.value.message
+    assert fusedce.last_error() == e.value.message
+    with pytest.raises(fusedce.MisalignedError, match="logits"):
+        fwd(o, z.ctypes.data + 2)
+    bad = _lib.default_options()
+    bad.backend = _lib.FCE_BACKEND_CPU
+    bad.row_stride = V - 1
+    with pytest.raises(fusedce.InvalidArgumentError, match="row_stride"):
+        fwd(bad, z.ctypes.data)
+    bad = _lib.default_options()
+    bad.backend = 7
+    with pytest.raises(fusedce.InvalidArgumentError, match="backend"):
+        fwd(bad, z.ctypes.data)
+    bad = _lib.default_options()
+    bad.backend = _lib.FCE_BACKEND_CPU
+    bad.struct_size = 8
+    with pytest.raises(fusedce.InvalidArgumentError, match="struct_size"):
+        fwd(bad, z.ctypes.data)
+    # workspace too small (fce_linear_ce needs one)
+    h, W, b, yl = make_linear()
+    lo, _ = fusedce.linear_ce_workspace_size(LIN_N, LIN_D, LIN_V, with_grad=False)
+    ws = np.zeros(lo + 32, np.uint8)
+    wp = ws.ctypes.data + (-ws.ctypes.data) % 16
+    with pytest.raises(fusedce.WorkspaceTooSmallError, match="workspace") as e:
+        _lib.call("fce_linear_ce", ctypes.byref(o), LIN_N, LIN_D, LIN_V, h.ctypes.data,
+                  W.ctypes.data, None, yl.ctypes.data, loss.ctypes.data, None, None, None, None,
+                  None, None, None, wp, lo - 1, None)
+    assert e.value.status == _lib.FCE_ERROR_WORKSPACE_TOO_SMALL
+    # an unknown future status still maps to FusedCEError
+    err = _lib.error_for_status(99, "from the future")
+    assert type(err) is fusedce.FusedCEError and err.status == 99
