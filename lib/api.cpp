@@ -246,7 +246,11 @@ fce_status ce_call(const char* fn, const fce_options* o, int64_t rows, int64_t v
       {"error_flags", error_flags, 4, true},
       {"workspace", workspace, workspace_bytes, true},
   };
-  FCE_TRY(check_overlaps(fn, ranges, sizeof ranges / sizeof ranges[0], grad, logits));
+  // grad_logits may be logits itself (same start, same stride: checked above); any other
+  // overlap is an error.
+  const bool in_place = grad != nullptr && grad == logits;
+  FCE_TRY(check_overlaps(fn, ranges, sizeof ranges / sizeof ranges[0],
+                         in_place ? grad : nullptr, in_place ? logits : nullptr));
   FCE_TRY(check_workspace(fn, ce_workspace(o, p.opt, rows, vocab, backward), workspace,
                           workspace_bytes));
   p.rows = rows;
