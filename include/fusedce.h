@@ -72,8 +72,9 @@ typedef enum fce_status {
 /* A static string naming the status ("FCE_ERROR_NULL_POINTER: a required pointer is NULL"). */
 FCE_API const char* fce_status_string(fce_status status);
 
-/* The message of the last failing call on this thread ("" when none): it names the function and
- * the argument, e.g. "fce_forward: row_stride (100) is less than vocab (128)". The pointer stays
+/* The message of the last fusedce call on this thread if it failed, "" if it succeeded (each
+ * compute or workspace-query call clears it first). It names the function and the argument,
+ * e.g. "fce_forward: options->row_stride (100) is less than vocab (128)". The pointer stays
  * valid until the next fusedce call on this thread. */
 FCE_API const char* fce_last_error(void);
 
@@ -213,6 +214,7 @@ FCE_API fce_status fce_backward(const fce_options* options, int64_t rows, int64_
  * of at least min_bytes gives the same result (bitwise, for a given size); optimal_bytes or
  * more runs at full speed.
  */
+/* min_bytes is required; optimal_bytes may be NULL. */
 FCE_API fce_status fce_linear_ce_workspace_size(const fce_options* options, int64_t rows,
                                                 int64_t hidden, int64_t vocab, int with_grad,
                                                 size_t* min_bytes, size_t* optimal_bytes);

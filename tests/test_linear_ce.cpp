@@ -1,0 +1,813 @@
+// test_linear_ce.cpp — fce_linear_ce (z = h W^T + b, cross-entropy, dh, dW, db) against the
+// float64 reference (ref.h: a naive double matmul), on the backend FCE_TEST_BACKEND selects.
+//
+// Every option, bias or not, overwrite and accumulate, grad_weight_fp32, per-row upstream,
+// loss only, partial gradients, workspaces from the minimum to past the optimum, odd shapes,
+// strided hidden rows, out-of-range targets, determinism, bad input. Outputs poisoned, guards
+// and row gaps checked as in test_ce.cpp.
+#include <functional>
+
+#include "ref.h"
+#include "test_util.h"
+
+using namespace fcet;
+
+namespace {
+
+enum WsChoice { kWsMin, kWsMid, kWsOpt, kWsMore };
+const char* ws_name(int w) {
+  switch (w) {
+    case kWsMin: return "min";
+    case kWsMid: return "mid";
+    case kWsOpt: return "optimal";
+    default: return "more";
+  }
+}
+
+struct LinCase {
+  std::string name;
+  int64_t N = 37, D = 24, V = 301;
+  int dtype = FCE_FLOAT32;
+  int tdtype = FCE_INT64;
+  int reduction = FCE_REDUCTION_MEAN;
+  float eps = 0, lambda = 0, softcap = 0, scale = 1;
+  bool weights = false;
+  double ignore_frac = 0;
+  int64_t ignore_index = -100;
+  int64_t shift = 0;
+  int64_t h_pad = 0;             // hidden_row_stride = D + h_pad (0: passed as 0)
+  bool bias = true;
+  bool gh = true, gw = true, gb = true;  // which gradients are asked for
+  bool accumulate = false;
+  bool gw_fp32 = false;
+  bool gout = true;
+  float gscale = 0.7f;
+  bool lse = true, zloss = true, flags = true;
+  int ws = kWsOpt;
+  double zstd = -1;              // logit spread; -1: 8 for float32, 1.5 for 16-bit dtypes
+  uint64_t seed = 1;
+  std::function<void(const LinCase&, std::vector<int64_t>& y)> edit;
+};
+
+std::string case_label(const LinCase& c) {
+  std::ostringstream s;
+  s << c.name << " [" << backend_name() << " " << dtype_name(c.dtype) << " "
+    << dtype_name(c.tdtype) << " " << reduction_name(c.reduction) << " N=" << c.N << " D=" << c.D
+    << " V=" << c.V << " eps=" << c.eps << " lambda=" << c.lambda << " softcap=" << c.softcap
+    << " scale=" << c.scale << (c.weights ? " weights" : "") << " shift=" << c.shift
+    << " h_pad=" << c.h_pad << (c.bias ? " bias" : " no-bias") << " grads=" << c.gh << c.gw
+    << c.gb << (c.accumulate ? " accumulate" : "") << (c.gw_fp32 ? " grad_weight_fp32" : "")
+    << " workspace=" << ws_name(c.ws) << "]";
+  return s.str();
+}
+
+// gtest prints a failing parameter with this (instead of its bytes).
+void PrintTo(const LinCase& c, std::ostream* os) { *os << case_label(c); }
+
+struct LinData {
+  std::vector<double> h, W, b, w, g;
+  std::vector<int64_t> y;
+  std::vector<double> gw0, gb0;  // accumulate: what grad_weight / grad_bias hold before
+};
+
+// The bound for everything downstream of the logits. float32: SPEC.md's 1e-5. float16 and
+// bfloat16: torch eager materialises z = h W^T + b in the dtype, which perturbs every logit
+// by up to u |z| and so every p (and the loss) by up to 2u max|z| relative; on top of that
+// the same 4u as tolerance() for the dtype's roundings of the results.
+double lin_tolerance(int dtype, const std::vector<double>& z) {
+  if (dtype == FCE_FLOAT32) return 1e-5;
+  double zmax = 0;
+  for (double v : z) zmax = std::max(zmax, std::fabs(v));
+  return unit_roundoff(dtype) * (4.0 + 2.0 * zmax);
+}
+
+double rms(const std::vector<double>& v) {
+  double s = 0;
+  size_t n = 0;
+  for (double x : v)
+    if (std::isfinite(x)) s += x * x, ++n;
+  return n ? std::sqrt(s / static_cast<double>(n)) : 0.0;
+}
+
+struct LinOut {
+  std::vector<uint8_t> loss, lse, zloss, gh, gw, gb;
+};
+
+class LinRunner {
+ public:
+  explicit LinRunner(LinCase c) : c_(std::move(c)) {
+    if (c_.zstd < 0) c_.zstd = c_.dtype == FCE_FLOAT32 ? 8.0 : 1.5;
+    std::mt19937_64 rng(c_.seed * 1000003u + static_cast<uint64_t>(c_.N * 7 + c_.D * 131 + c_.V));
+    d_.h = random_normal(rng, c_.dtype, static_cast<size_t>(c_.N * c_.D), 1.0);
+    d_.W = random_normal(rng, c_.dtype, static_cast<size_t>(c_.V * c_.D),
+                         c_.zstd / std::sqrt(static_cast<double>(c_.D)));
+    if (c_.bias) d_.b = random_normal(rng, c_.dtype, static_cast<size_t>(c_.V), c_.dtype == FCE_FLOAT32 ? 1.0 : 0.5);
+    d_.y = random_targets(rng, c_.N, c_.V, c_.ignore_frac, c_.ignore_index);
+    if (c_.weights) d_.w = random_uniform(rng, static_cast<size_t>(c_.V), 0.1, 2.0);
+    if (c_.gout) {
+      if (c_.reduction == FCE_REDUCTION_NONE) d_.g = random_uniform(rng, static_cast<size_t>(c_.N), -1.5, 1.5);
+      else d_.g = {c_.gscale};
+    }
+    if (c_.edit) c_.edit(c_, d_.y);
+    fceref::Options ro;
+    ro.reduction = c_.reduction;
+    ro.label_smoothing = c_.eps;
+    ro.z_loss_scale = c_.lambda;
+    ro.softcap = c_.softcap;
+    ro.logit_scale = c_.scale;
+    ro.class_weights = d_.w;
+    ro.ignore_index = c_.ignore_index;
+    ro.shift_seq_len = c_.shift;
+    ref_ = fceref::linear_cross_entropy(ro, c_.N, c_.D, c_.V, d_.h, d_.W, d_.b, d_.y,
+                                        d_.g.empty() ? nullptr : &d_.g, true);
+    gdt_ = c_.gw_fp32 ? FCE_FLOAT32 : c_.dtype;
+    if (c_.accumulate) {  // pre-filled gradients of the same size as this call's
+      double sw = rms(ref_.grad_weight), sb = rms(ref_.grad_bias);
+      d_.gw0 = random_normal(rng, gdt_, static_cast<size_t>(c_.V * c_.D), sw > 0 ? sw : 1.0);
+      d_.gb0 = random_normal(rng, gdt_, static_cast<size_t>(c_.V), sb > 0 ? sb : 1.0);
+    }
+    tol_ = lin_tolerance(c_.dtype, ref_.logits);
+
+    hm_ = mat(c_.dtype, c_.N, c_.D, c_.D + c_.h_pad);
+    hidden_ = Buf(hm_);
+    poison_all(hidden_, c_.dtype);  // row gaps: NaN, never to be read
+    write_mat(hidden_, hm_, d_.h);
+    hidden_.push();
+    weight_ = Buf(mat(c_.dtype, c_.V, c_.D));
+    write_mat(weight_, mat(c_.dtype, c_.V, c_.D), d_.W);
+    weight_.push();
+    if (c_.bias) {
+      bias_ = Buf(vec(c_.dtype, c_.V));
+      write_mat(bias_, vec(c_.dtype, c_.V), d_.b);
+      bias_.push();
+    }
+    targets_ = targets_buf(d_.y, c_.tdtype);
+    if (c_.weights) cw_ = f32_buf(d_.w);
+    if (c_.gout) gout_ = f32_buf(d_.g);
+
+    o_ = test_options();
+    o_.dtype = c_.dtype;
+    o_.target_dtype = c_.tdtype;
+    o_.reduction = c_.reduction;
+    o_.label_smoothing = c_.eps;
+    o_.z_loss_scale = c_.lambda;
+    o_.softcap = c_.softcap;
+    o_.logit_scale = c_.scale;
+    o_.ignore_index = c_.ignore_index;
+    o_.shift_seq_len = c_.shift;
+    o_.hidden_row_stride = c_.h_pad ? hm_.stride : 0;
+    o_.accumulate = c_.accumulate;
+    o_.grad_weight_fp32 = c_.gw_fp32;
+    o_.class_weights = cw_.p<float>();
+  }
+
+  const fceref::LinearResult& ref() const { return ref_; }
+  double tol() const { return tol_; }
+  fce_options& options() { return o_; }
+  bool with_grad() const { return c_.gh || c_.gw || c_.gb; }
+  bool any_invalid() const {
+    for (auto k : ref_.ce.kind)
+      if (k == fceref::kInvalid) return true;
+    return false;
+  }
+
+  // The workspace size for ws (queried every time: the query itself is under test).
+  void workspace_bytes(int ws, size_t* bytes, size_t* min_out = nullptr, size_t* opt_out = nullptr) {
+    size_t mn = 0, op = 0;
+    fce_status st = fce_linear_ce_workspace_size(&o_, c_.N, c_.D, c_.V, with_grad(), &mn, &op);
+    ASSERT_EQ(st, FCE_SUCCESS) << fce_last_error();
+    ASSERT_GE(op, mn) << "optimal_bytes < min_bytes";
+    if (min_out) *min_out = mn;
+    if (opt_out) *opt_out = op;
+    switch (ws) {
+      case kWsMin: *bytes = mn; break;
+      case kWsMid: *bytes = mn + (op - mn) / 2; break;
+      case kWsOpt: *bytes = op; break;
+      default: *bytes = op + 4096 + 3; break;
+    }
+  }
+
+  void run(LinOut* out = nullptr, int ws_choice = -1, uint8_t ws_fill = 0xFF) {
+    if (ws_choice < 0) ws_choice = c_.ws;
+    LinCase label = c_;
+    label.ws = ws_choice;
+    SCOPED_TRACE(case_label(label));
+    const int64_t N = c_.N, D = c_.D, V = c_.V;
+    Mat loss_m = vec(FCE_FLOAT32, c_.reduction == FCE_REDUCTION_NONE ? N : 1),
+        lse_m = vec(FCE_FLOAT32, N), zl_m = vec(FCE_FLOAT32, 1);
+    Mat gh_m = mat(c_.dtype, N, D), gw_m = mat(gdt_, V, D), gb_m = vec(gdt_, V);
+    Buf loss = poisoned(loss_m);
+    Buf lse = c_.lse ? poisoned(lse_m) : Buf();
+    Buf zl = c_.zloss ? poisoned(zl_m) : Buf();
+    Buf gh = c_.gh ? poisoned(gh_m) : Buf();
+    Buf gw, gb;
+    if (c_.gw) {
+      gw = poisoned(gw_m);
+      if (c_.accumulate) write_mat(gw, gw_m, d_.gw0), gw.push();
+    }
+    if (c_.gb) {
+      gb = poisoned(gb_m);
+      if (c_.accumulate) write_mat(gb, gb_m, d_.gb0), gb.push();
+    }
+    const uint32_t preset = 0x40u;
+    Buf flags(4, 0);
+    std::memcpy(flags.h(), &preset, 4);
+    flags.push();
+    size_t wsb = 0;
+    ASSERT_NO_FATAL_FAILURE(workspace_bytes(ws_choice, &wsb));
+    Buf ws = workspace_buf(wsb, ws_fill);
+
+    auto b_h = hidden_.mirror(), b_W = weight_.mirror(), b_b = bias_.mirror(),
+         b_y = targets_.mirror(), b_cw = cw_.mirror(), b_g = gout_.mirror(),
+         b_loss = loss.mirror(), b_lse = lse.mirror(), b_zl = zl.mirror(), b_gh = gh.mirror(),
+         b_gw = gw.mirror(), b_gb = gb.mirror();
+    fce_status st = fce_linear_ce(&o_, N, D, V, hidden_.ptr(), weight_.ptr(), bias_.ptr(),
+                                  targets_.ptr(), loss.p<float>(), lse.p<float>(),
+                                  zl.p<float>(), gh.ptr(), gw.ptr(), gb.ptr(), gout_.p<float>(),
+                                  c_.flags ? flags.p<uint32_t>() : nullptr, ws.ptr(), wsb,
+                                  test_stream());
+    ASSERT_EQ(st, FCE_SUCCESS) << fce_status_string(st) << ": " << fce_last_error();
+    ASSERT_TRUE(finish());
+    for (Buf* b : {&hidden_, &weight_, &bias_, &targets_, &cw_, &gout_, &loss, &lse, &zl, &gh,
+                   &gw, &gb, &flags, &ws})
+      b->pull();
+
+    EXPECT_TRUE(unchanged(hidden_, b_h, "hidden_states"));
+    EXPECT_TRUE(unchanged(weight_, b_W, "weight"));
+    EXPECT_TRUE(unchanged(bias_, b_b, "bias"));
+    EXPECT_TRUE(unchanged(targets_, b_y, "targets"));
+    EXPECT_TRUE(unchanged(cw_, b_cw, "class_weights"));
+    EXPECT_TRUE(unchanged(gout_, b_g, "grad_output"));
+    if (!ws.empty()) {
+      const auto& mm = ws.mirror();
+      bool ok = true;
+      for (size_t i = 0; i < kGuard; ++i)
+        ok = ok && mm[i] == kGuardByte && mm[kGuard + ws.size() + i] == kGuardByte;
+      EXPECT_TRUE(ok) << "workspace: guard bytes around it were overwritten";
+    }
+
+    const auto& ce = ref_.ce;
+    EXPECT_TRUE(only_elements_changed(loss, b_loss, &loss_m, "loss"));
+    EXPECT_TRUE(all_written(loss, loss_m, "loss"));
+    std::vector<double> lv = read_mat(loss, loss_m);
+    if (c_.reduction == FCE_REDUCTION_NONE) {
+      EXPECT_TRUE(close_normwise(lv, ce.row_loss, tol_, "loss (per row)"));
+      for (int64_t r = 0; r < N; ++r)
+        if (ce.kind[static_cast<size_t>(r)] == fceref::kIgnored) {
+          EXPECT_EQ(lv[static_cast<size_t>(r)], 0.0) << "ignored row " << r;
+        }
+    } else {
+      EXPECT_TRUE(close_scalar(lv[0], ce.loss, tol_, "loss (reduced)"));
+    }
+    if (c_.lse) {
+      EXPECT_TRUE(only_elements_changed(lse, b_lse, &lse_m, "lse"));
+      EXPECT_TRUE(all_written(lse, lse_m, "lse"));
+      EXPECT_TRUE(close_normwise(read_mat(lse, lse_m), ce.lse, tol_, "lse"));
+    }
+    if (c_.zloss) {
+      EXPECT_TRUE(only_elements_changed(zl, b_zl, &zl_m, "z_loss"));
+      EXPECT_TRUE(all_written(zl, zl_m, "z_loss"));
+      EXPECT_TRUE(close_scalar(read_mat(zl, zl_m)[0], ce.z_loss, tol_, "z_loss"));
+    }
+    if (c_.gh) {
+      EXPECT_TRUE(only_elements_changed(gh, b_gh, &gh_m, "grad_hidden"));
+      EXPECT_TRUE(all_written(gh, gh_m, "grad_hidden"));
+      std::vector<double> v = read_mat(gh, gh_m);
+      EXPECT_TRUE(close_normwise(v, ref_.grad_hidden, tol_, "grad_hidden"));
+      for (int64_t r = 0; r < N; ++r)
+        if (ce.kind[static_cast<size_t>(r)] == fceref::kIgnored)
+          for (int64_t k = 0; k < D; ++k)
+            if (v[static_cast<size_t>(r * D + k)] != 0.0) {
+              ADD_FAILURE() << "grad_hidden: ignored row " << r << " is not zero";
+              break;
+            }
+    }
+    auto expect_acc = [&](const std::vector<double>& dref, const std::vector<double>& init) {
+      std::vector<double> e = dref;
+      if (c_.accumulate)
+        for (size_t i = 0; i < e.size(); ++i) e[i] += init[i];
+      return e;
+    };
+    if (c_.gw) {
+      EXPECT_TRUE(only_elements_changed(gw, b_gw, &gw_m, "grad_weight"));
+      if (!c_.accumulate) { EXPECT_TRUE(all_written(gw, gw_m, "grad_weight")); }
+      EXPECT_TRUE(close_normwise(read_mat(gw, gw_m), expect_acc(ref_.grad_weight, d_.gw0), tol_,
+                                 c_.accumulate ? "grad_weight (accumulated)" : "grad_weight"));
+    }
+    if (c_.gb) {
+      EXPECT_TRUE(only_elements_changed(gb, b_gb, &gb_m, "grad_bias"));
+      if (!c_.accumulate) { EXPECT_TRUE(all_written(gb, gb_m, "grad_bias")); }
+      EXPECT_TRUE(close_normwise(read_mat(gb, gb_m), expect_acc(ref_.grad_bias, d_.gb0), tol_,
+                                 c_.accumulate ? "grad_bias (accumulated)" : "grad_bias"));
+    }
+    if (c_.flags) {
+      uint32_t f;
+      std::memcpy(&f, flags.h(), 4);
+      EXPECT_EQ(f, preset | (any_invalid() ? FCE_FLAG_TARGET_OUT_OF_RANGE : 0u)) << "error_flags";
+    }
+    if (out) {
+      out->loss = loss.mirror();
+      out->lse = lse.mirror();
+      out->zloss = zl.mirror();
+      out->gh = gh.mirror();
+      out->gw = gw.mirror();
+      out->gb = gb.mirror();
+    }
+  }
+
+ private:
+  LinCase c_;
+  LinData d_;
+  fceref::LinearResult ref_;
+  int gdt_ = FCE_FLOAT32;
+  double tol_ = 0;
+  Mat hm_;
+  fce_options o_;
+  Buf hidden_, weight_, bias_, targets_, cw_, gout_;
+};
+
+void run_case(const LinCase& c) {
+  LinRunner r(c);
+  r.run();
+}
+
+// ------------------------------------------------------------------ the option matrix -------
+struct OptionSet {
+  const char* name;
+  std::function<void(LinCase&)> apply;
+};
+
+const std::vector<OptionSet>& option_sets() {
+  static const std::vector<OptionSet> sets = {
+      {"plain", [](LinCase&) {}},
+      {"no_bias", [](LinCase& c) { c.bias = false; c.gb = false; }},
+      {"bias_without_grad_bias", [](LinCase& c) { c.gb = false; }},
+      {"ignored_int32_gradoutput_null",
+       [](LinCase& c) { c.tdtype = FCE_INT32; c.ignore_frac = 0.3; c.gout = false; }},
+      {"weights_label_smoothing",
+       [](LinCase& c) { c.weights = true; c.eps = 0.1f; c.ignore_frac = 0.1; }},
+      {"zloss", [](LinCase& c) { c.lambda = 1e-3f; }},
+      {"softcap_scale", [](LinCase& c) { c.softcap = 10.0f; c.scale = 0.7f; }},
+      {"shift", [](LinCase& c) { c.shift = 8; c.N = 40; }},
+      {"hidden_row_stride", [](LinCase& c) { c.h_pad = 5; }},
+      {"accumulate", [](LinCase& c) { c.accumulate = true; }},
+      {"accumulate_grad_weight_fp32", [](LinCase& c) { c.accumulate = true; c.gw_fp32 = true; }},
+      {"grad_weight_fp32", [](LinCase& c) { c.gw_fp32 = true; }},
+      {"loss_only", [](LinCase& c) { c.gh = c.gw = c.gb = false; }},
+      {"loss_only_no_outputs_but_loss",
+       [](LinCase& c) { c.gh = c.gw = c.gb = false; c.lse = c.zloss = c.flags = false; }},
+      {"only_grad_hidden", [](LinCase& c) { c.gw = c.gb = false; }},
+      {"only_grad_weight", [](LinCase& c) { c.gh = c.gb = false; c.bias = false; }},
+      {"only_grad_bias", [](LinCase& c) { c.gh = c.gw = false; }},
+      {"workspace_min", [](LinCase& c) { c.ws = kWsMin; c.N = 131; }},
+      {"everything",
+       [](LinCase& c) {
+         c.tdtype = FCE_INT32; c.weights = true; c.eps = 0.05f; c.lambda = 1e-4f;
+         c.softcap = 12.0f; c.scale = 1.2f; c.shift = 7; c.N = 35; c.ignore_frac = 0.1;
+         c.h_pad = 3; c.accumulate = true; c.ws = kWsMid;
+       }},
+  };
+  return sets;
+}
+
+std::vector<LinCase> matrix_cases() {
+  std::vector<LinCase> cases;
+  uint64_t seed = 1;
+  for (int dtype : {FCE_FLOAT32, FCE_FLOAT16, FCE_BFLOAT16})
+    for (int red : {FCE_REDUCTION_MEAN, FCE_REDUCTION_SUM, FCE_REDUCTION_NONE})
+      for (const OptionSet& s : option_sets()) {
+        LinCase c;
+        c.dtype = dtype;
+        c.reduction = red;
+        c.seed = seed++;
+        s.apply(c);
+        c.name = std::string(dtype_name(dtype)) + "_" + reduction_name(red) + "_" + s.name;
+        cases.push_back(c);
+      }
+  return cases;
+}
+
+class LinearMatrix : public ::testing::TestWithParam<LinCase> {
+ protected:
+  void SetUp() override { FCE_REQUIRE_BACKEND(); }
+};
+
+TEST_P(LinearMatrix, MatchesReference) { run_case(GetParam()); }
+
+INSTANTIATE_TEST_SUITE_P(Options, LinearMatrix, ::testing::ValuesIn(matrix_cases()),
+                         [](const ::testing::TestParamInfo<LinCase>& i) { return i.param.name; });
+
+// ------------------------------------------------------------------ more cases --------------
+class Linear : public BackendTest {};
+
+const int kDtypes[] = {FCE_FLOAT32, FCE_FLOAT16, FCE_BFLOAT16};
+const int kReductions[] = {FCE_REDUCTION_MEAN, FCE_REDUCTION_SUM, FCE_REDUCTION_NONE};
+
+// Odd D and V, N not a multiple of anything, at the minimum and the optimal workspace.
+TEST_F(Linear, OddShapes) {
+  struct Shape { int64_t N, D, V; };
+  for (Shape s : {Shape{1, 1, 1}, Shape{1, 17, 7}, Shape{3, 1, 1001}, Shape{37, 33, 7},
+                  Shape{131, 17, 1001}, Shape{257, 9, 63}})
+    for (int dtype : kDtypes)
+      for (int ws : {kWsMin, kWsOpt}) {
+        LinCase c;
+        c.name = "odd_shape";
+        c.N = s.N;
+        c.D = s.D;
+        c.V = s.V;
+        c.dtype = dtype;
+        c.ws = ws;
+        c.eps = 0.1f;
+        c.reduction = FCE_REDUCTION_SUM;
+        run_case(c);
+      }
+}
+
+// Any workspace from the minimum up gives the same result (within the bound, bitwise for a
+// given size run to run), and each matches the reference.
+TEST_F(Linear, WorkspaceSizesAgree) {
+  for (int dtype : kDtypes)
+    for (int red : {FCE_REDUCTION_MEAN, FCE_REDUCTION_NONE}) {
+      LinCase c;
+      c.name = "workspace_sizes";
+      c.dtype = dtype;
+      c.reduction = red;
+      c.N = 257;
+      c.D = 40;
+      c.V = 1001;
+      c.weights = true;
+      c.eps = 0.1f;
+      c.lambda = 1e-4f;
+      c.accumulate = true;
+      LinRunner r(c);
+      size_t mn = 0, op = 0, bytes = 0;
+      ASSERT_NO_FATAL_FAILURE(r.workspace_bytes(kWsMin, &bytes, &mn, &op));
+      ASSERT_GT(mn, 0u) << "fce_linear_ce_workspace_size: min_bytes 0 (the logits need room)";
+      for (int ws : {kWsMin, kWsMid, kWsOpt, kWsMore}) {
+        LinOut a, b;
+        ASSERT_NO_FATAL_FAILURE(r.run(&a, ws, 0xFF));
+        ASSERT_NO_FATAL_FAILURE(r.run(&b, ws, 0x00));
+        EXPECT_TRUE(bitwise_equal(a.loss, b.loss, "loss, same workspace size twice"));
+        EXPECT_TRUE(bitwise_equal(a.gh, b.gh, "grad_hidden, same workspace size twice"));
+        EXPECT_TRUE(bitwise_equal(a.gw, b.gw, "grad_weight, same workspace size twice"));
+        EXPECT_TRUE(bitwise_equal(a.gb, b.gb, "grad_bias, same workspace size twice"));
+      }
+    }
+}
+
+// The smallest workspace cuts the rows into many chunks; dW and db must still be summed in
+// float32 across them (SPEC.md) and rounded once: 16-bit partial sums over ~1000 chunks
+// would miss the bound by a wide margin.
+TEST_F(Linear, ManyChunksAccumulateInFloat32) {
+  for (int dtype : {FCE_FLOAT32, FCE_FLOAT16, FCE_BFLOAT16})
+    for (bool acc : {false, true}) {
+      LinCase c;
+      c.name = "many_chunks";
+      c.dtype = dtype;
+      c.N = 1023;
+      c.D = 16;
+      c.V = 61;
+      c.reduction = FCE_REDUCTION_SUM;
+      c.accumulate = acc;
+      c.ws = kWsMin;
+      run_case(c);
+    }
+}
+
+// Targets outside [0, V): NaN loss row (and reduced), the flag, NaN grad_hidden row, and
+// grad_weight / grad_bias NaN (every column sees the NaN row); other rows' dh intact.
+TEST_F(Linear, OutOfRangeTargets) {
+  for (int dtype : {FCE_FLOAT32, FCE_BFLOAT16})
+    for (int tdtype : {FCE_INT32, FCE_INT64})
+      for (int red : kReductions)
+        for (bool grads : {false, true}) {
+          LinCase c;
+          c.name = "out_of_range";
+          c.dtype = dtype;
+          c.tdtype = tdtype;
+          c.reduction = red;
+          c.ignore_frac = 0.2;
+          c.gh = c.gw = c.gb = grads;
+          c.edit = [](const LinCase& cc, std::vector<int64_t>& y) {
+            y[2] = cc.V;
+            y[5] = -1;
+            y[11] = cc.tdtype == FCE_INT64 ? (int64_t{1} << 32) + 3 : INT32_MAX;
+          };
+          run_case(c);
+        }
+}
+
+TEST_F(Linear, AllRowsIgnored) {
+  for (int dtype : kDtypes)
+    for (int red : kReductions)
+      for (bool acc : {false, true}) {
+        LinCase c;
+        c.name = "all_ignored";
+        c.dtype = dtype;
+        c.reduction = red;
+        c.ignore_frac = 1.0;
+        c.weights = true;
+        c.eps = 0.1f;
+        c.lambda = 1e-3f;
+        c.accumulate = acc;
+        run_case(c);
+      }
+}
+
+TEST_F(Linear, Deterministic) {
+  for (int dtype : kDtypes) {
+    LinCase c;
+    c.name = "deterministic";
+    c.dtype = dtype;
+    c.N = 300;
+    c.D = 48;
+    c.V = 2000;
+    c.eps = 0.1f;
+    c.weights = true;
+    LinRunner r(c);
+    r.options().deterministic = 1;
+    LinOut a, b;
+    ASSERT_NO_FATAL_FAILURE(r.run(&a, kWsOpt, 0xFF));
+    ASSERT_NO_FATAL_FAILURE(r.run(&b, kWsOpt, 0x11));
+    EXPECT_TRUE(bitwise_equal(a.loss, b.loss, "loss"));
+    EXPECT_TRUE(bitwise_equal(a.lse, b.lse, "lse"));
+    EXPECT_TRUE(bitwise_equal(a.zloss, b.zloss, "z_loss"));
+    EXPECT_TRUE(bitwise_equal(a.gh, b.gh, "grad_hidden"));
+    EXPECT_TRUE(bitwise_equal(a.gw, b.gw, "grad_weight"));
+    EXPECT_TRUE(bitwise_equal(a.gb, b.gb, "grad_bias"));
+  }
+}
+
+// The loss of fce_linear_ce equals fce_forward's on the materialised logits (float32).
+TEST_F(Linear, AgreesWithForwardOnMaterialisedLogits) {
+  LinCase c;
+  c.name = "vs_forward";
+  c.N = 50;
+  c.D = 32;
+  c.V = 700;
+  c.reduction = FCE_REDUCTION_NONE;
+  c.eps = 0.1f;
+  c.softcap = 15.0f;
+  LinRunner r(c);
+  ASSERT_NO_FATAL_FAILURE(r.run());
+  // Feed the reference logits (float32) to fce_forward: both agree with the same reference.
+  fce_options o = r.options();
+  o.hidden_row_stride = 0;
+  Mat zm = mat(FCE_FLOAT32, c.N, c.V);
+  Buf z(zm);
+  write_mat(z, zm, r.ref().logits);
+  z.push();
+  Buf y(static_cast<size_t>(c.N) * 8);
+  for (int64_t i = 0; i < c.N; ++i) {
+    int64_t t = r.ref().ce.target[static_cast<size_t>(i)];
+    std::memcpy(y.h() + 8 * i, &t, 8);
+  }
+  y.push();
+  Mat lm = vec(FCE_FLOAT32, c.N);
+  Buf loss = poisoned(lm);
+  size_t wsb = 0;
+  ASSERT_EQ(fce_forward_workspace_size(&o, c.N, c.V, &wsb), FCE_SUCCESS) << fce_last_error();
+  Buf ws = workspace_buf(wsb);
+  ASSERT_EQ(fce_forward(&o, c.N, c.V, z.ptr(), y.ptr(), loss.p<float>(), nullptr, nullptr,
+                        nullptr, nullptr, nullptr, ws.ptr(), wsb, test_stream()),
+            FCE_SUCCESS)
+      << fce_last_error();
+  ASSERT_TRUE(finish());
+  loss.pull();
+  EXPECT_TRUE(close_normwise(read_mat(loss, lm), r.ref().ce.row_loss, 1e-5, "fce_forward loss"));
+}
+
+// ------------------------------------------------------------------ bad input ---------------
+// A valid call, mutated one argument at a time: the status, the message naming the argument,
+// and every output untouched.
+struct LinArgs {
+  fce_options o;
+  const fce_options* opts;
+  int64_t rows, hidden, vocab;
+  const void *h, *W, *b, *y;
+  float *loss, *lse, *zl;
+  void *gh, *gw, *gb;
+  const float* gout;
+  uint32_t* flags;
+  void* ws;
+  size_t wsb;
+};
+
+class LinearBadInput : public BackendTest {
+ protected:
+  static constexpr int64_t N = 8, D = 12, V = 40;
+  void SetUp() override {
+    BackendTest::SetUp();
+    if (IsSkipped() || HasFatalFailure()) return;
+    std::mt19937_64 rng(9);
+    hidden = Buf(mat(FCE_FLOAT32, N, D));
+    write_mat(hidden, mat(FCE_FLOAT32, N, D), random_normal(rng, FCE_FLOAT32, N * D, 1.0));
+    hidden.push();
+    weight = Buf(mat(FCE_FLOAT32, V, D));
+    write_mat(weight, mat(FCE_FLOAT32, V, D), random_normal(rng, FCE_FLOAT32, V * D, 1.0));
+    weight.push();
+    bias = f32_buf(random_normal(rng, FCE_FLOAT32, V, 1.0));
+    targets = targets_buf(random_targets(rng, N, V), FCE_INT64);
+    // One arena holds grad_weight and, at a partial overlap, a second grad_hidden.
+    arena = Buf(static_cast<size_t>(V * D + N * D) * 4);
+    poison_all(arena, FCE_FLOAT32);
+    arena.push();
+    gh = poisoned(mat(FCE_FLOAT32, N, D));
+    gb = poisoned(vec(FCE_FLOAT32, V));
+    loss = poisoned(vec(FCE_FLOAT32, 1));
+    lse = poisoned(vec(FCE_FLOAT32, N));
+    zl = poisoned(vec(FCE_FLOAT32, 1));
+    flags = Buf(4, 0xA5);
+    flags.push();
+    a.o = test_options();
+    size_t mn = 0, op = 0;
+    ASSERT_EQ(fce_linear_ce_workspace_size(&a.o, N, D, V, 1, &mn, &op), FCE_SUCCESS)
+        << fce_last_error();
+    ws = workspace_buf(op + 64);  // room for the misaligned-workspace case
+    min_bytes = mn;
+    a.opts = &a.o;
+    a.rows = N, a.hidden = D, a.vocab = V;
+    a.h = hidden.ptr(), a.W = weight.ptr(), a.b = bias.ptr(), a.y = targets.ptr();
+    a.loss = loss.p<float>(), a.lse = lse.p<float>(), a.zl = zl.p<float>();
+    a.gh = gh.ptr(), a.gw = arena.ptr(), a.gb = gb.ptr();
+    a.gout = nullptr;
+    a.flags = flags.p<uint32_t>();
+    a.ws = ws.ptr();
+    a.wsb = op;
+  }
+  fce_status call(const LinArgs& x) {
+    return fce_linear_ce(x.opts, x.rows, x.hidden, x.vocab, x.h, x.W, x.b, x.y, x.loss, x.lse,
+                         x.zl, x.gh, x.gw, x.gb, x.gout, x.flags, x.ws, x.wsb, test_stream());
+  }
+  // Runs the mutated call and checks status, message and untouched outputs.
+  void expect_rejected(const char* what, fce_status expected, const char* names,
+                       const std::function<void(LinArgs&)>& mutate) {
+    SCOPED_TRACE(std::string("fce_linear_ce bad input: ") + what);
+    LinArgs x = a;
+    mutate(x);
+    if (x.opts == &a.o) x.opts = &x.o;
+    std::vector<const Buf*> outs = {&loss, &lse, &zl, &gh, &arena, &gb, &flags, &hidden, &weight, &bias};
+    std::vector<std::vector<uint8_t>> before;
+    for (const Buf* b : outs) before.push_back(b->mirror());
+    fce_status st = call(x);
+    EXPECT_EQ(st, expected) << "got " << fce_status_string(st) << " (" << fce_last_error() << ")";
+    EXPECT_TRUE(error_mentions(names));
+    EXPECT_TRUE(error_mentions("fce_linear_ce"));
+    EXPECT_TRUE(finish());
+    for (size_t i = 0; i < outs.size(); ++i) {
+      Buf* b = const_cast<Buf*>(outs[i]);
+      b->pull();
+      EXPECT_TRUE(unchanged(*b, before[i], "a buffer of the rejected call"));
+    }
+  }
+  Buf hidden, weight, bias, targets, arena, gh, gb, loss, lse, zl, flags, ws;
+  size_t min_bytes = 0;
+  LinArgs a;
+};
+
+TEST_F(LinearBadInput, ValidBaselineSucceeds) {
+  LinArgs x = a;
+  x.opts = &x.o;
+  ASSERT_EQ(call(x), FCE_SUCCESS) << fce_last_error();
+  ASSERT_TRUE(finish());
+}
+
+TEST_F(LinearBadInput, NullPointers) {
+  expect_rejected("options NULL", FCE_ERROR_NULL_POINTER, "options", [](LinArgs& x) { x.opts = nullptr; });
+  expect_rejected("hidden_states NULL", FCE_ERROR_NULL_POINTER, "hidden_states", [](LinArgs& x) { x.h = nullptr; });
+  expect_rejected("weight NULL", FCE_ERROR_NULL_POINTER, "weight", [](LinArgs& x) { x.W = nullptr; });
+  expect_rejected("targets NULL", FCE_ERROR_NULL_POINTER, "targets", [](LinArgs& x) { x.y = nullptr; });
+  expect_rejected("loss NULL", FCE_ERROR_NULL_POINTER, "loss", [](LinArgs& x) { x.loss = nullptr; });
+  if (a.wsb > 0)
+    expect_rejected("workspace NULL with bytes", FCE_ERROR_NULL_POINTER, "workspace",
+                    [](LinArgs& x) { x.ws = nullptr; });
+}
+
+TEST_F(LinearBadInput, Sizes) {
+  expect_rejected("rows 0", FCE_ERROR_INVALID_ARGUMENT, "rows", [](LinArgs& x) { x.rows = 0; });
+  expect_rejected("rows -1", FCE_ERROR_INVALID_ARGUMENT, "rows", [](LinArgs& x) { x.rows = -1; });
+  expect_rejected("hidden 0", FCE_ERROR_INVALID_ARGUMENT, "hidden", [](LinArgs& x) { x.hidden = 0; });
+  expect_rejected("hidden -4", FCE_ERROR_INVALID_ARGUMENT, "hidden", [](LinArgs& x) { x.hidden = -4; });
+  expect_rejected("vocab 0", FCE_ERROR_INVALID_ARGUMENT, "vocab", [](LinArgs& x) { x.vocab = 0; });
+  expect_rejected("vocab -2", FCE_ERROR_INVALID_ARGUMENT, "vocab", [](LinArgs& x) { x.vocab = -2; });
+  expect_rejected("hidden_row_stride < hidden", FCE_ERROR_INVALID_ARGUMENT, "hidden_row_stride",
+                  [](LinArgs& x) { x.o.hidden_row_stride = D - 1; });
+  expect_rejected("hidden_row_stride negative", FCE_ERROR_INVALID_ARGUMENT, "hidden_row_stride",
+                  [](LinArgs& x) { x.o.hidden_row_stride = -3; });
+  expect_rejected("rows * hidden overflowing", FCE_ERROR_INVALID_ARGUMENT, "rows|hidden|vocab",
+                  [](LinArgs& x) { x.rows = int64_t{1} << 40; x.hidden = int64_t{1} << 40; });
+}
+
+TEST_F(LinearBadInput, Options) {
+  expect_rejected("dtype unknown", FCE_ERROR_INVALID_ARGUMENT, "dtype", [](LinArgs& x) { x.o.dtype = 9; });
+  expect_rejected("dtype int32", FCE_ERROR_INVALID_ARGUMENT, "dtype", [](LinArgs& x) { x.o.dtype = FCE_INT32; });
+  expect_rejected("target_dtype float", FCE_ERROR_INVALID_ARGUMENT, "target_dtype",
+                  [](LinArgs& x) { x.o.target_dtype = FCE_FLOAT32; });
+  expect_rejected("reduction 3", FCE_ERROR_INVALID_ARGUMENT, "reduction", [](LinArgs& x) { x.o.reduction = 3; });
+  expect_rejected("backend 7", FCE_ERROR_INVALID_ARGUMENT, "backend", [](LinArgs& x) { x.o.backend = 7; });
+  expect_rejected("label_smoothing 1", FCE_ERROR_INVALID_ARGUMENT, "label_smoothing",
+                  [](LinArgs& x) { x.o.label_smoothing = 1.0f; });
+  expect_rejected("softcap -1", FCE_ERROR_INVALID_ARGUMENT, "softcap", [](LinArgs& x) { x.o.softcap = -1.0f; });
+  expect_rejected("z_loss_scale -1", FCE_ERROR_INVALID_ARGUMENT, "z_loss_scale",
+                  [](LinArgs& x) { x.o.z_loss_scale = -1.0f; });
+  expect_rejected("logit_scale NaN", FCE_ERROR_INVALID_ARGUMENT, "logit_scale",
+                  [](LinArgs& x) { x.o.logit_scale = std::numeric_limits<float>::quiet_NaN(); });
+  expect_rejected("shift_seq_len 3 with rows 8", FCE_ERROR_INVALID_ARGUMENT, "shift_seq_len",
+                  [](LinArgs& x) { x.o.shift_seq_len = 3; });
+  expect_rejected("struct_size too small", FCE_ERROR_INVALID_ARGUMENT, "struct_size",
+                  [](LinArgs& x) { x.o.struct_size = 8; });
+  expect_rejected("reserved0", FCE_ERROR_INVALID_ARGUMENT, "reserved0", [](LinArgs& x) { x.o.reserved0 = 1; });
+}
+
+TEST_F(LinearBadInput, BuffersAndWorkspace) {
+  expect_rejected("grad_bias without bias", FCE_ERROR_INVALID_ARGUMENT, "grad_bias",
+                  [](LinArgs& x) { x.b = nullptr; });
+  size_t mn = min_bytes;
+  if (mn > 0) {
+    expect_rejected("workspace below min_bytes", FCE_ERROR_WORKSPACE_TOO_SMALL, "workspace",
+                    [mn](LinArgs& x) { x.wsb = mn - 1; });
+  } else {
+    ADD_FAILURE() << "min_bytes is 0: cannot test a too-small workspace";
+  }
+  expect_rejected("hidden_states misaligned", FCE_ERROR_MISALIGNED, "hidden_states",
+                  [](LinArgs& x) { x.h = static_cast<const char*>(x.h) + 1; });
+  expect_rejected("weight misaligned", FCE_ERROR_MISALIGNED, "weight",
+                  [](LinArgs& x) { x.W = static_cast<const char*>(x.W) + 2; });
+  expect_rejected("bias misaligned", FCE_ERROR_MISALIGNED, "bias",
+                  [](LinArgs& x) { x.b = static_cast<const char*>(x.b) + 1; });
+  expect_rejected("grad_weight misaligned", FCE_ERROR_MISALIGNED, "grad_weight",
+                  [](LinArgs& x) { x.gw = static_cast<char*>(x.gw) + 1; });
+  if (a.wsb > 0)
+    expect_rejected("workspace misaligned", FCE_ERROR_MISALIGNED, "workspace",
+                  [](LinArgs& x) { x.ws = static_cast<char*>(x.ws) + 8; });
+  expect_rejected("grad_hidden overlapping grad_weight", FCE_ERROR_INVALID_ARGUMENT,
+                  "grad_hidden|grad_weight",
+                  [](LinArgs& x) { x.gh = static_cast<float*>(x.gw) + V * D - 4; });
+  expect_rejected("grad_hidden over hidden_states", FCE_ERROR_INVALID_ARGUMENT,
+                  "grad_hidden|hidden_states",
+                  [](LinArgs& x) { x.gh = const_cast<void*>(x.h); });
+}
+
+// ------------------------------------------------------------------ CUDA only ---------------
+#if FCE_TEST_HAVE_CUDA
+TEST_F(Linear, CudaGraphCapture) {
+  if (!on_cuda()) {
+    std::printf("SKIPPED: graph capture is a CUDA backend test (FCE_TEST_BACKEND=cuda)\n");
+    GTEST_SKIP() << "CUDA backend only";
+  }
+  const int64_t N = 96, D = 64, V = 1000;
+  std::mt19937_64 rng(5);
+  auto h = random_normal(rng, FCE_BFLOAT16, N * D, 1.0), W = random_normal(rng, FCE_BFLOAT16, V * D, 0.2);
+  auto y = random_targets(rng, N, V, 0.1);
+  Buf hb(mat(FCE_BFLOAT16, N, D)), wb(mat(FCE_BFLOAT16, V, D));
+  write_mat(hb, mat(FCE_BFLOAT16, N, D), h);
+  write_mat(wb, mat(FCE_BFLOAT16, V, D), W);
+  hb.push();
+  wb.push();
+  Buf yb = targets_buf(y, FCE_INT64);
+  fce_options o = test_options();
+  o.dtype = FCE_BFLOAT16;
+  o.grad_weight_fp32 = 1;
+  o.label_smoothing = 0.1f;
+  Mat one = vec(FCE_FLOAT32, 1), ghm = mat(FCE_BFLOAT16, N, D), gwm = mat(FCE_FLOAT32, V, D);
+  Buf loss = poisoned(one), gh = poisoned(ghm), gw = poisoned(gwm);
+  size_t mn = 0, op = 0;
+  ASSERT_EQ(fce_linear_ce_workspace_size(&o, N, D, V, 1, &mn, &op), FCE_SUCCESS);
+  Buf ws = workspace_buf(op);
+  auto call = [&] {
+    return fce_linear_ce(&o, N, D, V, hb.ptr(), wb.ptr(), nullptr, yb.ptr(), loss.p<float>(),
+                         nullptr, nullptr, gh.ptr(), gw.ptr(), nullptr, nullptr, nullptr,
+                         ws.ptr(), op, test_stream());
+  };
+  ASSERT_EQ(call(), FCE_SUCCESS) << fce_last_error();  // eager first (cuBLASLt handle)
+  ASSERT_TRUE(finish());
+  for (Buf* b : {&loss, &gh, &gw}) b->pull();
+  auto e_loss = loss.mirror(), e_gh = gh.mirror(), e_gw = gw.mirror();
+  poison_mat(loss, one), loss.push();
+  poison_mat(gh, ghm), gh.push();
+  poison_mat(gw, gwm), gw.push();
+  cudaStream_t s = cuda_stream();
+  cudaGraph_t graph = nullptr;
+  ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal), cudaSuccess);
+  fce_status st = call();
+  cudaError_t ce = cudaStreamEndCapture(s, &graph);
+  ASSERT_EQ(st, FCE_SUCCESS) << fce_last_error();
+  ASSERT_EQ(ce, cudaSuccess) << cudaGetErrorString(ce);
+  cudaGraphExec_t exec = nullptr;
+#if CUDART_VERSION >= 12000
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+#else
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, nullptr, nullptr, 0), cudaSuccess);
+#endif
+  ASSERT_EQ(cudaGraphLaunch(exec, s), cudaSuccess);
+  ASSERT_TRUE(finish());
+  for (Buf* b : {&loss, &gh, &gw}) b->pull();
+  EXPECT_TRUE(bitwise_equal(loss.mirror(), e_loss, "graph vs eager loss"));
+  EXPECT_TRUE(bitwise_equal(gh.mirror(), e_gh, "graph vs eager grad_hidden"));
+  EXPECT_TRUE(bitwise_equal(gw.mirror(), e_gw, "graph vs eager grad_weight"));
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+}
+#endif
+
+}  // namespace
