@@ -1,0 +1,187 @@
+// ce.cu — the CUDA backend of fce_forward / fce_backward: checks that every pointer is usable on
+// the current device, carves the workspace, and enqueues the three steps on the caller's stream:
+//   1. launch_ce_denominators   D and Ω over all rows (needed by mean and by weighted smoothing)
+//   2. launch_ce_rows           row losses, lse, z-loss terms, the gradient (one pass)
+//   3. launch_ce_finalize       the fixed-order reduced loss / z-loss (forward)
+// No allocation, no synchronisation, nothing on another stream: graph-capturable.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/ce_rows.cuh"
+#include "internal.h"
+
+namespace fce {
+namespace {
+
+constexpr size_t kWsAlign = 256;
+
+size_t align_up(size_t x) { return (x + kWsAlign - 1) / kWsAlign * kWsAlign; }
+
+// Workspace layout (offsets from the caller's pointer, which is 16-byte aligned):
+//   [0, 256)                         CeDenoms
+//   [256, 256 + align(rows·4))       row losses (forward, mean/sum; none uses the caller's loss)
+//   [.., .. + align(rows·4))         row z-loss terms (forward, λ ≠ 0)
+struct WsLayout {
+  size_t denoms = 0, row_loss = 0, row_zloss = 0, total = 0;
+  bool has_row_loss = false, has_row_zloss = false;
+};
+WsLayout ws_layout(const CeOptions& opt, int64_t rows, bool backward) {
+  WsLayout l;
+  size_t off = align_up(sizeof(cuda::CeDenoms));
+  const size_t row_bytes = align_up(static_cast<size_t>(rows < 0 ? 0 : rows) * sizeof(float));
+  if (!backward && opt.reduction != FCE_REDUCTION_NONE) {
+    l.has_row_loss = true;
+    l.row_loss = off;
+    off += row_bytes;
+  }
+  if (!backward && opt.z_loss_scale != 0.f) {
+    l.has_row_zloss = true;
+    l.row_zloss = off;
+    off += row_bytes;
+  }
+  l.total = off;
+  return l;
+}
+
+// A pointer the device can dereference: device memory of this device, managed memory, pinned
+// (registered / cudaHostAlloc) host memory, or any host memory on a system where the device
+// accesses pageable memory (HMM / ATS). Anything else is a plain host pointer: an error naming
+// the argument, before any work is enqueued.
+fce_status check_pointer(const char* fn, const void* ptr, const char* name, int device,
+                         int pageable_ok) {
+  if (!ptr) return FCE_SUCCESS;
+  cudaPointerAttributes attr{};
+  const cudaError_t e = cudaPointerGetAttributes(&attr, ptr);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();  // old runtimes: cudaErrorInvalidValue for unregistered host memory
+    if (e != cudaErrorInvalidValue)
+      return fail(FCE_ERROR_CUDA, "%s: cudaPointerGetAttributes(%s) failed: %s", fn, name,
+                  cudaGetErrorString(e));
+    attr.type = cudaMemoryTypeUnregistered;
+  }
+  switch (attr.type) {
+    case cudaMemoryTypeDevice:
+      if (attr.device != device)
+        return fail(FCE_ERROR_INVALID_ARGUMENT,
+                    "%s: %s (%p) is memory of CUDA device %d, but the current device is %d", fn,
+                    name, ptr, attr.device, device);
+      return FCE_SUCCESS;
+    case cudaMemoryTypeManaged:
+      return FCE_SUCCESS;
+    case cudaMemoryTypeHost:
+      if (attr.devicePointer == ptr) return FCE_SUCCESS;  // pinned and mapped (UVA)
+      return fail(FCE_ERROR_INVALID_ARGUMENT,
+                  "%s: %s (%p) is pinned host memory not mapped into the device's address space",
+                  fn, name, ptr);
+    default:
+      if (pageable_ok) return FCE_SUCCESS;
+      return fail(FCE_ERROR_INVALID_ARGUMENT,
+                  "%s: %s (%p) is host memory; the CUDA backend needs device memory", fn, name, ptr);
+  }
+}
+
+}  // namespace
+
+bool cuda_available() {
+  int n = 0;
+  const cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return n > 0;
+}
+
+size_t cuda_ce_workspace_size(const CeOptions& opt, int64_t rows, int64_t /*vocab*/,
+                              bool backward) {
+  return ws_layout(opt, rows, backward).total;
+}
+
+fce_status cuda_ce(const CeProblem& p) {
+  const bool backward = p.lse_in != nullptr;
+  const char* fn = backward ? "fce_backward" : "fce_forward";
+  const CeOptions& opt = p.opt;
+
+  // ---- everything that can fail before any work is enqueued
+  int device = 0;
+  cudaError_t e = cudaGetDevice(&device);
+  int pageable_ok = 0;
+  if (e == cudaSuccess)
+    e = cudaDeviceGetAttribute(&pageable_ok, cudaDevAttrPageableMemoryAccess, device);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return fail(FCE_ERROR_CUDA, "%s: no usable CUDA device: %s", fn, cudaGetErrorString(e));
+  }
+  const struct {
+    const void* ptr;
+    const char* name;
+  } pointers[] = {{p.logits, "logits"},           {p.targets, "targets"},
+                  {p.loss, "loss"},               {p.lse, "lse"},
+                  {p.z_loss, "z_loss"},           {p.grad, "grad_logits"},
+                  {p.grad_output, "grad_output"}, {p.lse_in, "lse"},
+                  {p.error_flags, "error_flags"}, {opt.class_weights, "options->class_weights"},
+                  {p.workspace, "workspace"}};
+  for (const auto& q : pointers)
+    if (fce_status st = check_pointer(fn, q.ptr, q.name, device, pageable_ok)) return st;
+
+  const WsLayout ws = ws_layout(opt, p.rows, backward);
+  if (p.workspace_bytes < ws.total)
+    return fail(FCE_ERROR_WORKSPACE_TOO_SMALL, "%s: workspace_bytes (%zu) is less than %zu", fn,
+                p.workspace_bytes, ws.total);
+  if (!p.workspace)
+    return fail(FCE_ERROR_NULL_POINTER, "%s: workspace is NULL (%zu bytes needed)", fn, ws.total);
+  if (!backward && !p.loss)
+    return fail(FCE_ERROR_NULL_POINTER, "%s: loss is NULL", fn);
+  if (backward && !p.grad)
+    return fail(FCE_ERROR_NULL_POINTER, "%s: grad_logits is NULL", fn);
+
+  char* base = static_cast<char*>(p.workspace);
+  auto* denoms = reinterpret_cast<cuda::CeDenoms*>(base + ws.denoms);
+  float* row_loss = nullptr;
+  if (!backward)
+    row_loss = ws.has_row_loss ? reinterpret_cast<float*>(base + ws.row_loss) : p.loss;  // none
+  float* row_zloss =
+      (!backward && p.z_loss && ws.has_row_zloss) ? reinterpret_cast<float*>(base + ws.row_zloss)
+                                                  : nullptr;  // λ = 0: the z-loss total is 0
+  cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
+
+  // ---- 1. denominators (all rows, before any row needs k = g / D)
+  if (fce_status st = cuda::launch_ce_denominators(opt, p.rows, p.vocab, p.targets, denoms, stream))
+    return st;
+
+  // ---- 2. the rows
+  cuda::CeRowsArgs a{};
+  a.opt = opt;
+  a.vocab = p.vocab;
+  a.total_rows = p.rows;
+  a.row_begin = 0;
+  a.row_count = p.rows;
+  a.logits = p.logits;
+  a.logits_dtype = opt.dtype;
+  a.row_stride = p.row_stride;
+  a.grad = p.grad;
+  a.grad_dtype = opt.dtype;
+  a.grad_row_stride = p.grad_row_stride;
+  a.targets = p.targets;
+  a.denoms = denoms;
+  a.grad_output = p.grad_output;
+  a.lse_in = p.lse_in;
+  a.row_loss = row_loss;
+  a.row_zloss = row_zloss;
+  a.lse_out = backward ? nullptr : p.lse;
+  a.error_flags = p.error_flags;
+  if (fce_status st = cuda::launch_ce_rows(a, stream)) return st;
+
+  // ---- 3. the reduced loss and z-loss (forward); for none the rows already are the loss
+  if (!backward) {
+    float* loss_out = opt.reduction == FCE_REDUCTION_NONE ? nullptr : p.loss;
+    if (loss_out || p.z_loss)
+      if (fce_status st = cuda::launch_ce_finalize(opt, p.rows, row_loss, row_zloss, denoms,
+                                                   loss_out, p.z_loss, stream))
+        return st;
+  }
+  return FCE_SUCCESS;
+}
+
+}  // namespace fce

@@ -1,0 +1,72 @@
+// ce_rows.cuh — the cross-entropy row kernels (ce_kernels.cu), shared by cuda_ce (ce.cu) and the
+// fused linear + CE path (linear_ce.cu), which calls launch_ce_rows on chunks of rows.
+//
+// Call order on one stream, per problem: launch_ce_denominators (all rows) → launch_ce_rows (all
+// rows, in one call or in chunks, any order) → launch_ce_finalize. Everything is enqueued on the
+// given stream: no allocation, no synchronisation, graph-capturable. Each returns FCE_SUCCESS or
+// a status with fce::fail() naming the kernel (FCE_ERROR_CUDA on a launch error).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "internal.h"
+
+namespace fce {
+namespace cuda {
+
+struct CeDenoms {
+  float denom;        // D (SEMANTICS rule 4)
+  float omega_total;  // Omega = sum_j w_j (vocab without class weights)
+};  // device memory, lives in the workspace
+
+// D (SEMANTICS rule 4) and Omega = sum of class weights (or vocab), deterministic, all rows.
+// launch_ce_rows reads D for reduction mean (to form k = g / D) and Omega for label smoothing
+// with class weights; launch_ce_finalize reads D for mean. Call it before them, always.
+fce_status launch_ce_denominators(const CeOptions& opt, int64_t rows, int64_t vocab,
+                                  const void* targets, CeDenoms* out, cudaStream_t s);
+
+struct CeRowsArgs {
+  CeOptions opt;
+  int64_t vocab;
+  int64_t total_rows;
+  int64_t row_begin, row_count;  // this launch covers global rows [row_begin, row_begin+row_count)
+  const void* logits;            // points at row row_begin
+  int logits_dtype;              // may differ from opt.dtype (linear CE keeps a float32 chunk)
+  int64_t row_stride;            // elements, >= vocab
+  void* grad;                    // points at row row_begin; nullptr = no gradient; may equal
+                                 // logits (then same dtype and stride)
+  int grad_dtype;
+  int64_t grad_row_stride;       // elements, >= vocab
+  const void* targets;           // the whole targets array, indexed by global row (shift!)
+  const CeDenoms* denoms;        // device
+  const float* grad_output;      // nullptr = 1; [1] for mean/sum, [total_rows] for none (global)
+  const float* lse_in;           // backward: saved lse [total_rows] (global); nullptr = forward
+  float* row_loss;               // [total_rows] per-row loss, global index (forward)
+  float* row_zloss;              // [total_rows] lambda*lse^2 (0 for ignored rows) or nullptr
+  float* lse_out;                // [total_rows] or nullptr
+  uint32_t* error_flags;         // or nullptr
+};
+// Supported (logits_dtype, grad_dtype): (f32, f32), (f16, f16), (bf16, bf16), (f32, f16),
+// (f32, bf16); without a gradient any logits dtype. Backward (lse_in) needs grad and writes
+// only the gradient (and error_flags). Rows shorter than 512 KB (64 KB on sm_80) take the
+// register / cluster path, longer ones the two-pass path (see ce_kernels.cu).
+fce_status launch_ce_rows(const CeRowsArgs& a, cudaStream_t s);
+
+// Deterministic fixed-order sums of row_loss/row_zloss over all rows into loss[0] / z_loss[0]
+// (SEMANTICS rules 5, 7). For reduction none, the caller passes the user's loss buffer as
+// row_loss and this is only used for z_loss (loss = nullptr). row_zloss = nullptr gives a
+// z-loss total of 0 (right when lambda = 0). Nothing to do when loss and z_loss are both null.
+fce_status launch_ce_finalize(const CeOptions& opt, int64_t rows, const float* row_loss,
+                              const float* row_zloss, const CeDenoms* d, float* loss,
+                              float* z_loss, cudaStream_t s);
+
+#if defined(FCE_CE_SELFTEST)
+// Host-only check of the register path's index arithmetic (ce_kernels.cu); returns the number
+// of failures. Built only with -DFCE_CE_SELFTEST; needs no GPU.
+int ce_rows_selftest();
+#endif
+
+}  // namespace cuda
+}  // namespace fce
