@@ -25,13 +25,15 @@ suite() {
 }
 suite "C ABI tests on CUDA (ctest)" env FCE_TEST_BACKEND=cuda ctest --test-dir "$BUILD" --output-on-failure
 if command -v compute-sanitizer >/dev/null; then
-  for t in "$BUILD"/tests/test_ce "$BUILD"/tests/test_linear_ce; do
-    [ -x "$t" ] || continue
-    filter=${FCE_SANITIZER_FILTER:-*Small*:*Shift*:*InPlace*:*Odd*}
-    suite "memcheck $(basename "$t")" env FCE_TEST_BACKEND=cuda compute-sanitizer --tool memcheck \
-      --error-exitcode 1 "$t" --gtest_filter="$filter"
-    suite "racecheck $(basename "$t")" env FCE_TEST_BACKEND=cuda compute-sanitizer --tool racecheck \
-      --error-exitcode 1 "$t" --gtest_filter="$filter"
+  # A subset that reaches every kernel path: one CTA, clusters (V = 50257, odd and unaligned),
+  # strided, in place, shift, every option, out-of-range targets; and the linear plan.
+  ce_filter='Ce.SingleRow:Ce.OddVocabularies:Ce.BiggerShapes:Ce.OutOfRangeTargets*:*bf16_mean_everything*:*f32_none_strided*:*f16_sum_inplace_strided*'
+  lin_filter='Linear.OddShapes:Linear.OutOfRangeTargets:*bf16_mean_plain*:*f32_sum_accumulate*'
+  for tool in memcheck racecheck; do
+    suite "$tool test_ce" env FCE_TEST_BACKEND=cuda compute-sanitizer --tool $tool \
+      --error-exitcode 1 "$BUILD/tests/test_ce" --gtest_filter="$ce_filter"
+    suite "$tool test_linear_ce" env FCE_TEST_BACKEND=cuda compute-sanitizer --tool $tool \
+      --error-exitcode 1 "$BUILD/tests/test_linear_ce" --gtest_filter="$lin_filter"
   done
 else
   echo "SKIPPED: compute-sanitizer not on PATH"

@@ -461,18 +461,22 @@ __device__ void write_row_outputs(const KParams& p, int64_t row, const RowInfo& 
 // Per-row constants of the gradient (SEMANTICS rule 9), with p_j = exp(a_j − lse):
 //   ∂a_j = A·p_j − B·ω_j − [j = y]·Y,  A = (1−ε)ω_y + (ε/V)Ω + 2λ·lse,  B = ε/V,  Y = (1−ε)ω_y
 //   ∂z_j = ks · ∂a_j (· (1 − t_j²) with softcap),  ks = k·s.
+// da_j = p_j*A - B*w_j - [j = y]*Y with A = Y + Ap. The target element is computed as
+// Y*(p_y - 1) + (p_y*Ap - B*w_y): when p_y is near 1 (a confident model) p_y*A - Y would
+// cancel and lose the small difference; p_y - 1 is exact there (Sterbenz).
 struct RowGrad {
-  float lse, A, B, Y, ks;
+  float lse, A, Ap, B, Y, ks;
 };
 template <int MODE>
 __device__ __forceinline__ RowGrad make_row_grad(const KParams& p, const RowInfo& ri, float lse) {
   RowGrad g;
   g.lse = lse;
   g.Y = __fmul_rn(p.one_minus_eps, ri.wy);
-  float A = g.Y;
-  if (use_smooth<MODE>(p)) A = __fadd_rn(A, __fmul_rn(p.eps_over_V, ri.omega));
-  if (p.two_lambda != 0.f) A = __fadd_rn(A, __fmul_rn(p.two_lambda, lse));
-  g.A = A;
+  float Ap = 0.f;
+  if (use_smooth<MODE>(p)) Ap = __fmul_rn(p.eps_over_V, ri.omega);
+  if (p.two_lambda != 0.f) Ap = __fadd_rn(Ap, __fmul_rn(p.two_lambda, lse));
+  g.Ap = Ap;
+  g.A = __fadd_rn(g.Y, Ap);
   g.B = use_smooth<MODE>(p) ? p.eps_over_V : 0.f;
   g.ks = __fmul_rn(ri.k, p.scale);
   return g;
@@ -502,7 +506,7 @@ __device__ __forceinline__ void grad_vector(const uint4& raw, I j0, bool full, b
       if (full || (j >= 0 && j < p.vocab)) b = __fmul_rn(rg.B, __ldg(p.class_weights + j));
     }
     float da = __fmaf_rn(pr, rg.A, -b);
-    if (q == dy) da = __fsub_rn(da, rg.Y);
+    if (q == dy) da = __fmaf_rn(rg.Y, __fsub_rn(pr, 1.f), __fmaf_rn(pr, rg.Ap, -b));
     float gq = __fmul_rn(da, rg.ks);
     if (use_cap<MODE>(p)) gq = __fmul_rn(gq, __fmaf_rn(-t, t, 1.f));
     g[q] = gq;

@@ -18,8 +18,10 @@ How the gradient is computed (the training path):
 * :func:`linear_cross_entropy` cannot save the logits (they never exist whole), so for
   reduction 'mean' and 'sum' the forward (``fusedce::linear_ce``) computes the gradients of
   hidden, weight and bias with an upstream gradient of 1, in the same pass as the loss, and the
-  backward multiplies them by the upstream scalar (for bf16/fp16 gradients the scalar is rounded
-  to that dtype; it is exact for 1 and powers of two). The gradients are only computed when
+  backward multiplies them by the upstream scalar. The weight and bias gradients are kept in
+  float32 until then (one rounding to their dtype after scaling); the hidden-state gradient is
+  kept in its dtype, so an upstream scalar other than a power of two (1 included) rounds it a
+  second time. The gradients are only computed when
   autograd will need them (grad mode on and an input requiring grad), so evaluate under
   ``torch.no_grad()``. For reduction 'none' the per-row upstream gradient is not known in the
   forward: the forward computes the loss only and the backward calls ``fce_linear_ce`` again
@@ -155,7 +157,11 @@ def _linear_ce(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: 
     grads = [n for n, f in (("hidden", need_hidden), ("weight", need_weight),
                             ("bias", need_bias)) if f]
     # A float32 weight computed in a lower precision gets its gradient in float32 directly.
-    fp32_grads = weight.dtype == torch.float32 and cdt != torch.float32
+    # Gradients computed here for an upstream gradient of 1 (scaled in the backward) stay in
+    # float32 too, so that scaling then casting rounds them once; a float32 grad_weight is also
+    # what the library's float32 accumulation over token chunks needs, so it costs no memory.
+    in_forward = grad_output is None and reduction != FCE_REDUCTION_NONE
+    fp32_grads = (weight.dtype == torch.float32 and cdt != torch.float32) or in_forward
     g = grad_output.to(torch.float32).contiguous() if grad_output is not None else None
     r = core.linear_ce(h, w, targets.contiguous(), b, reduction=reduction,
                        ignore_index=ignore_index, class_weights=_cw(class_weights),
@@ -165,8 +171,9 @@ def _linear_ce(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: 
                        grad_output=g, error_flags=False, stream=_stream(hidden))
     empty = hidden.new_empty((0,))
     gh = r.grad_hidden.to(hidden.dtype) if need_hidden else empty
-    gw = r.grad_weight.to(weight.dtype) if need_weight else weight.new_empty((0,))
-    gb = r.grad_bias.to(bias.dtype) if need_bias else weight.new_empty((0,))
+    gw_dtype = torch.float32 if in_forward else weight.dtype
+    gw = r.grad_weight.to(gw_dtype) if need_weight else weight.new_empty((0,))
+    gb = r.grad_bias.to(gw_dtype) if need_bias else weight.new_empty((0,))
     return r.loss, r.lse, gh, gw, gb
 
 
@@ -178,8 +185,10 @@ def _linear_ce_fake(hidden, weight, bias, targets, class_weights, grad_output, i
     loss = hidden.new_empty((n,) if reduction == FCE_REDUCTION_NONE else (), dtype=torch.float32)
     lse = hidden.new_empty((n,), dtype=torch.float32)
     gh = hidden.new_empty(hidden.shape) if need_hidden else hidden.new_empty((0,))
-    gw = weight.new_empty(weight.shape) if need_weight else weight.new_empty((0,))
-    gb = (bias.new_empty(bias.shape) if (need_bias and bias is not None)
+    in_forward = grad_output is None and reduction != FCE_REDUCTION_NONE
+    gw_dtype = torch.float32 if in_forward else weight.dtype
+    gw = weight.new_empty(weight.shape, dtype=gw_dtype) if need_weight else weight.new_empty((0,))
+    gb = (bias.new_empty(bias.shape, dtype=gw_dtype) if (need_bias and bias is not None)
           else weight.new_empty((0,)))
     return loss, lse, gh, gw, gb
 
@@ -197,6 +206,7 @@ def _linear_ce_setup_context(ctx, inputs, output):
                            and reduction != FCE_REDUCTION_NONE and grad_output is None)
     ctx.computed = (bool(need_hidden), bool(need_weight), bool(need_bias and bias is not None))
     ctx.has_bias = bias is not None
+    ctx.grad_dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
     ctx.options = (ignore_index, reduction, *rest[:-3])  # ... through compute_dtype
     needs = getattr(ctx, "needs_input_grad", (True, True, True))
     need = (bool(needs[0]), bool(needs[1]), bool(needs[2]) and bias is not None)
@@ -217,7 +227,8 @@ def _linear_ce_autograd_backward(ctx, grad_loss, grad_lse, _gh, _gw, _gb):
             bool(ctx.needs_input_grad[2]) and ctx.has_bias)
     gh, gw, gb, hidden, weight, bias, targets, class_weights = ctx.saved_tensors
     if ctx.grad_in_forward and all(c or not n for c, n in zip(ctx.computed, need)):
-        out = [_scale(g, grad_loss) if n else None for g, n in zip((gh, gw, gb), need)]
+        out = [_scale(g, grad_loss).to(dt) if n else None
+               for g, n, dt in zip((gh, gw, gb), need, ctx.grad_dtypes)]
     else:  # recompute with the real upstream gradient (per row for reduction 'none')
         _, _, gh, gw, gb = _linear_ce(hidden, weight, bias, targets, class_weights, grad_loss,
                                       *ctx.options, *need)
