@@ -461,22 +461,21 @@ __device__ void write_row_outputs(const KParams& p, int64_t row, const RowInfo& 
 // Per-row constants of the gradient (SEMANTICS rule 9), with p_j = exp(a_j − lse):
 //   ∂a_j = A·p_j − B·ω_j − [j = y]·Y,  A = (1−ε)ω_y + (ε/V)Ω + 2λ·lse,  B = ε/V,  Y = (1−ε)ω_y
 //   ∂z_j = ks · ∂a_j (· (1 − t_j²) with softcap),  ks = k·s.
-// da_j = p_j*A - B*w_j - [j = y]*Y with A = Y + Ap. The target element is computed as
-// Y*(p_y - 1) + (p_y*Ap - B*w_y): when p_y is near 1 (a confident model) p_y*A - Y would
-// cancel and lose the small difference; p_y - 1 is exact there (Sterbenz).
+// da_j = p_j*A - B*w_j - [j = y]*Y with A = Y + As + Az (As = eps*Omega/V, Az = 2*lambda*lse).
+// The target element is computed as Y*(p_y - 1) + (p_y*As - B*w_y) + p_y*Az: when p_y is near
+// 1 (a confident model) p_y*A - Y would cancel and lose the small difference; p_y - 1 is exact
+// there (Sterbenz), and As - B*w_y cancels exactly where it should (V = 1, or w_y = Omega).
 struct RowGrad {
-  float lse, A, Ap, B, Y, ks;
+  float lse, A, As, Az, B, Y, ks;
 };
 template <int MODE>
 __device__ __forceinline__ RowGrad make_row_grad(const KParams& p, const RowInfo& ri, float lse) {
   RowGrad g;
   g.lse = lse;
   g.Y = __fmul_rn(p.one_minus_eps, ri.wy);
-  float Ap = 0.f;
-  if (use_smooth<MODE>(p)) Ap = __fmul_rn(p.eps_over_V, ri.omega);
-  if (p.two_lambda != 0.f) Ap = __fadd_rn(Ap, __fmul_rn(p.two_lambda, lse));
-  g.Ap = Ap;
-  g.A = __fadd_rn(g.Y, Ap);
+  g.As = use_smooth<MODE>(p) ? __fmul_rn(p.eps_over_V, ri.omega) : 0.f;
+  g.Az = p.two_lambda != 0.f ? __fmul_rn(p.two_lambda, lse) : 0.f;
+  g.A = __fadd_rn(__fadd_rn(g.Y, g.As), g.Az);
   g.B = use_smooth<MODE>(p) ? p.eps_over_V : 0.f;
   g.ks = __fmul_rn(ri.k, p.scale);
   return g;
@@ -506,7 +505,8 @@ __device__ __forceinline__ void grad_vector(const uint4& raw, I j0, bool full, b
       if (full || (j >= 0 && j < p.vocab)) b = __fmul_rn(rg.B, __ldg(p.class_weights + j));
     }
     float da = __fmaf_rn(pr, rg.A, -b);
-    if (q == dy) da = __fmaf_rn(rg.Y, __fsub_rn(pr, 1.f), __fmaf_rn(pr, rg.Ap, -b));
+    if (q == dy)
+      da = __fmaf_rn(rg.Y, __fsub_rn(pr, 1.f), __fmaf_rn(pr, rg.Az, __fmaf_rn(pr, rg.As, -b)));
     float gq = __fmul_rn(da, rg.ks);
     if (use_cap<MODE>(p)) gq = __fmul_rn(gq, __fmaf_rn(-t, t, 1.f));
     g[q] = gq;
@@ -1057,7 +1057,13 @@ fce_status launch_rows_typed(const CeRowsArgs& a, KParams p, int pair, cudaStrea
   // The path: backward / register (cluster) / two-pass.
   bool use_regs = false;
   RegConfig rc{1, kRegThreads};
-  if (!a.lse_in && overrides().path != 2) {
+  // Forward without a gradient reads each row once whatever the path; on rows of 128 KB or
+  // more the streaming kernel (many loads in flight, no register-resident slice to drain)
+  // measured faster on an H100 (bench/NOTES.md: 16384×128256 bf16 1.50 ms against 1.76 ms),
+  // on shorter rows the register path (32768×32000 bf16 0.76 ms against 1.02 ms).
+  const bool long_forward_only = !a.grad && a.vocab * Ty<TZ>::kBytes >= (int64_t{128} << 10);
+  const bool prefer_stream = overrides().path == 2 || (long_forward_only && overrides().path != 1);
+  if (!a.lse_in && !prefer_stream) {
     const bool aligned_rows =
         (reinterpret_cast<uintptr_t>(a.logits) & 15) == 0 && (p.z_row_bytes & 15) == 0;
     const int lead_max = aligned_rows ? 0 : E - 1;

@@ -1,0 +1,57 @@
+"""Times fusedce's CE kernels under each path / cluster-size override (FCE_CUDA_CE_PATH,
+FCE_CUDA_CE_CLUSTER are read once per process, so each setting runs in a child process).
+    python3 tune_ce.py                 # the table
+    python3 tune_ce.py --child SHAPES  # one setting (internal)
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+SHAPES = "16384x128256xbf16,8192x256000xbf16,32768x32000xbf16,8192x151936xbf16,4096x50257xbf16,8192x128256xf32"
+SETTINGS = [("default", {}), ("twopass", {"FCE_CUDA_CE_PATH": "twopass"}),
+            ("k>=2", {"FCE_CUDA_CE_CLUSTER": "2"}), ("k>=4", {"FCE_CUDA_CE_CLUSTER": "4"}),
+            ("k=8", {"FCE_CUDA_CE_CLUSTER": "8"})]
+
+
+def child(shapes):
+    import torch
+    from bench_ce import fusedce_fns
+    from common import DTYPES, bench_ms
+    out = {}
+    for s in shapes.split(","):
+        N, V, dt = s.split("x")
+        N, V = int(N), int(V)
+        z = (torch.randn(N, V, device="cuda") * 4).to(DTYPES[dt])
+        y = torch.randint(0, V, (N,), device="cuda")
+        grad = torch.empty_like(z)
+        fwd, fwd_grad, _, _ = fusedce_fns(z, y, grad)
+        out[s] = (bench_ms(fwd), bench_ms(fwd_grad))
+        del z, y, grad
+    print(json.dumps(out))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--child", default=None)
+    ap.add_argument("--shapes", default=SHAPES)
+    args = ap.parse_args()
+    if args.child:
+        return child(args.child)
+    rows = {}
+    for name, env in SETTINGS:
+        r = subprocess.run([sys.executable, __file__, "--child", args.shapes], capture_output=True,
+                           text=True, env={**os.environ, **env})
+        if r.returncode != 0:
+            print(name, "failed:", r.stderr[-2000:])
+            continue
+        rows[name] = json.loads(r.stdout.strip().splitlines()[-1])
+    print("fwd ms / fwd+grad ms per setting")
+    print("shape".ljust(20) + "".join(n.ljust(18) for n in rows))
+    for s in args.shapes.split(","):
+        print(s.ljust(20) + "".join(f"{rows[n][s][0]:.3f}/{rows[n][s][1]:.3f}".ljust(18) for n in rows))
+
+
+if __name__ == "__main__":
+    main()
