@@ -1,17 +1,35 @@
 #!/usr/bin/env bash
-# Installs what the build and the tests need, once: Debian packages (a BLAS for the CPU
-# backend, bindgen + libclang for the Rust bindings check) and Python packages (NumPy, pytest).
-# Idempotent and quiet when everything is already there.
+# Installs what the build and the tests need, once: Debian packages (a C++ toolchain, CMake,
+# a BLAS for the CPU backend, GoogleTest, bindgen + libclang for the Rust bindings check) and
+# Python packages (NumPy, pytest). It looks for each thing itself (a command, a header), so
+# a machine that already has them, however installed, is left alone; it is quiet then.
 set -euo pipefail
 SUDO=""
 if [ "$(id -u)" != 0 ] && command -v sudo >/dev/null; then SUDO=sudo; fi
 
-apt_pkgs=(cmake g++ pkg-config libopenblas-dev bindgen libclang-dev libgtest-dev)
+have_header() {  # have_header NAME: found in the usual include folders
+  local h
+  for h in /usr/include/"$1" /usr/include/*/"$1" /usr/local/include/"$1" /usr/include/*/*/"$1"; do
+    [ -e "$h" ] && return 0
+  done
+  return 1
+}
+
 missing=()
-for p in "${apt_pkgs[@]}"; do
-  dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
-done
+command -v cmake >/dev/null || missing+=(cmake)
+command -v g++ >/dev/null || missing+=(g++)
+command -v pkg-config >/dev/null || missing+=(pkg-config)
+have_header cblas.h || missing+=(libopenblas-dev)
+have_header gtest/gtest.h || missing+=(libgtest-dev)
+command -v bindgen >/dev/null || missing+=(bindgen)
+ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1 || ls /usr/lib/*/libclang*.so* >/dev/null 2>&1 \
+  || missing+=(libclang-dev)
+
 if [ ${#missing[@]} -gt 0 ]; then
+  if ! command -v apt-get >/dev/null; then
+    echo "setup: missing ${missing[*]} and no apt-get to install them" >&2
+    exit 1
+  fi
   echo "setup: installing Debian packages: ${missing[*]}"
   export DEBIAN_FRONTEND=noninteractive
   $SUDO apt-get update -qq
