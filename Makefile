@@ -13,12 +13,15 @@ NVCC := $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/de
 WITH_CUDA ?= $(if $(NVCC),ON,OFF)
 PYTHON ?= python3
 
-.PHONY: all setup configure build demo test test-c test-python test-rust test-julia test-examples test-gpu bench install clean
+.PHONY: all setup setup-demo configure build demo test test-c test-python test-rust test-julia test-examples test-gpu bench install clean
 
 all: build
 
 setup:
-	@bash tools/setup.sh
+	@bash tools/setup.sh test
+
+setup-demo:
+	@bash tools/setup.sh demo
 
 $(BUILD)/CMakeCache.txt:
 	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release -DFCE_WITH_CUDA=$(WITH_CUDA) \
@@ -30,7 +33,7 @@ configure: $(BUILD)/CMakeCache.txt
 build: configure
 	cmake --build $(BUILD) -j $(JOBS)
 
-demo: setup build
+demo: setup-demo build
 	$(BUILD)/examples/demo
 
 test: setup build

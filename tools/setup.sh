@@ -4,6 +4,7 @@
 # Python packages (NumPy, pytest). It looks for each thing itself (a command, a header), so
 # a machine that already has them, however installed, is left alone; it is quiet then.
 set -euo pipefail
+MODE=${1:-test}  # demo: what building and running the demo needs; test: everything make test needs
 SUDO=""
 if [ "$(id -u)" != 0 ] && command -v sudo >/dev/null; then SUDO=sudo; fi
 
@@ -18,12 +19,14 @@ have_header() {  # have_header NAME: found in the usual include folders
 missing=()
 command -v cmake >/dev/null || missing+=(cmake)
 command -v g++ >/dev/null || missing+=(g++)
-command -v pkg-config >/dev/null || missing+=(pkg-config)
 have_header cblas.h || missing+=(libopenblas-dev)
 have_header gtest/gtest.h || missing+=(libgtest-dev)
-command -v bindgen >/dev/null || missing+=(bindgen)
-ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1 || ls /usr/lib/*/libclang*.so* >/dev/null 2>&1 \
-  || missing+=(libclang-dev)
+if [ "$MODE" = test ]; then
+  command -v pkg-config >/dev/null || missing+=(pkg-config)
+  command -v bindgen >/dev/null || missing+=(bindgen)
+  ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1 || ls /usr/lib/*/libclang*.so* >/dev/null 2>&1 \
+    || missing+=(libclang-dev)
+fi
 
 if [ ${#missing[@]} -gt 0 ]; then
   if ! command -v apt-get >/dev/null; then
@@ -36,6 +39,7 @@ if [ ${#missing[@]} -gt 0 ]; then
   $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 
+[ "$MODE" = test ] || exit 0
 PYTHON=${PYTHON:-python3}
 if ! "$PYTHON" -c "import numpy, pytest" >/dev/null 2>&1; then
   echo "setup: installing Python packages: numpy pytest"
