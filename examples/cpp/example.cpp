@@ -72,7 +72,10 @@ class Buffer {
 
 class Options {
  public:
-  Options() { fce_options_default(&o_); }
+  Options() {
+    o_.struct_size = sizeof o_;  // fce_options_default writes no more than struct_size bytes
+    fce_options_default(&o_);
+  }
   Options& backend(fce_backend b) { o_.backend = b; return *this; }
   Options& dtype(fce_dtype d) { o_.dtype = d; return *this; }
   Options& targets(fce_dtype d) { o_.target_dtype = d; return *this; }
