@@ -87,9 +87,6 @@ struct LtObjects {
 
 fce_status gemm(const RowMajorGemm& g, cudaStream_t s, bool* bias_applied) {
   if (bias_applied) *bias_applied = false;
-  if (g.bias && g.c_dtype != FCE_FLOAT32)
-    return fail(FCE_ERROR_INTERNAL, "fce_linear_ce: GEMM %s: a bias needs a float32 output",
-                g.name);
   if (g.M <= 0 || g.N <= 0 || g.K <= 0)
     return fail(FCE_ERROR_INTERNAL, "fce_linear_ce: GEMM %s: empty problem %lld x %lld x %lld",
                 g.name, (long long)g.M, (long long)g.N, (long long)g.K);
@@ -115,7 +112,7 @@ fce_status gemm(const RowMajorGemm& g, cudaStream_t s, bool* bias_applied) {
   const uint32_t align_first = alignment_of(first_ptr, first_ld, ab_size);
   const uint32_t align_second = alignment_of(second_ptr, second_ld, ab_size);
   const uint32_t align_c = alignment_of(g.C, out_ld, c_size);
-  const uint32_t align_bias = g.bias ? alignment_of(g.bias, 0, 4) : 0;
+  const uint32_t align_bias = g.bias ? alignment_of(g.bias, 0, c_size) : 0;
   const uint64_t ws_bytes = g.workspace ? static_cast<uint64_t>(g.workspace_bytes) : 0;
 
   LtObjects lt;
@@ -135,8 +132,9 @@ fce_status gemm(const RowMajorGemm& g, cudaStream_t s, bool* bias_applied) {
     FCE_LT(cublasLtMatmulDescSetAttribute(lt.desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
     FCE_LT(cublasLtMatmulDescSetAttribute(lt.desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
     if (g.bias) {
-      // Bias elements have the D type (float32 here), the documented default: no
-      // CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE needed.
+      // Bias elements have the D type (c_dtype: float32, f16 or bf16), the documented default
+      // of CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE (-1): nothing to set. The bias type is part of
+      // the algorithm cache key through c_type.
       FCE_LT(cublasLtMatmulDescSetAttribute(lt.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi_bias,
                                             sizeof epi_bias));
       FCE_LT(cublasLtMatmulDescSetAttribute(lt.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g.bias,

@@ -5,7 +5,8 @@
 // Every GEMM is  C[M, N] = alpha · op(A)[M, K] · op(B)[K, N] + beta · C  (+ bias[N] on each row)
 // with A, B, C row-major (the layout of the library's tensors), accumulation and scaling in
 // float32 (CUBLAS_COMPUTE_32F, never TF32), A and B of one dtype (f32, f16 or bf16), C of any
-// of the three (cuBLASLt rounds its float32 result once when C is f16/bf16).
+// of the three (cuBLASLt rounds its float32 result once when C is f16/bf16: the fused linear + CE
+// path uses that for its f16/bf16 logits chunk).
 //
 // The row-major → column-major mapping (gemm.cu implements exactly this):
 //   A row-major matrix X[r, c] with row stride ld is, byte for byte, the column-major matrix
@@ -18,7 +19,14 @@
 //     cuBLASLt C/D         = our C storage: layout N×M, ld = ldc
 //     cuBLASLt (m, n, k)   = (N, M, K)
 //   Our bias over the N columns of each row of C is cuBLASLt's bias over the m = N rows of Cᵀ
-//   (CUBLASLT_EPILOGUE_BIAS: "length must match matrix D rows"), of the D type: float32 here.
+//   (CUBLASLT_EPILOGUE_BIAS: "length must match matrix D rows").
+//
+// Bias type: cuBLASLt reads the bias in the D type (CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE's
+// default, -1 = "the type of D"; the only documented exceptions are IMMA and fp8 kernels), so
+// the bias has c_dtype here: float32 with an f32 C, f16/bf16 with an f16/bf16 C. The epilogue
+// adds it to the float32 accumulator before the one rounding to the C type (cublasLt computes
+// D = alpha·A·B + beta·C + bias in the compute type, then converts), exactly what torch's
+// addmm/linear with a bias does through the same epilogue.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -45,7 +53,7 @@ struct RowMajorGemm {
   int64_t ldc;
   int c_dtype;        // FCE_FLOAT32 / FCE_FLOAT16 / FCE_BFLOAT16
   float alpha, beta;
-  const float* bias;  // [N] float32 added to every row of C, or nullptr; requires c_dtype f32
+  const void* bias;   // [N] of c_dtype added to every row of C (before C's rounding), or nullptr
   void* workspace;    // cuBLASLt workspace (256-byte aligned), workspace_bytes of it
   size_t workspace_bytes;
 };

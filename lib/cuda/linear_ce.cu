@@ -2,24 +2,54 @@
 // ever holding all of z (SPEC.md "fce_linear_ce", SEMANTICS.md rule 13).
 //
 // Token chunks of Nc rows (the 6·N·D·V algorithm of shared/PERF.md). For each chunk c:
-//   1. Z_c = h_c·Wᵀ (+ b)       cuBLASLt, float32 [Nc, V] in the workspace (the bias rides the
-//                               BIAS epilogue; float32 logits are more accurate than torch's)
-//   2. CE pass                  launch_ce_rows (ce_rows.cuh) on Z_c: row losses, lse, and
-//                               ∂Z_c in the GEMM dtype (a second buffer; f32: in place over Z_c)
+//   1. Z_c = h_c·Wᵀ (+ b)       cuBLASLt, float32 accumulation, written to [Nc, V] in the
+//                               workspace IN THE DTYPE (f16/bf16; float32 for FCE_FLOAT32), one
+//                               rounding. The bias rides the BIAS epilogue in the D type (a copy
+//                               in the workspace), added to the float32 accumulator before it
+//                               is rounded.
+//   2. CE pass                  launch_ce_rows (ce_rows.cuh) on Z_c, float32 math inside: row
+//                               losses, lse, and ∂Z_c written IN PLACE over Z_c (same dtype,
+//                               same stride: ce_rows.cuh allows grad == logits)
 //   3. ∂h_c = ∂Z_c·W            one GEMM over K = V, written straight into grad_hidden
-//   4. ∂W (+)= ∂Z_cᵀ·h_c        float32 accumulation (beta = 1 after the first chunk), either in
-//                               the caller's float32 grad_weight or in a float32 [V, D] workspace
-//                               accumulator stored (and added to the old values) at the end
+//   4. ∂W (+)= ∂Z_cᵀ·h_c        see the plans below
 //   5. ∂b (+)= colsum(∂Z_c)     fixed-order column sums in float32
 // then the fixed-order loss reduction (launch_ce_finalize). Loss only: steps 1, 2 (forward).
 //
+// Precision of f16/bf16 (version 2; version 1 kept a float32 Z_c): the logits are exactly torch
+// eager's — F.linear in bf16 returns z rounded once to bf16 from a float32 accumulation, and
+// so does step 1 (bias included, the same cuBLASLt epilogue). Everything after is float32 math
+// on those 16-bit logits (torch eager's cross_entropy on bf16 logits even rounds its
+// log-softmax to bf16; we do not), and ∂Z_c is rounded once to the dtype, as before. Each logit
+// carries a relative error ≤ u (2^-8 bf16, 2^-11 f16), so p and the loss move by ≤ 2u·max|z|
+// relative: tests/test_linear_ce.cpp's bound u·(4 + 2·max|z|), SPEC's "at least as close as
+// torch eager in the dtype" (f16 logits beyond ±65504 become ±inf, as torch's do). FCE_FLOAT32
+// keeps float32 logits (SPEC's 1e-5).
+// Bytes: a chunk row is V·e of scratch (e = 2 for f16/bf16: 250 KB at V = 128256, was V·6 with
+// a float32 Z_c + a separate 16-bit ∂Z_c), and the CE pass moves 2e = 4 bytes per logit (was 6).
+//
 // Plans, by workspace size (choose_plan; the query returns the smallest and the full-speed one):
-//   kChunked      loss only, or float32 ∂W (grad_weight_fp32 or dtype f32), or no grad_weight:
-//                 Nc = the most rows that fit, ≤ 4096, ≥ min(N, 128).
-//   kDirectWeight f16/bf16 ∂W and all N rows fit in one chunk: ∂W is one GEMM (K = N) written
-//                 straight into grad_weight (one rounding; beta = 1 with accumulate). Preferred
-//                 when N ≤ 4096.
-//   kAccumulate   f16/bf16 ∂W over several chunks: float32 [V, D] accumulator in the workspace.
+//   Full speed in kChunkBudget = 1 GiB (besides the ∂W accumulator): Nc = the largest multiple
+//   of 128 whose layout (chunk + a 16 MiB cuBLASLt workspace + the O(N + V) slices) stays within
+//   1 GiB, at most 4096 (∂W's GEMM is compute bound from Nc ≈ 1024 on), at least min(N, 1024)
+//   (over budget only when V is huge), then balanced. At V = 128256 bf16: 4096 rows =
+//   1002 MiB + 16 MiB of cuBLASLt workspace. cuBLASLt gets 32 MiB when that also fits the
+//   budget (or when the chunk is over budget anyway), 16, 8 or 4 MiB when the workspace is
+//   tight; a smaller workspace first shrinks the chunk (down to 128 rows), then cuBLASLt's share.
+//   kChunked      loss only, or float32 ∂W (grad_weight_fp32 or dtype f32; the caller's
+//                 float32 grad_weight is the accumulator, beta = 1 after the first chunk), or
+//                 no grad_weight: Nc as above, ≥ min(N, 128).
+//   kDirectWeight f16/bf16 ∂W and all N rows in one chunk: ∂W is one GEMM (K = N) written
+//                 straight into grad_weight (one rounding; beta = 1 with accumulate): no
+//                 accumulator, no beta = 1 traffic, no store pass. Preferred whenever it fits
+//                 and either N fits one full-speed chunk or its workspace is no larger than the
+//                 accumulate plan's full-speed one (1 GiB + V·D·4): at 8192×4096×128256 bf16
+//                 1.99 GiB against 2.95 GiB, and faster.
+//   kAccumulate   f16/bf16 ∂W over several chunks: a float32 [V, D] accumulator in the
+//                 workspace (beta = 1 after the first chunk), stored (+ old values) at the end.
+//                 SPEC accumulates ∂W in float32 across token chunks and a 16-bit grad_weight
+//                 cannot hold that sum, so these V·D·4 bytes are unavoidable in the 6·N·D·V
+//                 algorithm with more than one chunk (the alternatives: one chunk of all N rows
+//                 = kDirectWeight, or a vocab-sliced 8·N·D·V plan that accumulates ∂h instead).
 //   The vocab-sliced fallback (8·N·D·V, ∂W per vocab slice) is not implemented: CeRowsArgs
 //   cannot express a column slice (the target column, the class weights and ε/V are those of
 //   the whole row), so a workspace that holds neither one chunk of all N rows nor the [V, D]
@@ -48,14 +78,24 @@ namespace fce {
 namespace cuda {
 namespace {
 
-constexpr size_t kAlign = 256;                  // every workspace slice starts 256-byte aligned
-constexpr size_t kLtWorkspaceFull = 32u << 20;  // cuBLASLt workspace for full speed on Hopper
-constexpr size_t kLtWorkspaceMin = 4u << 20;    // ... when the workspace is tight
-constexpr int64_t kMaxChunkRows = 4096;  // more rows per chunk gives no more speed: ∂W's GEMM is
-                                         // compute bound from Nc ≈ 1024 (PERF.md)
-constexpr int64_t kMinChunkRows = 128;   // below this, W is re-read too often per FLOP
-constexpr int64_t kRowQuantum = 128;     // chunk rows are a multiple of this (or all rows)
-constexpr int64_t kVocabPad = 64;        // Z_c / ∂Z_c rows padded to 64 elements (256 B in f32)
+constexpr size_t kAlign = 256;  // every workspace slice starts 256-byte aligned
+// The full-speed plan keeps the workspace within this, the [V, D] ∂W accumulator aside (see
+// the plans in the header comment).
+constexpr size_t kChunkBudget = size_t(1) << 30;
+// cuBLASLt workspace sizes, largest first: 32 MiB is NVIDIA's recommendation for Hopper; the
+// budgeted chunk leaves at least kLtWorkspaceBudget; 4 MiB is the floor when memory is tight.
+// (Tuning knob, to be measured: whether these GEMMs run slower with 16 MiB than with 32 MiB;
+// 4096 bf16 rows at V = 128256 leave about 20 MiB of the 1 GiB for everything else.)
+constexpr size_t kLtWorkspaceSizes[] = {32u << 20, 16u << 20, 8u << 20, 4u << 20};
+constexpr size_t kLtWorkspaceFull = 32u << 20;
+constexpr size_t kLtWorkspaceBudget = 16u << 20;
+constexpr size_t kLtWorkspaceMin = 4u << 20;
+constexpr int64_t kMaxChunkRows = 4096;      // more rows per chunk gives no more speed: ∂W's GEMM
+                                             // is compute bound from Nc ≈ 1024 (PERF.md)
+constexpr int64_t kFullSpeedRows = 1024;     // the full-speed chunk has at least this (or N)
+constexpr int64_t kMinChunkRows = 128;       // below this, W is re-read too often per FLOP
+constexpr int64_t kRowQuantum = 128;         // chunk rows are a multiple of this (or all rows)
+constexpr int64_t kVocabPad = 64;            // Z_c rows padded to 64 elements (≥ 128 B)
 
 enum class Mode { kChunked, kDirectWeight, kAccumulate };
 
@@ -68,10 +108,9 @@ size_t sat_round(size_t a) { return a > kHuge - (kAlign - 1) ? kHuge : (a + kAli
 // What the workspace has to hold, from the sizes and options alone.
 struct Sizes {
   int64_t rows, hidden, vocab, vocab_padded;
-  size_t elem;          // bytes of one element of dtype
+  size_t elem;          // bytes of one element of dtype: of Z_c / ∂Z_c and of the bias copy
   bool reduction_none;  // the per-row losses go straight into the caller's loss
-  bool with_grad;       // ∂Z_c is produced
-  bool dz_separate;     // ∂Z_c has its own buffer (dtype ≠ f32); f32 writes it over Z_c
+  bool with_grad;       // ∂Z_c is produced (in place over Z_c)
 };
 
 Sizes sizes_of(const CeOptions& opt, int64_t rows, int64_t hidden, int64_t vocab, bool with_grad) {
@@ -83,15 +122,18 @@ Sizes sizes_of(const CeOptions& opt, int64_t rows, int64_t hidden, int64_t vocab
   s.elem = dtype_size(opt.dtype);
   s.reduction_none = opt.reduction == FCE_REDUCTION_NONE;
   s.with_grad = with_grad;
-  s.dz_separate = with_grad && opt.dtype != FCE_FLOAT32;
   return s;
 }
 
 // Byte offsets of the workspace slices, from a 256-byte aligned base. total includes kAlign of
 // slack for aligning the caller's (16-byte aligned) pointer; kHuge when it overflows.
 struct Layout {
-  size_t denoms, row_loss, row_zloss, bias, db, dw, lt, z, dz, total;
+  size_t denoms, row_loss, row_zloss, bias, db, dw, lt, z, total;
 };
+
+size_t accumulator_bytes(const Sizes& s) {
+  return sat_mul(sat_mul(static_cast<size_t>(s.vocab), static_cast<size_t>(s.hidden)), 4);
+}
 
 Layout layout_of(const Sizes& s, int64_t chunk_rows, size_t lt_bytes, bool dw_accumulator) {
   Layout l;
@@ -107,18 +149,46 @@ Layout layout_of(const Sizes& s, int64_t chunk_rows, size_t lt_bytes, bool dw_ac
   l.denoms = take(sizeof(CeDenoms));
   l.row_loss = take(s.reduction_none ? 0 : sat_mul(rows, 4));
   l.row_zloss = take(sat_mul(rows, 4));
-  l.bias = take(sat_mul(vocab, 4));                  // the bias as float32 (if any)
+  l.bias = take(sat_mul(vocab, s.elem));             // the bias in dtype (if any)
   l.db = take(s.with_grad ? sat_mul(vocab, 4) : 0);  // ∂b accumulator (if needed)
-  l.dw = take(dw_accumulator ? sat_mul(sat_mul(vocab, static_cast<size_t>(s.hidden)), 4) : 0);
+  l.dw = take(dw_accumulator ? accumulator_bytes(s) : 0);
   l.lt = take(lt_bytes);
-  l.z = take(sat_mul(chunk_logits, 4));
-  l.dz = take(s.dz_separate ? sat_mul(chunk_logits, s.elem) : 0);
+  l.z = take(sat_mul(chunk_logits, s.elem));         // Z_c, then ∂Z_c in place
   l.total = sat_add(at, kAlign);
   return l;
 }
 
 bool fits(const Layout& l, size_t workspace_bytes) {
   return l.total != kHuge && l.total <= workspace_bytes;
+}
+
+// The workspace of a chunk of `rows` rows, the ∂W accumulator aside, is within kChunkBudget.
+bool in_budget(const Sizes& s, int64_t rows, size_t lt_bytes) {
+  return fits(layout_of(s, rows, lt_bytes, false), kChunkBudget);
+}
+
+// The rows of the full-speed chunk (kChunked, kAccumulate): the largest multiple of 128 that
+// stays in budget with kLtWorkspaceBudget for cuBLASLt, at most min(N, 4096) (then all of it if
+// that fits), at least min(N, 1024). A function of the sizes only.
+int64_t full_speed_rows(const Sizes& s) {
+  const int64_t cap = std::min(s.rows, kMaxChunkRows);
+  if (in_budget(s, cap, kLtWorkspaceBudget)) return cap;
+  int64_t lo = 0, hi = cap / kRowQuantum;  // in quanta of 128 rows; 0 = none fits
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo + 1) / 2;
+    if (in_budget(s, mid * kRowQuantum, kLtWorkspaceBudget)) lo = mid; else hi = mid - 1;
+  }
+  return std::max(std::min(s.rows, kFullSpeedRows), lo * kRowQuantum);
+}
+
+// The cuBLASLt workspace of a plan of `rows` rows: the largest size that fits workspace_bytes
+// and, when the chunk is within the budget at the smallest size, keeps it within the budget.
+size_t lt_bytes_for(const Sizes& s, int64_t rows, bool acc, size_t workspace_bytes) {
+  const bool budgeted = in_budget(s, rows, kLtWorkspaceMin);
+  for (size_t lt : kLtWorkspaceSizes)
+    if (fits(layout_of(s, rows, lt, acc), workspace_bytes) && (!budgeted || in_budget(s, rows, lt)))
+      return lt;
+  return kLtWorkspaceMin;  // the caller checked that rows fit with it
 }
 
 struct Plan {
@@ -132,16 +202,15 @@ struct Plan {
 bool plan_mode(const Sizes& s, Mode mode, size_t workspace_bytes, Plan* out) {
   const bool acc = mode == Mode::kAccumulate;
   const int64_t min_rows = mode == Mode::kDirectWeight ? s.rows : std::min(s.rows, kMinChunkRows);
-  const int64_t max_rows = mode == Mode::kDirectWeight ? s.rows : std::min(s.rows, kMaxChunkRows);
+  const int64_t max_rows = mode == Mode::kDirectWeight ? s.rows : full_speed_rows(s);
   if (!fits(layout_of(s, min_rows, kLtWorkspaceMin, acc), workspace_bytes)) return false;
-  const size_t lt = fits(layout_of(s, min_rows, kLtWorkspaceFull, acc), workspace_bytes)
-                        ? kLtWorkspaceFull
-                        : kLtWorkspaceMin;
-  // The most rows that fit: layout_of grows with the rows, so bisect [min_rows, max_rows].
+  // The most rows that fit (rows first: each chunk costs a pass over W and, with a float32 ∂W,
+  // a read-modify-write of it; cuBLASLt's share shrinks second): layout_of grows with the rows,
+  // so bisect [min_rows, max_rows].
   int64_t lo = min_rows, hi = max_rows;
   while (lo < hi) {
     const int64_t mid = lo + (hi - lo + 1) / 2;
-    if (fits(layout_of(s, mid, lt, acc), workspace_bytes)) lo = mid; else hi = mid - 1;
+    if (fits(layout_of(s, mid, kLtWorkspaceMin, acc), workspace_bytes)) lo = mid; else hi = mid - 1;
   }
   int64_t rows = lo;
   if (rows < s.rows) {
@@ -152,6 +221,7 @@ bool plan_mode(const Sizes& s, Mode mode, size_t workspace_bytes, Plan* out) {
     const int64_t even = (s.rows + chunks - 1) / chunks;
     rows = std::min(rows, (even + kRowQuantum - 1) / kRowQuantum * kRowQuantum);
   }
+  const size_t lt = lt_bytes_for(s, rows, acc, workspace_bytes);
   out->mode = mode;
   out->chunk_rows = rows;
   out->chunks = (s.rows + rows - 1) / rows;
@@ -160,17 +230,27 @@ bool plan_mode(const Sizes& s, Mode mode, size_t workspace_bytes, Plan* out) {
   return true;
 }
 
+// f16/bf16 ∂W: is the one-chunk plan the one to take when it fits? Yes when all rows fit one
+// full-speed chunk anyway, or when its full-speed workspace is no larger than what the
+// accumulate plan is allowed at full speed (the budget + the accumulator): then it is smaller
+// and faster (no accumulator traffic, no store pass).
+bool prefer_direct(const Sizes& s) {
+  if (s.rows <= full_speed_rows(s)) return true;
+  const size_t direct = layout_of(s, s.rows, kLtWorkspaceFull, false).total;
+  return direct != kHuge && direct <= sat_add(kChunkBudget, sat_round(accumulator_bytes(s)));
+}
+
 // need_dw: grad_weight is asked for; dw_fp32: it is float32 (grad_weight_fp32 or dtype f32).
 bool choose_plan(const Sizes& s, bool need_dw, bool dw_fp32, size_t workspace_bytes, Plan* out) {
   if (!need_dw || dw_fp32) return plan_mode(s, Mode::kChunked, workspace_bytes, out);
-  if (s.rows <= kMaxChunkRows)
+  if (prefer_direct(s))
     return plan_mode(s, Mode::kDirectWeight, workspace_bytes, out) ||
            plan_mode(s, Mode::kAccumulate, workspace_bytes, out);
   return plan_mode(s, Mode::kAccumulate, workspace_bytes, out) ||
          plan_mode(s, Mode::kDirectWeight, workspace_bytes, out);
 }
 
-// The smallest workspace any plan runs in.
+// The smallest workspace any plan runs in (what plan_mode checks first, for each mode).
 size_t min_workspace(const Sizes& s, bool need_dw, bool dw_fp32) {
   const int64_t few = std::min(s.rows, kMinChunkRows);
   const size_t chunked = layout_of(s, few, kLtWorkspaceMin, false).total;
@@ -215,6 +295,9 @@ void cuda_linear_ce_workspace_size(const CeOptions& opt, int64_t rows, int64_t h
                                    size_t* min_bytes, size_t* optimal_bytes) {
   using namespace cuda;
   // The worst case of the gradients a call with these options may ask for: all of them.
+  // optimal_bytes is the plan taken with unlimited memory: the 1 GiB-budgeted chunk (+ the
+  // float32 [V, D] accumulator when grad_weight is 16-bit and N needs several chunks), or the
+  // one-chunk direct plan when that is no larger (prefer_direct).
   const Sizes s = sizes_of(opt, rows, hidden, vocab, with_grad);
   const bool dw_fp32 = grad_weight_fp32 || opt.dtype == FCE_FLOAT32;
   Plan best;
@@ -273,21 +356,21 @@ fce_status cuda_linear_ce(const LinearCeProblem& p) {
   CeDenoms* denoms = reinterpret_cast<CeDenoms*>(base + L.denoms);
   float* row_loss = s.reduction_none ? p.loss : reinterpret_cast<float*>(base + L.row_loss);
   float* row_zloss = p.z_loss ? reinterpret_cast<float*>(base + L.row_zloss) : nullptr;
-  float* bias32 = p.bias ? reinterpret_cast<float*>(base + L.bias) : nullptr;
+  void* bias_ws = p.bias ? static_cast<void*>(base + L.bias) : nullptr;  // the bias, in dtype
   float* db32 = reinterpret_cast<float*>(base + L.db);
   float* dw32 = reinterpret_cast<float*>(base + L.dw);
   void* lt_ws = base + L.lt;
-  float* z = reinterpret_cast<float*>(base + L.z);
-  void* dz = s.dz_separate ? static_cast<void*>(base + L.dz) : static_cast<void*>(z);
-  const int dz_dtype = s.dz_separate ? dtype : FCE_FLOAT32;  // == dtype either way
+  void* z = base + L.z;  // Z_c [rc, ldz] in dtype, then ∂Z_c in place (same dtype and stride)
   const int64_t ldz = s.vocab_padded;
 
   cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
   const char* hidden = static_cast<const char*>(p.hidden_states);
 
-  // ---- the loss denominators (need all targets), the bias in float32
+  // ---- the loss denominators (need all targets); the bias copied to 256-byte aligned
+  // workspace (in dtype: cuBLASLt's bias has the D type), so cuBLASLt's pick does not depend
+  // on the caller's bias address
   FCE_TRY(launch_ce_denominators(opt, N, V, p.targets, denoms, stream));
-  if (p.bias) FCE_TRY(launch_to_f32(p.bias, dtype, bias32, V, stream));
+  if (p.bias) FCE_TRY(launch_convert(p.bias, dtype, bias_ws, dtype, V, stream));
 
   for (int64_t c = 0; c < plan.chunks; ++c) {
     const int64_t r0 = c * plan.chunk_rows;
@@ -295,22 +378,25 @@ fce_status cuda_linear_ce(const LinearCeProblem& p) {
     const bool first = c == 0;
     const void* h_c = hidden + static_cast<size_t>(r0) * static_cast<size_t>(hs) * e;
 
-    // 1. Z_c[rc, V] = h_c[rc, D] · W[V, D]ᵀ + b   (float32, ld = ldz)
+    // 1. Z_c[rc, V] = h_c[rc, D] · W[V, D]ᵀ + b   (in dtype, float32 accumulation, ld = ldz)
     RowMajorGemm g{};
     g.name = "logits (hidden · weightᵀ + bias)";
     g.M = rc; g.N = V; g.K = D;
     g.A = h_c; g.lda = hs; g.trans_a = false;
     g.B = p.weight; g.ldb = D; g.trans_b = true;
     g.ab_dtype = dtype;
-    g.C = z; g.ldc = ldz; g.c_dtype = FCE_FLOAT32;
+    g.C = z; g.ldc = ldz; g.c_dtype = dtype;
     g.alpha = 1.f; g.beta = 0.f;
-    g.bias = bias32;
+    g.bias = bias_ws;
     g.workspace = lt_ws; g.workspace_bytes = plan.lt_bytes;
     bool bias_applied = false;
     FCE_TRY(gemm(g, stream, &bias_applied));
-    if (bias32 && !bias_applied) FCE_TRY(launch_add_bias_rows(z, rc, V, ldz, bias32, stream));
+    // No algorithm fuses the bias for this shape: add it in a second pass (for f16/bf16 Z_c
+    // that is a second rounding, the one place the 16-bit logits are not torch's bit for bit).
+    if (bias_ws && !bias_applied)
+      FCE_TRY(launch_add_bias_rows(z, dtype, rc, V, ldz, bias_ws, stream));
 
-    // 2. the CE pass: row losses, lse, and ∂Z_c in dtype
+    // 2. the CE pass: row losses, lse, and ∂Z_c in dtype, in place over Z_c
     CeRowsArgs a{};
     a.opt = opt;
     a.vocab = V;
@@ -318,10 +404,10 @@ fce_status cuda_linear_ce(const LinearCeProblem& p) {
     a.row_begin = r0;
     a.row_count = rc;
     a.logits = z;
-    a.logits_dtype = FCE_FLOAT32;
+    a.logits_dtype = dtype;
     a.row_stride = ldz;
-    a.grad = with_grad ? dz : nullptr;
-    a.grad_dtype = dz_dtype;
+    a.grad = with_grad ? z : nullptr;
+    a.grad_dtype = dtype;
     a.grad_row_stride = ldz;
     a.targets = p.targets;
     a.denoms = denoms;
@@ -339,7 +425,7 @@ fce_status cuda_linear_ce(const LinearCeProblem& p) {
       RowMajorGemm gh{};
       gh.name = "grad_hidden (dZ · weight)";
       gh.M = rc; gh.N = D; gh.K = V;
-      gh.A = dz; gh.lda = ldz; gh.trans_a = false;
+      gh.A = z; gh.lda = ldz; gh.trans_a = false;
       gh.B = p.weight; gh.ldb = D; gh.trans_b = false;
       gh.ab_dtype = dtype;
       gh.C = static_cast<char*>(p.grad_hidden) + static_cast<size_t>(r0) * static_cast<size_t>(D) * e;
@@ -354,7 +440,7 @@ fce_status cuda_linear_ce(const LinearCeProblem& p) {
       RowMajorGemm gw{};
       gw.name = "grad_weight (dZᵀ · hidden)";
       gw.M = V; gw.N = D; gw.K = rc;
-      gw.A = dz; gw.lda = ldz; gw.trans_a = true;
+      gw.A = z; gw.lda = ldz; gw.trans_a = true;
       gw.B = h_c; gw.ldb = hs; gw.trans_b = false;
       gw.ab_dtype = dtype;
       gw.ldc = D;
@@ -378,10 +464,10 @@ fce_status cuda_linear_ce(const LinearCeProblem& p) {
     // 5. ∂b[V] (+)= Σ_rows ∂Z_c   (float32: the caller's, or the workspace accumulator)
     if (p.grad_bias) {
       if (dw_fp32)
-        FCE_TRY(launch_column_sums(dz, dz_dtype, rc, V, ldz, p.grad_bias, FCE_FLOAT32,
+        FCE_TRY(launch_column_sums(z, dtype, rc, V, ldz, p.grad_bias, FCE_FLOAT32,
                                    !(first && !p.accumulate), stream));
       else
-        FCE_TRY(launch_column_sums(dz, dz_dtype, rc, V, ldz, db32, FCE_FLOAT32, !first, stream));
+        FCE_TRY(launch_column_sums(z, dtype, rc, V, ldz, db32, FCE_FLOAT32, !first, stream));
     }
   }
 

@@ -1,6 +1,7 @@
 // linear_kernels.cu — the small memory-bound kernels around the GEMMs of fce_linear_ce:
-// bias → float32, the bias-add fallback, bias-gradient column sums (fixed order, no atomics:
-// bitwise deterministic), and the store of a float32 accumulator into an f16/bf16 gradient.
+// the bias copy into the workspace, the bias-add fallback, bias-gradient column sums (fixed
+// order, no atomics: bitwise deterministic), and the store of a float32 accumulator into an
+// f16/bf16 gradient.
 // All are grid-stride loops with 64-bit indices; none is on the critical path (≤ a few % of the
 // GEMM time at D ≥ 1024).
 #include <cuda_bf16.h>
@@ -46,20 +47,23 @@ fce_status check_launch(const char* kernel) {
   return FCE_SUCCESS;
 }
 
-__global__ void to_f32_kernel(const void* src, int dtype, float* dst, int64_t n) {
+// f16/bf16 → float → the same f16/bf16 is exact, so a same-dtype convert is a bit copy.
+__global__ void convert_kernel(const void* src, int src_dtype, void* dst, int dst_dtype,
+                               int64_t n) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride)
-    dst[i] = load_as_float(src, dtype, i);
+    store_from_float(dst, dst_dtype, i, load_as_float(src, src_dtype, i));
 }
 
-__global__ void add_bias_rows_kernel(float* z, int64_t rows, int64_t cols, int64_t ld,
-                                     const float* bias) {
+__global__ void add_bias_rows_kernel(void* z, int dtype, int64_t rows, int64_t cols, int64_t ld,
+                                     const void* bias) {
   const int64_t n = rows * cols;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += stride) {
     const int64_t r = i / cols, c = i - r * cols;
-    z[r * ld + c] += bias[c];
+    const int64_t at = r * ld + c;
+    store_from_float(z, dtype, at, load_as_float(z, dtype, at) + load_as_float(bias, dtype, c));
   }
 }
 
@@ -98,16 +102,17 @@ __global__ void store_accumulator_kernel(const float* acc, void* out, int out_dt
 
 }  // namespace
 
-fce_status launch_to_f32(const void* src, int src_dtype, float* dst, int64_t n, cudaStream_t s) {
+fce_status launch_convert(const void* src, int src_dtype, void* dst, int dst_dtype, int64_t n,
+                          cudaStream_t s) {
   if (n <= 0) return FCE_SUCCESS;
-  to_f32_kernel<<<grid_for(n), kThreads, 0, s>>>(src, src_dtype, dst, n);
-  return check_launch("the bias conversion kernel");
+  convert_kernel<<<grid_for(n), kThreads, 0, s>>>(src, src_dtype, dst, dst_dtype, n);
+  return check_launch("the bias copy kernel");
 }
 
-fce_status launch_add_bias_rows(float* z, int64_t rows, int64_t cols, int64_t ld,
-                                const float* bias, cudaStream_t s) {
+fce_status launch_add_bias_rows(void* z, int dtype, int64_t rows, int64_t cols, int64_t ld,
+                                const void* bias, cudaStream_t s) {
   if (rows <= 0 || cols <= 0) return FCE_SUCCESS;
-  add_bias_rows_kernel<<<grid_for(rows * cols), kThreads, 0, s>>>(z, rows, cols, ld, bias);
+  add_bias_rows_kernel<<<grid_for(rows * cols), kThreads, 0, s>>>(z, dtype, rows, cols, ld, bias);
   return check_launch("the bias-add kernel");
 }
 

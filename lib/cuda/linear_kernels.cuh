@@ -1,5 +1,5 @@
 // linear_kernels.cuh — the small kernels of the fused linear + CE path (linear_kernels.cu):
-// dtype conversions, the bias-add fallback, and deterministic bias-gradient column sums.
+// a dtype conversion / copy, the bias-add fallback, and deterministic bias-gradient column sums.
 // Every launcher checks its launch and returns FCE_ERROR_CUDA through fce::fail on failure.
 #pragma once
 
@@ -12,12 +12,16 @@
 namespace fce {
 namespace cuda {
 
-// dst[i] = float(src[i]) for i < n; src of dtype f32 / f16 / bf16.
-fce_status launch_to_f32(const void* src, int src_dtype, float* dst, int64_t n, cudaStream_t s);
+// dst[i] = cast(src[i]) for i < n; src and dst of dtype f32 / f16 / bf16 (the same dtype: a
+// copy, bit for bit).
+fce_status launch_convert(const void* src, int src_dtype, void* dst, int dst_dtype, int64_t n,
+                          cudaStream_t s);
 
-// z[r * ld + c] += bias[c] for r < rows, c < cols (the fallback when cuBLASLt cannot fuse it).
-fce_status launch_add_bias_rows(float* z, int64_t rows, int64_t cols, int64_t ld,
-                                const float* bias, cudaStream_t s);
+// z[r * ld + c] = cast(float(z[r * ld + c]) + float(bias[c])) for r < rows, c < cols; z and bias
+// of dtype f32 / f16 / bf16 (the fallback when cuBLASLt cannot fuse the bias: for f16/bf16 z
+// that is a second rounding, where the epilogue rounds once).
+fce_status launch_add_bias_rows(void* z, int dtype, int64_t rows, int64_t cols, int64_t ld,
+                                const void* bias, cudaStream_t s);
 
 // out[c] = cast(Σ_{r < rows} dz[r * ld + c]  (+ float(out[c]) when add_old)) for c < cols.
 // Deterministic: every column is summed in one fixed order (8 interleaved partial sums over
