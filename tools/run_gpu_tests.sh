@@ -24,6 +24,8 @@ suite() {
   else failed=$((failed + 1)); failed_names+=("$name"); echo "--- $name: FAILED"; fi
 }
 suite "C ABI tests on CUDA (ctest)" env FCE_TEST_BACKEND=cuda ctest --test-dir "$BUILD" --output-on-failure
+suite "tensors past 2^31 elements (CUDA)" env FCE_TEST_BACKEND=cuda FCE_TEST_LARGE=1 \
+  "$BUILD/tests/test_ce" --gtest_filter=Ce.CudaLargeOffsets
 if command -v compute-sanitizer >/dev/null; then
   # A subset that reaches every kernel path: one CTA, clusters (V = 50257, odd and unaligned),
   # strided, in place, shift, every option, out-of-range targets; and the linear plan.
