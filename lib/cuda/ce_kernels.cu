@@ -18,15 +18,6 @@
 //     k is the smallest size whose slices fit, so a CTA is nearly full. Three compiled modes per
 //     dtype pair (plain, softcap, general = label smoothing) keep the hot ones lean; the general
 //     mode needs ~75-88 registers and runs one CTA per SM rather than spill.
-//   * Pipelined register path (ce_rows_pipe_kernel), sm_90, forward + gradient (the default
-//     there; FCE_CUDA_CE_PIPE=0 keeps the kernel above): the same split, slots and math (so the
-//     same bits), but persistent — one wave of clusters, each looping over rows cid, cid + nc, …
-//     — and software-pipelined: each CTA has a shared-memory buffer of its slice (≤ 64 KB,
-//     2 CTAs per SM) that the bulk copy engine (cp.async.bulk, completion on an mbarrier) fills
-//     with the cluster's NEXT row while the CTA reduces, exchanges and stores the current one
-//     from registers. The one-row-per-CTA kernel leaves the SM's load pipe idle during each
-//     row's reduce + cluster barrier + stores + CTA turnover; here a copy is in flight
-//     throughout. Details and the synchronisation argument above the kernel.
 //   * Two-pass path (ce_rows_stream_kernel<…, BWD = false>), any V (rows past 512 KB, sm_80 rows
 //     past 64 KB, or no cluster fits): one 1024-thread CTA per row, one CTA per SM, so only
 //     #SMs rows (≈ 33 MB at 250 KB) are in flight and the second read mostly hits the 50 MB L2.
@@ -41,8 +32,7 @@
 //     the row use 16-byte accesses; the ≤ 2 partial vectors of a row use element accesses for
 //     its own elements only, so nothing outside [row, row + V) is ever read or written. When the
 //     gradient's alignment differs from the logits' (other stride, base or dtype), vector v of
-//     the gradient is stored element by element. The pipelined kernel's bulk copies move only
-//     full vectors (inside the row); its partial vectors take the same element loads.
+//     the gradient is stored element by element.
 //   * Forward and backward write the same gradient bits: both compute every element in
 //     grad_vector() from the same float lse and the same row constants (make_row_grad), with
 //     explicit _rn intrinsics so no FMA contraction can differ between kernels or modes.
@@ -50,11 +40,9 @@
 //     them in a fixed order (one block, double accumulation): deterministic run to run.
 //   * 64-bit row offsets (row · stride · e in int64); 32-bit element indices only where V is
 //     known to be < 2^19 (register path).
-//   * The register path's index arithmetic (reg_config, reg_slice, is_full, grad_vec_ok, and the
-//     pipelined kernel's bulk_copy_of, owner_rank, pipe_row) is shared with a host self-test,
-//     ce_rows_selftest() (build with -DFCE_CE_SELFTEST): every element owned exactly once, every
-//     16-byte access aligned and inside its row, every bulk copy 16-byte aligned, inside its row
-//     and its buffer and exactly the slots its CTA reads, every row scheduled once.
+//   * The register path's index arithmetic (reg_config, reg_slice, is_full, grad_vec_ok) is
+//     shared with a host self-test, ce_rows_selftest() (build with -DFCE_CE_SELFTEST): every
+//     element owned exactly once, every 16-byte access aligned and inside its row.
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -64,8 +52,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <mutex>
-#include <unordered_map>
 #include <vector>
 
 #include "cuda/ce_rows.cuh"
@@ -110,7 +96,6 @@ struct KParams {
   char* grad;          // row row_begin of this launch, or nullptr
   int64_t z_row_bytes, g_row_bytes;
   int64_t row_begin;   // global index of this launch's first row
-  int64_t rows;        // rows of this launch (the persistent pipelined kernel loops over them)
   int64_t ignore_index;
   int64_t shift_T;     // 0 = no shift
   const void* targets;
@@ -398,36 +383,19 @@ struct RowInfo {
   float omega;  // Ω (label smoothing)
 };
 
-// Where row `row`'s target is (SEMANTICS rule 1): false when the row is shifted out (ignored;
-// targets[row + 1] is then never read).
-__device__ __forceinline__ bool target_index(const KParams& p, int64_t row, int64_t* ti) {
-  *ti = row;
-  if (p.shift_T > 0) {
-    if (row % p.shift_T == p.shift_T - 1) return false;
-    *ti = row + 1;
-  }
-  return true;
-}
-__device__ __forceinline__ int classify_target(const KParams& p, int64_t y) {
-  if (y == p.ignore_index) return kIgnored;
-  if (y < 0 || y >= p.vocab) return kInvalid;
-  return kValid;
-}
-
 __device__ __forceinline__ int classify_row(const KParams& p, int64_t row, int64_t* y_out) {
-  int64_t ti;
+  int64_t ti = row;
   *y_out = 0;
-  if (!target_index(p, row, &ti)) return kIgnored;  // no target: never read targets[r+1]
+  if (p.shift_T > 0) {
+    if (row % p.shift_T == p.shift_T - 1) return kIgnored;  // no target: never read targets[r+1]
+    ti = row + 1;
+  }
   const int64_t y = p.targets_int64 ? static_cast<const int64_t*>(p.targets)[ti]
                                     : static_cast<int64_t>(static_cast<const int32_t*>(p.targets)[ti]);
   *y_out = y;
-  return classify_target(p, y);
-}
-
-// The upstream scale k (SEMANTICS rule 6) from g (grad_output's value, or 1) and D.
-__device__ __forceinline__ float upstream_scale(const KParams& p, float g, float D) {
-  if (p.reduction == FCE_REDUCTION_MEAN) return D > 0.f ? __fdiv_rn(g, D) : 0.f;
-  return g;
+  if (y == p.ignore_index) return kIgnored;
+  if (y < 0 || y >= p.vocab) return kInvalid;
+  return kValid;
 }
 
 template <class TZ, int MODE>
@@ -447,7 +415,11 @@ __device__ RowInfo load_row_info(const KParams& p, int64_t row, const char* zrow
   if (p.grad) {
     float g = 1.f;
     if (p.grad_output) g = p.grad_output[p.reduction == FCE_REDUCTION_NONE ? row : 0];
-    r.k = upstream_scale(p, g, p.reduction == FCE_REDUCTION_MEAN ? p.denoms->denom : 0.f);
+    if (p.reduction == FCE_REDUCTION_MEAN) {
+      const float D = p.denoms->denom;
+      g = D > 0.f ? __fdiv_rn(g, D) : 0.f;
+    }
+    r.k = g;
   }
   r.omega = 0.f;
   if (use_smooth<MODE>(p)) r.omega = p.class_weights ? p.denoms->omega_total : static_cast<float>(p.vocab);
@@ -565,74 +537,6 @@ __device__ __forceinline__ void cluster_arrive_relaxed() {
 __device__ __forceinline__ void cluster_wait() {
   asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
 }
-
-// ---- the pipelined kernel's sm_90 primitives (ce_rows_pipe_kernel)
-__device__ __forceinline__ uint32_t smem_u32(const void* ptr) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
-}
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-// Makes the initialised mbarrier visible to the async proxy (the bulk copy engine) and the CTA.
-__device__ __forceinline__ void fence_mbar_init() {
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-// Waits until the phase of parity `parity` has completed (acquire, CTA scope: the bulk copy's
-// bytes are visible to the waiting thread afterwards).
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done = 0;
-  do {
-    asm volatile(
-        "{\n"
-        "  .reg .pred P;\n"
-        "  mbarrier.try_wait.parity.shared::cta.b64 P, [%1], %2;\n"
-        "  selp.u32 %0, 1, 0, P;\n"
-        "}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (!done);
-}
-__device__ __forceinline__ uint64_t l2_evict_first_policy() {
-  uint64_t pol;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
-  return pol;
-}
-// Bulk copy (TMA engine, no tensor map) of `bytes` (multiple of 16) from global `src` (16-byte
-// aligned) into this CTA's shared memory at `dst` (16-byte aligned); completes `bytes` of
-// transaction count on the mbarrier `bar`.
-__device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t bytes,
-                                         uint32_t bar, uint64_t pol) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
-      " [%0], [%1], %2, [%3], %4;\n" ::"r"(dst),
-      "l"(src), "r"(bytes), "r"(bar), "l"(pol)
-      : "memory");
-}
-// Orders this thread's generic-proxy accesses of shared memory before later async-proxy ones
-// (the next bulk copy into the same buffer).
-__device__ __forceinline__ void fence_proxy_async_smem() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-// Small asynchronous global -> shared copies (the next row's target and grad_output).
-template <int BYTES> __device__ __forceinline__ void cp_async_small(uint32_t dst, const void* src) {
-  static_assert(BYTES == 4 || BYTES == 8, "cp.async.ca copies 4 or 8 bytes here");
-  asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(dst), "l"(src), "n"(BYTES)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-__device__ __forceinline__ void cp_async_wait_all() {
-  asm volatile("cp.async.wait_all;\n" ::: "memory");
-}
 #endif
 
 // ============================================================ register path ====
@@ -663,47 +567,6 @@ __host__ __device__ __forceinline__ RegSlice reg_slice(uintptr_t row_addr, int e
   g.j00 = g.v0 * E - g.lead;
   g.jstep = nt * E;
   return g;
-}
-
-// The pipelined kernel's bulk copy of one CTA's slice (ce_rows_pipe_kernel): the FULL vectors
-// of the CTA's vectors [rank·per, vend), i.e. those inside the row (vector v is full iff
-// fb ≤ v < fe below, the same as is_full(v·E − lead, V)). They are contiguous and 16-byte
-// aligned in memory, so one cp.async.bulk moves them; the ≤ 2 partial vectors of a row (its
-// first when lead > 0, its last when the row does not end on a vector boundary) are loaded
-// element by element as in the register kernel, so no byte outside [row, row + V) is ever read.
-// Vector v of the CTA lands in buffer slot v − rank·per (thread tid, slot i: tid + i·nt).
-struct BulkCopy {
-  int src_off;  // bytes from the row's first element (≥ 0)
-  int dst_off;  // bytes from the CTA's buffer
-  int bytes;    // multiple of 16; 0 = nothing to copy (src_off/dst_off then meaningless)
-};
-[[maybe_unused]] __host__ __device__ __forceinline__ BulkCopy bulk_copy_of(const RegSlice& g, int rank,
-                                                          int elem_bytes, int V) {
-  const int E = 16 / elem_bytes;
-  const int fb = g.lead > 0 ? 1 : 0;   // first full vector of the row
-  const int fe = (g.lead + V) / E;     // past the last full vector of the row
-  const int cb = rank * g.per;         // this CTA's first vector
-  const int b = cb > fb ? cb : fb;
-  int e = g.vend < fe ? g.vend : fe;
-  if (e < b) e = b;
-  BulkCopy c;
-  c.src_off = b * 16 - g.lead * elem_bytes;
-  c.dst_off = (b - cb) * 16;
-  c.bytes = (e - b) * 16;
-  return c;
-}
-
-// The CTA of a cluster that holds element y of the row (0 ≤ y < V): vector (y + lead)/E.
-[[maybe_unused]] __host__ __device__ __forceinline__ int owner_rank(int64_t y, const RegSlice& g, int elem_bytes) {
-  const int E = 16 / elem_bytes;
-  return static_cast<int>((y + g.lead) / E) / g.per;
-}
-
-// The persistent schedule: cluster `cid` of `nc` takes rows cid, cid + nc, cid + 2·nc, … of the
-// launch; iteration `it` of a CTA waits for mbarrier phase parity it & 1 and uses the DSMEM
-// slots of parity it & 1.
-[[maybe_unused]] __host__ __device__ __forceinline__ int64_t pipe_row(int64_t cid, int64_t it, int64_t nc) {
-  return cid + it * nc;
 }
 
 // grid.x = rows × k, clusters of (k,1,1) when k > 1. CTA `rank` of a row holds its vectors
@@ -807,263 +670,6 @@ __global__ void __launch_bounds__(kRegThreads, MODE == kGeneral ? 1 : 2)
   }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   if (k > 1) cluster_wait();
-#endif
-}
-
-// ==================================================== pipelined register path ====
-// ce_rows_pipe_kernel: the register path (same split of a row over a cluster of k CTAs, same
-// threads, same slots, same math, so the same bits) made persistent and software-pipelined
-// (sm_90 only). The grid is the clusters that fit at once; cluster cid takes rows cid, cid + nc,
-// … (pipe_row). Each CTA owns a shared-memory buffer of its slice (threads·kRegVpt·16 ≤ 64 KB,
-// dynamic) and an mbarrier. While the CTA reduces, exchanges and stores row r from registers,
-// the bulk copy engine streams its slice of the cluster's next row into the buffer, so the SM's
-// load pipe does not idle across the reduce, the cluster barrier and the stores.
-// Per iteration `it` (parity par = it & 1), row r:
-//   tid 0   the row's target (prefetched into s_tgt[par] by cp.async an iteration earlier):
-//           classify into s_info[par] (kind, y)
-//   all     wait on the mbarrier for phase parity par (the bulk copy issued an iteration
-//           earlier); tid 0 of the CTA holding element y reads a_y from the buffer (or, if y is
-//           in a partial vector, from global): the bits load_row_info would read; full vectors
-//           buffer -> registers; fence.proxy.async.shared::cta (these generic reads of the
-//           buffer before the async proxy's next write of it)
-//   S1      __syncthreads: the buffer is free
-//   tid 0   the next row's bulk copy (mbarrier.arrive.expect_tx + cp.async.bulk, before
-//           anything else) and its target / grad_output (cp.async.ca into slot par ^ 1); then
-//           this row's ω_y, k, Ω into s_info[par]
-//   all     the ≤ 2 partial vectors of the row straight from global (element loads); phase 1
-//   S2      block reduce (its __syncthreads)
-//   k > 1   s_part[par] = this CTA's partial; cluster barrier (release/acquire); warp 0 folds
-//           the k partials in rank order (as ce_rows_regs_kernel); rank 0 reads a_y from the
-//           owner CTA's s_ay[par]. DSMEM slots are double-buffered by parity: a CTA rewrites
-//           slot par at it + 2 only after passing the cluster barrier of it + 1, which every
-//           CTA reaches only after its reads of it. So one cluster barrier per row.
-//   S3      __syncthreads: s_final, s_info[par] visible; outputs (rank 0, tid 0), gradient from
-//           the registers, stores.
-// After the loop one more cluster barrier, so that no CTA exits while a peer may still read its
-// shared memory. The mbarrier completes exactly one phase per iteration (one arrive by tid 0,
-// plus the copy's bytes), and a copy is issued only after S1, when every thread has passed its
-// wait for the previous phase: waiting on parity it & 1 is unambiguous.
-// In place (grad == logits, same stride; any other overlap is refused by the API): row r's
-// stores and the bulk read of the cluster's next row r + nc (in flight during them) touch
-// disjoint bytes — the bulk copy moves full vectors only, which lie inside their row, and rows
-// are stride ≥ V elements apart — and row r + nc is written only by this cluster, after it has
-// read it (mbarrier wait, then the gradient). The partial vectors and a_y are read with element
-// loads before the cluster barrier that precedes any store of the row, as in the register kernel.
-template <class TZ, class TG, int MODE>
-__global__ void __launch_bounds__(kRegThreads, MODE == kGeneral ? 1 : 2)
-    ce_rows_pipe_kernel(const KParams p) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  constexpr int E = vec_elems<TZ>();
-  constexpr int eb = Ty<TZ>::kBytes;
-  constexpr bool SW = MODE == kGeneral;
-  extern __shared__ __align__(128) uint4 s_buf[];  // this CTA's slice of the row in flight
-  __shared__ Partial s_warp[32];
-  __shared__ Partial s_final;
-  __shared__ Partial s_part[2];    // this CTA's partial, by iteration parity (read by the cluster)
-  __shared__ float s_ay[2];        // a_y when this CTA holds element y, by parity (read by rank 0)
-  __shared__ RowInfo s_info[2];    // the row's kind, y, ω_y, k, Ω (ay unused: see s_ay), by
-                                   // parity: tid 0 writes slot par before S1 of `it`, while slow
-                                   // threads may still copy slot par ^ 1 (after S3 of it − 1)
-  __shared__ int64_t s_tgt[2];     // the prefetched raw target of the row, by parity
-  __shared__ float s_gout[2];      // the prefetched grad_output value of the row, by parity
-  __shared__ __align__(8) uint64_t s_bar;
-
-  const int lg = p.cluster_log2;
-  const int k = 1 << lg;
-  const int rank = static_cast<int>(blockIdx.x & static_cast<unsigned>(k - 1));
-  const int cid = static_cast<int>(blockIdx.x >> lg);  // rows per launch < 2^27: int row indices
-  const int nc = static_cast<int>(gridDim.x >> lg);
-  const int V = p.vocab;
-  const int tid = threadIdx.x, nt = blockDim.x;
-  const uint32_t bar = smem_u32(&s_bar);
-
-  // tid 0: the bulk copy of this CTA's slice of row lrow, and the row's scalars into slot `slot`.
-  auto issue_row = [&](int lrow, int slot) {
-    const char* zr = p.logits + lrow * p.z_row_bytes;
-    const RegSlice gs = reg_slice(reinterpret_cast<uintptr_t>(zr), eb, V, lg, rank, 0, 1);
-    const BulkCopy bc = bulk_copy_of(gs, rank, eb, V);
-    if (bc.bytes > 0) {
-      mbar_arrive_expect_tx(bar, static_cast<uint32_t>(bc.bytes));
-      bulk_g2s(smem_u32(s_buf) + static_cast<uint32_t>(bc.dst_off), zr + bc.src_off,
-               static_cast<uint32_t>(bc.bytes), bar, l2_evict_first_policy());
-    } else {
-      mbar_arrive(bar);  // nothing of this row in this CTA's buffer: complete the phase at once
-    }
-    const int64_t grow_idx = p.row_begin + lrow;
-    int64_t ti;
-    if (target_index(p, grow_idx, &ti)) {
-      if (p.targets_int64)
-        cp_async_small<8>(smem_u32(&s_tgt[slot]), static_cast<const int64_t*>(p.targets) + ti);
-      else
-        cp_async_small<4>(smem_u32(&s_tgt[slot]), static_cast<const int32_t*>(p.targets) + ti);
-    }
-    if (p.grad && p.grad_output)
-      cp_async_small<4>(smem_u32(&s_gout[slot]),
-                        p.grad_output + (p.reduction == FCE_REDUCTION_NONE ? grow_idx : 0));
-    cp_async_commit();
-  };
-
-  if (tid == 0) {
-    mbar_init(bar, 1);
-    fence_mbar_init();
-  }
-  __syncthreads();
-  if (tid == 0 && cid < p.rows) issue_row(cid, 0);
-
-  for (int it = 0;; ++it) {
-    const int lrow = static_cast<int>(pipe_row(cid, it, nc));
-    if (lrow >= p.rows) break;
-    const int par = it & 1;
-    const int64_t row = p.row_begin + lrow;
-    const char* zrow = p.logits + lrow * p.z_row_bytes;
-    const RegSlice g = reg_slice(reinterpret_cast<uintptr_t>(zrow), eb, V, lg, rank, tid, nt);
-
-    // ---- tid 0: the row's target (in shared memory since the previous iteration) into
-    // s_info[par] (tid 0 rereads kind and y later: nothing held in registers)
-    if (tid == 0) {
-      cp_async_wait_all();
-      int kind = kIgnored;
-      int64_t y = 0;
-      int64_t ti;
-      if (target_index(p, row, &ti)) {
-        y = p.targets_int64 ? s_tgt[par]
-                            : static_cast<int64_t>(*reinterpret_cast<const int32_t*>(&s_tgt[par]));
-        kind = classify_target(p, y);
-      }
-      s_info[par].kind = kind;
-      s_info[par].y = y;
-    }
-
-    // ---- the slice: full vectors from the buffer into registers, then free the buffer
-    mbar_wait(bar, static_cast<uint32_t>(par));
-    // tid 0 of the CTA that holds element y: a_y, through the same transform as every element,
-    // from the buffer (a full vector) or, when y lies in the row's partial first/last vector,
-    // from global like load_row_info; the bits load_row_info reads either way.
-    if (tid == 0 && s_info[par].kind == kValid && owner_rank(s_info[par].y, g, eb) == rank) {
-      const int y = static_cast<int>(s_info[par].y);
-      const int vy = (y + g.lead) / E;
-      const int jv = vy * E - g.lead;  // first element of y's vector
-      uint32_t raw;
-      if (is_full<int, E>(jv, V)) {
-        const char* at = reinterpret_cast<const char*>(s_buf) + (vy - rank * g.per) * 16 + (y - jv) * eb;
-        if constexpr (eb == 4) raw = *reinterpret_cast<const uint32_t*>(at);
-        else raw = *reinterpret_cast<const unsigned short*>(at);
-      } else {
-        raw = ld_elem<TZ>(zrow + static_cast<int64_t>(y) * eb);
-      }
-      float t;
-      s_ay[par] = xform<MODE>(raw_to_float<TZ>(raw), p, t);
-    }
-    uint4 buf[kRegVpt];
-#pragma unroll
-    for (int i = 0; i < kRegVpt; ++i) {
-      const int j0 = g.j00 + i * g.jstep;
-      buf[i] = make_uint4(0u, 0u, 0u, 0u);
-      if (g.v0 + i * nt < g.vend && is_full<int, E>(j0, V)) buf[i] = s_buf[tid + i * nt];
-    }
-    fence_proxy_async_smem();
-    __syncthreads();  // S1
-
-    // ---- tid 0: the next row's copy goes out first; then this row's per-row constants
-    if (tid == 0) {
-      const int64_t next = pipe_row(cid, it + 1, nc);
-      if (next < p.rows) issue_row(static_cast<int>(next), par ^ 1);
-      const int kind = s_info[par].kind;
-      const int64_t y = s_info[par].y;
-      s_info[par].wy = kind == kValid ? (p.class_weights ? __ldg(p.class_weights + y) : 1.f) : 0.f;
-      s_info[par].ay = 0.f;
-      float kk = 0.f;
-      if (p.grad) {
-        const float gv = p.grad_output ? s_gout[par] : 1.f;
-        kk = upstream_scale(p, gv, p.reduction == FCE_REDUCTION_MEAN ? __ldg(&p.denoms->denom) : 0.f);
-      }
-      s_info[par].k = kk;
-      float om = 0.f;
-      if (use_smooth<MODE>(p))
-        om = p.class_weights ? __ldg(&p.denoms->omega_total) : static_cast<float>(p.vocab);
-      s_info[par].omega = om;
-    }
-
-    // ---- the row's partial vectors (≤ 2), element by element from global
-#pragma unroll
-    for (int i = 0; i < kRegVpt; ++i) {
-      const int j0 = g.j00 + i * g.jstep;
-      if (g.v0 + i * nt < g.vend && !is_full<int, E>(j0, V))
-        buf[i] = load_vector<TZ, kStreaming>(zrow, j0, false, V);
-    }
-
-    // ---- phase 1: (max, Σexp[, Σω·a]) of the slice
-    Partial acc = partial_identity();
-#pragma unroll
-    for (int i = 0; i < kRegVpt; ++i) {
-      const int j0 = g.j00 + i * g.jstep;
-      if (g.v0 + i * nt < g.vend) online_vector<TZ, MODE>(buf[i], j0, is_full<int, E>(j0, V), p, acc);
-    }
-    const Partial blk = block_reduce<SW>(acc, s_warp);  // S2 inside
-
-    // ---- the row's partial: this CTA's, or the cluster's folded in rank order; a_y
-    float ay = 0.f;  // meaningful in rank 0, tid 0, valid rows
-    if (k > 1) {
-      if (tid == 0) s_part[par] = blk;
-      cluster_sync_release_acquire();
-      if (tid < 32) {
-        Partial mine = partial_identity();
-        if (tid < k) mine = *cooperative_groups::this_cluster().map_shared_rank(&s_part[par], tid);
-        Partial f = partial_identity();
-        for (int r = 0; r < k; ++r)
-          combine<SW>(f, __shfl_sync(0xffffffffu, mine.m, r), __shfl_sync(0xffffffffu, mine.s, r),
-                      SW ? __shfl_sync(0xffffffffu, mine.sw, r) : 0.0);
-        if (tid == 0) {
-          s_final = f;
-          if (rank == 0 && s_info[par].kind == kValid)
-            ay = *cooperative_groups::this_cluster().map_shared_rank(&s_ay[par],
-                                                                     owner_rank(s_info[par].y, g, eb));
-        }
-      }
-    } else {
-      if (tid == 0) {
-        s_final = blk;
-        if (s_info[par].kind == kValid) ay = s_ay[par];
-      }
-    }
-    __syncthreads();  // S3
-    const Partial fin = s_final;
-    const RowInfo ri = s_info[par];
-    const float lse = row_lse(fin);
-    if (rank == 0 && tid == 0) {
-      RowInfo ro = ri;
-      ro.ay = ay;
-      write_row_outputs<MODE>(p, row, ro, fin, lse);
-    }
-
-    // ---- phase 2: the gradient, from the registers (as ce_rows_regs_kernel)
-    if (p.grad) {
-      char* grow = p.grad + lrow * p.g_row_bytes;
-      const bool vec_ok = grad_vec_ok<TZ, TG>(grow, g.lead);
-      if (ri.kind == kValid) {
-        const RowGrad rg = make_row_grad<MODE>(p, ri, lse);
-#pragma unroll
-        for (int i = 0; i < kRegVpt; ++i) {
-          const int j0 = g.j00 + i * g.jstep;
-          if (g.v0 + i * nt < g.vend)
-            grad_vector<TZ, TG, MODE>(buf[i], j0, is_full<int, E>(j0, V), vec_ok, p, rg, ri.y, grow);
-        }
-      } else {
-        const float value = ri.kind == kInvalid ? qnan() : 0.f;
-#pragma unroll 1
-        for (int i = 0; i < kRegVpt; ++i) {
-          const int j0 = g.j00 + i * g.jstep;
-          if (g.v0 + i * nt < g.vend)
-            fill_vector<TG, E>(j0, is_full<int, E>(j0, V), vec_ok, V, value, grow);
-        }
-      }
-    }
-  }
-  // No CTA leaves while a peer may still read its s_part / s_ay of the last row.
-  if (k > 1) cluster_sync_release_acquire();
-#else
-  // Built only for sm_90+ (the host checks the kernel's PTX version before choosing it).
-  __trap();
 #endif
 }
 
@@ -1298,16 +904,10 @@ fce_status launch_error(const char* kernel) {
 }
 
 // Tuning and measurement overrides, read once: FCE_CUDA_CE_PATH = auto | regs | twopass
-// (forward only), FCE_CUDA_CE_CLUSTER = the smallest cluster size to use (1, 2, 4, 8),
-// FCE_CUDA_CE_PIPE = 0 | 1 (forward + gradient on the register path: 0 = the one-row-per-
-// cluster kernel, 1 = the persistent pipelined kernel; unset = 1 where it can run, sm_90+),
-// FCE_CUDA_CE_PIPE_GRID = n > 0: at most n clusters in the pipelined kernel's grid (testing: few
-// clusters make every cluster loop over many rows).
+// (forward only), FCE_CUDA_CE_CLUSTER = the smallest cluster size to use (1, 2, 4, 8).
 struct Overrides {
   int path = 0;  // 0 auto, 1 regs (same as auto when the row fits), 2 twopass
   int min_cluster = 1;
-  int pipe = 1;       // 0 off, 1 on where it can run
-  int pipe_grid = 0;  // 0 = the clusters that fit at once
 };
 const Overrides& overrides() {
   static const Overrides o = [] {
@@ -1319,14 +919,6 @@ const Overrides& overrides() {
     if (const char* s = getenv("FCE_CUDA_CE_CLUSTER")) {
       const int k = atoi(s);
       if (k == 1 || k == 2 || k == 4 || k == 8) r.min_cluster = k;
-    }
-    if (const char* s = getenv("FCE_CUDA_CE_PIPE")) {
-      if (!strcmp(s, "0")) r.pipe = 0;
-      else if (!strcmp(s, "1")) r.pipe = 1;
-    }
-    if (const char* s = getenv("FCE_CUDA_CE_PIPE_GRID")) {
-      const long n = atol(s);
-      if (n > 0 && n <= (1L << 20)) r.pipe_grid = static_cast<int>(n);
     }
     return r;
   }();
@@ -1446,109 +1038,6 @@ fce_status launch_forward_regs(const KParams& q, const RegConfig& rc, int64_t n,
   return launch_error("ce_rows_regs_kernel");
 }
 
-// The pipelined kernel's dynamic shared memory: one buffer of the CTA's slice, threads·kRegVpt
-// vectors (≥ per for every row: reg_config's invariant), ≤ 64 KB.
-constexpr int kPipeSmemMax = kRegVecsPerCta * 16;
-int pipe_smem_bytes(int threads) { return threads * kRegVpt * 16; }
-
-// How many clusters of k CTAs of `threads` threads of the pipelined kernel fit on the device at
-// once (its persistent grid); 0 when it cannot run here (not compiled for sm_90, no clusters,
-// the shared memory limit cannot be raised, or none fits). Asked once per (device, kernel, k,
-// threads) and remembered; the first call also raises the kernel's dynamic shared memory limit
-// to kPipeSmemMax and asks for the largest shared memory carveout (on that device).
-std::mutex g_pipe_mutex;
-std::unordered_map<uint64_t, int> g_pipe_clusters;  // key: device, slot, k, threads
-
-template <class K>
-int pipe_clusters(const DeviceInfo& dev, K kernel, int slot, int k, int threads) {
-  if (dev.major < 9) return 0;
-  const uint64_t key = (uint64_t(uint32_t(dev.device)) << 32) | (uint64_t(slot) << 20) |
-                       (uint64_t(k) << 12) | uint64_t(threads);
-  std::lock_guard<std::mutex> lock(g_pipe_mutex);
-  const auto hit = g_pipe_clusters.find(key);
-  if (hit != g_pipe_clusters.end()) return hit->second;
-  int result = 0;
-  bool failed = false;  // a failed query only means "don't use it"; its error is cleared
-  cudaFuncAttributes fa{};
-  if (cudaFuncGetAttributes(&fa, kernel) != cudaSuccess) {
-    failed = true;
-  } else if (fa.ptxVersion >= 90) {
-    const int smem = pipe_smem_bytes(threads);
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kPipeSmemMax) !=
-        cudaSuccess) {
-      failed = true;
-    } else {
-      // the largest shared memory carveout: a preference only, a failure changes nothing
-      if (cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                               int(cudaSharedmemCarveoutMaxShared)) != cudaSuccess)
-        failed = true;
-      if (k == 1) {
-        int per_sm = 0, sms = 0;
-        if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem) ==
-                cudaSuccess &&
-            cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev.device) == cudaSuccess)
-          result = per_sm * sms;
-        else
-          failed = true;
-      } else {
-        cudaLaunchConfig_t cfg = {};
-        cfg.gridDim = dim3(static_cast<unsigned>(k));
-        cfg.blockDim = dim3(static_cast<unsigned>(threads));
-        cfg.dynamicSmemBytes = static_cast<size_t>(smem);
-        cudaLaunchAttribute attr[1];
-        attr[0].id = cudaLaunchAttributeClusterDimension;
-        attr[0].val.clusterDim.x = static_cast<unsigned>(k);
-        attr[0].val.clusterDim.y = 1;
-        attr[0].val.clusterDim.z = 1;
-        cfg.attrs = attr;
-        cfg.numAttrs = 1;
-        int clusters = 0;
-        if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) == cudaSuccess)
-          result = clusters;
-        else
-          failed = true;
-      }
-    }
-  }
-  if (failed) (void)cudaGetLastError();
-  if (result < 0) result = 0;
-  g_pipe_clusters[key] = result;
-  return result;
-}
-
-template <class TZ, class TG, int MODE>
-fce_status launch_forward_pipe(const KParams& q, const RegConfig& rc, int64_t n, int clusters,
-                               cudaStream_t s) {
-  auto kernel = ce_rows_pipe_kernel<TZ, TG, MODE>;
-  int64_t nc = clusters;
-  if (overrides().pipe_grid > 0 && overrides().pipe_grid < nc) nc = overrides().pipe_grid;
-  if (nc > n) nc = n;
-  const size_t smem = static_cast<size_t>(pipe_smem_bytes(rc.threads));
-  if (rc.k == 1) {
-    kernel<<<static_cast<unsigned>(nc), static_cast<unsigned>(rc.threads), smem, s>>>(q);
-    return launch_error("ce_rows_pipe_kernel");
-  }
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(nc * rc.k));
-  cfg.blockDim = dim3(static_cast<unsigned>(rc.threads));
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = s;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = static_cast<unsigned>(rc.k);
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, q);
-  if (e != cudaSuccess) {
-    (void)cudaGetLastError();
-    return fail(FCE_ERROR_CUDA, "ce_rows_pipe_kernel (%lld clusters of %d × %d threads): launch failed: %s",
-                static_cast<long long>(nc), rc.k, rc.threads, cudaGetErrorString(e));
-  }
-  return launch_error("ce_rows_pipe_kernel");
-}
-
 // Threads of a streaming CTA: enough for kStreamUnroll vectors each on the longest row, ≤ cap.
 int64_t stream_threads(int64_t vocab, int E, int cap) {
   const int64_t nvec_max = (E - 1 + vocab + E - 1) / E;
@@ -1588,22 +1077,11 @@ fce_status launch_rows_typed(const CeRowsArgs& a, KParams p, int pair, cudaStrea
                                 : cluster_fits(dev, ce_rows_regs_kernel<TZ, TG, kGeneral>, slot, rc.k);
     }
   }
-  // Forward + gradient on the register path: the persistent pipelined kernel where it can run
-  // (sm_90+, compiled for it, its clusters fit), unless FCE_CUDA_CE_PIPE=0. Forward only and
-  // backward keep their kernels.
-  int pipe_nc = 0;
-  if (use_regs && a.grad && overrides().pipe != 0 && dev.major >= 9) {
-    const int slot = pair * 3 + mode;
-    pipe_nc = mode == kPlain ? pipe_clusters(dev, ce_rows_pipe_kernel<TZ, TG, kPlain>, slot, rc.k, rc.threads)
-            : mode == kCap   ? pipe_clusters(dev, ce_rows_pipe_kernel<TZ, TG, kCap>, slot, rc.k, rc.threads)
-                             : pipe_clusters(dev, ce_rows_pipe_kernel<TZ, TG, kGeneral>, slot, rc.k, rc.threads);
-  }
 
   for (int64_t r0 = 0; r0 < a.row_count; r0 += kMaxRowsPerLaunch) {
     const int64_t n = a.row_count - r0 < kMaxRowsPerLaunch ? a.row_count - r0 : kMaxRowsPerLaunch;
     KParams q = p;
     q.row_begin = a.row_begin + r0;
-    q.rows = n;
     q.logits = static_cast<const char*>(a.logits) + r0 * p.z_row_bytes;
     q.grad = a.grad ? static_cast<char*>(a.grad) + r0 * p.g_row_bytes : nullptr;
     fce_status st = FCE_SUCCESS;
@@ -1614,11 +1092,6 @@ fce_status launch_rows_typed(const CeRowsArgs& a, KParams p, int pair, cudaStrea
       else
         ce_rows_stream_kernel<TZ, TG, kGeneral, true><<<static_cast<unsigned>(n), threads, 0, s>>>(q);
       st = launch_error("ce_backward_kernel");
-    } else if (use_regs && pipe_nc > 0) {
-      q.cluster_log2 = rc.k == 1 ? 0 : rc.k == 2 ? 1 : rc.k == 4 ? 2 : 3;
-      st = mode == kPlain ? launch_forward_pipe<TZ, TG, kPlain>(q, rc, n, pipe_nc, s)
-         : mode == kCap   ? launch_forward_pipe<TZ, TG, kCap>(q, rc, n, pipe_nc, s)
-                          : launch_forward_pipe<TZ, TG, kGeneral>(q, rc, n, pipe_nc, s);
     } else if (use_regs) {
       q.cluster_log2 = rc.k == 1 ? 0 : rc.k == 2 ? 1 : rc.k == 4 ? 2 : 3;
       st = mode == kPlain ? launch_forward_regs<TZ, TG, kPlain>(q, rc, n, s)
@@ -1715,7 +1188,6 @@ int ce_rows_selftest() {
                             65535, 65536, 65537, 100000, 128256, 131071, 131072, 131073,
                             151936, 200003, 256000, 262136, 262143, 262144, 262145, 300000};
   std::vector<unsigned char> seen;
-  std::vector<int> owner;
   for (int eb : {2, 4}) {
     const int E = 16 / eb;
     for (int64_t V : vocabs) {
@@ -1734,35 +1206,10 @@ int ce_rows_selftest() {
                 rc.threads < 32 || rc.threads > kRegThreads)
               fail_at("reg_config returned a bad shape", V, eb, 0, rc.k, rc.threads);
             const int lg = rc.k == 1 ? 0 : rc.k == 2 ? 1 : rc.k == 4 ? 2 : 3;
-            const int smem_vecs = pipe_smem_bytes(rc.threads) / 16;
-            if (pipe_smem_bytes(rc.threads) > kPipeSmemMax)
-              fail_at("pipelined buffer above its limit", V, eb, 0, rc.k, rc.threads);
             for (int lead = 0; lead < (aligned ? 1 : E); ++lead) {
               const uintptr_t row_addr = uintptr_t(0x10000) + uintptr_t(lead) * eb;
               seen.assign(size_t(V), 0);
-              owner.assign(size_t(V), -1);
               for (int rank = 0; rank < rc.k; ++rank) {
-                // The pipelined kernel's bulk copy of this CTA's slice: aligned, inside the row,
-                // inside the buffer, and exactly the CTA's full vectors (checked per slot below).
-                const RegSlice gr = reg_slice(row_addr, eb, int(V), lg, rank, 0, 1);
-                const BulkCopy bc = bulk_copy_of(gr, rank, eb, int(V));
-                const int cb = rank * gr.per;
-                int cv0 = 0, cv1 = 0;  // copied vectors [cv0, cv1) of the row
-                if (bc.bytes < 0 || bc.bytes % 16 != 0)
-                  fail_at("bulk copy size", V, eb, lead, rc.k, rc.threads);
-                if (bc.bytes > 0) {
-                  if (bc.src_off < 0 || int64_t(bc.src_off) + bc.bytes > V * eb)
-                    fail_at("bulk copy outside the row", V, eb, lead, rc.k, rc.threads);
-                  if ((row_addr + uintptr_t(bc.src_off)) % 16 != 0 || bc.dst_off % 16 != 0)
-                    fail_at("bulk copy misaligned", V, eb, lead, rc.k, rc.threads);
-                  if (bc.dst_off < 0 || bc.dst_off + bc.bytes > smem_vecs * 16)
-                    fail_at("bulk copy outside the buffer", V, eb, lead, rc.k, rc.threads);
-                  cv0 = (bc.src_off + lead * eb) / 16;
-                  cv1 = cv0 + bc.bytes / 16;
-                  if (cv0 - cb != bc.dst_off / 16)
-                    fail_at("bulk copy lands in the wrong slot", V, eb, lead, rc.k, rc.threads);
-                }
-                int full_slots = 0;
                 for (int tid = 0; tid < rc.threads; ++tid) {
                   const RegSlice g = reg_slice(row_addr, eb, int(V), lg, rank, tid, rc.threads);
                   if (g.lead != lead) fail_at("lead", V, eb, lead, rc.k, rc.threads);
@@ -1776,23 +1223,12 @@ int ce_rows_selftest() {
                       fail_at("full vector misplaced", V, eb, lead, rc.k, rc.threads);
                     if (!f && v != 0 && v != g.nvec - 1)
                       fail_at("partial vector inside the row", V, eb, lead, rc.k, rc.threads);
-                    if (f) {  // the pipelined kernel reads it from buffer slot tid + i·nt
-                      ++full_slots;
-                      if (v < cv0 || v >= cv1 || tid + i * rc.threads != v - cb ||
-                          tid + i * rc.threads >= smem_vecs)
-                        fail_at("full vector not in the bulk copy", V, eb, lead, rc.k, rc.threads);
-                    }
                     for (int q = 0; q < E; ++q) {
                       const int64_t j = int64_t(j0) + q;
-                      if (j >= 0 && j < V) {
-                        seen[size_t(j)]++;
-                        owner[size_t(j)] = rank;
-                      }
+                      if (j >= 0 && j < V) seen[size_t(j)]++;
                     }
                   }
                 }
-                if (full_slots != cv1 - cv0)
-                  fail_at("bulk copy moves vectors nobody reads", V, eb, lead, rc.k, rc.threads);
               }
               for (int64_t j = 0; j < V; ++j)
                 if (seen[size_t(j)] != 1) {
@@ -1800,71 +1236,10 @@ int ce_rows_selftest() {
                           lead, rc.k, rc.threads);
                   break;
                 }
-              // a_y in the pipelined kernel: read by the CTA owner_rank(y) names, from its buffer
-              // slot (vy − rank·per) when y's vector is full, else from global.
-              for (int64_t y = 0; y < V; ++y) {
-                const RegSlice g0 = reg_slice(row_addr, eb, int(V), lg, 0, 0, 1);
-                const int orank = owner_rank(y, g0, eb);
-                if (orank != owner[size_t(y)]) {
-                  fail_at("owner_rank disagrees with the split", V, eb, lead, rc.k, rc.threads);
-                  break;
-                }
-                const int vy = static_cast<int>((y + lead) / E);
-                const int jv = vy * E - lead;
-                const bool f = E == 8 ? is_full<int, 8>(jv, int(V)) : is_full<int, 4>(jv, int(V));
-                if (f) {
-                  const RegSlice go = reg_slice(row_addr, eb, int(V), lg, orank, 0, 1);
-                  const BulkCopy bo = bulk_copy_of(go, orank, eb, int(V));
-                  const int slot_byte = (vy - orank * go.per) * 16 + static_cast<int>(y - jv) * eb;
-                  if (bo.bytes == 0 || slot_byte < bo.dst_off || slot_byte + eb > bo.dst_off + bo.bytes) {
-                    fail_at("a_y not in the owner's bulk copy", V, eb, lead, rc.k, rc.threads);
-                    break;
-                  }
-                }
-              }
-            }
-            // In place, stride S ≥ V: the bulk read of row r + d (any rank, in flight while
-            // row r is stored) never touches row r's elements.
-            if (max_k == kMaxCluster && min_k == 1) {
-              for (int64_t S : {V, V + 1, V + 3, V + 8}) {
-                for (int base_off = 0; base_off < (aligned ? 1 : E); ++base_off) {
-                  const uintptr_t base = uintptr_t(0x100000) + uintptr_t(base_off) * eb;
-                  if (aligned && (S * eb) % 16 != 0) continue;
-                  for (int64_t r = 0; r < 3; ++r) {
-                    const uintptr_t w0 = base + uintptr_t(r * S * eb), w1 = w0 + uintptr_t(V * eb);
-                    for (int64_t d = 1; d <= 2; ++d) {
-                      const uintptr_t ra = base + uintptr_t((r + d) * S * eb);
-                      for (int rank = 0; rank < rc.k; ++rank) {
-                        const RegSlice gr = reg_slice(ra, eb, int(V), lg, rank, 0, 1);
-                        const BulkCopy bc = bulk_copy_of(gr, rank, eb, int(V));
-                        if (bc.bytes == 0) continue;
-                        const uintptr_t r0 = ra + uintptr_t(bc.src_off), r1 = r0 + uintptr_t(bc.bytes);
-                        if ((r0 < w1 && w0 < r1) || r0 < ra || r1 > ra + uintptr_t(V * eb))
-                          fail_at("bulk read of the next row overlaps a stored row", V, eb,
-                                  base_off, rc.k, int(S - V));
-                      }
-                    }
-                  }
-                }
-              }
             }
           }
         }
       }
-    }
-  }
-  // The persistent schedule: every row of a launch is taken by exactly one cluster, once.
-  for (int64_t n : {1, 2, 3, 7, 64, 65, 131, 1000}) {
-    for (int64_t nc : {1, 2, 3, 33, 66, 132, 264}) {
-      if (nc > n) continue;  // the launcher never starts more clusters than rows
-      seen.assign(size_t(n), 0);
-      for (int64_t cid = 0; cid < nc; ++cid)
-        for (int64_t it = 0; pipe_row(cid, it, nc) < n; ++it) seen[size_t(pipe_row(cid, it, nc))]++;
-      for (int64_t r = 0; r < n; ++r)
-        if (seen[size_t(r)] != 1) {
-          fail_at("persistent schedule misses or repeats a row", n, 0, 0, int(nc), 0);
-          break;
-        }
     }
   }
   // Gradient stores: (logits E, gradient element bytes) pairs of the supported dtype pairs.
