@@ -733,19 +733,27 @@ def _query_options(rows, vocab, backend, dtype, target_dtype, reduction, ignore_
         deterministic=deterministic, accumulate=accumulate, grad_weight_fp32=grad_weight_fp32)
 
 
+def _ce_workspace_size(function, rows, vocab, backend, dtype, target_dtype, reduction,
+                       ignore_index, class_weights, label_smoothing, z_loss_scale, softcap,
+                       logit_scale, shift_seq_len, deterministic) -> int:
+    o = _query_options(rows, vocab, backend, dtype, target_dtype, reduction, ignore_index,
+                       class_weights, label_smoothing, z_loss_scale, softcap, logit_scale,
+                       shift_seq_len, deterministic)
+    out = ctypes.c_size_t(0)
+    _lib.call(function, ctypes.byref(o), int(rows), int(vocab), ctypes.byref(out))
+    return int(out.value)
+
+
 def forward_workspace_size(rows: int, vocab: int, *, backend="cpu", dtype="float32",
                            target_dtype="int64", reduction="mean", ignore_index=-100,
                            class_weights=None, label_smoothing=0.0, z_loss_scale=0.0,
                            softcap=0.0, logit_scale=1.0, shift_seq_len=0,
                            deterministic=False) -> int:
     """fce_forward_workspace_size: scratch bytes fce_forward needs for these options."""
-    o = _query_options(rows, vocab, backend, dtype, target_dtype, reduction, ignore_index,
-                       class_weights, label_smoothing, z_loss_scale, softcap, logit_scale,
-                       shift_seq_len, deterministic)
-    out = ctypes.c_size_t(0)
-    _lib.call("fce_forward_workspace_size", ctypes.byref(o), int(rows), int(vocab),
-              ctypes.byref(out))
-    return int(out.value)
+    return _ce_workspace_size("fce_forward_workspace_size", rows, vocab, backend, dtype,
+                              target_dtype, reduction, ignore_index, class_weights,
+                              label_smoothing, z_loss_scale, softcap, logit_scale,
+                              shift_seq_len, deterministic)
 
 
 def backward_workspace_size(rows: int, vocab: int, *, backend="cpu", dtype="float32",
@@ -754,13 +762,10 @@ def backward_workspace_size(rows: int, vocab: int, *, backend="cpu", dtype="floa
                             softcap=0.0, logit_scale=1.0, shift_seq_len=0,
                             deterministic=False) -> int:
     """fce_backward_workspace_size: scratch bytes fce_backward needs for these options."""
-    o = _query_options(rows, vocab, backend, dtype, target_dtype, reduction, ignore_index,
-                       class_weights, label_smoothing, z_loss_scale, softcap, logit_scale,
-                       shift_seq_len, deterministic)
-    out = ctypes.c_size_t(0)
-    _lib.call("fce_backward_workspace_size", ctypes.byref(o), int(rows), int(vocab),
-              ctypes.byref(out))
-    return int(out.value)
+    return _ce_workspace_size("fce_backward_workspace_size", rows, vocab, backend, dtype,
+                              target_dtype, reduction, ignore_index, class_weights,
+                              label_smoothing, z_loss_scale, softcap, logit_scale,
+                              shift_seq_len, deterministic)
 
 
 def linear_ce_workspace_size(rows: int, hidden: int, vocab: int, *, with_grad: bool = True,

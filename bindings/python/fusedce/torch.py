@@ -369,8 +369,8 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
     return loss
 
 
-class CrossEntropyLoss(torch.nn.Module):
-    """torch.nn.CrossEntropyLoss with fusedce's :func:`cross_entropy` (and its extra options)."""
+class _LossOptions(torch.nn.Module):
+    """The options both loss modules hold (torch.nn.CrossEntropyLoss's, plus fusedce's)."""
 
     def __init__(self, weight: Optional[Tensor] = None, ignore_index: int = -100,
                  reduction: str = "mean", label_smoothing: float = 0.0, *, z_loss: float = 0.0,
@@ -385,11 +385,6 @@ class CrossEntropyLoss(torch.nn.Module):
         self.softcap = softcap
         self.logit_scale = logit_scale
         self.shift_seq_len = shift_seq_len
-
-    def forward(self, input: Tensor, target: Tensor) -> Tensor:
-        return cross_entropy(input, target, self.weight, self.ignore_index, self.reduction,
-                             self.label_smoothing, z_loss=self.z_loss, softcap=self.softcap,
-                             logit_scale=self.logit_scale, shift_seq_len=self.shift_seq_len)
 
     def extra_repr(self) -> str:
         return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
@@ -398,24 +393,19 @@ class CrossEntropyLoss(torch.nn.Module):
                 f"shift_seq_len={self.shift_seq_len}")
 
 
-class LinearCrossEntropyLoss(torch.nn.Module):
+class CrossEntropyLoss(_LossOptions):
+    """torch.nn.CrossEntropyLoss with fusedce's :func:`cross_entropy` (and its extra options)."""
+
+    def forward(self, input: Tensor, target: Tensor) -> Tensor:
+        return cross_entropy(input, target, self.weight, self.ignore_index, self.reduction,
+                             self.label_smoothing, z_loss=self.z_loss, softcap=self.softcap,
+                             logit_scale=self.logit_scale, shift_seq_len=self.shift_seq_len)
+
+
+class LinearCrossEntropyLoss(_LossOptions):
     """Loss of a language-model head: forward(input [..., D], linear_weight [V, D], target,
     linear_bias=None) = :func:`linear_cross_entropy`. The head's weight is an argument, so a
     tied embedding or an nn.Linear's weight can be passed as it is."""
-
-    def __init__(self, weight: Optional[Tensor] = None, ignore_index: int = -100,
-                 reduction: str = "mean", label_smoothing: float = 0.0, *, z_loss: float = 0.0,
-                 softcap: float = 0.0, logit_scale: float = 1.0, shift_seq_len: int = 0):
-        super().__init__()
-        _reduction(reduction)
-        self.register_buffer("weight", weight)
-        self.ignore_index = ignore_index
-        self.reduction = reduction
-        self.label_smoothing = label_smoothing
-        self.z_loss = z_loss
-        self.softcap = softcap
-        self.logit_scale = logit_scale
-        self.shift_seq_len = shift_seq_len
 
     def forward(self, input: Tensor, linear_weight: Tensor, target: Tensor,
                 linear_bias: Optional[Tensor] = None) -> Tensor:
@@ -425,4 +415,3 @@ class LinearCrossEntropyLoss(torch.nn.Module):
             label_smoothing=self.label_smoothing, z_loss=self.z_loss, softcap=self.softcap,
             logit_scale=self.logit_scale, shift_seq_len=self.shift_seq_len)
 
-    extra_repr = CrossEntropyLoss.extra_repr
