@@ -15,8 +15,9 @@
  *   - Caller-owned memory: every buffer, the workspace and the stream come from the caller. The
  *     library never allocates device or pinned memory, never synchronises the host with the
  *     device, and enqueues work only on the stream it is given, so every compute call can be
- *     captured in a CUDA graph. (fce_linear_ce creates one cuBLASLt handle per device the first
- *     time it runs there, host-side; make one eager call before capturing if that matters.)
+ *     captured in a CUDA graph. (The first call on a device does host-side set-up once: kernel
+ *     attribute and occupancy queries, and for fce_linear_ce one cuBLASLt handle; make one eager
+ *     call of each function before capturing it.)
  *   - Backends: FCE_BACKEND_CUDA takes device pointers (on the calling thread's current device)
  *     and a cudaStream_t passed as void* (NULL = the legacy default stream); the call returns as
  *     soon as the work is enqueued (asynchronous). FCE_BACKEND_CPU takes host pointers, ignores
