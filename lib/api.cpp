@@ -64,12 +64,6 @@ int64_t span_bytes(int64_t rows, int64_t cols, int64_t stride, size_t elem) {
   return ((rows - 1) * stride + cols) * static_cast<int64_t>(elem);
 }
 
-#define FCE_TRY(expr)                          \
-  do {                                         \
-    const fce_status _s = (expr);              \
-    if (_s != FCE_SUCCESS) return _s;          \
-  } while (0)
-
 // Checks the options struct and the sizes every call shares; fills `out`.
 fce_status check_options(const char* fn, const fce_options* o, int64_t rows, int64_t vocab,
                          fce::CeOptions* out) {

@@ -17,6 +17,13 @@ fce_status fail(fce_status status, const char* fmt, ...)
 #endif
     ;
 
+// Returns from the calling function with the status of `expr` unless it is FCE_SUCCESS.
+#define FCE_TRY(expr)                    \
+  do {                                   \
+    const fce_status fce_try_ = (expr);  \
+    if (fce_try_ != FCE_SUCCESS) return fce_try_; \
+  } while (0)
+
 inline size_t dtype_size(int dtype) {
   switch (dtype) {
     case FCE_FLOAT32: return 4;

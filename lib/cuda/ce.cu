@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "cuda/ce_rows.cuh"
+#include "cuda/device_pointers.cuh"
 #include "internal.h"
 
 namespace fce {
@@ -44,43 +45,6 @@ WsLayout ws_layout(const CeOptions& opt, int64_t rows, bool backward) {
   return l;
 }
 
-// A pointer the device can dereference: device memory of this device, managed memory, pinned
-// (registered / cudaHostAlloc) host memory, or any host memory on a system where the device
-// accesses pageable memory (HMM / ATS). Anything else is a plain host pointer: an error naming
-// the argument, before any work is enqueued.
-fce_status check_pointer(const char* fn, const void* ptr, const char* name, int device,
-                         int pageable_ok) {
-  if (!ptr) return FCE_SUCCESS;
-  cudaPointerAttributes attr{};
-  const cudaError_t e = cudaPointerGetAttributes(&attr, ptr);
-  if (e != cudaSuccess) {
-    (void)cudaGetLastError();  // old runtimes: cudaErrorInvalidValue for unregistered host memory
-    if (e != cudaErrorInvalidValue)
-      return fail(FCE_ERROR_CUDA, "%s: cudaPointerGetAttributes(%s) failed: %s", fn, name,
-                  cudaGetErrorString(e));
-    attr.type = cudaMemoryTypeUnregistered;
-  }
-  switch (attr.type) {
-    case cudaMemoryTypeDevice:
-      if (attr.device != device)
-        return fail(FCE_ERROR_INVALID_ARGUMENT,
-                    "%s: %s (%p) is memory of CUDA device %d, but the current device is %d", fn,
-                    name, ptr, attr.device, device);
-      return FCE_SUCCESS;
-    case cudaMemoryTypeManaged:
-      return FCE_SUCCESS;
-    case cudaMemoryTypeHost:
-      if (attr.devicePointer == ptr) return FCE_SUCCESS;  // pinned and mapped (UVA)
-      return fail(FCE_ERROR_INVALID_ARGUMENT,
-                  "%s: %s (%p) is pinned host memory not mapped into the device's address space",
-                  fn, name, ptr);
-    default:
-      if (pageable_ok) return FCE_SUCCESS;
-      return fail(FCE_ERROR_INVALID_ARGUMENT,
-                  "%s: %s (%p) is host memory; the CUDA backend needs device memory", fn, name, ptr);
-  }
-}
-
 }  // namespace
 
 bool cuda_available() {
@@ -104,26 +68,17 @@ fce_status cuda_ce(const CeProblem& p) {
   const CeOptions& opt = p.opt;
 
   // ---- everything that can fail before any work is enqueued
+  const cuda::NamedPointer pointers[] = {
+      {p.logits, "logits"},           {p.targets, "targets"},
+      {p.loss, "loss"},               {p.lse, "lse"},
+      {p.z_loss, "z_loss"},           {p.grad, "grad_logits"},
+      {p.grad_output, "grad_output"}, {p.lse_in, "lse"},
+      {p.error_flags, "error_flags"}, {opt.class_weights, "options->class_weights"},
+      {p.workspace, "workspace"}};
   int device = 0;
-  cudaError_t e = cudaGetDevice(&device);
-  int pageable_ok = 0;
-  if (e == cudaSuccess)
-    e = cudaDeviceGetAttribute(&pageable_ok, cudaDevAttrPageableMemoryAccess, device);
-  if (e != cudaSuccess) {
-    (void)cudaGetLastError();
-    return fail(FCE_ERROR_CUDA, "%s: no usable CUDA device: %s", fn, cudaGetErrorString(e));
-  }
-  const struct {
-    const void* ptr;
-    const char* name;
-  } pointers[] = {{p.logits, "logits"},           {p.targets, "targets"},
-                  {p.loss, "loss"},               {p.lse, "lse"},
-                  {p.z_loss, "z_loss"},           {p.grad, "grad_logits"},
-                  {p.grad_output, "grad_output"}, {p.lse_in, "lse"},
-                  {p.error_flags, "error_flags"}, {opt.class_weights, "options->class_weights"},
-                  {p.workspace, "workspace"}};
-  for (const auto& q : pointers)
-    if (fce_status st = check_pointer(fn, q.ptr, q.name, device, pageable_ok)) return st;
+  if (fce_status st = cuda::check_device_pointers(
+          fn, pointers, static_cast<int>(sizeof pointers / sizeof pointers[0]), &device))
+    return st;
 
   const WsLayout ws = ws_layout(opt, p.rows, backward);
   if (p.workspace_bytes < ws.total)

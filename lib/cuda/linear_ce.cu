@@ -70,6 +70,7 @@
 #include <cstdint>
 
 #include "cuda/ce_rows.cuh"
+#include "cuda/device_pointers.cuh"
 #include "cuda/gemm.cuh"
 #include "cuda/linear_kernels.cuh"
 #include "internal.h"
@@ -260,32 +261,6 @@ size_t min_workspace(const Sizes& s, bool need_dw, bool dw_fp32) {
   return std::min(direct, accumulate);
 }
 
-// A non-null pointer must be memory the current device can dereference.
-fce_status check_device_pointer(const void* p, const char* name, int device) {
-  if (!p) return FCE_SUCCESS;
-  cudaPointerAttributes attr;
-  cudaError_t e = cudaPointerGetAttributes(&attr, p);
-  if (e != cudaSuccess) {
-    cudaGetLastError();  // not sticky: do not leave it for the caller's next check
-    return fail(FCE_ERROR_INVALID_ARGUMENT,
-                "fce_linear_ce: %s (%p) is not a CUDA pointer: %s", name, p, cudaGetErrorString(e));
-  }
-  const bool ok = (attr.type == cudaMemoryTypeDevice && attr.device == device) ||
-                  attr.type == cudaMemoryTypeManaged ||
-                  (attr.type == cudaMemoryTypeHost && attr.devicePointer == p);
-  if (!ok)
-    return fail(FCE_ERROR_INVALID_ARGUMENT,
-                "fce_linear_ce: %s (%p) is not memory of the current CUDA device %d", name, p,
-                device);
-  return FCE_SUCCESS;
-}
-
-#define FCE_TRY(expr)                        \
-  do {                                       \
-    fce_status fce_try_status_ = (expr);     \
-    if (fce_try_status_ != FCE_SUCCESS)      \
-      return fce_try_status_;                \
-  } while (0)
 
 }  // namespace
 }  // namespace cuda
@@ -319,20 +294,16 @@ fce_status cuda_linear_ce(const LinearCeProblem& p) {
   const size_t e = dtype_size(dtype);
 
   // ---- everything that can fail before any work is enqueued
+  const NamedPointer pointers[] = {
+      {p.hidden_states, "hidden_states"}, {p.weight, "weight"}, {p.bias, "bias"},
+      {p.targets, "targets"}, {p.loss, "loss"}, {p.lse, "lse"},
+      {p.z_loss, "z_loss"}, {p.grad_hidden, "grad_hidden"},
+      {p.grad_weight, "grad_weight"}, {p.grad_bias, "grad_bias"},
+      {p.grad_output, "grad_output"}, {p.error_flags, "error_flags"},
+      {opt.class_weights, "options->class_weights"}, {p.workspace, "workspace"}};
   int device = 0;
-  cudaError_t ce = cudaGetDevice(&device);
-  if (ce != cudaSuccess)
-    return fail(FCE_ERROR_CUDA, "fce_linear_ce: cudaGetDevice failed: %s", cudaGetErrorString(ce));
-  const struct {
-    const void* ptr;
-    const char* name;
-  } pointers[] = {{p.hidden_states, "hidden_states"}, {p.weight, "weight"}, {p.bias, "bias"},
-                  {p.targets, "targets"}, {p.loss, "loss"}, {p.lse, "lse"},
-                  {p.z_loss, "z_loss"}, {p.grad_hidden, "grad_hidden"},
-                  {p.grad_weight, "grad_weight"}, {p.grad_bias, "grad_bias"},
-                  {p.grad_output, "grad_output"}, {p.error_flags, "error_flags"},
-                  {opt.class_weights, "options->class_weights"}, {p.workspace, "workspace"}};
-  for (const auto& ptr : pointers) FCE_TRY(check_device_pointer(ptr.ptr, ptr.name, device));
+  FCE_TRY(check_device_pointers("fce_linear_ce", pointers,
+                                static_cast<int>(sizeof pointers / sizeof pointers[0]), &device));
 
   const Sizes s = sizes_of(opt, N, D, V, with_grad);
   Plan plan;

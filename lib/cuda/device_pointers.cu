@@ -1,0 +1,66 @@
+// device_pointers.cu — see device_pointers.cuh.
+#include <cuda_runtime.h>
+
+#include "cuda/device_pointers.cuh"
+
+namespace fce {
+namespace cuda {
+namespace {
+
+// A pointer the device can dereference: device memory of this device, managed memory, pinned
+// (registered / cudaHostAlloc) host memory, or any host memory on a system where the device
+// accesses pageable memory (HMM / ATS). Anything else is a plain host pointer: an error naming
+// the argument, before any work is enqueued.
+fce_status check_pointer(const char* fn, const void* ptr, const char* name, int device,
+                         int pageable_ok) {
+  if (!ptr) return FCE_SUCCESS;
+  cudaPointerAttributes attr{};
+  const cudaError_t e = cudaPointerGetAttributes(&attr, ptr);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();  // old runtimes: cudaErrorInvalidValue for unregistered host memory
+    if (e != cudaErrorInvalidValue)
+      return fail(FCE_ERROR_CUDA, "%s: cudaPointerGetAttributes(%s) failed: %s", fn, name,
+                  cudaGetErrorString(e));
+    attr.type = cudaMemoryTypeUnregistered;
+  }
+  switch (attr.type) {
+    case cudaMemoryTypeDevice:
+      if (attr.device != device)
+        return fail(FCE_ERROR_INVALID_ARGUMENT,
+                    "%s: %s (%p) is memory of CUDA device %d, but the current device is %d", fn,
+                    name, ptr, attr.device, device);
+      return FCE_SUCCESS;
+    case cudaMemoryTypeManaged:
+      return FCE_SUCCESS;
+    case cudaMemoryTypeHost:
+      if (attr.devicePointer == ptr) return FCE_SUCCESS;  // pinned and mapped (UVA)
+      return fail(FCE_ERROR_INVALID_ARGUMENT,
+                  "%s: %s (%p) is pinned host memory not mapped into the device's address space",
+                  fn, name, ptr);
+    default:
+      if (pageable_ok) return FCE_SUCCESS;
+      return fail(FCE_ERROR_INVALID_ARGUMENT,
+                  "%s: %s (%p) is host memory; the CUDA backend needs device memory", fn, name, ptr);
+  }
+}
+
+}  // namespace
+
+fce_status check_device_pointers(const char* fn, const NamedPointer* pointers, int count,
+                                 int* device) {
+  int pageable_ok = 0;
+  cudaError_t e = cudaGetDevice(device);
+  if (e == cudaSuccess)
+    e = cudaDeviceGetAttribute(&pageable_ok, cudaDevAttrPageableMemoryAccess, *device);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return fail(FCE_ERROR_CUDA, "%s: no usable CUDA device: %s", fn, cudaGetErrorString(e));
+  }
+  for (int i = 0; i < count; ++i)
+    if (fce_status st = check_pointer(fn, pointers[i].ptr, pointers[i].name, *device, pageable_ok))
+      return st;
+  return FCE_SUCCESS;
+}
+
+}  // namespace cuda
+}  // namespace fce
