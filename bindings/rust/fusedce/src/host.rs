@@ -378,6 +378,67 @@ enum Logits<'a, T> {
     InPlace(&'a mut [T]),
 }
 
+/// The logits and gradient pointers of a forward or backward call, after checking the slices
+/// are long enough: a separate gradient (optional for forward, required for backward) or the
+/// gradient over the logits themselves.
+fn logits_and_grad<T>(
+    func: &str,
+    logits: Logits<'_, T>,
+    grad_logits: Option<&mut [T]>,
+    logits_span: Option<usize>,
+    grad_span: Option<usize>,
+    grad_required: bool,
+) -> Result<(*const c_void, *mut c_void)> {
+    match logits {
+        Logits::Shared(z) => {
+            need(
+                func,
+                "logits",
+                z.len(),
+                logits_span,
+                "(rows-1)*row_stride+vocab",
+            )?;
+            let g = match grad_logits {
+                Some(g) => {
+                    need(func, "grad_logits", g.len(), grad_span, "(rows-1)*grad_row_stride+vocab")?;
+                    g.as_mut_ptr().cast()
+                }
+                None if grad_required => {
+                    return Err(Error::new(
+                        crate::Status::NullPointer,
+                        format!("{func}: grad_logits is required (backward_in_place writes over the logits)"),
+                    ))
+                }
+                None => ptr::null_mut(),
+            };
+            Ok((z.as_ptr().cast(), g))
+        }
+        Logits::InPlace(z) => {
+            if grad_logits.is_some() {
+                return Err(Error::invalid(format!(
+                    "{func}: grad_logits is given, but the gradient goes over the logits"
+                )));
+            }
+            need(
+                func,
+                "logits",
+                z.len(),
+                logits_span,
+                "(rows-1)*row_stride+vocab",
+            )?;
+            need(
+                func,
+                "logits",
+                z.len(),
+                grad_span,
+                "(rows-1)*grad_row_stride+vocab",
+            )?;
+            let p = z.as_mut_ptr().cast::<c_void>();
+            Ok((p.cast_const(), p))
+        }
+    }
+}
+
 fn forward_impl<T: Element, I: Target>(
     func: &str,
     opts: &Options<'_>,
@@ -409,54 +470,8 @@ fn forward_impl<T: Element, I: Target>(
         error_flags,
         workspace,
     } = bufs;
-    let (logits_ptr, grad_ptr): (*const c_void, *mut c_void) = match logits {
-        Logits::Shared(z) => {
-            need(
-                func,
-                "logits",
-                z.len(),
-                logits_span,
-                "(rows-1)*row_stride+vocab",
-            )?;
-            let g = match grad_logits {
-                Some(g) => {
-                    need(
-                        func,
-                        "grad_logits",
-                        g.len(),
-                        grad_span,
-                        "(rows-1)*grad_row_stride+vocab",
-                    )?;
-                    g.as_mut_ptr().cast()
-                }
-                None => ptr::null_mut(),
-            };
-            (z.as_ptr().cast(), g)
-        }
-        Logits::InPlace(z) => {
-            if grad_logits.is_some() {
-                return Err(Error::invalid(format!(
-                    "{func}: grad_logits is given, but the gradient goes over the logits"
-                )));
-            }
-            need(
-                func,
-                "logits",
-                z.len(),
-                logits_span,
-                "(rows-1)*row_stride+vocab",
-            )?;
-            need(
-                func,
-                "logits",
-                z.len(),
-                grad_span,
-                "(rows-1)*grad_row_stride+vocab",
-            )?;
-            let p = z.as_mut_ptr().cast::<c_void>();
-            (p.cast_const(), p)
-        }
-    };
+    let (logits_ptr, grad_ptr) =
+        logits_and_grad(func, logits, grad_logits, logits_span, grad_span, false)?;
     let mut ws_bytes = 0usize;
     // SAFETY: valid options struct and out pointer.
     check(unsafe { sys::fce_forward_workspace_size(&raw, r, v, &mut ws_bytes) })?;
@@ -606,54 +621,8 @@ fn backward_impl<T: Element, I: Target>(
         error_flags,
         workspace,
     } = bufs;
-    let (logits_ptr, grad_ptr): (*const c_void, *mut c_void) = match logits {
-        Logits::Shared(z) => {
-            need(
-                func,
-                "logits",
-                z.len(),
-                logits_span,
-                "(rows-1)*row_stride+vocab",
-            )?;
-            let Some(g) = grad_logits else {
-                return Err(Error::new(
-                    crate::Status::NullPointer,
-                    format!("{func}: grad_logits is required (backward_in_place writes over the logits)"),
-                ));
-            };
-            need(
-                func,
-                "grad_logits",
-                g.len(),
-                grad_span,
-                "(rows-1)*grad_row_stride+vocab",
-            )?;
-            (z.as_ptr().cast(), g.as_mut_ptr().cast())
-        }
-        Logits::InPlace(z) => {
-            if grad_logits.is_some() {
-                return Err(Error::invalid(format!(
-                    "{func}: grad_logits is given, but the gradient goes over the logits"
-                )));
-            }
-            need(
-                func,
-                "logits",
-                z.len(),
-                logits_span,
-                "(rows-1)*row_stride+vocab",
-            )?;
-            need(
-                func,
-                "logits",
-                z.len(),
-                grad_span,
-                "(rows-1)*grad_row_stride+vocab",
-            )?;
-            let p = z.as_mut_ptr().cast::<c_void>();
-            (p.cast_const(), p)
-        }
-    };
+    let (logits_ptr, grad_ptr) =
+        logits_and_grad(func, logits, grad_logits, logits_span, grad_span, true)?;
     let mut ws_bytes = 0usize;
     // SAFETY: valid options struct and out pointer.
     check(unsafe { sys::fce_backward_workspace_size(&raw, r, v, &mut ws_bytes) })?;
