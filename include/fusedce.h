@@ -48,7 +48,7 @@ extern "C" {
 
 /* ---------------------------------------------------------------- version ---- */
 #define FCE_VERSION_MAJOR 0
-#define FCE_VERSION_MINOR 1
+#define FCE_VERSION_MINOR 2
 #define FCE_VERSION_PATCH 0
 #define FCE_VERSION_NUMBER (FCE_VERSION_MAJOR * 10000 + FCE_VERSION_MINOR * 100 + FCE_VERSION_PATCH)
 
@@ -226,6 +226,28 @@ FCE_API fce_status fce_linear_ce(const fce_options* options, int64_t rows, int64
                                  float* z_loss, void* grad_hidden, void* grad_weight,
                                  void* grad_bias, const float* grad_output, uint32_t* error_flags,
                                  void* workspace, size_t workspace_bytes, void* stream);
+
+/* --------------------------------------------------------- upstream scale ---- */
+/*
+ * grad[i] = grad[i] * (*grad_output) for i < count, in place: applies an upstream gradient
+ * that was not known when a forward wrote the gradient with grad_output NULL (= 1), e.g. the
+ * gradient fce_forward wrote in its one pass, or fce_linear_ce's grad_hidden / grad_weight /
+ * grad_bias, once autograd hands over the scalar.
+ *   backend       FCE_BACKEND_CUDA or FCE_BACKEND_CPU (memory and stream as for every call)
+ *   dtype         FCE_FLOAT32, FCE_FLOAT16 or FCE_BFLOAT16: the elements of grad
+ *   count         number of elements, >= 0 (0: nothing happens)
+ *   grad          [count] elements, aligned to the element size (dense: scale each row of a
+ *                 strided buffer with its own call, or the whole span)
+ *   grad_output   ONE float32 in the backend's memory (required)
+ * CUDA: the scalar is read on the device, never by the host. When it is exactly 1 (a plain
+ * loss.backward()) every block returns at once without touching grad: the call costs one
+ * launch. Otherwise one read and one write of grad: float32 product, rounded once to dtype (so
+ * a 16-bit gradient written for g = 1 and scaled here is rounded twice when g is not a power
+ * of two). Asynchronous, graph-capturable, no allocation, no workspace. Calls that scale the
+ * same buffer must be ordered by the caller.
+ */
+FCE_API fce_status fce_scale_gradient(int32_t backend, int32_t dtype, int64_t count, void* grad,
+                                      const float* grad_output, void* stream);
 
 /* ---------------------------------------------------------------- backends ---- */
 /* 1 when this build has the CUDA backend and a CUDA device is visible, else 0. */

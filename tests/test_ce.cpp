@@ -801,22 +801,11 @@ TEST_F(Ce, CudaGraphCapture) {
   for (Buf* b : {&loss, &zl, &lse}) poison_all(*b, FCE_FLOAT32), b->push();
   poison_mat(grad, lm);
   grad.push();
-  cudaStream_t s = cuda_stream();
-  cudaGraph_t graph = nullptr;
-  ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal), cudaSuccess);
-  fce_status st = call();
-  cudaError_t ce = cudaStreamEndCapture(s, &graph);
-  ASSERT_EQ(st, FCE_SUCCESS) << "fce_forward during capture: " << fce_last_error();
-  ASSERT_EQ(ce, cudaSuccess) << "capture invalidated: " << cudaGetErrorString(ce);
-  cudaGraphExec_t exec = nullptr;
-#if CUDART_VERSION >= 12000
-  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
-#else
-  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, nullptr, nullptr, 0), cudaSuccess);
-#endif
+  CapturedGraph graph;
+  ASSERT_TRUE(graph.capture(call));
   for (Buf* b : {&loss, &zl, &lse, &grad}) b->pull();  // nothing ran during capture
   EXPECT_FALSE(all_written(loss, one, "loss")) << "fce_forward ran during capture";
-  ASSERT_EQ(cudaGraphLaunch(exec, s), cudaSuccess);
+  ASSERT_TRUE(graph.launch());
   ASSERT_TRUE(finish());
   for (Buf* b : {&loss, &zl, &lse, &grad}) b->pull();
   EXPECT_TRUE(bitwise_equal(loss.mirror(), e_loss, "graph vs eager loss"));
@@ -828,13 +817,11 @@ TEST_F(Ce, CudaGraphCapture) {
   std::vector<double> g2 = {2.0};
   put(FCE_FLOAT32, gout.h(), 2.0);
   gout.push();
-  ASSERT_EQ(cudaGraphLaunch(exec, s), cudaSuccess);
+  ASSERT_TRUE(graph.launch());
   ASSERT_TRUE(finish());
   grad.pull();
   auto ref2 = fceref::cross_entropy(ref_options(c, d), c.N, c.V, d.z, d.y, &g2, true);
   EXPECT_TRUE(close_normwise(read_mat(grad, lm), ref2.grad, 1e-5, "graph replay, grad_output=2"));
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
 }
 
 // rows * V > 2^31: 16385 x 131072 bfloat16 (4.3 GB), in-place gradient; the last rows checked.

@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <random>
 #include <sstream>
@@ -90,6 +91,55 @@ inline cudaStream_t cuda_stream() {
   }();
   return s;
 }
+#endif
+
+#if FCE_TEST_HAVE_CUDA
+// A CUDA graph of what one call enqueues on the test stream (capture mode global: any
+// synchronising or unstreamed CUDA call inside it invalidates the capture), instantiated;
+// launched on the test stream as often as wanted, destroyed with the object.
+class CapturedGraph {
+ public:
+  CapturedGraph() = default;
+  CapturedGraph(const CapturedGraph&) = delete;
+  CapturedGraph& operator=(const CapturedGraph&) = delete;
+  ~CapturedGraph() {
+    if (exec_) cudaGraphExecDestroy(exec_);
+    if (graph_) cudaGraphDestroy(graph_);
+  }
+  // Captures call() (a fusedce call on the test stream): it must succeed, and nothing runs.
+  ::testing::AssertionResult capture(const std::function<fce_status()>& call) {
+    cudaStream_t s = cuda_stream();
+    cudaError_t e = cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal);
+    if (e != cudaSuccess)
+      return ::testing::AssertionFailure() << "cudaStreamBeginCapture: " << cudaGetErrorString(e);
+    const fce_status st = call();
+    e = cudaStreamEndCapture(s, &graph_);
+    if (st != FCE_SUCCESS)
+      return ::testing::AssertionFailure() << "the call during capture: " << fce_status_string(st)
+                                           << " (\"" << fce_last_error() << "\")";
+    if (e != cudaSuccess)
+      return ::testing::AssertionFailure() << "capture invalidated: " << cudaGetErrorString(e);
+#if CUDART_VERSION >= 12000
+    e = cudaGraphInstantiate(&exec_, graph_, 0);
+#else
+    e = cudaGraphInstantiate(&exec_, graph_, nullptr, nullptr, 0);
+#endif
+    if (e != cudaSuccess)
+      return ::testing::AssertionFailure() << "cudaGraphInstantiate: " << cudaGetErrorString(e);
+    return ::testing::AssertionSuccess();
+  }
+  // One replay on the test stream (asynchronous: finish() waits for it).
+  ::testing::AssertionResult launch() {
+    const cudaError_t e = cudaGraphLaunch(exec_, cuda_stream());
+    if (e != cudaSuccess)
+      return ::testing::AssertionFailure() << "cudaGraphLaunch: " << cudaGetErrorString(e);
+    return ::testing::AssertionSuccess();
+  }
+
+ private:
+  cudaGraph_t graph_ = nullptr;
+  cudaGraphExec_t exec_ = nullptr;
+};
 #endif
 
 // The stream argument every compute call gets.

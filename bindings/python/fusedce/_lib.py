@@ -1,6 +1,6 @@
 """The ctypes core: find and load libfusedce, mirror include/fusedce.h, raise on statuses.
 
-Everything here is a one-to-one image of the C header written for FCE_VERSION 0.1.0; nothing
+Everything here is a one-to-one image of the C header written for FCE_VERSION 0.2.0; nothing
 above the C ABI (arrays, allocation, frameworks) lives in this module: see core.py.
 
 The library is searched in this order:
@@ -21,7 +21,7 @@ import threading
 
 # ---------------------------------------------------------------- the header we mirror ----
 HEADER_VERSION_MAJOR = 0
-HEADER_VERSION_MINOR = 1
+HEADER_VERSION_MINOR = 2
 HEADER_VERSION_PATCH = 0
 HEADER_VERSION_NUMBER = (HEADER_VERSION_MAJOR * 10000 + HEADER_VERSION_MINOR * 100
                          + HEADER_VERSION_PATCH)
@@ -212,6 +212,7 @@ def _declare(lib) -> None:
             st, [opt, i64, i64, i64, c.c_int, c.POINTER(sz), c.POINTER(sz)]),
         "fce_linear_ce": (
             st, [opt, i64, i64, i64, vp, vp, vp, vp, fp, fp, fp, vp, vp, vp, fp, vp, vp, sz, vp]),
+        "fce_scale_gradient": (st, [c.c_int32, c.c_int32, i64, vp, fp, vp]),
         "fce_cuda_available": (c.c_int, []),
     }
     for name, (restype, argtypes) in sigs.items():
@@ -302,6 +303,15 @@ def default_options() -> Options:
     o = Options()
     load().fce_options_default(ctypes.byref(o))
     return o
+
+
+def scale_gradient(backend: int, dtype: int, count: int, grad_ptr, grad_output_ptr,
+                   stream=None) -> None:
+    """fce_scale_gradient: grad[i] *= *grad_output for i < count, in place. grad_ptr and
+    grad_output_ptr are addresses (ints, or None for NULL) in the backend's memory, stream a
+    cudaStream_t address or None; raises the FusedCEError subclass for a failing status."""
+    call("fce_scale_gradient", int(backend), int(dtype), int(count), grad_ptr, grad_output_ptr,
+         stream)
 
 
 def check(status: int, function: str) -> None:

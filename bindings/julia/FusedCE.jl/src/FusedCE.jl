@@ -9,6 +9,8 @@ Julia binding of fusedce: fused cross-entropy kernels for large vocabularies beh
     linear_ce(hidden, weight, targets; bias, options...)
                                                        z = weightᵀ·hidden .+ bias, cross-entropy and
                                                        the gradients, never holding all of z
+    scale_gradient!(grad, grad_output)                 grad .*= grad_output[1], in place: the
+                                                       upstream gradient, once it is known
 
 and `forward!`, `backward!`, `linear_ce!` writing into arrays the caller owns.
 
@@ -51,7 +53,8 @@ module FusedCE
 
 const Libdl = Base.Libc.Libdl
 
-export FusedCEError, FceOptions, forward, forward!, backward, backward!, linear_ce, linear_ce!
+export FusedCEError, FceOptions, forward, forward!, backward, backward!, linear_ce, linear_ce!,
+       scale_gradient!
 
 # ------------------------------------------------------------------------------ the library
 
@@ -441,6 +444,18 @@ function _check_dense(x::AbstractMatrix, name)
     return nothing
 end
 
+# Any number of dimensions: the elements are one contiguous run of memory (column-major).
+function _check_contiguous(x::AbstractArray, name)
+    expected = 1
+    for (n, s) in zip(size(x), strides(x))
+        n == 1 || s == expected ||
+            throw(ArgumentError("$name must be dense (contiguous memory, not a strided view): " *
+                                "scale each contiguous part with its own call"))
+        expected *= n
+    end
+    return nothing
+end
+
 function _check_matrix(x::AbstractMatrix, name, dims::Tuple, T::Type)
     size(x) == dims || throw(DimensionMismatch("$name is $(join(size(x), "×")), expected " *
                                                join(dims, "×")))
@@ -783,6 +798,36 @@ function linear_ce(hidden::AbstractMatrix, weight::AbstractMatrix, targets::Abst
         (loss=per_row ? loss : _scalar(loss), lse=lse, z_loss=_scalar(z_loss),
          grad_hidden=grad_hidden, grad_weight=grad_weight, grad_bias=grad_bias,
          error_flags=_scalar(error_flags))
+    end
+end
+
+# ------------------------------------------------------------------------------ upstream scale
+
+"""
+    scale_gradient!(grad, grad_output; stream=nothing) -> grad
+
+`fce_scale_gradient`: every element of `grad` multiplied by `grad_output[1]`, in place. It
+applies an upstream gradient that was not known when the gradient was written without one
+(`forward!` or `linear_ce!` with `grad_output=nothing`). `grad` is a dense array of any shape
+of Float32, Float16 or bfloat16 (`UInt16` bits, or `BFloat16` with BFloat16s.jl) elements;
+`grad_output` a 1-element Float32 vector on the same backend. Each product is computed in
+Float32 and rounded once to the element type; a `grad_output` of exactly 1 leaves `grad`
+untouched. On the CUDA backend the scalar is read by the device (earlier work on the stream may
+write it), and the call returns before the work is done.
+"""
+function scale_gradient!(grad::AbstractArray, grad_output::AbstractVector{Float32};
+                         stream=nothing)
+    return with_stream(stream) do
+        be = array_backend(grad)
+        _check_same_backend(be, (; grad_output))
+        _check_vector(grad_output, "grad_output", 1)
+        _check_contiguous(grad, "grad")
+        dtype = dtype_code(eltype(grad))
+        GC.@preserve grad grad_output begin
+            fce_scale_gradient(be, dtype, Int64(length(grad)), buffer_pointer(grad),
+                               buffer_pointer(grad_output), current_stream(grad))
+        end
+        grad
     end
 end
 

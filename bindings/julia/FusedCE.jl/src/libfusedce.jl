@@ -17,10 +17,10 @@
 
 # ---------------------------------------------------------------- #define constants
 const FCE_VERSION_MAJOR = 0
-const FCE_VERSION_MINOR = 1
+const FCE_VERSION_MINOR = 2
 const FCE_VERSION_PATCH = 0
 # FCE_VERSION_NUMBER = (FCE_VERSION_MAJOR * 10000 + FCE_VERSION_MINOR * 100 + FCE_VERSION_PATCH)
-const FCE_VERSION_NUMBER = 100
+const FCE_VERSION_NUMBER = 200
 const FCE_FLAG_TARGET_OUT_OF_RANGE = Cuint(1)  # 1u
 const FCE_OPTIONS_SIZE_V0_1 = 104
 
@@ -96,7 +96,7 @@ const FCE_OPTIONS_INIT = FceOptions(sizeof(FceOptions), C_NULL, -100, 0, 0, 0, 0
 const FCE_FUNCTIONS = (:fce_version, :fce_status_string, :fce_last_error, :fce_options_default,
                        :fce_forward_workspace_size, :fce_forward, :fce_backward_workspace_size,
                        :fce_backward, :fce_linear_ce_workspace_size, :fce_linear_ce,
-                       :fce_cuda_available)
+                       :fce_scale_gradient, :fce_cuda_available)
 
 # unsigned fce_version(void)
 function fce_version()
@@ -194,6 +194,15 @@ function fce_linear_ce(options, rows, hidden, vocab, hidden_states, weight, bias
                    options, rows, hidden, vocab, hidden_states, weight, bias, targets, loss, lse,
                    z_loss, grad_hidden, grad_weight, grad_bias, grad_output, error_flags, workspace,
                    workspace_bytes, stream)
+    return check_status(status)
+end
+
+# fce_status fce_scale_gradient(int32_t backend, int32_t dtype, int64_t count, void* grad,
+#     const float* grad_output, void* stream)
+function fce_scale_gradient(backend, dtype, count, grad, grad_output, stream)
+    status = ccall(libfusedce_symbol(:fce_scale_gradient), Cint,
+                   (Int32, Int32, Int64, Ptr{Cvoid}, Ptr{Cfloat}, Ptr{Cvoid}),
+                   backend, dtype, count, grad, grad_output, stream)
     return check_status(status)
 end
 

@@ -314,6 +314,49 @@ end
     @test_throws ArgumentError linear_ce(h, Float16.(W), y)
 end
 
+@testset "scale_gradient!" begin
+    x = randn(rng, Float32, 7, 5)
+    g = copy(x)
+    @test scale_gradient!(g, Float32[2.5]) === g
+    @test g == x .* 2.5f0
+    # exactly 1: not one bit changes (a signalling NaN would be quieted by a multiplication)
+    h = copy(x)
+    h[3] = reinterpret(Float32, 0x7f800001)
+    bits = copy(reinterpret(UInt32, h))
+    scale_gradient!(h, Float32[1])
+    @test reinterpret(UInt32, h) == bits
+    # Float16 and bfloat16: the Float32 product (exact here) rounded once
+    xh = Float16.(x)
+    gh = copy(xh)
+    scale_gradient!(gh, Float32[-0.375])
+    @test gh == Float16.(Float32.(xh) .* -0.375f0)
+    xb = bfloat16_bits.(x)
+    gb = copy(xb)
+    scale_gradient!(gb, Float32[2.5])
+    @test gb == bfloat16_bits.(bfloat16_float.(xb) .* 2.5f0)
+    # a contiguous view: its elements only; empty arrays are fine
+    A = ones(Float32, 4, 6)
+    scale_gradient!(view(A, :, 2:3), Float32[3])
+    @test A[:, 2:3] == fill(3.0f0, 4, 2)
+    @test A[:, [1; 4:6]] == ones(Float32, 4, 4)
+    @test isempty(scale_gradient!(Float32[], Float32[2]))
+    # mistakes the binding catches before C, and one C reports
+    @test_throws ArgumentError scale_gradient!(view(A, 1:2, :), Float32[2])  # strided
+    @test_throws DimensionMismatch scale_gradient!(A, Float32[1, 2])
+    @test_throws ArgumentError scale_gradient!(Float64.(A), Float32[2])
+    two = Float32[2]
+    err = try
+        GC.@preserve A two FusedCE.fce_scale_gradient(FCE_BACKEND_CPU, FusedCE.FCE_INT32, 4,
+                                                      pointer(A), pointer(two), C_NULL)
+    catch e
+        e
+    end
+    @test err isa FusedCEError
+    @test err.status == FCE_ERROR_INVALID_ARGUMENT
+    @test occursin("fce_scale_gradient", err.message) && occursin("dtype", err.message)
+    @test A[:, 1] == ones(Float32, 4)
+end
+
 @testset "errors" begin
     z, y = make_data(rng, V, N)
     err = try

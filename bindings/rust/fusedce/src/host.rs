@@ -145,6 +145,22 @@ fn need(func: &str, what: &str, have: usize, need: Option<usize>, how: &str) -> 
     }
 }
 
+/// Ok when slices of T can hold elements of `dtype` (`what` names where the dtype came from).
+fn slices_hold<T: Element>(func: &str, what: &str, dtype: Dtype) -> Result<()> {
+    if T::accepts(dtype) {
+        return Ok(());
+    }
+    let hint = if T::IS_F32 {
+        "u16 bit slices"
+    } else {
+        "f32 slices"
+    };
+    Err(Error::invalid(format!(
+        "{func}: {what} is {dtype:?} but the slices are {}; use {hint} for {dtype:?}",
+        T::NAME
+    )))
+}
+
 /// The options of a host call: CPU backend, the targets' dtype, the dtype checked against T.
 fn host_options<T: Element, I: Target>(
     func: &str,
@@ -158,17 +174,7 @@ fn host_options<T: Element, I: Target>(
         raw.target_dtype = I::DTYPE.raw();
     }
     if let Some(d) = Dtype::from_raw(o.as_raw().dtype) {
-        if !T::accepts(d) {
-            let hint = if T::IS_F32 {
-                "u16 bit slices"
-            } else {
-                "f32 slices"
-            };
-            return Err(Error::invalid(format!(
-                "{func}: options dtype is {d:?} but the slices are {}; use {hint} for {d:?}",
-                T::NAME
-            )));
-        }
+        slices_hold::<T>(func, "options dtype", d)?;
     } // an unknown raw dtype is left for the library to reject, naming options->dtype
     if let Some(n) = o.weights_len() {
         need(func, "class_weights", n, Some(vocab), "vocab")?;
@@ -642,6 +648,40 @@ fn backward_impl<T: Element, I: Target>(
             error_flags.map_or(ptr::null_mut(), |x| x as *mut u32),
             ws,
             ws_len,
+            ptr::null_mut(),
+        )
+    })
+}
+
+// ----------------------------------------------------------------------- scale_gradient ----
+
+/// `grad[i] *= grad_output` for every element, in place, on the CPU backend
+/// (`fce_scale_gradient`): the upstream gradient applied to a gradient written without one.
+/// `grad` holds elements of `dtype` (`f32` slices for [`Dtype::Float32`], `u16` bits for
+/// float16 / bfloat16); each product is computed in float32 and rounded once to the dtype, and a
+/// `grad_output` of exactly 1 leaves the slice untouched.
+///
+/// ```no_run
+/// # fn main() -> fusedce::Result<()> {
+/// use fusedce::{scale_gradient, Dtype};
+/// let mut grad = vec![0.5f32, -1.0, 2.0];
+/// scale_gradient(Dtype::Float32, &mut grad, 0.25)?;
+/// assert_eq!(grad, [0.125, -0.25, 0.5]);
+/// # Ok(()) }
+/// ```
+pub fn scale_gradient<T: Element>(dtype: Dtype, grad: &mut [T], grad_output: f32) -> Result<()> {
+    let func = "fusedce::scale_gradient";
+    slices_hold::<T>(func, "dtype", dtype)?;
+    let count = to_i64("grad length", grad.len())?;
+    // SAFETY: grad is an exclusive borrow of `count` host elements of dtype, grad_output a live
+    // f32; the CPU backend is synchronous, so neither is used after the call returns.
+    check(unsafe {
+        sys::fce_scale_gradient(
+            sys::FCE_BACKEND_CPU as i32,
+            dtype.raw(),
+            count,
+            grad.as_mut_ptr().cast(),
+            &grad_output,
             ptr::null_mut(),
         )
     })

@@ -1,11 +1,13 @@
 //! Safe Rust wrappers over libfusedce: fused cross-entropy for large vocabularies.
 //!
-//! Three calls, as in the C ABI (`include/fusedce.h`; the math is `shared/SPEC.md`'s):
+//! The calls of the C ABI (`include/fusedce.h`; the math is `shared/SPEC.md`'s):
 //! - [`forward`]: loss (+ lse, z-loss) over logits `[rows, vocab]`, and the gradient over the
 //!   logits in the same pass when given a buffer for it;
 //! - [`backward`]: the gradient from the logits, the targets and the saved lse;
 //! - [`linear_ce`]: z = h·Wᵀ + b and the cross-entropy without holding z whole, with the
-//!   gradients of h, W and b.
+//!   gradients of h, W and b;
+//! - [`scale_gradient`]: a gradient written without the upstream gradient, scaled by it once it
+//!   is known.
 //!
 //! The safe functions take host slices and run on the CPU backend: `f32` slices for float32,
 //! `u16` bit slices ([`bits`] converts) for float16/bfloat16 selected by [`Options::dtype`],
@@ -42,8 +44,8 @@ pub mod raw;
 pub use error::{Error, Result, Status};
 pub use host::{
     backward, backward_in_place, backward_workspace_size, forward, forward_in_place,
-    forward_workspace_size, linear_ce, linear_ce_workspace_size, BackwardBuffers, Element,
-    ForwardBuffers, HostWorkspace, LinearCeBuffers, Target, WorkspaceSize,
+    forward_workspace_size, linear_ce, linear_ce_workspace_size, scale_gradient, BackwardBuffers,
+    Element, ForwardBuffers, HostWorkspace, LinearCeBuffers, Target, WorkspaceSize,
 };
 pub use options::{Backend, Dtype, Options, Reduction, TargetDtype};
 

@@ -45,7 +45,7 @@ pub enum Reduction {
 }
 
 impl Backend {
-    fn raw(self) -> i32 {
+    pub(crate) fn raw(self) -> i32 {
         (match self {
             Backend::Cuda => sys::FCE_BACKEND_CUDA,
             Backend::Cpu => sys::FCE_BACKEND_CPU,

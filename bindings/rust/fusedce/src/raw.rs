@@ -24,7 +24,7 @@ use std::ffi::c_void;
 use std::ptr;
 
 use crate::error::{check, Result};
-use crate::options::Options;
+use crate::options::{Backend, Dtype, Options};
 use crate::sys;
 
 /// A `cudaStream_t`, as the C ABI takes it (`void*`); null is the legacy default stream.
@@ -249,5 +249,33 @@ pub unsafe fn linear_ce(
         a.workspace,
         a.workspace_bytes,
         a.stream,
+    ))
+}
+
+/// `fce_scale_gradient`: `grad[i] *= *grad_output` for `i < count`, in place, on `backend`
+/// (the float32 product rounded once to `dtype`; nothing is written when the scalar is exactly
+/// 1). Applies an upstream gradient that was not known when a call wrote `grad` with
+/// `grad_output` null. `count` 0 does nothing and `grad` may then be null.
+///
+/// # Safety
+/// `grad` must point to `count` elements of `dtype` and `grad_output` to one `f32`, both in
+/// the backend's memory as for [`forward`], live until the work completes (CUDA: asynchronous,
+/// ordered on `stream`); nothing else may access `grad` meanwhile. `stream` must be a valid
+/// CUDA stream or null.
+pub unsafe fn scale_gradient(
+    backend: Backend,
+    dtype: Dtype,
+    count: i64,
+    grad: *mut c_void,
+    grad_output: *const f32,
+    stream: Stream,
+) -> Result<()> {
+    check(sys::fce_scale_gradient(
+        backend.raw(),
+        dtype.raw(),
+        count,
+        grad,
+        grad_output,
+        stream,
     ))
 }
