@@ -432,4 +432,33 @@ FCE_API fce_status fce_linear_ce(const fce_options* o, int64_t rows, int64_t hid
   return o->backend == FCE_BACKEND_CPU ? fce::cpu_linear_ce(p) : fce::cuda_linear_ce(p);
 }
 
+FCE_API fce_status fce_scale_gradient(int32_t backend, int32_t dtype, int64_t count, void* grad,
+                                      const float* grad_output, void* stream) {
+  const char* fn = "fce_scale_gradient";
+  fce::clear_error();
+  if (backend != FCE_BACKEND_CUDA && backend != FCE_BACKEND_CPU)
+    return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: backend (%d) is not an fce_backend", fn, backend);
+  if (dtype != FCE_FLOAT32 && dtype != FCE_FLOAT16 && dtype != FCE_BFLOAT16)
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "%s: dtype (%d) must be FCE_FLOAT32, FCE_FLOAT16 or FCE_BFLOAT16", fn, dtype);
+  const size_t esize = fce::dtype_size(dtype);
+  if (count < 0 || count > kMaxBytes / static_cast<int64_t>(esize))
+    return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: count (%lld) must be in [0, 2^62 / %zu]", fn,
+                (long long)count, esize);
+  if (!grad_output) return fail(FCE_ERROR_NULL_POINTER, "%s: grad_output is NULL", fn);
+  if (count > 0 && !grad) return fail(FCE_ERROR_NULL_POINTER, "%s: grad is NULL", fn);
+  FCE_TRY(check_alignment(fn, "grad", grad, esize));
+  FCE_TRY(check_alignment(fn, "grad_output", grad_output, 4));
+  const Range ranges[] = {
+      {"grad", grad, static_cast<uint64_t>(count) * esize, true},
+      {"grad_output", grad_output, 4, false},
+  };
+  FCE_TRY(check_overlaps(fn, ranges, 2, nullptr, nullptr));
+  if (count == 0) return FCE_SUCCESS;
+  if (backend == FCE_BACKEND_CPU) return fce::cpu_scale_gradient(dtype, count, grad, grad_output);
+  if (!fce::cuda_available())
+    return fail(FCE_ERROR_BACKEND_UNAVAILABLE, "%s: no CUDA device or no CUDA backend", fn);
+  return fce::cuda_scale_gradient(dtype, count, grad, grad_output, stream);
+}
+
 }  // extern "C"

@@ -15,4 +15,7 @@ void cuda_linear_ce_workspace_size(const CeOptions&, int64_t, int64_t, int64_t, 
 fce_status cuda_linear_ce(const LinearCeProblem&) {
   return fail(FCE_ERROR_BACKEND_UNAVAILABLE, "this build has no CUDA backend");
 }
+fce_status cuda_scale_gradient(int, int64_t, void*, const float*, void*) {
+  return fail(FCE_ERROR_BACKEND_UNAVAILABLE, "this build has no CUDA backend");
+}
 }  // namespace fce

@@ -102,6 +102,8 @@ void cpu_linear_ce_workspace_size(const CeOptions& opt, int64_t rows, int64_t hi
                                   int64_t vocab, bool with_grad, bool grad_weight_fp32,
                                   size_t* min_bytes, size_t* optimal_bytes);
 fce_status cpu_linear_ce(const LinearCeProblem& p);
+// grad[i] *= *scale for i < count (fce_scale_gradient; arguments checked).
+fce_status cpu_scale_gradient(int dtype, int64_t count, void* grad, const float* scale);
 
 // ---- CUDA backend (lib/cuda/); stubs returning FCE_ERROR_BACKEND_UNAVAILABLE when not built --
 bool cuda_available();
@@ -112,5 +114,7 @@ void cuda_linear_ce_workspace_size(const CeOptions& opt, int64_t rows, int64_t h
                                    int64_t vocab, bool with_grad, bool grad_weight_fp32,
                                    size_t* min_bytes, size_t* optimal_bytes);
 fce_status cuda_linear_ce(const LinearCeProblem& p);
+fce_status cuda_scale_gradient(int dtype, int64_t count, void* grad, const float* scale,
+                               void* stream);
 
 }  // namespace fce
