@@ -1,10 +1,13 @@
 /*
  * fusedce.h — fused cross-entropy for large vocabularies: the public C ABI.
  *
- * Three compute calls:
+ * The compute calls:
  *   fce_forward    cross-entropy over given logits z [rows, vocab]: loss (+ lse), and, when a
  *                  gradient buffer is given, dloss/dz in the same pass (one read, one write).
  *   fce_backward   dloss/dz from z, the targets and the lse saved by fce_forward.
+ *   fce_backward_rescale  the one-pass gradient of fce_forward (upstream 1) made the gradient
+ *                  for the real upstream scalar: free when it is 1.
+ *   fce_scale_gradient    a gradient times an upstream scalar read on the device.
  *   fce_linear_ce  z = hidden · weightᵀ + bias, then cross-entropy, then the gradients of hidden,
  *                  weight and bias, without ever holding all of z.
  * The math is ../shared/SPEC.md's; every option lives in fce_options.
@@ -198,6 +201,25 @@ FCE_API fce_status fce_backward(const fce_options* options, int64_t rows, int64_
                                 const float* grad_output, void* grad_logits,
                                 uint32_t* error_flags, void* workspace, size_t workspace_bytes,
                                 void* stream);
+
+/* The gradient fce_forward wrote for an upstream gradient of 1 (grad_output NULL), made the
+ * gradient for the upstream scalar *grad_output, rounded ONCE to the dtype, as if fce_forward had
+ * been called with that grad_output: the training path when the upstream gradient is known only
+ * after the forward (autograd). Reductions mean and sum only (none: use fce_backward). The
+ * arguments are fce_backward's, with the same options, the lse fce_forward wrote, and
+ * grad_logits holding that forward's gradient (not the logits themselves: a gradient written
+ * over the logits can only be scaled, with fce_scale_gradient). Decided on the device from the
+ * scalar, without a host synchronisation:
+ *   exactly 1            nothing is done (one launch whose blocks return at once);
+ *   0 or ± a power of 2  grad_logits is scaled in place (exact: one read and write of it);
+ *   anything else        the gradient is computed again from the logits and lse (one read of
+ *                        the logits, one write), bit for bit what fce_forward would have written.
+ * Workspace: fce_backward_workspace_size. */
+FCE_API fce_status fce_backward_rescale(const fce_options* options, int64_t rows, int64_t vocab,
+                                        const void* logits, const void* targets,
+                                        const float* lse, const float* grad_output,
+                                        void* grad_logits, uint32_t* error_flags,
+                                        void* workspace, size_t workspace_bytes, void* stream);
 
 /* ------------------------------------------------------ fused linear + CE ---- */
 /*

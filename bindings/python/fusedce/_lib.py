@@ -213,6 +213,7 @@ def _declare(lib) -> None:
         "fce_linear_ce": (
             st, [opt, i64, i64, i64, vp, vp, vp, vp, fp, fp, fp, vp, vp, vp, fp, vp, vp, sz, vp]),
         "fce_scale_gradient": (st, [c.c_int32, c.c_int32, i64, vp, fp, vp]),
+        "fce_backward_rescale": (st, [opt, i64, i64, vp, vp, fp, fp, vp, vp, vp, sz, vp]),
         "fce_cuda_available": (c.c_int, []),
     }
     for name, (restype, argtypes) in sigs.items():
@@ -312,6 +313,21 @@ def scale_gradient(backend: int, dtype: int, count: int, grad_ptr, grad_output_p
     cudaStream_t address or None; raises the FusedCEError subclass for a failing status."""
     call("fce_scale_gradient", int(backend), int(dtype), int(count), grad_ptr, grad_output_ptr,
          stream)
+
+
+def backward_rescale(options: Options, rows: int, vocab: int, logits_ptr, targets_ptr, lse_ptr,
+                     grad_output_ptr, grad_logits_ptr, error_flags_ptr=None, workspace_ptr=None,
+                     workspace_bytes: int = 0, stream=None) -> None:
+    """fce_backward_rescale: grad_logits, holding the gradient fce_forward wrote with grad_output
+    NULL (an upstream 1), becomes the gradient for the upstream scalar *grad_output (reductions
+    mean and sum), as if fce_forward had been given it: exactly 1 writes nothing, 0 or a power
+    of two scales it in place, anything else computes it again from the logits and lse.
+    ``options`` is an Options struct (the forward's); the pointers are addresses (ints, or None
+    for NULL) in the backend's memory, the workspace fce_backward_workspace_size's, stream a
+    cudaStream_t address or None; raises the FusedCEError subclass for a failing status."""
+    call("fce_backward_rescale", ctypes.byref(options), int(rows), int(vocab), logits_ptr,
+         targets_ptr, lse_ptr, grad_output_ptr, grad_logits_ptr, error_flags_ptr, workspace_ptr,
+         int(workspace_bytes), stream)
 
 
 def check(status: int, function: str) -> None:

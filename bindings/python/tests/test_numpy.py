@@ -721,3 +721,56 @@ def test_scale_gradient_raw_call():
         message = e.value.message
         assert "fce_scale_gradient" in message and needle in message, message
         np.testing.assert_array_equal(a, kept)
+
+
+def test_backward_rescale_raw_call():
+    """_lib.backward_rescale (fce_backward_rescale) on host arrays: the gradient fce_forward wrote
+    for an upstream 1, rescaled for g, is bit for bit fce_forward's given g (ignored rows: zero
+    of either sign, as scaling in place makes -0 of their +0 for a negative g); exactly 1 leaves
+    every bit alone; bad arguments raise naming fce_backward_rescale and the argument."""
+    z, y = make_inputs(std=5.0, seed=12)  # rows 1, 6, 11, ... ignored
+    ignored = y == -100
+    opts = dict(label_smoothing=0.1, z_loss_scale=1e-3)
+    o = _lib.default_options()
+    o.backend = _lib.FCE_BACKEND_CPU
+    o.label_smoothing, o.z_loss_scale = 0.1, 1e-3
+    zp, yp = z.ctypes.data, y.ctypes.data
+    for reduction, code in (("mean", _lib.FCE_REDUCTION_MEAN), ("sum", _lib.FCE_REDUCTION_SUM)):
+        o.reduction = code
+        lse = poison((N,))
+        one = fusedce.forward(z, y, reduction=reduction, return_grad=True, lse=lse,
+                              **opts).grad_logits
+        # 1: untouched; 0.75, -1.7: computed again; 2, -0.25, 0: scaled in place
+        for g in (1.0, 0.75, -1.7, 2.0, -0.25, 0.0):
+            grad, go = one.copy(), np.array([g], np.float32)
+            _lib.backward_rescale(o, N, V, zp, yp, lse.ctypes.data, go.ctypes.data,
+                                  grad.ctypes.data)
+            want = fusedce.forward(z, y, reduction=reduction, return_grad=True,
+                                   grad_output=go[0], **opts).grad_logits
+            np.testing.assert_array_equal(grad[~ignored].view(np.uint32),
+                                          want[~ignored].view(np.uint32), f"{reduction}, g={g}")
+            assert np.all(grad[ignored] == 0) and np.all(want[ignored] == 0)
+            if g == 1.0:
+                np.testing.assert_array_equal(grad.view(np.uint32), one.view(np.uint32))
+            if g == 0.75:
+                ref = R.cross_entropy(z, y, reduction=reduction, grad_output=go[0], **opts)
+                assert_close(grad, ref["grad"], 1e-5, "g = 0.75 vs the reference")
+    o.reduction = _lib.FCE_REDUCTION_MEAN
+    grad, go = one.copy(), np.array([0.5], np.float32)
+    gp, op, lp = grad.ctypes.data, go.ctypes.data, lse.ctypes.data
+    none = _lib.default_options()
+    none.backend, none.reduction = _lib.FCE_BACKEND_CPU, _lib.FCE_REDUCTION_NONE
+    for opts_, args, error, needle in [
+        (none, (zp, yp, lp, op, gp), fusedce.InvalidArgumentError, "reduction"),
+        (o, (zp, yp, lp, None, gp), fusedce.NullPointerError, "grad_output"),
+        (o, (zp, yp, None, op, gp), fusedce.NullPointerError, "lse"),
+        (o, (zp, yp, lp, op, None), fusedce.NullPointerError, "grad_logits"),
+        (o, (zp, yp, lp, op, zp), fusedce.InvalidArgumentError, "grad_logits"),  # = logits
+    ]:
+        kept, z_kept = grad.copy(), z.copy()
+        with pytest.raises(error) as e:
+            _lib.backward_rescale(opts_, N, V, *args)
+        message = e.value.message
+        assert "fce_backward_rescale" in message and needle in message, message
+        np.testing.assert_array_equal(grad, kept)
+        np.testing.assert_array_equal(z, z_kept)

@@ -6,6 +6,9 @@ Julia binding of fusedce: fused cross-entropy kernels for large vocabularies beh
 
     forward(logits, targets; grad=false, options...)   loss, lse, z-loss; the gradient with grad=true
     backward(logits, targets, lse; options...)         the gradient from the lse forward saved
+    backward_rescale!(grad, logits, targets, lse, grad_output)
+                                                       forward's gradient for an upstream 1 made
+                                                       the gradient for grad_output[1], in place
     linear_ce(hidden, weight, targets; bias, options...)
                                                        z = weightᵀ·hidden .+ bias, cross-entropy and
                                                        the gradients, never holding all of z
@@ -53,8 +56,8 @@ module FusedCE
 
 const Libdl = Base.Libc.Libdl
 
-export FusedCEError, FceOptions, forward, forward!, backward, backward!, linear_ce, linear_ce!,
-       scale_gradient!
+export FusedCEError, FceOptions, forward, forward!, backward, backward!, backward_rescale!,
+       linear_ce, linear_ce!, scale_gradient!
 
 # ------------------------------------------------------------------------------ the library
 
@@ -607,6 +610,36 @@ function backward!(grad_logits::AbstractMatrix, logits::AbstractMatrix, targets:
                    error_flags::Union{Nothing,AbstractVector{UInt32}}=nothing,
                    workspace::Union{Nothing,AbstractVector{UInt8}}=nothing,
                    stream=nothing, options...)
+    return _backward!(fce_backward, grad_logits, logits, targets, lse, grad_output, error_flags,
+                      workspace, stream, options)
+end
+
+"""
+    backward_rescale!(grad_logits, logits, targets, lse, grad_output; error_flags=nothing,
+                      workspace=nothing, stream=nothing, options...) -> grad_logits
+
+`fce_backward_rescale`: `grad_logits` holds the gradient `forward!` wrote with
+`grad_output=nothing` (an upstream 1), and becomes the gradient for the upstream scalar
+`grad_output` (a 1-element Float32 vector on the same backend; reductions `:mean` and `:sum`),
+bit for bit what `forward!` writes given it: the training path when the upstream gradient is
+known only after the forward. `logits`, `targets`, `lse` and the options are the forward's;
+`grad_logits` must not be `logits`. Decided on the device (no synchronisation on CUDA): a
+scalar of exactly 1 writes nothing, 0 or ±2^k scales `grad_logits` in place, anything else
+computes the gradient again from `logits` and `lse`.
+"""
+function backward_rescale!(grad_logits::AbstractMatrix, logits::AbstractMatrix,
+                           targets::AbstractVector, lse::AbstractVector{Float32},
+                           grad_output::AbstractVector{Float32};
+                           error_flags::Union{Nothing,AbstractVector{UInt32}}=nothing,
+                           workspace::Union{Nothing,AbstractVector{UInt8}}=nothing,
+                           stream=nothing, options...)
+    return _backward!(fce_backward_rescale, grad_logits, logits, targets, lse, grad_output,
+                      error_flags, workspace, stream, options)
+end
+
+# fce_backward or fce_backward_rescale (`cfunction`: the same arguments) into grad_logits.
+function _backward!(cfunction, grad_logits, logits, targets, lse, grad_output, error_flags,
+                    workspace, stream, options)
     return with_stream(stream) do
         vocab, rows = size(logits)
         be = array_backend(logits)
@@ -632,10 +665,10 @@ function backward!(grad_logits::AbstractMatrix, logits::AbstractMatrix, targets:
             ws, owned = _workspace(logits, workspace, nbytes[])
             GC.@preserve ws begin
                 wsp, wsn = _workspace_args(ws)
-                fce_backward(opts, rows, vocab, buffer_pointer(logits), buffer_pointer(targets),
-                             buffer_pointer(lse), buffer_pointer(grad_output),
-                             buffer_pointer(grad_logits), buffer_pointer(error_flags), wsp, wsn,
-                             current_stream(logits))
+                cfunction(opts, rows, vocab, buffer_pointer(logits), buffer_pointer(targets),
+                          buffer_pointer(lse), buffer_pointer(grad_output),
+                          buffer_pointer(grad_logits), buffer_pointer(error_flags), wsp, wsn,
+                          current_stream(logits))
             end
             owned && release_workspace!(ws)
         end

@@ -95,8 +95,8 @@ const FCE_OPTIONS_INIT = FceOptions(sizeof(FceOptions), C_NULL, -100, 0, 0, 0, 0
 # ---------------------------------------------------------------- functions
 const FCE_FUNCTIONS = (:fce_version, :fce_status_string, :fce_last_error, :fce_options_default,
                        :fce_forward_workspace_size, :fce_forward, :fce_backward_workspace_size,
-                       :fce_backward, :fce_linear_ce_workspace_size, :fce_linear_ce,
-                       :fce_scale_gradient, :fce_cuda_available)
+                       :fce_backward, :fce_backward_rescale, :fce_linear_ce_workspace_size,
+                       :fce_linear_ce, :fce_scale_gradient, :fce_cuda_available)
 
 # unsigned fce_version(void)
 function fce_version()
@@ -162,6 +162,20 @@ end
 function fce_backward(options, rows, vocab, logits, targets, lse, grad_output, grad_logits,
                       error_flags, workspace, workspace_bytes, stream)
     status = ccall(libfusedce_symbol(:fce_backward), Cint,
+                   (Ref{FceOptions}, Int64, Int64, Ptr{Cvoid}, Ptr{Cvoid}, Ptr{Cfloat}, Ptr{Cfloat},
+                    Ptr{Cvoid}, Ptr{UInt32}, Ptr{Cvoid}, Csize_t, Ptr{Cvoid}),
+                   options, rows, vocab, logits, targets, lse, grad_output, grad_logits,
+                   error_flags, workspace, workspace_bytes, stream)
+    return check_status(status)
+end
+
+# fce_status fce_backward_rescale(const fce_options* options, int64_t rows, int64_t vocab,
+#     const void* logits, const void* targets, const float* lse, const float* grad_output,
+#     void* grad_logits, uint32_t* error_flags, void* workspace, size_t workspace_bytes,
+#     void* stream)
+function fce_backward_rescale(options, rows, vocab, logits, targets, lse, grad_output, grad_logits,
+                              error_flags, workspace, workspace_bytes, stream)
+    status = ccall(libfusedce_symbol(:fce_backward_rescale), Cint,
                    (Ref{FceOptions}, Int64, Int64, Ptr{Cvoid}, Ptr{Cvoid}, Ptr{Cfloat}, Ptr{Cfloat},
                     Ptr{Cvoid}, Ptr{UInt32}, Ptr{Cvoid}, Csize_t, Ptr{Cvoid}),
                    options, rows, vocab, logits, targets, lse, grad_output, grad_logits,

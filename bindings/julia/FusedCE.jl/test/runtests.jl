@@ -314,6 +314,62 @@ end
     @test_throws ArgumentError linear_ce(h, Float16.(W), y)
 end
 
+@testset "backward_rescale!" begin
+    z, y = make_data(rng, V, N)
+    opts = (label_smoothing=0.1, z_loss_scale=1e-3, class_weights=weights)
+    ignored = [r for r in 1:N if y[r] == -100]
+    scored = setdiff(1:N, ignored)
+    # Bitwise what forward writes given g; ignored rows 0 of either sign (scaling in place turns
+    # the +0 there into -0 for a negative g).
+    same_as_forward(got, want) =
+        reinterpret(UInt32, got[:, scored]) == reinterpret(UInt32, want[:, scored]) &&
+        all(iszero, got[:, ignored]) && all(iszero, want[:, ignored])
+    for red in (:mean, :sum)
+        res = forward(z, y; grad=true, reduction=red, opts...)
+        # 1: untouched; 0.75, -1.7: computed again; 2, -0.25, 0: scaled in place
+        for g in (1.0f0, 0.75f0, -1.7f0, 2.0f0, -0.25f0, 0.0f0)
+            G = copy(res.grad)
+            @test backward_rescale!(G, z, y, res.lse, Float32[g]; reduction=red, opts...) === G
+            want = forward(z, y; grad=true, grad_output=Float32[g], reduction=red, opts...).grad
+            @test same_as_forward(G, want)
+            if g == 1
+                @test reinterpret(UInt32, G) == reinterpret(UInt32, res.grad)
+            end
+            if g == 0.75f0
+                ref = reference(z, y; reduction=red, grad_output=[0.75], opts...)
+                @test close_to(G, ref.grad, 1e-5)
+            end
+        end
+    end
+    # exactly 1 writes nothing: what is not a gradient stays as it is
+    res = forward(z, y; grad=true, opts...)
+    G = fill(NaN32, V, N)
+    G[1, 1] = reinterpret(Float32, 0x7f800001)  # a multiplication would quiet it
+    bits = copy(reinterpret(UInt32, G))
+    backward_rescale!(G, z, y, res.lse, Float32[1]; opts...)
+    @test reinterpret(UInt32, G) == bits
+    # mistakes the binding catches, and those C reports
+    @test_throws DimensionMismatch backward_rescale!(copy(res.grad), z, y, res.lse, Float32[1, 2])
+    err = try
+        backward_rescale!(copy(res.grad), z, y, res.lse, ones(Float32, N); reduction=:none)
+    catch e
+        e
+    end
+    @test err isa FusedCEError
+    @test err.status == FCE_ERROR_INVALID_ARGUMENT
+    @test occursin("fce_backward_rescale", err.message) && occursin("reduction", err.message)
+    zc = copy(z)
+    err = try
+        backward_rescale!(zc, zc, y, res.lse, Float32[0.5])
+    catch e
+        e
+    end
+    @test err isa FusedCEError
+    @test err.status == FCE_ERROR_INVALID_ARGUMENT
+    @test occursin("fce_backward_rescale", err.message) && occursin("grad_logits", err.message)
+    @test zc == z
+end
+
 @testset "scale_gradient!" begin
     x = randn(rng, Float32, 7, 5)
     g = copy(x)

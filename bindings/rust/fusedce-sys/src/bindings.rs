@@ -455,6 +455,22 @@ extern "C" {
     ) -> fce_status;
 }
 extern "C" {
+    pub fn fce_backward_rescale(
+        options: *const fce_options,
+        rows: i64,
+        vocab: i64,
+        logits: *const ::std::os::raw::c_void,
+        targets: *const ::std::os::raw::c_void,
+        lse: *const f32,
+        grad_output: *const f32,
+        grad_logits: *mut ::std::os::raw::c_void,
+        error_flags: *mut u32,
+        workspace: *mut ::std::os::raw::c_void,
+        workspace_bytes: usize,
+        stream: *mut ::std::os::raw::c_void,
+    ) -> fce_status;
+}
+extern "C" {
     pub fn fce_linear_ce_workspace_size(
         options: *const fce_options,
         rows: i64,

@@ -6,6 +6,7 @@ use std::ptr;
 
 use crate::error::{check, Error, Result};
 use crate::options::{Dtype, Options, Reduction, TargetDtype};
+use crate::raw::BackwardFn;
 use crate::sys;
 
 mod sealed {
@@ -566,6 +567,7 @@ pub fn backward<T: Element, I: Target>(
     bufs: BackwardBuffers<'_, T>,
 ) -> Result<()> {
     backward_impl(
+        false,
         "fusedce::backward",
         opts,
         rows,
@@ -589,6 +591,7 @@ pub fn backward_in_place<T: Element, I: Target>(
 ) -> Result<()> {
     let func = "fusedce::backward_in_place";
     backward_impl(
+        false,
         func,
         opts,
         rows,
@@ -600,8 +603,54 @@ pub fn backward_in_place<T: Element, I: Target>(
     )
 }
 
+/// The gradient [`forward`] wrote without a `grad_output` (an upstream 1) into `grad_logits`,
+/// made the gradient for the upstream scalar given as `grad_output` (`[1]`; reductions mean
+/// and sum), bit for bit what [`forward`] writes given that scalar (`fce_backward_rescale`):
+/// the training path when the upstream gradient is known only after the forward. `bufs` must
+/// carry both `grad_logits` (holding that gradient) and `grad_output`; `logits`, `targets`,
+/// `lse` and the options are the forward's. A scalar of exactly 1 writes nothing, 0 or ±2^k
+/// scales the gradient in place, anything else computes it again from the logits and `lse`.
+///
+/// ```no_run
+/// # fn main() -> fusedce::Result<()> {
+/// use fusedce::{backward_rescale, forward, BackwardBuffers, ForwardBuffers, Options};
+/// let (rows, vocab) = (2, 3);
+/// let logits = [1.0f32, 2.0, 3.0, 0.5, 0.0, -1.0];
+/// let targets = [2i64, 0];
+/// let (mut loss, mut lse, mut grad) = ([0.0f32], [0.0f32; 2], vec![0.0f32; 6]);
+/// let opts = Options::new();
+/// forward(&opts, rows, vocab, &logits, &targets,
+///         ForwardBuffers::new(&mut loss).lse(&mut lse).grad_logits(&mut grad))?;
+/// // ... later, the upstream gradient of the loss is known:
+/// backward_rescale(&opts, rows, vocab, &logits, &targets, &lse,
+///                  BackwardBuffers::new().grad_logits(&mut grad).grad_output(&[0.5]))?;
+/// # Ok(()) }
+/// ```
+pub fn backward_rescale<T: Element, I: Target>(
+    opts: &Options<'_>,
+    rows: usize,
+    vocab: usize,
+    logits: &[T],
+    targets: &[I],
+    lse: &[f32],
+    bufs: BackwardBuffers<'_, T>,
+) -> Result<()> {
+    backward_impl(
+        true,
+        "fusedce::backward_rescale",
+        opts,
+        rows,
+        vocab,
+        Logits::Shared(logits),
+        targets,
+        lse,
+        bufs,
+    )
+}
+
 #[allow(clippy::too_many_arguments)]
 fn backward_impl<T: Element, I: Target>(
+    rescale: bool,
     func: &str,
     opts: &Options<'_>,
     rows: usize,
@@ -627,16 +676,22 @@ fn backward_impl<T: Element, I: Target>(
         error_flags,
         workspace,
     } = bufs;
+    // fce_backward_rescale: a missing grad_logits goes to the library as NULL, which names it.
     let (logits_ptr, grad_ptr) =
-        logits_and_grad(func, logits, grad_logits, logits_span, grad_span, true)?;
+        logits_and_grad(func, logits, grad_logits, logits_span, grad_span, !rescale)?;
     let mut ws_bytes = 0usize;
     // SAFETY: valid options struct and out pointer.
     check(unsafe { sys::fce_backward_workspace_size(&raw, r, v, &mut ws_bytes) })?;
     let mut local = HostWorkspace::new();
     let (ws, ws_len) = workspace_ptr(workspace, &mut local, ws_bytes, ws_bytes);
+    let call: BackwardFn = if rescale {
+        sys::fce_backward_rescale
+    } else {
+        sys::fce_backward
+    };
     // SAFETY: as in forward_impl.
     check(unsafe {
-        sys::fce_backward(
+        call(
             &raw,
             r,
             v,

@@ -4,6 +4,8 @@
 //! - [`forward`]: loss (+ lse, z-loss) over logits `[rows, vocab]`, and the gradient over the
 //!   logits in the same pass when given a buffer for it;
 //! - [`backward`]: the gradient from the logits, the targets and the saved lse;
+//! - [`backward_rescale`]: the gradient [`forward`] wrote for an upstream 1, made the gradient
+//!   for the upstream scalar once it is known (free when it is 1);
 //! - [`linear_ce`]: z = h·Wᵀ + b and the cross-entropy without holding z whole, with the
 //!   gradients of h, W and b;
 //! - [`scale_gradient`]: a gradient written without the upstream gradient, scaled by it once it
@@ -43,9 +45,10 @@ pub mod raw;
 
 pub use error::{Error, Result, Status};
 pub use host::{
-    backward, backward_in_place, backward_workspace_size, forward, forward_in_place,
-    forward_workspace_size, linear_ce, linear_ce_workspace_size, scale_gradient, BackwardBuffers,
-    Element, ForwardBuffers, HostWorkspace, LinearCeBuffers, Target, WorkspaceSize,
+    backward, backward_in_place, backward_rescale, backward_workspace_size, forward,
+    forward_in_place, forward_workspace_size, linear_ce, linear_ce_workspace_size, scale_gradient,
+    BackwardBuffers, Element, ForwardBuffers, HostWorkspace, LinearCeBuffers, Target,
+    WorkspaceSize,
 };
 pub use options::{Backend, Dtype, Options, Reduction, TargetDtype};
 

@@ -197,12 +197,61 @@ pub unsafe fn forward(opts: &Options<'_>, rows: i64, vocab: i64, a: &ForwardArgs
     ))
 }
 
+/// `fce_backward` and `fce_backward_rescale`: the same arguments.
+pub(crate) type BackwardFn = unsafe extern "C" fn(
+    *const sys::fce_options,
+    i64,
+    i64,
+    *const c_void,
+    *const c_void,
+    *const f32,
+    *const f32,
+    *mut c_void,
+    *mut u32,
+    *mut c_void,
+    usize,
+    *mut c_void,
+) -> sys::fce_status;
+
 /// `fce_backward` on `opts`' backend.
 ///
 /// # Safety
 /// As for [`forward`].
 pub unsafe fn backward(opts: &Options<'_>, rows: i64, vocab: i64, a: &BackwardArgs) -> Result<()> {
-    check(sys::fce_backward(
+    backward_call(sys::fce_backward, opts, rows, vocab, a)
+}
+
+/// `fce_backward_rescale` on `opts`' backend: `a.grad_logits` holds the gradient [`forward`]
+/// wrote with `grad_output` null (an upstream 1) and becomes the gradient for the upstream
+/// scalar `*a.grad_output` (required; reductions mean and sum), bit for bit what [`forward`]
+/// writes given that scalar. Decided on the device, without a host synchronisation: exactly 1
+/// writes nothing, 0 or ±2^k scales `a.grad_logits` in place, anything else computes the
+/// gradient again from `a.logits` and `a.lse` (which `a.grad_logits` must not overwrite: not
+/// in place). The workspace is [`crate::backward_workspace_size`]'s.
+///
+/// # Safety
+/// As for [`forward`].
+pub unsafe fn backward_rescale(
+    opts: &Options<'_>,
+    rows: i64,
+    vocab: i64,
+    a: &BackwardArgs,
+) -> Result<()> {
+    backward_call(sys::fce_backward_rescale, opts, rows, vocab, a)
+}
+
+/// `call` (`fce_backward` or `fce_backward_rescale`) with `a`'s pointers.
+///
+/// # Safety
+/// As for [`forward`].
+unsafe fn backward_call(
+    call: BackwardFn,
+    opts: &Options<'_>,
+    rows: i64,
+    vocab: i64,
+    a: &BackwardArgs,
+) -> Result<()> {
+    check(call(
         opts.as_raw(),
         rows,
         vocab,
