@@ -9,7 +9,7 @@
  *                  for the real upstream scalar: free when it is 1.
  *   fce_scale_gradient    a gradient times an upstream scalar read on the device.
  *   fce_linear_ce  z = hidden · weightᵀ + bias, then cross-entropy, then the gradients of hidden,
- *                  weight and bias, without ever holding all of z.
+ *                  weight and bias, holding z only piece by piece within the caller's workspace.
  * The math is ../shared/SPEC.md's; every option lives in fce_options.
  *
  * Conventions (the same for every call):
@@ -211,7 +211,8 @@ FCE_API fce_status fce_backward(const fce_options* options, int64_t rows, int64_
  * over the logits can only be scaled, with fce_scale_gradient). Decided on the device from the
  * scalar, without a host synchronisation:
  *   exactly 1            nothing is done (one launch whose blocks return at once);
- *   0 or ± a power of 2  grad_logits is scaled in place (exact: one read and write of it);
+ *   0 or ± a power of 2  grad_logits is scaled in place (exact: one read and write of it;
+ *                        ignored rows then hold -0 rather than +0 for a negative scalar);
  *   anything else        the gradient is computed again from the logits and lse (one read of
  *                        the logits, one write), bit for bit what fce_forward would have written.
  * Workspace: fce_backward_workspace_size. */
@@ -233,9 +234,23 @@ FCE_API fce_status fce_backward_rescale(const fce_options* options, int64_t rows
  *                 bias).
  *   With all three gradient pointers NULL the call computes the loss only (evaluation).
  *   No gradient output may overlap another buffer.
- * The logits are produced chunk by chunk in the workspace and never exist whole. Any workspace
- * of at least min_bytes gives the same result (bitwise, for a given size); optimal_bytes or
- * more runs at full speed.
+ * The logits are produced piece by piece in the workspace, never beyond workspace_bytes: they
+ * exist whole only when the caller's workspace holds all N×V of them. On CUDA the plan follows
+ * from the sizes, the options, the gradients asked for and workspace_bytes (bench/NOTES.md):
+ *   - token chunks (6·N·D·V FLOPs): a float32 grad_weight (or none) accumulates over any number
+ *     of chunks; a 16-bit grad_weight accumulates in place over at most 4 chunks (one rounding
+ *     per chunk: measured within 2× torch eager's error against float64), one chunk = one
+ *     rounding;
+ *   - otherwise, for a 16-bit grad_weight, vocabulary slices (8·N·D·V): a pass over token chunks
+ *     for the loss and lse, then per slice of columns the logits of all rows, their gradient,
+ *     grad_weight of the slice in one product over all rows (one rounding), and grad_hidden
+ *     accumulated in a float32 [N, D] buffer in the workspace.
+ * No CUDA plan keeps anything of size [V, D] in the workspace. The CPU backend takes token
+ * chunks of a size fixed by N and V and accumulates in float32 (the workspace only decides
+ * whether its chunk buffers live there or in host memory). Any workspace of at least min_bytes
+ * (on CUDA a few MiB, plus N·D·4 for a 16-bit grad_weight) works and gives the same result for
+ * a given size (bitwise) and within rounding across sizes; optimal_bytes (about 1 GiB at the
+ * sizes of large-vocabulary training) runs at full speed.
  */
 /* min_bytes is required; optimal_bytes may be NULL. */
 FCE_API fce_status fce_linear_ce_workspace_size(const fce_options* options, int64_t rows,

@@ -194,7 +194,8 @@ fce_status ce_workspace_query(const char* fn, const fce_options* o, int64_t rows
 fce_status ce_call(const char* fn, const fce_options* o, int64_t rows, int64_t vocab,
                    const void* logits, const void* targets, float* loss, float* lse,
                    float* z_loss, void* grad, const float* grad_output, const float* lse_in,
-                   uint32_t* error_flags, void* workspace, size_t workspace_bytes, void* stream) {
+                   uint32_t* error_flags, void* workspace, size_t workspace_bytes, void* stream,
+                   bool rescale = false) {
   fce::clear_error();
   const bool backward = lse_in != nullptr || loss == nullptr;
   fce::CeProblem p{};
@@ -261,6 +262,7 @@ fce_status ce_call(const char* fn, const fce_options* o, int64_t rows, int64_t v
   p.workspace = workspace;
   p.workspace_bytes = workspace_bytes;
   p.stream = stream;
+  p.rescale = rescale;
   return o->backend == FCE_BACKEND_CPU ? fce::cpu_ce(p) : fce::cuda_ce(p);
 }
 
@@ -326,6 +328,30 @@ FCE_API fce_status fce_backward(const fce_options* options, int64_t rows, int64_
   if (!grad_logits) return fail(FCE_ERROR_NULL_POINTER, "%s: grad_logits is NULL", fn);
   return ce_call(fn, options, rows, vocab, logits, targets, nullptr, nullptr, nullptr,
                  grad_logits, grad_output, lse, error_flags, workspace, workspace_bytes, stream);
+}
+
+FCE_API fce_status fce_backward_rescale(const fce_options* options, int64_t rows, int64_t vocab,
+                                        const void* logits, const void* targets,
+                                        const float* lse, const float* grad_output,
+                                        void* grad_logits, uint32_t* error_flags,
+                                        void* workspace, size_t workspace_bytes, void* stream) {
+  const char* fn = "fce_backward_rescale";
+  fce::clear_error();
+  if (!lse) return fail(FCE_ERROR_NULL_POINTER, "%s: lse is NULL", fn);
+  if (!grad_logits) return fail(FCE_ERROR_NULL_POINTER, "%s: grad_logits is NULL", fn);
+  if (!grad_output)
+    return fail(FCE_ERROR_NULL_POINTER, "%s: grad_output is NULL (the upstream scalar)", fn);
+  if (options && options->reduction == FCE_REDUCTION_NONE)
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "%s: options->reduction is FCE_REDUCTION_NONE: a per-row upstream gradient "
+                "needs fce_backward", fn);
+  if (grad_logits == logits)
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "%s: grad_logits is logits: a gradient written over the logits cannot be "
+                "recomputed; scale it with fce_scale_gradient", fn);
+  return ce_call(fn, options, rows, vocab, logits, targets, nullptr, nullptr, nullptr,
+                 grad_logits, grad_output, lse, error_flags, workspace, workspace_bytes, stream,
+                 true);
 }
 
 FCE_API fce_status fce_linear_ce_workspace_size(const fce_options* options, int64_t rows,

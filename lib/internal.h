@@ -35,6 +35,16 @@ inline size_t dtype_size(int dtype) {
   }
 }
 
+// fce_backward_rescale: scaling by g is exact for every element (0, or ± a power of two that
+// is a normal float): the cases it scales in place instead of computing the gradient again.
+inline bool exact_scale(float g) {
+  uint32_t bits;
+  static_assert(sizeof bits == sizeof g, "float is 32 bits");
+  __builtin_memcpy(&bits, &g, sizeof bits);
+  const uint32_t exponent = (bits >> 23) & 0xffu, mantissa = bits & 0x7fffffu;
+  return (bits & 0x7fffffffu) == 0 || (mantissa == 0 && exponent != 0 && exponent != 0xffu);
+}
+
 // The options every cross-entropy computation shares (SPEC.md, "The loss, row by row").
 struct CeOptions {
   int dtype;               // FCE_FLOAT32 / FCE_FLOAT16 / FCE_BFLOAT16 of the logits
@@ -68,6 +78,9 @@ struct CeProblem {
   void* workspace;          // >= the backend's workspace size, 16-byte aligned (or null if 0)
   size_t workspace_bytes;
   void* stream;
+  bool rescale;             // fce_backward_rescale: grad holds the upstream-1 gradient; by the
+                            // device-side value of *grad_output: 1 nothing, 0 or ±2^k scale it
+                            // in place, else the backward (needs grad_output, mean/sum)
 };
 
 // fce_linear_ce.

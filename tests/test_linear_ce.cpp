@@ -14,12 +14,15 @@ using namespace fcet;
 
 namespace {
 
-enum WsChoice { kWsMin, kWsMid, kWsOpt, kWsMore };
+// kWsFrac: min + (optimal − min) · ws_frac, for sweeps across the CUDA plans (vocab-sliced at
+// the bottom, 16-bit token chunks accumulated in grad_weight in between, one chunk at the top).
+enum WsChoice { kWsMin, kWsMid, kWsOpt, kWsMore, kWsFrac };
 const char* ws_name(int w) {
   switch (w) {
     case kWsMin: return "min";
     case kWsMid: return "mid";
     case kWsOpt: return "optimal";
+    case kWsFrac: return "fraction";
     default: return "more";
   }
 }
@@ -44,6 +47,7 @@ struct LinCase {
   float gscale = 0.7f;
   bool lse = true, zloss = true, flags = true;
   int ws = kWsOpt;
+  double ws_frac = 0;            // with kWsFrac
   double zstd = -1;              // logit spread; -1: 8 for float32, 1.5 for 16-bit dtypes
   uint64_t seed = 1;
   std::function<void(const LinCase&, std::vector<int64_t>& y)> edit;
@@ -57,7 +61,9 @@ std::string case_label(const LinCase& c) {
     << " scale=" << c.scale << (c.weights ? " weights" : "") << " shift=" << c.shift
     << " h_pad=" << c.h_pad << (c.bias ? " bias" : " no-bias") << " grads=" << c.gh << c.gw
     << c.gb << (c.accumulate ? " accumulate" : "") << (c.gw_fp32 ? " grad_weight_fp32" : "")
-    << " workspace=" << ws_name(c.ws) << "]";
+    << " workspace=" << ws_name(c.ws);
+  if (c.ws == kWsFrac) s << " " << c.ws_frac;
+  s << "]";
   return s.str();
 }
 
@@ -183,6 +189,7 @@ class LinRunner {
       case kWsMin: *bytes = mn; break;
       case kWsMid: *bytes = mn + (op - mn) / 2; break;
       case kWsOpt: *bytes = op; break;
+      case kWsFrac: *bytes = mn + static_cast<size_t>(static_cast<double>(op - mn) * c_.ws_frac); break;
       default: *bytes = op + 4096 + 3; break;
     }
   }
@@ -455,9 +462,44 @@ TEST_F(Linear, WorkspaceSizesAgree) {
     }
 }
 
+// A workspace sweep from the minimum to the optimum: on CUDA it crosses every plan for a 16-bit
+// grad_weight (the vocab-sliced plan, token chunks accumulated in grad_weight, one chunk), and
+// each must match the float64 reference within the same bound; for a float32 grad_weight the
+// token chunks of every size.
+TEST_F(Linear, WorkspaceSweepMatchesReference) {
+  for (int dtype : kDtypes)
+    for (int variant = 0; variant < 2; ++variant)
+      for (double frac : {0.0, 0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0}) {
+        LinCase c;
+        c.name = "workspace_sweep";
+        c.dtype = dtype;
+        c.N = 1023;
+        c.D = 24;
+        c.V = 3001;
+        c.ws = kWsFrac;
+        c.ws_frac = frac;
+        c.seed = 7 + variant;
+        if (variant == 1) {  // every option that touches the gradient pass
+          c.reduction = FCE_REDUCTION_NONE;
+          c.weights = true;
+          c.eps = 0.1f;
+          c.lambda = 1e-4f;
+          c.softcap = 15.0f;
+          c.scale = 0.9f;
+          c.shift = 11;
+          c.N = 1023 - 1023 % 11;
+          c.ignore_frac = 0.1;
+          c.h_pad = 3;
+          c.accumulate = true;
+        }
+        run_case(c);
+      }
+}
+
 // The smallest workspace cuts the rows into many chunks; dW and db must still be summed in
 // float32 across them (SPEC.md) and rounded once: 16-bit partial sums over ~1000 chunks
-// would miss the bound by a wide margin.
+// would miss the bound by a wide margin. (On CUDA the minimum takes the vocab-sliced plan for
+// a 16-bit grad_weight: one GEMM over all rows per column slice.)
 TEST_F(Linear, ManyChunksAccumulateInFloat32) {
   for (int dtype : {FCE_FLOAT32, FCE_FLOAT16, FCE_BFLOAT16})
     for (bool acc : {false, true}) {

@@ -23,19 +23,30 @@ suite() {
   if "$@"; then passed=$((passed + 1)); echo "--- $name: ok"
   else failed=$((failed + 1)); failed_names+=("$name"); echo "--- $name: FAILED"; fi
 }
-suite "C ABI tests on CUDA (ctest)" env FCE_TEST_BACKEND=cuda ctest --test-dir "$BUILD" --output-on-failure
+# The GoogleTest binaries run directly (not through ctest, whose test lists point into the
+# build machine's CMake installation, so a build carried to another machine cannot use them).
+for t in test_api test_ce test_linear_ce test_scale test_rescale; do
+  [ -x "$BUILD/tests/$t" ] && suite "C ABI $t on CUDA" env FCE_TEST_BACKEND=cuda "$BUILD/tests/$t"
+done
+suite "linear CE, vocab-sliced plan forced (CUDA)" env FCE_TEST_BACKEND=cuda FCE_LINEAR_CE_PLAN=sliced \
+  "$BUILD/tests/test_linear_ce"
 suite "tensors past 2^31 elements (CUDA)" env FCE_TEST_BACKEND=cuda FCE_TEST_LARGE=1 \
   "$BUILD/tests/test_ce" --gtest_filter=Ce.CudaLargeOffsets
 if command -v compute-sanitizer >/dev/null; then
   # A subset that reaches every kernel path: one CTA, clusters (V = 50257, odd and unaligned),
   # strided, in place, shift, every option, out-of-range targets; and the linear plan.
   ce_filter='Ce.SingleRow:Ce.OddVocabularies:Ce.BiggerShapes:Ce.OutOfRangeTargets*:*bf16_mean_everything*:*f32_none_strided*:*f16_sum_inplace_strided*'
-  lin_filter='Linear.OddShapes:Linear.OutOfRangeTargets:*bf16_mean_plain*:*f32_sum_accumulate*'
+  lin_filter='Linear.OddShapes:Linear.OutOfRangeTargets:*bf16_mean_plain*:*f32_sum_accumulate*:*bf16_none_everything*'
   for tool in memcheck racecheck; do
     suite "$tool test_ce" env FCE_TEST_BACKEND=cuda compute-sanitizer --tool $tool \
       --error-exitcode 1 "$BUILD/tests/test_ce" --gtest_filter="$ce_filter"
     suite "$tool test_linear_ce" env FCE_TEST_BACKEND=cuda compute-sanitizer --tool $tool \
       --error-exitcode 1 "$BUILD/tests/test_linear_ce" --gtest_filter="$lin_filter"
+    suite "$tool test_linear_ce (vocab-sliced)" env FCE_TEST_BACKEND=cuda FCE_LINEAR_CE_PLAN=sliced \
+      compute-sanitizer --tool $tool --error-exitcode 1 "$BUILD/tests/test_linear_ce" \
+      --gtest_filter="$lin_filter"
+    suite "$tool scale" env FCE_TEST_BACKEND=cuda compute-sanitizer --tool $tool \
+      --error-exitcode 1 "$BUILD/tests/test_scale"
   done
 else
   echo "SKIPPED: compute-sanitizer not on PATH"

@@ -12,8 +12,29 @@ namespace fce {
 // Scratch lives in host memory (one double row per thread, one double per row for the loss).
 size_t cpu_ce_workspace_size(const CeOptions&, int64_t, int64_t, bool) { return 0; }
 
+// fce_backward_rescale's cheap cases: the upstream scalar g is 1 (nothing to do) or scales
+// exactly (0, ±2^k: each element times g, one float32 product, as the CUDA kernel). Returns
+// false when the gradient has to be computed again.
+bool rescale_in_place(const CeProblem& p) {
+  using namespace cpu;
+  const float g = *p.grad_output;
+  if (g == 1.0f) return true;
+  if (!exact_scale(g)) return false;
+  parallel_for(p.rows, thread_count(p.rows, std::max<int64_t>(1, (int64_t(1) << 16) / p.vocab)),
+               [&](int64_t begin, int64_t end, int) {
+                 const size_t esize = dtype_size(p.opt.dtype);
+                 for (int64_t r = begin; r < end; ++r) {
+                   void* row = static_cast<char*>(p.grad) + size_t(r) * p.grad_row_stride * esize;
+                   for (int64_t j = 0; j < p.vocab; ++j)
+                     store_float(p.opt.dtype, row, j, load_float(p.opt.dtype, row, j) * g);
+                 }
+               });
+  return true;
+}
+
 fce_status cpu_ce(const CeProblem& p) {
   using namespace cpu;
+  if (p.rescale && rescale_in_place(p)) return FCE_SUCCESS;
   const bool forward = p.lse_in == nullptr;
   try {
     const CeSetup setup = make_setup(p.opt, p.rows, p.vocab, p.targets, p.grad_output);

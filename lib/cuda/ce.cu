@@ -126,6 +126,7 @@ fce_status cuda_ce(const CeProblem& p) {
   a.row_zloss = row_zloss;
   a.lse_out = backward ? nullptr : p.lse;
   a.error_flags = p.error_flags;
+  a.rescale = p.rescale;
   if (fce_status st = cuda::launch_ce_rows(a, stream)) return st;
 
   // ---- 3. the reduced loss and z-loss (forward); for none the rows already are the loss

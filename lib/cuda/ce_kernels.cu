@@ -107,7 +107,10 @@ struct KParams {
   float* row_zloss;
   float* lse_out;
   uint32_t* error_flags;
-  int vocab;
+  int vocab;            // elements of a row in this launch's buffers (a column slice's width)
+  int vocab_total;      // V of the problem (targets, ε/V, Ω); = vocab unless a slice
+  int64_t col_begin;    // global class of the buffers' first column (backward slices; else 0)
+  int rescale;          // backward: fce_backward_rescale (see ce_rows.cuh)
   int cluster_log2;     // log2 of the CTAs per row (register path; k = 1, 2, 4, 8)
   int targets_int64;
   int reduction;
@@ -149,6 +152,17 @@ template <> __device__ __forceinline__ float raw_to_float<__half>(uint32_t raw) 
   __half_raw h;
   h.x = static_cast<unsigned short>(raw);
   return __half2float(__half(h));
+}
+
+// One element <-> float (round to nearest even), for element-wise loops.
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <class T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
 }
 
 // Two floats -> a packed pair of 16-bit values (round to nearest even), lo in the low half.
@@ -394,7 +408,7 @@ __device__ __forceinline__ int classify_row(const KParams& p, int64_t row, int64
                                     : static_cast<int64_t>(static_cast<const int32_t*>(p.targets)[ti]);
   *y_out = y;
   if (y == p.ignore_index) return kIgnored;
-  if (y < 0 || y >= p.vocab) return kInvalid;
+  if (y < 0 || y >= p.vocab_total) return kInvalid;
   return kValid;
 }
 
@@ -422,7 +436,7 @@ __device__ RowInfo load_row_info(const KParams& p, int64_t row, const char* zrow
     r.k = g;
   }
   r.omega = 0.f;
-  if (use_smooth<MODE>(p)) r.omega = p.class_weights ? p.denoms->omega_total : static_cast<float>(p.vocab);
+  if (use_smooth<MODE>(p)) r.omega = p.class_weights ? p.denoms->omega_total : static_cast<float>(p.vocab_total);
   return r;
 }
 
@@ -490,7 +504,7 @@ __device__ __forceinline__ void grad_vector(const uint4& raw, I j0, bool full, b
   constexpr int E = vec_elems<TZ>();
   float g[E];
   unpack<TZ>(raw, g);
-  const int64_t dyl = y - static_cast<int64_t>(j0);
+  const int64_t dyl = y - p.col_begin - static_cast<int64_t>(j0);  // target within this vector
   const int dy = (dyl >= 0 && dyl < E) ? static_cast<int>(dyl) : -1;
   const bool weighted = use_smooth<MODE>(p) && p.class_weights != nullptr;
   // 16-bit logits: the target element (at most one per row) is computed after the loop and
@@ -512,7 +526,7 @@ __device__ __forceinline__ void grad_vector(const uint4& raw, I j0, bool full, b
     if (weighted) {
       const I j = j0 + q;
       b = 0.f;
-      if (full || (j >= 0 && j < p.vocab)) b = __fmul_rn(rg.B, __ldg(p.class_weights + j));
+      if (full || (j >= 0 && j < p.vocab)) b = __fmul_rn(rg.B, __ldg(p.class_weights + p.col_begin + j));
     }
     float da = __fmaf_rn(pr, rg.A, -b);
     if (!kTargetAfter && q == dy)
@@ -531,7 +545,7 @@ __device__ __forceinline__ void grad_vector(const uint4& raw, I j0, bool full, b
         __fmaf_rn(rg.Y, __fsub_rn(pr, 1.f), __fmaf_rn(pr, rg.Az, __fmaf_rn(pr, rg.As, -b)));
     float gy = __fmul_rn(da, rg.ks);
     if (use_cap<MODE>(p)) gy = __fmul_rn(gy, __fmaf_rn(-t, t, 1.f));
-    char* dst = grow + y * Ty<TG>::kBytes;
+    char* dst = grow + (y - p.col_begin) * Ty<TG>::kBytes;
     if constexpr (Ty<TG>::kBytes == 4) {
       __stcs(reinterpret_cast<float*>(dst), gy);
     } else {
@@ -724,6 +738,19 @@ __global__ void __launch_bounds__(BWD ? kBackwardThreads : kTwoPassThreads, BWD 
   const int tid = threadIdx.x, nt = blockDim.x;
   const int step = nt * U;
 
+  if constexpr (BWD) {
+    if (p.rescale) {  // fce_backward_rescale: the forward's gradient (upstream 1) is in grad
+      const float g = *p.grad_output;
+      if (g == 1.f) return;
+      const uint32_t bits = __float_as_uint(g), ex = (bits >> 23) & 0xffu;
+      if ((bits & 0x7fffffffu) == 0 || ((bits & 0x7fffffu) == 0 && ex != 0 && ex != 0xffu)) {
+        TG* grow = reinterpret_cast<TG*>(p.grad + lrow * p.g_row_bytes);  // exact: scale it
+        for (int j = threadIdx.x; j < p.vocab; j += blockDim.x)
+          grow[j] = from_float<TG>(__fmul_rn(to_float(grow[j]), g));
+        return;
+      }
+    }  // else: computed again below, as fce_backward does
+  }
   if (tid == 0) s_info = load_row_info<TZ, MODE>(p, row, zrow, !BWD);
   float lse;
   if constexpr (!BWD) {
@@ -908,6 +935,8 @@ KParams make_params(const CeOptions& opt, int64_t vocab) {
   p.shift_T = opt.shift_seq_len;
   p.class_weights = opt.class_weights;
   p.vocab = static_cast<int>(vocab);
+  p.vocab_total = static_cast<int>(vocab);
+  p.col_begin = 0;
   p.cluster_log2 = 0;
   p.targets_int64 = opt.targets_int64 ? 1 : 0;
   p.reduction = opt.reduction;
@@ -1162,8 +1191,16 @@ fce_status launch_ce_rows(const CeRowsArgs& a, cudaStream_t s) {
                 static_cast<long long>(a.row_stride), static_cast<long long>(a.grad_row_stride));
   if (a.lse_in && !a.grad)
     return fail(FCE_ERROR_INTERNAL, "launch_ce_rows: backward (lse_in) without a gradient buffer");
+  const int64_t vocab_total = a.vocab_total > 0 ? a.vocab_total : a.vocab;
+  if (a.col_begin < 0 || a.col_begin + a.vocab > vocab_total || vocab_total > INT32_MAX ||
+      (vocab_total != a.vocab && !a.lse_in))
+    return fail(FCE_ERROR_INTERNAL, "launch_ce_rows: bad column slice (%lld+%lld of %lld)",
+                static_cast<long long>(a.col_begin), static_cast<long long>(a.vocab),
+                static_cast<long long>(vocab_total));
   if (a.row_count == 0) return FCE_SUCCESS;
-  KParams p = make_params(a.opt, a.vocab);
+  KParams p = make_params(a.opt, vocab_total);  // ε/V and Ω of the whole vocabulary
+  p.vocab = static_cast<int>(a.vocab);            // the row length of these buffers
+  p.col_begin = a.col_begin;
   p.targets = a.targets;
   p.denoms = a.denoms;
   p.grad_output = a.grad_output;
@@ -1172,6 +1209,7 @@ fce_status launch_ce_rows(const CeRowsArgs& a, cudaStream_t s) {
   p.row_zloss = a.lse_in ? nullptr : a.row_zloss;
   p.lse_out = a.lse_in ? nullptr : a.lse_out;
   p.error_flags = a.error_flags;
+  p.rescale = a.rescale && a.lse_in ? 1 : 0;
   // Without a gradient its dtype is irrelevant: use the logits' own pair.
   const int zd = a.logits_dtype, gd = a.grad ? a.grad_dtype : a.logits_dtype;
   if (zd == FCE_FLOAT32 && gd == FCE_FLOAT32) return launch_rows_typed<float, float>(a, p, 0, s);

@@ -47,6 +47,15 @@ struct CeRowsArgs {
   float* row_zloss;              // [total_rows] lambda*lse^2 (0 for ignored rows) or nullptr
   float* lse_out;                // [total_rows] or nullptr
   uint32_t* error_flags;         // or nullptr
+  // A column slice (backward only, lse_in given): the buffers hold classes [col_begin,
+  // col_begin + vocab) of rows of vocab_total classes (targets, ε/V, Ω and the class weights are
+  // those of the whole vocabulary). vocab_total = 0 means vocab (whole rows).
+  int64_t vocab_total;
+  int64_t col_begin;
+  // fce_backward_rescale (backward only): grad holds the gradient for an upstream 1; the kernel
+  // reads *grad_output on the device: 1 → returns, 0 or ±2^k → scales grad in place, else the
+  // ordinary backward.
+  bool rescale;
 };
 // Supported (logits_dtype, grad_dtype): (f32, f32), (f16, f16), (bf16, bf16), (f32, f16),
 // (f32, bf16); without a gradient any logits dtype. Backward (lse_in) needs grad and writes

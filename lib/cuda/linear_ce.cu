@@ -27,34 +27,25 @@
 // Bytes: a chunk row is V·e of scratch (e = 2 for f16/bf16: 250 KB at V = 128256, was V·6 with
 // a float32 Z_c + a separate 16-bit ∂Z_c), and the CE pass moves 2e = 4 bytes per logit (was 6).
 //
-// Plans, by workspace size (choose_plan; the query returns the smallest and the full-speed one):
-//   Full speed in kChunkBudget = 1 GiB (besides the ∂W accumulator): Nc = the largest multiple
-//   of 128 whose layout (chunk + a 16 MiB cuBLASLt workspace + the O(N + V) slices) stays within
-//   1 GiB, at most 4096 (∂W's GEMM is compute bound from Nc ≈ 1024 on), at least min(N, 1024)
-//   (over budget only when V is huge), then balanced. At V = 128256 bf16: 4096 rows =
-//   1002 MiB + 16 MiB of cuBLASLt workspace. cuBLASLt gets 32 MiB when that also fits the
-//   budget (or when the chunk is over budget anyway), 16, 8 or 4 MiB when the workspace is
-//   tight; a smaller workspace first shrinks the chunk (down to 128 rows), then cuBLASLt's share.
-//   kChunked      loss only, or float32 ∂W (grad_weight_fp32 or dtype f32; the caller's
+// Plans, by workspace size (choose_plan; the query returns the smallest and the full-speed one).
+// Token-chunk plans (6·N·D·V) take chunks of Nc rows, as many as fit the workspace (multiples
+// of 128, balanced); a chunk row is V·e bytes (250 KB at V = 128256 bf16).
+//   kChunked      loss only, or a float32 ∂W (grad_weight_fp32 or dtype f32: the caller's
 //                 float32 grad_weight is the accumulator, beta = 1 after the first chunk), or
-//                 no grad_weight: Nc as above, ≥ min(N, 128).
-//   kDirectWeight f16/bf16 ∂W and all N rows in one chunk: ∂W is one GEMM (K = N) written
-//                 straight into grad_weight (one rounding; beta = 1 with accumulate): no
-//                 accumulator, no beta = 1 traffic, no store pass. Preferred whenever it fits
-//                 and either N fits one full-speed chunk or its workspace is no larger than the
-//                 accumulate plan's full-speed one (1 GiB + V·D·4): at 8192×4096×128256 bf16
-//                 1.99 GiB against 2.95 GiB, and faster.
-//   kAccumulate   f16/bf16 ∂W over several chunks: a float32 [V, D] accumulator in the
-//                 workspace (beta = 1 after the first chunk), stored (+ old values) at the end.
-//                 SPEC accumulates ∂W in float32 across token chunks and a 16-bit grad_weight
-//                 cannot hold that sum, so these V·D·4 bytes are unavoidable in the 6·N·D·V
-//                 algorithm with more than one chunk (the alternatives: one chunk of all N rows
-//                 = kDirectWeight, or a vocab-sliced 8·N·D·V plan that accumulates ∂h instead).
-//   The vocab-sliced fallback (8·N·D·V, ∂W per vocab slice) is not implemented: CeRowsArgs
-//   cannot express a column slice (the target column, the class weights and ε/V are those of
-//   the whole row), so a workspace that holds neither one chunk of all N rows nor the [V, D]
-//   accumulator is FCE_ERROR_WORKSPACE_TOO_SMALL (the query's min_bytes already says so).
-//
+//                 no grad_weight. Full speed: Nc ≤ 4096 within kChunkBudget = 1 GiB.
+//   kChunked16    f16/bf16 ∂W accumulated in grad_weight itself (beta = 1 after the first
+//                 chunk): one rounding per chunk, so at most kMaxChunks16 chunks (one chunk when
+//                 all rows fit: ∂W is then one GEMM over all N rows, one rounding). Full speed:
+//                 chunks as large as 1 GiB holds (fewer roundings), at most kMaxChunks16 of them.
+//                 No [V, D] float32 buffer anywhere: at 8192×4096×128256 bf16 two chunks of
+//                 4096 rows in 1.0 GiB.
+//   kVocabSliced  f16/bf16 ∂W in any workspace too small for kChunked16 (down to a few MiB), 8·N·D·V: a first
+//                 pass over token chunks for the loss and lse (2·N·D·V), then per slice of Vc
+//                 columns for all N rows: Z_s = h·W_sᵀ (+ b_s), ∂Z_s from the saved lse in place
+//                 (the backward kernel on a column slice), ∂W_s = ∂Z_sᵀ·h in ONE GEMM over all N
+//                 rows (one rounding), ∂h += ∂Z_s·W_s into a float32 [N, D] accumulator (128 MiB
+//                 at N = 8192, D = 4096; extra to the scratch), ∂b_s by column sums. The logits
+//                 scratch holds max(Nc·V, N·Vc) elements.
 // Determinism: the plan (mode, Nc, cuBLASLt workspace) is a function of the sizes, the options,
 // which gradients are asked for, and workspace_bytes only, and every step has a fixed order
 // (cuBLASLt picks one algorithm per shape and alignment; no atomics), so for a given workspace
@@ -68,6 +59,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #include "cuda/ce_rows.cuh"
 #include "cuda/device_pointers.cuh"
@@ -80,8 +73,7 @@ namespace cuda {
 namespace {
 
 constexpr size_t kAlign = 256;  // every workspace slice starts 256-byte aligned
-// The full-speed plan keeps the workspace within this, the [V, D] ∂W accumulator aside (see
-// the plans in the header comment).
+// The full-speed token chunk stays within this (see the plans in the header comment).
 constexpr size_t kChunkBudget = size_t(1) << 30;
 // cuBLASLt workspace sizes, largest first: 32 MiB is NVIDIA's recommendation for Hopper; the
 // budgeted chunk leaves at least kLtWorkspaceBudget; 4 MiB is the floor when memory is tight.
@@ -98,7 +90,19 @@ constexpr int64_t kMinChunkRows = 128;       // below this, W is re-read too oft
 constexpr int64_t kRowQuantum = 128;         // chunk rows are a multiple of this (or all rows)
 constexpr int64_t kVocabPad = 64;            // Z_c rows padded to 64 elements (≥ 128 B)
 
-enum class Mode { kChunked, kDirectWeight, kAccumulate };
+enum class Mode { kChunked, kChunked16, kVocabSliced };
+// (Version 0.1 also had a float32 [V, D] ∂W accumulator in the workspace, V·D·4 bytes: 2 GiB at
+// 128256×4096, more than the logits it saves. Gone: no plan allocates anything of size [V, D].)
+
+// A 16-bit grad_weight accumulated in place over token chunks (kChunked16) is rounded once per
+// chunk. SPEC allows it for "few" chunks, with an error within 2× torch eager's against float64:
+// bench/accuracy_dw.py measured it against the chunk count k (H200, bench/NOTES.md): ratio to
+// eager ≤ 1.79 at k = 4 for N up to 65536, but 2.2 at k = 8 (N = 32768, D = 1024); more
+// chunks than this take the vocab-sliced plan (one rounding).
+constexpr int64_t kMaxChunks16 = 4;
+// The vocab-sliced plan's smallest pieces: 16 rows of logits in the lse pass, 64 columns of
+// logits for all rows in the gradient pass (a few MiB of workspace at the peers' sizes).
+constexpr int64_t kMinSliceRows = 16;
 
 // ---- size arithmetic that saturates at SIZE_MAX instead of wrapping
 constexpr size_t kHuge = SIZE_MAX;
@@ -112,6 +116,7 @@ struct Sizes {
   size_t elem;          // bytes of one element of dtype: of Z_c / ∂Z_c and of the bias copy
   bool reduction_none;  // the per-row losses go straight into the caller's loss
   bool with_grad;       // ∂Z_c is produced (in place over Z_c)
+  bool dtype_f32;       // grad_hidden is float32 (the vocab-sliced plan accumulates in it)
 };
 
 Sizes sizes_of(const CeOptions& opt, int64_t rows, int64_t hidden, int64_t vocab, bool with_grad) {
@@ -123,20 +128,20 @@ Sizes sizes_of(const CeOptions& opt, int64_t rows, int64_t hidden, int64_t vocab
   s.elem = dtype_size(opt.dtype);
   s.reduction_none = opt.reduction == FCE_REDUCTION_NONE;
   s.with_grad = with_grad;
+  s.dtype_f32 = opt.dtype == FCE_FLOAT32;
   return s;
 }
 
 // Byte offsets of the workspace slices, from a 256-byte aligned base. total includes kAlign of
 // slack for aligning the caller's (16-byte aligned) pointer; kHuge when it overflows.
 struct Layout {
-  size_t denoms, row_loss, row_zloss, bias, db, dw, lt, z, total;
+  size_t denoms, row_loss, row_zloss, bias, db, lse, dh, lt, z, total;
 };
 
-size_t accumulator_bytes(const Sizes& s) {
-  return sat_mul(sat_mul(static_cast<size_t>(s.vocab), static_cast<size_t>(s.hidden)), 4);
-}
-
-Layout layout_of(const Sizes& s, int64_t chunk_rows, size_t lt_bytes, bool dw_accumulator) {
+// The slices of every plan; z_bytes is the logits scratch. `sliced` adds the vocab-sliced
+// plan's lse [N] and float32 ∂h accumulator [N, D] (the latter unless dtype is float32: then
+// grad_hidden itself accumulates).
+Layout layout_bytes(const Sizes& s, size_t z_bytes, size_t lt_bytes, bool sliced) {
   Layout l;
   size_t at = 0;
   auto take = [&at](size_t bytes) {
@@ -145,18 +150,27 @@ Layout layout_of(const Sizes& s, int64_t chunk_rows, size_t lt_bytes, bool dw_ac
     return off;
   };
   const size_t rows = static_cast<size_t>(s.rows), vocab = static_cast<size_t>(s.vocab);
-  const size_t chunk_logits = sat_mul(static_cast<size_t>(chunk_rows),
-                                      static_cast<size_t>(s.vocab_padded));
   l.denoms = take(sizeof(CeDenoms));
   l.row_loss = take(s.reduction_none ? 0 : sat_mul(rows, 4));
   l.row_zloss = take(sat_mul(rows, 4));
   l.bias = take(sat_mul(vocab, s.elem));             // the bias in dtype (if any)
   l.db = take(s.with_grad ? sat_mul(vocab, 4) : 0);  // ∂b accumulator (if needed)
-  l.dw = take(dw_accumulator ? accumulator_bytes(s) : 0);
+  l.lse = take(sliced ? sat_mul(rows, 4) : 0);
+  l.dh = take(sliced && s.with_grad && !s.dtype_f32
+                  ? sat_mul(sat_mul(rows, static_cast<size_t>(s.hidden)), 4) : 0);
   l.lt = take(lt_bytes);
-  l.z = take(sat_mul(chunk_logits, s.elem));         // Z_c, then ∂Z_c in place
+  l.z = take(z_bytes);                               // Z_c, then ∂Z_c in place
   l.total = sat_add(at, kAlign);
   return l;
+}
+
+size_t chunk_bytes(const Sizes& s, int64_t chunk_rows) {
+  return sat_mul(sat_mul(static_cast<size_t>(chunk_rows), static_cast<size_t>(s.vocab_padded)),
+                 s.elem);
+}
+
+Layout layout_of(const Sizes& s, int64_t chunk_rows, size_t lt_bytes) {
+  return layout_bytes(s, chunk_bytes(s, chunk_rows), lt_bytes, false);
 }
 
 bool fits(const Layout& l, size_t workspace_bytes) {
@@ -165,102 +179,174 @@ bool fits(const Layout& l, size_t workspace_bytes) {
 
 // The workspace of a chunk of `rows` rows, the ∂W accumulator aside, is within kChunkBudget.
 bool in_budget(const Sizes& s, int64_t rows, size_t lt_bytes) {
-  return fits(layout_of(s, rows, lt_bytes, false), kChunkBudget);
+  return fits(layout_of(s, rows, lt_bytes), kChunkBudget);
 }
 
-// The rows of the full-speed chunk (kChunked, kAccumulate): the largest multiple of 128 that
-// stays in budget with kLtWorkspaceBudget for cuBLASLt, at most min(N, 4096) (then all of it if
-// that fits), at least min(N, 1024). A function of the sizes only.
-int64_t full_speed_rows(const Sizes& s) {
-  const int64_t cap = std::min(s.rows, kMaxChunkRows);
+// The most rows (a multiple of 128, or all N) whose chunk stays within kChunkBudget with
+// kLtWorkspaceBudget for cuBLASLt, at most `cap`; 0 when not even 128 rows do.
+int64_t budget_rows(const Sizes& s, int64_t cap) {
+  cap = std::min(s.rows, cap);
   if (in_budget(s, cap, kLtWorkspaceBudget)) return cap;
   int64_t lo = 0, hi = cap / kRowQuantum;  // in quanta of 128 rows; 0 = none fits
   while (lo < hi) {
     const int64_t mid = lo + (hi - lo + 1) / 2;
     if (in_budget(s, mid * kRowQuantum, kLtWorkspaceBudget)) lo = mid; else hi = mid - 1;
   }
-  return std::max(std::min(s.rows, kFullSpeedRows), lo * kRowQuantum);
+  return lo * kRowQuantum;
+}
+
+// The rows of the full-speed chunk (kChunked): the largest multiple of 128 that
+// stays in budget with kLtWorkspaceBudget for cuBLASLt, at most min(N, 4096) (then all of it if
+// that fits), at least min(N, 1024). A function of the sizes only.
+int64_t full_speed_rows(const Sizes& s) {
+  return std::max(std::min(s.rows, kFullSpeedRows), budget_rows(s, kMaxChunkRows));
+}
+
+// The fewest rows a kChunked16 chunk may have: at most kMaxChunks16 chunks.
+int64_t min_rows16(const Sizes& s) {
+  const int64_t even = (s.rows + kMaxChunks16 - 1) / kMaxChunks16;
+  return std::min(s.rows, std::max(kMinChunkRows, (even + kRowQuantum - 1) / kRowQuantum * kRowQuantum));
 }
 
 // The cuBLASLt workspace of a plan of `rows` rows: the largest size that fits workspace_bytes
 // and, when the chunk is within the budget at the smallest size, keeps it within the budget.
-size_t lt_bytes_for(const Sizes& s, int64_t rows, bool acc, size_t workspace_bytes) {
+size_t lt_bytes_for(const Sizes& s, int64_t rows, size_t workspace_bytes) {
   const bool budgeted = in_budget(s, rows, kLtWorkspaceMin);
   for (size_t lt : kLtWorkspaceSizes)
-    if (fits(layout_of(s, rows, lt, acc), workspace_bytes) && (!budgeted || in_budget(s, rows, lt)))
+    if (fits(layout_of(s, rows, lt), workspace_bytes) && (!budgeted || in_budget(s, rows, lt)))
       return lt;
   return kLtWorkspaceMin;  // the caller checked that rows fit with it
 }
 
 struct Plan {
   Mode mode;
-  int64_t chunk_rows, chunks;
+  int64_t chunk_rows, chunks;  // token chunks (the vocab-sliced plan's lse pass too)
+  int64_t slice_cols, slices;  // the vocab-sliced plan's gradient pass: columns per slice
   size_t lt_bytes;
   Layout layout;
 };
 
-// The plan of one mode in workspace_bytes, or false when even its smallest chunk does not fit.
+// The fewest pieces of at most `most` each covering n, then each piece ceil(n / pieces) rounded
+// up to `quantum` (never above `most`): balanced, so the last piece is not a sliver.
+int64_t balanced(int64_t n, int64_t most, int64_t quantum) {
+  const int64_t pieces = (n + most - 1) / most;
+  const int64_t even = (n + pieces - 1) / pieces;
+  return std::min(most, (even + quantum - 1) / quantum * quantum);
+}
+
+// The plan of one token-chunk mode in workspace_bytes, or false when even its smallest chunk
+// does not fit.
 bool plan_mode(const Sizes& s, Mode mode, size_t workspace_bytes, Plan* out) {
-  const bool acc = mode == Mode::kAccumulate;
-  const int64_t min_rows = mode == Mode::kDirectWeight ? s.rows : std::min(s.rows, kMinChunkRows);
-  const int64_t max_rows = mode == Mode::kDirectWeight ? s.rows : full_speed_rows(s);
-  if (!fits(layout_of(s, min_rows, kLtWorkspaceMin, acc), workspace_bytes)) return false;
+  const int64_t min_rows = mode == Mode::kChunked16 ? min_rows16(s) : std::min(s.rows, kMinChunkRows);
+  const int64_t max_rows = mode == Mode::kChunked16 ? s.rows : full_speed_rows(s);
+  if (!fits(layout_of(s, min_rows, kLtWorkspaceMin), workspace_bytes)) return false;
   // The most rows that fit (rows first: each chunk costs a pass over W and, with a float32 ∂W,
   // a read-modify-write of it; cuBLASLt's share shrinks second): layout_of grows with the rows,
   // so bisect [min_rows, max_rows].
   int64_t lo = min_rows, hi = max_rows;
   while (lo < hi) {
     const int64_t mid = lo + (hi - lo + 1) / 2;
-    if (fits(layout_of(s, mid, kLtWorkspaceMin, acc), workspace_bytes)) lo = mid; else hi = mid - 1;
+    if (fits(layout_of(s, mid, kLtWorkspaceMin), workspace_bytes)) lo = mid; else hi = mid - 1;
   }
   int64_t rows = lo;
-  if (rows < s.rows) {
-    // Several chunks (then rows ≥ 128): a multiple of 128, and balanced so the last chunk is
-    // not a sliver: the fewest chunks of this size, each ceil(N / chunks) rounded up to 128.
-    rows = rows / kRowQuantum * kRowQuantum;
-    const int64_t chunks = (s.rows + rows - 1) / rows;
-    const int64_t even = (s.rows + chunks - 1) / chunks;
-    rows = std::min(rows, (even + kRowQuantum - 1) / kRowQuantum * kRowQuantum);
-  }
-  const size_t lt = lt_bytes_for(s, rows, acc, workspace_bytes);
+  // Several chunks (then rows ≥ 128): a multiple of 128, balanced.
+  if (rows < s.rows) rows = balanced(s.rows, rows / kRowQuantum * kRowQuantum, kRowQuantum);
+  const size_t lt = lt_bytes_for(s, rows, workspace_bytes);
   out->mode = mode;
   out->chunk_rows = rows;
   out->chunks = (s.rows + rows - 1) / rows;
+  out->slice_cols = out->slices = 0;
   out->lt_bytes = lt;
-  out->layout = layout_of(s, rows, lt, acc);
+  out->layout = layout_of(s, rows, lt);
   return true;
 }
 
-// f16/bf16 ∂W: is the one-chunk plan the one to take when it fits? Yes when all rows fit one
-// full-speed chunk anyway, or when its full-speed workspace is no larger than what the
-// accumulate plan is allowed at full speed (the budget + the accumulator): then it is smaller
-// and faster (no accumulator traffic, no store pass).
-bool prefer_direct(const Sizes& s) {
-  if (s.rows <= full_speed_rows(s)) return true;
-  const size_t direct = layout_of(s, s.rows, kLtWorkspaceFull, false).total;
-  return direct != kHuge && direct <= sat_add(kChunkBudget, sat_round(accumulator_bytes(s)));
+// The vocab-sliced plan: whatever the fixed slices leave of workspace_bytes is the logits
+// scratch, holding a chunk of rows × all V in the lse pass and all N rows × a column slice in
+// the gradient pass. cuBLASLt gets 16 MiB when the workspace is at least 256 MiB, else 4 MiB.
+size_t sliced_min_scratch(const Sizes& s) {
+  return sat_round(std::max(chunk_bytes(s, std::min(s.rows, kMinSliceRows)),
+                            sat_mul(sat_mul(static_cast<size_t>(s.rows), kVocabPad), s.elem)));
+}
+
+size_t sliced_min_workspace(const Sizes& s) {
+  return sat_add(layout_bytes(s, 0, kLtWorkspaceMin, true).total, sliced_min_scratch(s));
+}
+
+bool plan_sliced(const Sizes& s, size_t workspace_bytes, Plan* out) {
+  const size_t lt = workspace_bytes >= sat_add(sliced_min_workspace(s), size_t(256) << 20)
+                       ? kLtWorkspaceBudget : kLtWorkspaceMin;
+  const Layout fixed = layout_bytes(s, 0, lt, true);
+  if (fixed.total == kHuge || fixed.total > workspace_bytes) return false;
+  const size_t scratch = (workspace_bytes - fixed.total) / kAlign * kAlign;
+  if (scratch < sliced_min_scratch(s)) return false;
+  const size_t row_bytes = static_cast<size_t>(s.vocab_padded) * s.elem;
+  int64_t rows = static_cast<int64_t>(std::min<size_t>(static_cast<size_t>(s.rows), scratch / row_bytes));
+  if (rows < s.rows)
+    rows = rows >= kRowQuantum ? balanced(s.rows, rows / kRowQuantum * kRowQuantum, kRowQuantum)
+                               : balanced(s.rows, rows / kMinSliceRows * kMinSliceRows, kMinSliceRows);
+  const size_t col_bytes = static_cast<size_t>(s.rows) * s.elem;
+  int64_t cols = static_cast<int64_t>(std::min<size_t>(static_cast<size_t>(s.vocab_padded),
+                                                       scratch / col_bytes / kVocabPad * kVocabPad));
+  cols = balanced(s.vocab, cols, kVocabPad);
+  out->mode = Mode::kVocabSliced;
+  out->chunk_rows = rows;
+  out->chunks = (s.rows + rows - 1) / rows;
+  out->slice_cols = cols;
+  out->slices = (s.vocab + cols - 1) / cols;
+  out->lt_bytes = lt;
+  out->layout = layout_bytes(s, std::max(chunk_bytes(s, rows),
+                                         sat_mul(sat_mul(static_cast<size_t>(s.rows),
+                                                         static_cast<size_t>(cols)), s.elem)),
+                             lt, true);
+  return true;
 }
 
 // need_dw: grad_weight is asked for; dw_fp32: it is float32 (grad_weight_fp32 or dtype f32).
-bool choose_plan(const Sizes& s, bool need_dw, bool dw_fp32, size_t workspace_bytes, Plan* out) {
-  if (!need_dw || dw_fp32) return plan_mode(s, Mode::kChunked, workspace_bytes, out);
-  if (prefer_direct(s))
-    return plan_mode(s, Mode::kDirectWeight, workspace_bytes, out) ||
-           plan_mode(s, Mode::kAccumulate, workspace_bytes, out);
-  return plan_mode(s, Mode::kAccumulate, workspace_bytes, out) ||
-         plan_mode(s, Mode::kDirectWeight, workspace_bytes, out);
+// A float32 ∂W (or none) accumulates over token chunks at any workspace. A 16-bit ∂W, in order
+// of preference: token chunks accumulated in grad_weight (≤ kMaxChunks16 roundings; one chunk
+// when all rows fit), then the vocab-sliced plan (8·N·D·V, one rounding, any workspace from a
+// few MiB). FCE_LINEAR_CE_PLAN=sliced in the environment (read on every call) takes the
+// vocab-sliced plan whenever it fits: the tests and benchmarks use it to run that plan at any
+// size; it changes which plan runs, never the promises.
+bool force_sliced() {
+  const char* v = std::getenv("FCE_LINEAR_CE_PLAN");
+  return v && std::strcmp(v, "sliced") == 0;
 }
 
-// The smallest workspace any plan runs in (what plan_mode checks first, for each mode).
+bool choose_plan(const Sizes& s, bool need_dw, bool dw_fp32, size_t workspace_bytes, Plan* out) {
+  if (!need_dw || dw_fp32)  // (the vocab-sliced plan as well when even 128 rows do not fit)
+    return plan_mode(s, Mode::kChunked, workspace_bytes, out) ||
+           (s.with_grad && !dw_fp32 && plan_sliced(s, workspace_bytes, out));
+  if (force_sliced() && plan_sliced(s, workspace_bytes, out)) return true;
+  if (plan_mode(s, Mode::kChunked16, workspace_bytes, out)) return true;
+  return plan_sliced(s, workspace_bytes, out);
+}
+
+// The smallest workspace in which a call with these gradients (any subset of them, for
+// with_grad: grad_weight or not) has a plan.
 size_t min_workspace(const Sizes& s, bool need_dw, bool dw_fp32) {
   const int64_t few = std::min(s.rows, kMinChunkRows);
-  const size_t chunked = layout_of(s, few, kLtWorkspaceMin, false).total;
+  const size_t chunked = layout_of(s, few, kLtWorkspaceMin).total;
   if (!need_dw || dw_fp32) return chunked;
-  const size_t direct = layout_of(s, s.rows, kLtWorkspaceMin, false).total;
-  const size_t accumulate = layout_of(s, few, kLtWorkspaceMin, true).total;
-  return std::min(direct, accumulate);
+  const size_t sliced = sliced_min_workspace(s);
+  const size_t with_dw = std::min(layout_of(s, min_rows16(s), kLtWorkspaceMin).total, sliced);
+  const size_t without_dw = std::min(chunked, sliced);  // grad_hidden / grad_bias only
+  return std::max(with_dw, without_dw);
 }
 
+// The workspace of the full-speed plan: kChunked with full-speed chunks; for a 16-bit ∂W,
+// kChunked16 with chunks as large as the 1 GiB budget allows, but at most kMaxChunks16 of them.
+size_t optimal_workspace(const Sizes& s, bool need_dw, bool dw_fp32) {
+  if (!need_dw || dw_fp32) {
+    Plan p;
+    return plan_mode(s, Mode::kChunked, kHuge - 1, &p) ? p.layout.total : kHuge;
+  }
+  const int64_t rows = std::max(min_rows16(s), budget_rows(s, s.rows));
+  const int64_t r = rows < s.rows ? balanced(s.rows, rows, kRowQuantum) : rows;
+  const size_t lt = in_budget(s, r, kLtWorkspaceFull) ? kLtWorkspaceFull : kLtWorkspaceBudget;
+  return layout_of(s, r, lt).total;
+}
 
 }  // namespace
 }  // namespace cuda
@@ -270,15 +356,12 @@ void cuda_linear_ce_workspace_size(const CeOptions& opt, int64_t rows, int64_t h
                                    size_t* min_bytes, size_t* optimal_bytes) {
   using namespace cuda;
   // The worst case of the gradients a call with these options may ask for: all of them.
-  // optimal_bytes is the plan taken with unlimited memory: the 1 GiB-budgeted chunk (+ the
-  // float32 [V, D] accumulator when grad_weight is 16-bit and N needs several chunks), or the
-  // one-chunk direct plan when that is no larger (prefer_direct).
+  // optimal_bytes: the full-speed plan (optimal_workspace), never below min_bytes.
   const Sizes s = sizes_of(opt, rows, hidden, vocab, with_grad);
   const bool dw_fp32 = grad_weight_fp32 || opt.dtype == FCE_FLOAT32;
-  Plan best;
-  const bool ok = choose_plan(s, with_grad, dw_fp32, kHuge - 1, &best);
-  if (min_bytes) *min_bytes = min_workspace(s, with_grad, dw_fp32);
-  if (optimal_bytes) *optimal_bytes = ok ? best.layout.total : kHuge;
+  const size_t lo = min_workspace(s, with_grad, dw_fp32);
+  if (min_bytes) *min_bytes = lo;
+  if (optimal_bytes) *optimal_bytes = std::max(lo, optimal_workspace(s, with_grad, dw_fp32));
 }
 
 fce_status cuda_linear_ce(const LinearCeProblem& p) {
@@ -329,10 +412,16 @@ fce_status cuda_linear_ce(const LinearCeProblem& p) {
   float* row_zloss = p.z_loss ? reinterpret_cast<float*>(base + L.row_zloss) : nullptr;
   void* bias_ws = p.bias ? static_cast<void*>(base + L.bias) : nullptr;  // the bias, in dtype
   float* db32 = reinterpret_cast<float*>(base + L.db);
-  float* dw32 = reinterpret_cast<float*>(base + L.dw);
   void* lt_ws = base + L.lt;
   void* z = base + L.z;  // Z_c [rc, ldz] in dtype, then ∂Z_c in place (same dtype and stride)
   const int64_t ldz = s.vocab_padded;
+  const bool sliced = plan.mode == Mode::kVocabSliced;
+  // the vocab-sliced plan: the lse pass keeps lse for the gradient pass; ∂h accumulates in
+  // float32 (grad_hidden itself when dtype is float32)
+  float* lse_buf = sliced ? (p.lse ? p.lse : reinterpret_cast<float*>(base + L.lse)) : p.lse;
+  float* dh32 = dtype == FCE_FLOAT32 ? static_cast<float*>(p.grad_hidden)
+                                     : reinterpret_cast<float*>(base + L.dh);
+  const bool grad_in_chunks = with_grad && !sliced;
 
   cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
   const char* hidden = static_cast<const char*>(p.hidden_states);
@@ -377,7 +466,7 @@ fce_status cuda_linear_ce(const LinearCeProblem& p) {
     a.logits = z;
     a.logits_dtype = dtype;
     a.row_stride = ldz;
-    a.grad = with_grad ? z : nullptr;
+    a.grad = grad_in_chunks ? z : nullptr;
     a.grad_dtype = dtype;
     a.grad_row_stride = ldz;
     a.targets = p.targets;
@@ -386,10 +475,10 @@ fce_status cuda_linear_ce(const LinearCeProblem& p) {
     a.lse_in = nullptr;
     a.row_loss = row_loss;
     a.row_zloss = row_zloss;
-    a.lse_out = p.lse;
+    a.lse_out = lse_buf;
     a.error_flags = p.error_flags;
     FCE_TRY(launch_ce_rows(a, stream));
-    if (!with_grad) continue;
+    if (!grad_in_chunks) continue;
 
     // 3. ∂h_c[rc, D] = ∂Z_c[rc, V] · W[V, D]   (straight into grad_hidden, dense)
     if (p.grad_hidden) {
@@ -417,11 +506,11 @@ fce_status cuda_linear_ce(const LinearCeProblem& p) {
       gw.ldc = D;
       gw.alpha = 1.f;
       switch (plan.mode) {
-        case Mode::kDirectWeight:  // the only chunk: one rounding into f16/bf16
-          gw.C = p.grad_weight; gw.c_dtype = dtype; gw.beta = p.accumulate ? 1.f : 0.f;
+        case Mode::kChunked16:     // f16/bf16 grad_weight itself: one rounding per chunk
+          gw.C = p.grad_weight; gw.c_dtype = dtype;
+          gw.beta = (first && !p.accumulate) ? 0.f : 1.f;
           break;
-        case Mode::kAccumulate:    // float32 workspace accumulator, stored after the loop
-          gw.C = dw32; gw.c_dtype = FCE_FLOAT32; gw.beta = first ? 0.f : 1.f;
+        case Mode::kVocabSliced:   // not reached: no gradient in the token chunks
           break;
         case Mode::kChunked:       // the caller's float32 grad_weight
           gw.C = p.grad_weight; gw.c_dtype = FCE_FLOAT32;
@@ -442,10 +531,96 @@ fce_status cuda_linear_ce(const LinearCeProblem& p) {
     }
   }
 
+  // ---- the vocab-sliced gradient pass: per slice of columns [v0, v0 + vc), for all N rows
+  for (int64_t sl = 0; sliced && with_grad && sl < plan.slices; ++sl) {
+    const int64_t v0 = sl * plan.slice_cols;
+    const int64_t vc = std::min(plan.slice_cols, V - v0);
+    const int64_t lds = plan.slice_cols;
+    const bool first = sl == 0;
+    const char* w_s = static_cast<const char*>(p.weight) + static_cast<size_t>(v0) * D * e;
+    const void* b_s = bias_ws ? static_cast<const char*>(bias_ws) + static_cast<size_t>(v0) * e
+                              : nullptr;
+
+    // a. Z_s[N, vc] = h · W_sᵀ + b_s   (computed again: cuBLASLt may pick another algorithm
+    //    for this shape than for the lse pass, so a logit may differ from it by a rounding)
+    RowMajorGemm g{};
+    g.name = "logits (hidden · weightᵀ + bias)";
+    g.M = N; g.N = vc; g.K = D;
+    g.A = hidden; g.lda = hs; g.trans_a = false;
+    g.B = w_s; g.ldb = D; g.trans_b = true;
+    g.ab_dtype = dtype;
+    g.C = z; g.ldc = lds; g.c_dtype = dtype;
+    g.alpha = 1.f; g.beta = 0.f;
+    g.bias = b_s;
+    g.workspace = lt_ws; g.workspace_bytes = plan.lt_bytes;
+    bool bias_applied = false;
+    FCE_TRY(gemm(g, stream, &bias_applied));
+    if (b_s && !bias_applied) FCE_TRY(launch_add_bias_rows(z, dtype, N, vc, lds, b_s, stream));
+
+    // b. ∂Z_s from the saved lse, in place (the backward kernel on a column slice)
+    CeRowsArgs a{};
+    a.opt = opt;
+    a.vocab = vc;
+    a.vocab_total = V;
+    a.col_begin = v0;
+    a.total_rows = N;
+    a.row_begin = 0;
+    a.row_count = N;
+    a.logits = z;
+    a.logits_dtype = dtype;
+    a.row_stride = lds;
+    a.grad = z;
+    a.grad_dtype = dtype;
+    a.grad_row_stride = lds;
+    a.targets = p.targets;
+    a.denoms = denoms;
+    a.grad_output = p.grad_output;
+    a.lse_in = lse_buf;
+    a.error_flags = nullptr;  // the lse pass has flagged invalid targets already
+    FCE_TRY(launch_ce_rows(a, stream));
+
+    // c. ∂W_s[vc, D] = ∂Z_sᵀ · h over all N rows: one GEMM, one rounding
+    if (p.grad_weight) {
+      RowMajorGemm gw{};
+      gw.name = "grad_weight (dZᵀ · hidden)";
+      gw.M = vc; gw.N = D; gw.K = N;
+      gw.A = z; gw.lda = lds; gw.trans_a = true;
+      gw.B = hidden; gw.ldb = hs; gw.trans_b = false;
+      gw.ab_dtype = dtype;
+      gw.C = static_cast<char*>(p.grad_weight) + static_cast<size_t>(v0) * D * dtype_size(grad_w_dtype);
+      gw.ldc = D; gw.c_dtype = grad_w_dtype;
+      gw.alpha = 1.f; gw.beta = p.accumulate ? 1.f : 0.f;
+      gw.workspace = lt_ws; gw.workspace_bytes = plan.lt_bytes;
+      FCE_TRY(gemm(gw, stream, nullptr));
+    }
+
+    // d. ∂h[N, D] (+)= ∂Z_s · W_s   (float32 accumulation across slices)
+    if (p.grad_hidden) {
+      RowMajorGemm gh{};
+      gh.name = "grad_hidden (dZ · weight)";
+      gh.M = N; gh.N = D; gh.K = vc;
+      gh.A = z; gh.lda = lds; gh.trans_a = false;
+      gh.B = w_s; gh.ldb = D; gh.trans_b = false;
+      gh.ab_dtype = dtype;
+      gh.C = dh32; gh.ldc = D; gh.c_dtype = FCE_FLOAT32;
+      gh.alpha = 1.f; gh.beta = first ? 0.f : 1.f;
+      gh.workspace = lt_ws; gh.workspace_bytes = plan.lt_bytes;
+      FCE_TRY(gemm(gh, stream, nullptr));
+    }
+
+    // e. ∂b_s = Σ_rows ∂Z_s: complete in one pass (float32 workspace, or the caller's float32)
+    if (p.grad_bias) {
+      if (dw_fp32)
+        FCE_TRY(launch_column_sums(z, dtype, N, vc, lds, static_cast<float*>(p.grad_bias) + v0,
+                                   FCE_FLOAT32, p.accumulate, stream));
+      else
+        FCE_TRY(launch_column_sums(z, dtype, N, vc, lds, db32 + v0, FCE_FLOAT32, false, stream));
+    }
+  }
+  if (sliced && p.grad_hidden && dtype != FCE_FLOAT32)
+    FCE_TRY(launch_store_accumulator(dh32, p.grad_hidden, dtype, N * D, false, stream));
+
   // ---- f16/bf16 gradients out of their float32 accumulators (one rounding, + old values)
-  if (p.grad_weight && plan.mode == Mode::kAccumulate)
-    FCE_TRY(launch_store_accumulator(dw32, p.grad_weight, grad_w_dtype, V * D, p.accumulate,
-                                     stream));
   if (p.grad_bias && !dw_fp32)
     FCE_TRY(launch_store_accumulator(db32, p.grad_bias, grad_w_dtype, V, p.accumulate, stream));
 
