@@ -10,22 +10,31 @@ autocast also computes cross-entropy in float32).
 
 How the gradient is computed (the training path):
 
-* :func:`cross_entropy` saves lse [N] (float32) in the forward (``fusedce::ce_forward``) and
-  calls ``fce_backward`` (``fusedce::ce_backward``) in the backward, with the upstream gradient
-  as a device pointer. The forward reads the logits once, the backward reads them once and
-  writes the gradient once; nothing of size [N, V] beyond the logits themselves is kept between
-  forward and backward, and no gradient is computed when no backward follows.
+* :func:`cross_entropy`, reduction 'mean' or 'sum', gradient needed: ONE pass over the logits in
+  the forward (``fce_forward`` with a gradient buffer, upstream gradient 1) writes the loss, lse
+  and the gradient; the backward hands that buffer to autograd after ``fce_backward_rescale``,
+  which reads the upstream scalar on the device: exactly 1 (a plain ``loss.backward()``) costs
+  one launch and no pass; 0 or ±2^k (GradScaler, power-of-two accumulation) an exact in-place
+  scale; any other value recomputes the gradient from the logits (kept by reference), so it is
+  rounded once, as torch's. No host synchronisation, graph-capturable. The gradient buffer is
+  the one the backward returns (no memory beyond it). With ``inplace_backward=True`` the
+  gradient is written over the logits instead and scaled with ``fce_scale_gradient`` (a 16-bit
+  gradient is then rounded twice for an upstream value that is not ±2^k, as Liger's and
+  Quack's).
+* :func:`cross_entropy`, reduction 'none': the forward saves lse [N]; the backward calls
+  ``fce_backward`` with the per-row upstream gradient (one more read of the logits).
 * :func:`linear_cross_entropy` cannot save the logits (they never exist whole), so for
-  reduction 'mean' and 'sum' the forward (``fusedce::linear_ce``) computes the gradients of
-  hidden, weight and bias with an upstream gradient of 1, in the same pass as the loss, and the
-  backward multiplies them by the upstream scalar. The weight and bias gradients are kept in
-  float32 until then (one rounding to their dtype after scaling); the hidden-state gradient is
-  kept in its dtype, so an upstream scalar other than a power of two (1 included) rounds it a
-  second time. The gradients are only computed when
-  autograd will need them (grad mode on and an input requiring grad), so evaluate under
-  ``torch.no_grad()``. For reduction 'none' the per-row upstream gradient is not known in the
-  forward: the forward computes the loss only and the backward calls ``fce_linear_ce`` again
-  with the upstream gradient (one recomputation of the logits, chunk by chunk).
+  reduction 'mean' and 'sum' the forward (``fce_linear_ce``) computes the gradients of hidden,
+  weight and bias in their own dtypes for an upstream gradient of 1, in the same call as the
+  loss, and the backward scales them in place (``fce_scale_gradient``: free when the upstream
+  gradient is 1, exact for ±2^k; for other values a 16-bit grad_hidden / grad_weight is rounded
+  twice). With a bias that needs a gradient the forward computes the loss only and the backward
+  computes everything with the real upstream gradient (8·N·D·V; LLM heads have no bias). Its scratch memory is the budget ``workspace_bytes`` (default 1 GiB); nothing of
+  size [V, D] or [N, V] is allocated beyond the gradients returned. For reduction 'none' the
+  forward computes the loss only and the backward calls ``fce_linear_ce`` again with the
+  per-row upstream gradient (one recomputation of the logits, chunk by chunk).
+* Gradients are only computed when autograd will need them (grad mode on and an input
+  requiring grad): evaluate under ``torch.no_grad()``.
 
 Differences from torch, on purpose:
 
@@ -52,7 +61,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import core
+from . import _torch_calls as _tc
 from ._lib import FCE_BFLOAT16, FCE_FLOAT16, FCE_FLOAT32, FCE_REDUCTION_NONE
 
 if not hasattr(torch, "library") or not hasattr(torch.library, "custom_op"):
@@ -60,16 +69,14 @@ if not hasattr(torch, "library") or not hasattr(torch.library, "custom_op"):
                       f"torch {torch.__version__}")
 
 __all__ = ["cross_entropy", "linear_cross_entropy", "CrossEntropyLoss",
-           "LinearCrossEntropyLoss"]
+           "LinearCrossEntropyLoss", "DEFAULT_WORKSPACE_BYTES"]
+
+DEFAULT_WORKSPACE_BYTES = _tc.DEFAULT_WORKSPACE_BYTES  # linear CE budget without env or kwarg
 
 _REDUCTIONS = {"mean": 0, "sum": 1, "none": FCE_REDUCTION_NONE}
 _TORCH_OF_CODE = {FCE_FLOAT32: torch.float32, FCE_FLOAT16: torch.float16,
                   FCE_BFLOAT16: torch.bfloat16}
 _CODE_OF_TORCH = {v: k for k, v in _TORCH_OF_CODE.items()}
-
-
-def _stream(t: Tensor) -> Optional[int]:
-    return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else None
 
 
 def _cw(class_weights: Optional[Tensor]) -> Optional[Tensor]:
@@ -79,16 +86,166 @@ def _cw(class_weights: Optional[Tensor]) -> Optional[Tensor]:
 
 
 # ============================================================ cross_entropy ops ====
+# opts, everywhere below: (reduction, ignore_index, label_smoothing, z_loss, softcap,
+# logit_scale, shift_seq_len), the order _torch_calls.options takes them in.
+def _opts(ignore_index, reduction, label_smoothing, z_loss, softcap, logit_scale, shift_seq_len):
+    return (int(reduction), int(ignore_index), float(label_smoothing), float(z_loss),
+            float(softcap), float(logit_scale), int(shift_seq_len))
+
+
+# ---- the training path for 'mean' / 'sum': loss and gradient in ONE pass over the logits
+@torch.library.custom_op("fusedce::ce_forward_grad", mutates_args=())
+def _ce_forward_grad(logits: Tensor, targets: Tensor, class_weights: Optional[Tensor],
+                     ignore_index: int, reduction: int, label_smoothing: float, z_loss: float,
+                     softcap: float, logit_scale: float, shift_seq_len: int
+                     ) -> Tuple[Tensor, Tensor, Tensor]:
+    """(loss, lse, dloss/dlogits for an upstream gradient of 1): one read, one write."""
+    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    loss, lse = _tc.ce_forward(logits, targets, _cw(class_weights),
+                               _opts(ignore_index, reduction, label_smoothing, z_loss, softcap,
+                                     logit_scale, shift_seq_len), grad=grad)
+    return loss, lse, grad
+
+
+@_ce_forward_grad.register_fake
+def _ce_forward_grad_fake(logits, targets, class_weights, ignore_index, reduction,
+                          label_smoothing, z_loss, softcap, logit_scale, shift_seq_len):
+    return (logits.new_empty((), dtype=torch.float32),
+            logits.new_empty((logits.shape[0],), dtype=torch.float32),
+            logits.new_empty(logits.shape))
+
+
+@torch.library.custom_op("fusedce::ce_rescale_", mutates_args=("grad",))
+def _ce_rescale_(grad: Tensor, grad_loss: Tensor, logits: Tensor, targets: Tensor, lse: Tensor,
+                 class_weights: Optional[Tensor], ignore_index: int, reduction: int,
+                 label_smoothing: float, z_loss: float, softcap: float, logit_scale: float,
+                 shift_seq_len: int) -> None:
+    """fce_backward_rescale: grad (the forward's, for an upstream 1) becomes the gradient for
+    grad_loss, rounded once: nothing when it is 1, an exact in-place scale for ±2^k, else
+    computed again from the logits; decided on the device."""
+    _tc.ce_backward(logits, targets, lse, grad_loss.to(torch.float32).contiguous(),
+                    _cw(class_weights),
+                    _opts(ignore_index, reduction, label_smoothing, z_loss, softcap, logit_scale,
+                          shift_seq_len), rescale=grad)
+
+
+@_ce_rescale_.register_fake
+def _ce_rescale_fake(grad, grad_loss, logits, targets, lse, class_weights, ignore_index,
+                     reduction, label_smoothing, z_loss, softcap, logit_scale, shift_seq_len):
+    return None
+
+
+@torch.library.custom_op("fusedce::scale_", mutates_args=("grad",))
+def _scale_(grad: Tensor, grad_output: Tensor) -> None:
+    """grad *= grad_output (a scalar) in place on the device; a no-op launch when it is 1."""
+    _tc.scale_(grad, grad_output)
+
+
+@_scale_.register_fake
+def _scale_fake(grad, grad_output):
+    return None
+
+
+def _hand_out_once(ctx) -> None:
+    """A gradient written over the logits (inplace_backward) is scaled in place and handed to
+    autograd, which may keep that very buffer: a second backward through the same graph
+    (retain_graph=True) cannot use it again, so it raises with what to do instead."""
+    if getattr(ctx, "handed_out", False):
+        raise RuntimeError(
+            "fusedce.torch.cross_entropy(inplace_backward=True): the gradient was written over "
+            "the logits in the forward pass and handed to autograd once; a second backward "
+            "through the same graph (retain_graph=True, gradcheck) needs inplace_backward=False.")
+    ctx.handed_out = True
+
+
+def _ce_forward_grad_setup(ctx, inputs, output):
+    logits, targets, class_weights = inputs[:3]
+    _, lse, grad = output
+    ctx.mark_non_differentiable(lse, grad)
+    ctx.set_materialize_grads(False)  # else autograd makes a zero [N, V] "gradient" for grad
+    # the logits are kept (a reference: they are the caller's input) so that an upstream
+    # gradient other than 1 or ±2^k, or a second backward, can recompute exactly
+    ctx.save_for_backward(logits, targets, class_weights, lse)
+    ctx.grad = grad  # not version-tracked: the first backward rescales it in place
+    ctx.options = inputs[3:]
+
+
+def _ce_forward_grad_backward(ctx, grad_loss, _lse, _grad):
+    if grad_loss is None or not ctx.needs_input_grad[0]:  # (undefined: no gradient flows)
+        return (None,) * 10
+    logits, targets, class_weights, lse = ctx.saved_tensors
+    grad = ctx.grad
+    if grad is not None:  # the first backward: the forward's gradient, made the right one
+        ctx.grad = None
+        _ce_rescale_(grad, grad_loss, logits, targets, lse, class_weights, *ctx.options)
+    else:  # handed out already (retain_graph): computed again
+        grad = _ce_backward(grad_loss, logits, targets, lse, class_weights, *ctx.options)
+    return (grad,) + (None,) * 9
+
+
+_ce_forward_grad.register_autograd(_ce_forward_grad_backward, setup_context=_ce_forward_grad_setup)
+
+
+class _CrossEntropyOnePass(torch.autograd.Function):
+    """The same one-pass training path as fusedce::ce_forward_grad + ce_rescale_, as a plain
+    autograd.Function calling the C library directly: what eager mode runs (the custom ops'
+    dispatch costs tens of µs a call; torch.compile traces the custom ops instead)."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, class_weights, opts):
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        cw = _cw(class_weights)
+        loss, lse = _tc.ce_forward(logits, targets, cw, opts, grad=grad)
+        ctx.save_for_backward(logits, targets, cw, lse)
+        ctx.grad, ctx.opts = grad, opts
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        if grad_loss is None:
+            return None, None, None, None
+        logits, targets, cw, lse = ctx.saved_tensors
+        up = grad_loss.to(torch.float32).contiguous()
+        if ctx.grad is not None:  # the first backward: fce_backward_rescale, in place
+            grad, ctx.grad = ctx.grad, None
+            _tc.ce_backward(logits, targets, lse, up, cw, ctx.opts, rescale=grad)
+        else:  # a second backward through the graph: computed again
+            grad = _tc.ce_backward(logits, targets, lse, up, cw, ctx.opts)
+        return grad, None, None, None
+
+
+def _compiling() -> bool:
+    fn = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    return bool(fn()) if fn is not None else False
+
+
+class _CrossEntropyInPlace(torch.autograd.Function):
+    """inplace_backward=True: the one pass writes the gradient over the logits themselves (a
+    plain autograd.Function, as Liger's and Quack's: torch.compile breaks the graph here)."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, class_weights, opts):
+        loss, _ = _tc.ce_forward(logits, targets, _cw(class_weights), opts, grad=logits,
+                                 want_lse=False)
+        ctx.save_for_backward(logits)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        _hand_out_once(ctx)
+        (grad,) = ctx.saved_tensors
+        _scale_(grad, grad_loss)
+        return grad, None, None, None
+
+
+# ---- reduction 'none' (and no gradient needed): the loss, lse saved, fce_backward later
 @torch.library.custom_op("fusedce::ce_forward", mutates_args=())
 def _ce_forward(logits: Tensor, targets: Tensor, class_weights: Optional[Tensor],
                 ignore_index: int, reduction: int, label_smoothing: float, z_loss: float,
                 softcap: float, logit_scale: float, shift_seq_len: int) -> Tuple[Tensor, Tensor]:
-    r = core.forward(logits, targets.contiguous(), reduction=reduction,
-                     ignore_index=ignore_index, class_weights=_cw(class_weights),
-                     label_smoothing=label_smoothing, z_loss_scale=z_loss, softcap=softcap,
-                     logit_scale=logit_scale, shift_seq_len=shift_seq_len, return_lse=True,
-                     error_flags=False, stream=_stream(logits))
-    return r.loss, r.lse
+    return _tc.ce_forward(logits, targets, _cw(class_weights),
+                          _opts(ignore_index, reduction, label_smoothing, z_loss, softcap,
+                                logit_scale, shift_seq_len))
 
 
 @_ce_forward.register_fake
@@ -104,12 +261,10 @@ def _ce_backward(grad_loss: Tensor, logits: Tensor, targets: Tensor, lse: Tensor
                  class_weights: Optional[Tensor], ignore_index: int, reduction: int,
                  label_smoothing: float, z_loss: float, softcap: float, logit_scale: float,
                  shift_seq_len: int) -> Tensor:
-    return core.backward(logits, targets.contiguous(), lse,
-                         grad_loss.to(torch.float32).contiguous(), reduction=reduction,
-                         ignore_index=ignore_index, class_weights=_cw(class_weights),
-                         label_smoothing=label_smoothing, z_loss_scale=z_loss, softcap=softcap,
-                         logit_scale=logit_scale, shift_seq_len=shift_seq_len,
-                         stream=_stream(logits))
+    return _tc.ce_backward(logits, targets, lse, grad_loss.to(torch.float32).contiguous(),
+                           _cw(class_weights),
+                           _opts(ignore_index, reduction, label_smoothing, z_loss, softcap,
+                                 logit_scale, shift_seq_len))
 
 
 @_ce_backward.register_fake
@@ -124,9 +279,12 @@ def _ce_setup_context(ctx, inputs, output):
     ctx.save_for_backward(logits, targets, class_weights, lse)
     ctx.options = inputs[3:]
     ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)
 
 
 def _ce_autograd_backward(ctx, grad_loss, grad_lse):
+    if grad_loss is None:
+        return (None,) * 10
     logits, targets, class_weights, lse = ctx.saved_tensors
     grad_logits = None
     if ctx.needs_input_grad[0]:
@@ -143,52 +301,45 @@ def _linear_ce(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: 
                class_weights: Optional[Tensor], grad_output: Optional[Tensor],
                ignore_index: int, reduction: int, label_smoothing: float, z_loss: float,
                softcap: float, logit_scale: float, shift_seq_len: int, compute_dtype: int,
-               need_hidden: bool, need_weight: bool, need_bias: bool
+               workspace_bytes: int, need_hidden: bool, need_weight: bool, need_bias: bool
                ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """loss, lse, and the gradients asked for (empty [0] tensors for the others), scaled by
-    grad_output (None = 1). Inputs are cast to compute_dtype (an fce_dtype code) inside."""
+    grad_output (None = 1). Inputs are cast to compute_dtype (an fce_dtype code) inside; the
+    workspace is at most workspace_bytes (never below the library's minimum)."""
     cdt = _TORCH_OF_CODE[compute_dtype]
     h = hidden.to(cdt)
     if h.stride(-1) != 1:
         h = h.contiguous()
     w = weight.to(cdt).contiguous()
     b = bias.to(cdt).contiguous() if bias is not None else None
-    need_bias = need_bias and bias is not None
-    grads = [n for n, f in (("hidden", need_hidden), ("weight", need_weight),
-                            ("bias", need_bias)) if f]
-    # A float32 weight computed in a lower precision gets its gradient in float32 directly.
-    # Gradients computed here for an upstream gradient of 1 (scaled in the backward) stay in
-    # float32 too, so that scaling then casting rounds them once; a float32 grad_weight is also
-    # what the library's float32 accumulation over token chunks needs, so it costs no memory.
-    in_forward = grad_output is None and reduction != FCE_REDUCTION_NONE
-    fp32_grads = (weight.dtype == torch.float32 and cdt != torch.float32) or in_forward
+    # A float32 weight computed in a lower precision gets its gradient in float32 directly: the
+    # caller's own float32 buffer is then the library's accumulator (no extra memory). A 16-bit
+    # weight gets a 16-bit gradient, never a float32 copy of it.
+    fp32_grads = weight.dtype == torch.float32 and cdt != torch.float32
     g = grad_output.to(torch.float32).contiguous() if grad_output is not None else None
-    r = core.linear_ce(h, w, targets.contiguous(), b, reduction=reduction,
-                       ignore_index=ignore_index, class_weights=_cw(class_weights),
-                       label_smoothing=label_smoothing, z_loss_scale=z_loss, softcap=softcap,
-                       logit_scale=logit_scale, shift_seq_len=shift_seq_len,
-                       grad_weight_fp32=fp32_grads, return_lse=True, return_grad=grads,
-                       grad_output=g, error_flags=False, stream=_stream(hidden))
+    loss, lse, gh, gw, gb = _tc.linear_ce(
+        h, w, b, targets.contiguous(), _cw(class_weights), g,
+        _opts(ignore_index, reduction, label_smoothing, z_loss, softcap, logit_scale,
+              shift_seq_len),
+        grad_weight_fp32=fp32_grads, need=(need_hidden, need_weight, need_bias),
+        budget=int(workspace_bytes))
     empty = hidden.new_empty((0,))
-    gh = r.grad_hidden.to(hidden.dtype) if need_hidden else empty
-    gw_dtype = torch.float32 if in_forward else weight.dtype
-    gw = r.grad_weight.to(gw_dtype) if need_weight else weight.new_empty((0,))
-    gb = r.grad_bias.to(gw_dtype) if need_bias else weight.new_empty((0,))
-    return r.loss, r.lse, gh, gw, gb
+    gh = gh.to(hidden.dtype) if gh is not None else empty
+    gw = gw.to(weight.dtype) if gw is not None else weight.new_empty((0,))
+    gb = gb.to(weight.dtype) if gb is not None else weight.new_empty((0,))
+    return loss, lse, gh, gw, gb
 
 
 @_linear_ce.register_fake
 def _linear_ce_fake(hidden, weight, bias, targets, class_weights, grad_output, ignore_index,
                     reduction, label_smoothing, z_loss, softcap, logit_scale, shift_seq_len,
-                    compute_dtype, need_hidden, need_weight, need_bias):
+                    compute_dtype, workspace_bytes, need_hidden, need_weight, need_bias):
     n = hidden.shape[0]
     loss = hidden.new_empty((n,) if reduction == FCE_REDUCTION_NONE else (), dtype=torch.float32)
     lse = hidden.new_empty((n,), dtype=torch.float32)
     gh = hidden.new_empty(hidden.shape) if need_hidden else hidden.new_empty((0,))
-    in_forward = grad_output is None and reduction != FCE_REDUCTION_NONE
-    gw_dtype = torch.float32 if in_forward else weight.dtype
-    gw = weight.new_empty(weight.shape, dtype=gw_dtype) if need_weight else weight.new_empty((0,))
-    gb = (bias.new_empty(bias.shape, dtype=gw_dtype) if (need_bias and bias is not None)
+    gw = weight.new_empty(weight.shape) if need_weight else weight.new_empty((0,))
+    gb = (bias.new_empty(bias.shape, dtype=weight.dtype) if (need_bias and bias is not None)
           else weight.new_empty((0,)))
     return loss, lse, gh, gw, gb
 
@@ -199,41 +350,45 @@ def _linear_ce_setup_context(ctx, inputs, output):
     need_hidden, need_weight, need_bias = rest[-3:]
     _, lse, gh, gw, gb = output
     ctx.mark_non_differentiable(lse, gh, gw, gb)
-    # Gradients computed in the forward with an upstream gradient of 1 can be scaled by the
-    # scalar upstream gradient later; otherwise (reduction 'none', or the op called with a
+    # no zero "gradients" for the outputs autograd does not differentiate (they would be as
+    # large as the gradients themselves)
+    ctx.set_materialize_grads(False)
+    # Gradients computed in the forward with an upstream gradient of 1 are scaled in place by
+    # the scalar upstream gradient later; otherwise (reduction 'none', or the op called with a
     # grad_output) the backward recomputes them with the real upstream gradient.
     ctx.grad_in_forward = (bool(need_hidden or need_weight or need_bias)
                            and reduction != FCE_REDUCTION_NONE and grad_output is None)
     ctx.computed = (bool(need_hidden), bool(need_weight), bool(need_bias and bias is not None))
     ctx.has_bias = bias is not None
-    ctx.grad_dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
-    ctx.options = (ignore_index, reduction, *rest[:-3])  # ... through compute_dtype
-    needs = getattr(ctx, "needs_input_grad", (True, True, True))
-    need = (bool(needs[0]), bool(needs[1]), bool(needs[2]) and bias is not None)
-    if ctx.grad_in_forward and all(c or not n for c, n in zip(ctx.computed, need)):
-        # the inputs are not needed again: do not keep them alive
-        ctx.save_for_backward(gh, gw, gb, None, None, None, None, None)
-    else:
-        ctx.save_for_backward(gh, gw, gb, hidden, weight, bias, targets, class_weights)
-
-
-def _scale(grad: Tensor, g: Tensor) -> Tensor:
-    # g: a 0-d float32 upstream gradient; grad keeps its dtype.
-    return grad * g if grad.dtype == torch.float32 else grad * g.to(grad.dtype)
+    ctx.options = (ignore_index, reduction, *rest[:-3])  # ... through workspace_bytes
+    # The inputs are kept (they are alive anyway: the weight is a parameter, hidden [N, D] is
+    # small) so that a second backward through the same graph can recompute the gradients.
+    # The gradients are kept as tensors without version tracking (the backward scales them in
+    # place and hands them out).
+    ctx.grads = (gh, gw, gb)
+    ctx.save_for_backward(hidden, weight, bias, targets, class_weights)
 
 
 def _linear_ce_autograd_backward(ctx, grad_loss, grad_lse, _gh, _gw, _gb):
+    if grad_loss is None:
+        return (None,) * 18
     need = (bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1]),
             bool(ctx.needs_input_grad[2]) and ctx.has_bias)
-    gh, gw, gb, hidden, weight, bias, targets, class_weights = ctx.saved_tensors
-    if ctx.grad_in_forward and all(c or not n for c, n in zip(ctx.computed, need)):
-        out = [_scale(g, grad_loss).to(dt) if n else None
-               for g, n, dt in zip((gh, gw, gb), need, ctx.grad_dtypes)]
+    hidden, weight, bias, targets, class_weights = ctx.saved_tensors
+    computed = ctx.grads is not None
+    if (ctx.grad_in_forward and computed and
+            all(c or not n for c, n in zip(ctx.computed, need))):
+        # the first backward: scale the forward's gradients in place (free for an upstream 1)
+        out = [g if n else None for g, n in zip(ctx.grads, need)]
+        for g in out:
+            if g is not None:
+                _scale_(g, grad_loss)
+        ctx.grads = None  # handed out: a later backward recomputes
     else:  # recompute with the real upstream gradient (per row for reduction 'none')
         _, _, gh, gw, gb = _linear_ce(hidden, weight, bias, targets, class_weights, grad_loss,
                                       *ctx.options, *need)
         out = [g if n else None for g, n in zip((gh, gw, gb), need)]
-    return tuple(out) + (None,) * 14
+    return tuple(out) + (None,) * 15
 
 
 _linear_ce.register_autograd(_linear_ce_autograd_backward, setup_context=_linear_ce_setup_context)
@@ -266,9 +421,16 @@ def _float_input(x: Tensor, name: str) -> Tensor:
 def cross_entropy(input: Tensor, target: Tensor, weight: Optional[Tensor] = None,
                   ignore_index: int = -100, reduction: str = "mean",
                   label_smoothing: float = 0.0, *, z_loss: float = 0.0, softcap: float = 0.0,
-                  logit_scale: float = 1.0, shift_seq_len: int = 0) -> Tensor:
-    """torch.nn.functional.cross_entropy, fused (one read of the logits in the forward, one
-    read and one write in the backward), plus:
+                  logit_scale: float = 1.0, shift_seq_len: int = 0,
+                  inplace_backward: bool = False) -> Tensor:
+    """torch.nn.functional.cross_entropy, fused, plus the options below. When autograd will
+    need the gradient (grad mode on, input requiring grad) and the reduction is 'mean' or
+    'sum', the forward reads the logits once and writes the gradient once, for an upstream
+    gradient of 1; the backward turns it into the gradient for the upstream scalar (nothing
+    to do when that is exactly 1; an exact scale for ±2^k; a recomputation from the logits
+    otherwise, so the gradient is rounded once — decided on the device). Reduction 'none' saves lse and
+    computes the gradient in the backward (one more read of the logits). Under
+    ``torch.no_grad()``, or when input does not require grad, only the loss is computed.
 
     z_loss        lambda: adds lambda * lse^2 per row (PaLM);
     softcap       c > 0: logits become c * tanh(logits / c) first (Gemma 2);
@@ -276,6 +438,15 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Optional[Tensor] = None
     shift_seq_len T > 0: causal LM shift without a copy: row b*T+t of the (flattened) logits
                   is scored against target b*T+t+1 and the last position of each sequence is
                   ignored. Give input [B*T, V] (or [B, T, V] flattened) and target [B*T].
+    inplace_backward  write the gradient OVER the logits (as Liger and Quack do): saves the
+                  [N, V] gradient buffer, but the logits' values are destroyed by the forward,
+                  so nothing else may read them afterwards (not even another loss). Only for
+                  'mean'/'sum' with a gradient; dense logits (others are copied first). The
+                  upstream scalar is applied by scaling (16-bit: rounded twice unless it is
+                  ±2^k). Runs as a torch.autograd.Function (torch.compile breaks the graph).
+
+    With inplace_backward=True the gradient is handed to autograd once: a second backward
+    through the same graph (retain_graph=True) raises. Without it, a second backward recomputes.
 
     input is (C,), (N, C) or (N, C, d1, ...) as in torch (the last form is copied to put the
     classes last; give [N, C] for speed). A row stride larger than C (e.g. a slice of padded
@@ -303,8 +474,21 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Optional[Tensor] = None
     if weight is not None and (weight.dim() != 1 or weight.shape[0] != logits.shape[1]):
         raise ValueError(f"weight must have shape ({logits.shape[1]},), got "
                          f"{tuple(weight.shape)}")
-    loss, _ = _ce_forward(logits, tgt, weight, int(ignore_index), red, float(label_smoothing),
-                          float(z_loss), float(softcap), float(logit_scale), int(shift_seq_len))
+    args = (int(ignore_index), red, float(label_smoothing), float(z_loss), float(softcap),
+            float(logit_scale), int(shift_seq_len))
+    if red != FCE_REDUCTION_NONE and torch.is_grad_enabled() and logits.requires_grad:
+        if inplace_backward:
+            if logits.stride(0) != logits.shape[1] and logits.shape[0] > 1:
+                logits = logits.contiguous()
+            loss = _CrossEntropyInPlace.apply(logits, tgt, weight, _opts(*args))
+        elif _compiling():
+            loss, _, _ = _ce_forward_grad(logits, tgt, weight, *args)
+        else:
+            loss = _CrossEntropyOnePass.apply(logits, tgt, weight, _opts(*args))
+    elif not _compiling() and not (torch.is_grad_enabled() and logits.requires_grad):
+        loss, _ = _tc.ce_forward(logits, tgt, _cw(weight), _opts(*args), want_lse=False)
+    else:
+        loss, _ = _ce_forward(logits, tgt, weight, *args)
     if red == FCE_REDUCTION_NONE and out_shape is not None:
         loss = loss.reshape(out_shape)
     return loss
@@ -315,7 +499,8 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
                          reduction: str = "mean", ignore_index: int = -100,
                          label_smoothing: float = 0.0, z_loss: float = 0.0,
                          softcap: float = 0.0, logit_scale: float = 1.0,
-                         shift_seq_len: int = 0) -> Tensor:
+                         shift_seq_len: int = 0,
+                         workspace_bytes: Optional[int] = None) -> Tensor:
     """cross_entropy(F.linear(input, linear_weight, linear_bias), target, ...) without ever
     holding the [N, V] logits (fce_linear_ce).
 
@@ -324,6 +509,15 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
     weight [V] class weights; the other keywords as in :func:`cross_entropy`. Under autocast the
     matmul runs in the autocast dtype. The loss is float32; for reduction 'none' it has the shape
     of target.
+
+    workspace_bytes  the memory budget of the call beyond the inputs and the gradients it
+                  returns (its scratch workspace); None = FUSEDCE_WORKSPACE_BYTES from the
+                  environment (e.g. "512M"), else 1 GiB (fusedce.torch.DEFAULT_WORKSPACE_BYTES).
+                  The library picks its fastest plan within it (bench/NOTES.md): token chunks of
+                  the logits when they fit with few enough chunks, else the vocab-sliced plan
+                  (8·N·D·V instead of 6·N·D·V FLOPs; its float32 [N, D] ∂h accumulator counts
+                  towards the budget). A budget below the library's minimum (a few MiB) gets
+                  the minimum.
     """
     red = _reduction(reduction)
     if input.dim() < 1:
@@ -358,11 +552,16 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
     need_h = grad_on and input.requires_grad
     need_w = grad_on and linear_weight.requires_grad
     need_b = grad_on and linear_bias is not None and linear_bias.requires_grad
-    in_forward = red != FCE_REDUCTION_NONE
+    # gradients in the forward (scaled in the backward), except for 'none' (per-row upstream
+    # gradient) and a bias that needs a gradient (its 16-bit sum would be rounded twice)
+    in_forward = red != FCE_REDUCTION_NONE and not need_b
+    budget = _tc.default_workspace_bytes() if workspace_bytes is None else int(workspace_bytes)
+    if budget < 0:
+        raise ValueError(f"workspace_bytes must be >= 0, got {workspace_bytes}")
     loss, _, _, _, _ = _linear_ce(
         hidden, linear_weight, linear_bias, tgt, weight, None, int(ignore_index), red,
         float(label_smoothing), float(z_loss), float(softcap), float(logit_scale),
-        int(shift_seq_len), _CODE_OF_TORCH[cdt], bool(need_h and in_forward),
+        int(shift_seq_len), _CODE_OF_TORCH[cdt], budget, bool(need_h and in_forward),
         bool(need_w and in_forward), bool(need_b and in_forward))
     if red == FCE_REDUCTION_NONE:
         loss = loss.reshape(target.shape)
@@ -394,18 +593,29 @@ class _LossOptions(torch.nn.Module):
 
 
 class CrossEntropyLoss(_LossOptions):
-    """torch.nn.CrossEntropyLoss with fusedce's :func:`cross_entropy` (and its extra options)."""
+    """torch.nn.CrossEntropyLoss with fusedce's :func:`cross_entropy` (and its extra options,
+    inplace_backward included)."""
+
+    def __init__(self, *args, inplace_backward: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.inplace_backward = inplace_backward
 
     def forward(self, input: Tensor, target: Tensor) -> Tensor:
         return cross_entropy(input, target, self.weight, self.ignore_index, self.reduction,
                              self.label_smoothing, z_loss=self.z_loss, softcap=self.softcap,
-                             logit_scale=self.logit_scale, shift_seq_len=self.shift_seq_len)
+                             logit_scale=self.logit_scale, shift_seq_len=self.shift_seq_len,
+                             inplace_backward=self.inplace_backward)
 
 
 class LinearCrossEntropyLoss(_LossOptions):
     """Loss of a language-model head: forward(input [..., D], linear_weight [V, D], target,
     linear_bias=None) = :func:`linear_cross_entropy`. The head's weight is an argument, so a
-    tied embedding or an nn.Linear's weight can be passed as it is."""
+    tied embedding or an nn.Linear's weight can be passed as it is. workspace_bytes: the memory
+    budget, as for :func:`linear_cross_entropy`."""
+
+    def __init__(self, *args, workspace_bytes: Optional[int] = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.workspace_bytes = workspace_bytes
 
     def forward(self, input: Tensor, linear_weight: Tensor, target: Tensor,
                 linear_bias: Optional[Tensor] = None) -> Tensor:
@@ -413,5 +623,6 @@ class LinearCrossEntropyLoss(_LossOptions):
             input, linear_weight, target, linear_bias=linear_bias, weight=self.weight,
             reduction=self.reduction, ignore_index=self.ignore_index,
             label_smoothing=self.label_smoothing, z_loss=self.z_loss, softcap=self.softcap,
-            logit_scale=self.logit_scale, shift_seq_len=self.shift_seq_len)
+            logit_scale=self.logit_scale, shift_seq_len=self.shift_seq_len,
+            workspace_bytes=self.workspace_bytes)
 

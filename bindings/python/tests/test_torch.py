@@ -274,6 +274,87 @@ def test_autocast_bf16_cpu():
     assert rel_err(gh, rgh) <= 2 ** -7 and rel_err(gW, rgW) <= 1e-4  # gW is float32 directly
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("case", ["plain", "everything"])
+def test_inplace_backward_cpu(case, reduction):
+    """inplace_backward=True: the same gradient as float64, written over the logits' storage."""
+    z, y, w = make(ignore_index=OPTIONS[case].get("ignore_index", -100))
+    opts = resolve(OPTIONS[case], w)
+    x = z.clone().requires_grad_(True)
+    loss = cross_entropy(x, y, reduction=reduction, inplace_backward=True, **opts)
+    loss.backward(torch.tensor(0.7))
+    rloss, rg = loss_and_grad(reference, z.double(), y, reduction=reduction,
+                              upstream=torch.tensor(0.7, dtype=torch.float64), **opts)
+    assert rel_err(loss.detach(), rloss) <= 1e-5
+    assert rel_err(x.grad, rg) <= 1e-5
+    # the logits' own storage now holds the gradient (autograd then copies it into .grad of a
+    # leaf; a non-leaf's producer receives the buffer itself)
+    assert torch.equal(x.detach(), x.grad)
+
+
+def test_second_backward():
+    """A second backward through the same graph: cross_entropy recomputes (right values);
+    with inplace_backward=True it raises a clear error; linear_cross_entropy recomputes."""
+    z, y, w = make()
+    for up1, up2 in ((1.0, 1.0), (0.5, 0.75), (0.3, 2.0)):
+        x = z.clone().requires_grad_(True)
+        loss = cross_entropy(x, y, label_smoothing=0.1)
+        loss.backward(torch.tensor(up1), retain_graph=True)
+        loss.backward(torch.tensor(up2))
+        _, rg = loss_and_grad(reference, z.double(), y, reduction="mean", label_smoothing=0.1,
+                              upstream=torch.tensor(up1 + up2, dtype=torch.float64))
+        assert rel_err(x.grad, rg) <= 1e-5
+    x = z.clone().requires_grad_(True)
+    loss = cross_entropy(x, y, inplace_backward=True)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="handed to autograd once"):
+        loss.backward()
+    h = torch.randn(40, 16, requires_grad=True)
+    W = torch.randn(101, 16, requires_grad=True)
+    loss = linear_cross_entropy(h, W, y, reduction="sum")
+    loss.backward(torch.tensor(0.5), retain_graph=True)
+    g1 = (h.grad.clone(), W.grad.clone())
+    loss.backward(torch.tensor(2.0))
+    assert rel_err(h.grad, g1[0] * 5) <= 1e-5 and rel_err(W.grad, g1[1] * 5) <= 1e-5
+
+
+def test_no_grad_computes_loss_only():
+    z, y, w = make()
+    x = z.clone().requires_grad_(True)
+    with torch.no_grad():
+        loss = cross_entropy(x, y)
+    assert loss.grad_fn is None and rel_err(loss, F.cross_entropy(z.double(), y)) <= 1e-5
+
+
+def test_workspace_budget_cpu():
+    """Any workspace budget gives the loss and gradients of float64 (the budget only chooses
+    the plan); FUSEDCE_WORKSPACE_BYTES is read when no budget is given."""
+    import os
+    gen = torch.Generator().manual_seed(3)
+    h = torch.randn(64, 16, generator=gen)
+    W = torch.randn(301, 16, generator=gen) / 2
+    y = torch.randint(0, 301, (64,), generator=gen)
+    ref = [None]
+    for budget in (None, 0, 1 << 20, 1 << 30, "env"):
+        hh, WW = h.clone().requires_grad_(True), W.clone().requires_grad_(True)
+        if budget == "env":
+            os.environ["FUSEDCE_WORKSPACE_BYTES"] = "2M"
+            try:
+                loss = linear_cross_entropy(hh, WW, y)
+            finally:
+                del os.environ["FUSEDCE_WORKSPACE_BYTES"]
+        else:
+            loss = linear_cross_entropy(hh, WW, y, workspace_bytes=budget)
+        loss.backward()
+        r = F.cross_entropy(F.linear(h.double(), W.double()), y)
+        assert rel_err(loss.detach(), r) <= 1e-5
+        if ref[0] is None:
+            ref[0] = (hh.grad, WW.grad)
+        assert rel_err(hh.grad, ref[0][0]) <= 1e-5 and rel_err(WW.grad, ref[0][1]) <= 1e-5
+    with pytest.raises(ValueError):
+        linear_cross_entropy(h, W, y, workspace_bytes=-1)
+
+
 def test_opcheck_custom_ops():
     z, y, w = make(n=8, v=11)
     z.requires_grad_(True)
@@ -287,11 +368,22 @@ def test_opcheck_custom_ops():
     h = torch.randn(8, 6, requires_grad=True)
     W = torch.randn(11, 6, requires_grad=True)
     b = torch.randn(11, requires_grad=True)
+    # The gradients linear_ce (mean/sum) and ce_forward_grad return are scaled IN PLACE by their
+    # backward (no second [V, D] or [N, V] buffer): opcheck's AOT test returns those outputs to
+    # the caller too and rejects a backward that mutates them. What users run is the loss
+    # alone, which test_torch_compile_fullgraph_* compiles (fullgraph) and differentiates.
+    in_place_outputs = ("test_schema", "test_autograd_registration", "test_faketensor")
     for red in (0, 2):
         for need in ((True, True, True), (False, False, False)):
+            utils = in_place_outputs if red == 0 and need[0] else None
             torch.library.opcheck(torch.ops.fusedce.linear_ce.default,
-                                  (h, W, b, y, w, None, -100, red, 0.0, 0.0, 0.0, 1.0, 0, 0)
-                                  + need)
+                                  (h, W, b, y, w, None, -100, red, 0.0, 0.0, 0.0, 1.0, 0, 0,
+                                   1 << 30) + need, **({"test_utils": utils} if utils else {}))
+    for red in (0, 1):
+        torch.library.opcheck(torch.ops.fusedce.ce_forward_grad.default,
+                              (z.detach(), y, w, -100, red, 0.1, 1e-3, 0.0, 1.0, 0),
+                              test_utils=in_place_outputs)
+    torch.library.opcheck(torch.ops.fusedce.scale_.default, (torch.randn(8, 11), torch.tensor(1.5)))
 
 
 def _compile_check(device):
