@@ -24,7 +24,7 @@ println("forward:   loss = ", res.loss, ", z-loss = ", res.z_loss,
 grad = backward(logits, targets, res.lse; label_smoothing=0.1, grad_output=Float32[0.5])
 println("backward:  |grad| with grad_output 0.5 = ", sqrt(sum(abs2, grad)))
 
-# 3. The LM head fused: z = weight' * hidden is never materialised.
+# 3. The LM head fused: z = weight' * hidden is produced piece by piece within the workspace.
 hidden = randn(rng, Float32, hidden_size, rows)
 weight = 0.1f0 .* randn(rng, Float32, hidden_size, vocab)  # one column per class
 lc = linear_ce(hidden, weight, targets; z_loss_scale=1e-4)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Train a tiny language model a few steps two ways and compare: the unfused way
 (logits = lm_head(h); F.cross_entropy over the shifted logits) and fusedce's
-linear_cross_entropy (the logits never exist whole; causal shift without a copy).
+linear_cross_entropy (the logits only piece by piece within a workspace budget; causal shift without a copy).
 
     PYTHONPATH=bindings/python FUSEDCE_LIBRARY=build/libfusedce.so \
         python examples/python/train_lm_head.py [--device cpu|cuda] [--steps 20] [--compile]
@@ -166,7 +166,7 @@ def np_unfused_step(hidden, weight, bias, tokens, with_grad=True):
 
 def np_fused_step(hidden, weight, bias, tokens, workspace, with_grad=True):
     """fusedce.core.linear_ce: loss and the gradients of weight and bias in one call, the causal
-    shift done by shift_seq_len (no shifted copy), logits never materialised whole. The hidden
+    shift done by shift_seq_len (no shifted copy), logits held only piece by piece. The hidden
     states are not trained here, so their gradient is not asked for."""
     b, t = tokens.shape
     want = (("weight", "bias") if bias is not None else ("weight",)) if with_grad else False

@@ -1,7 +1,7 @@
 // linear_ce.cpp — fused linear + cross-entropy on the CPU: z = h·Wᵀ + b, one chunk of token rows
-// at a time (the N×V logits never exist whole), then ce_row.h's row-by-row cross-entropy on the
-// chunk, then the gradients (SEMANTICS 13): ∂h = ∂z·W, ∂W (+)= ∂zᵀ·h accumulated in float32,
-// ∂b (+)= Σ_r ∂z_r. The GEMMs are OpenBLAS cblas_sgemm in float32: float32 inputs are used as
+// at a time (the N×V logits exist whole only when N fits one chunk), then ce_row.h's row-by-row
+// cross-entropy on the chunk, then the gradients (SEMANTICS 13): ∂h = ∂z·W, ∂W (+)= ∂zᵀ·h
+// accumulated in float32, ∂b (+)= Σ_r ∂z_r. The GEMMs are OpenBLAS cblas_sgemm in float32: float32 inputs are used as
 // they are; float16/bfloat16 ones are widened (W and b once per call, in host memory; h chunk by
 // chunk); the per-row cross-entropy is ce_row.h's, in double.
 //

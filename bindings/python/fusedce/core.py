@@ -985,7 +985,7 @@ def linear_ce(hidden, weight, targets, bias=None, *, reduction="mean", ignore_in
               workspace_size="optimal", stream=None,
               check_targets: bool = False) -> LinearCEResult:
     """Cross-entropy of hidden [rows, D] · weightᵀ [D, V] + bias [V] (fce_linear_ce): the logits
-    are never materialised whole.
+    are held only piece by piece, within the workspace.
 
     ``return_grad`` (True, or a subset of ('hidden', 'weight', 'bias')) or gradient buffers
     (``grad_hidden=``, ``grad_weight=``, ``grad_bias=``) ask for the gradients in the same call,

@@ -2,7 +2,7 @@
 
     from fusedce.torch import cross_entropy, linear_cross_entropy
     loss = cross_entropy(logits, targets)                        # like F.cross_entropy
-    loss = linear_cross_entropy(hidden, lm_head.weight, targets)  # logits never materialised
+    loss = linear_cross_entropy(hidden, lm_head.weight, targets)  # logits piece by piece, ≤ 1 GiB
 
 CUDA tensors run on the CUDA backend on ``torch.cuda.current_stream()`` of their device; CPU
 tensors run on the CPU backend. The losses are float32 whatever the input dtype (torch's
@@ -23,7 +23,7 @@ How the gradient is computed (the training path):
   Quack's).
 * :func:`cross_entropy`, reduction 'none': the forward saves lse [N]; the backward calls
   ``fce_backward`` with the per-row upstream gradient (one more read of the logits).
-* :func:`linear_cross_entropy` cannot save the logits (they never exist whole), so for
+* :func:`linear_cross_entropy` cannot save the logits (they exist only piece by piece), so for
   reduction 'mean' and 'sum' the forward (``fce_linear_ce``) computes the gradients of hidden,
   weight and bias in their own dtypes for an upstream gradient of 1, in the same call as the
   loss, and the backward scales them in place (``fce_scale_gradient``: free when the upstream

@@ -11,7 +11,7 @@ Julia binding of fusedce: fused cross-entropy kernels for large vocabularies beh
                                                        the gradient for grad_output[1], in place
     linear_ce(hidden, weight, targets; bias, options...)
                                                        z = weightᵀ·hidden .+ bias, cross-entropy and
-                                                       the gradients, never holding all of z
+                                                       the gradients, holding z only piece by piece in the workspace
     scale_gradient!(grad, grad_output)                 grad .*= grad_output[1], in place: the
                                                        upstream gradient, once it is known
 
