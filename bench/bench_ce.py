@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from common import (DTYPES, _lib, bench_ms, copy_tbps, device_name, options, peak_extra_mib,
-                    print_table, ptr, stream, write_results)
+                    RESULTS, print_table, ptr, stream, write_results)
 
 SHAPES = [(16384, 128256, "bf16"), (8192, 256000, "bf16"), (32768, 32000, "bf16"),
           (8192, 151936, "bf16"), (4096, 50257, "bf16"), (8192, 128256, "f32")]
@@ -114,7 +114,7 @@ def main():
         print_table([r for r in records if r["N"] == N and r["V"] == V and r["dtype"] == dt],
                     ["op", "impl", "dtype", "N", "V", "ms", "tbps", "pct_of_copy", "extra_mib"])
         print()
-    name = write_results(records, "ce", ["bench/results", args.out])
+    name = write_results(records, "ce", [RESULTS, args.out])
     print(f"wrote bench/results/{name}")
 
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from common import (DTYPES, _lib, bench_ms, device_name, gemm_tflops, options, peak_extra_mib,
-                    print_table, ptr, stream, write_results)
+                    RESULTS, print_table, ptr, stream, write_results)
 
 SHAPES = [(8192, 4096, 128256, "bf16"), (8192, 2304, 256000, "bf16"), (16384, 4096, 32000, "bf16"),
           (65536, 4096, 128256, "bf16")]
@@ -137,7 +137,7 @@ def main():
         print_table([r for r in records if (r["N"], r["D"], r["V"]) == (N, D, V)],
                     ["op", "impl", "dtype", "N", "D", "V", "ms", "tflops", "pct_of_floor", "extra_mib"])
         print()
-    name = write_results(records, "linear", ["bench/results", args.out])
+    name = write_results(records, "linear", [RESULTS, args.out])
     print(f"wrote bench/results/{name}")
 
 

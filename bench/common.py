@@ -14,6 +14,10 @@ import triton.testing
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bindings", "python"))
 from fusedce import _lib  # noqa: E402
 
+# bench/results beside this file, wherever the benchmark is started from (make bench runs it in
+# bench/, a developer maybe in the repository root)
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
 DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
 FCE_DTYPE = {torch.float32: _lib.FCE_FLOAT32, torch.float16: _lib.FCE_FLOAT16, torch.bfloat16: _lib.FCE_BFLOAT16}
 
