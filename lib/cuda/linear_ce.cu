@@ -116,7 +116,6 @@ struct Sizes {
   size_t elem;          // bytes of one element of dtype: of Z_c / ∂Z_c and of the bias copy
   bool reduction_none;  // the per-row losses go straight into the caller's loss
   bool with_grad;       // ∂Z_c is produced (in place over Z_c)
-  bool dtype_f32;       // grad_hidden is float32 (the vocab-sliced plan accumulates in it)
 };
 
 Sizes sizes_of(const CeOptions& opt, int64_t rows, int64_t hidden, int64_t vocab, bool with_grad) {
@@ -128,7 +127,6 @@ Sizes sizes_of(const CeOptions& opt, int64_t rows, int64_t hidden, int64_t vocab
   s.elem = dtype_size(opt.dtype);
   s.reduction_none = opt.reduction == FCE_REDUCTION_NONE;
   s.with_grad = with_grad;
-  s.dtype_f32 = opt.dtype == FCE_FLOAT32;
   return s;
 }
 
@@ -156,7 +154,7 @@ Layout layout_bytes(const Sizes& s, size_t z_bytes, size_t lt_bytes, bool sliced
   l.bias = take(sat_mul(vocab, s.elem));             // the bias in dtype (if any)
   l.db = take(s.with_grad ? sat_mul(vocab, 4) : 0);  // ∂b accumulator (if needed)
   l.lse = take(sliced ? sat_mul(rows, 4) : 0);
-  l.dh = take(sliced && s.with_grad && !s.dtype_f32
+  l.dh = take(sliced && s.with_grad
                   ? sat_mul(sat_mul(rows, static_cast<size_t>(s.hidden)), 4) : 0);
   l.lt = take(lt_bytes);
   l.z = take(z_bytes);                               // Z_c, then ∂Z_c in place
@@ -416,11 +414,11 @@ fce_status cuda_linear_ce(const LinearCeProblem& p) {
   void* z = base + L.z;  // Z_c [rc, ldz] in dtype, then ∂Z_c in place (same dtype and stride)
   const int64_t ldz = s.vocab_padded;
   const bool sliced = plan.mode == Mode::kVocabSliced;
-  // the vocab-sliced plan: the lse pass keeps lse for the gradient pass; ∂h accumulates in
-  // float32 (grad_hidden itself when dtype is float32)
+  // the vocab-sliced plan (only ever chosen for a 16-bit dtype whose grad_weight and grad_bias
+  // are 16-bit too: choose_plan takes token chunks for float32 ones): the lse pass keeps lse for
+  // the gradient pass; ∂h accumulates in a float32 workspace buffer
   float* lse_buf = sliced ? (p.lse ? p.lse : reinterpret_cast<float*>(base + L.lse)) : p.lse;
-  float* dh32 = dtype == FCE_FLOAT32 ? static_cast<float*>(p.grad_hidden)
-                                     : reinterpret_cast<float*>(base + L.dh);
+  float* dh32 = reinterpret_cast<float*>(base + L.dh);
   const bool grad_in_chunks = with_grad && !sliced;
 
   cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
@@ -608,16 +606,11 @@ fce_status cuda_linear_ce(const LinearCeProblem& p) {
       FCE_TRY(gemm(gh, stream, nullptr));
     }
 
-    // e. ∂b_s = Σ_rows ∂Z_s: complete in one pass (float32 workspace, or the caller's float32)
-    if (p.grad_bias) {
-      if (dw_fp32)
-        FCE_TRY(launch_column_sums(z, dtype, N, vc, lds, static_cast<float*>(p.grad_bias) + v0,
-                                   FCE_FLOAT32, p.accumulate, stream));
-      else
-        FCE_TRY(launch_column_sums(z, dtype, N, vc, lds, db32 + v0, FCE_FLOAT32, false, stream));
-    }
+    // e. ∂b_s = Σ_rows ∂Z_s, complete in one pass, into the float32 workspace (stored below)
+    if (p.grad_bias)
+      FCE_TRY(launch_column_sums(z, dtype, N, vc, lds, db32 + v0, FCE_FLOAT32, false, stream));
   }
-  if (sliced && p.grad_hidden && dtype != FCE_FLOAT32)
+  if (sliced && p.grad_hidden)
     FCE_TRY(launch_store_accumulator(dh32, p.grad_hidden, dtype, N * D, false, stream));
 
   // ---- f16/bf16 gradients out of their float32 accumulators (one rounding, + old values)
