@@ -51,7 +51,7 @@ extern "C" {
 
 /* ---------------------------------------------------------------- version ---- */
 #define FCE_VERSION_MAJOR 0
-#define FCE_VERSION_MINOR 2
+#define FCE_VERSION_MINOR 3
 #define FCE_VERSION_PATCH 0
 #define FCE_VERSION_NUMBER (FCE_VERSION_MAJOR * 10000 + FCE_VERSION_MINOR * 100 + FCE_VERSION_PATCH)
 
@@ -92,7 +92,9 @@ typedef enum fce_dtype {
 } fce_dtype;
 
 typedef enum fce_reduction {
-  FCE_REDUCTION_MEAN = 0, /* sum of row losses / sum of w[y_i] over non-ignored rows (torch's) */
+  FCE_REDUCTION_MEAN = 0, /* the cross-entropy terms / sum of w[y_i] over non-ignored rows
+                             (torch's), plus the z-loss terms / the number of non-ignored rows
+                             (Liger's; the two divisors agree without class weights) */
   FCE_REDUCTION_SUM = 1,
   FCE_REDUCTION_NONE = 2 /* one loss per row */
 } fce_reduction;
@@ -104,7 +106,9 @@ typedef enum fce_backend { FCE_BACKEND_CUDA = 0, FCE_BACKEND_CPU = 1 } fce_backe
 
 /* ---------------------------------------------------------------- options ---- */
 /* Every option of every call. Start from FCE_OPTIONS_INIT or fce_options_default(); fields are
- * only ever appended, and struct_size tells the library which ones the caller knows. */
+ * only ever appended, and struct_size tells the library which ones the caller knows: it must be
+ * the size of some version's struct (FCE_OPTIONS_SIZE_V0_1 or FCE_OPTIONS_SIZE_V0_3); the fields
+ * past it take their defaults. */
 typedef struct fce_options {
   size_t struct_size;         /* sizeof(fce_options) */
   const float* class_weights; /* w [vocab] float32 in the backend's memory, or NULL (all 1) */
@@ -121,7 +125,9 @@ typedef struct fce_options {
   int32_t target_dtype;       /* FCE_INT32 or FCE_INT64: FCE_INT64 (torch's) */
   int32_t reduction;          /* fce_reduction: FCE_REDUCTION_MEAN */
   float label_smoothing;      /* epsilon in [0, 1): 0 */
-  float z_loss_scale;         /* lambda >= 0, adds lambda * lse^2 to each row's loss: 0 */
+  float z_loss_scale;         /* lambda >= 0, adds lambda * lse^2 to each row's loss (for mean
+                                 divided by the count of non-ignored rows, not by the class
+                                 weights' sum): 0 */
   float softcap;              /* c >= 0: a = c * tanh(a / c) when c > 0: 0 (off) */
   float logit_scale;          /* s, finite: a = s * z before anything else: 1 */
   int32_t deterministic;      /* nonzero: bitwise-identical results run to run. Every path of
@@ -132,16 +138,43 @@ typedef struct fce_options {
   int32_t grad_weight_fp32;   /* fce_linear_ce: nonzero = grad_weight and grad_bias are float32
                                  whatever dtype is; 0 = they have dtype */
   int32_t reserved0;          /* must be 0 */
+  /* ---- appended in 0.3 (a 0.1/0.2 caller's smaller struct_size gets the defaults) ---- */
+  int64_t shift;              /* k >= 0, with shift_seq_len T > 0: row b*T+t is scored against
+                                 target b*T+t+k and rows with t >= T-k are ignored (CCE's
+                                 integer shift). 0 = 1 (the shift of 0.2). k >= T ignores
+                                 every row. Must be 0 when T = 0 */
+  int64_t* argmax;            /* fce_forward, fce_linear_ce: optional int64 [rows] in the
+                                 backend's memory: each row's predicted class, the argmax of its
+                                 scaled, capped logits a (lowest index among equal maxima, a NaN
+                                 counts as the largest, as torch.argmax); -1 for ignored rows.
+                                 NULL: not computed. fce_backward and fce_backward_rescale never
+                                 write it (they accept the options of the forward). */
+  float* accuracy;            /* fce_forward, fce_linear_ce: optional float32 in the backend's
+                                 memory: for mean and sum [1], the fraction of non-ignored rows
+                                 whose argmax equals the target (invalid rows count, never
+                                 correct; 0 when every row is ignored); for none [rows], 1 or 0
+                                 per row (0 for ignored and invalid rows). Unweighted. NULL: not
+                                 computed.
+                                 The backward calls never write it. */
+  int32_t token_scaling;      /* nonzero: each scored row's loss (its z-loss term included) and
+                                 gradient are multiplied by p_y (exp((a_y - m) - log s), see
+                                 fce_forward's precision note), treated as a
+                                 constant (Liger's use_token_scaling); the mean's denominators
+                                 are unchanged; an invalid row (loss NaN) keeps its z-loss term
+                                 unscaled. 0 (off) */
+  int32_t reserved1;          /* must be 0 */
 } fce_options;
 
 #define FCE_OPTIONS_INIT                                                                      \
   {                                                                                           \
     sizeof(fce_options), NULL, -100, 0, 0, 0, 0, FCE_BACKEND_CUDA, FCE_FLOAT32, FCE_INT64,   \
-        FCE_REDUCTION_MEAN, 0.0f, 0.0f, 0.0f, 1.0f, 0, 0, 0, 0                                \
+        FCE_REDUCTION_MEAN, 0.0f, 0.0f, 0.0f, 1.0f, 0, 0, 0, 0, 0, NULL, NULL, 0, 0             \
   }
 
 /* sizeof(fce_options) in version 0.1, the first: the smallest struct_size any library accepts. */
 #define FCE_OPTIONS_SIZE_V0_1 104
+/* sizeof(fce_options) in version 0.3 (shift, argmax, accuracy, token_scaling). */
+#define FCE_OPTIONS_SIZE_V0_3 136
 
 /* Fills *options with the defaults above (for bindings that cannot use the macro). It writes
  * options->struct_size bytes at most, so set struct_size to the size of your fce_options first;
@@ -180,8 +213,12 @@ FCE_API fce_status fce_forward_workspace_size(const fce_options* options, int64_
  *   loss      float32: [1] for mean/sum, [rows] for none (ignored rows get 0). Required.
  *   lse       optional float32 [rows]: log-sum-exp of each row's (scaled, capped) logits, written
  *             for every row, ignored ones too; what fce_backward needs.
- *   z_loss    optional float32 [1]: lambda * sum lse_i^2 over non-ignored rows, divided like
- *             the loss for mean (summed for sum and none): for logging.
+ *   z_loss    optional float32 [1]: lambda * sum lse_i^2 over non-ignored rows (each valid row's
+ *             times p_y with token_scaling), divided by the number of non-ignored rows for mean (summed
+ *             for sum and none): the part of the loss that is z-loss, for logging.
+ *   Also options->argmax and options->accuracy when set.
+ * Precision: each p_j is exp((a_j - m) - log s) with the row maximum m and s = sum exp(a_j - m)
+ * kept apart, so rows whose logits share a huge offset (all -1e30, all 3e38) are exact.
  *   grad_logits, grad_output: when grad_logits is not NULL, the gradient of the loss scaled by
  *             grad_output is written in the same pass: the training path. */
 FCE_API fce_status fce_forward(const fce_options* options, int64_t rows, int64_t vocab,
@@ -195,7 +232,12 @@ FCE_API fce_status fce_backward_workspace_size(const fce_options* options, int64
                                                int64_t vocab, size_t* workspace_bytes);
 
 /* The gradient only, from the logits, the targets and lse [rows] saved by fce_forward with the
- * same options: one read of the logits, one write of grad_logits (required). */
+ * same options: one read of the logits, one write of grad_logits (required). Here p_j =
+ * exp(a_j - lse) from the float32 lse, so each p_j carries the rounding of lse, a relative error
+ * up to |lse| * 2^-24 (at most 2^-14): the same values as fce_forward's gradient to that
+ * rounding, not bit for bit (fce_backward_rescale is). Rows with |lse| >= 1024 (huge logits,
+ * where that rounding would lose log s) are reduced again from the logits, so they are exact at
+ * the cost of a second read of those rows. options->argmax and ->accuracy are not written. */
 FCE_API fce_status fce_backward(const fce_options* options, int64_t rows, int64_t vocab,
                                 const void* logits, const void* targets, const float* lse,
                                 const float* grad_output, void* grad_logits,
@@ -211,10 +253,11 @@ FCE_API fce_status fce_backward(const fce_options* options, int64_t rows, int64_
  * over the logits can only be scaled, with fce_scale_gradient). Decided on the device from the
  * scalar, without a host synchronisation:
  *   exactly 1            nothing is done (one launch whose blocks return at once);
- *   0 or ± a power of 2  grad_logits is scaled in place (exact: one read and write of it;
- *                        ignored rows then hold -0 rather than +0 for a negative scalar);
- *   anything else        the gradient is computed again from the logits and lse (one read of
- *                        the logits, one write), bit for bit what fce_forward would have written.
+ *   0 or ± a power of 2  the rows with a valid target are scaled in place (exact: one read
+ *                        and write of them; ignored rows keep +0, invalid rows NaN);
+ *   anything else        the gradient is computed again from the logits, by the kernel
+ *                        fce_forward runs (one read of the logits, one write; lse is not read),
+ *                        bit for bit what fce_forward would have written.
  * Workspace: fce_backward_workspace_size. */
 FCE_API fce_status fce_backward_rescale(const fce_options* options, int64_t rows, int64_t vocab,
                                         const void* logits, const void* targets,

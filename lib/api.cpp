@@ -33,17 +33,25 @@ bool overlaps(const Range& a, const Range& b) {
   return a0 < b0 + b.bytes && b0 < a0 + a.bytes;
 }
 
-// Every output must be disjoint from every other buffer, except the pairs in `allowed`.
-fce_status check_overlaps(const char* fn, const Range* r, int n, const void* in_place_a,
-                          const void* in_place_b) {
+// Every output must be disjoint from every other buffer, except ranges[in_place_a] and
+// ranges[in_place_b] (grad_logits written over logits; -1: no exception). The exception is by
+// position, not by address: another output that starts at the logits' address (loss, lse, ...
+// while grad_logits == logits) is an overlap like any other.
+fce_status check_overlaps(const char* fn, const Range* r, int n, int in_place_a = -1,
+                          int in_place_b = -1) {
   for (int i = 0; i < n; ++i) {
     for (int j = i + 1; j < n; ++j) {
       if (!(r[i].output || r[j].output)) continue;
       if (!overlaps(r[i], r[j])) continue;
-      const bool in_place = in_place_a && ((r[i].ptr == in_place_a && r[j].ptr == in_place_b) ||
-                                           (r[i].ptr == in_place_b && r[j].ptr == in_place_a));
+      const bool in_place = (i == in_place_a && j == in_place_b) ||
+                            (i == in_place_b && j == in_place_a);
       if (in_place) continue;
-      return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: %s overlaps %s", fn, r[i].name, r[j].name);
+      const bool with_in_place = in_place_a >= 0 && (i == in_place_a || i == in_place_b ||
+                                                      j == in_place_a || j == in_place_b);
+      return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: %s overlaps %s%s", fn, r[i].name, r[j].name,
+                  with_in_place ? " (grad_logits is logits, in place: no other buffer may overlap "
+                                  "them)"
+                                : "");
     }
   }
   return FCE_SUCCESS;
@@ -64,26 +72,45 @@ int64_t span_bytes(int64_t rows, int64_t cols, int64_t stride, size_t elem) {
   return ((rows - 1) * stride + cols) * static_cast<int64_t>(elem);
 }
 
-// Checks the options struct and the sizes every call shares; fills `out`.
-fce_status check_options(const char* fn, const fce_options* o, int64_t rows, int64_t vocab,
-                         fce::CeOptions* out) {
+// The caller's options as this library's fce_options: the defaults, overwritten by the
+// struct_size bytes the caller's struct has. A 0.1/0.2 caller (struct_size
+// FCE_OPTIONS_SIZE_V0_1) thereby gets the defaults of the fields appended in 0.3; the library
+// never reads past the caller's struct. struct_size must be the size of some version's struct.
+fce_status read_options(const char* fn, const fce_options* o, fce_options* local) {
+  static_assert(sizeof(fce_options) == FCE_OPTIONS_SIZE_V0_3, "fce_options changed size");
   if (!o) return fail(FCE_ERROR_NULL_POINTER, "%s: options is NULL", fn);
-  // Version 0.1's struct is the first and the only one so far: a later version reads the fields
-  // an older caller's struct_size covers and defaults the rest.
-  static_assert(sizeof(fce_options) == FCE_OPTIONS_SIZE_V0_1, "fce_options changed size");
-  if (o->struct_size < FCE_OPTIONS_SIZE_V0_1)
+  const size_t size = o->struct_size;
+  if (size < FCE_OPTIONS_SIZE_V0_1)
     return fail(FCE_ERROR_INVALID_ARGUMENT,
                 "%s: options->struct_size (%zu) is smaller than the smallest fce_options (%d): "
                 "initialise it with FCE_OPTIONS_INIT or fce_options_default()",
-                fn, o->struct_size, FCE_OPTIONS_SIZE_V0_1);
-  if (o->struct_size > sizeof(fce_options))
+                fn, size, FCE_OPTIONS_SIZE_V0_1);
+  if (size > sizeof(fce_options))
     return fail(FCE_ERROR_INVALID_ARGUMENT,
                 "%s: options->struct_size (%zu) is larger than this library's fce_options "
                 "(%zu): the caller's header is newer than the library (version %u)",
-                fn, o->struct_size, sizeof(fce_options), (unsigned)FCE_VERSION_NUMBER);
+                fn, size, sizeof(fce_options), (unsigned)FCE_VERSION_NUMBER);
+  if (size != FCE_OPTIONS_SIZE_V0_1 && size != FCE_OPTIONS_SIZE_V0_3)
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "%s: options->struct_size (%zu) is the size of no version's fce_options "
+                "(%d for 0.1 and 0.2, %d for 0.3)",
+                fn, size, FCE_OPTIONS_SIZE_V0_1, FCE_OPTIONS_SIZE_V0_3);
+  const fce_options defaults = FCE_OPTIONS_INIT;
+  *local = defaults;
+  std::memcpy(local, o, size);
+  return FCE_SUCCESS;
+}
+
+// Checks the options (a local copy from read_options) and the sizes every call shares; fills
+// `out`.
+fce_status check_options(const char* fn, const fce_options* o, int64_t rows, int64_t vocab,
+                         fce::CeOptions* out) {
   if (o->reserved0 != 0)
     return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: options->reserved0 (%d) must be 0", fn,
                 o->reserved0);
+  if (o->reserved1 != 0)
+    return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: options->reserved1 (%d) must be 0", fn,
+                o->reserved1);
   if (o->backend != FCE_BACKEND_CUDA && o->backend != FCE_BACKEND_CPU)
     return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: options->backend (%d) is not an fce_backend", fn,
                 o->backend);
@@ -127,6 +154,13 @@ fce_status check_options(const char* fn, const fce_options* o, int64_t rows, int
     return fail(FCE_ERROR_INVALID_ARGUMENT,
                 "%s: rows (%lld) is not a multiple of options->shift_seq_len (%lld)", fn,
                 (long long)rows, (long long)o->shift_seq_len);
+  if (o->shift < 0)
+    return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: options->shift (%lld) must be >= 0", fn,
+                (long long)o->shift);
+  if (o->shift != 0 && o->shift_seq_len == 0)
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "%s: options->shift (%lld) needs options->shift_seq_len > 0 (it is 0: no shift)",
+                fn, (long long)o->shift);
   FCE_TRY(check_alignment(fn, "options->class_weights", o->class_weights, 4));
   if (o->backend == FCE_BACKEND_CUDA && !fce::cuda_available())
     return fail(FCE_ERROR_BACKEND_UNAVAILABLE,
@@ -147,7 +181,23 @@ fce_status check_options(const char* fn, const fce_options* o, int64_t rows, int
   out->logit_scale = o->logit_scale;
   out->class_weights = o->class_weights;
   out->shift_seq_len = o->shift_seq_len;
+  // SEMANTICS 1: k = options->shift, 0 meaning 1, with a shift; 0 without.
+  out->shift = o->shift_seq_len > 0 ? (o->shift > 0 ? o->shift : 1) : 0;
+  out->token_scaling = o->token_scaling != 0;
   out->deterministic = o->deterministic != 0;
+  return FCE_SUCCESS;
+}
+
+// The optional forward outputs options->argmax (int64 [rows]) and options->accuracy (float32 [1]
+// or [rows]): their alignment, and their ranges for the overlap check.
+fce_status check_forward_outputs(const char* fn, const fce_options& o, int64_t rows,
+                                 Range* argmax, Range* accuracy) {
+  FCE_TRY(check_alignment(fn, "options->argmax", o.argmax, 8));
+  FCE_TRY(check_alignment(fn, "options->accuracy", o.accuracy, 4));
+  const bool per_row = o.reduction == FCE_REDUCTION_NONE;
+  *argmax = {"options->argmax", o.argmax, static_cast<uint64_t>(rows) * 8, true};
+  *accuracy = {"options->accuracy", o.accuracy, per_row ? static_cast<uint64_t>(rows) * 4 : 4,
+               true};
   return FCE_SUCCESS;
 }
 
@@ -180,26 +230,36 @@ size_t ce_workspace(const fce_options* o, const fce::CeOptions& opt, int64_t row
                                        : fce::cuda_ce_workspace_size(opt, rows, vocab, backward);
 }
 
-fce_status ce_workspace_query(const char* fn, const fce_options* o, int64_t rows, int64_t vocab,
-                              bool backward, size_t* bytes) {
+fce_status ce_workspace_query(const char* fn, const fce_options* options, int64_t rows,
+                              int64_t vocab, bool backward, size_t* bytes) {
   fce::clear_error();
+  fce_options o;
+  FCE_TRY(read_options(fn, options, &o));
   fce::CeOptions opt;
-  FCE_TRY(check_options(fn, o, rows, vocab, &opt));
+  FCE_TRY(check_options(fn, &o, rows, vocab, &opt));
   if (!bytes) return fail(FCE_ERROR_NULL_POINTER, "%s: workspace_bytes is NULL", fn);
-  *bytes = ce_workspace(o, opt, rows, vocab, backward);
+  *bytes = ce_workspace(&o, opt, rows, vocab, backward);
   return FCE_SUCCESS;
 }
 
-// Shared by fce_forward and fce_backward (backward: lse_in set, loss/lse/z_loss NULL).
-fce_status ce_call(const char* fn, const fce_options* o, int64_t rows, int64_t vocab,
+// Shared by fce_forward, fce_backward and fce_backward_rescale (the backward calls: lse_in set,
+// loss/lse/z_loss NULL, options->argmax and ->accuracy ignored).
+fce_status ce_call(const char* fn, const fce_options* options, int64_t rows, int64_t vocab,
                    const void* logits, const void* targets, float* loss, float* lse,
                    float* z_loss, void* grad, const float* grad_output, const float* lse_in,
                    uint32_t* error_flags, void* workspace, size_t workspace_bytes, void* stream,
                    bool rescale = false) {
   fce::clear_error();
   const bool backward = lse_in != nullptr || loss == nullptr;
+  fce_options local;
+  FCE_TRY(read_options(fn, options, &local));
+  const fce_options* o = &local;
   fce::CeProblem p{};
   FCE_TRY(check_options(fn, o, rows, vocab, &p.opt));
+  if (rescale && o->reduction == FCE_REDUCTION_NONE)
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "%s: options->reduction is FCE_REDUCTION_NONE: a per-row upstream gradient "
+                "needs fce_backward", fn);
   if (!logits) return fail(FCE_ERROR_NULL_POINTER, "%s: logits is NULL", fn);
   if (!targets) return fail(FCE_ERROR_NULL_POINTER, "%s: targets is NULL", fn);
   FCE_TRY(check_stride(fn, "options->row_stride", o->row_stride, vocab, &p.row_stride));
@@ -222,12 +282,15 @@ fce_status ce_call(const char* fn, const fce_options* o, int64_t rows, int64_t v
   FCE_TRY(check_alignment(fn, "grad_output", grad_output, 4));
   FCE_TRY(check_alignment(fn, "lse", lse_in, 4));
   FCE_TRY(check_alignment(fn, "error_flags", error_flags, 4));
+  Range argmax{}, accuracy{};  // the forward's optional outputs; never written by the backward
+  if (!backward) FCE_TRY(check_forward_outputs(fn, *o, rows, &argmax, &accuracy));
   if (grad && grad == logits && p.grad_row_stride != p.row_stride)
     return fail(FCE_ERROR_INVALID_ARGUMENT,
                 "%s: grad_logits is logits (in place) but options->grad_row_stride (%lld) != "
                 "options->row_stride (%lld)",
                 fn, (long long)p.grad_row_stride, (long long)p.row_stride);
   const uint64_t rbytes = static_cast<uint64_t>(rows) * 4;
+  enum { kLogits = 0, kGrad = 8 };  // positions in ranges
   const Range ranges[] = {
       {"logits", logits, static_cast<uint64_t>(logits_bytes), false},
       {"targets", targets, static_cast<uint64_t>(rows) * tsize, false},
@@ -240,12 +303,15 @@ fce_status ce_call(const char* fn, const fce_options* o, int64_t rows, int64_t v
       {"grad_logits", grad, static_cast<uint64_t>(grad_bytes), true},
       {"error_flags", error_flags, 4, true},
       {"workspace", workspace, workspace_bytes, true},
+      argmax,
+      accuracy,
   };
+  static_assert(sizeof ranges / sizeof ranges[0] > kGrad, "ranges");
   // grad_logits may be logits itself (same start, same stride: checked above); any other
-  // overlap is an error.
+  // overlap is an error, an output inside the logits of an in-place call included.
   const bool in_place = grad != nullptr && grad == logits;
-  FCE_TRY(check_overlaps(fn, ranges, sizeof ranges / sizeof ranges[0],
-                         in_place ? grad : nullptr, in_place ? logits : nullptr));
+  FCE_TRY(check_overlaps(fn, ranges, sizeof ranges / sizeof ranges[0], in_place ? kLogits : -1,
+                         in_place ? kGrad : -1));
   FCE_TRY(check_workspace(fn, ce_workspace(o, p.opt, rows, vocab, backward), workspace,
                           workspace_bytes));
   p.rows = rows;
@@ -259,6 +325,8 @@ fce_status ce_call(const char* fn, const fce_options* o, int64_t rows, int64_t v
   p.grad_output = grad_output;
   p.lse_in = lse_in;
   p.error_flags = error_flags;
+  p.argmax = backward ? nullptr : o->argmax;
+  p.accuracy = backward ? nullptr : o->accuracy;
   p.workspace = workspace;
   p.workspace_bytes = workspace_bytes;
   p.stream = stream;
@@ -341,10 +409,6 @@ FCE_API fce_status fce_backward_rescale(const fce_options* options, int64_t rows
   if (!grad_logits) return fail(FCE_ERROR_NULL_POINTER, "%s: grad_logits is NULL", fn);
   if (!grad_output)
     return fail(FCE_ERROR_NULL_POINTER, "%s: grad_output is NULL (the upstream scalar)", fn);
-  if (options && options->reduction == FCE_REDUCTION_NONE)
-    return fail(FCE_ERROR_INVALID_ARGUMENT,
-                "%s: options->reduction is FCE_REDUCTION_NONE: a per-row upstream gradient "
-                "needs fce_backward", fn);
   if (grad_logits == logits)
     return fail(FCE_ERROR_INVALID_ARGUMENT,
                 "%s: grad_logits is logits: a gradient written over the logits cannot be "
@@ -359,18 +423,20 @@ FCE_API fce_status fce_linear_ce_workspace_size(const fce_options* options, int6
                                                 size_t* min_bytes, size_t* optimal_bytes) {
   const char* fn = "fce_linear_ce_workspace_size";
   fce::clear_error();
+  fce_options o;
+  FCE_TRY(read_options(fn, options, &o));
   fce::CeOptions opt;
-  FCE_TRY(check_options(fn, options, rows, vocab, &opt));
+  FCE_TRY(check_options(fn, &o, rows, vocab, &opt));
   FCE_TRY(check_hidden(fn, hidden));
   if (!min_bytes) return fail(FCE_ERROR_NULL_POINTER, "%s: min_bytes is NULL", fn);
   size_t lo = 0, hi = 0;
-  linear_workspace(options, opt, rows, hidden, vocab, with_grad != 0, &lo, &hi);
+  linear_workspace(&o, opt, rows, hidden, vocab, with_grad != 0, &lo, &hi);
   *min_bytes = lo;
   if (optimal_bytes) *optimal_bytes = hi;
   return FCE_SUCCESS;
 }
 
-FCE_API fce_status fce_linear_ce(const fce_options* o, int64_t rows, int64_t hidden,
+FCE_API fce_status fce_linear_ce(const fce_options* options, int64_t rows, int64_t hidden,
                                  int64_t vocab, const void* hidden_states, const void* weight,
                                  const void* bias, const void* targets, float* loss, float* lse,
                                  float* z_loss, void* grad_hidden, void* grad_weight,
@@ -378,6 +444,9 @@ FCE_API fce_status fce_linear_ce(const fce_options* o, int64_t rows, int64_t hid
                                  void* workspace, size_t workspace_bytes, void* stream) {
   const char* fn = "fce_linear_ce";
   fce::clear_error();
+  fce_options local;
+  FCE_TRY(read_options(fn, options, &local));
+  const fce_options* o = &local;
   fce::LinearCeProblem p{};
   FCE_TRY(check_options(fn, o, rows, vocab, &p.opt));
   FCE_TRY(check_hidden(fn, hidden));
@@ -411,6 +480,8 @@ FCE_API fce_status fce_linear_ce(const fce_options* o, int64_t rows, int64_t hid
   FCE_TRY(check_alignment(fn, "grad_bias", grad_bias, gw_size));
   FCE_TRY(check_alignment(fn, "grad_output", grad_output, 4));
   FCE_TRY(check_alignment(fn, "error_flags", error_flags, 4));
+  Range argmax{}, accuracy{};
+  FCE_TRY(check_forward_outputs(fn, *o, rows, &argmax, &accuracy));
   const bool per_row = o->reduction == FCE_REDUCTION_NONE;
   const uint64_t rbytes = static_cast<uint64_t>(rows) * 4;
   const uint64_t vd = static_cast<uint64_t>(vocab) * static_cast<uint64_t>(hidden);
@@ -429,8 +500,10 @@ FCE_API fce_status fce_linear_ce(const fce_options* o, int64_t rows, int64_t hid
       {"grad_bias", grad_bias, static_cast<uint64_t>(vocab) * gw_size, true},
       {"error_flags", error_flags, 4, true},
       {"workspace", workspace, workspace_bytes, true},
+      argmax,
+      accuracy,
   };
-  FCE_TRY(check_overlaps(fn, ranges, sizeof ranges / sizeof ranges[0], nullptr, nullptr));
+  FCE_TRY(check_overlaps(fn, ranges, sizeof ranges / sizeof ranges[0]));
   const bool with_grad = grad_hidden || grad_weight || grad_bias;
   size_t min_bytes = 0, optimal_bytes = 0;
   linear_workspace(o, p.opt, rows, hidden, vocab, with_grad, &min_bytes, &optimal_bytes);
@@ -452,6 +525,8 @@ FCE_API fce_status fce_linear_ce(const fce_options* o, int64_t rows, int64_t hid
   p.accumulate = o->accumulate != 0;
   p.grad_output = grad_output;
   p.error_flags = error_flags;
+  p.argmax = o->argmax;
+  p.accuracy = o->accuracy;
   p.workspace = workspace;
   p.workspace_bytes = workspace_bytes;
   p.stream = stream;
@@ -479,7 +554,7 @@ FCE_API fce_status fce_scale_gradient(int32_t backend, int32_t dtype, int64_t co
       {"grad", grad, static_cast<uint64_t>(count) * esize, true},
       {"grad_output", grad_output, 4, false},
   };
-  FCE_TRY(check_overlaps(fn, ranges, 2, nullptr, nullptr));
+  FCE_TRY(check_overlaps(fn, ranges, 2));
   if (count == 0) return FCE_SUCCESS;
   if (backend == FCE_BACKEND_CPU) return fce::cpu_scale_gradient(dtype, count, grad, grad_output);
   if (!fce::cuda_available())

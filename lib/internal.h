@@ -57,6 +57,8 @@ struct CeOptions {
   float logit_scale;       // s
   const float* class_weights;  // [vocab] or nullptr
   int64_t shift_seq_len;   // T, 0 = off
+  int64_t shift;           // k >= 1 when T > 0 (options->shift, 0 resolved to 1); 0 when T = 0
+  bool token_scaling;      // loss and gradient of each scored row times the detached p_y
   bool deterministic;
 };
 
@@ -75,6 +77,8 @@ struct CeProblem {
   const float* grad_output; // nullptr = 1
   const float* lse_in;      // backward: saved lse [rows]
   uint32_t* error_flags;    // optional
+  int64_t* argmax;          // optional [rows] (forward only; null for backward)
+  float* accuracy;          // optional [1] (mean/sum) or [rows] (none) (forward only)
   void* workspace;          // >= the backend's workspace size, 16-byte aligned (or null if 0)
   size_t workspace_bytes;
   void* stream;
@@ -102,6 +106,8 @@ struct LinearCeProblem {
   bool accumulate;
   const float* grad_output;   // nullptr = 1
   uint32_t* error_flags;
+  int64_t* argmax;            // optional [rows]
+  float* accuracy;            // optional [1] (mean/sum) or [rows] (none)
   void* workspace;
   size_t workspace_bytes;
   void* stream;

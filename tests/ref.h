@@ -1,6 +1,13 @@
 // ref.h — an independent float64 reference of fusedce, written from SPEC.md and
-// lib/SEMANTICS.md (never from lib/): per-row loss, lse, gradient, the reductions, the z-loss
-// total, and linear cross-entropy through a naive double matmul. Slow and obvious on purpose.
+// lib/SEMANTICS.md (never from lib/): per-row loss, lse, gradient, argmax, the reductions, the
+// z-loss total, the accuracy, and linear cross-entropy through a naive double matmul. Slow and
+// obvious on purpose.
+//
+// Exact on adversarial rows too: every row is reduced in long double to its maximum m and
+// log s (s = Σ_j exp(a_j − m)) kept apart (SEMANTICS 8, 9), never through a rounded lse, so a
+// row whose logits share a huge offset (all −1e30, all 3e38) loses nothing; log s is
+// log1p(Σ over the entries but the first maximum), so that a confident row's tiny loss and its
+// gradient p_y − 1 = expm1(log p_y) keep their digits.
 #pragma once
 
 #include <algorithm>
@@ -24,6 +31,8 @@ struct Options {
   std::vector<double> class_weights;  // omega [V], empty = all 1
   int64_t ignore_index = -100;
   int64_t shift_seq_len = 0;   // T (0 = off)
+  int64_t shift = 0;           // k with T > 0 (0 means 1)
+  bool token_scaling = false;  // each scored row's ce and z-loss (and gradient) times p_y
 };
 
 enum RowKind { kValid, kIgnored, kInvalid };
@@ -31,28 +40,38 @@ enum RowKind { kValid, kIgnored, kInvalid };
 struct CeResult {
   std::vector<RowKind> kind;       // [N]
   std::vector<int64_t> target;     // [N] the target each row is scored against
-  std::vector<double> lse;         // [N], every row
-  std::vector<double> row_loss;    // [N]: 0 ignored, NaN invalid
+  std::vector<double> a;           // [N * V] the scaled, capped logits
+  std::vector<double> m, log_s;    // [N] the row maximum and log Σ exp(a − m) (NaN: NaN row)
+  std::vector<double> lse;         // [N], every row: m + log s
+  std::vector<double> t;           // [N] token scale p_y of valid rows with token scaling, else 1
+  std::vector<double> row_ce;      // [N] ce_r (times t): 0 ignored, NaN invalid
+  std::vector<double> row_zl;      // [N] lambda lse_r^2 (times t for valid rows): 0 ignored
+  std::vector<double> row_loss;    // [N] ce_r + zl_r: 0 ignored, NaN invalid
+  std::vector<int64_t> argmax;     // [N] first NaN, else the lowest maximal index; -1 ignored
+  std::vector<double> correct;     // [N] 1 where a valid row's argmax is its target, else 0
   double denominator = 0;          // D: sum of omega_y over valid rows + number of invalid rows
+  double count = 0;                // n: the number of non-ignored rows
   double loss = 0;                 // reduced: mean / sum; for none the plain sum (unused)
-  double z_loss = 0;               // lambda * sum lse^2 (non-ignored rows), / D for mean
-  std::vector<double> grad;        // [N * V] dense dloss/dz (k applied), when asked for
+  double z_loss = 0;               // sum of zl_r (non-ignored rows), / n for mean
+  double accuracy = 0;             // mean / sum: sum of correct / n (0 when n == 0)
+  std::vector<double> grad;        // [N * V] dense dloss/dz (upstream applied), when asked for
 };
 
-// SEMANTICS.md rule 1-2-3: which target row r is scored against, and what kind of row it is.
+// SEMANTICS.md rules 1-3: which target row r is scored against, and what kind of row it is.
 inline RowKind row_kind(const Options& o, int64_t N, int64_t V, const std::vector<int64_t>& y,
                         int64_t r, int64_t* target) {
+  (void)N;
   int64_t t;
   if (o.shift_seq_len > 0) {
-    if (r % o.shift_seq_len == o.shift_seq_len - 1) {
+    const int64_t k = o.shift > 0 ? o.shift : 1;
+    if (r % o.shift_seq_len >= o.shift_seq_len - k) {  // no target in the sequence: never read
       *target = o.ignore_index;
       return kIgnored;
     }
-    t = y[static_cast<size_t>(r + 1)];
+    t = y[static_cast<size_t>(r + k)];
   } else {
     t = y[static_cast<size_t>(r)];
   }
-  (void)N;
   *target = t;
   if (t == o.ignore_index) return kIgnored;
   if (t < 0 || t >= V) return kInvalid;
@@ -64,102 +83,160 @@ inline RowKind row_kind(const Options& o, int64_t N, int64_t V, const std::vecto
 inline CeResult cross_entropy(const Options& o, int64_t N, int64_t V, const std::vector<double>& z,
                               const std::vector<int64_t>& y, const std::vector<double>* g,
                               bool want_grad) {
+  typedef long double LD;
+  const size_t n_rows = static_cast<size_t>(N);
   CeResult res;
-  res.kind.resize(static_cast<size_t>(N));
-  res.target.resize(static_cast<size_t>(N));
-  res.lse.resize(static_cast<size_t>(N));
-  res.row_loss.assign(static_cast<size_t>(N), 0.0);
-  const double eps = o.label_smoothing, lam = o.z_loss_scale, c = o.softcap, s = o.logit_scale;
+  res.kind.resize(n_rows);
+  res.target.resize(n_rows);
+  res.m.resize(n_rows);
+  res.log_s.resize(n_rows);
+  res.lse.resize(n_rows);
+  res.t.assign(n_rows, 1.0);
+  res.row_ce.assign(n_rows, 0.0);
+  res.row_zl.assign(n_rows, 0.0);
+  res.row_loss.assign(n_rows, 0.0);
+  res.argmax.assign(n_rows, -1);
+  res.correct.assign(n_rows, 0.0);
+  const LD eps = o.label_smoothing, lam = o.z_loss_scale, c = o.softcap, s = o.logit_scale;
   const bool weighted = !o.class_weights.empty();
-  auto omega = [&](int64_t j) { return weighted ? o.class_weights[static_cast<size_t>(j)] : 1.0; };
-  double Omega = 0;
+  auto omega = [&](int64_t j) -> LD {
+    return weighted ? static_cast<LD>(o.class_weights[static_cast<size_t>(j)]) : 1.0L;
+  };
+  LD Omega = 0;
   for (int64_t j = 0; j < V; ++j) Omega += omega(j);
 
   // Steps 1-2 of SPEC.md: a = s z, then a = c tanh(a / c).
-  std::vector<double> a(static_cast<size_t>(N * V));
+  std::vector<LD> a(static_cast<size_t>(N * V));
+  res.a.resize(a.size());
   for (size_t i = 0; i < a.size(); ++i) {
-    double v = s * z[i];
+    LD v = s * static_cast<LD>(z[i]);
     if (c > 0) v = c * std::tanh(v / c);
     a[i] = v;
+    res.a[i] = static_cast<double>(v);
   }
 
-  double denom = 0, sum_loss = 0, sum_lse2 = 0;
+  // Step 3 per row: m, log s, lse, the argmax (SEMANTICS 8, 10, 15).
+  std::vector<LD> M(n_rows), LS(n_rows);
   for (int64_t r = 0; r < N; ++r) {
-    const double* ar = &a[static_cast<size_t>(r * V)];
-    // Step 3: lse with a known max (all -inf -> -inf).
-    double m = -HUGE_VAL;
-    for (int64_t j = 0; j < V; ++j) m = std::max(m, ar[j]);
-    double lse;
-    if (m == -HUGE_VAL) {
-      lse = -HUGE_VAL;
-    } else {
-      double se = 0;
-      for (int64_t j = 0; j < V; ++j) se += std::exp(ar[j] - m);
-      lse = m + std::log(se);
+    const LD* ar = &a[static_cast<size_t>(r * V)];
+    int64_t first_nan = -1, first_max = 0;
+    LD m = -HUGE_VALL;
+    for (int64_t j = 0; j < V; ++j) {
+      if (std::isnan(ar[j])) {
+        first_nan = j;
+        break;
+      }
+      if (ar[j] > m) m = ar[j], first_max = j;
     }
-    res.lse[static_cast<size_t>(r)] = lse;
+    LD log_s;
+    if (first_nan >= 0) {
+      m = log_s = static_cast<LD>(kNaN);
+    } else {
+      // An entry equal to m counts exp(0) = 1 (also when m is infinite: a row of −inf has
+      // s = V, lse = −inf).
+      LD rest = 0;
+      for (int64_t j = 0; j < V; ++j)
+        if (j != first_max) rest += ar[j] == m ? 1.0L : std::exp(ar[j] - m);
+      log_s = std::log1p(rest);
+    }
+    M[static_cast<size_t>(r)] = m;
+    LS[static_cast<size_t>(r)] = log_s;
+    res.m[static_cast<size_t>(r)] = static_cast<double>(m);
+    res.log_s[static_cast<size_t>(r)] = static_cast<double>(log_s);
+    res.lse[static_cast<size_t>(r)] = static_cast<double>(m + log_s);
     int64_t t;
-    RowKind k = row_kind(o, N, V, y, r, &t);
+    const RowKind k = row_kind(o, N, V, y, r, &t);
     res.kind[static_cast<size_t>(r)] = k;
     res.target[static_cast<size_t>(r)] = t;
+    if (k != kIgnored) res.argmax[static_cast<size_t>(r)] = first_nan >= 0 ? first_nan : first_max;
+  }
+
+  // Steps 4-5 per row, and the reductions (SEMANTICS 4, 5, 7, 8, 15).
+  LD D = 0, n = 0, sum_ce = 0, sum_zl = 0, sum_correct = 0;
+  for (int64_t r = 0; r < N; ++r) {
+    const size_t ri = static_cast<size_t>(r);
+    const RowKind k = res.kind[ri];
     if (k == kIgnored) continue;
-    if (lam != 0) sum_lse2 += lse * lse;  // (lambda = 0: no z-loss at all, even for lse = -inf)
+    const LD* ar = &a[static_cast<size_t>(r * V)];
+    const LD m = M[ri], log_s = LS[ri], lse = m + log_s;
+    n += 1;
+    const LD zl = lam != 0 ? lam * lse * lse : 0.0L;  // (lambda = 0: none, even for lse = -inf)
     if (k == kInvalid) {
-      res.row_loss[static_cast<size_t>(r)] = kNaN;
-      denom += 1;
-      sum_loss += kNaN;
+      D += 1;
+      res.row_ce[ri] = kNaN;
+      res.row_zl[ri] = static_cast<double>(zl);  // never scaled
+      res.row_loss[ri] = kNaN;
+      sum_ce += static_cast<LD>(kNaN);
+      sum_zl += zl;
       continue;
     }
-    // Step 4: torch's cross_entropy with weight, ignore_index and label_smoothing.
-    double ce = (1 - eps) * omega(t) * (lse - ar[t]);
+    const int64_t t = res.target[ri];
+    // Token scaling's t = p_y, a constant (SEMANTICS 8).
+    const LD ts = o.token_scaling ? std::exp((ar[t] - m) - log_s) : 1.0L;
+    LD ce = (1 - eps) * omega(t) * ((m - ar[t]) + log_s);
     if (eps != 0) {
-      double sm = 0;
-      for (int64_t j = 0; j < V; ++j) sm += omega(j) * (lse - ar[j]);
-      ce += eps / static_cast<double>(V) * sm;
+      LD sm = 0;
+      for (int64_t j = 0; j < V; ++j) sm += omega(j) * ((m - ar[j]) + log_s);
+      ce += eps / static_cast<LD>(V) * sm;
     }
-    // Step 5: z-loss.
-    double loss = lam != 0 ? ce + lam * lse * lse : ce;
-    res.row_loss[static_cast<size_t>(r)] = loss;
-    denom += omega(t);
-    sum_loss += loss;
+    res.t[ri] = static_cast<double>(ts);
+    res.row_ce[ri] = static_cast<double>(ts * ce);
+    res.row_zl[ri] = static_cast<double>(ts * zl);
+    res.row_loss[ri] = static_cast<double>(ts * ce + ts * zl);
+    D += omega(t);
+    sum_ce += ts * ce;
+    sum_zl += ts * zl;
+    if (res.argmax[ri] == t) {
+      res.correct[ri] = 1.0;
+      sum_correct += 1;
+    }
   }
-  res.denominator = denom;
+  res.denominator = static_cast<double>(D);
+  res.count = static_cast<double>(n);
+  res.accuracy = n == 0 ? 0.0 : static_cast<double>(sum_correct / n);
   if (o.reduction == kMean) {
-    res.loss = denom == 0 ? 0.0 : sum_loss / denom;
-    res.z_loss = denom == 0 ? 0.0 : lam * sum_lse2 / denom;
+    res.loss = static_cast<double>((D == 0 ? 0.0L : sum_ce / D) + (n == 0 ? 0.0L : sum_zl / n));
+    res.z_loss = n == 0 ? 0.0 : static_cast<double>(sum_zl / n);
   } else {
-    res.loss = sum_loss;
-    res.z_loss = lam * sum_lse2;
+    res.loss = static_cast<double>(sum_ce + sum_zl);
+    res.z_loss = static_cast<double>(sum_zl);
   }
   if (!want_grad) return res;
 
   // The gradient (SEMANTICS.md rules 6 and 9).
   res.grad.assign(static_cast<size_t>(N * V), 0.0);
   for (int64_t r = 0; r < N; ++r) {
-    RowKind kind = res.kind[static_cast<size_t>(r)];
+    const size_t ri = static_cast<size_t>(r);
+    const RowKind kind = res.kind[ri];
     double* gr = &res.grad[static_cast<size_t>(r * V)];
     if (kind == kIgnored) continue;
     if (kind == kInvalid) {
       for (int64_t j = 0; j < V; ++j) gr[j] = kNaN;
       continue;
     }
-    double gval;
-    if (o.reduction == kNone) gval = g ? (*g)[static_cast<size_t>(r)] : 1.0;
+    LD gval;
+    if (o.reduction == kNone) gval = g ? (*g)[ri] : 1.0;
     else gval = g ? (*g)[0] : 1.0;
-    double k;
-    if (o.reduction == kMean) k = denom == 0 ? 0.0 : gval / denom;
-    else k = gval;
-    const double* ar = &a[static_cast<size_t>(r * V)];
-    const double lse = res.lse[static_cast<size_t>(r)];
-    const int64_t t = res.target[static_cast<size_t>(r)];
+    LD k, kz;
+    if (o.reduction == kMean) {
+      k = D == 0 ? 0.0L : gval / D;
+      kz = n == 0 ? 0.0L : gval / n;
+    } else {
+      k = kz = gval;
+    }
+    const LD* ar = &a[static_cast<size_t>(r * V)];
+    const LD m = M[ri], log_s = LS[ri], lse = m + log_s, ts = res.t[ri];
+    const int64_t t = res.target[ri];
     for (int64_t j = 0; j < V; ++j) {
-      double p = std::exp(ar[j] - lse);
-      double da = (1 - eps) * omega(t) * (p - (j == t ? 1.0 : 0.0)) +
-                  eps / static_cast<double>(V) * (Omega * p - omega(j)) +
-                  (lam != 0 ? 2 * lam * lse * p : 0.0);
-      double dz = k * da * s;
+      const LD x = (ar[j] - m) - log_s;  // log p_j
+      const LD p = std::exp(x);
+      const LD p_minus_target = j == t ? std::expm1(x) : p;  // p_j − [j = y], without cancelling
+      const LD dce = (1 - eps) * omega(t) * p_minus_target +
+                     eps / static_cast<LD>(V) * (Omega * p - omega(j));
+      const LD dzl = lam != 0 ? 2 * lam * lse * p : 0.0L;
+      LD dz = ts * (k * dce + kz * dzl) * s;
       if (c > 0) dz *= 1 - (ar[j] / c) * (ar[j] / c);
-      gr[j] = dz;
+      gr[j] = static_cast<double>(dz);
     }
   }
   return res;

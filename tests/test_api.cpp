@@ -1,7 +1,8 @@
 // test_api.cpp — the ABI itself: version, status strings, the options initialiser and
-// fce_options_default, the per-thread last error, workspace queries, backend availability,
-// and bad input to fce_forward / fce_backward: for each invalid argument the status, a
-// message naming the function and the argument, and every output left untouched.
+// fce_options_default, a 0.1/0.2 caller's smaller fce_options, the per-thread last error,
+// workspace queries, backend availability, and bad input to fce_forward / fce_backward: for each
+// invalid argument the status, a message naming the function and the argument, and every output
+// left untouched (overlaps included: an output inside the logits of an in-place call).
 #include <functional>
 #include <set>
 #include <thread>
@@ -55,8 +56,9 @@ TEST(Api, StatusStrings) {
   }
 }
 
-void expect_defaults(const fce_options& o) {
-  EXPECT_EQ(o.struct_size, sizeof(fce_options));
+// The defaults of the fields a struct of struct_size bytes has (all of them by default).
+void expect_defaults(const fce_options& o, size_t struct_size = sizeof(fce_options)) {
+  EXPECT_EQ(o.struct_size, struct_size);
   EXPECT_EQ(o.class_weights, nullptr);
   EXPECT_EQ(o.ignore_index, -100);
   EXPECT_EQ(o.row_stride, 0);
@@ -75,6 +77,19 @@ void expect_defaults(const fce_options& o) {
   EXPECT_EQ(o.accumulate, 0);
   EXPECT_EQ(o.grad_weight_fp32, 0);
   EXPECT_EQ(o.reserved0, 0);
+  if (struct_size < FCE_OPTIONS_SIZE_V0_3) return;
+  EXPECT_EQ(o.shift, 0);
+  EXPECT_EQ(o.argmax, nullptr);
+  EXPECT_EQ(o.accuracy, nullptr);
+  EXPECT_EQ(o.token_scaling, 0);
+  EXPECT_EQ(o.reserved1, 0);
+}
+
+TEST(Api, OptionsLayout) {
+  // Appended fields only: the 0.1 struct is a prefix of this one, and the sizes are the header's.
+  EXPECT_EQ(sizeof(fce_options), (size_t)FCE_OPTIONS_SIZE_V0_3);
+  EXPECT_EQ(offsetof(fce_options, shift), (size_t)FCE_OPTIONS_SIZE_V0_1);
+  EXPECT_EQ(offsetof(fce_options, reserved1) + sizeof(int32_t), (size_t)FCE_OPTIONS_SIZE_V0_3);
 }
 
 TEST(Api, OptionsInitialiser) {
@@ -85,8 +100,19 @@ TEST(Api, OptionsInitialiser) {
 TEST(Api, OptionsDefault) {
   fce_options o;
   std::memset(&o, 0, sizeof o);
+  o.struct_size = sizeof o;
   fce_options_default(&o);
   expect_defaults(o);
+}
+
+// FCE_OPTIONS_INIT and fce_options_default() give the same struct, byte for byte (it has no
+// padding: every field is 8-byte aligned or paired).
+TEST(Api, OptionsInitEqualsDefault) {
+  fce_options a = FCE_OPTIONS_INIT, b;
+  std::memset(&b, 0x5A, sizeof b);
+  b.struct_size = sizeof b;
+  fce_options_default(&b);
+  EXPECT_EQ(std::memcmp(&a, &b, sizeof a), 0);
 }
 
 // The header: "Fills *options with the defaults above" -- struct_size included, whatever the
@@ -111,12 +137,23 @@ TEST(Api, OptionsDefaultWritesNoMoreThanStructSize) {
   EXPECT_EQ(o->class_weights, nullptr);
   for (size_t i = offsetof(fce_options, ignore_index); i < sizeof raw; ++i)
     ASSERT_EQ(raw[i], 0xAB) << "byte " << i << " written past struct_size";
-  // A zeroed struct (struct_size 0) is a 0.1 caller's: FCE_OPTIONS_SIZE_V0_1 bytes.
-  fce_options z;
-  std::memset(&z, 0, sizeof z);
-  fce_options_default(&z);
-  expect_defaults(z);
-  EXPECT_EQ(z.struct_size, (size_t)FCE_OPTIONS_SIZE_V0_1);
+  // A zeroed struct (struct_size 0) is a 0.1 caller's: FCE_OPTIONS_SIZE_V0_1 bytes, the 0.3
+  // fields (past its end) untouched.
+  unsigned char zraw[sizeof(fce_options)];
+  std::memset(zraw, 0, sizeof zraw);
+  std::memset(zraw + FCE_OPTIONS_SIZE_V0_1, 0xCD, sizeof zraw - FCE_OPTIONS_SIZE_V0_1);
+  fce_options* z = reinterpret_cast<fce_options*>(zraw);
+  fce_options_default(z);
+  expect_defaults(*z, FCE_OPTIONS_SIZE_V0_1);
+  for (size_t i = FCE_OPTIONS_SIZE_V0_1; i < sizeof zraw; ++i)
+    ASSERT_EQ(zraw[i], 0xCD) << "byte " << i << " written past a 0.1 caller's struct";
+  // A 0.1 caller that sets struct_size: the same.
+  std::memset(zraw, 0xAB, sizeof zraw);
+  z->struct_size = FCE_OPTIONS_SIZE_V0_1;
+  fce_options_default(z);
+  expect_defaults(*z, FCE_OPTIONS_SIZE_V0_1);
+  for (size_t i = FCE_OPTIONS_SIZE_V0_1; i < sizeof zraw; ++i)
+    ASSERT_EQ(zraw[i], 0xAB) << "byte " << i << " written past a 0.1 caller's struct";
 }
 
 // ------------------------------------------------------------------ last error --------------
@@ -274,6 +311,8 @@ class BadInput : public BackendTest {
     grad = poisoned(mat(FCE_FLOAT32, N, V));
     flags = Buf(4, 0xA5);
     flags.push();
+    am = poisoned(vec(FCE_INT64, N));
+    acc = poisoned(vec(FCE_FLOAT32, N));
     a.o = test_options();
     a.o.class_weights = weights.p<float>();
     size_t wf = 0, wb = 0;
@@ -318,7 +357,8 @@ class BadInput : public BackendTest {
     FwdArgs x = is_forward ? a : backward_args();
     mutate(x);
     if (x.opts == &a.o) x.opts = &x.o;
-    std::vector<Buf*> bufs = {&arena, &targets, &weights, &gout, &loss, &lse, &lse_in, &zl, &grad, &flags};
+    std::vector<Buf*> bufs = {&arena, &targets, &weights, &gout, &loss, &lse, &lse_in, &zl, &grad, &flags,
+                              &am, &acc};
     std::vector<std::vector<uint8_t>> before;
     for (Buf* b : bufs) before.push_back(b->mirror());
     fce_status st = is_forward ? forward(x) : backward(x);
@@ -337,7 +377,7 @@ class BadInput : public BackendTest {
   void bwd(const char* what, fce_status st, const char* names, const std::function<void(FwdArgs&)>& m) {
     expect_rejected(false, what, st, names, m);
   }
-  Buf arena, targets, weights, gout, loss, lse, lse_in, zl, grad, flags, ws;
+  Buf arena, targets, weights, gout, loss, lse, lse_in, zl, grad, flags, ws, am, acc;
   size_t fwd_ws = 0, bwd_ws = 0;
   FwdArgs a;
 };
@@ -434,11 +474,25 @@ TEST_F(BadInput, ScalarOptions) {
       expect_rejected(f, ("shift_seq_len " + std::to_string(t) + " with rows 8").c_str(),
                       FCE_ERROR_INVALID_ARGUMENT, "shift_seq_len",
                       [t](FwdArgs& x) { x.o.shift_seq_len = t; });
-    for (size_t sz : {size_t{0}, size_t{8}, sizeof(fce_options) - 4})
+    // Sizes of no version: too small, between 0.1's and 0.3's, larger than this library's.
+    for (size_t sz : {size_t{0}, size_t{8}, size_t{FCE_OPTIONS_SIZE_V0_1} - 8,
+                      size_t{FCE_OPTIONS_SIZE_V0_1} + 8, sizeof(fce_options) - 4,
+                      sizeof(fce_options) + 8})
       expect_rejected(f, ("struct_size " + std::to_string(sz)).c_str(), FCE_ERROR_INVALID_ARGUMENT,
                       "struct_size", [sz](FwdArgs& x) { x.o.struct_size = sz; });
     expect_rejected(f, "reserved0 != 0", FCE_ERROR_INVALID_ARGUMENT, "reserved0",
                     [](FwdArgs& x) { x.o.reserved0 = 1; });
+    expect_rejected(f, "reserved1 != 0", FCE_ERROR_INVALID_ARGUMENT, "options->reserved1",
+                    [](FwdArgs& x) { x.o.reserved1 = -7; });
+    // shift: k >= 0, and only with a sequence length.
+    expect_rejected(f, "shift -1", FCE_ERROR_INVALID_ARGUMENT, "options->shift",
+                    [](FwdArgs& x) { x.o.shift_seq_len = 4; x.o.shift = -1; });
+    expect_rejected(f, "shift INT64_MIN", FCE_ERROR_INVALID_ARGUMENT, "options->shift",
+                    [](FwdArgs& x) { x.o.shift_seq_len = 4; x.o.shift = INT64_MIN; });
+    expect_rejected(f, "shift 2 without shift_seq_len", FCE_ERROR_INVALID_ARGUMENT,
+                    "options->shift", [](FwdArgs& x) { x.o.shift = 2; });
+    expect_rejected(f, "shift 1 without shift_seq_len", FCE_ERROR_INVALID_ARGUMENT,
+                    "options->shift", [](FwdArgs& x) { x.o.shift = 1; });
   }
 }
 
@@ -461,6 +515,12 @@ TEST_F(BadInput, Misaligned) {
       [&](FwdArgs& x) { x.o.class_weights = (const float*)off(x.o.class_weights, 1); });
   fwd("grad_output +1 byte", FCE_ERROR_MISALIGNED, "grad_output", [&](FwdArgs& x) { x.gout = (const float*)off(x.gout, 1); });
   fwd("error_flags +1 byte", FCE_ERROR_MISALIGNED, "error_flags", [&](FwdArgs& x) { x.flags = (uint32_t*)off(x.flags, 1); });
+  fwd("options->argmax +4 bytes", FCE_ERROR_MISALIGNED, "options->argmax",
+      [&](FwdArgs& x) { x.o.argmax = (int64_t*)off(am.ptr(), 4); });
+  fwd("options->argmax +1 byte", FCE_ERROR_MISALIGNED, "options->argmax",
+      [&](FwdArgs& x) { x.o.argmax = (int64_t*)off(am.ptr(), 1); });
+  fwd("options->accuracy +2 bytes", FCE_ERROR_MISALIGNED, "options->accuracy",
+      [&](FwdArgs& x) { x.o.accuracy = (float*)off(acc.ptr(), 2); });
   if (fwd_ws > 0)
     fwd("workspace +8 bytes", FCE_ERROR_MISALIGNED, "workspace", [&](FwdArgs& x) { x.ws = (void*)off(x.ws, 8); });
   bwd("lse +1 byte", FCE_ERROR_MISALIGNED, "lse", [&](FwdArgs& x) { x.lse = (float*)off(x.lse, 1); });
@@ -501,6 +561,131 @@ TEST_F(BadInput, Overlap) {
                       x.o.grad_row_stride = V + 1;
                     });
   }
+}
+
+// The optional forward outputs overlapping another buffer (or each other).
+TEST_F(BadInput, OverlapOfArgmaxAndAccuracy) {
+  fwd("options->argmax over loss", FCE_ERROR_INVALID_ARGUMENT, "options->argmax",
+      [](FwdArgs& x) { x.o.argmax = reinterpret_cast<int64_t*>(x.loss); });
+  fwd("options->argmax over the logits", FCE_ERROR_INVALID_ARGUMENT, "options->argmax",
+      [](FwdArgs& x) { x.o.argmax = static_cast<int64_t*>(const_cast<void*>(x.logits)) + 5; });
+  fwd("options->argmax over targets", FCE_ERROR_INVALID_ARGUMENT, "options->argmax",
+      [](FwdArgs& x) { x.o.argmax = static_cast<int64_t*>(const_cast<void*>(x.targets)); });
+  fwd("options->accuracy inside lse", FCE_ERROR_INVALID_ARGUMENT, "options->accuracy",
+      [](FwdArgs& x) { x.o.accuracy = x.lse + 2; });
+  fwd("options->accuracy inside grad_logits", FCE_ERROR_INVALID_ARGUMENT, "options->accuracy",
+      [](FwdArgs& x) { x.o.accuracy = static_cast<float*>(x.grad) + 7; });
+  fwd("options->accuracy inside options->argmax", FCE_ERROR_INVALID_ARGUMENT,
+      "options->accuracy", [this](FwdArgs& x) {
+        x.o.argmax = am.p<int64_t>();
+        x.o.accuracy = reinterpret_cast<float*>(am.p<int64_t>() + 3);
+      });
+  // Per row (none): accuracy is [rows]: one that starts inside it overlaps the next buffer.
+  fwd("options->accuracy [rows] over z_loss", FCE_ERROR_INVALID_ARGUMENT, "options->accuracy",
+      [](FwdArgs& x) {
+        x.o.reduction = FCE_REDUCTION_NONE;
+        x.gout = nullptr;
+        x.loss = x.lse;  // [rows] for none
+        x.lse = nullptr;
+        x.o.accuracy = x.z_loss - (N - 1);
+      });
+}
+
+// Issue 3b: grad_logits == logits (in place) is the one overlap allowed. Any other output at
+// (or inside) the logits used to be let through when it started at the very same address as the
+// logits, and was then written over by the gradient (or corrupted it): every one is an error
+// now, for every entry point that takes logits.
+TEST_F(BadInput, InPlaceRejectsOtherOutputsInsideTheLogits) {
+  for (int red : {FCE_REDUCTION_NONE, FCE_REDUCTION_MEAN}) {
+    auto in_place = [red](FwdArgs& x, bool forward) {
+      x.o.reduction = red;
+      if (red == FCE_REDUCTION_NONE) {
+        x.gout = nullptr;
+        if (forward) x.loss = x.lse, x.lse = nullptr;  // loss [rows]
+      }
+      x.grad = const_cast<void*>(x.logits);
+    };
+    float* const z = static_cast<float*>(arena.ptr());
+    const struct {
+      const char* name;
+      std::function<void(FwdArgs&)> put;
+    } outputs[] = {
+        {"loss", [z](FwdArgs& x) { x.loss = z; }},
+        {"lse", [z](FwdArgs& x) { x.lse = z; }},
+        {"z_loss", [z](FwdArgs& x) { x.z_loss = z; }},
+        {"error_flags", [z](FwdArgs& x) { x.flags = reinterpret_cast<uint32_t*>(z); }},
+        {"options->argmax", [z](FwdArgs& x) { x.o.argmax = reinterpret_cast<int64_t*>(z); }},
+        {"options->accuracy", [z](FwdArgs& x) { x.o.accuracy = z; }},
+        {"loss", [z](FwdArgs& x) { x.loss = z + V + 1; }},  // inside, not at the start
+    };
+    for (const auto& out : outputs) {
+      const std::string what = std::string(out.name) + " in the logits, grad_logits == logits (" +
+                               reduction_name(red) + ")";
+      fwd(what.c_str(), FCE_ERROR_INVALID_ARGUMENT, out.name, [&](FwdArgs& x) {
+        in_place(x, true);
+        out.put(x);
+      });
+      EXPECT_TRUE(error_mentions("overlaps"));
+    }
+    // fce_backward: its error flags, or the saved lse it reads, at the logits it writes over.
+    bwd(("error_flags at the logits, in place (" + std::string(reduction_name(red)) + ")").c_str(),
+        FCE_ERROR_INVALID_ARGUMENT, "error_flags", [&](FwdArgs& x) {
+          in_place(x, false);
+          x.flags = reinterpret_cast<uint32_t*>(z);
+        });
+    bwd(("lse at the logits, in place (" + std::string(reduction_name(red)) + ")").c_str(),
+        FCE_ERROR_INVALID_ARGUMENT, "lse", [&](FwdArgs& x) {
+          in_place(x, false);
+          x.lse = z;
+        });
+  }
+  // The plain in-place call is still fine (every other output elsewhere).
+  FwdArgs x = a;
+  x.opts = &x.o;
+  x.grad = const_cast<void*>(x.logits);
+  ASSERT_EQ(forward(x), FCE_SUCCESS) << fce_last_error();
+  ASSERT_TRUE(finish());
+}
+
+// A caller of 0.1/0.2 passes its smaller struct (struct_size FCE_OPTIONS_SIZE_V0_1): the library
+// reads no byte past it and uses the defaults of the 0.3 fields. Garbage after the struct
+// (a negative shift, a wild argmax pointer, a non-zero reserved1 if it were read) changes
+// nothing: the same results as a 0.3 caller's defaults.
+TEST_F(BadInput, OlderCallerGetsDefaultsForNewFields) {
+  alignas(fce_options) unsigned char raw[sizeof(fce_options)];
+  std::memcpy(raw, &a.o, sizeof a.o);
+  std::memset(raw + FCE_OPTIONS_SIZE_V0_1, 0xAB, sizeof raw - FCE_OPTIONS_SIZE_V0_1);
+  fce_options* old = reinterpret_cast<fce_options*>(raw);
+  old->struct_size = FCE_OPTIONS_SIZE_V0_1;
+  size_t wf = 1, wb = 1;
+  ASSERT_EQ(fce_forward_workspace_size(old, N, V, &wf), FCE_SUCCESS) << fce_last_error();
+  ASSERT_EQ(fce_backward_workspace_size(old, N, V, &wb), FCE_SUCCESS) << fce_last_error();
+  EXPECT_EQ(wf, fwd_ws);
+  EXPECT_EQ(wb, bwd_ws);
+  std::vector<uint8_t> first_loss, first_lse, first_grad;
+  for (int pass = 0; pass < 2; ++pass) {  // 0: the 0.3 defaults, 1: the 0.1 struct
+    FwdArgs x = a;
+    x.opts = pass == 0 ? &x.o : old;
+    poison_all(loss, FCE_FLOAT32), loss.push();
+    poison_all(lse, FCE_FLOAT32), lse.push();
+    poison_all(grad, FCE_FLOAT32), grad.push();
+    ASSERT_EQ(forward(x), FCE_SUCCESS) << fce_last_error();
+    ASSERT_TRUE(finish());
+    for (Buf* b : {&loss, &lse, &grad}) b->pull();
+    if (pass == 0) {
+      first_loss = loss.mirror(), first_lse = lse.mirror(), first_grad = grad.mirror();
+      continue;
+    }
+    EXPECT_TRUE(bitwise_equal(loss.mirror(), first_loss, "loss (0.1 struct vs 0.3 defaults)"));
+    EXPECT_TRUE(bitwise_equal(lse.mirror(), first_lse, "lse (0.1 struct vs 0.3 defaults)"));
+    EXPECT_TRUE(bitwise_equal(grad.mirror(), first_grad, "grad (0.1 struct vs 0.3 defaults)"));
+    FwdArgs y = backward_args();
+    y.opts = old;
+    ASSERT_EQ(backward(y), FCE_SUCCESS) << fce_last_error();
+    ASSERT_TRUE(finish());
+  }
+  for (size_t i = FCE_OPTIONS_SIZE_V0_1; i < sizeof raw; ++i)
+    ASSERT_EQ(raw[i], 0xAB) << "byte " << i << " past the 0.1 struct changed";
 }
 
 // Out-of-range targets are not bad input: found on the device, reported through the flag

@@ -4,14 +4,15 @@
 // Every case: realistic random logits (row std 1-30), every output poisoned before the call,
 // then: every output element written, nothing outside the output elements touched (guards,
 // row gaps, inputs, workspace guards), values within the dtype's bound (test_util.h,
-// tolerance()), exact zeros for ignored rows, error flags, and fce_backward from the saved lse
-// agreeing with the gradient fce_forward wrote.
+// tolerance()), exact zeros for ignored rows, error flags, argmax and accuracy (check_ce.h),
+// and fce_backward from the saved lse agreeing with the gradient fce_forward wrote: to the
+// rounding of the saved lse on every backend (check_ce.h), bit for bit on the CPU backend; the
+// backward leaves options->argmax and ->accuracy alone.
 #include <atomic>
 #include <functional>
 #include <thread>
 
-#include "ref.h"
-#include "test_util.h"
+#include "check_ce.h"
 
 using namespace fcet;
 
@@ -27,7 +28,10 @@ struct CeCase {
   bool weights = false;
   double ignore_frac = 0;
   int64_t ignore_index = -100;
-  int64_t shift = 0;
+  int64_t shift = 0;             // shift_seq_len T
+  int64_t shift_k = 0;           // options.shift k (0 = 1), with T > 0
+  bool token_scaling = false;
+  bool argmax = false, accuracy = false;  // options.argmax / options.accuracy asked for
   int64_t row_pad = 0;           // row_stride = V + row_pad
   int64_t grad_pad = 0;          // grad_row_stride = V + grad_pad
   bool explicit_stride = false;  // pass the strides even when dense (instead of 0)
@@ -50,7 +54,8 @@ std::string case_label(const CeCase& c) {
     << dtype_name(c.tdtype) << " " << reduction_name(c.reduction) << " N=" << c.N
     << " V=" << c.V << " eps=" << c.eps << " lambda=" << c.lambda << " softcap=" << c.softcap
     << " scale=" << c.scale << (c.weights ? " weights" : "") << " shift=" << c.shift
-    << " row_pad=" << c.row_pad << " grad_pad=" << c.grad_pad << (c.inplace ? " inplace" : "")
+    << " k=" << c.shift_k << (c.token_scaling ? " token_scaling" : "")
+    << (c.argmax ? " argmax" : "") << (c.accuracy ? " accuracy" : "") << " row_pad=" << c.row_pad << " grad_pad=" << c.grad_pad << (c.inplace ? " inplace" : "")
     << (c.gout ? " grad_output" : " grad_output=NULL") << "]";
   return s.str();
 }
@@ -91,6 +96,8 @@ fceref::Options ref_options(const CeCase& c, const CeData& d) {
   r.class_weights = d.w;
   r.ignore_index = c.ignore_index;
   r.shift_seq_len = c.shift;
+  r.shift = c.shift_k;
+  r.token_scaling = c.token_scaling;
   return r;
 }
 
@@ -112,8 +119,12 @@ std::vector<uint8_t> raw_elements(const Buf& b, const Mat& m) {
 
 // What a forward call produced (the raw element bytes, for bitwise comparisons).
 struct CeOut {
-  std::vector<uint8_t> loss, lse, zloss, grad;
+  std::vector<uint8_t> loss, lse, zloss, grad, argmax, accuracy;
 };
+
+// Relative width of an argmax near tie (check_ce.h): a few float32 roundings of a = s z, capped
+// (tanhf, the product with s/c), on the CUDA backend.
+constexpr double kArgmaxTie = 16.0 / 16777216.0;
 
 class CeRunner {
  public:
@@ -130,6 +141,8 @@ class CeRunner {
     o_.logit_scale = c_.scale;
     o_.ignore_index = c_.ignore_index;
     o_.shift_seq_len = c_.shift;
+    o_.shift = c_.shift_k;
+    o_.token_scaling = c_.token_scaling;
     o_.deterministic = c_.deterministic;
     if (c_.row_pad || c_.explicit_stride || c_.inplace) o_.row_stride = lm_.stride;
     if (c_.grad_pad || c_.explicit_stride || c_.inplace) o_.grad_row_stride = gm_.stride;
@@ -152,6 +165,7 @@ class CeRunner {
       if (k == fceref::kInvalid) return true;
     return false;
   }
+  int64_t accuracy_len() const { return c_.reduction == FCE_REDUCTION_NONE ? c_.N : 1; }
   uint32_t expected_flags(uint32_t preset) const {
     return preset | (any_invalid() ? FCE_FLAG_TARGET_OUT_OF_RANGE : 0u);
   }
@@ -176,6 +190,12 @@ class CeRunner {
     Buf zl = c_.zloss ? poisoned(zl_m) : Buf();
     Buf grad = (c_.grad && !c_.inplace) ? poisoned(gm_) : Buf();
     void* grad_ptr = c_.grad ? (c_.inplace ? logits.ptr() : grad.ptr()) : nullptr;
+    // The optional outputs live as long as the runner: backward() passes the same options.
+    const Mat am_m = vec(FCE_INT64, c_.N), acc_m = vec(FCE_FLOAT32, accuracy_len());
+    argmax_ = c_.argmax ? poisoned(am_m) : Buf();
+    accuracy_ = c_.accuracy ? poisoned(acc_m) : Buf();
+    o_.argmax = argmax_.p<int64_t>();
+    o_.accuracy = accuracy_.p<float>();
     const uint32_t preset = 0x100u;  // the call ORs bits in, never clears
     Buf flags(4, 0);
     std::memcpy(flags.h(), &preset, 4);
@@ -187,14 +207,16 @@ class CeRunner {
 
     auto b_logits = logits.mirror(), b_targets = targets_.mirror(), b_w = weights_.mirror(),
          b_g = gout_.mirror(), b_loss = loss.mirror(), b_lse = lse_.mirror(),
-         b_zl = zl.mirror(), b_grad = grad.mirror();
+         b_zl = zl.mirror(), b_grad = grad.mirror(), b_am = argmax_.mirror(),
+         b_acc = accuracy_.mirror();
 
     st = fce_forward(&o_, c_.N, c_.V, logits.ptr(), targets_.ptr(), loss.p<float>(),
                      lse_.p<float>(), zl.p<float>(), grad_ptr, gout_.p<float>(),
                      c_.flags ? flags.p<uint32_t>() : nullptr, ws.ptr(), wsb, test_stream());
     ASSERT_EQ(st, FCE_SUCCESS) << fce_status_string(st) << ": " << fce_last_error();
     ASSERT_TRUE(finish());
-    for (Buf* b : {&logits, &targets_, &weights_, &gout_, &loss, &lse_, &zl, &grad, &flags, &ws})
+    for (Buf* b : {&logits, &targets_, &weights_, &gout_, &loss, &lse_, &zl, &grad, &flags, &ws,
+                   &argmax_, &accuracy_})
       b->pull();
 
     // Inputs untouched (in place: only the gradient's elements changed).
@@ -250,15 +272,34 @@ class CeRunner {
       EXPECT_EQ(f, expected_flags(preset)) << "error_flags";
       EXPECT_TRUE(guards_intact(flags, "error_flags"));
     }
+    // Argmax and accuracy (SEMANTICS 15).
+    std::vector<int64_t> am;
+    if (c_.argmax) {
+      EXPECT_TRUE(only_elements_changed(argmax_, b_am, &am_m, "options->argmax"));
+      EXPECT_TRUE(all_written(argmax_, am_m, "options->argmax"));
+      am = read_i64(argmax_, c_.N);
+      EXPECT_TRUE(argmax_matches(am, ref_, c_.V, kArgmaxTie, nullptr));
+    }
+    if (c_.accuracy) {
+      EXPECT_TRUE(only_elements_changed(accuracy_, b_acc, &acc_m, "options->accuracy"));
+      EXPECT_TRUE(all_written(accuracy_, acc_m, "options->accuracy"));
+      EXPECT_TRUE(accuracy_matches(read_mat(accuracy_, acc_m), c_.reduction, ref_,
+                                   c_.argmax ? &am : nullptr, c_.V, kArgmaxTie));
+    }
     if (out) {
+      if (c_.argmax) out->argmax = raw_elements(argmax_, am_m);
+      if (c_.accuracy) out->accuracy = raw_elements(accuracy_, acc_m);
       out->loss = raw_elements(loss, loss_m);
       if (c_.lse) out->lse = raw_elements(lse_, lse_m);
       if (c_.zloss) out->zloss = raw_elements(zl, zl_m);
     }
   }
 
-  // fce_backward from the lse the last forward() saved; compares with the reference and with
-  // the gradient forward wrote (fwd_grad: bitwise on the CPU backend, SEMANTICS.md rule 12).
+  // fce_backward from the lse the last forward() saved, with the forward's options (argmax and
+  // accuracy included: never written); compares with the reference and with the gradient
+  // forward wrote (fwd_grad): to the rounding of the saved lse (SEMANTICS.md rule 12), bit for
+  // bit on the CPU backend (its backward reduces each row again in double and, where that rounds
+  // to the saved lse, uses it).
   void backward(bool inplace, const std::vector<uint8_t>* fwd_grad, std::vector<uint8_t>* out = nullptr,
                 uint8_t ws_fill = 0xFF) {
     SCOPED_TRACE(case_label(c_) + (inplace ? " fce_backward (in place)" : " fce_backward"));
@@ -275,14 +316,18 @@ class CeRunner {
     ASSERT_EQ(st, FCE_SUCCESS) << fce_last_error();
     Buf ws = workspace_buf(wsb, ws_fill);
     auto b_logits = logits.mirror(), b_lse = lse_.mirror(), b_targets = targets_.mirror(),
-         b_grad = grad.mirror(), b_g = gout_.mirror();
+         b_grad = grad.mirror(), b_g = gout_.mirror(), b_am = argmax_.mirror(),
+         b_acc = accuracy_.mirror();
     st = fce_backward(&o, c_.N, c_.V, logits.ptr(), targets_.ptr(), lse_.p<float>(),
                       gout_.p<float>(), grad_ptr, flags.p<uint32_t>(), ws.ptr(), wsb,
                       test_stream());
     ASSERT_EQ(st, FCE_SUCCESS) << fce_status_string(st) << ": " << fce_last_error();
     ASSERT_TRUE(finish());
-    for (Buf* b : {&logits, &lse_, &targets_, &grad, &flags, &ws, &gout_}) b->pull();
+    for (Buf* b : {&logits, &lse_, &targets_, &grad, &flags, &ws, &gout_, &argmax_, &accuracy_})
+      b->pull();
     EXPECT_TRUE(unchanged(lse_, b_lse, "lse (input of fce_backward)"));
+    EXPECT_TRUE(unchanged(argmax_, b_am, "options->argmax (not an output of fce_backward)"));
+    EXPECT_TRUE(unchanged(accuracy_, b_acc, "options->accuracy (not an output of fce_backward)"));
     EXPECT_TRUE(unchanged(targets_, b_targets, "targets"));
     EXPECT_TRUE(unchanged(gout_, b_g, "grad_output"));
     if (!ws.empty()) { EXPECT_TRUE(guards_intact(ws, "workspace")); }
@@ -302,15 +347,15 @@ class CeRunner {
     if (fwd_grad) {
       if (!on_cuda()) {
         EXPECT_TRUE(bitwise_equal(mine, *fwd_grad, "fce_backward vs fce_forward gradient"));
-      } else {
-        // On the GPU the two may be different kernels: agreement within the dtype's bound.
-        std::vector<double> a, b;
-        for (size_t i = 0; i < mine.size(); i += gm.esize()) {
-          a.push_back(get(gm.dtype, mine.data() + i));
-          b.push_back(get(gm.dtype, fwd_grad->data() + i));
-        }
-        EXPECT_TRUE(close_normwise(a, b, tol(), "fce_backward vs fce_forward gradient"));
       }
+      // Every backend: element by element within the rounding of the saved lse.
+      std::vector<double> a, b;
+      for (size_t i = 0; i < mine.size(); i += gm.esize()) {
+        a.push_back(get(gm.dtype, mine.data() + i));
+        b.push_back(get(gm.dtype, fwd_grad->data() + i));
+      }
+      EXPECT_TRUE(backward_matches_forward(a, b, ref_, ref_options(c_, d_), c_.V,
+                                           d_.g.empty() ? nullptr : &d_.g, c_.dtype));
     }
     if (out) *out = std::move(mine);
   }
@@ -334,7 +379,7 @@ class CeRunner {
   Mat lm_, gm_;
   fce_options o_;
   fceref::CeResult ref_;
-  Buf targets_, weights_, gout_, lse_;
+  Buf targets_, weights_, gout_, lse_, argmax_, accuracy_;
 };
 
 // forward (+ backward from the saved lse when the case has a gradient and lse).
@@ -353,6 +398,15 @@ struct OptionSet {
   std::function<void(CeCase&)> apply;
 };
 
+// Every other row's target becomes its argmax (unless ignored): rows predicted right, p_y large.
+void confident_targets(const CeCase& c, std::vector<double>& z, std::vector<int64_t>& y) {
+  for (int64_t r = 0; r < c.N; r += 2) {
+    const double* row = &z[static_cast<size_t>(r * c.V)];
+    if (y[static_cast<size_t>(r)] != c.ignore_index)
+      y[static_cast<size_t>(r)] = std::max_element(row, row + c.V) - row;
+  }
+}
+
 const std::vector<OptionSet>& option_sets() {
   static const std::vector<OptionSet> sets = {
       {"plain", [](CeCase&) {}},
@@ -369,6 +423,27 @@ const std::vector<OptionSet>& option_sets() {
       {"logit_scale", [](CeCase& c) { c.scale = 2.5f; c.std_hi = 10; }},
       {"negative_logit_scale", [](CeCase& c) { c.scale = -0.75f; }},
       {"shift", [](CeCase& c) { c.shift = 8; c.N = 32; c.ignore_frac = 0.1; }},
+      {"shift_k1_explicit", [](CeCase& c) { c.shift = 8; c.shift_k = 1; c.N = 32; }},
+      {"shift_k2", [](CeCase& c) { c.shift = 8; c.shift_k = 2; c.N = 32; c.ignore_frac = 0.1; }},
+      {"shift_k3", [](CeCase& c) { c.shift = 11; c.shift_k = 3; c.N = 33; c.argmax = true; }},
+      // Token scaling multiplies each row by its p_y: with random targets most rows' p_y are
+      // tiny and their gradients float16 subnormals (the bound is for normal numbers); every
+      // other row's target is its argmax here (p_y large), and the spread is at most 5.
+      {"token_scaling",
+       [](CeCase& c) {
+         c.token_scaling = true; c.ignore_frac = 0.1; c.std_hi = 5; c.edit = confident_targets;
+       }},
+      {"token_scaling_zloss_smoothing",
+       [](CeCase& c) {
+         c.token_scaling = true; c.lambda = 1e-3f; c.eps = 0.1f; c.ignore_frac = 0.1;
+         c.std_hi = 5;  // t = p_y: keep some rows with p_y not vanishing
+       }},
+      {"argmax_accuracy", [](CeCase& c) { c.argmax = c.accuracy = true; c.ignore_frac = 0.2; }},
+      {"accuracy_only", [](CeCase& c) { c.accuracy = true; c.ignore_frac = 0.2; }},
+      {"argmax_accuracy_confident",  // many rows predicted right: accuracy well above 0
+       [](CeCase& c) { c.argmax = c.accuracy = true; c.ignore_frac = 0.1; c.edit = confident_targets; }},
+      {"weights_zloss",  // the z-loss's mean divides by n, the ce's by sum of weights
+       [](CeCase& c) { c.weights = true; c.lambda = 1e-3f; c.ignore_frac = 0.15; }},
       {"strided", [](CeCase& c) { c.row_pad = 13; c.grad_pad = 5; }},
       {"explicit_dense_strides", [](CeCase& c) { c.explicit_stride = true; }},
       {"inplace", [](CeCase& c) { c.inplace = true; }},
@@ -380,6 +455,19 @@ const std::vector<OptionSet>& option_sets() {
          c.tdtype = FCE_INT32; c.weights = true; c.eps = 0.05f; c.lambda = 1e-4f;
          c.softcap = 20.0f; c.scale = 1.3f; c.shift = 4; c.N = 36; c.ignore_frac = 0.15;
          c.row_pad = 7; c.grad_pad = 2; c.deterministic = true;
+       }},
+      {"everything_03",
+       [](CeCase& c) {
+         c.tdtype = FCE_INT32; c.weights = true; c.eps = 0.05f; c.lambda = 1e-4f;
+         c.softcap = 20.0f; c.scale = 1.3f; c.shift = 6; c.shift_k = 2; c.N = 36;
+         c.ignore_frac = 0.15; c.token_scaling = true; c.argmax = c.accuracy = true;
+         c.row_pad = 7; c.grad_pad = 2; c.deterministic = true; c.std_hi = 8;
+       }},
+      {"everything_03_inplace",
+       [](CeCase& c) {
+         c.weights = true; c.eps = 0.1f; c.lambda = 2e-4f; c.softcap = 30.0f; c.scale = 0.8f;
+         c.shift = 11; c.shift_k = 3; c.N = 33; c.ignore_frac = 0.1; c.row_pad = 5;
+         c.inplace = true; c.token_scaling = true; c.argmax = c.accuracy = true; c.std_hi = 8;
        }},
       {"everything_inplace",
        [](CeCase& c) {
@@ -518,8 +606,8 @@ void extreme_edit(const CeCase& c, std::vector<double>& z, std::vector<int64_t>&
   for (int64_t j = 0; j < V; ++j)  // row 1: every 3rd entry -inf
     if (j % 3 == 1) at(1, j) = -HUGE_VAL;
   y[1] = 3 * (y[1] / 3 % (V / 3));  // j % 3 == 0: finite
-  // Constant rows stay moderate: with |lse| ~ 1e4 the float32 lse alone (ulp 1e-3), which
-  // fce_backward must start from, puts a 5e-4 relative error into every p of a tied row.
+  // Constant rows stay moderate here (the huge ones, ±1e30 and ±3e38, are
+  // test_adversarial.cpp's, with error measures made for them).
   for (int64_t j = 0; j < V; ++j) at(2, j) = 2.5;    // row 2: constant
   for (int64_t j = 0; j < V; ++j) at(3, j) = -60.0;  // row 3: constant, negative
   at(4, V / 2) = 1e4;                                 // row 4: one huge outlier
@@ -695,6 +783,7 @@ TEST_F(Ce, Deterministic) {
       c.lambda = 1e-4f;
       c.ignore_frac = 0.1;
       c.deterministic = true;
+      c.argmax = c.accuracy = true;
       CeRunner run(c);
       CeOut a, b;
       ASSERT_NO_FATAL_FAILURE(run.forward(&a, 0xFF));
@@ -703,11 +792,205 @@ TEST_F(Ce, Deterministic) {
       EXPECT_TRUE(bitwise_equal(a.lse, b.lse, "lse"));
       EXPECT_TRUE(bitwise_equal(a.zloss, b.zloss, "z_loss"));
       EXPECT_TRUE(bitwise_equal(a.grad, b.grad, "grad_logits"));
+      EXPECT_TRUE(bitwise_equal(a.argmax, b.argmax, "options->argmax"));
+      EXPECT_TRUE(bitwise_equal(a.accuracy, b.accuracy, "options->accuracy"));
       std::vector<uint8_t> g1, g2;
       ASSERT_NO_FATAL_FAILURE(run.backward(false, &a.grad, &g1, 0xFF));
       ASSERT_NO_FATAL_FAILURE(run.backward(false, &a.grad, &g2, 0x5A));
       EXPECT_TRUE(bitwise_equal(g1, g2, "grad_logits (fce_backward)"));
     }
+}
+
+// ------------------------------------------------------------------ by hand -----------------
+// Small problems whose expected values are written out here, independently of ref.h.
+
+struct HandOut {
+  std::vector<double> loss, lse, z_loss, grad, accuracy;
+  std::vector<int64_t> argmax;
+};
+
+// fce_forward on dense logits (the dtype of o), every output asked for, upstream NULL (= 1).
+HandOut hand_forward(const fce_options& opts, int64_t N, int64_t V, const std::vector<double>& z,
+                     const std::vector<int64_t>& y, const std::vector<double>& weights = {}) {
+  HandOut out;
+  fce_options o = opts;
+  const bool per_row = o.reduction == FCE_REDUCTION_NONE;
+  const Mat lm = mat(o.dtype, N, V), loss_m = vec(FCE_FLOAT32, per_row ? N : 1),
+            lse_m = vec(FCE_FLOAT32, N), one = vec(FCE_FLOAT32, 1),
+            acc_m = vec(FCE_FLOAT32, per_row ? N : 1), am_m = vec(FCE_INT64, N);
+  Buf logits(lm);
+  write_mat(logits, lm, z);
+  logits.push();
+  Buf targets = targets_buf(y, o.target_dtype);
+  Buf w = weights.empty() ? Buf() : f32_buf(weights);
+  Buf loss = poisoned(loss_m), lse = poisoned(lse_m), zl = poisoned(one), grad = poisoned(lm),
+      acc = poisoned(acc_m), am = poisoned(am_m);
+  o.class_weights = w.p<float>();
+  o.argmax = am.p<int64_t>();
+  o.accuracy = acc.p<float>();
+  size_t wsb = 0;
+  EXPECT_EQ(fce_forward_workspace_size(&o, N, V, &wsb), FCE_SUCCESS) << fce_last_error();
+  Buf ws = workspace_buf(wsb);
+  const fce_status st =
+      fce_forward(&o, N, V, logits.ptr(), targets.ptr(), loss.p<float>(), lse.p<float>(),
+                  zl.p<float>(), grad.ptr(), nullptr, nullptr, ws.ptr(), wsb, test_stream());
+  EXPECT_EQ(st, FCE_SUCCESS) << fce_status_string(st) << ": " << fce_last_error();
+  EXPECT_TRUE(finish());
+  for (Buf* b : {&loss, &lse, &zl, &grad, &acc, &am}) b->pull();
+  out.loss = read_mat(loss, loss_m);
+  out.lse = read_mat(lse, lse_m);
+  out.z_loss = read_mat(zl, one);
+  out.grad = read_mat(grad, lm);
+  out.accuracy = read_mat(acc, acc_m);
+  out.argmax = read_i64(am, N);
+  return out;
+}
+
+// Class weights and z-loss under mean (SEMANTICS 5-7): the cross-entropy is divided by
+// D = sum of the weights of the targets, the z-loss by n = the number of non-ignored rows
+// (Liger's normalisation). Constant rows of V = 4: lse = log 4, each ce = w log 4.
+TEST_F(Ce, ZLossMeanDividesByRowCount) {
+  const int64_t N = 3, V = 4;
+  const double lam = 0.01, w = 2.0, L = std::log(4.0);
+  fce_options o = test_options();
+  o.z_loss_scale = static_cast<float>(lam);
+  o.reduction = FCE_REDUCTION_MEAN;
+  const std::vector<int64_t> y = {1, 2, -100};  // n = 2, D = 2 w = 4
+  HandOut h = hand_forward(o, N, V, std::vector<double>(N * V, 0.0), y, std::vector<double>(V, w));
+  const double lamf = static_cast<float>(lam);
+  const double mean = (2 * w * L) / (2 * w) + (2 * lamf * L * L) / 2;  // = L + λ L²
+  EXPECT_TRUE(close_scalar(h.loss[0], mean, 1e-6, "mean loss"));
+  EXPECT_TRUE(close_scalar(h.z_loss[0], lamf * L * L, 1e-6, "z_loss total (mean: / n)"));
+  // Gradient: k = 1/D = 1/4 on w (p − [j = y]), k_z = 1/n = 1/2 on 2 λ lse p, p = 1/4.
+  for (int64_t r = 0; r < 2; ++r)
+    for (int64_t j = 0; j < V; ++j) {
+      const double want = 0.25 * w * (0.25 - (j == y[static_cast<size_t>(r)] ? 1.0 : 0.0)) +
+                          0.5 * 2 * lamf * L * 0.25;
+      EXPECT_NEAR(h.grad[static_cast<size_t>(r * V + j)], want, 1e-6) << "row " << r << " col " << j;
+    }
+  for (int64_t j = 0; j < V; ++j) EXPECT_EQ(h.grad[static_cast<size_t>(2 * V + j)], 0.0);
+  // sum: plain sums; z_loss total likewise.
+  o.reduction = FCE_REDUCTION_SUM;
+  h = hand_forward(o, N, V, std::vector<double>(N * V, 0.0), y, std::vector<double>(V, w));
+  EXPECT_TRUE(close_scalar(h.loss[0], 2 * (w * L + lamf * L * L), 1e-6, "sum loss"));
+  EXPECT_TRUE(close_scalar(h.z_loss[0], 2 * lamf * L * L, 1e-6, "z_loss total (sum)"));
+}
+
+// Token scaling (SEMANTICS 8, 9) on V = 2: p_y = t, loss = t (−log t), gradient t (p − e_y),
+// t a constant. Rows: logits (0, log 3) → p = (1/4, 3/4), target 1 (t = 3/4) and target 0
+// (t = 1/4).
+TEST_F(Ce, TokenScalingByHand) {
+  const int64_t N = 2, V = 2;
+  const double l3 = static_cast<float>(std::log(3.0));  // what the float32 logits hold
+  const double p1 = 1.0 / (1.0 + std::exp(-l3)), p0 = 1.0 - p1;
+  fce_options o = test_options();
+  o.token_scaling = 1;
+  o.reduction = FCE_REDUCTION_NONE;
+  HandOut h = hand_forward(o, N, V, {0.0, l3, 0.0, l3}, {1, 0});
+  EXPECT_TRUE(close_scalar(h.loss[0], p1 * -std::log(p1), 1e-6, "row 0 loss"));
+  EXPECT_TRUE(close_scalar(h.loss[1], p0 * -std::log(p0), 1e-6, "row 1 loss"));
+  EXPECT_NEAR(h.grad[0], p1 * p0, 1e-7);
+  EXPECT_NEAR(h.grad[1], p1 * (p1 - 1), 1e-7);
+  EXPECT_NEAR(h.grad[2], p0 * (p0 - 1), 1e-7);
+  EXPECT_NEAR(h.grad[3], p0 * p1, 1e-7);
+  // With z-loss λ: each row's λ lse² is scaled by its t too, and so is its gradient 2 λ lse p.
+  o.z_loss_scale = 0.5f;
+  o.reduction = FCE_REDUCTION_SUM;
+  h = hand_forward(o, N, V, {0.0, l3, 0.0, l3}, {1, 0});
+  const double lse = std::log(1.0 + std::exp(l3));
+  const double zl = 0.5 * lse * lse;
+  EXPECT_TRUE(close_scalar(h.z_loss[0], (p1 + p0) * zl, 1e-6, "z_loss total"));
+  EXPECT_TRUE(close_scalar(h.loss[0], p1 * (-std::log(p1) + zl) + p0 * (-std::log(p0) + zl), 1e-6,
+                           "sum loss"));
+  EXPECT_NEAR(h.grad[1], p1 * ((p1 - 1) + 2 * 0.5 * lse * p1), 1e-6);
+}
+
+// Argmax and accuracy corners (SEMANTICS 15), in every dtype (each value below is exact in
+// float16 and bfloat16): equal maxima → the lowest index; a NaN counts as the largest (the
+// first NaN); a row of −inf → 0; an ignored row → −1; accuracy over the n non-ignored rows.
+TEST_F(Ce, ArgmaxTiesAndNaN) {
+  const double inf = HUGE_VAL, nan = std::numeric_limits<double>::quiet_NaN();
+  const int64_t N = 5, V = 6;
+  const std::vector<double> z = {
+      1, 3, 3, 2, 3, 0,                  // row 0: ties at 1, 2, 4 → 1 (target 1: correct)
+      -inf, -inf, -inf, -inf, -inf, -inf,  // row 1: → 0 (target 2)
+      0, 1, nan, 5, nan, 1,              // row 2: the first NaN → 2 (target 3)
+      9, 8, 7, 6, 5, 4,                  // row 3: ignored → −1
+      5, -inf, 7, 7, 1, 7};              // row 4: → 2 (target 2: correct)
+  const std::vector<int64_t> y = {1, 2, 3, -100, 2};
+  for (int dtype : kDtypes)
+    for (int red : kReductions) {
+      SCOPED_TRACE(std::string(dtype_name(dtype)) + " " + reduction_name(red));
+      fce_options o = test_options();
+      o.dtype = dtype;
+      o.reduction = red;
+      HandOut h = hand_forward(o, N, V, z, y);
+      EXPECT_EQ(h.argmax, (std::vector<int64_t>{1, 0, 2, -1, 2}));
+      if (red == FCE_REDUCTION_NONE) {
+        EXPECT_EQ(h.accuracy, (std::vector<double>{1, 0, 0, 0, 1}));
+      } else {
+        EXPECT_EQ(h.accuracy, (std::vector<double>{0.5}));  // 2 of the n = 4 non-ignored rows
+      }
+      // The NaN row: NaN loss, lse and gradient; the −inf row: lse −inf, loss NaN.
+      EXPECT_TRUE(std::isnan(h.lse[2]));
+      EXPECT_EQ(h.lse[1], -inf);
+      for (int64_t j = 0; j < V; ++j) EXPECT_TRUE(std::isnan(h.grad[static_cast<size_t>(2 * V + j)]));
+      if (red == FCE_REDUCTION_NONE) {
+        EXPECT_TRUE(std::isnan(h.loss[1]));
+        EXPECT_TRUE(std::isnan(h.loss[2]));
+        EXPECT_EQ(h.loss[3], 0.0);
+        EXPECT_TRUE(std::isfinite(h.loss[0]) && std::isfinite(h.loss[4]));
+      } else {
+        EXPECT_TRUE(std::isnan(h.loss[0]));
+      }
+    }
+}
+
+// Shift by k (SEMANTICS 1): row b T + t is scored against target b T + t + k, rows t >= T − k
+// are ignored, and targets of the first k positions of each sequence are never read (garbage
+// there sets no flag). k >= T ignores every row.
+TEST_F(Ce, ShiftByKReadsOnlyItsTargets) {
+  for (int64_t k : {int64_t{1}, int64_t{2}, int64_t{3}})
+    for (int red : kReductions) {
+      CeCase c;
+      c.name = "shift_k_unread_targets";
+      c.reduction = red;
+      c.N = 24;
+      c.V = 50;
+      c.shift = 6;
+      c.shift_k = k;
+      c.argmax = c.accuracy = true;
+      c.edit = [](const CeCase& cc, std::vector<double>&, std::vector<int64_t>& y) {
+        for (int64_t r = 0; r < cc.N; ++r)
+          if (r % cc.shift < cc.shift_k) y[static_cast<size_t>(r)] = 1000000 + r;  // never read
+      };
+      CeRunner run(c);
+      ASSERT_FALSE(run.any_invalid());
+      for (int64_t r = 0; r < c.N; ++r)
+        ASSERT_EQ(run.ref().kind[static_cast<size_t>(r)] == fceref::kIgnored,
+                  r % c.shift >= c.shift - k) << "row " << r;
+      CeOut out;
+      ASSERT_NO_FATAL_FAILURE(run.forward(&out));
+      ASSERT_NO_FATAL_FAILURE(run.backward(false, &out.grad));
+      // One that is read (position k of sequence 1, read by its row 0) makes that row invalid.
+      c.edit = [](const CeCase& cc, std::vector<double>&, std::vector<int64_t>& y) {
+        y[static_cast<size_t>(cc.shift + cc.shift_k)] = cc.V;
+      };
+      CeRunner run2(c);
+      ASSERT_EQ(run2.ref().kind[static_cast<size_t>(c.shift)], fceref::kInvalid);
+      ASSERT_NO_FATAL_FAILURE(run2.forward());
+    }
+  for (int64_t k : {int64_t{6}, int64_t{7}, int64_t{1} << 40}) {
+    CeCase c;
+    c.name = "shift_k_at_least_T";
+    c.N = 12;
+    c.V = 30;
+    c.shift = 6;
+    c.shift_k = k;
+    c.lambda = 1e-3f;
+    c.argmax = c.accuracy = true;
+    run_case(c);
+  }
 }
 
 // Several threads calling at once, each with its own buffers, give what one thread gives.

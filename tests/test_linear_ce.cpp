@@ -3,12 +3,11 @@
 //
 // Every option, bias or not, overwrite and accumulate, grad_weight_fp32, per-row upstream,
 // loss only, partial gradients, workspaces from the minimum to past the optimum, odd shapes,
-// strided hidden rows, out-of-range targets, determinism, bad input. Outputs poisoned, guards
-// and row gaps checked as in test_ce.cpp.
+// strided hidden rows, out-of-range targets, shift by k, token scaling, argmax and accuracy,
+// determinism, bad input. Outputs poisoned, guards and row gaps checked as in test_ce.cpp.
 #include <functional>
 
-#include "ref.h"
-#include "test_util.h"
+#include "check_ce.h"
 
 using namespace fcet;
 
@@ -37,7 +36,11 @@ struct LinCase {
   bool weights = false;
   double ignore_frac = 0;
   int64_t ignore_index = -100;
-  int64_t shift = 0;
+  int64_t shift = 0;             // shift_seq_len T
+  int64_t shift_k = 0;           // options.shift k (0 = 1), with T > 0
+  bool token_scaling = false;
+  bool argmax = false, accuracy = false;  // options.argmax / options.accuracy asked for
+  bool confident = false;        // every other row's target is its argmax (p_y large)
   int64_t h_pad = 0;             // hidden_row_stride = D + h_pad (0: passed as 0)
   bool bias = true;
   bool gh = true, gw = true, gb = true;  // which gradients are asked for
@@ -59,7 +62,8 @@ std::string case_label(const LinCase& c) {
     << dtype_name(c.tdtype) << " " << reduction_name(c.reduction) << " N=" << c.N << " D=" << c.D
     << " V=" << c.V << " eps=" << c.eps << " lambda=" << c.lambda << " softcap=" << c.softcap
     << " scale=" << c.scale << (c.weights ? " weights" : "") << " shift=" << c.shift
-    << " h_pad=" << c.h_pad << (c.bias ? " bias" : " no-bias") << " grads=" << c.gh << c.gw
+    << " k=" << c.shift_k << (c.token_scaling ? " token_scaling" : "")
+    << (c.argmax ? " argmax" : "") << (c.accuracy ? " accuracy" : "") << " h_pad=" << c.h_pad << (c.bias ? " bias" : " no-bias") << " grads=" << c.gh << c.gw
     << c.gb << (c.accumulate ? " accumulate" : "") << (c.gw_fp32 ? " grad_weight_fp32" : "")
     << " workspace=" << ws_name(c.ws);
   if (c.ws == kWsFrac) s << " " << c.ws_frac;
@@ -96,8 +100,12 @@ double rms(const std::vector<double>& v) {
 }
 
 struct LinOut {
-  std::vector<uint8_t> loss, lse, zloss, gh, gw, gb;
+  std::vector<uint8_t> loss, lse, zloss, gh, gw, gb, argmax, accuracy;
 };
+
+// Relative width of an argmax near tie (check_ce.h): the logits come out of a float32 GEMM
+// (a relative error of some 2^-24 D), and on CUDA a 16-bit plan may round them to the dtype.
+double argmax_tie(int dtype) { return dtype == FCE_FLOAT32 ? 1e-5 : 2 * unit_roundoff(dtype); }
 
 class LinRunner {
  public:
@@ -115,6 +123,21 @@ class LinRunner {
       else d_.g = {c_.gscale};
     }
     if (c_.edit) c_.edit(c_, d_.y);
+    if (c_.confident) {  // row r is scored against y[r + k]: that one becomes row r's argmax
+      const int64_t k = c_.shift > 0 ? std::max<int64_t>(c_.shift_k, 1) : 0;
+      for (int64_t r = 0; r + k < c_.N; r += 2) {
+        if (d_.y[static_cast<size_t>(r + k)] == c_.ignore_index) continue;
+        int64_t best = 0;
+        double zbest = -HUGE_VAL;
+        for (int64_t v = 0; v < c_.V; ++v) {
+          double z = c_.bias ? d_.b[static_cast<size_t>(v)] : 0.0;
+          for (int64_t j = 0; j < c_.D; ++j)
+            z += d_.h[static_cast<size_t>(r * c_.D + j)] * d_.W[static_cast<size_t>(v * c_.D + j)];
+          if (z > zbest) zbest = z, best = v;
+        }
+        d_.y[static_cast<size_t>(r + k)] = best;
+      }
+    }
     fceref::Options ro;
     ro.reduction = c_.reduction;
     ro.label_smoothing = c_.eps;
@@ -124,6 +147,8 @@ class LinRunner {
     ro.class_weights = d_.w;
     ro.ignore_index = c_.ignore_index;
     ro.shift_seq_len = c_.shift;
+    ro.shift = c_.shift_k;
+    ro.token_scaling = c_.token_scaling;
     ref_ = fceref::linear_cross_entropy(ro, c_.N, c_.D, c_.V, d_.h, d_.W, d_.b, d_.y,
                                         d_.g.empty() ? nullptr : &d_.g, true);
     gdt_ = c_.gw_fp32 ? FCE_FLOAT32 : c_.dtype;
@@ -161,6 +186,8 @@ class LinRunner {
     o_.logit_scale = c_.scale;
     o_.ignore_index = c_.ignore_index;
     o_.shift_seq_len = c_.shift;
+    o_.shift = c_.shift_k;
+    o_.token_scaling = c_.token_scaling;
     o_.hidden_row_stride = c_.h_pad ? hm_.stride : 0;
     o_.accumulate = c_.accumulate;
     o_.grad_weight_fp32 = c_.gw_fp32;
@@ -207,6 +234,11 @@ class LinRunner {
     Buf lse = c_.lse ? poisoned(lse_m) : Buf();
     Buf zl = c_.zloss ? poisoned(zl_m) : Buf();
     Buf gh = c_.gh ? poisoned(gh_m) : Buf();
+    const Mat am_m = vec(FCE_INT64, N), acc_m = vec(FCE_FLOAT32, loss_m.cols);
+    Buf am = c_.argmax ? poisoned(am_m) : Buf();
+    Buf acc = c_.accuracy ? poisoned(acc_m) : Buf();
+    o_.argmax = am.p<int64_t>();
+    o_.accuracy = acc.p<float>();
     Buf gw, gb;
     if (c_.gw) {
       gw = poisoned(gw_m);
@@ -227,7 +259,7 @@ class LinRunner {
     auto b_h = hidden_.mirror(), b_W = weight_.mirror(), b_b = bias_.mirror(),
          b_y = targets_.mirror(), b_cw = cw_.mirror(), b_g = gout_.mirror(),
          b_loss = loss.mirror(), b_lse = lse.mirror(), b_zl = zl.mirror(), b_gh = gh.mirror(),
-         b_gw = gw.mirror(), b_gb = gb.mirror();
+         b_gw = gw.mirror(), b_gb = gb.mirror(), b_am = am.mirror(), b_acc = acc.mirror();
     fce_status st = fce_linear_ce(&o_, N, D, V, hidden_.ptr(), weight_.ptr(), bias_.ptr(),
                                   targets_.ptr(), loss.p<float>(), lse.p<float>(),
                                   zl.p<float>(), gh.ptr(), gw.ptr(), gb.ptr(), gout_.p<float>(),
@@ -236,7 +268,7 @@ class LinRunner {
     ASSERT_EQ(st, FCE_SUCCESS) << fce_status_string(st) << ": " << fce_last_error();
     ASSERT_TRUE(finish());
     for (Buf* b : {&hidden_, &weight_, &bias_, &targets_, &cw_, &gout_, &loss, &lse, &zl, &gh,
-                   &gw, &gb, &flags, &ws})
+                   &gw, &gb, &flags, &ws, &am, &acc})
       b->pull();
 
     EXPECT_TRUE(unchanged(hidden_, b_h, "hidden_states"));
@@ -312,7 +344,25 @@ class LinRunner {
       std::memcpy(&f, flags.h(), 4);
       EXPECT_EQ(f, preset | (any_invalid() ? FCE_FLAG_TARGET_OUT_OF_RANGE : 0u)) << "error_flags";
     }
+    // Argmax and accuracy (SEMANTICS 15) of the logits h W^T + b.
+    std::vector<int64_t> amv;
+    if (c_.argmax) {
+      EXPECT_TRUE(only_elements_changed(am, b_am, &am_m, "options->argmax"));
+      EXPECT_TRUE(all_written(am, am_m, "options->argmax"));
+      amv = read_i64(am, N);
+      EXPECT_TRUE(argmax_matches(amv, ce, V, argmax_tie(c_.dtype), nullptr));
+    }
+    if (c_.accuracy) {
+      EXPECT_TRUE(only_elements_changed(acc, b_acc, &acc_m, "options->accuracy"));
+      EXPECT_TRUE(all_written(acc, acc_m, "options->accuracy"));
+      EXPECT_TRUE(accuracy_matches(read_mat(acc, acc_m), c_.reduction, ce,
+                                   c_.argmax ? &amv : nullptr, V, argmax_tie(c_.dtype)));
+    }
+    o_.argmax = nullptr;  // the buffers go with this call
+    o_.accuracy = nullptr;
     if (out) {
+      out->argmax = am.mirror();
+      out->accuracy = acc.mirror();
       out->loss = loss.mirror();
       out->lse = lse.mirror();
       out->zloss = zl.mirror();
@@ -356,6 +406,17 @@ const std::vector<OptionSet>& option_sets() {
       {"zloss", [](LinCase& c) { c.lambda = 1e-3f; }},
       {"softcap_scale", [](LinCase& c) { c.softcap = 10.0f; c.scale = 0.7f; }},
       {"shift", [](LinCase& c) { c.shift = 8; c.N = 40; }},
+      {"shift_k2", [](LinCase& c) { c.shift = 8; c.shift_k = 2; c.N = 40; c.ignore_frac = 0.1; }},
+      {"shift_k3", [](LinCase& c) { c.shift = 7; c.shift_k = 3; c.N = 35; c.argmax = true; }},
+      // Token scaling multiplies each row by its p_y: random targets make it tiny (16-bit
+      // gradients of subnormals, outside the bound), so half the rows are confident ones.
+      {"token_scaling",
+       [](LinCase& c) { c.token_scaling = true; c.confident = true; c.ignore_frac = 0.1; }},
+      {"argmax_accuracy",
+       [](LinCase& c) { c.argmax = c.accuracy = true; c.confident = true; c.ignore_frac = 0.2; }},
+      {"accuracy_only", [](LinCase& c) { c.accuracy = true; c.ignore_frac = 0.2; }},
+      {"weights_zloss",  // the z-loss's mean divides by n, the ce's by the sum of weights
+       [](LinCase& c) { c.weights = true; c.lambda = 1e-3f; c.ignore_frac = 0.15; }},
       {"hidden_row_stride", [](LinCase& c) { c.h_pad = 5; }},
       {"accumulate", [](LinCase& c) { c.accumulate = true; }},
       {"accumulate_grad_weight_fp32", [](LinCase& c) { c.accumulate = true; c.gw_fp32 = true; }},
@@ -372,6 +433,13 @@ const std::vector<OptionSet>& option_sets() {
          c.tdtype = FCE_INT32; c.weights = true; c.eps = 0.05f; c.lambda = 1e-4f;
          c.softcap = 12.0f; c.scale = 1.2f; c.shift = 7; c.N = 35; c.ignore_frac = 0.1;
          c.h_pad = 3; c.accumulate = true; c.ws = kWsMid;
+       }},
+      {"everything_03",
+       [](LinCase& c) {
+         c.tdtype = FCE_INT32; c.weights = true; c.eps = 0.05f; c.lambda = 1e-4f;
+         c.softcap = 12.0f; c.scale = 1.2f; c.shift = 7; c.shift_k = 2; c.N = 35;
+         c.ignore_frac = 0.1; c.h_pad = 3; c.accumulate = true; c.ws = kWsMid;
+         c.token_scaling = true; c.confident = true; c.argmax = c.accuracy = true;
        }},
   };
   return sets;
@@ -566,6 +634,7 @@ TEST_F(Linear, Deterministic) {
     c.V = 2000;
     c.eps = 0.1f;
     c.weights = true;
+    c.argmax = c.accuracy = true;
     LinRunner r(c);
     r.options().deterministic = 1;
     LinOut a, b;
@@ -577,6 +646,8 @@ TEST_F(Linear, Deterministic) {
     EXPECT_TRUE(bitwise_equal(a.gh, b.gh, "grad_hidden"));
     EXPECT_TRUE(bitwise_equal(a.gw, b.gw, "grad_weight"));
     EXPECT_TRUE(bitwise_equal(a.gb, b.gb, "grad_bias"));
+    EXPECT_TRUE(bitwise_equal(a.argmax, b.argmax, "options->argmax"));
+    EXPECT_TRUE(bitwise_equal(a.accuracy, b.accuracy, "options->accuracy"));
   }
 }
 
@@ -661,6 +732,8 @@ class LinearBadInput : public BackendTest {
     zl = poisoned(vec(FCE_FLOAT32, 1));
     flags = Buf(4, 0xA5);
     flags.push();
+    am = poisoned(vec(FCE_INT64, N));
+    acc = poisoned(vec(FCE_FLOAT32, N));
     a.o = test_options();
     size_t mn = 0, op = 0;
     ASSERT_EQ(fce_linear_ce_workspace_size(&a.o, N, D, V, 1, &mn, &op), FCE_SUCCESS)
@@ -688,7 +761,8 @@ class LinearBadInput : public BackendTest {
     LinArgs x = a;
     mutate(x);
     if (x.opts == &a.o) x.opts = &x.o;
-    std::vector<const Buf*> outs = {&loss, &lse, &zl, &gh, &arena, &gb, &flags, &hidden, &weight, &bias};
+    std::vector<const Buf*> outs = {&loss, &lse, &zl, &gh, &arena, &gb, &flags, &hidden, &weight, &bias,
+                                    &am, &acc};
     std::vector<std::vector<uint8_t>> before;
     for (const Buf* b : outs) before.push_back(b->mirror());
     fce_status st = call(x);
@@ -702,7 +776,7 @@ class LinearBadInput : public BackendTest {
       EXPECT_TRUE(unchanged(*b, before[i], "a buffer of the rejected call"));
     }
   }
-  Buf hidden, weight, bias, targets, arena, gh, gb, loss, lse, zl, flags, ws;
+  Buf hidden, weight, bias, targets, arena, gh, gb, loss, lse, zl, flags, ws, am, acc;
   size_t min_bytes = 0;
   LinArgs a;
 };
@@ -759,6 +833,80 @@ TEST_F(LinearBadInput, Options) {
   expect_rejected("struct_size too small", FCE_ERROR_INVALID_ARGUMENT, "struct_size",
                   [](LinArgs& x) { x.o.struct_size = 8; });
   expect_rejected("reserved0", FCE_ERROR_INVALID_ARGUMENT, "reserved0", [](LinArgs& x) { x.o.reserved0 = 1; });
+  expect_rejected("reserved1", FCE_ERROR_INVALID_ARGUMENT, "options->reserved1",
+                  [](LinArgs& x) { x.o.reserved1 = 1; });
+  expect_rejected("struct_size between versions", FCE_ERROR_INVALID_ARGUMENT, "struct_size",
+                  [](LinArgs& x) { x.o.struct_size = FCE_OPTIONS_SIZE_V0_1 + 16; });
+  expect_rejected("shift -2", FCE_ERROR_INVALID_ARGUMENT, "options->shift",
+                  [](LinArgs& x) { x.o.shift_seq_len = 4; x.o.shift = -2; });
+  expect_rejected("shift without shift_seq_len", FCE_ERROR_INVALID_ARGUMENT, "options->shift",
+                  [](LinArgs& x) { x.o.shift = 3; });
+}
+
+TEST_F(LinearBadInput, ArgmaxAndAccuracy) {
+  expect_rejected("options->argmax misaligned", FCE_ERROR_MISALIGNED, "options->argmax",
+                  [this](LinArgs& x) { x.o.argmax = (int64_t*)(am.p<char>() + 4); });
+  expect_rejected("options->accuracy misaligned", FCE_ERROR_MISALIGNED, "options->accuracy",
+                  [this](LinArgs& x) { x.o.accuracy = (float*)(acc.p<char>() + 1); });
+  expect_rejected("options->argmax over grad_hidden", FCE_ERROR_INVALID_ARGUMENT,
+                  "options->argmax", [](LinArgs& x) { x.o.argmax = static_cast<int64_t*>(x.gh) + 2; });
+  expect_rejected("options->argmax over weight", FCE_ERROR_INVALID_ARGUMENT, "options->argmax",
+                  [](LinArgs& x) { x.o.argmax = static_cast<int64_t*>(const_cast<void*>(x.W)); });
+  expect_rejected("options->accuracy over loss", FCE_ERROR_INVALID_ARGUMENT,
+                  "options->accuracy", [](LinArgs& x) { x.o.accuracy = x.loss; });
+  expect_rejected("options->accuracy [rows] (none) over z_loss", FCE_ERROR_INVALID_ARGUMENT,
+                  "options->accuracy", [](LinArgs& x) {
+                    x.o.reduction = FCE_REDUCTION_NONE;
+                    x.loss = x.lse;  // [rows] for none
+                    x.lse = nullptr;
+                    x.o.accuracy = x.zl - 3;
+                  });
+  expect_rejected("options->accuracy inside options->argmax", FCE_ERROR_INVALID_ARGUMENT,
+                  "options->accuracy", [this](LinArgs& x) {
+                    x.o.argmax = am.p<int64_t>();
+                    x.o.accuracy = reinterpret_cast<float*>(am.p<int64_t>() + 1);
+                  });
+  // Both given, each its own buffer: fine.
+  LinArgs x = a;
+  x.opts = &x.o;
+  x.o.argmax = am.p<int64_t>();
+  x.o.accuracy = acc.p<float>();
+  ASSERT_EQ(call(x), FCE_SUCCESS) << fce_last_error();
+  ASSERT_TRUE(finish());
+}
+
+// A 0.1/0.2 caller's struct (struct_size FCE_OPTIONS_SIZE_V0_1) with garbage after it: the
+// library reads nothing past it (the garbage would be a negative shift, a wild argmax pointer, a
+// non-zero reserved1) and gives the 0.3 defaults' results.
+TEST_F(LinearBadInput, OlderCallerGetsDefaultsForNewFields) {
+  alignas(fce_options) unsigned char raw[sizeof(fce_options)];
+  std::memcpy(raw, &a.o, sizeof a.o);
+  std::memset(raw + FCE_OPTIONS_SIZE_V0_1, 0xAB, sizeof raw - FCE_OPTIONS_SIZE_V0_1);
+  fce_options* old = reinterpret_cast<fce_options*>(raw);
+  old->struct_size = FCE_OPTIONS_SIZE_V0_1;
+  size_t mn = 0, op = 0, mn0 = 0, op0 = 0;
+  ASSERT_EQ(fce_linear_ce_workspace_size(old, N, D, V, 1, &mn, &op), FCE_SUCCESS) << fce_last_error();
+  ASSERT_EQ(fce_linear_ce_workspace_size(&a.o, N, D, V, 1, &mn0, &op0), FCE_SUCCESS);
+  EXPECT_EQ(mn, mn0);
+  EXPECT_EQ(op, op0);
+  std::vector<uint8_t> first_loss, first_gh;
+  for (int pass = 0; pass < 2; ++pass) {
+    LinArgs x = a;
+    x.opts = pass == 0 ? &x.o : old;
+    ASSERT_EQ(call(x), FCE_SUCCESS) << fce_last_error();
+    ASSERT_TRUE(finish());
+    loss.pull();
+    gh.pull();
+    if (pass == 0) {
+      first_loss = loss.mirror();
+      first_gh = gh.mirror();
+    } else {
+      EXPECT_TRUE(bitwise_equal(loss.mirror(), first_loss, "loss (0.1 struct vs 0.3 defaults)"));
+      EXPECT_TRUE(bitwise_equal(gh.mirror(), first_gh, "grad_hidden (0.1 struct vs 0.3 defaults)"));
+    }
+  }
+  for (size_t i = FCE_OPTIONS_SIZE_V0_1; i < sizeof raw; ++i)
+    ASSERT_EQ(raw[i], 0xAB) << "byte " << i << " past the 0.1 struct changed";
 }
 
 TEST_F(LinearBadInput, BuffersAndWorkspace) {

@@ -11,13 +11,13 @@
 //     one is below the smallest normal) the two may differ by one subnormal quantum — rounding
 //     once to the dtype and scaling an already rounded subnormal are not the same there. Such
 //     elements occur with realistic data in every dtype (float16: most of a 32003-class row), so
-//     they are allowed, counted, and printed as a NOTE; so are the -0 of ignored rows for a
-//     negative g (scaling in place turns the +0 fce_forward wrote there into -0, where
-//     fce_forward given that g writes +0: equal values, other bits);
+//     they are allowed, counted, and printed as a NOTE. Nothing else: ignored rows stay +0 for a
+//     negative g (SEMANTICS 14), bit for bit what fce_forward given that g writes;
 //   NaN rows compare as NaN whatever the payload.
 // And: g == 1 leaves G bitwise as it was (not even rewritten); the values within test_ce.cpp's
 // bounds of the float64 reference (ref.h) for g = 2 and g = 3 (one of each kind); ignored rows
-// 0, the out-of-range target's row NaN; row gaps, guards and every input untouched.
+// +0, the out-of-range target's row NaN; row gaps, guards and every input untouched, and
+// options->argmax / ->accuracy (outputs of fce_forward only) never written.
 // Then which of the three things is done (a pattern in G that is no gradient shows it), bad
 // input (status, a message naming fce_backward_rescale and the argument, nothing written), and
 // on CUDA graph capture with the scalar changed between replays.
@@ -47,16 +47,21 @@ struct RsCase {
   // the rows), int32 targets, a causal shift (T = N for N = 37, T = 20 for N = 300; none for
   // N = 1), one target out of range (N > 1), strided logits and gradient (row gaps).
   bool rich = false;
+  // v03 (with rich): the options of 0.3 too: shift k = 2, token scaling, and options->argmax
+  // and ->accuracy set (fce_forward writes them, fce_backward_rescale must not).
+  bool v03 = false;
 };
 
 void PrintTo(const RsCase& c, std::ostream* os) { *os << c.name << " [" << backend_name() << "]"; }
+
+constexpr uint8_t kUnwrittenByte = 0x3C;  // options->argmax / ->accuracy of the v03 cases
 
 // One problem: its data, the buffers of its inputs, the float64 reference for an upstream 1.
 class Problem {
  public:
   explicit Problem(const RsCase& c) : c_(c) {
     std::mt19937_64 rng(static_cast<uint64_t>(c.N * 7919 + c.V * 31 + c.dtype * 3 + c.reduction) +
-                        (c.rich ? 1000003u : 0u));
+                        (c.rich ? 1000003u : 0u) + (c.v03 ? 77u : 0u));
     o_ = test_options();
     o_.dtype = c.dtype;
     o_.reduction = c.reduction;
@@ -74,9 +79,28 @@ class Problem {
       grad_pad = 5;
       ignore_frac = 0.15;
     }
-    z_ = random_logits(rng, c.dtype, c.N, c.V);
+    if (c.v03) {
+      o_.shift = o_.shift_seq_len > 0 ? 2 : 0;
+      o_.token_scaling = 1;
+      argmax_ = Buf(static_cast<size_t>(c.N) * 8, kUnwrittenByte);
+      accuracy_ = Buf(4, kUnwrittenByte);
+      o_.argmax = argmax_.p<int64_t>();
+      o_.accuracy = accuracy_.p<float>();
+    }
+    // v03: token scaling multiplies each row by its p_y, which random targets make tiny (a
+    // float16 gradient of subnormals, outside the reference bound): spread at most 5, and every
+    // other row's target its argmax.
+    z_ = random_logits(rng, c.dtype, c.N, c.V, 1.0, c.v03 ? 5.0 : 30.0);
     y_ = random_targets(rng, c.N, c.V, ignore_frac, o_.ignore_index);
-    if (c.rich && c.N > 1) y_[2] = c.V + 3;  // scored by row 2, or by row 1 with the shift
+    if (c.v03) {
+      const int64_t k = o_.shift_seq_len > 0 ? o_.shift : 0;
+      for (int64_t r = 0; r + k < c.N; r += 2) {
+        const double* row = &z_[static_cast<size_t>(r * c.V)];
+        if (y_[static_cast<size_t>(r + k)] != o_.ignore_index)
+          y_[static_cast<size_t>(r + k)] = std::max_element(row, row + c.V) - row;
+      }
+    }
+    if (c.rich && c.N > 1) y_[2] = c.V + 3;  // scored by row 2, or by row 1 (0 for k = 2)
     if (c.rich) w_ = random_uniform(rng, static_cast<size_t>(c.V), 0.1, 2.0);
     lm_ = mat(c.dtype, c.N, c.V, c.V + row_pad);
     gm_ = mat(c.dtype, c.N, c.V, c.V + grad_pad);
@@ -102,6 +126,8 @@ class Problem {
     ro.class_weights = w_;
     ro.ignore_index = o_.ignore_index;
     ro.shift_seq_len = o_.shift_seq_len;
+    ro.shift = o_.shift;
+    ro.token_scaling = o_.token_scaling != 0;
     ref_ = fceref::cross_entropy(ro, c.N, c.V, z_, y_, nullptr, true);
     size_t wsb = 0;
     EXPECT_EQ(fce_backward_workspace_size(&o_, c.N, c.V, &wsb), FCE_SUCCESS) << fce_last_error();
@@ -116,6 +142,8 @@ class Problem {
   Buf& logits() { return logits_; }
   Buf& targets() { return targets_; }
   Buf& lse() { return lse_; }
+  Buf& argmax() { return argmax_; }
+  Buf& accuracy() { return accuracy_; }
   Buf& workspace() { return ws_; }
   size_t workspace_bytes() const { return wsb_; }
   bool any_invalid() const {
@@ -162,7 +190,7 @@ class Problem {
   std::vector<double> z_, w_;
   std::vector<int64_t> y_;
   Mat lm_, gm_;
-  Buf logits_, targets_, weights_, lse_, flags_, ws_;
+  Buf logits_, targets_, weights_, lse_, flags_, ws_, argmax_, accuracy_;
   size_t wsb_ = 0;
   fceref::CeResult ref_;
 };
@@ -184,16 +212,13 @@ double subnormal_quantum(int dtype) {
 
 // What same_gradient let through on the in-place path (see the top of the file).
 struct Allowed {
-  int64_t subnormal = 0;    // one subnormal quantum apart
-  int64_t signed_zero = 0;  // -0 for +0 in an ignored row
+  int64_t subnormal = 0;  // one subnormal quantum apart
 };
 
 // The elements of m in `got` against those in `want`: bitwise, NaN == NaN (any payload). With
 // `allowed` (the in-place path), also, counted there: a difference of one subnormal quantum
 // where the value in `want`, in `got` or in `upstream1` (the gradient for g = 1) is below the
-// smallest normal; and the other zero in an ignored row (the in-place path scales the +0
-// fce_forward wrote there like any element, giving -0 for a negative g where fce_forward given
-// that g writes +0: equal values, other bits).
+// smallest normal. Zeros compare by their bits: an ignored row's +0 must stay +0.
 ::testing::AssertionResult same_gradient(const Buf& got, const Buf& want, const Buf& upstream1,
                                          const Mat& m, const std::vector<fceref::RowKind>& kind,
                                          Allowed* allowed) {
@@ -208,10 +233,7 @@ struct Allowed {
       const double a = get(m.dtype, got.h() + off), b = get(m.dtype, want.h() + off),
                    one = get(m.dtype, upstream1.h() + off);
       if (std::isnan(a) && std::isnan(b)) continue;
-      if (allowed && a == b && kind[static_cast<size_t>(r)] == fceref::kIgnored) {
-        ++allowed->signed_zero;
-        continue;
-      }
+      (void)kind;
       if (allowed && a != b && std::fabs(a - b) <= q &&
           std::min({std::fabs(a), std::fabs(b), std::fabs(one)}) <= tiny) {
         ++allowed->subnormal;
@@ -227,7 +249,7 @@ struct Allowed {
                                        << " elements differ from fce_forward's:" << first.str();
 }
 
-// Ignored rows all 0, invalid rows all NaN (after pull()).
+// Ignored rows all +0, invalid rows all NaN (after pull()).
 ::testing::AssertionResult rows_of_kind(const Buf& grad, const Mat& m,
                                         const std::vector<fceref::RowKind>& kind) {
   for (int64_t r = 0; r < m.rows; ++r) {
@@ -235,7 +257,7 @@ struct Allowed {
     if (k == fceref::kValid) continue;
     for (int64_t c = 0; c < m.cols; ++c) {
       const double v = get(m.dtype, grad.h() + m.offset(r, c));
-      if (k == fceref::kIgnored && v != 0.0)
+      if (k == fceref::kIgnored && (v != 0.0 || std::signbit(v)))
         return ::testing::AssertionFailure() << "ignored row " << r << " has " << v << " at " << c;
       if (k == fceref::kInvalid && !std::isnan(v))
         return ::testing::AssertionFailure()
@@ -245,10 +267,11 @@ struct Allowed {
   return ::testing::AssertionSuccess();
 }
 
-std::string case_name(int dtype, int reduction, bool rich, int64_t N, int64_t V) {
+std::string case_name(int dtype, int reduction, bool rich, int64_t N, int64_t V,
+                      bool v03 = false) {
   std::ostringstream s;
-  s << dtype_name(dtype) << "_" << reduction_name(reduction) << (rich ? "_rich" : "_plain")
-    << "_N" << N << "_V" << V;
+  s << dtype_name(dtype) << "_" << reduction_name(reduction)
+    << (v03 ? "_rich03" : rich ? "_rich" : "_plain") << "_N" << N << "_V" << V;
   return s.str();
 }
 
@@ -268,6 +291,20 @@ std::vector<RsCase> matrix_cases() {
             c.name = case_name(dtype, red, rich, N, V);
             cases.push_back(c);
           }
+  // The 0.3 options (fewer sizes: they change the rows, not the way through them).
+  for (int dtype : {FCE_FLOAT32, FCE_FLOAT16, FCE_BFLOAT16})
+    for (int red : {FCE_REDUCTION_MEAN, FCE_REDUCTION_SUM})
+      for (int64_t V : {int64_t{7}, int64_t{1001}})
+        for (int64_t N : {int64_t{37}, int64_t{300}}) {
+          RsCase c;
+          c.dtype = dtype;
+          c.reduction = red;
+          c.rich = c.v03 = true;
+          c.V = V;
+          c.N = N;
+          c.name = case_name(dtype, red, true, N, V, true);
+          cases.push_back(c);
+        }
   return cases;
 }
 
@@ -303,11 +340,20 @@ TEST_P(RescaleMatrix, MatchesForwardGivenThatUpstream) {
     flags.push();
     const auto b_logits = pb.logits().mirror(), b_targets = pb.targets().mirror(),
                b_lse = pb.lse().mirror(), b_gout = gout.mirror();
+    // fce_forward wrote argmax / accuracy (v03); put back what no call writes, to see that
+    // fce_backward_rescale leaves them alone.
+    for (Buf* b : {&pb.argmax(), &pb.accuracy()})
+      if (!b->empty()) std::memset(b->h(), kUnwrittenByte, b->size()), b->push();
+    const auto b_argmax = pb.argmax().mirror(), b_accuracy = pb.accuracy().mirror();
     const fce_status st = pb.rescale(grad, gout, &flags);
     ASSERT_EQ(st, FCE_SUCCESS) << fce_status_string(st) << ": " << fce_last_error();
     EXPECT_STREQ(fce_last_error(), "");
     ASSERT_TRUE(finish());
-    for (Buf* b : {&grad, &flags, &gout, &pb.logits(), &pb.targets(), &pb.lse()}) b->pull();
+    for (Buf* b : {&grad, &flags, &gout, &pb.logits(), &pb.targets(), &pb.lse(), &pb.argmax(),
+                   &pb.accuracy()})
+      b->pull();
+    EXPECT_TRUE(unchanged(pb.argmax(), b_argmax, "options->argmax"));
+    EXPECT_TRUE(unchanged(pb.accuracy(), b_accuracy, "options->accuracy"));
     EXPECT_TRUE(unchanged(pb.logits(), b_logits, "logits"));
     EXPECT_TRUE(unchanged(pb.targets(), b_targets, "targets"));
     EXPECT_TRUE(unchanged(pb.lse(), b_lse, "lse"));
@@ -336,11 +382,10 @@ TEST_P(RescaleMatrix, MatchesForwardGivenThatUpstream) {
       EXPECT_EQ(f, kPresetFlags | FCE_FLAG_TARGET_OUT_OF_RANGE) << "error_flags (recomputed)";
     }
   }
-  if (allowed.subnormal > 0 || allowed.signed_zero > 0)
+  if (allowed.subnormal > 0)
     std::printf("NOTE: %s [%s], scaled in place: %lld element(s) one subnormal quantum from "
-                "fce_forward's, %lld -0 for +0 in ignored rows\n",
-                c.name.c_str(), backend_name(), static_cast<long long>(allowed.subnormal),
-                static_cast<long long>(allowed.signed_zero));
+                "fce_forward's\n",
+                c.name.c_str(), backend_name(), static_cast<long long>(allowed.subnormal));
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, RescaleMatrix, ::testing::ValuesIn(matrix_cases()),
@@ -351,8 +396,9 @@ class Rescale : public BackendTest {};
 
 // G holding something that is no gradient shows what the call does: g = 1 leaves a signalling
 // NaN poison as it is (nothing is written, not even the same bits); g = 2 doubles a pattern
-// exactly (scaled in place, not computed again); g = 0.75 replaces it with fce_forward's
-// gradient for 0.75 (computed again).
+// exactly in the scored rows (scaled in place, not computed again; an ignored row is left as it
+// is or written +0, an invalid one left or NaN: rows whose gradient does not depend on g);
+// g = 0.75 replaces it with fce_forward's gradient for 0.75 (computed again).
 TEST_F(Rescale, TheScalarDecidesWhatIsDone) {
   for (int dtype : {FCE_FLOAT32, FCE_FLOAT16, FCE_BFLOAT16}) {
     RsCase c;
@@ -383,8 +429,15 @@ TEST_F(Rescale, TheScalarDecidesWhatIsDone) {
     grad.pull();
     const std::vector<double> doubled = read_mat(grad, gm);
     int64_t bad = 0;
-    for (size_t i = 0; i < pattern.size(); ++i) bad += doubled[i] != 2.0 * pattern[i];
-    EXPECT_EQ(bad, 0) << "g = 2: elements of the pattern not doubled exactly";
+    for (size_t i = 0; i < pattern.size(); ++i) {
+      const fceref::RowKind kind = pb.ref().kind[i / static_cast<size_t>(gm.cols)];
+      const double v = doubled[i];
+      if (kind == fceref::kValid) bad += v != 2.0 * pattern[i];
+      if (kind == fceref::kIgnored) bad += !(v == pattern[i] || (v == 0.0 && !std::signbit(v)));
+      if (kind == fceref::kInvalid) bad += !(v == pattern[i] || std::isnan(v));
+    }
+    EXPECT_EQ(bad, 0) << "g = 2: elements of the pattern not doubled exactly (scored rows), or "
+                         "other rows changed otherwise than to +0 / NaN";
     EXPECT_TRUE(only_elements_changed(grad, poison, &gm, "grad_logits, g = 2"));
 
     Buf direct = poisoned(gm);

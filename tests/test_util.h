@@ -303,15 +303,18 @@ inline double round_to(int dtype, double v) {
 // holding it after the call was not written.
 constexpr uint32_t kPoison32 = 0xFFBADBADu;
 constexpr uint16_t kPoison16 = 0xFFBAu;     // a NaN both as binary16 and as bfloat16
+constexpr uint64_t kPoison64 = 0xBADBADBADBADBAD5ull;  // int64 outputs (argmax): no index, not -1
 constexpr uint8_t kGuardByte = 0xC3;        // guard regions and row gaps of outputs
 constexpr size_t kGuard = 256;              // guard bytes each side (keeps 256-byte alignment)
 
 inline void put_poison(int dtype, void* dst) {
-  if (dtype_size(dtype) == 4) std::memcpy(dst, &kPoison32, 4);
+  if (dtype_size(dtype) == 8) std::memcpy(dst, &kPoison64, 8);
+  else if (dtype_size(dtype) == 4) std::memcpy(dst, &kPoison32, 4);
   else if (dtype_size(dtype) == 2) std::memcpy(dst, &kPoison16, 2);
   else std::memset(dst, 0xFF, dtype_size(dtype));
 }
 inline bool is_poison(int dtype, const void* src) {
+  if (dtype_size(dtype) == 8) { uint64_t u; std::memcpy(&u, src, 8); return u == kPoison64; }
   if (dtype_size(dtype) == 4) { uint32_t u; std::memcpy(&u, src, 4); return u == kPoison32; }
   if (dtype_size(dtype) == 2) { uint16_t u; std::memcpy(&u, src, 2); return u == kPoison16; }
   return false;
@@ -444,6 +447,12 @@ inline std::vector<double> read_mat(const Buf& b, const Mat& m) {
   for (int64_t r = 0; r < m.rows; ++r)
     for (int64_t c = 0; c < m.cols; ++c)
       out[static_cast<size_t>(r * m.cols + c)] = get(m.dtype, b.h() + m.offset(r, c));
+  return out;
+}
+// The int64 elements of an [n] int64 buffer (argmax).
+inline std::vector<int64_t> read_i64(const Buf& b, int64_t n) {
+  std::vector<int64_t> out(static_cast<size_t>(n));
+  if (n > 0) std::memcpy(out.data(), b.h(), static_cast<size_t>(n) * 8);
   return out;
 }
 inline void poison_mat(Buf& b, const Mat& m) {

@@ -25,8 +25,9 @@ suite() {
 }
 # The GoogleTest binaries run directly (not through ctest, whose test lists point into the
 # build machine's CMake installation, so a build carried to another machine cannot use them).
-for t in test_api test_ce test_linear_ce test_scale test_rescale; do
-  [ -x "$BUILD/tests/$t" ] && suite "C ABI $t on CUDA" env FCE_TEST_BACKEND=cuda "$BUILD/tests/$t"
+for path in "$BUILD"/tests/test_*; do
+  t=$(basename "$path")
+  [ -f "$path" ] && [ -x "$path" ] && suite "C ABI $t on CUDA" env FCE_TEST_BACKEND=cuda "$path"
 done
 suite "linear CE, vocab-sliced plan forced (CUDA)" env FCE_TEST_BACKEND=cuda FCE_LINEAR_CE_PLAN=sliced \
   "$BUILD/tests/test_linear_ce"

@@ -17,7 +17,7 @@ namespace cpu {
 
 // ------------------------------------------------------------ once per call ----
 
-// What every row shares: the options as the SPEC names them, Ω and the mean's denominator D.
+// What every row shares: the options as the SPEC names them, Ω and the denominators D and n.
 struct CeSetup {
   int64_t rows, vocab;  // N, V
   double s;             // logit_scale
@@ -28,11 +28,14 @@ struct CeSetup {
   double Omega;         // Σ_j ω_j
   int64_t ignore_index;
   int64_t T;            // shift_seq_len, 0 = no shift
+  int64_t k;            // shift: row r is scored against target r + k (k >= 1 when T > 0)
+  bool token_scaling;   // each scored row's loss and gradient times the detached p_y
   const void* targets;  // y [N]
   bool targets_int64;
   int reduction;
   const float* grad_output;  // g: [1] (mean, sum) or [N] (none); nullptr = 1
-  double D;                  // SEMANTICS 4
+  double D;                  // SEMANTICS 4: Σ ω_y over scored rows + the number of invalid rows
+  double n;                  // SEMANTICS 4: the number of non-ignored rows
 };
 
 enum class RowKind { kScored, kIgnored, kInvalid };
@@ -46,12 +49,13 @@ inline double omega_of(const CeSetup& setup, int64_t j) {
   return setup.omega ? double(setup.omega[j]) : 1.0;
 }
 
-// SEMANTICS 1-3: the target row r is scored against, or why it is not.
+// SEMANTICS 1-3: the target row r is scored against, or why it is not. With the shift, the
+// last k rows of each sequence are ignored before their (absent) target is read.
 inline RowTarget row_target(const CeSetup& setup, int64_t r) {
   int64_t source = r;
   if (setup.T > 0) {
-    if (r % setup.T == setup.T - 1) return {RowKind::kIgnored, 0};
-    source = r + 1;
+    if (r % setup.T >= setup.T - setup.k) return {RowKind::kIgnored, 0};
+    source = r + setup.k;
   }
   const int64_t y = setup.targets_int64
                         ? static_cast<const int64_t*>(setup.targets)[source]
@@ -61,15 +65,17 @@ inline RowTarget row_target(const CeSetup& setup, int64_t r) {
   return {RowKind::kScored, y};
 }
 
-// SEMANTICS 4: D = Σ ω_{y_r} over scored rows + the number of invalid rows, in row order.
-inline double denominator(const CeSetup& setup) {
-  double D = 0.0;
+// SEMANTICS 4: D = Σ ω_{y_r} over scored rows + the number of invalid rows, and n = the number
+// of non-ignored rows, in row order.
+inline void denominators(CeSetup& setup) {
+  setup.D = 0.0;
+  setup.n = 0.0;
   for (int64_t r = 0; r < setup.rows; ++r) {
     const RowTarget t = row_target(setup, r);
-    if (t.kind == RowKind::kScored) D += omega_of(setup, t.y);
-    if (t.kind == RowKind::kInvalid) D += 1.0;
+    if (t.kind == RowKind::kScored) setup.D += omega_of(setup, t.y);
+    if (t.kind == RowKind::kInvalid) setup.D += 1.0;
+    if (t.kind != RowKind::kIgnored) setup.n += 1.0;
   }
-  return D;
 }
 
 inline CeSetup make_setup(const CeOptions& opt, int64_t rows, int64_t vocab, const void* targets,
@@ -86,20 +92,30 @@ inline CeSetup make_setup(const CeOptions& opt, int64_t rows, int64_t vocab, con
   for (int64_t j = 0; j < vocab; ++j) setup.Omega += omega_of(setup, j);
   setup.ignore_index = opt.ignore_index;
   setup.T = opt.shift_seq_len;
+  setup.k = opt.shift_seq_len > 0 ? opt.shift : 0;
+  setup.token_scaling = opt.token_scaling;
   setup.targets = targets;
   setup.targets_int64 = opt.targets_int64;
   setup.reduction = opt.reduction;
   setup.grad_output = grad_output;
-  setup.D = denominator(setup);
+  denominators(setup);
   return setup;
 }
 
-// SEMANTICS 6: k = g / D (mean; 0 when D == 0), g (sum), g_r (none).
-inline double upstream_scale(const CeSetup& setup, int64_t r) {
+// SEMANTICS 6: the upstream scales of row r, k = g · k1 for the cross-entropy terms and
+// k_z = g · kz1 for the z-loss term (k1 = 1/D and kz1 = 1/n for mean, 1 otherwise). The gradient
+// is computed for an upstream 1 and multiplied by g last, so that the gradient for g = ±2^k or 0
+// is exactly the gradient for 1 times g, zeros' signs included (fce_backward_rescale's scaling
+// in place, SEMANTICS 14).
+struct Upstream {
+  double g, k1, kz1;
+};
+
+inline Upstream upstream_scales(const CeSetup& setup, int64_t r) {
   const bool per_row = setup.reduction == FCE_REDUCTION_NONE;
   const double g = setup.grad_output ? double(setup.grad_output[per_row ? r : 0]) : 1.0;
-  if (setup.reduction == FCE_REDUCTION_MEAN) return setup.D == 0.0 ? 0.0 : g / setup.D;
-  return g;
+  if (setup.reduction != FCE_REDUCTION_MEAN) return {g, 1.0, 1.0};
+  return {g, setup.D == 0.0 ? 0.0 : 1.0 / setup.D, setup.n == 0.0 ? 0.0 : 1.0 / setup.n};
 }
 
 // ------------------------------------------------------------- row by row ----
@@ -112,32 +128,58 @@ inline void scale_and_softcap(const CeSetup& setup, double* a) {
   }
 }
 
-// Step 3: lse = log Σ_j exp(a_j), from the row maximum (never overflows). A row of −inf gives
-// −inf; a NaN anywhere gives NaN.
-inline double log_sum_exp(const double* a, int64_t vocab) {
-  constexpr double kInf = std::numeric_limits<double>::infinity();
-  double max = -kInf;
-  bool nan = false;
+// Step 3 in two parts (SEMANTICS 8-10): the row maximum m and log s, s = Σ_j exp(a_j − m), kept
+// apart, so that p_j = exp((a_j − m) − log s) keeps log s even when |m| is huge (all entries
+// -1e30: lse = m + log s rounds to m). lse = m + log s. A NaN anywhere makes m, log s and lse
+// NaN. An entry equal to m counts exp(0) = 1 even when m is infinite: a row of −inf gives
+// s = V and lse = −inf, +inf entries give lse = +inf. argmax is SEMANTICS 15's: the first NaN,
+// else the lowest j with a_j == m.
+struct RowStats {
+  double m, log_s, lse;
+  int64_t argmax;
+};
+
+inline RowStats row_stats(const double* a, int64_t vocab) {
+  constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+  double m = -std::numeric_limits<double>::infinity();
+  int64_t argmax = 0;
   for (int64_t j = 0; j < vocab; ++j) {
-    if (std::isnan(a[j]))
-      nan = true;
-    else if (a[j] > max)
-      max = a[j];
+    if (std::isnan(a[j])) return {kNaN, kNaN, kNaN, j};
+    if (a[j] > m) {
+      m = a[j];
+      argmax = j;
+    }
   }
-  if (nan) return std::numeric_limits<double>::quiet_NaN();
-  if (std::isinf(max)) return max;  // all −inf, or a +inf entry
-  double sum = 0.0;
-  for (int64_t j = 0; j < vocab; ++j) sum += std::exp(a[j] - max);
-  return max + std::log(sum);
+  double s = 0.0;
+  for (int64_t j = 0; j < vocab; ++j) s += a[j] == m ? 1.0 : std::exp(a[j] - m);
+  const double log_s = std::log(s);
+  return {m, log_s, m + log_s, argmax};
 }
 
-// Step 4: ce = (1 − ε) ω_y (lse − a_y) + (ε / V) Σ_j ω_j (lse − a_j). The smoothing sum is
-// skipped when ε == 0 (so that a −inf entry does not make 0 · inf).
-inline double cross_entropy(const CeSetup& setup, const double* a, double lse, int64_t y) {
-  double ce = (1.0 - setup.eps) * omega_of(setup, y) * (lse - a[y]);
+// fce_backward's statistics (SEMANTICS 12): the row is reduced again (in double, cheap next to
+// the gradient); when its lse rounds to the saved float, that is exactly what fce_forward had, so
+// its (m, log s) are used and the gradient is fce_forward's bit for bit; so they are when
+// |lse| >= 1024, where the saved float would lose log s. Otherwise (the lse of another call)
+// p_j = exp(a_j − lse) from the saved value, as the header says: m = lse, log s = 0.
+inline RowStats saved_stats(float saved, const double* a, int64_t vocab) {
+  const RowStats exact = row_stats(a, vocab);
+  if (float(exact.lse) == saved || std::fabs(saved) >= 1024.0f) return exact;
+  return {double(saved), 0.0, double(saved), exact.argmax};
+}
+
+// p_j = exp((a_j − m) − log s) (SEMANTICS 9).
+inline double probability(const RowStats& st, double a_j) {
+  return std::exp((a_j - st.m) - st.log_s);
+}
+
+// Step 4 (SEMANTICS 8): ce = (1 − ε) ω_y ((m − a_y) + log s) + (ε/V) Σ_j ω_j ((m − a_j) + log s).
+// The smoothing sum is skipped when ε == 0 (so that a −inf entry does not make 0 · inf).
+inline double cross_entropy(const CeSetup& setup, const double* a, const RowStats& st, int64_t y) {
+  double ce = (1.0 - setup.eps) * omega_of(setup, y) * ((st.m - a[y]) + st.log_s);
   if (setup.eps > 0.0) {
     double smooth = 0.0;
-    for (int64_t j = 0; j < setup.vocab; ++j) smooth += omega_of(setup, j) * (lse - a[j]);
+    for (int64_t j = 0; j < setup.vocab; ++j)
+      smooth += omega_of(setup, j) * ((st.m - a[j]) + st.log_s);
     ce += setup.eps / double(setup.vocab) * smooth;
   }
   return ce;
@@ -148,37 +190,42 @@ inline double z_loss_term(const CeSetup& setup, double lse) {
   return setup.lambda == 0.0 ? 0.0 : setup.lambda * lse * lse;
 }
 
-// The gradient, in place: a_j in, ∂loss/∂z_j out, with p_j = exp(a_j − lse):
-//   ∂loss/∂a_j = (1−ε) ω_y (p_j − [j = y]) + (ε/V)(Ω p_j − ω_j) + 2 λ lse p_j
-//   ∂loss/∂z_j = k · ∂loss/∂a_j · s · (1 − (a_j / c)²)   (the last factor only with softcap)
-inline void gradient(const CeSetup& setup, double* a, double lse, int64_t y, double k) {
+// The gradient (SEMANTICS 9), in place: a_j in, ∂loss/∂z_j out:
+//   ∂ce/∂a_j = (1−ε) ω_y (p_j − [j = y]) + (ε/V)(Ω p_j − ω_j),  ∂zl/∂a_j = 2 λ lse p_j
+//   ∂loss/∂z_j = t · (k ∂ce/∂a_j + k_z ∂zl/∂a_j) · s · (1 − (a_j / c)²)
+// (the last factor only with softcap; t = p_y with token scaling, else 1), g applied last.
+inline void gradient(const CeSetup& setup, double* a, const RowStats& st, int64_t y,
+                     const Upstream& up, double t) {
   const double target_weight = (1.0 - setup.eps) * omega_of(setup, y);
   const double smoothing = setup.eps / double(setup.vocab);
-  const double z_loss = setup.lambda == 0.0 ? 0.0 : 2.0 * setup.lambda * lse;
+  const double z_loss = setup.lambda == 0.0 ? 0.0 : 2.0 * setup.lambda * st.lse;
   for (int64_t j = 0; j < setup.vocab; ++j) {
-    const double p = std::exp(a[j] - lse);
-    double d_a = target_weight * (p - (j == y ? 1.0 : 0.0));
-    if (smoothing != 0.0) d_a += smoothing * (setup.Omega * p - omega_of(setup, j));
-    if (z_loss != 0.0) d_a += z_loss * p;
-    double d_z = k * d_a * setup.s;
+    const double p = probability(st, a[j]);
+    double d_ce = target_weight * (p - (j == y ? 1.0 : 0.0));
+    if (smoothing != 0.0) d_ce += smoothing * (setup.Omega * p - omega_of(setup, j));
+    double d_a = up.k1 * d_ce;
+    if (z_loss != 0.0) d_a += up.kz1 * z_loss * p;
+    if (setup.token_scaling) d_a *= t;
+    double d_z = d_a * setup.s;
     if (setup.c > 0.0) d_z *= 1.0 - (a[j] / setup.c) * (a[j] / setup.c);
-    a[j] = d_z;
+    a[j] = up.g * d_z;
   }
-}
-
-// fce_backward's lse: the saved value, except that when it is exactly what fce_forward stored
-// (the float32 rounding of the double lse recomputed here), the double itself is used, so that
-// the gradient is bit for bit fce_forward's (SEMANTICS 12) and as accurate.
-inline double saved_lse(float saved, const double* a, int64_t vocab) {
-  const double exact = log_sum_exp(a, vocab);
-  return float(exact) == saved ? exact : double(saved);
 }
 
 // ------------------------------------------------------------- many rows ----
 
+// Per-row results of a forward, indexed by problem row, reduced by write_reduction.
+struct RowResults {
+  std::vector<double> ce;        // ce_r (times t with token scaling): 0 ignored, NaN invalid
+  std::vector<double> z_loss;    // zl_r: 0 for ignored rows (SEMANTICS 7, 8)
+  std::vector<uint8_t> correct;  // 1 when argmax_r == y_r (scored rows), else 0; empty: no accuracy
+  RowResults(int64_t rows, bool accuracy)
+      : ce(size_t(rows)), z_loss(size_t(rows)), correct(accuracy ? size_t(rows) : 0) {}
+};
+
 // Rows [first_row, first_row + count) of the problem. Logit and gradient pointers address the
-// job's own rows (row i at logits + i * logits_stride elements); lse_in, lse_out, row_loss and
-// row_z_loss are indexed by problem row.
+// job's own rows (row i at logits + i * logits_stride elements); lse_in, lse_out, argmax and
+// results are indexed by problem row.
 struct RowsJob {
   int64_t first_row, count;
   const void* logits;
@@ -187,10 +234,10 @@ struct RowsJob {
   void* grad;  // nullptr: no gradient
   int64_t grad_stride;
   int grad_dtype;
-  const float* lse_in;  // backward: the saved lse; nullptr: forward
-  float* lse_out;       // forward, optional
-  double* row_loss;     // forward: loss_r (0 ignored, NaN invalid)
-  double* row_z_loss;   // forward: λ lse_r², 0 for ignored rows (SEMANTICS 7)
+  const float* lse_in;   // fce_backward: the saved lse; nullptr: the row's own (m, log s)
+  float* lse_out;        // forward, optional
+  int64_t* argmax;       // forward, optional (−1 for ignored rows)
+  RowResults* results;   // forward: ce, z-loss and accuracy per row; nullptr: gradient only
 };
 
 // One double row per thread, allocated before any output is written.
@@ -203,12 +250,13 @@ struct RowScratch {
   }
 };
 
-// Forward or backward over the job's rows; returns true when some target was out of range.
-// Each row is read whole into the thread's buffer before its gradient is written: in place works.
+// The job's rows, each read whole into the thread's buffer before its gradient is written (in
+// place works). Returns true when some target was out of range.
 inline bool run_rows(const CeSetup& setup, const RowsJob& job, RowScratch& scratch) {
   const int64_t V = setup.vocab;
   const size_t logits_size = dtype_size(job.logits_dtype), grad_size = dtype_size(job.grad_dtype);
   std::atomic<bool> invalid_seen{false};
+  RowResults* res = job.results;
   parallel_for(job.count, scratch.threads, [&](int64_t begin, int64_t end, int thread) {
     double* a = scratch.rows[size_t(thread)].data();
     for (int64_t i = begin; i < end; ++i) {
@@ -220,70 +268,76 @@ inline bool run_rows(const CeSetup& setup, const RowsJob& job, RowScratch& scrat
                            ? static_cast<char*>(job.grad) + size_t(i) * job.grad_stride * grad_size
                            : nullptr;
       if (t.kind == RowKind::kInvalid) invalid_seen.store(true, std::memory_order_relaxed);
-
-      const bool forward = job.lse_in == nullptr;
-      const bool need_lse = t.kind != RowKind::kIgnored || (forward && job.lse_out);
-      const bool backward_invalid = !forward && t.kind == RowKind::kInvalid;
-      if (!need_lse || backward_invalid) {  // no need to read the row
-        if (forward) {
-          job.row_loss[r] = 0.0;
-          job.row_z_loss[r] = 0.0;
-        }
-        if (grad_row)
-          fill_row(job.grad_dtype, grad_row, V, t.kind == RowKind::kIgnored ? 0.0f : NAN);
-        continue;
+      if (res) {  // defaults: what an ignored row gets
+        res->ce[size_t(r)] = 0.0;
+        res->z_loss[size_t(r)] = 0.0;
+        if (!res->correct.empty()) res->correct[size_t(r)] = 0;
       }
+      if (job.argmax) job.argmax[r] = -1;
 
-      load_row(job.logits_dtype, z_row, V, a);
-      scale_and_softcap(setup, a);  // steps 1, 2
-      const double lse = forward ? log_sum_exp(a, V) : saved_lse(job.lse_in[r], a, V);  // 3
-      if (forward) {
-        if (job.lse_out) job.lse_out[r] = float(lse);
-        switch (t.kind) {
-          case RowKind::kIgnored:
-            job.row_loss[r] = 0.0;
-            job.row_z_loss[r] = 0.0;
-            break;
-          case RowKind::kInvalid:
-            job.row_loss[r] = std::numeric_limits<double>::quiet_NaN();
-            job.row_z_loss[r] = z_loss_term(setup, lse);
-            break;
-          case RowKind::kScored:
-            job.row_z_loss[r] = z_loss_term(setup, lse);
-            job.row_loss[r] = cross_entropy(setup, a, lse, t.y) + job.row_z_loss[r];  // 4, 5
-            break;
+      // The row is read when it is scored, when a forward output needs its statistics (lse of
+      // every row; z-loss and argmax of an invalid row), never for a gradient alone of an
+      // ignored or invalid row.
+      const bool read = t.kind == RowKind::kScored || job.lse_out ||
+                        (t.kind == RowKind::kInvalid && (res || job.argmax));
+      if (read) {
+        load_row(job.logits_dtype, z_row, V, a);
+        scale_and_softcap(setup, a);                                   // steps 1, 2
+        const RowStats st = job.lse_in ? saved_stats(job.lse_in[r], a, V) : row_stats(a, V);  // 3
+        if (job.lse_out) job.lse_out[r] = float(st.lse);
+        if (job.argmax && t.kind != RowKind::kIgnored) job.argmax[r] = st.argmax;
+        // Token scaling's t = p_y, a constant of the row (SEMANTICS 8, 9).
+        const double tscale =
+            setup.token_scaling && t.kind == RowKind::kScored ? probability(st, a[t.y]) : 1.0;
+        if (res && t.kind == RowKind::kInvalid) {
+          res->ce[size_t(r)] = std::numeric_limits<double>::quiet_NaN();
+          res->z_loss[size_t(r)] = z_loss_term(setup, st.lse);  // never scaled
+        } else if (res && t.kind == RowKind::kScored) {
+          res->ce[size_t(r)] = tscale * cross_entropy(setup, a, st, t.y);  // 4
+          res->z_loss[size_t(r)] = tscale * z_loss_term(setup, st.lse);    // 5
+          if (!res->correct.empty()) res->correct[size_t(r)] = st.argmax == t.y ? 1 : 0;
+        }
+        if (grad_row && t.kind == RowKind::kScored) {
+          gradient(setup, a, st, t.y, upstream_scales(setup, r), tscale);
+          store_row(job.grad_dtype, a, V, grad_row);
+          continue;
         }
       }
-      if (!grad_row) continue;
-      if (t.kind != RowKind::kScored) {
+      if (grad_row)
         fill_row(job.grad_dtype, grad_row, V, t.kind == RowKind::kIgnored ? 0.0f : NAN);
-        continue;
-      }
-      gradient(setup, a, lse, t.y, upstream_scale(setup, r));
-      store_row(job.grad_dtype, a, V, grad_row);
     }
   });
   return invalid_seen.load();
 }
 
-// SEMANTICS 5 and 7: the loss (and the z-loss total) from the rows' values, summed in row order.
-inline void write_reduction(const CeSetup& setup, const double* row_loss, const double* row_z_loss,
-                            float* loss, float* z_loss) {
-  double loss_sum = 0.0, z_loss_sum = 0.0;
+// SEMANTICS 5, 7 and 15: the loss, the z-loss total and the accuracy from the rows' values,
+// summed in row order.
+inline void write_reduction(const CeSetup& setup, const RowResults& res, float* loss,
+                            float* z_loss, float* accuracy) {
+  double loss_sum = 0.0, ce_sum = 0.0, z_loss_sum = 0.0, correct = 0.0;
   for (int64_t r = 0; r < setup.rows; ++r) {
-    loss_sum += row_loss[r];
-    z_loss_sum += row_z_loss[r];
+    loss_sum += res.ce[size_t(r)] + res.z_loss[size_t(r)];
+    ce_sum += res.ce[size_t(r)];
+    z_loss_sum += res.z_loss[size_t(r)];
+    if (!res.correct.empty()) correct += res.correct[size_t(r)];
   }
+  const bool mean = setup.reduction == FCE_REDUCTION_MEAN;
+  // Each quotient is 0 when its divisor is: a mean over no rows is 0.
+  const double ce_mean = setup.D == 0.0 ? 0.0 : ce_sum / setup.D;
+  const double z_loss_mean = setup.n == 0.0 ? 0.0 : z_loss_sum / setup.n;
   switch (setup.reduction) {
     case FCE_REDUCTION_NONE:
-      for (int64_t r = 0; r < setup.rows; ++r) loss[r] = float(row_loss[r]);
+      for (int64_t r = 0; r < setup.rows; ++r)
+        loss[r] = float(res.ce[size_t(r)] + res.z_loss[size_t(r)]);
       break;
     case FCE_REDUCTION_SUM: loss[0] = float(loss_sum); break;
-    default: loss[0] = setup.D == 0.0 ? 0.0f : float(loss_sum / setup.D); break;
+    default: loss[0] = float(ce_mean + z_loss_mean); break;
   }
-  if (z_loss) {
-    const bool mean = setup.reduction == FCE_REDUCTION_MEAN;
-    z_loss[0] = !mean ? float(z_loss_sum) : setup.D == 0.0 ? 0.0f : float(z_loss_sum / setup.D);
+  if (z_loss) z_loss[0] = float(mean ? z_loss_mean : z_loss_sum);
+  if (accuracy && setup.reduction == FCE_REDUCTION_NONE) {
+    for (int64_t r = 0; r < setup.rows; ++r) accuracy[r] = float(res.correct[size_t(r)]);
+  } else if (accuracy) {
+    accuracy[0] = setup.n == 0.0 ? 0.0f : float(correct / setup.n);
   }
 }
 

@@ -179,7 +179,7 @@ fce_status cpu_linear_ce(const LinearCeProblem& p) {
     // Everything is allocated before any output is written.
     const CeSetup setup = make_setup(p.opt, p.rows, p.vocab, p.targets, p.grad_output);
     RowScratch scratch(p.vocab, R);
-    std::vector<double> row_loss(size_t(p.rows)), row_z_loss(size_t(p.rows));
+    RowResults results(p.rows, p.accuracy != nullptr);
     const FloatMatrix W = as_float(dtype, p.weight, p.vocab, p.hidden);
     const FloatMatrix b = p.bias ? as_float(dtype, p.bias, 1, p.vocab) : FloatMatrix();
     ChunkBuffers chunk(chunk_layout(dtype, R, p.hidden, p.vocab, with_grad), p.workspace,
@@ -215,8 +215,8 @@ fce_status cpu_linear_ce(const LinearCeProblem& p) {
       job.grad_dtype = FCE_FLOAT32;
       job.lse_in = nullptr;
       job.lse_out = p.lse;
-      job.row_loss = row_loss.data();
-      job.row_z_loss = row_z_loss.data();
+      job.argmax = p.argmax;
+      job.results = &results;
       invalid_seen |= run_rows(setup, job, scratch);
       if (!with_grad) continue;
 
@@ -243,7 +243,7 @@ fce_status cpu_linear_ce(const LinearCeProblem& p) {
       }
     }
 
-    write_reduction(setup, row_loss.data(), row_z_loss.data(), p.loss, p.z_loss);
+    write_reduction(setup, results, p.loss, p.z_loss, p.accuracy);
     if (invalid_seen && p.error_flags) *p.error_flags |= FCE_FLAG_TARGET_OUT_OF_RANGE;
     return FCE_SUCCESS;
   } catch (const std::bad_alloc&) {

@@ -23,9 +23,13 @@ size_t align_up(size_t x) { return (x + kWsAlign - 1) / kWsAlign * kWsAlign; }
 //   [0, 256)                         CeDenoms
 //   [256, 256 + align(rows·4))       row losses (forward, mean/sum; none uses the caller's loss)
 //   [.., .. + align(rows·4))         row z-loss terms (forward, λ ≠ 0)
+//   [.., .. + align(rows·4))         row correctness (forward, mean/sum, for options->accuracy;
+//                                    none writes the caller's accuracy rows)
+// The size does not depend on whether argmax / accuracy are asked for (the query has only the
+// options struct, which carries those pointers: asked or not, the size is the same).
 struct WsLayout {
-  size_t denoms = 0, row_loss = 0, row_zloss = 0, total = 0;
-  bool has_row_loss = false, has_row_zloss = false;
+  size_t denoms = 0, row_loss = 0, row_zloss = 0, row_correct = 0, total = 0;
+  bool has_row_loss = false, has_row_zloss = false, has_row_correct = false;
 };
 WsLayout ws_layout(const CeOptions& opt, int64_t rows, bool backward) {
   WsLayout l;
@@ -39,6 +43,11 @@ WsLayout ws_layout(const CeOptions& opt, int64_t rows, bool backward) {
   if (!backward && opt.z_loss_scale != 0.f) {
     l.has_row_zloss = true;
     l.row_zloss = off;
+    off += row_bytes;
+  }
+  if (!backward && opt.reduction != FCE_REDUCTION_NONE) {
+    l.has_row_correct = true;
+    l.row_correct = off;
     off += row_bytes;
   }
   l.total = off;
@@ -63,8 +72,10 @@ size_t cuda_ce_workspace_size(const CeOptions& opt, int64_t rows, int64_t /*voca
 }
 
 fce_status cuda_ce(const CeProblem& p) {
-  const bool backward = p.lse_in != nullptr;
-  const char* fn = backward ? "fce_backward" : "fce_forward";
+  // fce_backward_rescale runs the forward's kernels in rescale mode (no outputs but the gradient)
+  const bool backward = p.lse_in != nullptr && !p.rescale;
+  const char* fn = p.rescale ? "fce_backward_rescale" : backward ? "fce_backward" : "fce_forward";
+  const bool outputs = !backward && !p.rescale;
   const CeOptions& opt = p.opt;
 
   // ---- everything that can fail before any work is enqueued
@@ -74,31 +85,36 @@ fce_status cuda_ce(const CeProblem& p) {
       {p.z_loss, "z_loss"},           {p.grad, "grad_logits"},
       {p.grad_output, "grad_output"}, {p.lse_in, "lse"},
       {p.error_flags, "error_flags"}, {opt.class_weights, "options->class_weights"},
+      {p.argmax, "options->argmax"},  {p.accuracy, "options->accuracy"},
       {p.workspace, "workspace"}};
   int device = 0;
   if (fce_status st = cuda::check_device_pointers(
           fn, pointers, static_cast<int>(sizeof pointers / sizeof pointers[0]), &device))
     return st;
 
-  const WsLayout ws = ws_layout(opt, p.rows, backward);
+  const WsLayout ws = ws_layout(opt, p.rows, p.lse_in != nullptr);
   if (p.workspace_bytes < ws.total)
     return fail(FCE_ERROR_WORKSPACE_TOO_SMALL, "%s: workspace_bytes (%zu) is less than %zu", fn,
                 p.workspace_bytes, ws.total);
   if (!p.workspace)
     return fail(FCE_ERROR_NULL_POINTER, "%s: workspace is NULL (%zu bytes needed)", fn, ws.total);
-  if (!backward && !p.loss)
+  if (outputs && !p.loss)
     return fail(FCE_ERROR_NULL_POINTER, "%s: loss is NULL", fn);
-  if (backward && !p.grad)
+  if (!outputs && !p.grad)
     return fail(FCE_ERROR_NULL_POINTER, "%s: grad_logits is NULL", fn);
 
   char* base = static_cast<char*>(p.workspace);
   auto* denoms = reinterpret_cast<cuda::CeDenoms*>(base + ws.denoms);
+  const bool none = opt.reduction == FCE_REDUCTION_NONE;
   float* row_loss = nullptr;
-  if (!backward)
-    row_loss = ws.has_row_loss ? reinterpret_cast<float*>(base + ws.row_loss) : p.loss;  // none
-  float* row_zloss =
-      (!backward && p.z_loss && ws.has_row_zloss) ? reinterpret_cast<float*>(base + ws.row_zloss)
-                                                  : nullptr;  // λ = 0: the z-loss total is 0
+  float* row_zloss = nullptr;  // λ = 0: no z-loss terms
+  float* row_correct = nullptr;
+  if (outputs) {
+    row_loss = none ? p.loss : reinterpret_cast<float*>(base + ws.row_loss);
+    if (ws.has_row_zloss && (!none || p.z_loss))
+      row_zloss = reinterpret_cast<float*>(base + ws.row_zloss);
+    if (p.accuracy) row_correct = none ? p.accuracy : reinterpret_cast<float*>(base + ws.row_correct);
+  }
   cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
 
   // ---- 1. denominators (all rows, before any row needs k = g / D)
@@ -121,21 +137,23 @@ fce_status cuda_ce(const CeProblem& p) {
   a.targets = p.targets;
   a.denoms = denoms;
   a.grad_output = p.grad_output;
-  a.lse_in = p.lse_in;
+  a.lse_in = backward ? p.lse_in : nullptr;
   a.row_loss = row_loss;
   a.row_zloss = row_zloss;
-  a.lse_out = backward ? nullptr : p.lse;
+  a.lse_out = outputs ? p.lse : nullptr;
+  a.argmax_out = outputs ? p.argmax : nullptr;
+  a.row_correct = row_correct;
   a.error_flags = p.error_flags;
   a.rescale = p.rescale;
   if (fce_status st = cuda::launch_ce_rows(a, stream)) return st;
 
-  // ---- 3. the reduced loss and z-loss (forward); for none the rows already are the loss
-  if (!backward) {
-    float* loss_out = opt.reduction == FCE_REDUCTION_NONE ? nullptr : p.loss;
-    if (loss_out || p.z_loss)
-      if (fce_status st = cuda::launch_ce_finalize(opt, p.rows, row_loss, row_zloss, denoms,
-                                                   loss_out, p.z_loss, stream))
-        return st;
+  // ---- 3. the reduced loss, z-loss and accuracy (forward); for none the rows are the outputs
+  if (outputs) {
+    float* loss_out = none ? nullptr : p.loss;
+    float* acc_out = none ? nullptr : p.accuracy;
+    if (fce_status st = cuda::launch_ce_finalize(opt, p.rows, row_loss, row_zloss, row_correct,
+                                                 denoms, loss_out, p.z_loss, acc_out, stream))
+      return st;
   }
   return FCE_SUCCESS;
 }

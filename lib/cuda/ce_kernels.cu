@@ -98,6 +98,7 @@ struct KParams {
   int64_t row_begin;   // global index of this launch's first row
   int64_t ignore_index;
   int64_t shift_T;     // 0 = no shift
+  int64_t shift_k;     // k >= 1 when shift_T > 0
   const void* targets;
   const float* class_weights;
   const CeDenoms* denoms;
@@ -106,6 +107,10 @@ struct KParams {
   float* row_loss;
   float* row_zloss;
   float* lse_out;
+  CeRowStats* stats_out;       // forward: (m, log s, t) per row, for a later column slice
+  const CeRowStats* stats_in;  // backward: from stats_out; nullptr = from lse_in
+  int64_t* argmax_out;         // forward: argmax per row (−1 ignored)
+  float* row_correct;          // forward: 1 when argmax == target (valid rows), else 0
   uint32_t* error_flags;
   int vocab;            // elements of a row in this launch's buffers (a column slice's width)
   int vocab_total;      // V of the problem (targets, ε/V, Ω); = vocab unless a slice
@@ -116,6 +121,8 @@ struct KParams {
   int reduction;
   int smooth;           // label smoothing ε > 0
   int cap;              // softcap c > 0
+  int token_scaling;    // loss and gradient of each valid row times the detached p_y
+  int loss_has_z;       // row_loss holds ce + λ·lse² (reduction none) rather than ce alone
   float scale;          // s
   float softcap;        // c
   float s_over_c;       // s / c
@@ -302,8 +309,9 @@ __device__ __forceinline__ float xform(float z, const KParams& p, float& t) {
   return __fmul_rn(z, p.scale);
 }
 
-// A partial reduction of (part of) a row: running max m, Σ exp(a − m), and Σ ω_j a_j (label
-// smoothing; in double, because Ω·lse − Σω·a cancels when the logits share a large offset).
+// A partial reduction of (part of) a row: running max m, Σ exp(a − m), and Σ ω_j (a_j − c)
+// (label smoothing; c is the row's reference value, its first transformed logit when finite,
+// so that rows whose logits share a huge offset do not cancel; in double).
 struct Partial {
   float m;
   float s;
@@ -348,10 +356,13 @@ template <bool SW> __device__ __forceinline__ Partial block_reduce(Partial x, Pa
   return r;
 }
 
-// Phase 1 on one vector: online max / Σexp (and Σω·a when smoothing) of its in-row elements.
+// Phase 1 on one vector: online max / Σexp (and Σω·(a − c) when smoothing) of its in-row
+// elements. With `track`, am follows the index of the first element equal to the thread's
+// running maximum (a thread visits its vectors in increasing index order, so a later equal
+// value never replaces it): the argmax at the cost of a compare per vector (see row_argmax).
 template <class TZ, int MODE, class I>
 __device__ __forceinline__ void online_vector(const uint4& raw, I j0, bool full, const KParams& p,
-                                              Partial& acc) {
+                                              float c, Partial& acc, bool track, int& am) {
   constexpr int E = vec_elems<TZ>();
   float a[E];
   unpack<TZ>(raw, a);
@@ -368,6 +379,12 @@ __device__ __forceinline__ void online_vector(const uint4& raw, I j0, bool full,
   float vm = a[0];
 #pragma unroll
   for (int q = 1; q < E; ++q) vm = fmaxf(vm, a[q]);
+  if (track && vm > acc.m) {  // a new running maximum (rare after the first vectors)
+    int q0 = E - 1;
+#pragma unroll
+    for (int q = E - 1; q >= 0; --q) q0 = a[q] == vm ? q : q0;
+    am = static_cast<int>(j0) + q0;
+  }
   const float mn = fmaxf(acc.m, vm);
   acc.s = acc.m == mn ? acc.s : __fmul_rn(acc.s, ex2(__fmul_rn(__fsub_rn(acc.m, mn), kLog2e)));
   acc.m = mn;
@@ -375,16 +392,77 @@ __device__ __forceinline__ void online_vector(const uint4& raw, I j0, bool full,
 #pragma unroll
   for (int q = 0; q < E; ++q) acc.s = __fadd_rn(acc.s, ex2(__fmul_rn(__fsub_rn(a[q], ms), kLog2e)));
   if (use_smooth<MODE>(p)) {
-    // the vector's Σω·a in float (E terms), the row's in double (the cancellation is row-wide)
+    // the vector's Σω·(a − c) in float (E terms), the row's in double
     float vs = 0.f;
 #pragma unroll
     for (int q = 0; q < E; ++q) {
       const I j = j0 + q;
+      const float d = __fsub_rn(a[q], c);
       if (full || (j >= 0 && j < p.vocab))
-        vs = p.class_weights ? __fmaf_rn(__ldg(p.class_weights + j), a[q], vs) : __fadd_rn(vs, a[q]);
+        vs = p.class_weights ? __fmaf_rn(__ldg(p.class_weights + j), d, vs) : __fadd_rn(vs, d);
     }
     acc.sw = __dadd_rn(acc.sw, static_cast<double>(vs));
   }
+}
+
+// The smoothing sum's reference c of a row: its first transformed logit when finite, else 0
+// (a non-finite a_0 makes the smoothing term infinite or NaN anyway). Every thread of every CTA
+// of the row computes the same value from the same element.
+template <class TZ, int MODE>
+__device__ __forceinline__ float smoothing_reference(const KParams& p, const char* zrow) {
+  if (!use_smooth<MODE>(p)) return 0.f;
+  float t;
+  const float a0 = xform<MODE>(raw_to_float<TZ>(ld_elem<TZ>(zrow)), p, t);
+  return isfinite(a0) ? a0 : 0.f;
+}
+
+// The argmax of a row (SEMANTICS rule 15) as a minimum over keys: j for a NaN element, 2^32 + j
+// for an element equal to the row maximum m, ~0 for the others; the row's smallest key names the
+// first NaN, else the first maximum (torch.argmax's choice). A thread's key comes from phase 1's
+// tracking (its first index of its own maximum, when that is the row's) — except on the rare
+// rows whose Σexp is NaN (a NaN or a +inf in the row), where argmax_vector scans the elements
+// again. A row of −inf only has no key: argmax 0.
+constexpr uint64_t kNoArgmax = ~uint64_t(0);
+template <class TZ, int MODE, class I>
+__device__ __forceinline__ void argmax_vector(const uint4& raw, I j0, bool full, const KParams& p,
+                                              float m, uint64_t& best) {
+  constexpr int E = vec_elems<TZ>();
+  float a[E];
+  unpack<TZ>(raw, a);
+#pragma unroll
+  for (int q = 0; q < E; ++q) {
+    const I j = j0 + q;
+    float t;
+    const float x = xform<MODE>(a[q], p, t);
+    if (full || (j >= 0 && j < p.vocab)) {
+      const uint64_t key = isnan(x) ? static_cast<uint64_t>(j)
+                         : x == m   ? (uint64_t(1) << 32) | static_cast<uint64_t>(j)
+                                    : kNoArgmax;
+      best = key < best ? key : best;
+    }
+  }
+}
+__device__ __forceinline__ uint64_t warp_min_u64(uint64_t x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const uint64_t y = __shfl_xor_sync(0xffffffffu, x, o);
+    x = y < x ? y : x;
+  }
+  return x;
+}
+// CTA-wide minimum; every lane of warp 0 returns it.
+__device__ __forceinline__ uint64_t block_min_u64(uint64_t x, uint64_t* s_warp) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  x = warp_min_u64(x);
+  __syncthreads();  // s_warp may be in use by an earlier reduction
+  if (lane == 0) s_warp[warp] = x;
+  __syncthreads();
+  uint64_t r = kNoArgmax;
+  if (warp == 0) {
+    if (lane < nwarps) r = s_warp[lane];
+    r = warp_min_u64(r);
+  }
+  return r;
 }
 
 // What thread 0 of a CTA learns about its row (SEMANTICS rules 1-4, 6); shared via smem.
@@ -392,8 +470,10 @@ struct RowInfo {
   int64_t y;
   int kind;
   float wy;     // ω_y (valid rows)
-  float ay;     // a_y (forward, valid rows, when asked)
-  float k;      // upstream scale (rule 6), when there is a gradient
+  float ay;     // a_y (valid rows, when asked)
+  float k;      // upstream scale of the cross-entropy terms (rule 6), when there is a gradient
+  float kz;     // upstream scale of the z-loss term (rule 6)
+  float rho;    // k_z / k as D / n for mean (1 otherwise); 0 when only the z term is left
   float omega;  // Ω (label smoothing)
 };
 
@@ -401,8 +481,8 @@ __device__ __forceinline__ int classify_row(const KParams& p, int64_t row, int64
   int64_t ti = row;
   *y_out = 0;
   if (p.shift_T > 0) {
-    if (row % p.shift_T == p.shift_T - 1) return kIgnored;  // no target: never read targets[r+1]
-    ti = row + 1;
+    if (row % p.shift_T >= p.shift_T - p.shift_k) return kIgnored;  // never read past the sequence
+    ti = row + p.shift_k;
   }
   const int64_t y = p.targets_int64 ? static_cast<const int64_t*>(p.targets)[ti]
                                     : static_cast<int64_t>(static_cast<const int32_t*>(p.targets)[ti]);
@@ -426,72 +506,124 @@ __device__ RowInfo load_row_info(const KParams& p, int64_t row, const char* zrow
     }
   }
   r.k = 0.f;
+  r.kz = 0.f;
+  r.rho = 1.f;
   if (p.grad) {
     float g = 1.f;
     if (p.grad_output) g = p.grad_output[p.reduction == FCE_REDUCTION_NONE ? row : 0];
-    if (p.reduction == FCE_REDUCTION_MEAN) {
-      const float D = p.denoms->denom;
-      g = D > 0.f ? __fdiv_rn(g, D) : 0.f;
-    }
     r.k = g;
+    r.kz = g;
+    if (p.reduction == FCE_REDUCTION_MEAN) {
+      const float D = p.denoms->denom, n = p.denoms->count;
+      r.k = D > 0.f ? __fdiv_rn(g, D) : 0.f;
+      r.kz = n > 0.f ? __fdiv_rn(g, n) : 0.f;
+      // from the denominators only, never from g, so that every g takes the same formula
+      if (p.two_lambda != 0.f && D != n) r.rho = D > 0.f ? __fdiv_rn(D, n) : 0.f;
+    }
   }
   r.omega = 0.f;
   if (use_smooth<MODE>(p)) r.omega = p.class_weights ? p.denoms->omega_total : static_cast<float>(p.vocab_total);
   return r;
 }
 
-// lse = M + log S; −inf for a row of −inf (log 0 = −inf), +inf for a row with a +inf entry
-// (S is NaN there: inf − inf), as the CPU reference; NaN for a row with a NaN.
+// A row's statistics once reduced (SEMANTICS rules 8-10): m, ls = log S, lse = m + ls (−inf for
+// a row of −inf, +inf for a row with a +inf entry, NaN with a NaN, as the CPU reference), and
+// the token-scaling factor t = p_y (1 when off or not a valid row).
+struct RowVals {
+  float m, ls, lse, t;
+};
 __device__ __forceinline__ float row_lse(const Partial& f) {
   return f.m == -neg_inf() ? f.m : __fadd_rn(f.m, logf(f.s));
 }
-
-// Forward per-row outputs (SEMANTICS rules 2, 3, 8), by one thread per row.
-template <int MODE>
-__device__ void write_row_outputs(const KParams& p, int64_t row, const RowInfo& ri,
-                                  const Partial& f, float lse) {
-  if (p.lse_out) p.lse_out[row] = lse;
-  const float zl =
-      (ri.kind != kIgnored && p.lambda != 0.f) ? __fmul_rn(p.lambda, __fmul_rn(lse, lse)) : 0.f;
-  if (p.row_zloss) p.row_zloss[row] = zl;
-  float loss = 0.f;
-  if (ri.kind == kInvalid) {
-    loss = qnan();
-    if (p.error_flags) atomicOr(p.error_flags, FCE_FLAG_TARGET_OUT_OF_RANGE);
-  } else if (ri.kind == kValid) {
-    // lse − a_y as (M − a_y) + log S: the rounding of lse stays out of the difference
-    const float nll = isinf(f.m) ? __fsub_rn(lse, ri.ay) : __fadd_rn(__fsub_rn(f.m, ri.ay), logf(f.s));
-    loss = __fmul_rn(__fmul_rn(p.one_minus_eps, ri.wy), nll);
-    if (use_smooth<MODE>(p)) {  // (ε/V) Σ_j ω_j (lse − a_j) = (ε/V)(Ω·lse − Σ_j ω_j a_j), in double
-      const double lse_d = static_cast<double>(f.m) + static_cast<double>(logf(f.s));
-      const double sm = static_cast<double>(ri.omega) * lse_d - f.sw;
-      loss = __fadd_rn(loss, static_cast<float>(static_cast<double>(p.eps_over_V) * sm));
-    }
-    if (p.lambda != 0.f) loss = __fadd_rn(loss, zl);
-  }
-  if (p.row_loss) p.row_loss[row] = loss;
+// p_j = exp((a_j − m) − ls): m and ls apart (rule 9), never through the rounded lse.
+__device__ __forceinline__ float prob(float a, float m, float ls) {
+  return ex2(__fmul_rn(__fsub_rn(__fsub_rn(a, m), ls), kLog2e));
+}
+__device__ __forceinline__ RowVals make_row_vals(const KParams& p, const RowInfo& ri, float m,
+                                                 float ls, float lse) {
+  RowVals v{m, ls, lse, 1.f};
+  if (p.token_scaling && ri.kind == kValid) v.t = prob(ri.ay, m, ls);
+  return v;
+}
+__device__ __forceinline__ RowVals row_vals(const KParams& p, const RowInfo& ri, const Partial& f) {
+  return make_row_vals(p, ri, f.m, logf(f.s), row_lse(f));
 }
 
-// Per-row constants of the gradient (SEMANTICS rule 9), with p_j = exp(a_j − lse):
-//   ∂a_j = A·p_j − B·ω_j − [j = y]·Y,  A = (1−ε)ω_y + (ε/V)Ω + 2λ·lse,  B = ε/V,  Y = (1−ε)ω_y
-//   ∂z_j = ks · ∂a_j (· (1 − t_j²) with softcap),  ks = k·s.
-// da_j = p_j*A - B*w_j - [j = y]*Y with A = Y + As + Az (As = eps*Omega/V, Az = 2*lambda*lse).
+// The argmax outputs of a row (rule 15) from its key (argmax_vector), by one thread per row.
+__device__ __forceinline__ void write_argmax_outputs(const KParams& p, int64_t row,
+                                                     const RowInfo& ri, uint64_t best) {
+  const int64_t am = ri.kind == kIgnored ? -1
+                   : best == kNoArgmax   ? 0
+                                         : static_cast<int64_t>(best & 0xffffffffu);
+  if (p.argmax_out) p.argmax_out[row] = am;
+  if (p.row_correct) p.row_correct[row] = (ri.kind == kValid && am == ri.y) ? 1.f : 0.f;
+}
+
+// Forward per-row outputs (SEMANTICS rules 2, 3, 8), by one thread per row. c is the smoothing
+// reference (online_vector).
+template <int MODE>
+__device__ void write_row_outputs(const KParams& p, int64_t row, const RowInfo& ri,
+                                  const Partial& f, const RowVals& v, float c) {
+  if (p.lse_out) p.lse_out[row] = v.lse;
+  if (p.stats_out) p.stats_out[row] = CeRowStats{v.m, v.ls, v.t, 0.f};
+  float zl = (ri.kind != kIgnored && p.lambda != 0.f) ? __fmul_rn(p.lambda, __fmul_rn(v.lse, v.lse)) : 0.f;
+  float ce = 0.f;
+  if (ri.kind == kInvalid) {
+    ce = qnan();
+    if (p.error_flags) atomicOr(p.error_flags, FCE_FLAG_TARGET_OUT_OF_RANGE);
+  } else if (ri.kind == kValid) {
+    // lse − a_y as (m − a_y) + ls: the rounding of lse stays out of the difference
+    const float nll = isinf(v.m) ? __fsub_rn(v.lse, ri.ay) : __fadd_rn(__fsub_rn(v.m, ri.ay), v.ls);
+    ce = __fmul_rn(__fmul_rn(p.one_minus_eps, ri.wy), nll);
+    if (use_smooth<MODE>(p)) {
+      // (ε/V) Σ_j ω_j (lse − a_j) = (ε/V)(Ω·((m − c) + ls) − Σ_j ω_j (a_j − c)), in double
+      const double lse_c = (static_cast<double>(v.m) - static_cast<double>(c)) + static_cast<double>(v.ls);
+      const double sm = static_cast<double>(ri.omega) * lse_c - f.sw;
+      ce = __fadd_rn(ce, static_cast<float>(static_cast<double>(p.eps_over_V) * sm));
+    }
+    if (p.token_scaling) {
+      ce = __fmul_rn(ce, v.t);
+      zl = __fmul_rn(zl, v.t);
+    }
+  }
+  if (p.row_zloss) p.row_zloss[row] = zl;
+  if (p.row_loss) p.row_loss[row] = (p.loss_has_z && ri.kind == kValid) ? __fadd_rn(ce, zl) : ce;
+}
+
+// Per-row constants of the gradient (SEMANTICS rule 9), with p_j = exp((a_j − m) − ls):
+//   ∂z_j = ks · (A·p_j − B·ω_j − [j = y]·Y) (· (1 − t_j²) with softcap), where
+//   Y = (1−ε)ω_y,  As = (ε/V)Ω,  Az = 2λ·lse·ρ,  A = Y + As + Az,  B = ε/V,  ks = k·t·s,
+// ρ = k_z / k (D / n for mean, 1 otherwise) puts the z-loss term's own upstream scale inside.
+// The upstream scale multiplies last, so that a gradient written for g = 1 and scaled by a power
+// of two equals the one written for that g bit for bit, signed zeros included (rule 14). When
+// D = 0 < n (mean, every target weighted 0: k = 0, k_z ≠ 0) only the z-loss term is left:
+// A = Az = 2λ·lse, ks = k_z·t·s.
 // The target element is computed as Y*(p_y - 1) + (p_y*As - B*w_y) + p_y*Az: when p_y is near
 // 1 (a confident model) p_y*A - Y would cancel and lose the small difference; p_y - 1 is exact
 // there (Sterbenz), and As - B*w_y cancels exactly where it should (V = 1, or w_y = Omega).
 struct RowGrad {
-  float lse, A, As, Az, B, Y, ks;
+  float m, ls, A, As, Az, B, Y, ks;
 };
 template <int MODE>
-__device__ __forceinline__ RowGrad make_row_grad(const KParams& p, const RowInfo& ri, float lse) {
+__device__ __forceinline__ RowGrad make_row_grad(const KParams& p, const RowInfo& ri, const RowVals& v) {
   RowGrad g;
-  g.lse = lse;
-  g.Y = __fmul_rn(p.one_minus_eps, ri.wy);
-  g.As = use_smooth<MODE>(p) ? __fmul_rn(p.eps_over_V, ri.omega) : 0.f;
-  g.Az = p.two_lambda != 0.f ? __fmul_rn(p.two_lambda, lse) : 0.f;
+  g.m = v.m;
+  g.ls = v.ls;
+  if (ri.rho != 0.f) {
+    const float kc = __fmul_rn(ri.k, v.t);
+    g.Y = __fmul_rn(p.one_minus_eps, ri.wy);
+    g.As = use_smooth<MODE>(p) ? __fmul_rn(p.eps_over_V, ri.omega) : 0.f;
+    g.Az = p.two_lambda != 0.f ? __fmul_rn(__fmul_rn(p.two_lambda, v.lse), ri.rho) : 0.f;
+    g.B = use_smooth<MODE>(p) ? p.eps_over_V : 0.f;
+    g.ks = __fmul_rn(kc, p.scale);
+  } else {
+    g.Y = 0.f;
+    g.As = 0.f;
+    g.Az = __fmul_rn(p.two_lambda, v.lse);
+    g.B = 0.f;
+    g.ks = __fmul_rn(__fmul_rn(ri.kz, v.t), p.scale);
+  }
   g.A = __fadd_rn(__fadd_rn(g.Y, g.As), g.Az);
-  g.B = use_smooth<MODE>(p) ? p.eps_over_V : 0.f;
-  g.ks = __fmul_rn(ri.k, p.scale);
   return g;
 }
 
@@ -521,7 +653,7 @@ __device__ __forceinline__ void grad_vector(const uint4& raw, I j0, bool full, b
   for (int q = 0; q < E; ++q) {
     float t;
     const float a = xform<MODE>(g[q], p, t);
-    const float pr = ex2(__fmul_rn(__fsub_rn(a, rg.lse), kLog2e));
+    const float pr = prob(a, rg.m, rg.ls);
     float b = rg.B;
     if (weighted) {
       const I j = j0 + q;
@@ -539,7 +671,7 @@ __device__ __forceinline__ void grad_vector(const uint4& raw, I j0, bool full, b
   if (kTargetAfter && dy >= 0) {  // same thread, same address, later in program order: it stays
     float t;
     const float a = xform<MODE>(zy, p, t);
-    const float pr = ex2(__fmul_rn(__fsub_rn(a, rg.lse), kLog2e));
+    const float pr = prob(a, rg.m, rg.ls);
     const float b = weighted ? __fmul_rn(rg.B, __ldg(p.class_weights + y)) : rg.B;
     const float da =
         __fmaf_rn(rg.Y, __fsub_rn(pr, 1.f), __fmaf_rn(pr, rg.Az, __fmaf_rn(pr, rg.As, -b)));
@@ -579,6 +711,27 @@ __device__ __forceinline__ void cluster_wait() {
   asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
 }
 #endif
+
+// fce_backward_rescale's prologue of the forward kernels (SEMANTICS rule 14), read on the device:
+// returns true when the CTA is done: *grad_output is 1 (nothing to do), or 0 / ± a power of two
+// (the valid row's part [col0, col1) of the gradient already there is scaled in place: exact;
+// ignored rows stay +0, invalid rows NaN). False: compute the gradient as the forward does.
+template <class TG>
+__device__ __forceinline__ bool rescale_prologue(const KParams& p, int64_t row, char* grow,
+                                                 int64_t col0, int64_t col1) {
+  const float g = *p.grad_output;
+  if (g == 1.f) return true;
+  const uint32_t bits = __float_as_uint(g), ex = (bits >> 23) & 0xffu;
+  if (!((bits & 0x7fffffffu) == 0 || ((bits & 0x7fffffu) == 0 && ex != 0 && ex != 0xffu)))
+    return false;
+  int64_t y;
+  if (classify_row(p, row, &y) == kValid) {
+    TG* gr = reinterpret_cast<TG*>(grow);
+    for (int64_t j = col0 + threadIdx.x; j < col1; j += blockDim.x)
+      gr[j] = from_float<TG>(__fmul_rn(to_float(gr[j]), g));
+  }
+  return true;
+}
 
 // ============================================================ register path ====
 // The register path's split of one row. Row elements are addressed through 16-byte vectors of
@@ -626,8 +779,11 @@ __global__ void __launch_bounds__(kRegThreads, MODE == kGeneral ? 1 : 2)
   __shared__ Partial s_warp[32];
   __shared__ Partial s_final;  // the row's
   __shared__ RowInfo s_info;
+  __shared__ uint64_t s_wmin[32];
+  __shared__ uint32_t s_cand[kRegThreads];  // each thread's argmax candidate
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   __shared__ Partial s_part;   // this CTA's, read by the cluster
+  __shared__ uint64_t s_best_part;
 #endif
 
   const int lg = p.cluster_log2;
@@ -640,6 +796,11 @@ __global__ void __launch_bounds__(kRegThreads, MODE == kGeneral ? 1 : 2)
   const int tid = threadIdx.x, nt = blockDim.x;
   const RegSlice g = reg_slice(reinterpret_cast<uintptr_t>(zrow), eb, V, lg, rank, tid, nt);
   const int lead = g.lead, v0 = g.v0, vend = g.vend, j00 = g.j00, jstep = g.jstep;
+  if (p.rescale) {  // fce_backward_rescale: every CTA of the cluster decides the same way
+    const int64_t per = (int64_t(V) + k - 1) / k, c0 = rank * per, c1 = c0 + per < V ? c0 + per : V;
+    if (rescale_prologue<TG>(p, row, p.grad + lrow * p.g_row_bytes, c0, c1)) return;
+  }
+  const bool want_argmax = p.argmax_out != nullptr || p.row_correct != nullptr;
 
   // ---- all loads of the slice in flight at once
   uint4 buf[kRegVpt];
@@ -649,14 +810,17 @@ __global__ void __launch_bounds__(kRegThreads, MODE == kGeneral ? 1 : 2)
     buf[i] = make_uint4(0u, 0u, 0u, 0u);
     if (v0 + i * nt < vend) buf[i] = load_vector<TZ, kStreaming>(zrow, j0, is_full<int, E>(j0, V), V);
   }
-  if (tid == 0) s_info = load_row_info<TZ, MODE>(p, row, zrow, rank == 0);
+  if (tid == 0) s_info = load_row_info<TZ, MODE>(p, row, zrow, rank == 0 || p.token_scaling);
+  const float c = smoothing_reference<TZ, MODE>(p, zrow);
 
-  // ---- phase 1: (max, Σexp[, Σω·a]) of the slice
+  // ---- phase 1: (max, Σexp[, Σω·(a − c)]) of the slice
   Partial acc = partial_identity();
+  int am = -1;
 #pragma unroll
   for (int i = 0; i < kRegVpt; ++i) {
     const int j0 = j00 + i * jstep;
-    if (v0 + i * nt < vend) online_vector<TZ, MODE>(buf[i], j0, is_full<int, E>(j0, V), p, acc);
+    if (v0 + i * nt < vend)
+      online_vector<TZ, MODE>(buf[i], j0, is_full<int, E>(j0, V), p, c, acc, want_argmax, am);
   }
   const Partial blk = block_reduce<SW>(acc, s_warp);
 
@@ -674,7 +838,9 @@ __global__ void __launch_bounds__(kRegThreads, MODE == kGeneral ? 1 : 2)
                     SW ? __shfl_sync(0xffffffffu, mine.sw, r) : 0.0);
       if (tid == 0) s_final = f;
     }
-    cluster_arrive_relaxed();  // waited for before exit: nobody reads s_part of an exited CTA
+    // waited for before exit: nobody reads s_part of an exited CTA (with the argmax, the
+    // exchange below does that)
+    if (!want_argmax) cluster_arrive_relaxed();
   } else
 #endif
   {
@@ -685,15 +851,18 @@ __global__ void __launch_bounds__(kRegThreads, MODE == kGeneral ? 1 : 2)
   __syncthreads();
   const Partial fin = s_final;
   const RowInfo ri = s_info;
-  const float lse = row_lse(fin);
-  if (rank == 0 && tid == 0) write_row_outputs<MODE>(p, row, ri, fin, lse);
+  const RowVals vals = row_vals(p, ri, fin);
+  if (rank == 0 && tid == 0) write_row_outputs<MODE>(p, row, ri, fin, vals, c);
+  // the argmax comes after the gradient: this thread's candidate waits in shared memory (no
+  // register held through the gradient), the row's statistics are read again from s_final
+  if (want_argmax) s_cand[tid] = (am >= 0 && acc.m == fin.m) ? static_cast<uint32_t>(am) : 0xffffffffu;
 
   // ---- phase 2: the gradient, from the registers
   if (p.grad) {
     char* grow = p.grad + lrow * p.g_row_bytes;
     const bool vec_ok = grad_vec_ok<TZ, TG>(grow, lead);
     if (ri.kind == kValid) {
-      const RowGrad rg = make_row_grad<MODE>(p, ri, lse);
+      const RowGrad rg = make_row_grad<MODE>(p, ri, vals);
 #pragma unroll
       for (int i = 0; i < kRegVpt; ++i) {
         const int j0 = j00 + i * jstep;
@@ -709,14 +878,80 @@ __global__ void __launch_bounds__(kRegThreads, MODE == kGeneral ? 1 : 2)
       }
     }
   }
+  // ---- the argmax, from the registers (still holding the row), once the gradient is out
+  if (want_argmax) {
+    const uint32_t cand = s_cand[tid];
+    uint64_t best = cand == 0xffffffffu ? kNoArgmax : ((uint64_t(1) << 32) | cand);
+    const float row_max = s_final.m;
+    if (isnan(s_final.s)) {  // a NaN or +inf in the row: scan the elements (the argmax note above)
+      best = kNoArgmax;
+#pragma unroll
+      for (int i = 0; i < kRegVpt; ++i) {
+        const int j0 = j00 + i * jstep;
+        if (v0 + i * nt < vend) argmax_vector<TZ, MODE>(buf[i], j0, is_full<int, E>(j0, V), p, row_max, best);
+      }
+    }
+    best = block_min_u64(best, s_wmin);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (k > 1) {
+      if (tid == 0) s_best_part = best;
+      cluster_sync_release_acquire();
+      if (tid < 32) {
+        uint64_t mine = kNoArgmax;
+        if (tid < k) mine = *cooperative_groups::this_cluster().map_shared_rank(&s_best_part, tid);
+        best = warp_min_u64(mine);
+      }
+      cluster_arrive_relaxed();  // waited for before exit
+    }
+#endif
+    if (rank == 0 && tid == 0) write_argmax_outputs(p, row, ri, best);
+  }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   if (k > 1) cluster_wait();
 #endif
 }
 
 // ====================================================== streaming kernels ====
+// Pass 1 of a streaming CTA: the row's (max, Σexp[, Σω·(a − c)]) with L2-keeping loads; the
+// CTA's total is in s_final on return (after a barrier).
+template <class TZ, int MODE>
+__device__ __forceinline__ Partial stream_reduce(const KParams& p, const char* zrow, int lead,
+                                                 int nvec, float c, Partial* s_warp,
+                                                 Partial* s_final, bool track, Partial& mine,
+                                                 int& am) {
+  constexpr int E = vec_elems<TZ>();
+  constexpr int U = MODE == kGeneral ? kStreamUnroll / 2 : kStreamUnroll;
+  constexpr bool SW = MODE == kGeneral;
+  const int V = p.vocab, tid = threadIdx.x, nt = blockDim.x, step = nt * U;
+  Partial acc = partial_identity();
+  for (int base = tid; base < nvec; base += step) {
+    uint4 buf[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int v = base + u * nt;
+      const int64_t j0 = int64_t(v) * E - lead;
+      buf[u] = make_uint4(0u, 0u, 0u, 0u);
+      if (v < nvec) buf[u] = load_vector<TZ, kKeepInL2>(zrow, j0, is_full<int64_t, E>(j0, V), V);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int v = base + u * nt;
+      const int64_t j0 = int64_t(v) * E - lead;
+      if (v < nvec) online_vector<TZ, MODE>(buf[u], j0, is_full<int64_t, E>(j0, V), p, c, acc, track, am);
+    }
+  }
+  mine = acc;
+  const Partial blk = block_reduce<SW>(acc, s_warp);
+  if (threadIdx.x == 0) *s_final = blk;
+  __syncthreads();
+  return *s_final;
+}
+
 // One CTA per row. BWD = false: the two-pass forward (any V). BWD = true: the backward pass
-// from the saved lse (one read and one write; ignored and invalid rows are only written).
+// from the saved lse (one read and one write; ignored and invalid rows are only written) or from
+// the saved row statistics of a column slice (stats_in). A row whose saved |lse| ≥ 1024 is
+// reduced again first (pass 1): there the float lse no longer holds log s (SEMANTICS rule 12).
+constexpr float kRescueLse = 1024.f;
 template <class TZ, class TG, int MODE, bool BWD>
 __global__ void __launch_bounds__(BWD ? kBackwardThreads : kTwoPassThreads, BWD ? 2 : 1)
     ce_rows_stream_kernel(const KParams p) {
@@ -724,10 +959,10 @@ __global__ void __launch_bounds__(BWD ? kBackwardThreads : kTwoPassThreads, BWD 
   constexpr int eb = Ty<TZ>::kBytes;
   // (the general two-pass kernel keeps 2 vectors in flight: 4 does not fit 64 registers on sm_80)
   constexpr int U = (MODE == kGeneral && !BWD) ? kStreamUnroll / 2 : kStreamUnroll;
-  constexpr bool SW = MODE == kGeneral;
   __shared__ Partial s_warp[32];
   __shared__ Partial s_final;
   __shared__ RowInfo s_info;
+  __shared__ uint64_t s_wmin[32];
 
   const int64_t lrow = blockIdx.x;
   const int64_t row = p.row_begin + lrow;
@@ -738,59 +973,62 @@ __global__ void __launch_bounds__(BWD ? kBackwardThreads : kTwoPassThreads, BWD 
   const int tid = threadIdx.x, nt = blockDim.x;
   const int step = nt * U;
 
-  if constexpr (BWD) {
-    if (p.rescale) {  // fce_backward_rescale: the forward's gradient (upstream 1) is in grad
-      const float g = *p.grad_output;
-      if (g == 1.f) return;
-      const uint32_t bits = __float_as_uint(g), ex = (bits >> 23) & 0xffu;
-      if ((bits & 0x7fffffffu) == 0 || ((bits & 0x7fffffu) == 0 && ex != 0 && ex != 0xffu)) {
-        TG* grow = reinterpret_cast<TG*>(p.grad + lrow * p.g_row_bytes);  // exact: scale it
-        for (int j = threadIdx.x; j < p.vocab; j += blockDim.x)
-          grow[j] = from_float<TG>(__fmul_rn(to_float(grow[j]), g));
-        return;
-      }
-    }  // else: computed again below, as fce_backward does
-  }
-  if (tid == 0) s_info = load_row_info<TZ, MODE>(p, row, zrow, !BWD);
-  float lse;
   if constexpr (!BWD) {
-    Partial acc = partial_identity();
-    for (int base = tid; base < nvec; base += step) {
-      uint4 buf[U];
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int v = base + u * nt;
-        const int64_t j0 = int64_t(v) * E - lead;
-        buf[u] = make_uint4(0u, 0u, 0u, 0u);
-        if (v < nvec) buf[u] = load_vector<TZ, kKeepInL2>(zrow, j0, is_full<int64_t, E>(j0, V), V);
-      }
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int v = base + u * nt;
-        const int64_t j0 = int64_t(v) * E - lead;
-        if (v < nvec) online_vector<TZ, MODE>(buf[u], j0, is_full<int64_t, E>(j0, V), p, acc);
-      }
-    }
-    const Partial blk = block_reduce<SW>(acc, s_warp);
-    if (tid == 0) s_final = blk;
-    __syncthreads();
-    const Partial fin = s_final;
-    lse = row_lse(fin);
-    if (tid == 0) write_row_outputs<MODE>(p, row, s_info, fin, lse);
+    if (p.rescale && rescale_prologue<TG>(p, row, p.grad + lrow * p.g_row_bytes, 0, V)) return;
+  }
+  const bool want_argmax = !BWD && (p.argmax_out != nullptr || p.row_correct != nullptr);
+  if (tid == 0)
+    s_info = load_row_info<TZ, MODE>(p, row, zrow, !BWD || (p.token_scaling && !p.stats_in));
+  const float c = BWD ? 0.f : smoothing_reference<TZ, MODE>(p, zrow);
+  RowVals vals;
+  Partial fin = partial_identity(), mine;
+  int am = -1;
+  if constexpr (!BWD) {
+    fin = stream_reduce<TZ, MODE>(p, zrow, lead, nvec, c, s_warp, &s_final, want_argmax, mine, am);
+    vals = row_vals(p, s_info, fin);
   } else {
     __syncthreads();  // s_info
-    lse = p.lse_in[row];
+    if (p.stats_in) {
+      const CeRowStats st = p.stats_in[row];
+      vals = RowVals{st.m, st.ls, __fadd_rn(st.m, st.ls), st.t};
+    } else {
+      const float lse = p.lse_in[row];
+      if (s_info.kind == kValid && isfinite(lse) && fabsf(lse) >= kRescueLse) {
+        fin = stream_reduce<TZ, MODE>(p, zrow, lead, nvec, c, s_warp, &s_final, false, mine, am);
+        vals = make_row_vals(p, s_info, fin.m, logf(fin.s), lse);
+      } else {
+        vals = make_row_vals(p, s_info, lse, 0.f, lse);  // exp((a − lse) − 0)
+      }
+    }
   }
-  if (!p.grad) return;
   const RowInfo ri = s_info;
-  char* grow = p.grad + lrow * p.g_row_bytes;
-  const bool vec_ok = grad_vec_ok<TZ, TG>(grow, lead);
-  if (ri.kind == kValid) {
-    const RowGrad rg = make_row_grad<MODE>(p, ri, lse);
+  if constexpr (!BWD) {
+    // The forward's argmax: tracked in pass 1, or (a row with a NaN or +inf) a scan of its own.
+    uint64_t best = kNoArgmax;
+    if (want_argmax && !isnan(fin.s) && am >= 0 && mine.m == fin.m)
+      best = (uint64_t(1) << 32) | static_cast<uint32_t>(am);
+    if (want_argmax && isnan(fin.s)) {
+      for (int v = tid; v < nvec; v += nt) {
+        const int64_t j0 = int64_t(v) * E - lead;
+        const uint4 raw = load_vector<TZ, kKeepInL2>(zrow, j0, is_full<int64_t, E>(j0, V), V);
+        argmax_vector<TZ, MODE>(raw, j0, is_full<int64_t, E>(j0, V), p, fin.m, best);
+      }
+    }
+    if (want_argmax) {
+      best = block_min_u64(best, s_wmin);
+      if (tid == 0) write_argmax_outputs(p, row, ri, best);
+    }
+    if (tid == 0) write_row_outputs<MODE>(p, row, ri, fin, vals, c);
+  }
+  const bool grad_pass = p.grad && ri.kind == kValid;
+  char* grow = p.grad ? p.grad + lrow * p.g_row_bytes : nullptr;
+  if (grad_pass) {
+    const bool vec_ok = grad_vec_ok<TZ, TG>(grow, lead);
+    const RowGrad rg = make_row_grad<MODE>(p, ri, vals);
     const int nchunks = (nvec + step - 1) / step;
-    for (int c = 0; c < nchunks; ++c) {
+    for (int ch = 0; ch < nchunks; ++ch) {
       // the forward's second read runs backwards: its last-read vectors are likeliest in L2
-      const int base = (BWD ? c : nchunks - 1 - c) * step + tid;
+      const int base = (BWD ? ch : nchunks - 1 - ch) * step + tid;
       uint4 buf[U];
 #pragma unroll
       for (int u = 0; u < U; ++u) {
@@ -807,7 +1045,8 @@ __global__ void __launch_bounds__(BWD ? kBackwardThreads : kTwoPassThreads, BWD 
           grad_vector<TZ, TG, MODE>(buf[u], j0, is_full<int64_t, E>(j0, V), vec_ok, p, rg, ri.y, grow);
       }
     }
-  } else {
+  } else if (grow) {
+    const bool vec_ok = grad_vec_ok<TZ, TG>(grow, lead);
     const float value = ri.kind == kInvalid ? qnan() : 0.f;
     if constexpr (BWD) {
       if (ri.kind == kInvalid && tid == 0 && p.error_flags)
@@ -821,40 +1060,37 @@ __global__ void __launch_bounds__(BWD ? kBackwardThreads : kTwoPassThreads, BWD 
 }
 
 // =========================================================== one-block sums ====
-// Fixed-order block reduce of two doubles; thread 0 ends with the totals.
-__device__ __forceinline__ void block_sum2(double& a, double& b, double (*s)[2]) {
+// Fixed-order block reduce of three doubles; thread 0 ends with the totals.
+__device__ __forceinline__ void block_sum3(double (&v)[3], double (*s)[3]) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    a = __dadd_rn(a, __shfl_xor_sync(0xffffffffu, a, o));
-    b = __dadd_rn(b, __shfl_xor_sync(0xffffffffu, b, o));
-  }
-  if (lane == 0) {
-    s[warp][0] = a;
-    s[warp][1] = b;
-  }
+  for (int i = 0; i < 3; ++i)
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v[i] = __dadd_rn(v[i], __shfl_xor_sync(0xffffffffu, v[i], o));
+  if (lane == 0)
+#pragma unroll
+    for (int i = 0; i < 3; ++i) s[warp][i] = v[i];
   __syncthreads();
   if (warp == 0) {
-    a = lane < nwarps ? s[lane][0] : 0.0;
-    b = lane < nwarps ? s[lane][1] : 0.0;
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      a = __dadd_rn(a, __shfl_xor_sync(0xffffffffu, a, o));
-      b = __dadd_rn(b, __shfl_xor_sync(0xffffffffu, b, o));
+    for (int i = 0; i < 3; ++i) {
+      v[i] = lane < nwarps ? s[lane][i] : 0.0;
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) v[i] = __dadd_rn(v[i], __shfl_xor_sync(0xffffffffu, v[i], o));
     }
   }
 }
 
-// D = Σ ω_{y_r} over valid rows + #invalid rows (rule 4); Ω = Σ_j ω_j (or V). One block, U
-// independent loads per thread in flight, a fixed summation order (thread t: rows t, t + nt,
-// …; then the fixed tree): deterministic.
+// D = Σ ω_{y_r} over valid rows + #invalid rows, n = #non-ignored rows (rule 4); Ω = Σ_j ω_j
+// (or V). One block, U independent loads per thread in flight, a fixed summation order (thread
+// t: rows t, t + nt, …; then the fixed tree): deterministic.
 __global__ void __launch_bounds__(kReduceThreads) ce_denominators_kernel(const KParams p,
                                                                           int64_t rows,
                                                                           CeDenoms* out) {
   constexpr int U = 8;
-  __shared__ double s[32][2];
+  __shared__ double s[32][3];
   const int64_t nt = blockDim.x;
-  double d = 0.0, om = 0.0;
+  double v[3] = {0.0, 0.0, 0.0};  // D, Ω, n
   for (int64_t base = threadIdx.x; base < rows; base += nt * U) {
     int64_t y[U];
     int kind[U];
@@ -871,7 +1107,10 @@ __global__ void __launch_bounds__(kReduceThreads) ce_denominators_kernel(const K
       w[u] = kind[u] == kValid ? (p.class_weights ? p.class_weights[y[u]] : 1.f)
                                : kind[u] == kInvalid ? 1.f : 0.f;
 #pragma unroll
-    for (int u = 0; u < U; ++u) d += static_cast<double>(w[u]);
+    for (int u = 0; u < U; ++u) {
+      v[0] += static_cast<double>(w[u]);
+      v[2] += kind[u] == kIgnored ? 0.0 : 1.0;
+    }
   }
   if (p.class_weights) {
     for (int64_t base = threadIdx.x; base < p.vocab; base += nt * U) {
@@ -882,48 +1121,56 @@ __global__ void __launch_bounds__(kReduceThreads) ce_denominators_kernel(const K
         w[u] = j < p.vocab ? p.class_weights[j] : 0.f;
       }
 #pragma unroll
-      for (int u = 0; u < U; ++u) om += static_cast<double>(w[u]);
+      for (int u = 0; u < U; ++u) v[1] += static_cast<double>(w[u]);
     }
   }
-  block_sum2(d, om, s);
+  block_sum3(v, s);
   if (threadIdx.x == 0) {
-    out->denom = static_cast<float>(d);
-    out->omega_total = p.class_weights ? static_cast<float>(om) : static_cast<float>(p.vocab);
+    out->denom = static_cast<float>(v[0]);
+    out->omega_total = p.class_weights ? static_cast<float>(v[1]) : static_cast<float>(p.vocab);
+    out->count = static_cast<float>(v[2]);
   }
 }
 
-// loss[0] = Σ row_loss (/ D for mean, 0 when D = 0); z_loss[0] likewise from row_zloss (0 when
-// row_zloss is null: λ = 0). SEMANTICS rules 5, 7. Fixed order as above, double accumulation.
+// SEMANTICS rules 5, 7, 15, from the per-row values, fixed order as above, double accumulation:
+//   loss[0]     = Σ ce_r + Σ zl_r (sum), Σ ce_r / D + Σ zl_r / n (mean; each 0 when its divisor is)
+//   z_loss[0]   = Σ zl_r (sum, none), Σ zl_r / n (mean)
+//   accuracy[0] = Σ correct_r / n (0 when n = 0)
+// row_zloss / row_correct null count as 0.
 __global__ void __launch_bounds__(kReduceThreads) ce_finalize_kernel(
     int64_t rows, int reduction, const float* row_loss, const float* row_zloss,
-    const CeDenoms* d, float* loss, float* z_loss) {
+    const float* row_correct, const CeDenoms* d, float* loss, float* z_loss, float* accuracy) {
   constexpr int U = 8;
-  __shared__ double s[32][2];
+  __shared__ double s[32][3];
   const int64_t nt = blockDim.x;
-  double a = 0.0, b = 0.0;
+  double v[3] = {0.0, 0.0, 0.0};
   for (int64_t base = threadIdx.x; base < rows; base += nt * U) {
-    float la[U], lb[U];
+    float la[U], lb[U], lc[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int64_t r = base + u * nt;
       la[u] = (loss && r < rows) ? row_loss[r] : 0.f;
       lb[u] = (row_zloss && r < rows) ? row_zloss[r] : 0.f;
+      lc[u] = (row_correct && r < rows) ? row_correct[r] : 0.f;
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      a += static_cast<double>(la[u]);
-      b += static_cast<double>(lb[u]);
+      v[0] += static_cast<double>(la[u]);
+      v[1] += static_cast<double>(lb[u]);
+      v[2] += static_cast<double>(lc[u]);
     }
   }
-  block_sum2(a, b, s);
+  block_sum3(v, s);
   if (threadIdx.x == 0) {
+    const double D = d->denom, n = d->count;
+    double ce = v[0], zl = v[1];
     if (reduction == FCE_REDUCTION_MEAN) {
-      const double D = d->denom;
-      a = D > 0.0 ? a / D : 0.0;
-      b = D > 0.0 ? b / D : 0.0;
+      ce = D > 0.0 ? ce / D : 0.0;
+      zl = n > 0.0 ? zl / n : 0.0;
     }
-    if (loss) loss[0] = static_cast<float>(a);
-    if (z_loss) z_loss[0] = static_cast<float>(b);
+    if (loss) loss[0] = static_cast<float>(ce + zl);
+    if (z_loss) z_loss[0] = static_cast<float>(zl);
+    if (accuracy) accuracy[0] = n > 0.0 ? static_cast<float>(v[2] / n) : 0.f;
   }
 }
 
@@ -933,6 +1180,8 @@ KParams make_params(const CeOptions& opt, int64_t vocab) {
   memset(&p, 0, sizeof p);
   p.ignore_index = opt.ignore_index;
   p.shift_T = opt.shift_seq_len;
+  p.shift_k = opt.shift_seq_len > 0 ? (opt.shift > 0 ? opt.shift : 1) : 0;
+  p.token_scaling = opt.token_scaling ? 1 : 0;
   p.class_weights = opt.class_weights;
   p.vocab = static_cast<int>(vocab);
   p.vocab_total = static_cast<int>(vocab);
@@ -1117,9 +1366,10 @@ fce_status launch_rows_typed(const CeRowsArgs& a, KParams p, int pair, cudaStrea
   // more the streaming kernel (many loads in flight, no register-resident slice to drain)
   // measured faster on an H100 (bench/NOTES.md: 16384×128256 bf16 1.50 ms against 1.76 ms),
   // on shorter rows the register path (32768×32000 bf16 0.76 ms against 1.02 ms).
+  const bool backward = a.lse_in || a.stats_in;
   const bool long_forward_only = !a.grad && a.vocab * Ty<TZ>::kBytes >= (int64_t{128} << 10);
   const bool prefer_stream = overrides().path == 2 || (long_forward_only && overrides().path != 1);
-  if (!a.lse_in && !prefer_stream) {
+  if (!backward && !prefer_stream) {
     const bool aligned_rows =
         (reinterpret_cast<uintptr_t>(a.logits) & 15) == 0 && (p.z_row_bytes & 15) == 0;
     const int lead_max = aligned_rows ? 0 : E - 1;
@@ -1141,7 +1391,7 @@ fce_status launch_rows_typed(const CeRowsArgs& a, KParams p, int pair, cudaStrea
     q.logits = static_cast<const char*>(a.logits) + r0 * p.z_row_bytes;
     q.grad = a.grad ? static_cast<char*>(a.grad) + r0 * p.g_row_bytes : nullptr;
     fce_status st = FCE_SUCCESS;
-    if (a.lse_in) {
+    if (backward) {
       const unsigned threads = static_cast<unsigned>(stream_threads(a.vocab, E, kBackwardThreads));
       if (mode == kPlain)
         ce_rows_stream_kernel<TZ, TG, kPlain, true><<<static_cast<unsigned>(n), threads, 0, s>>>(q);
@@ -1189,11 +1439,14 @@ fce_status launch_ce_rows(const CeRowsArgs& a, cudaStream_t s) {
                 static_cast<long long>(a.row_begin), static_cast<long long>(a.row_count),
                 static_cast<long long>(a.total_rows), static_cast<long long>(a.vocab),
                 static_cast<long long>(a.row_stride), static_cast<long long>(a.grad_row_stride));
-  if (a.lse_in && !a.grad)
+  const bool backward = a.lse_in || a.stats_in;
+  if (backward && !a.grad)
     return fail(FCE_ERROR_INTERNAL, "launch_ce_rows: backward (lse_in) without a gradient buffer");
+  if (a.rescale && (backward || !a.grad || !a.grad_output))
+    return fail(FCE_ERROR_INTERNAL, "launch_ce_rows: rescale needs a forward with grad and grad_output");
   const int64_t vocab_total = a.vocab_total > 0 ? a.vocab_total : a.vocab;
   if (a.col_begin < 0 || a.col_begin + a.vocab > vocab_total || vocab_total > INT32_MAX ||
-      (vocab_total != a.vocab && !a.lse_in))
+      (vocab_total != a.vocab && !a.stats_in))
     return fail(FCE_ERROR_INTERNAL, "launch_ce_rows: bad column slice (%lld+%lld of %lld)",
                 static_cast<long long>(a.col_begin), static_cast<long long>(a.vocab),
                 static_cast<long long>(vocab_total));
@@ -1204,12 +1457,19 @@ fce_status launch_ce_rows(const CeRowsArgs& a, cudaStream_t s) {
   p.targets = a.targets;
   p.denoms = a.denoms;
   p.grad_output = a.grad_output;
-  p.lse_in = a.lse_in;
-  p.row_loss = a.lse_in ? nullptr : a.row_loss;
-  p.row_zloss = a.lse_in ? nullptr : a.row_zloss;
-  p.lse_out = a.lse_in ? nullptr : a.lse_out;
+  p.lse_in = a.stats_in ? nullptr : a.lse_in;
+  p.stats_in = a.stats_in;
+  // a backward or a rescale writes the gradient (and error flags) only
+  const bool outputs = !backward && !a.rescale;
+  p.row_loss = outputs ? a.row_loss : nullptr;
+  p.row_zloss = outputs ? a.row_zloss : nullptr;
+  p.lse_out = outputs ? a.lse_out : nullptr;
+  p.stats_out = outputs ? a.stats_out : nullptr;
+  p.argmax_out = outputs ? a.argmax_out : nullptr;
+  p.row_correct = outputs ? a.row_correct : nullptr;
+  p.loss_has_z = a.opt.reduction == FCE_REDUCTION_NONE ? 1 : 0;
   p.error_flags = a.error_flags;
-  p.rescale = a.rescale && a.lse_in ? 1 : 0;
+  p.rescale = a.rescale ? 1 : 0;
   // Without a gradient its dtype is irrelevant: use the logits' own pair.
   const int zd = a.logits_dtype, gd = a.grad ? a.grad_dtype : a.logits_dtype;
   if (zd == FCE_FLOAT32 && gd == FCE_FLOAT32) return launch_rows_typed<float, float>(a, p, 0, s);
@@ -1223,13 +1483,15 @@ fce_status launch_ce_rows(const CeRowsArgs& a, cudaStream_t s) {
 }
 
 fce_status launch_ce_finalize(const CeOptions& opt, int64_t rows, const float* row_loss,
-                              const float* row_zloss, const CeDenoms* d, float* loss,
-                              float* z_loss, cudaStream_t s) {
-  if (!loss && !z_loss) return FCE_SUCCESS;
-  if (rows < 0 || (loss && !row_loss) || !d)
+                              const float* row_zloss, const float* row_correct,
+                              const CeDenoms* d, float* loss, float* z_loss, float* accuracy,
+                              cudaStream_t s) {
+  if (!loss && !z_loss && !accuracy) return FCE_SUCCESS;
+  if (rows < 0 || (loss && !row_loss) || (accuracy && !row_correct) || !d ||
+      (loss && opt.z_loss_scale != 0.f && !row_zloss))
     return fail(FCE_ERROR_INTERNAL, "launch_ce_finalize: bad arguments");
-  ce_finalize_kernel<<<1, kReduceThreads, 0, s>>>(rows, opt.reduction, row_loss, row_zloss, d,
-                                                   loss, z_loss);
+  ce_finalize_kernel<<<1, kReduceThreads, 0, s>>>(rows, opt.reduction, row_loss, row_zloss,
+                                                   row_correct, d, loss, z_loss, accuracy);
   return launch_error("ce_finalize_kernel");
 }
 

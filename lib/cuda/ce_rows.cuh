@@ -19,7 +19,16 @@ namespace cuda {
 struct CeDenoms {
   float denom;        // D (SEMANTICS rule 4)
   float omega_total;  // Omega = sum_j w_j (vocab without class weights)
+  float count;        // n, the non-ignored rows (rule 4): the z-loss's and accuracy's divisor
 };  // device memory, lives in the workspace
+
+// What a forward pass keeps of a row for a later gradient of a column slice (fce_linear_ce's
+// vocabulary-sliced plan): the row maximum m, log s, and the token-scaling factor t (1 when off).
+// p_j = exp((a_j − m) − ls) needs both m and ls: lse = m + ls in float32 loses ls when |m| is
+// huge (SEMANTICS rule 9).
+struct CeRowStats {
+  float m, ls, t, pad;
+};
 
 // D (SEMANTICS rule 4) and Omega = sum of class weights (or vocab), deterministic, all rows.
 // launch_ce_rows reads D for reduction mean (to form k = g / D) and Omega for label smoothing
@@ -43,33 +52,42 @@ struct CeRowsArgs {
   const CeDenoms* denoms;        // device
   const float* grad_output;      // nullptr = 1; [1] for mean/sum, [total_rows] for none (global)
   const float* lse_in;           // backward: saved lse [total_rows] (global); nullptr = forward
-  float* row_loss;               // [total_rows] per-row loss, global index (forward)
-  float* row_zloss;              // [total_rows] lambda*lse^2 (0 for ignored rows) or nullptr
+  float* row_loss;               // [total_rows] per-row loss, global index (forward): for
+                                 // reduction none the whole loss_r (the user's buffer), for
+                                 // mean/sum only the cross-entropy part (the z part is row_zloss)
+  float* row_zloss;              // [total_rows] lambda*lse^2 (0 for ignored rows) or nullptr;
+                                 // required when lambda != 0 and the reduction is mean or sum
   float* lse_out;                // [total_rows] or nullptr
+  CeRowStats* stats_out;         // forward: [total_rows] or nullptr
+  const CeRowStats* stats_in;    // backward: [total_rows] from a forward; nullptr = from lse_in
+  int64_t* argmax_out;           // forward: [total_rows] or nullptr
+  float* row_correct;            // forward: [total_rows] 1/0 per row (accuracy) or nullptr
   uint32_t* error_flags;         // or nullptr
   // A column slice (backward only, lse_in given): the buffers hold classes [col_begin,
   // col_begin + vocab) of rows of vocab_total classes (targets, ε/V, Ω and the class weights are
   // those of the whole vocabulary). vocab_total = 0 means vocab (whole rows).
   int64_t vocab_total;
   int64_t col_begin;
-  // fce_backward_rescale (backward only): grad holds the gradient for an upstream 1; the kernel
-  // reads *grad_output on the device: 1 → returns, 0 or ±2^k → scales grad in place, else the
-  // ordinary backward.
+  // fce_backward_rescale (forward kernels, lse_in null, no outputs but grad): grad holds the
+  // gradient for an upstream 1; the kernel reads *grad_output on the device: 1 → returns, 0 or
+  // ±2^k → scales the valid rows of grad in place, else the forward's gradient computation.
   bool rescale;
 };
 // Supported (logits_dtype, grad_dtype): (f32, f32), (f16, f16), (bf16, bf16), (f32, f16),
-// (f32, bf16); without a gradient any logits dtype. Backward (lse_in) needs grad and writes
-// only the gradient (and error_flags). Rows shorter than 512 KB (64 KB on sm_80) take the
+// (f32, bf16); without a gradient any logits dtype. Backward (lse_in or stats_in) needs grad and
+// writes only the gradient (and error_flags). Rows shorter than 512 KB (64 KB on sm_80) take the
 // register / cluster path, longer ones the two-pass path (see ce_kernels.cu).
 fce_status launch_ce_rows(const CeRowsArgs& a, cudaStream_t s);
 
-// Deterministic fixed-order sums of row_loss/row_zloss over all rows into loss[0] / z_loss[0]
-// (SEMANTICS rules 5, 7). For reduction none, the caller passes the user's loss buffer as
-// row_loss and this is only used for z_loss (loss = nullptr). row_zloss = nullptr gives a
-// z-loss total of 0 (right when lambda = 0). Nothing to do when loss and z_loss are both null.
+// Deterministic fixed-order sums over all rows (SEMANTICS rules 5, 7, 15): loss[0] from row_loss
+// (the cross-entropy parts) and row_zloss, z_loss[0] from row_zloss, accuracy[0] from
+// row_correct. For reduction none the caller passes loss = nullptr and accuracy = nullptr (the
+// rows are the outputs) and this only makes z_loss. row_zloss = nullptr means λ = 0. Nothing to
+// do when loss, z_loss and accuracy are all null.
 fce_status launch_ce_finalize(const CeOptions& opt, int64_t rows, const float* row_loss,
-                              const float* row_zloss, const CeDenoms* d, float* loss,
-                              float* z_loss, cudaStream_t s);
+                              const float* row_zloss, const float* row_correct,
+                              const CeDenoms* d, float* loss, float* z_loss, float* accuracy,
+                              cudaStream_t s);
 
 #if defined(FCE_CE_SELFTEST)
 // Host-only check of the register path's index arithmetic (ce_kernels.cu); returns the number

@@ -133,12 +133,12 @@ Sizes sizes_of(const CeOptions& opt, int64_t rows, int64_t hidden, int64_t vocab
 // Byte offsets of the workspace slices, from a 256-byte aligned base. total includes kAlign of
 // slack for aligning the caller's (16-byte aligned) pointer; kHuge when it overflows.
 struct Layout {
-  size_t denoms, row_loss, row_zloss, bias, db, lse, dh, lt, z, total;
+  size_t denoms, row_loss, row_zloss, row_correct, bias, db, stats, dh, lt, z, total;
 };
 
 // The slices of every plan; z_bytes is the logits scratch. `sliced` adds the vocab-sliced
-// plan's lse [N] and float32 ∂h accumulator [N, D] (the latter unless dtype is float32: then
-// grad_hidden itself accumulates).
+// plan's row statistics [N] (m, log s, t: CeRowStats) and float32 ∂h accumulator [N, D] (the
+// latter unless dtype is float32: then grad_hidden itself accumulates).
 Layout layout_bytes(const Sizes& s, size_t z_bytes, size_t lt_bytes, bool sliced) {
   Layout l;
   size_t at = 0;
@@ -151,9 +151,10 @@ Layout layout_bytes(const Sizes& s, size_t z_bytes, size_t lt_bytes, bool sliced
   l.denoms = take(sizeof(CeDenoms));
   l.row_loss = take(s.reduction_none ? 0 : sat_mul(rows, 4));
   l.row_zloss = take(sat_mul(rows, 4));
+  l.row_correct = take(s.reduction_none ? 0 : sat_mul(rows, 4));  // for options->accuracy
   l.bias = take(sat_mul(vocab, s.elem));             // the bias in dtype (if any)
   l.db = take(s.with_grad ? sat_mul(vocab, 4) : 0);  // ∂b accumulator (if needed)
-  l.lse = take(sliced ? sat_mul(rows, 4) : 0);
+  l.stats = take(sliced ? sat_mul(rows, sizeof(CeRowStats)) : 0);
   l.dh = take(sliced && s.with_grad
                   ? sat_mul(sat_mul(rows, static_cast<size_t>(s.hidden)), 4) : 0);
   l.lt = take(lt_bytes);
@@ -381,7 +382,8 @@ fce_status cuda_linear_ce(const LinearCeProblem& p) {
       {p.z_loss, "z_loss"}, {p.grad_hidden, "grad_hidden"},
       {p.grad_weight, "grad_weight"}, {p.grad_bias, "grad_bias"},
       {p.grad_output, "grad_output"}, {p.error_flags, "error_flags"},
-      {opt.class_weights, "options->class_weights"}, {p.workspace, "workspace"}};
+      {opt.class_weights, "options->class_weights"}, {p.argmax, "options->argmax"},
+      {p.accuracy, "options->accuracy"}, {p.workspace, "workspace"}};
   int device = 0;
   FCE_TRY(check_device_pointers("fce_linear_ce", pointers,
                                 static_cast<int>(sizeof pointers / sizeof pointers[0]), &device));
@@ -407,7 +409,11 @@ fce_status cuda_linear_ce(const LinearCeProblem& p) {
       (reinterpret_cast<uintptr_t>(p.workspace) + kAlign - 1) / kAlign * kAlign);
   CeDenoms* denoms = reinterpret_cast<CeDenoms*>(base + L.denoms);
   float* row_loss = s.reduction_none ? p.loss : reinterpret_cast<float*>(base + L.row_loss);
-  float* row_zloss = p.z_loss ? reinterpret_cast<float*>(base + L.row_zloss) : nullptr;
+  // the z-loss terms: part of a mean/sum loss, or asked for (λ = 0: none)
+  float* row_zloss = (opt.z_loss_scale != 0.f && (!s.reduction_none || p.z_loss))
+                         ? reinterpret_cast<float*>(base + L.row_zloss) : nullptr;
+  float* row_correct = !p.accuracy ? nullptr
+                       : s.reduction_none ? p.accuracy : reinterpret_cast<float*>(base + L.row_correct);
   void* bias_ws = p.bias ? static_cast<void*>(base + L.bias) : nullptr;  // the bias, in dtype
   float* db32 = reinterpret_cast<float*>(base + L.db);
   void* lt_ws = base + L.lt;
@@ -415,9 +421,9 @@ fce_status cuda_linear_ce(const LinearCeProblem& p) {
   const int64_t ldz = s.vocab_padded;
   const bool sliced = plan.mode == Mode::kVocabSliced;
   // the vocab-sliced plan (only ever chosen for a 16-bit dtype whose grad_weight and grad_bias
-  // are 16-bit too: choose_plan takes token chunks for float32 ones): the lse pass keeps lse for
-  // the gradient pass; ∂h accumulates in a float32 workspace buffer
-  float* lse_buf = sliced ? (p.lse ? p.lse : reinterpret_cast<float*>(base + L.lse)) : p.lse;
+  // are 16-bit too: choose_plan takes token chunks for float32 ones): the lse pass keeps each
+  // row's (m, log s, t) for the gradient pass; ∂h accumulates in a float32 workspace buffer
+  CeRowStats* stats = sliced ? reinterpret_cast<CeRowStats*>(base + L.stats) : nullptr;
   float* dh32 = reinterpret_cast<float*>(base + L.dh);
   const bool grad_in_chunks = with_grad && !sliced;
 
@@ -473,7 +479,10 @@ fce_status cuda_linear_ce(const LinearCeProblem& p) {
     a.lse_in = nullptr;
     a.row_loss = row_loss;
     a.row_zloss = row_zloss;
-    a.lse_out = lse_buf;
+    a.lse_out = p.lse;
+    a.stats_out = stats;
+    a.argmax_out = p.argmax;
+    a.row_correct = row_correct;
     a.error_flags = p.error_flags;
     FCE_TRY(launch_ce_rows(a, stream));
     if (!grad_in_chunks) continue;
@@ -555,7 +564,7 @@ fce_status cuda_linear_ce(const LinearCeProblem& p) {
     FCE_TRY(gemm(g, stream, &bias_applied));
     if (b_s && !bias_applied) FCE_TRY(launch_add_bias_rows(z, dtype, N, vc, lds, b_s, stream));
 
-    // b. ∂Z_s from the saved lse, in place (the backward kernel on a column slice)
+    // b. ∂Z_s from the saved row statistics, in place (the backward kernel on a column slice)
     CeRowsArgs a{};
     a.opt = opt;
     a.vocab = vc;
@@ -573,7 +582,7 @@ fce_status cuda_linear_ce(const LinearCeProblem& p) {
     a.targets = p.targets;
     a.denoms = denoms;
     a.grad_output = p.grad_output;
-    a.lse_in = lse_buf;
+    a.stats_in = stats;
     a.error_flags = nullptr;  // the lse pass has flagged invalid targets already
     FCE_TRY(launch_ce_rows(a, stream));
 
@@ -617,12 +626,14 @@ fce_status cuda_linear_ce(const LinearCeProblem& p) {
   if (p.grad_bias && !dw_fp32)
     FCE_TRY(launch_store_accumulator(db32, p.grad_bias, grad_w_dtype, V, p.accumulate, stream));
 
-  // ---- the reduced loss and z-loss, fixed order. For none the per-row losses already are the
-  // caller's loss: only the z-loss total remains.
+  // ---- the reduced loss, z-loss and accuracy, fixed order. For none the per-row losses and
+  // accuracies already are the caller's: only the z-loss total remains.
   if (!s.reduction_none)
-    FCE_TRY(launch_ce_finalize(opt, N, row_loss, row_zloss, denoms, p.loss, p.z_loss, stream));
-  else if (p.z_loss)
-    FCE_TRY(launch_ce_finalize(opt, N, row_loss, row_zloss, denoms, nullptr, p.z_loss, stream));
+    FCE_TRY(launch_ce_finalize(opt, N, row_loss, row_zloss, row_correct, denoms, p.loss,
+                               p.z_loss, p.accuracy, stream));
+  else
+    FCE_TRY(launch_ce_finalize(opt, N, row_loss, row_zloss, row_correct, denoms, nullptr,
+                               p.z_loss, nullptr, stream));
   return FCE_SUCCESS;
 }
 

@@ -9,6 +9,10 @@ float32/float16/bfloat16 inputs and logits of standard deviation 1 to 30:
   * float32: relative error <= 1e-5 (SPEC.md);
   * never NaN or inf where the reference is finite.
 The same for linear_cross_entropy against F.cross_entropy(F.linear(h, W, b).float(), y).
+Version 0.3's keywords (z_loss with its mean over the non-ignored rows, use_token_scaling, CCE's
+shift, the return_* outputs) against the eager code a Liger / CCE user writes for the same thing
+(Liger's z-loss and token scaling, slicing for the shift), in the same dtype and in float64; and
+adversarial rows (the dtype's largest magnitudes, -inf entries and targets, NaN) against float64.
 
     make test-gpu        (or: PYTHONPATH=bindings/python FUSEDCE_LIBRARY=build/libfusedce.so \
                               python -m pytest -q tests/gpu/test_torch_parity.py)
@@ -174,3 +178,229 @@ def test_linear_cross_entropy_parity(dtype, std, case, reduction):
                                 ref_grads):
         assert fg.dtype == dtype, name
         assert_as_close(fg, tg, rg, GRAD_FLOOR[dtype], name, f32)
+
+
+# ===================================== version 0.3: the keywords Liger's and CCE's users use ====
+# The torch side is what a user writes in eager mode for the same thing (Liger's test reference:
+# F.cross_entropy plus lambda * logsumexp^2, the token scaling by the detached p_y, the shift by
+# slicing), run once in the inputs' dtype ("torch") and once in float64 (the reference).
+def liger_style(z, y, weight, ignore_index, reduction, label_smoothing, z_loss, scaling):
+    """loss, z_loss (the logged part), computed in z's dtype (float32 math for 16-bit logits, as
+    F.cross_entropy on them): Liger's CrossEntropyWithZLoss, with token scaling."""
+    a = z if z.dtype == torch.float64 else z.float()
+    w = weight.to(a.dtype) if weight is not None else None
+    ce = F.cross_entropy(a, y, weight=w, ignore_index=ignore_index, reduction="none",
+                         label_smoothing=label_smoothing)
+    valid = y != ignore_index
+    lse = torch.logsumexp(a, -1)
+    zl = z_loss * lse ** 2 * valid
+    if scaling:
+        p_y = torch.exp(a.gather(1, y.clamp_min(0)[:, None])[:, 0] - lse).detach()
+        p_y = torch.where(valid, p_y, torch.ones_like(p_y))
+        ce, zl = ce * p_y, zl * p_y
+    if reduction == "none":
+        return ce + zl, zl
+    if reduction == "sum":
+        return (ce + zl).sum(), zl.sum()
+    denom = w[y[valid]].sum() if w is not None else valid.sum().to(a.dtype)
+    count = valid.sum().to(a.dtype)
+    return ce.sum() / denom + zl.sum() / count, zl.sum() / count
+
+
+NEW_OPTIONS = {
+    "z_loss+weight": dict(z_loss=1e-3, weight=True),
+    "token_scaling": dict(use_token_scaling=True),
+    "token_scaling+z_loss+smoothing+ignore": dict(use_token_scaling=True, z_loss=1e-4,
+                                                  label_smoothing=0.1, ignore_index=7),
+    "shift=3": dict(shift=3),
+}
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("case", list(NEW_OPTIONS))
+@pytest.mark.parametrize("std", [1.0, 8.0])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+def test_new_keywords_parity(dtype, std, case, reduction):
+    """cross_entropy with z_loss, use_token_scaling, shift and every return_* flag on CUDA: the
+    loss and gradient as close to float64 as the eager torch code computing the same thing in
+    the same dtype; z_loss, lse within 1e-5 of float64; token accuracy and predicted tokens
+    exactly torch.argmax's on the same logits."""
+    opt = dict(NEW_OPTIONS[case])
+    ignore_index = opt.pop("ignore_index", -100)
+    weighted = opt.pop("weight", False)
+    b, t, v = 4, 64, 32003
+    z, y, w = inputs(b * t, v, std, dtype, ignore_index, seed=int(std) * 7 + len(case))
+    weight = w if weighted else None
+    k = opt.get("shift", 0)
+    if k:  # CCE's spelling: targets [B, T], T their last dimension; torch: slicing
+        zt, yt = z.view(b, t, v)[:, :t - k].reshape(-1, v), y.view(b, t)[:, k:].reshape(-1)
+        target = y.view(b, t)
+    else:
+        zt, yt, target = z, y, y
+    up_n = zt.shape[0] if reduction == "none" else None
+    up = ((torch.rand(up_n, device="cuda") + 0.5) if up_n else torch.tensor(0.75, device="cuda"))
+    lam, scaling = opt.get("z_loss", 0.0), opt.get("use_token_scaling", False)
+    ls = opt.get("label_smoothing", 0.0)
+
+    def run_ref(x, cast):
+        xx = x.detach().clone().to(cast).requires_grad_(True)
+        loss, zl = liger_style(xx, yt, weight.double() if (weight is not None and cast ==
+                                                          torch.float64) else weight,
+                               ignore_index, reduction, ls, lam, scaling)
+        (g,) = torch.autograd.grad(loss, xx, up.to(loss.dtype))
+        return loss.detach(), g, zl.detach()
+
+    ref_loss, ref_grad, ref_zl = run_ref(zt, torch.float64)
+    t_loss, t_grad, _ = run_ref(zt, dtype)
+
+    x = z.detach().clone().requires_grad_(True)
+    out = cross_entropy(x, target, weight, ignore_index=ignore_index, reduction=reduction,
+                        return_z_loss=True, return_token_accuracy=True,
+                        return_predicted_tokens=True, return_lse=True, **opt)
+    f_loss = out.loss
+    if k and reduction == "none":  # every position; CCE's (and the sliced torch) drop the last k
+        f_loss = f_loss[:, :t - k].reshape(-1)
+    (f_grad,) = torch.autograd.grad(f_loss, x, up)
+    if k:
+        assert torch.all(f_grad.view(b, t, v)[:, t - k:] == 0)
+        f_grad = f_grad.view(b, t, v)[:, :t - k].reshape(-1, v)
+    f32 = 1e-5 if dtype == torch.float32 else None
+    assert f_loss.dtype == torch.float32 and f_grad.dtype == dtype
+    assert_as_close(f_loss.detach(), t_loss.float(), ref_loss, LOSS_FLOOR, "loss", f32)
+    assert_as_close(f_grad, t_grad, ref_grad, GRAD_FLOOR[dtype], "grad", f32)
+
+    zl = out.z_loss
+    if k and reduction == "none":
+        zl = zl[:, :t - k].reshape(-1)
+    assert rel(zl, ref_zl) <= 1e-5 or (lam == 0 and float(zl.abs().max()) == 0)
+    lse_ref = torch.logsumexp(z.double(), -1)
+    assert rel(out.lse.reshape(-1), lse_ref) <= 1e-6
+    if k:  # the target each row is scored against, ignore_index for the last k positions
+        yy = torch.full((b, t), ignore_index, dtype=y.dtype, device="cuda")
+        yy[:, :t - k] = y.view(b, t)[:, k:]
+        yy = yy.reshape(-1)
+    else:
+        yy = y
+    valid = yy != ignore_index
+    pred = torch.where(valid, z.argmax(-1), torch.full_like(yy, -1))  # same dtype, same ties
+    assert torch.equal(out.predicted_tokens.reshape(-1), pred)
+    right = (valid & (pred == yy)).float()
+    acc = right if reduction == "none" else right.sum() / valid.sum()
+    assert torch.allclose(out.token_accuracy.reshape(acc.shape), acc, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+def test_linear_new_keywords_parity(dtype, reduction):
+    """linear_cross_entropy with z_loss, use_token_scaling and CCE's shift on [B, T, D] against
+    F.cross_entropy(F.linear(h, W, b).float()) sliced by hand, plus Liger's z-loss and token
+    scaling; predicted tokens / accuracy against torch.argmax of the same logits."""
+    b_, t, d, v, k = 8, 128, 512, 32003, 1
+    g = torch.Generator(device="cuda").manual_seed(11)
+    h = torch.randn(b_, t, d, device="cuda", generator=g).to(dtype)
+    W = (torch.randn(v, d, device="cuda", generator=g) * (8.0 / d ** 0.5)).to(dtype)
+    bias = (torch.randn(v, device="cuda", generator=g) * 0.1).to(dtype)
+    y = torch.randint(0, v, (b_, t), device="cuda", generator=g)
+    y[:, 5::11] = -100
+    ys = y[:, k:].reshape(-1)
+    up = ((torch.rand(b_ * (t - k), device="cuda") + 0.5) if reduction == "none"
+          else torch.tensor(0.75, device="cuda"))
+
+    def run_ref(cast):
+        ps = [p.detach().clone().to(cast).requires_grad_(True) for p in (h, W, bias)]
+        logits = F.linear(ps[0], ps[1], ps[2])[:, :t - k].reshape(-1, v)
+        loss, _ = liger_style(logits, ys, None, -100, reduction, 0.0, 1e-4, True)
+        return loss.detach(), torch.autograd.grad(loss, ps, up.to(loss.dtype))
+
+    ref_loss, ref_grads = run_ref(torch.float64)
+    t_loss, t_grads = run_ref(dtype)
+    ps = [p.detach().clone().requires_grad_(True) for p in (h, W, bias)]
+    out = linear_cross_entropy(ps[0], ps[1], y, linear_bias=ps[2], reduction=reduction,
+                               z_loss=1e-4, use_token_scaling=True, shift=k,
+                               return_predicted_tokens=True, return_token_accuracy=True)
+    f_loss = out.loss[:, :t - k].reshape(-1) if reduction == "none" else out.loss
+    f_grads = torch.autograd.grad(f_loss, ps, up)
+    f32 = 1e-5 if dtype == torch.float32 else None
+    assert_as_close(f_loss.detach(), t_loss.float(), ref_loss, LOSS_FLOOR, "loss", f32)
+    for name, fg, tg, rg in zip(("grad_hidden", "grad_weight", "grad_bias"), f_grads, t_grads,
+                                ref_grads):
+        assert fg.dtype == dtype, name
+        assert_as_close(fg, tg, rg, GRAD_FLOOR[dtype], name, f32)
+    # predicted tokens: the library forms the logits with its own GEMM (16-bit: rounded to the
+    # dtype), which may order near-ties differently from torch: each prediction must be a
+    # maximum of the exact logits up to that rounding; -1 exactly for the rows not scored
+    exact = F.linear(h.double(), W.double(), bias.double())
+    pred = out.predicted_tokens
+    scored = torch.zeros_like(y, dtype=torch.bool)
+    scored[:, :t - k] = y[:, k:] != -100
+    assert torch.all(pred[~scored] == -1) and torch.all(pred[scored] >= 0)
+    top = exact.max(-1).values
+    got = exact.gather(-1, pred.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+    eps = {torch.float32: 1e-5, torch.float16: 2.0 ** -9, torch.bfloat16: 2.0 ** -6}[dtype]
+    slack = eps * exact.abs().amax(-1)
+    assert torch.all((top - got)[scored] <= slack[scored]), float((top - got)[scored].max())
+    right = ((pred == y.roll(-k, 1)) & scored).float()
+    acc = out.token_accuracy
+    if reduction == "none":
+        assert torch.equal(acc, right)
+    else:
+        assert abs(acc.item() - (right.sum() / scored.sum()).item()) <= 1e-6
+
+
+def adversarial_batch(dtype):
+    big = {torch.float32: 1e30, torch.bfloat16: 3e38, torch.float16: 6e4}[dtype]
+    v = 32003
+    g = torch.Generator(device="cuda").manual_seed(3)
+    z = torch.randn(16, v, device="cuda", generator=g, dtype=torch.float64)
+    y = torch.randint(0, v, (16,), device="cuda", generator=g)
+    z[0], z[1] = -big, big
+    z[2] = -big
+    z[2, ::7] = -big * (1 - 2 ** -6)
+    z[3, 1::3] = -float("inf")
+    y[3] = 0
+    z[4, y[4]] = -float("inf")  # loss +inf
+    z[5, 17] += 80.0
+    z[6] = big * (torch.rand(v, device="cuda", generator=g, dtype=torch.float64) - 0.5) / 4
+    z[7, 5] = float("nan")
+    return z.to(dtype), y
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+def test_adversarial_rows_parity(dtype, reduction):
+    """Rows no float32 lse survives (all at the dtype's largest magnitude, a huge offset with a
+    spread), -inf entries, a -inf target logit, a NaN: NaN and inf exactly where float64 torch
+    has them, everything else within the dtype's rounding of float64 — on the one-pass path
+    (mean/sum), the fce_backward path ('none') and with return_lse."""
+    z, y = adversarial_batch(dtype)
+    up = ((torch.rand(z.shape[0], device="cuda") + 0.5) if reduction == "none"
+          else torch.tensor(0.75, device="cuda"))
+    ref_loss, ref_grad = grad_of(F.cross_entropy, z.double(), up.double(), y,
+                                 reduction=reduction)
+    x = z.detach().clone().requires_grad_(True)
+    out = cross_entropy(x, y, reduction=reduction, return_lse=True)
+    (f_grad,) = torch.autograd.grad(out.loss, x, up)
+    for what, f, r, tol in (("loss", out.loss.detach(), ref_loss, 1e-5),
+                            ("grad", f_grad, ref_grad, GRAD_FLOOR[dtype] * 2),
+                            ("lse", out.lse, torch.logsumexp(z.double(), -1), 1e-6)):
+        f, r = f.double(), r.double()
+        assert torch.equal(torch.isnan(f), torch.isnan(r)), what
+        inf = torch.isinf(r)
+        assert torch.equal(f[inf], r[inf]) and not torch.isinf(f[~inf]).any(), what
+        fin = torch.isfinite(r)
+        if fin.any():
+            err = ((f[fin] - r[fin]).abs().max() / r[fin].abs().max().clamp_min(1e-300)).item()
+            assert err <= tol, f"{what}: {err:.3e} > {tol:.1e}"
+
+
+def test_check_targets_cuda():
+    """check_targets=True: torch's IndexError wording after a host sync; off: NaN, no sync."""
+    z, y, _ = inputs(64, 1000, 1.0, torch.float32, -100, seed=1)
+    y[9] = 1234
+    assert torch.isnan(cross_entropy(z, y))
+    for x in (z, z.clone().requires_grad_(True)):
+        with pytest.raises(IndexError, match="Target 1234 is out of bounds."):
+            cross_entropy(x, y, check_targets=True)
+    h, W = torch.randn(64, 32, device="cuda"), torch.randn(1000, 32, device="cuda")
+    with pytest.raises(IndexError, match="Target 1234 is out of bounds."):
+        linear_cross_entropy(h, W, y, check_targets=True)

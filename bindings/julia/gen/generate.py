@@ -467,9 +467,8 @@ def render(header_text: str, header_name: str = "include/fusedce.h") -> str:
         w(f"# The C layout under the LP64 ABI (x86-64, aarch64): {size} bytes.")
         w("@assert Sys.WORD_SIZE == 64 \"fusedce's Julia binding needs a 64-bit platform\"")
         w(f"@assert sizeof({jname}) == {size} \"{jname} does not have the size of C's {st.name}\"")
-        offs = ", ".join(str(o) for o in offsets)
         w(f"@assert Int[fieldoffset({jname}, i) for i in 1:fieldcount({jname})] ==")
-        w(f"        [{offs}]")
+        out.extend(_pack([str(o) for o in offsets], "        [", "         ", "]"))
         w("")
 
     for d in hdr.defines:

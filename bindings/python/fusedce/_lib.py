@@ -1,7 +1,12 @@
 """The ctypes core: find and load libfusedce, mirror include/fusedce.h, raise on statuses.
 
-Everything here is a one-to-one image of the C header written for FCE_VERSION 0.2.0; nothing
+Everything here is a one-to-one image of the C header written for FCE_VERSION 0.3.0; nothing
 above the C ABI (arrays, allocation, frameworks) lives in this module: see core.py.
+
+Older libraries of the same major version are accepted: :func:`options_size` is then the
+struct_size they know (``FCE_OPTIONS_SIZE_V0_1``), and asking for an option appended later
+(``shift``, ``argmax``, ``accuracy``, ``token_scaling``) raises :class:`UnsupportedError`
+(:func:`require_options_v0_3`) instead of being silently ignored by the library.
 
 The library is searched in this order:
   1. the path in the environment variable FUSEDCE_LIBRARY (a file, or a folder holding
@@ -21,7 +26,7 @@ import threading
 
 # ---------------------------------------------------------------- the header we mirror ----
 HEADER_VERSION_MAJOR = 0
-HEADER_VERSION_MINOR = 2
+HEADER_VERSION_MINOR = 3
 HEADER_VERSION_PATCH = 0
 HEADER_VERSION_NUMBER = (HEADER_VERSION_MAJOR * 10000 + HEADER_VERSION_MINOR * 100
                          + HEADER_VERSION_PATCH)
@@ -81,12 +86,21 @@ class Options(ctypes.Structure):
         ("accumulate", ctypes.c_int32),
         ("grad_weight_fp32", ctypes.c_int32),
         ("reserved0", ctypes.c_int32),
+        # ---- appended in 0.3 ----
+        ("shift", ctypes.c_int64),
+        ("argmax", ctypes.c_void_p),     # int64_t* [rows] in the backend's memory, or NULL
+        ("accuracy", ctypes.c_void_p),   # float* [1] (mean/sum) or [rows] (none), or NULL
+        ("token_scaling", ctypes.c_int32),
+        ("reserved1", ctypes.c_int32),
     ]
 
 
-# sizeof(fce_options) on every LP64 platform the library supports (C: 8+8+5*8+4*4+4*4+4*4).
-OPTIONS_C_SIZEOF = 104
+# sizeof(fce_options) on every LP64 platform the library supports.
+FCE_OPTIONS_SIZE_V0_1 = 104   # 8+8+5*8+4*4+4*4+4*4: version 0.1 / 0.2
+FCE_OPTIONS_SIZE_V0_3 = 136   # + shift, argmax, accuracy (3*8) + token_scaling, reserved1 (2*4)
+OPTIONS_C_SIZEOF = FCE_OPTIONS_SIZE_V0_3
 assert ctypes.sizeof(Options) == OPTIONS_C_SIZEOF, ctypes.sizeof(Options)
+assert Options.reserved0.offset + 4 == FCE_OPTIONS_SIZE_V0_1
 
 
 # ------------------------------------------------------------------------ exceptions ----
@@ -169,6 +183,7 @@ def error_for_status(status: int, message: str, function: str = "") -> FusedCEEr
 # --------------------------------------------------------------------------- loading ----
 _LIB = None
 _LIB_PATH = None
+_LIB_VERSION = 0
 _LOCK = threading.Lock()
 
 
@@ -234,6 +249,30 @@ def check_version(library_version: int, header_version: int = HEADER_VERSION_NUM
                hdr_major))
 
 
+def _options_size_of(library_version: int) -> int:
+    """The struct_size to pass a library of this FCE_VERSION_NUMBER: ours, or the 0.1 struct
+    for a library older than 0.3 (which rejects a struct_size larger than its own)."""
+    return FCE_OPTIONS_SIZE_V0_3 if int(library_version) >= 300 else FCE_OPTIONS_SIZE_V0_1
+
+
+def options_size() -> int:
+    """The struct_size every fce_options this binding passes carries: sizeof(Options) for a
+    library of version 0.3 or later, FCE_OPTIONS_SIZE_V0_1 for an older one."""
+    load()
+    return _options_size_of(_LIB_VERSION)
+
+
+def require_options_v0_3(what: str) -> None:
+    """Raise UnsupportedError when the loaded library predates the 0.3 options (``what`` names
+    the option asked for)."""
+    load()
+    if _LIB_VERSION < 300:
+        raise UnsupportedError(
+            FCE_ERROR_UNSUPPORTED,
+            "%s needs libfusedce 0.3 or later; the loaded library (%s) is %s" %
+            (what, _LIB_PATH, format_version(_LIB_VERSION)))
+
+
 def format_version(number: int) -> str:
     number = int(number)
     return "%d.%d.%d" % (number // 10000, number // 100 % 100, number % 100)
@@ -241,7 +280,7 @@ def format_version(number: int) -> str:
 
 def load(reload: bool = False):
     """The loaded ctypes.CDLL (loading it on first use). Raises LibraryNotFoundError."""
-    global _LIB, _LIB_PATH
+    global _LIB, _LIB_PATH, _LIB_VERSION
     with _LOCK:
         if _LIB is not None and not reload:
             return _LIB
@@ -260,15 +299,21 @@ def load(reload: bool = False):
             except AttributeError as e:
                 tried.append(f"{path} ({origin}: not a fusedce library: {e})")
                 continue
-            check_version(lib.fce_version())
+            lib_version = lib.fce_version()
+            check_version(lib_version)
+            size = _options_size_of(lib_version)
             probe = Options()
+            probe.struct_size = size
+            probe.reserved1 = 7  # past a 0.1/0.2 struct: must stay untouched by such a library
             lib.fce_options_default(ctypes.byref(probe))
-            if probe.struct_size != ctypes.sizeof(Options):
+            if (probe.struct_size != size or probe.ignore_index != -100
+                    or probe.logit_scale != 1.0 or probe.target_dtype != FCE_INT64
+                    or probe.reserved1 != (0 if size == FCE_OPTIONS_SIZE_V0_3 else 7)):
                 raise VersionMismatchError(
-                    "fce_options_default() reports struct_size %d, the binding's Options has %d "
-                    "bytes: the header and this binding disagree" %
-                    (probe.struct_size, ctypes.sizeof(Options)))
-            _LIB, _LIB_PATH = lib, path
+                    "fce_options_default() of libfusedce %s (struct_size %d) does not fill the "
+                    "defaults this binding expects: the header and this binding disagree" %
+                    (format_version(lib_version), size))
+            _LIB, _LIB_PATH, _LIB_VERSION = lib, path, int(lib_version)
             return lib
         raise LibraryNotFoundError(
             "libfusedce not found; set FUSEDCE_LIBRARY to the path of libfusedce.so "
@@ -301,7 +346,10 @@ def cuda_available() -> bool:
 
 
 def default_options() -> Options:
+    """fce_options_default() into a new Options whose struct_size is :func:`options_size`
+    (fields past an older library's struct keep their zero defaults)."""
     o = Options()
+    o.struct_size = options_size()
     load().fce_options_default(ctypes.byref(o))
     return o
 

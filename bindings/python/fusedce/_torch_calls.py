@@ -19,6 +19,11 @@ from torch import Tensor
 
 from . import _lib
 
+# Bits of the ``extras`` argument: the optional outputs of a forward call.
+EXTRA_Z_LOSS = 1     # z_loss total, float32 ()
+EXTRA_ACCURACY = 2   # token accuracy, float32 () for mean/sum, [N] for none (options->accuracy)
+EXTRA_ARGMAX = 4     # predicted classes, int64 [N], -1 for ignored rows (options->argmax)
+
 _CODE = {torch.float32: _lib.FCE_FLOAT32, torch.float16: _lib.FCE_FLOAT16,
          torch.bfloat16: _lib.FCE_BFLOAT16, torch.int32: _lib.FCE_INT32,
          torch.int64: _lib.FCE_INT64}
@@ -57,18 +62,25 @@ _SIZES: Dict[tuple, Tuple[int, int]] = {}
 
 def options(backend: int, dtype: int, target_dtype: int, reduction: int, ignore_index: int,
             label_smoothing: float, z_loss: float, softcap: float, logit_scale: float,
-            shift_seq_len: int, grad_weight_fp32: bool = False) -> Tuple[tuple, _lib.Options]:
+            shift_seq_len: int, shift: int = 0, token_scaling: bool = False,
+            grad_weight_fp32: bool = False) -> Tuple[tuple, _lib.Options]:
     """(key, fce_options) for this option set, built once. Per-call fields (class_weights,
-    strides, accumulate) are set by the caller on the returned struct before each call."""
+    strides, argmax, accuracy) are set by the caller on the returned struct before each call."""
     key = (backend, dtype, target_dtype, reduction, ignore_index, label_smoothing, z_loss,
-           softcap, logit_scale, shift_seq_len, grad_weight_fp32)
+           softcap, logit_scale, shift_seq_len, shift, token_scaling, grad_weight_fp32)
     o = _OPTIONS.get(key)
     if o is None:
+        if shift:
+            _lib.require_options_v0_3("shift")
+        if token_scaling:
+            _lib.require_options_v0_3("use_token_scaling")
         o = _lib.default_options()
         o.backend, o.dtype, o.target_dtype, o.reduction = backend, dtype, target_dtype, reduction
         o.ignore_index, o.label_smoothing, o.z_loss_scale = ignore_index, label_smoothing, z_loss
         o.softcap, o.logit_scale, o.shift_seq_len = softcap, logit_scale, shift_seq_len
         o.grad_weight_fp32 = int(grad_weight_fp32)
+        if o.struct_size >= _lib.FCE_OPTIONS_SIZE_V0_3:
+            o.shift, o.token_scaling = shift, int(bool(token_scaling))
         if len(_OPTIONS) > 256:
             _OPTIONS.clear()
         _OPTIONS[key] = o
@@ -96,18 +108,79 @@ def _ptr(t: Optional[Tensor]) -> Optional[int]:
     return t.data_ptr() if t is not None else None
 
 
+def _set_outputs(o: _lib.Options, argmax: Optional[Tensor], accuracy: Optional[Tensor]) -> None:
+    """The per-call output pointers of fce_options (always reset: the struct is cached)."""
+    if argmax is not None or accuracy is not None:
+        _lib.require_options_v0_3("return_predicted_tokens / return_token_accuracy")
+    if o.struct_size >= _lib.FCE_OPTIONS_SIZE_V0_3:
+        o.argmax, o.accuracy = _ptr(argmax), _ptr(accuracy)
+
+
+def _extras(extras: int, n: int, reduction: int, device):
+    """(z_loss, accuracy, argmax) buffers for the bits of ``extras`` (None where not asked)."""
+    if not extras:
+        return None, None, None
+    z_loss = (torch.empty((), dtype=torch.float32, device=device)
+              if extras & EXTRA_Z_LOSS else None)
+    accuracy = (torch.empty((n,) if reduction == _lib.FCE_REDUCTION_NONE else (),
+                            dtype=torch.float32, device=device)
+                if extras & EXTRA_ACCURACY else None)
+    argmax = (torch.empty((n,), dtype=torch.int64, device=device)
+              if extras & EXTRA_ARGMAX else None)
+    return z_loss, accuracy, argmax
+
+
+def _flags(check_targets: bool, like: Tensor) -> Optional[Tensor]:
+    return torch.zeros((1,), dtype=torch.int32, device=like.device) if check_targets else None
+
+
+def row_targets(targets: Tensor, ignore_index: int, shift_seq_len: int, shift: int) -> Tensor:
+    """The target each row is scored against (SEMANTICS.md rule 1): targets[r + k] for rows with
+    t = r mod T < T - k, ignore_index for the others; targets itself without a shift."""
+    if not shift_seq_len:
+        return targets
+    t, k = int(shift_seq_len), max(int(shift), 1)
+    y = targets.reshape(-1, t)
+    out = torch.full_like(y, ignore_index)
+    if k < t:
+        out[:, :t - k] = y[:, k:]
+    return out.reshape(-1)
+
+
+def check_flags(flags: Optional[Tensor], targets: Tensor, vocab: int, opts: tuple) -> None:
+    """check_targets: read the error flags (a host synchronisation) and raise as torch does
+    (IndexError "Target 12345 is out of bounds.") when a target was out of range."""
+    if flags is None:
+        return
+    value = int(flags.item()) & 0xFFFFFFFF
+    if not value:
+        return
+    ignore_index, shift_seq_len, shift = opts[1], opts[6], opts[7]
+    if value & _lib.FCE_FLAG_TARGET_OUT_OF_RANGE:
+        y = row_targets(targets.to(torch.int64), ignore_index, shift_seq_len, shift)
+        bad = (y != ignore_index) & ((y < 0) | (y >= vocab))
+        if bool(bad.any()):
+            raise IndexError(f"Target {int(y[bad][0].item())} is out of bounds.")
+        raise IndexError("a target is out of bounds (outside [0, %d) and not ignore_index)"
+                         % vocab)
+    raise RuntimeError(f"fusedce reported error flags {value:#x}")
+
+
 # ----------------------------------------------------------------- cross-entropy ----
 def _ce_call_setup(which: str, logits: Tensor, targets: Tensor,
-                   class_weights: Optional[Tensor], opts: tuple, grad_row_stride: int):
+                   class_weights: Optional[Tensor], opts: tuple, grad_row_stride: int,
+                   argmax: Optional[Tensor] = None, accuracy: Optional[Tensor] = None):
     """(library, fce_options, workspace bytes) of an fce_forward ('fwd') / fce_backward ('bwd')
-    call on these tensors; the workspace query is made once per option set and size."""
+    call on these tensors (argmax / accuracy: the forward's optional outputs); the workspace
+    query is made once per option set, outputs asked for and size."""
     n, v = logits.shape
     key, o = options(_backend(logits), _CODE[logits.dtype], _CODE[targets.dtype], *opts)
     o.class_weights = _ptr(class_weights)
     o.row_stride = logits.stride(0) if n > 1 else v
     o.grad_row_stride = grad_row_stride
+    _set_outputs(o, argmax, accuracy)  # before the query: they may need workspace
     lib = _lib.load()
-    skey = (which, key, n, v)
+    skey = (which, key, n, v, argmax is not None, accuracy is not None)
     ws_bytes = _SIZES.get(skey)
     if ws_bytes is None:
         size = ctypes.c_size_t()
@@ -118,25 +191,33 @@ def _ce_call_setup(which: str, logits: Tensor, targets: Tensor,
 
 
 def ce_forward(logits: Tensor, targets: Tensor, class_weights: Optional[Tensor], opts: tuple,
-               *, grad: Optional[Tensor] = None, want_lse: bool = True
-               ) -> Tuple[Tensor, Optional[Tensor]]:
-    """fce_forward on a [N, V] tensor whose last stride is 1: (loss, lse). With ``grad`` (dense
-    [N, V], or ``logits`` itself for in place) the gradient for an upstream 1 is written in the
-    same pass. ``opts`` = the positional arguments of :func:`options` after backend/dtype."""
+               *, grad: Optional[Tensor] = None, want_lse: bool = True, extras: int = 0,
+               check_targets: bool = False) -> tuple:
+    """fce_forward on a [N, V] tensor whose last stride is 1: (loss, lse, z_loss, accuracy,
+    argmax), the last three None unless their EXTRA_* bit is in ``extras``. With ``grad``
+    (dense [N, V], or ``logits`` itself for in place) the gradient for an upstream 1 is written
+    in the same pass. ``opts`` = the positional arguments of :func:`options` after
+    backend/dtype. ``check_targets``: read the error flags after the call (a host sync) and
+    raise IndexError on an out-of-range target."""
     n, v = logits.shape
     grad_stride = 0
     if grad is not None:
         grad_stride = (logits.stride(0) if n > 1 else v) if grad is logits else v
-    lib, o, ws_bytes = _ce_call_setup("fwd", logits, targets, class_weights, opts, grad_stride)
     reduction = opts[0]
+    dev = logits.device
+    z_loss, accuracy, argmax = _extras(extras, n, reduction, dev)
+    lib, o, ws_bytes = _ce_call_setup("fwd", logits, targets, class_weights, opts, grad_stride,
+                                      argmax, accuracy)
     loss = torch.empty((n,) if reduction == _lib.FCE_REDUCTION_NONE else (), dtype=torch.float32,
-                       device=logits.device)
-    lse = torch.empty((n,), dtype=torch.float32, device=logits.device) if want_lse else None
+                       device=dev)
+    lse = torch.empty((n,), dtype=torch.float32, device=dev) if want_lse else None
+    flags = _flags(check_targets, logits)
     ws = _workspace(ws_bytes, logits)
     _check(lib.fce_forward(ctypes.byref(o), n, v, logits.data_ptr(), targets.data_ptr(),
-                           loss.data_ptr(), _ptr(lse), None, _ptr(grad), None, None, _ptr(ws),
-                           ws_bytes, _stream(logits)), "fce_forward")
-    return loss, lse
+                           loss.data_ptr(), _ptr(lse), _ptr(z_loss), _ptr(grad), None,
+                           _ptr(flags), _ptr(ws), ws_bytes, _stream(logits)), "fce_forward")
+    check_flags(flags, targets, v, opts)
+    return loss, lse, z_loss, accuracy, argmax
 
 
 def ce_backward(logits: Tensor, targets: Tensor, lse: Tensor, grad_output: Tensor,
@@ -173,10 +254,11 @@ def scale_(grad: Tensor, grad_output: Tensor) -> None:
 
 # ------------------------------------------------------------------------- linear ----
 def linear_ce_workspace(o: _lib.Options, key: tuple, n: int, d: int, v: int, with_grad: bool,
-                        budget: int) -> int:
+                        budget: int, extras: int = 0) -> int:
     """The workspace for this call: the full-speed size if it is within budget, else the budget,
-    never below the minimum (fce_linear_ce_workspace_size)."""
-    skey = ("lin", key, n, d, v, with_grad)
+    never below the minimum (fce_linear_ce_workspace_size). o's argmax / accuracy (``extras``)
+    must be set already."""
+    skey = ("lin", key, n, d, v, with_grad, extras & (EXTRA_ACCURACY | EXTRA_ARGMAX))
     sizes = _SIZES.get(skey)
     if sizes is None:
         lo, hi = ctypes.c_size_t(), ctypes.c_size_t()
@@ -190,11 +272,12 @@ def linear_ce_workspace(o: _lib.Options, key: tuple, n: int, d: int, v: int, wit
 
 def linear_ce(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor,
               class_weights: Optional[Tensor], grad_output: Optional[Tensor], opts: tuple, *,
-              grad_weight_fp32: bool, need: Tuple[bool, bool, bool], budget: int
-              ) -> Tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
-    """fce_linear_ce: (loss, lse, grad_hidden, grad_weight, grad_bias), the gradients asked for
-    in ``need`` (None for the others) scaled by grad_output (None = 1). hidden [N, D] with last
-    stride 1, weight [V, D] and bias [V] dense, all of one dtype."""
+              grad_weight_fp32: bool, need: Tuple[bool, bool, bool], budget: int,
+              extras: int = 0, check_targets: bool = False) -> tuple:
+    """fce_linear_ce: (loss, lse, grad_hidden, grad_weight, grad_bias, z_loss, accuracy,
+    argmax), the gradients asked for in ``need`` and the extras in ``extras`` (None for the
+    others), the gradients scaled by grad_output (None = 1). hidden [N, D] with last stride 1,
+    weight [V, D] and bias [V] dense, all of one dtype."""
     n, d = hidden.shape
     v = weight.shape[0]
     key, o = options(_backend(hidden), _CODE[hidden.dtype], _CODE[targets.dtype], *opts,
@@ -202,11 +285,15 @@ def linear_ce(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: T
     o.class_weights = _ptr(class_weights)
     o.hidden_row_stride = hidden.stride(0) if n > 1 else d
     with_grad = any(need)
-    # the budget covers everything this call allocates beyond the gradients: the workspace,
-    # and lse / loss (and room for a targets conversion), 16 bytes a row
-    ws_bytes = linear_ce_workspace(o, key, n, d, v, with_grad, max(0, budget - 16 * n - 4096))
     dev = hidden.device
     reduction = opts[0]
+    z_loss, accuracy, argmax = _extras(extras, n, reduction, dev)
+    _set_outputs(o, argmax, accuracy)  # before the workspace query: they may need workspace
+    # the budget covers everything this call allocates beyond the gradients: the workspace,
+    # and lse / loss (and room for a targets conversion), 16 bytes a row, 12 more with extras
+    row_bytes = 16 + (12 if extras else 0)  # + argmax and accuracy
+    ws_bytes = linear_ce_workspace(o, key, n, d, v, with_grad,
+                                   max(0, budget - row_bytes * n - 4096), extras)
     loss = torch.empty((n,) if reduction == _lib.FCE_REDUCTION_NONE else (), dtype=torch.float32,
                        device=dev)
     lse = torch.empty((n,), dtype=torch.float32, device=dev)
@@ -214,9 +301,12 @@ def linear_ce(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: T
     gh = torch.empty((n, d), dtype=hidden.dtype, device=dev) if need[0] else None
     gw = torch.empty((v, d), dtype=gw_dtype, device=dev) if need[1] else None
     gb = torch.empty((v,), dtype=gw_dtype, device=dev) if need[2] and bias is not None else None
+    flags = _flags(check_targets, hidden)
     ws = _workspace(ws_bytes, hidden)
     _check(_lib.load().fce_linear_ce(
         ctypes.byref(o), n, d, v, hidden.data_ptr(), weight.data_ptr(), _ptr(bias),
-        targets.data_ptr(), loss.data_ptr(), lse.data_ptr(), None, _ptr(gh), _ptr(gw), _ptr(gb),
-        _ptr(grad_output), None, _ptr(ws), ws_bytes, _stream(hidden)), "fce_linear_ce")
-    return loss, lse, gh, gw, gb
+        targets.data_ptr(), loss.data_ptr(), lse.data_ptr(), _ptr(z_loss), _ptr(gh), _ptr(gw),
+        _ptr(gb), _ptr(grad_output), _ptr(flags), _ptr(ws), ws_bytes, _stream(hidden)),
+        "fce_linear_ce")
+    check_flags(flags, targets, v, opts)
+    return loss, lse, gh, gw, gb, z_loss, accuracy, argmax

@@ -28,8 +28,11 @@ for the call; for other producers make the inputs' device current yourself.
 Every option of ``fce_options`` is a keyword with its C name (``class_weights``,
 ``ignore_index``, ``row_stride``, ``grad_row_stride``, ``shift_seq_len``, ``hidden_row_stride``,
 ``backend``, ``dtype``, ``target_dtype``, ``reduction``, ``label_smoothing``, ``z_loss_scale``,
-``softcap``, ``logit_scale``, ``deterministic``, ``accumulate``, ``grad_weight_fp32``). The
-stride, dtype and backend options are read from the arrays; given explicitly they must agree.
+``softcap``, ``logit_scale``, ``deterministic``, ``accumulate``, ``grad_weight_fp32``, and since
+0.3 ``shift``, ``token_scaling``). The stride, dtype and backend options are read from the
+arrays; given explicitly they must agree. The two 0.3 output pointers of ``fce_options``
+(``argmax``, ``accuracy``) are outputs like the others: ``return_argmax=True`` /
+``return_accuracy=True`` allocate them, ``argmax=`` / ``accuracy=`` pass your own buffers.
 """
 
 from __future__ import annotations
@@ -76,6 +79,9 @@ class ForwardResult(NamedTuple):
     z_loss: Any        # float32 (): the z-loss part of the loss, for logging
     grad_logits: Any   # [rows, vocab] of the logits' dtype
     error_flags: Any   # uint32 [1] (int32 for torch): FCE_FLAG_* bits ORed by the call
+    argmax: Any = None    # int64 [rows]: each row's predicted class, -1 for ignored rows
+    accuracy: Any = None  # float32: () for mean/sum (fraction of non-ignored rows whose
+    #                       argmax is the target), [rows] of 1/0 for none
 
 
 class LinearCEResult(NamedTuple):
@@ -88,6 +94,8 @@ class LinearCEResult(NamedTuple):
     grad_weight: Any
     grad_bias: Any
     error_flags: Any
+    argmax: Any = None
+    accuracy: Any = None
 
 
 # ============================================================= array descriptions ====
@@ -371,9 +379,20 @@ def _float_option(value, name):
 def _build_options(*, backend, dtype, target_dtype, reduction, ignore_index, class_weights_ptr,
                    label_smoothing, z_loss_scale, softcap, logit_scale, shift_seq_len,
                    deterministic, row_stride=0, grad_row_stride=0, hidden_row_stride=0,
-                   accumulate=False, grad_weight_fp32=False) -> _lib.Options:
-    o = _lib.default_options()
-    o.struct_size = ctypes.sizeof(_lib.Options)
+                   accumulate=False, grad_weight_fp32=False, shift=0, token_scaling=False,
+                   argmax_ptr=0, accuracy_ptr=0) -> _lib.Options:
+    o = _lib.default_options()  # struct_size: _lib.options_size()
+    shift = _int_option(shift, "shift", 0)
+    for on, what in ((shift, "shift"), (token_scaling, "token_scaling"),
+                     (argmax_ptr, "argmax"), (accuracy_ptr, "accuracy")):
+        if on:
+            _lib.require_options_v0_3(what)
+    if o.struct_size >= _lib.FCE_OPTIONS_SIZE_V0_3:
+        o.shift = shift
+        o.argmax = argmax_ptr or None
+        o.accuracy = accuracy_ptr or None
+        o.token_scaling = 1 if token_scaling else 0
+        o.reserved1 = 0
     o.class_weights = class_weights_ptr or None
     o.ignore_index = _int_option(ignore_index, "ignore_index")
     o.row_stride = row_stride
@@ -486,10 +505,14 @@ def _check_stride_kw(value, actual, name):
         raise ValueError(f"{name}={value} disagrees with the array's row stride {actual}")
 
 
-def _check_shift(rows, shift_seq_len):
+def _check_shift(rows, shift_seq_len, shift=0):
     t = _int_option(shift_seq_len, "shift_seq_len", 0)
+    k = _int_option(shift, "shift", 0)
     if t > 0 and rows % t:
         raise ValueError(f"shift_seq_len ({t}) must divide the number of rows ({rows})")
+    if k and not t:
+        raise ValueError(f"shift={k} needs shift_seq_len > 0 (the sequence length T; shift "
+                         "is the distance k of the causal shift within each sequence)")
 
 
 # =================================================================== allocation ====
@@ -712,6 +735,27 @@ def check_error_flags(error_flags) -> None:
         raise ValueError(f"fusedce reported error flags {value:#x}")
 
 
+def _argmax_accuracy(argmax, return_argmax, accuracy, return_accuracy, alloc: _Alloc, ref: _Arr,
+                     rows: int, red: int):
+    """(argmax, its _Arr, accuracy, its _Arr): the optional 0.3 outputs, allocated when asked
+    for, checked when given (argmax int64 [rows]; accuracy float32 () or [1] for mean/sum,
+    [rows] for none)."""
+    am_a = acc_a = None
+    if argmax is None and return_argmax:
+        argmax = alloc.empty((rows,), "int64", "argmax")
+    if argmax is not None:
+        am_a = _out(argmax, "argmax", ref, "int64")
+        _vector(am_a, rows, "[rows]")
+    none = red == FCE_REDUCTION_NONE
+    if accuracy is None and return_accuracy:
+        accuracy = alloc.empty((rows,) if none else (), "float32", "accuracy")
+    if accuracy is not None:
+        acc_a = _out(accuracy, "accuracy", ref, "float32")
+        _vector(acc_a, rows if none else 1, "[rows] (reduction='none')" if none else "()",
+                allow_scalar=not none)
+    return argmax, am_a, accuracy, acc_a
+
+
 def _ptr(a: Optional[_Arr]):
     return a.ptr if a is not None else 0
 
@@ -719,7 +763,8 @@ def _ptr(a: Optional[_Arr]):
 # ================================================================ workspace sizes ====
 def _query_options(rows, vocab, backend, dtype, target_dtype, reduction, ignore_index,
                    class_weights, label_smoothing, z_loss_scale, softcap, logit_scale,
-                   shift_seq_len, deterministic, accumulate=False, grad_weight_fp32=False):
+                   shift_seq_len, deterministic, accumulate=False, grad_weight_fp32=False,
+                   shift=0, token_scaling=False):
     b = _backend_code(backend)
     w_ptr = 0
     if class_weights is not None:
@@ -730,15 +775,17 @@ def _query_options(rows, vocab, backend, dtype, target_dtype, reduction, ignore_
         reduction=_reduction_code(reduction), ignore_index=ignore_index,
         class_weights_ptr=w_ptr, label_smoothing=label_smoothing, z_loss_scale=z_loss_scale,
         softcap=softcap, logit_scale=logit_scale, shift_seq_len=shift_seq_len,
-        deterministic=deterministic, accumulate=accumulate, grad_weight_fp32=grad_weight_fp32)
+        deterministic=deterministic, accumulate=accumulate, grad_weight_fp32=grad_weight_fp32,
+        shift=shift, token_scaling=token_scaling)
 
 
 def _ce_workspace_size(function, rows, vocab, backend, dtype, target_dtype, reduction,
                        ignore_index, class_weights, label_smoothing, z_loss_scale, softcap,
-                       logit_scale, shift_seq_len, deterministic) -> int:
+                       logit_scale, shift_seq_len, deterministic, shift=0,
+                       token_scaling=False) -> int:
     o = _query_options(rows, vocab, backend, dtype, target_dtype, reduction, ignore_index,
                        class_weights, label_smoothing, z_loss_scale, softcap, logit_scale,
-                       shift_seq_len, deterministic)
+                       shift_seq_len, deterministic, shift=shift, token_scaling=token_scaling)
     out = ctypes.c_size_t(0)
     _lib.call(function, ctypes.byref(o), int(rows), int(vocab), ctypes.byref(out))
     return int(out.value)
@@ -748,24 +795,24 @@ def forward_workspace_size(rows: int, vocab: int, *, backend="cpu", dtype="float
                            target_dtype="int64", reduction="mean", ignore_index=-100,
                            class_weights=None, label_smoothing=0.0, z_loss_scale=0.0,
                            softcap=0.0, logit_scale=1.0, shift_seq_len=0,
-                           deterministic=False) -> int:
+                           deterministic=False, shift=0, token_scaling=False) -> int:
     """fce_forward_workspace_size: scratch bytes fce_forward needs for these options."""
     return _ce_workspace_size("fce_forward_workspace_size", rows, vocab, backend, dtype,
                               target_dtype, reduction, ignore_index, class_weights,
                               label_smoothing, z_loss_scale, softcap, logit_scale,
-                              shift_seq_len, deterministic)
+                              shift_seq_len, deterministic, shift, token_scaling)
 
 
 def backward_workspace_size(rows: int, vocab: int, *, backend="cpu", dtype="float32",
                             target_dtype="int64", reduction="mean", ignore_index=-100,
                             class_weights=None, label_smoothing=0.0, z_loss_scale=0.0,
                             softcap=0.0, logit_scale=1.0, shift_seq_len=0,
-                            deterministic=False) -> int:
+                            deterministic=False, shift=0, token_scaling=False) -> int:
     """fce_backward_workspace_size: scratch bytes fce_backward needs for these options."""
     return _ce_workspace_size("fce_backward_workspace_size", rows, vocab, backend, dtype,
                               target_dtype, reduction, ignore_index, class_weights,
                               label_smoothing, z_loss_scale, softcap, logit_scale,
-                              shift_seq_len, deterministic)
+                              shift_seq_len, deterministic, shift, token_scaling)
 
 
 def linear_ce_workspace_size(rows: int, hidden: int, vocab: int, *, with_grad: bool = True,
@@ -773,11 +820,13 @@ def linear_ce_workspace_size(rows: int, hidden: int, vocab: int, *, with_grad: b
                              reduction="mean", ignore_index=-100, class_weights=None,
                              label_smoothing=0.0, z_loss_scale=0.0, softcap=0.0,
                              logit_scale=1.0, shift_seq_len=0, deterministic=False,
-                             accumulate=False, grad_weight_fp32=False):
+                             accumulate=False, grad_weight_fp32=False, shift=0,
+                             token_scaling=False):
     """fce_linear_ce_workspace_size: (min_bytes, optimal_bytes)."""
     o = _query_options(rows, vocab, backend, dtype, target_dtype, reduction, ignore_index,
                        class_weights, label_smoothing, z_loss_scale, softcap, logit_scale,
-                       shift_seq_len, deterministic, accumulate, grad_weight_fp32)
+                       shift_seq_len, deterministic, accumulate, grad_weight_fp32, shift,
+                       token_scaling)
     lo, hi = ctypes.c_size_t(0), ctypes.c_size_t(0)
     _lib.call("fce_linear_ce_workspace_size", ctypes.byref(o), int(rows), int(hidden),
               int(vocab), 1 if with_grad else 0, ctypes.byref(lo), ctypes.byref(hi))
@@ -792,11 +841,20 @@ def forward(logits, targets, *, reduction="mean", ignore_index: int = -100, clas
             return_lse: bool = False, return_z_loss: bool = False, return_grad: bool = False,
             in_place: bool = False, grad_output=None, loss=None, lse=None, z_loss=None,
             grad_logits=None, error_flags=None, workspace=None, stream=None,
-            check_targets: bool = False) -> ForwardResult:
+            check_targets: bool = False, shift: int = 0, token_scaling: bool = False,
+            return_argmax: bool = False, return_accuracy: bool = False, argmax=None,
+            accuracy=None) -> ForwardResult:
     """Cross-entropy of logits [rows, vocab] against targets [rows] (fce_forward).
 
     The loss is float32: shape () for reduction 'mean'/'sum', [rows] for 'none'.
     ``return_lse`` / ``return_z_loss`` also return lse [rows] and the z-loss total.
+    ``return_argmax`` / ``return_accuracy`` (or ``argmax=`` int64 [rows] / ``accuracy=``
+    float32 () or [rows] buffers) also return each row's predicted class (-1 for ignored rows)
+    and the token accuracy: for mean/sum the fraction of non-ignored rows predicted right, for
+    none 1/0 per row (library 0.3).
+    ``shift_seq_len=T`` with ``shift=k`` (0 meaning 1): row b*T+t is scored against target
+    b*T+t+k, rows with t >= T-k are ignored. ``token_scaling``: each row's loss and gradient
+    times its detached p_y (Liger's use_token_scaling).
     ``return_grad`` (or a ``grad_logits=`` buffer, or ``in_place=True`` to write it over the
     logits) also writes d(loss)/d(logits) scaled by ``grad_output`` (a float, or a float32 array
     of shape () for mean/sum or [rows] for none; default 1) in the same pass.
@@ -818,7 +876,7 @@ def forward(logits, targets, *, reduction="mean", ignore_index: int = -100, clas
     _check_stride_kw(row_stride, rs, "row_stride")
     tcode = _targets_code(y, rows, target_dtype)
     red = _reduction_code(reduction)
-    _check_shift(rows, shift_seq_len)
+    _check_shift(rows, shift_seq_len, shift)
     w = _class_weights(class_weights, z, vocab)
     if in_place and grad_logits is not None:
         raise ValueError("pass either in_place=True or grad_logits=, not both")
@@ -847,6 +905,8 @@ def forward(logits, targets, *, reduction="mean", ignore_index: int = -100, clas
         if z_loss is not None:
             zl_a = _out(z_loss, "z_loss", z, "float32")
             _vector(zl_a, 1, "()", allow_scalar=True)
+        argmax, am_a, accuracy, acc_a = _argmax_accuracy(argmax, return_argmax, accuracy,
+                                                         return_accuracy, alloc, z, rows, red)
         g_a, grs = None, 0
         if in_place:
             grad_logits, g_a, grs = logits, z, rs
@@ -869,7 +929,8 @@ def forward(logits, targets, *, reduction="mean", ignore_index: int = -100, clas
             ignore_index=ignore_index, class_weights_ptr=_ptr(w),
             label_smoothing=label_smoothing, z_loss_scale=z_loss_scale, softcap=softcap,
             logit_scale=logit_scale, shift_seq_len=shift_seq_len, deterministic=deterministic,
-            row_stride=rs, grad_row_stride=grs if g_a is not None else 0)
+            row_stride=rs, grad_row_stride=grs if g_a is not None else 0, shift=shift,
+            token_scaling=token_scaling, argmax_ptr=_ptr(am_a), accuracy_ptr=_ptr(acc_a))
         need = ctypes.c_size_t(0)
         _lib.call("fce_forward_workspace_size", ctypes.byref(opts), rows, vocab,
                   ctypes.byref(need))
@@ -883,7 +944,7 @@ def forward(logits, targets, *, reduction="mean", ignore_index: int = -100, clas
         del ws_keep, go_keep
     if check_targets:
         check_error_flags(flags)
-    return ForwardResult(loss, lse, z_loss, grad_logits, flags)
+    return ForwardResult(loss, lse, z_loss, grad_logits, flags, argmax, accuracy)
 
 
 # ===================================================================== backward ====
@@ -892,12 +953,15 @@ def backward(logits, targets, lse, grad_output=None, *, reduction="mean",
              z_loss_scale: float = 0.0, softcap: float = 0.0, logit_scale: float = 1.0,
              shift_seq_len: int = 0, deterministic: bool = False, dtype=None, target_dtype=None,
              backend=None, row_stride=None, grad_row_stride=None, grad_logits=None,
-             in_place: bool = False, error_flags=None, workspace=None, stream=None):
+             in_place: bool = False, error_flags=None, workspace=None, stream=None,
+             shift: int = 0, token_scaling: bool = False):
     """d(loss)/d(logits) from the logits, targets and the lse saved by :func:`forward`
     (fce_backward), scaled by grad_output (float, or float32 () / [rows] for 'none').
 
-    Pass the same options as to forward. Returns grad_logits (allocated unless given;
-    ``in_place=True`` writes it over the logits and returns them)."""
+    Pass the same options as to forward (``shift``, ``token_scaling`` included; the argmax and
+    accuracy outputs are the forward's only). The gradient's p_j come from the float32 lse, so
+    they equal the forward's to the rounding of lse, not bit for bit. Returns grad_logits
+    (allocated unless given; ``in_place=True`` writes it over the logits and returns them)."""
     s_explicit = _stream_int(stream)
     z = _describe(logits, "logits", s_explicit)
     y = _describe(targets, "targets", s_explicit)
@@ -914,7 +978,7 @@ def backward(logits, targets, lse, grad_output=None, *, reduction="mean",
     _need_dtype(l, "float32")
     _vector(l, rows, "[rows]")
     red = _reduction_code(reduction)
-    _check_shift(rows, shift_seq_len)
+    _check_shift(rows, shift_seq_len, shift)
     w = _class_weights(class_weights, z, vocab)
     if in_place and grad_logits is not None:
         raise ValueError("pass either in_place=True or grad_logits=, not both")
@@ -942,7 +1006,7 @@ def backward(logits, targets, lse, grad_output=None, *, reduction="mean",
             ignore_index=ignore_index, class_weights_ptr=_ptr(w),
             label_smoothing=label_smoothing, z_loss_scale=z_loss_scale, softcap=softcap,
             logit_scale=logit_scale, shift_seq_len=shift_seq_len, deterministic=deterministic,
-            row_stride=rs, grad_row_stride=grs)
+            row_stride=rs, grad_row_stride=grs, shift=shift, token_scaling=token_scaling)
         need = ctypes.c_size_t(0)
         _lib.call("fce_backward_workspace_size", ctypes.byref(opts), rows, vocab,
                   ctypes.byref(need))
@@ -983,7 +1047,9 @@ def linear_ce(hidden, weight, targets, bias=None, *, reduction="mean", ignore_in
               grad_output=None, loss=None, lse=None, z_loss=None, grad_hidden=None,
               grad_weight=None, grad_bias=None, error_flags=None, workspace=None,
               workspace_size="optimal", stream=None,
-              check_targets: bool = False) -> LinearCEResult:
+              check_targets: bool = False, shift: int = 0, token_scaling: bool = False,
+              return_argmax: bool = False, return_accuracy: bool = False, argmax=None,
+              accuracy=None) -> LinearCEResult:
     """Cross-entropy of hidden [rows, D] · weightᵀ [D, V] + bias [V] (fce_linear_ce): the logits
     are held only piece by piece, within the workspace.
 
@@ -992,7 +1058,9 @@ def linear_ce(hidden, weight, targets, bias=None, *, reduction="mean", ignore_in
     scaled by ``grad_output`` (default 1). ``accumulate=True`` adds into grad_weight / grad_bias
     (allocated as zeros when not given); ``grad_weight_fp32=True`` makes them float32.
     ``workspace_size`` picks the scratch size when the workspace is allocated here: 'optimal',
-    'min', or a byte count (at least the minimum)."""
+    'min', or a byte count (at least the minimum). ``shift``, ``token_scaling``,
+    ``return_argmax``, ``return_accuracy``, ``argmax=``, ``accuracy=``: as for :func:`forward`
+    (the predicted classes come from the logits the call computes, never stored whole)."""
     s_explicit = _stream_int(stream)
     h = _describe(hidden, "hidden", s_explicit)
     W = _describe(weight, "weight", s_explicit)
@@ -1018,7 +1086,7 @@ def linear_ce(hidden, weight, targets, bias=None, *, reduction="mean", ignore_in
         _vector(b, vocab, "[vocab]")
     tcode = _targets_code(y, rows, target_dtype)
     red = _reduction_code(reduction)
-    _check_shift(rows, shift_seq_len)
+    _check_shift(rows, shift_seq_len, shift)
     w = _class_weights(class_weights, h, vocab)
     grads = _grad_set(return_grad, b is not None)
     gdtype = "float32" if grad_weight_fp32 else dname
@@ -1042,6 +1110,8 @@ def linear_ce(hidden, weight, targets, bias=None, *, reduction="mean", ignore_in
         if z_loss is not None:
             zl_a = _out(z_loss, "z_loss", h, "float32")
             _vector(zl_a, 1, "()", allow_scalar=True)
+        argmax, am_a, accuracy, acc_a = _argmax_accuracy(argmax, return_argmax, accuracy,
+                                                         return_accuracy, alloc, h, rows, red)
 
         gh_a = gw_a = gb_a = None
         if grad_hidden is None and "hidden" in grads:
@@ -1077,7 +1147,9 @@ def linear_ce(hidden, weight, targets, bias=None, *, reduction="mean", ignore_in
             ignore_index=ignore_index, class_weights_ptr=_ptr(w),
             label_smoothing=label_smoothing, z_loss_scale=z_loss_scale, softcap=softcap,
             logit_scale=logit_scale, shift_seq_len=shift_seq_len, deterministic=deterministic,
-            hidden_row_stride=hrs, accumulate=accumulate, grad_weight_fp32=grad_weight_fp32)
+            hidden_row_stride=hrs, accumulate=accumulate, grad_weight_fp32=grad_weight_fp32,
+            shift=shift, token_scaling=token_scaling, argmax_ptr=_ptr(am_a),
+            accuracy_ptr=_ptr(acc_a))
         lo, hi = ctypes.c_size_t(0), ctypes.c_size_t(0)
         _lib.call("fce_linear_ce_workspace_size", ctypes.byref(opts), rows, dim, vocab,
                   1 if with_grad else 0, ctypes.byref(lo), ctypes.byref(hi))
@@ -1100,7 +1172,8 @@ def linear_ce(hidden, weight, targets, bias=None, *, reduction="mean", ignore_in
         del ws_keep, go_keep
     if check_targets:
         check_error_flags(flags)
-    return LinearCEResult(loss, lse, z_loss, grad_hidden, grad_weight, grad_bias, flags)
+    return LinearCEResult(loss, lse, z_loss, grad_hidden, grad_weight, grad_bias, flags, argmax,
+                          accuracy)
 
 
 # ============================================================ bfloat16 helpers ====

@@ -36,11 +36,19 @@ How the gradient is computed (the training path):
 * Gradients are only computed when autograd will need them (grad mode on and an input
   requiring grad): evaluate under ``torch.no_grad()``.
 
+Extra outputs (``return_z_loss``, ``return_token_accuracy``, ``return_predicted_tokens``,
+``return_lse``) come from the same library call as the loss (the accuracy and the argmax from
+the logits it reads or forms anyway, never a second pass); with any of them set the functions
+return a ``CrossEntropyOutput`` named tuple ``(loss, z_loss, token_accuracy, predicted_tokens,
+lse)`` holding the loss and the outputs asked for, in that order (:data:`OUTPUT_FIELDS`). Only
+the loss is differentiable.
+
 Differences from torch, on purpose:
 
 * a 'mean' over zero non-ignored targets is 0 with zero gradients (torch gives NaN);
 * a target outside [0, C) that is not ``ignore_index`` gives a NaN loss (no host sync to raise
-  an error; torch raises);
+  an error; torch raises), unless ``check_targets=True``: then the library's error flag is read
+  after the call (a host synchronisation) and torch's IndexError is raised;
 * class-probability targets are not supported; float64 inputs are computed in float32;
 * no double backward (the gradients are not differentiable again).
 
@@ -56,6 +64,7 @@ breaks.
 
 from __future__ import annotations
 
+import collections
 from typing import Optional, Tuple
 
 import torch
@@ -69,7 +78,7 @@ if not hasattr(torch, "library") or not hasattr(torch.library, "custom_op"):
                       f"torch {torch.__version__}")
 
 __all__ = ["cross_entropy", "linear_cross_entropy", "CrossEntropyLoss",
-           "LinearCrossEntropyLoss", "DEFAULT_WORKSPACE_BYTES"]
+           "LinearCrossEntropyLoss", "DEFAULT_WORKSPACE_BYTES", "OUTPUT_FIELDS"]
 
 DEFAULT_WORKSPACE_BYTES = _tc.DEFAULT_WORKSPACE_BYTES  # linear CE budget without env or kwarg
 
@@ -87,51 +96,80 @@ def _cw(class_weights: Optional[Tensor]) -> Optional[Tensor]:
 
 # ============================================================ cross_entropy ops ====
 # opts, everywhere below: (reduction, ignore_index, label_smoothing, z_loss, softcap,
-# logit_scale, shift_seq_len), the order _torch_calls.options takes them in.
-def _opts(ignore_index, reduction, label_smoothing, z_loss, softcap, logit_scale, shift_seq_len):
+# logit_scale, shift_seq_len, shift, token_scaling), the order _torch_calls.options takes them
+# in. ``extras`` is a bitmask of the optional forward outputs (_tc.EXTRA_Z_LOSS, EXTRA_ACCURACY,
+# EXTRA_ARGMAX); an op returns an empty [0] tensor for an output not asked for.
+def _opts(ignore_index, reduction, label_smoothing, z_loss, softcap, logit_scale, shift_seq_len,
+          shift, token_scaling):
     return (int(reduction), int(ignore_index), float(label_smoothing), float(z_loss),
-            float(softcap), float(logit_scale), int(shift_seq_len))
+            float(softcap), float(logit_scale), int(shift_seq_len), int(shift),
+            bool(token_scaling))
+
+
+_N_OPTS = 9  # the option arguments of every op below, ignore_index ... token_scaling
+
+
+def _or_empty(t: Optional[Tensor], like: Tensor, dtype=torch.float32) -> Tensor:
+    return t if t is not None else like.new_empty((0,), dtype=dtype)
+
+
+def _fake_extras(like: Tensor, n, reduction: int, extras: int):
+    """The (z_loss, accuracy, argmax) outputs of an op, as fake tensors."""
+    z = like.new_empty(() if extras & _tc.EXTRA_Z_LOSS else (0,), dtype=torch.float32)
+    acc_shape = ((n,) if reduction == FCE_REDUCTION_NONE else ()) if (
+        extras & _tc.EXTRA_ACCURACY) else (0,)
+    acc = like.new_empty(acc_shape, dtype=torch.float32)
+    am = like.new_empty((n,) if extras & _tc.EXTRA_ARGMAX else (0,), dtype=torch.int64)
+    return z, acc, am
 
 
 # ---- the training path for 'mean' / 'sum': loss and gradient in ONE pass over the logits
 @torch.library.custom_op("fusedce::ce_forward_grad", mutates_args=())
 def _ce_forward_grad(logits: Tensor, targets: Tensor, class_weights: Optional[Tensor],
                      ignore_index: int, reduction: int, label_smoothing: float, z_loss: float,
-                     softcap: float, logit_scale: float, shift_seq_len: int
-                     ) -> Tuple[Tensor, Tensor, Tensor]:
-    """(loss, lse, dloss/dlogits for an upstream gradient of 1): one read, one write."""
+                     softcap: float, logit_scale: float, shift_seq_len: int, shift: int,
+                     token_scaling: bool, extras: int, check_targets: bool
+                     ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(loss, lse, dloss/dlogits for an upstream gradient of 1, z_loss, accuracy, argmax): one
+    read, one write."""
     grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-    loss, lse = _tc.ce_forward(logits, targets, _cw(class_weights),
-                               _opts(ignore_index, reduction, label_smoothing, z_loss, softcap,
-                                     logit_scale, shift_seq_len), grad=grad)
-    return loss, lse, grad
+    loss, lse, zl, acc, am = _tc.ce_forward(
+        logits, targets, _cw(class_weights),
+        _opts(ignore_index, reduction, label_smoothing, z_loss, softcap, logit_scale,
+              shift_seq_len, shift, token_scaling),
+        grad=grad, extras=extras, check_targets=check_targets)
+    return (loss, lse, grad, _or_empty(zl, logits), _or_empty(acc, logits),
+            _or_empty(am, logits, torch.int64))
 
 
 @_ce_forward_grad.register_fake
 def _ce_forward_grad_fake(logits, targets, class_weights, ignore_index, reduction,
-                          label_smoothing, z_loss, softcap, logit_scale, shift_seq_len):
+                          label_smoothing, z_loss, softcap, logit_scale, shift_seq_len, shift,
+                          token_scaling, extras, check_targets):
+    n = logits.shape[0]
     return (logits.new_empty((), dtype=torch.float32),
-            logits.new_empty((logits.shape[0],), dtype=torch.float32),
-            logits.new_empty(logits.shape))
+            logits.new_empty((n,), dtype=torch.float32),
+            logits.new_empty(logits.shape)) + _fake_extras(logits, n, reduction, extras)
 
 
 @torch.library.custom_op("fusedce::ce_rescale_", mutates_args=("grad",))
 def _ce_rescale_(grad: Tensor, grad_loss: Tensor, logits: Tensor, targets: Tensor, lse: Tensor,
                  class_weights: Optional[Tensor], ignore_index: int, reduction: int,
                  label_smoothing: float, z_loss: float, softcap: float, logit_scale: float,
-                 shift_seq_len: int) -> None:
+                 shift_seq_len: int, shift: int, token_scaling: bool) -> None:
     """fce_backward_rescale: grad (the forward's, for an upstream 1) becomes the gradient for
     grad_loss, rounded once: nothing when it is 1, an exact in-place scale for ±2^k, else
     computed again from the logits; decided on the device."""
     _tc.ce_backward(logits, targets, lse, grad_loss.to(torch.float32).contiguous(),
                     _cw(class_weights),
                     _opts(ignore_index, reduction, label_smoothing, z_loss, softcap, logit_scale,
-                          shift_seq_len), rescale=grad)
+                          shift_seq_len, shift, token_scaling), rescale=grad)
 
 
 @_ce_rescale_.register_fake
 def _ce_rescale_fake(grad, grad_loss, logits, targets, lse, class_weights, ignore_index,
-                     reduction, label_smoothing, z_loss, softcap, logit_scale, shift_seq_len):
+                     reduction, label_smoothing, z_loss, softcap, logit_scale, shift_seq_len,
+                     shift, token_scaling):
     return None
 
 
@@ -158,21 +196,25 @@ def _hand_out_once(ctx) -> None:
     ctx.handed_out = True
 
 
+_CE_FORWARD_GRAD_INPUTS = 3 + _N_OPTS + 2
+
+
 def _ce_forward_grad_setup(ctx, inputs, output):
     logits, targets, class_weights = inputs[:3]
-    _, lse, grad = output
-    ctx.mark_non_differentiable(lse, grad)
+    _, lse, grad, zl, acc, am = output
+    ctx.mark_non_differentiable(lse, grad, zl, acc, am)
     ctx.set_materialize_grads(False)  # else autograd makes a zero [N, V] "gradient" for grad
     # the logits are kept (a reference: they are the caller's input) so that an upstream
     # gradient other than 1 or ±2^k, or a second backward, can recompute exactly
     ctx.save_for_backward(logits, targets, class_weights, lse)
     ctx.grad = grad  # not version-tracked: the first backward rescales it in place
-    ctx.options = inputs[3:]
+    ctx.options = inputs[3:3 + _N_OPTS]
 
 
-def _ce_forward_grad_backward(ctx, grad_loss, _lse, _grad):
+def _ce_forward_grad_backward(ctx, grad_loss, *_unused):
+    nones = (None,) * (_CE_FORWARD_GRAD_INPUTS - 1)
     if grad_loss is None or not ctx.needs_input_grad[0]:  # (undefined: no gradient flows)
-        return (None,) * 10
+        return (None,) + nones
     logits, targets, class_weights, lse = ctx.saved_tensors
     grad = ctx.grad
     if grad is not None:  # the first backward: the forward's gradient, made the right one
@@ -180,30 +222,38 @@ def _ce_forward_grad_backward(ctx, grad_loss, _lse, _grad):
         _ce_rescale_(grad, grad_loss, logits, targets, lse, class_weights, *ctx.options)
     else:  # handed out already (retain_graph): computed again
         grad = _ce_backward(grad_loss, logits, targets, lse, class_weights, *ctx.options)
-    return (grad,) + (None,) * 9
+    return (grad,) + nones
 
 
 _ce_forward_grad.register_autograd(_ce_forward_grad_backward, setup_context=_ce_forward_grad_setup)
 
 
+def _non_differentiable(ctx, *tensors) -> None:
+    ctx.mark_non_differentiable(*(t for t in tensors if t is not None))
+
+
 class _CrossEntropyOnePass(torch.autograd.Function):
     """The same one-pass training path as fusedce::ce_forward_grad + ce_rescale_, as a plain
     autograd.Function calling the C library directly: what eager mode runs (the custom ops'
-    dispatch costs tens of µs a call; torch.compile traces the custom ops instead)."""
+    dispatch costs tens of µs a call; torch.compile traces the custom ops instead).
+    Returns (loss, lse, z_loss, accuracy, argmax), None for the extras not asked for."""
 
     @staticmethod
-    def forward(ctx, logits, targets, class_weights, opts):
+    def forward(ctx, logits, targets, class_weights, opts, extras, check_targets):
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         cw = _cw(class_weights)
-        loss, lse = _tc.ce_forward(logits, targets, cw, opts, grad=grad)
+        loss, lse, zl, acc, am = _tc.ce_forward(logits, targets, cw, opts, grad=grad,
+                                                extras=extras, check_targets=check_targets)
         ctx.save_for_backward(logits, targets, cw, lse)
         ctx.grad, ctx.opts = grad, opts
-        return loss
+        ctx.set_materialize_grads(False)
+        _non_differentiable(ctx, lse, zl, acc, am)
+        return loss, lse, zl, acc, am
 
     @staticmethod
-    def backward(ctx, grad_loss):
+    def backward(ctx, grad_loss, *_unused):
         if grad_loss is None:
-            return None, None, None, None
+            return (None,) * 6
         logits, targets, cw, lse = ctx.saved_tensors
         up = grad_loss.to(torch.float32).contiguous()
         if ctx.grad is not None:  # the first backward: fce_backward_rescale, in place
@@ -211,7 +261,7 @@ class _CrossEntropyOnePass(torch.autograd.Function):
             _tc.ce_backward(logits, targets, lse, up, cw, ctx.opts, rescale=grad)
         else:  # a second backward through the graph: computed again
             grad = _tc.ce_backward(logits, targets, lse, up, cw, ctx.opts)
-        return grad, None, None, None
+        return (grad,) + (None,) * 5
 
 
 def _compiling() -> bool:
@@ -221,75 +271,92 @@ def _compiling() -> bool:
 
 class _CrossEntropyInPlace(torch.autograd.Function):
     """inplace_backward=True: the one pass writes the gradient over the logits themselves (a
-    plain autograd.Function, as Liger's and Quack's: torch.compile breaks the graph here)."""
+    plain autograd.Function, as Liger's and Quack's: torch.compile breaks the graph here).
+    Returns (loss, lse or None, z_loss, accuracy, argmax)."""
 
     @staticmethod
-    def forward(ctx, logits, targets, class_weights, opts):
-        loss, _ = _tc.ce_forward(logits, targets, _cw(class_weights), opts, grad=logits,
-                                 want_lse=False)
+    def forward(ctx, logits, targets, class_weights, opts, extras, check_targets, want_lse):
+        loss, lse, zl, acc, am = _tc.ce_forward(logits, targets, _cw(class_weights), opts,
+                                                grad=logits, want_lse=want_lse, extras=extras,
+                                                check_targets=check_targets)
         ctx.save_for_backward(logits)
-        return loss
+        ctx.set_materialize_grads(False)
+        _non_differentiable(ctx, lse, zl, acc, am)
+        return loss, lse, zl, acc, am
 
     @staticmethod
-    def backward(ctx, grad_loss):
+    def backward(ctx, grad_loss, *_unused):
+        if grad_loss is None:
+            return (None,) * 7
         _hand_out_once(ctx)
         (grad,) = ctx.saved_tensors
         _scale_(grad, grad_loss)
-        return grad, None, None, None
+        return (grad,) + (None,) * 6
 
 
 # ---- reduction 'none' (and no gradient needed): the loss, lse saved, fce_backward later
 @torch.library.custom_op("fusedce::ce_forward", mutates_args=())
 def _ce_forward(logits: Tensor, targets: Tensor, class_weights: Optional[Tensor],
                 ignore_index: int, reduction: int, label_smoothing: float, z_loss: float,
-                softcap: float, logit_scale: float, shift_seq_len: int) -> Tuple[Tensor, Tensor]:
-    return _tc.ce_forward(logits, targets, _cw(class_weights),
-                          _opts(ignore_index, reduction, label_smoothing, z_loss, softcap,
-                                logit_scale, shift_seq_len))
+                softcap: float, logit_scale: float, shift_seq_len: int, shift: int,
+                token_scaling: bool, extras: int, check_targets: bool
+                ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(loss, lse, z_loss, accuracy, argmax)."""
+    loss, lse, zl, acc, am = _tc.ce_forward(
+        logits, targets, _cw(class_weights),
+        _opts(ignore_index, reduction, label_smoothing, z_loss, softcap, logit_scale,
+              shift_seq_len, shift, token_scaling),
+        extras=extras, check_targets=check_targets)
+    return (loss, lse, _or_empty(zl, logits), _or_empty(acc, logits),
+            _or_empty(am, logits, torch.int64))
 
 
 @_ce_forward.register_fake
 def _ce_forward_fake(logits, targets, class_weights, ignore_index, reduction, label_smoothing,
-                     z_loss, softcap, logit_scale, shift_seq_len):
+                     z_loss, softcap, logit_scale, shift_seq_len, shift, token_scaling, extras,
+                     check_targets):
     n = logits.shape[0]
     loss = logits.new_empty((n,) if reduction == FCE_REDUCTION_NONE else (), dtype=torch.float32)
-    return loss, logits.new_empty((n,), dtype=torch.float32)
+    return (loss, logits.new_empty((n,), dtype=torch.float32)) + _fake_extras(
+        logits, n, reduction, extras)
 
 
 @torch.library.custom_op("fusedce::ce_backward", mutates_args=())
 def _ce_backward(grad_loss: Tensor, logits: Tensor, targets: Tensor, lse: Tensor,
                  class_weights: Optional[Tensor], ignore_index: int, reduction: int,
                  label_smoothing: float, z_loss: float, softcap: float, logit_scale: float,
-                 shift_seq_len: int) -> Tensor:
+                 shift_seq_len: int, shift: int, token_scaling: bool) -> Tensor:
     return _tc.ce_backward(logits, targets, lse, grad_loss.to(torch.float32).contiguous(),
                            _cw(class_weights),
                            _opts(ignore_index, reduction, label_smoothing, z_loss, softcap,
-                                 logit_scale, shift_seq_len))
+                                 logit_scale, shift_seq_len, shift, token_scaling))
 
 
 @_ce_backward.register_fake
 def _ce_backward_fake(grad_loss, logits, targets, lse, class_weights, ignore_index, reduction,
-                      label_smoothing, z_loss, softcap, logit_scale, shift_seq_len):
+                      label_smoothing, z_loss, softcap, logit_scale, shift_seq_len, shift,
+                      token_scaling):
     return logits.new_empty(logits.shape)  # dense [N, V] whatever the logits' row stride
 
 
 def _ce_setup_context(ctx, inputs, output):
     logits, targets, class_weights = inputs[:3]
-    _, lse = output
+    _, lse, zl, acc, am = output
     ctx.save_for_backward(logits, targets, class_weights, lse)
-    ctx.options = inputs[3:]
-    ctx.mark_non_differentiable(lse)
+    ctx.options = inputs[3:3 + _N_OPTS]
+    ctx.mark_non_differentiable(lse, zl, acc, am)
     ctx.set_materialize_grads(False)
 
 
-def _ce_autograd_backward(ctx, grad_loss, grad_lse):
+def _ce_autograd_backward(ctx, grad_loss, *_unused):
+    nones = (None,) * (_CE_FORWARD_GRAD_INPUTS - 1)
     if grad_loss is None:
-        return (None,) * 10
+        return (None,) + nones
     logits, targets, class_weights, lse = ctx.saved_tensors
     grad_logits = None
     if ctx.needs_input_grad[0]:
         grad_logits = _ce_backward(grad_loss, logits, targets, lse, class_weights, *ctx.options)
-    return (grad_logits,) + (None,) * 9
+    return (grad_logits,) + nones
 
 
 _ce_forward.register_autograd(_ce_autograd_backward, setup_context=_ce_setup_context)
@@ -300,12 +367,14 @@ _ce_forward.register_autograd(_ce_autograd_backward, setup_context=_ce_setup_con
 def _linear_ce(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor,
                class_weights: Optional[Tensor], grad_output: Optional[Tensor],
                ignore_index: int, reduction: int, label_smoothing: float, z_loss: float,
-               softcap: float, logit_scale: float, shift_seq_len: int, compute_dtype: int,
-               workspace_bytes: int, need_hidden: bool, need_weight: bool, need_bias: bool
-               ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """loss, lse, and the gradients asked for (empty [0] tensors for the others), scaled by
-    grad_output (None = 1). Inputs are cast to compute_dtype (an fce_dtype code) inside; the
-    workspace is at most workspace_bytes (never below the library's minimum)."""
+               softcap: float, logit_scale: float, shift_seq_len: int, shift: int,
+               token_scaling: bool, compute_dtype: int, workspace_bytes: int, need_hidden: bool,
+               need_weight: bool, need_bias: bool, extras: int, check_targets: bool
+               ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """loss, lse, the gradients asked for (empty [0] tensors for the others), scaled by
+    grad_output (None = 1), and the extras asked for (z_loss, accuracy, argmax; empty [0] for
+    the others). Inputs are cast to compute_dtype (an fce_dtype code) inside; the workspace is
+    at most workspace_bytes (never below the library's minimum)."""
     cdt = _TORCH_OF_CODE[compute_dtype]
     h = hidden.to(cdt)
     if h.stride(-1) != 1:
@@ -317,23 +386,25 @@ def _linear_ce(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: 
     # weight gets a 16-bit gradient, never a float32 copy of it.
     fp32_grads = weight.dtype == torch.float32 and cdt != torch.float32
     g = grad_output.to(torch.float32).contiguous() if grad_output is not None else None
-    loss, lse, gh, gw, gb = _tc.linear_ce(
+    loss, lse, gh, gw, gb, zl, acc, am = _tc.linear_ce(
         h, w, b, targets.contiguous(), _cw(class_weights), g,
         _opts(ignore_index, reduction, label_smoothing, z_loss, softcap, logit_scale,
-              shift_seq_len),
+              shift_seq_len, shift, token_scaling),
         grad_weight_fp32=fp32_grads, need=(need_hidden, need_weight, need_bias),
-        budget=int(workspace_bytes))
+        budget=int(workspace_bytes), extras=extras, check_targets=check_targets)
     empty = hidden.new_empty((0,))
     gh = gh.to(hidden.dtype) if gh is not None else empty
     gw = gw.to(weight.dtype) if gw is not None else weight.new_empty((0,))
     gb = gb.to(weight.dtype) if gb is not None else weight.new_empty((0,))
-    return loss, lse, gh, gw, gb
+    return (loss, lse, gh, gw, gb, _or_empty(zl, hidden), _or_empty(acc, hidden),
+            _or_empty(am, hidden, torch.int64))
 
 
 @_linear_ce.register_fake
 def _linear_ce_fake(hidden, weight, bias, targets, class_weights, grad_output, ignore_index,
                     reduction, label_smoothing, z_loss, softcap, logit_scale, shift_seq_len,
-                    compute_dtype, workspace_bytes, need_hidden, need_weight, need_bias):
+                    shift, token_scaling, compute_dtype, workspace_bytes, need_hidden,
+                    need_weight, need_bias, extras, check_targets):
     n = hidden.shape[0]
     loss = hidden.new_empty((n,) if reduction == FCE_REDUCTION_NONE else (), dtype=torch.float32)
     lse = hidden.new_empty((n,), dtype=torch.float32)
@@ -341,15 +412,21 @@ def _linear_ce_fake(hidden, weight, bias, targets, class_weights, grad_output, i
     gw = weight.new_empty(weight.shape) if need_weight else weight.new_empty((0,))
     gb = (bias.new_empty(bias.shape, dtype=weight.dtype) if (need_bias and bias is not None)
           else weight.new_empty((0,)))
-    return loss, lse, gh, gw, gb
+    return (loss, lse, gh, gw, gb) + _fake_extras(hidden, n, reduction, extras)
+
+
+_LINEAR_CE_INPUTS = 6 + _N_OPTS + 7
 
 
 def _linear_ce_setup_context(ctx, inputs, output):
-    (hidden, weight, bias, targets, class_weights, grad_output, ignore_index, reduction,
-     *rest) = inputs
-    need_hidden, need_weight, need_bias = rest[-3:]
-    _, lse, gh, gw, gb = output
-    ctx.mark_non_differentiable(lse, gh, gw, gb)
+    hidden, weight, bias, targets, class_weights, grad_output = inputs[:6]
+    rest = inputs[6:]
+    reduction = rest[1]
+    # rest: the options (_N_OPTS), compute_dtype, workspace_bytes, need_hidden, need_weight,
+    # need_bias, extras, check_targets
+    need_hidden, need_weight, need_bias = rest[_N_OPTS + 2:_N_OPTS + 5]
+    _, lse, gh, gw, gb, zl, acc, am = output
+    ctx.mark_non_differentiable(lse, gh, gw, gb, zl, acc, am)
     # no zero "gradients" for the outputs autograd does not differentiate (they would be as
     # large as the gradients themselves)
     ctx.set_materialize_grads(False)
@@ -360,7 +437,7 @@ def _linear_ce_setup_context(ctx, inputs, output):
                            and reduction != FCE_REDUCTION_NONE and grad_output is None)
     ctx.computed = (bool(need_hidden), bool(need_weight), bool(need_bias and bias is not None))
     ctx.has_bias = bias is not None
-    ctx.options = (ignore_index, reduction, *rest[:-3])  # ... through workspace_bytes
+    ctx.options = tuple(rest[:_N_OPTS + 2])  # the options, compute_dtype, workspace_bytes
     # The inputs are kept (they are alive anyway: the weight is a parameter, hidden [N, D] is
     # small) so that a second backward through the same graph can recompute the gradients.
     # The gradients are kept as tensors without version tracking (the backward scales them in
@@ -369,9 +446,10 @@ def _linear_ce_setup_context(ctx, inputs, output):
     ctx.save_for_backward(hidden, weight, bias, targets, class_weights)
 
 
-def _linear_ce_autograd_backward(ctx, grad_loss, grad_lse, _gh, _gw, _gb):
+def _linear_ce_autograd_backward(ctx, grad_loss, *_unused):
+    nones = (None,) * (_LINEAR_CE_INPUTS - 3)
     if grad_loss is None:
-        return (None,) * 18
+        return (None,) * 3 + nones
     need = (bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1]),
             bool(ctx.needs_input_grad[2]) and ctx.has_bias)
     hidden, weight, bias, targets, class_weights = ctx.saved_tensors
@@ -385,10 +463,10 @@ def _linear_ce_autograd_backward(ctx, grad_loss, grad_lse, _gh, _gw, _gb):
                 _scale_(g, grad_loss)
         ctx.grads = None  # handed out: a later backward recomputes
     else:  # recompute with the real upstream gradient (per row for reduction 'none')
-        _, _, gh, gw, gb = _linear_ce(hidden, weight, bias, targets, class_weights, grad_loss,
-                                      *ctx.options, *need)
+        _, _, gh, gw, gb, _, _, _ = _linear_ce(hidden, weight, bias, targets, class_weights,
+                                               grad_loss, *ctx.options, *need, 0, False)
         out = [g if n else None for g, n in zip((gh, gw, gb), need)]
-    return tuple(out) + (None,) * 15
+    return tuple(out) + nones
 
 
 _linear_ce.register_autograd(_linear_ce_autograd_backward, setup_context=_linear_ce_setup_context)
@@ -418,11 +496,112 @@ def _float_input(x: Tensor, name: str) -> Tensor:
     return x
 
 
+def _resolve_shift(shift, shift_seq_len: int, target_shape: tuple, rows: int) -> Tuple[int, int]:
+    """(T, k) for the C options from the two spellings of the causal shift:
+
+    * ``shift_seq_len=T`` alone (fusedce 0.2): k = 1;
+    * ``shift=k`` (CCE's; True = 1) alone: T = the last dimension of target (a 1-D target is
+      one sequence), as CCE's targets (..., T);
+    * both: k within sequences of T rows.
+    k = 1 is passed as 0 (the C default, which means 1), so that a 0.2 library still runs it.
+    """
+    t = int(shift_seq_len)
+    k = int(shift)  # bool: True -> 1 (CCE)
+    if t < 0:
+        raise ValueError(f"shift_seq_len must be >= 0, got {shift_seq_len}")
+    if k < 0:
+        raise ValueError(f"shift must be >= 0, got {shift}")
+    if k:
+        if not t:
+            t = int(target_shape[-1]) if len(target_shape) else rows
+        if k >= t:
+            raise ValueError(f"shift must be in [0, {t}) (the sequence length), got {k}")
+    if t and rows % t:
+        raise ValueError(f"the {rows} rows are not a whole number of sequences of "
+                         f"shift_seq_len={t}")
+    return t, (0 if k == 1 else k)
+
+
+# ------------------------------------------------------------- extra outputs ----
+# The optional outputs, in the order they follow the loss in the returned tuple: Liger's
+# (loss, z_loss, token_accuracy, predicted_tokens), then CCE's lse.
+OUTPUT_FIELDS = ("loss", "z_loss", "token_accuracy", "predicted_tokens", "lse")
+_OUTPUT_TYPES = {
+    mask: collections.namedtuple(
+        "CrossEntropyOutput",
+        ("loss",) + tuple(f for i, f in enumerate(OUTPUT_FIELDS[1:]) if mask >> i & 1))
+    for mask in range(1, 16)
+}
+
+
+def _output_mask(return_z_loss, return_token_accuracy, return_predicted_tokens, return_lse):
+    return ((1 if return_z_loss else 0) | (2 if return_token_accuracy else 0)
+            | (4 if return_predicted_tokens else 0) | (8 if return_lse else 0))
+
+
+def _c_extras(mask: int, red: int) -> int:
+    """The _tc.EXTRA_* bits the library computes for an output mask (a 'none' z-loss is made
+    per row from lse here, the library giving only the total)."""
+    return ((_tc.EXTRA_Z_LOSS if mask & 1 and red != FCE_REDUCTION_NONE else 0)
+            | (_tc.EXTRA_ACCURACY if mask & 2 else 0) | (_tc.EXTRA_ARGMAX if mask & 4 else 0))
+
+
+def _transform(a: Tensor, logit_scale: float, softcap: float) -> Tensor:
+    """a = c * tanh(s * z / c), in float32, as the library does before anything else."""
+    a = a.float() * logit_scale
+    if softcap > 0:
+        a = softcap * torch.tanh(a / softcap)
+    return a
+
+
+def _z_loss_rows(lse: Tensor, targets: Tensor, vocab: int, opts: tuple, target_logit) -> Tensor:
+    """Per-row z-loss for reduction 'none' (Liger's): lambda * lse^2 for every non-ignored row
+    (out-of-range targets included, SEMANTICS.md rule 3), times the detached p_y with token
+    scaling (valid rows), 0 for ignored rows. ``target_logit(y)`` gives the raw logit of class
+    y[r] in row r (only called with token scaling)."""
+    _, ignore_index, _, lam, softcap, logit_scale, t, k, token_scaling = opts
+    if lam == 0.0:
+        return torch.zeros_like(lse)
+    y = _tc.row_targets(targets.to(torch.int64), ignore_index, t, k)
+    counted = y != ignore_index
+    zl = lam * lse.square()
+    if token_scaling:
+        valid = counted & (y >= 0) & (y < vocab)
+        a_y = _transform(target_logit(y.clamp(0, vocab - 1)), logit_scale, softcap)
+        zl = torch.where(valid, zl * torch.exp(a_y - lse), zl)
+    return torch.where(counted, zl, torch.zeros_like(zl))
+
+
+def _finish(mask: int, red: int, out_shape, loss: Tensor, lse, zl, acc, am, z_rows):
+    """The return value: the loss alone, or the CrossEntropyOutput named tuple of the loss and
+    the outputs asked for. Per-row outputs take out_shape (the shape of a 'none' loss)."""
+    def rows(t):
+        return t.reshape(out_shape) if out_shape is not None else t
+
+    if red == FCE_REDUCTION_NONE:
+        loss = rows(loss)
+    if not mask:
+        return loss
+    values = [loss]
+    if mask & 1:
+        values.append(rows(z_rows()) if red == FCE_REDUCTION_NONE else zl)
+    if mask & 2:
+        values.append(rows(acc) if red == FCE_REDUCTION_NONE else acc)
+    if mask & 4:
+        values.append(rows(am))
+    if mask & 8:
+        values.append(rows(lse))
+    return _OUTPUT_TYPES[mask](*values)
+
+
 def cross_entropy(input: Tensor, target: Tensor, weight: Optional[Tensor] = None,
                   ignore_index: int = -100, reduction: str = "mean",
                   label_smoothing: float = 0.0, *, z_loss: float = 0.0, softcap: float = 0.0,
-                  logit_scale: float = 1.0, shift_seq_len: int = 0,
-                  inplace_backward: bool = False) -> Tensor:
+                  logit_scale: float = 1.0, shift_seq_len: int = 0, shift: int = 0,
+                  use_token_scaling: bool = False, return_z_loss: bool = False,
+                  return_token_accuracy: bool = False, return_predicted_tokens: bool = False,
+                  return_lse: bool = False, check_targets: bool = False,
+                  inplace_backward: bool = False):
     """torch.nn.functional.cross_entropy, fused, plus the options below. When autograd will
     need the gradient (grad mode on, input requiring grad) and the reduction is 'mean' or
     'sum', the forward reads the logits once and writes the gradient once, for an upstream
@@ -432,12 +611,39 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Optional[Tensor] = None
     computes the gradient in the backward (one more read of the logits). Under
     ``torch.no_grad()``, or when input does not require grad, only the loss is computed.
 
-    z_loss        lambda: adds lambda * lse^2 per row (PaLM);
+    z_loss        lambda: adds lambda * lse^2 per row (PaLM; Liger's lse_square_scale). For
+                  'mean' the z-loss terms are divided by the number of non-ignored rows (not
+                  by the class weights' sum, as Liger).
     softcap       c > 0: logits become c * tanh(logits / c) first (Gemma 2);
     logit_scale   s: logits are multiplied by s before anything else;
-    shift_seq_len T > 0: causal LM shift without a copy: row b*T+t of the (flattened) logits
-                  is scored against target b*T+t+1 and the last position of each sequence is
-                  ignored. Give input [B*T, V] (or [B, T, V] flattened) and target [B*T].
+    shift_seq_len, shift   causal shift without a copy (SEMANTICS.md rule 1): with sequences of
+                  T rows, row b*T+t of the (flattened) logits is scored against target
+                  b*T+t+k and the last k positions of each sequence are ignored.
+                  ``shift_seq_len=T`` alone: k = 1 (as before 0.3). ``shift=k`` alone (CCE's
+                  integer shift; True = 1): T = target.shape[-1] (a 1-D target is one
+                  sequence), so ``cross_entropy(z.view(B * T, V), y.view(B, T), shift=1)`` is
+                  ``F.cross_entropy(z.view(B, T, V)[:, :-1].reshape(-1, V), y[:, 1:].reshape(-1))``.
+                  Both: k within sequences of T. 0 <= k < T. For reduction 'none' the loss keeps
+                  every position (the last k of each sequence hold 0): CCE's is ``loss[..., :-k]``.
+    use_token_scaling  each row's loss (its z-loss term included) and gradient times its
+                  predicted probability of the target, p_y, treated as a constant (Liger's);
+    return_z_loss      also return the z-loss part of the loss (for logging; not
+                  differentiable): float32 () for 'mean'/'sum' (the library's total), per row
+                  (the shape of the 'none' loss) for 'none', as Liger;
+    return_token_accuracy  also return the accuracy of the argmax prediction, computed by the
+                  library from the logits it reads anyway: float32 () for 'mean'/'sum' (the
+                  fraction of non-ignored rows whose argmax is the target; 0 when every row is
+                  ignored), 1.0/0.0 per row for 'none' (0 for ignored rows). Unweighted;
+    return_predicted_tokens  also return each row's argmax class (int64, the shape of the
+                  'none' loss; -1 for ignored rows; ties: the lowest index, as torch.argmax);
+    return_lse    also return each row's log-sum-exp of the (scaled, capped) logits (float32,
+                  the shape of the 'none' loss; written for ignored rows too; CCE's);
+    check_targets after the call, read the library's error flag (a host synchronisation: slow
+                  on CUDA, not allowed inside CUDA-graph capture; inside the op, so no graph
+                  break under torch.compile) and raise IndexError("Target 123 is out of
+                  bounds.") as torch does when a target is outside [0, C) and not
+                  ignore_index. Off by default: such a row gets a NaN loss and gradient, no
+                  sync;
     inplace_backward  write the gradient OVER the logits (as Liger and Quack do): saves the
                   [N, V] gradient buffer, but the logits' values are destroyed by the forward,
                   so nothing else may read them afterwards (not even another loss). Only for
@@ -447,6 +653,14 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Optional[Tensor] = None
 
     With inplace_backward=True the gradient is handed to autograd once: a second backward
     through the same graph (retain_graph=True) raises. Without it, a second backward recomputes.
+
+    Returns the loss (a tensor) when no return_* flag is set; otherwise a ``CrossEntropyOutput``
+    named tuple of the loss followed by the outputs asked for, always in the order
+    ``(loss, z_loss, token_accuracy, predicted_tokens, lse)`` (:data:`OUTPUT_FIELDS`): e.g.
+    ``loss, lse = cross_entropy(z, y, return_lse=True)`` (CCE's pair), ``loss, z_loss, acc,
+    pred = cross_entropy(z, y, return_z_loss=True, return_token_accuracy=True,
+    return_predicted_tokens=True)`` (Liger's four), or by name (``out.token_accuracy``). Only
+    the loss is differentiable.
 
     input is (C,), (N, C) or (N, C, d1, ...) as in torch (the last form is copied to put the
     classes last; give [N, C] for speed). A row stride larger than C (e.g. a slice of padded
@@ -460,6 +674,8 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Optional[Tensor] = None
         out_shape = ()
     elif input.dim() == 2:
         logits, tgt = input, _targets(target)
+        if target.dim() != 1:  # [B, T] targets of [B*T, C] logits: per-row outputs [B, T]
+            out_shape = tuple(target.shape)
     elif input.dim() > 2:
         logits = input.movedim(1, -1).reshape(-1, input.shape[1])
         tgt = _targets(target)
@@ -474,24 +690,39 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Optional[Tensor] = None
     if weight is not None and (weight.dim() != 1 or weight.shape[0] != logits.shape[1]):
         raise ValueError(f"weight must have shape ({logits.shape[1]},), got "
                          f"{tuple(weight.shape)}")
+    t, k = _resolve_shift(shift, shift_seq_len, tuple(target.shape), logits.shape[0])
     args = (int(ignore_index), red, float(label_smoothing), float(z_loss), float(softcap),
-            float(logit_scale), int(shift_seq_len))
-    if red != FCE_REDUCTION_NONE and torch.is_grad_enabled() and logits.requires_grad:
+            float(logit_scale), t, k, bool(use_token_scaling))
+    opts = _opts(*args)
+    mask = _output_mask(return_z_loss, return_token_accuracy, return_predicted_tokens,
+                        return_lse)
+    extras = _c_extras(mask, red)
+    check = bool(check_targets)
+    want_lse = bool(mask & 8) or (bool(mask & 1) and red == FCE_REDUCTION_NONE)
+    need_grad = torch.is_grad_enabled() and logits.requires_grad
+    if red != FCE_REDUCTION_NONE and need_grad:
         if inplace_backward:
             if logits.stride(0) != logits.shape[1] and logits.shape[0] > 1:
                 logits = logits.contiguous()
-            loss = _CrossEntropyInPlace.apply(logits, tgt, weight, _opts(*args))
+            loss, lse, zl, acc, am = _CrossEntropyInPlace.apply(logits, tgt, weight, opts,
+                                                                extras, check, want_lse)
         elif _compiling():
-            loss, _, _ = _ce_forward_grad(logits, tgt, weight, *args)
+            loss, lse, _, zl, acc, am = _ce_forward_grad(logits, tgt, weight, *args, extras,
+                                                         check)
         else:
-            loss = _CrossEntropyOnePass.apply(logits, tgt, weight, _opts(*args))
-    elif not _compiling() and not (torch.is_grad_enabled() and logits.requires_grad):
-        loss, _ = _tc.ce_forward(logits, tgt, _cw(weight), _opts(*args), want_lse=False)
+            loss, lse, zl, acc, am = _CrossEntropyOnePass.apply(logits, tgt, weight, opts,
+                                                                extras, check)
+    elif not _compiling() and not need_grad:
+        loss, lse, zl, acc, am = _tc.ce_forward(logits, tgt, _cw(weight), opts,
+                                                want_lse=want_lse, extras=extras,
+                                                check_targets=check)
     else:
-        loss, _ = _ce_forward(logits, tgt, weight, *args)
-    if red == FCE_REDUCTION_NONE and out_shape is not None:
-        loss = loss.reshape(out_shape)
-    return loss
+        loss, lse, zl, acc, am = _ce_forward(logits, tgt, weight, *args, extras, check)
+
+    v = logits.shape[1]
+    return _finish(mask, red, out_shape, loss, lse, zl, acc, am, lambda: _z_loss_rows(
+        lse, tgt, v, opts,
+        lambda y: logits.detach().gather(1, y.unsqueeze(1)).squeeze(1)))
 
 
 def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *,
@@ -499,16 +730,27 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
                          reduction: str = "mean", ignore_index: int = -100,
                          label_smoothing: float = 0.0, z_loss: float = 0.0,
                          softcap: float = 0.0, logit_scale: float = 1.0,
-                         shift_seq_len: int = 0,
-                         workspace_bytes: Optional[int] = None) -> Tensor:
+                         shift_seq_len: int = 0, shift: int = 0,
+                         use_token_scaling: bool = False, return_z_loss: bool = False,
+                         return_token_accuracy: bool = False,
+                         return_predicted_tokens: bool = False, return_lse: bool = False,
+                         check_targets: bool = False,
+                         workspace_bytes: Optional[int] = None):
     """cross_entropy(F.linear(input, linear_weight, linear_bias), target, ...) without ever
     holding the [N, V] logits (fce_linear_ce).
 
     input [..., D] (leading dimensions flattened), linear_weight [V, D] (an nn.Linear(D, V) or a
     tied embedding's weight), linear_bias [V], target [...] (the leading dimensions of input),
-    weight [V] class weights; the other keywords as in :func:`cross_entropy`. Under autocast the
-    matmul runs in the autocast dtype. The loss is float32; for reduction 'none' it has the shape
-    of target.
+    weight [V] class weights; the other keywords, the return convention (the loss, or a
+    ``CrossEntropyOutput`` named tuple ``(loss, z_loss, token_accuracy, predicted_tokens,
+    lse)`` restricted to what was asked for) and the causal shift as in :func:`cross_entropy`
+    (``shift=k`` alone: T = target.shape[-1], as CCE's ``linear_cross_entropy(e [B, T, D], c,
+    targets [B, T], shift=k)``). The accuracy and predicted tokens come from the logits the
+    library computes piece by piece. With ``use_token_scaling``, reduction 'none' and
+    ``return_z_loss``, the per-row z-loss needs p_y: the target rows of linear_weight are
+    gathered ([N, D], the size of input) to get the target logits. Under autocast the matmul
+    runs in the autocast dtype. The loss is float32; for reduction 'none' it has the shape of
+    target (so have the per-row outputs).
 
     workspace_bytes  the memory budget of the call beyond the inputs and the gradients it
                   returns (its scratch workspace); None = FUSEDCE_WORKSPACE_BYTES from the
@@ -535,13 +777,14 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
     if tgt.shape[0] != hidden.shape[0]:
         raise ValueError(f"target has {tgt.shape[0]} elements for {hidden.shape[0]} rows of "
                          f"input (input {tuple(input.shape)}, target {tuple(target.shape)})")
+    t, k = _resolve_shift(shift, shift_seq_len, tuple(target.shape), hidden.shape[0])
     dev = input.device.type
     if dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev):
         cdt = torch.get_autocast_dtype(dev)
     else:
-        for name, t in (("linear_weight", linear_weight), ("linear_bias", linear_bias)):
-            if t is not None and t.dtype != input.dtype:
-                raise TypeError(f"{name} has dtype {t.dtype} but input has {input.dtype} "
+        for name, tt in (("linear_weight", linear_weight), ("linear_bias", linear_bias)):
+            if tt is not None and tt.dtype != input.dtype:
+                raise TypeError(f"{name} has dtype {tt.dtype} but input has {input.dtype} "
                                 "(as for F.linear, they must match outside autocast)")
         cdt = input.dtype
     if cdt == torch.float64:
@@ -558,14 +801,24 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
     budget = _tc.default_workspace_bytes() if workspace_bytes is None else int(workspace_bytes)
     if budget < 0:
         raise ValueError(f"workspace_bytes must be >= 0, got {workspace_bytes}")
-    loss, _, _, _, _ = _linear_ce(
-        hidden, linear_weight, linear_bias, tgt, weight, None, int(ignore_index), red,
-        float(label_smoothing), float(z_loss), float(softcap), float(logit_scale),
-        int(shift_seq_len), _CODE_OF_TORCH[cdt], budget, bool(need_h and in_forward),
-        bool(need_w and in_forward), bool(need_b and in_forward))
-    if red == FCE_REDUCTION_NONE:
-        loss = loss.reshape(target.shape)
-    return loss
+    args = (int(ignore_index), red, float(label_smoothing), float(z_loss), float(softcap),
+            float(logit_scale), t, k, bool(use_token_scaling))
+    mask = _output_mask(return_z_loss, return_token_accuracy, return_predicted_tokens,
+                        return_lse)
+    loss, lse, _, _, _, zl, acc, am = _linear_ce(
+        hidden, linear_weight, linear_bias, tgt, weight, None, *args, _CODE_OF_TORCH[cdt],
+        budget, bool(need_h and in_forward), bool(need_w and in_forward),
+        bool(need_b and in_forward), _c_extras(mask, red), bool(check_targets))
+
+    def target_logit(y):
+        h = hidden.detach().to(cdt)
+        a = (h.float() * linear_weight.detach().to(cdt)[y].float()).sum(-1)
+        if linear_bias is not None:
+            a = a + linear_bias.detach().to(cdt)[y].float()
+        return a
+
+    return _finish(mask, red, tuple(target.shape), loss, lse, zl, acc, am,
+                   lambda: _z_loss_rows(lse, tgt, vocab, _opts(*args), target_logit))
 
 
 class _LossOptions(torch.nn.Module):
@@ -573,7 +826,10 @@ class _LossOptions(torch.nn.Module):
 
     def __init__(self, weight: Optional[Tensor] = None, ignore_index: int = -100,
                  reduction: str = "mean", label_smoothing: float = 0.0, *, z_loss: float = 0.0,
-                 softcap: float = 0.0, logit_scale: float = 1.0, shift_seq_len: int = 0):
+                 softcap: float = 0.0, logit_scale: float = 1.0, shift_seq_len: int = 0,
+                 shift: int = 0, use_token_scaling: bool = False, return_z_loss: bool = False,
+                 return_token_accuracy: bool = False, return_predicted_tokens: bool = False,
+                 return_lse: bool = False, check_targets: bool = False):
         super().__init__()
         _reduction(reduction)
         self.register_buffer("weight", weight)
@@ -584,27 +840,47 @@ class _LossOptions(torch.nn.Module):
         self.softcap = softcap
         self.logit_scale = logit_scale
         self.shift_seq_len = shift_seq_len
+        self.shift = shift
+        self.use_token_scaling = use_token_scaling
+        self.return_z_loss = return_z_loss
+        self.return_token_accuracy = return_token_accuracy
+        self.return_predicted_tokens = return_predicted_tokens
+        self.return_lse = return_lse
+        self.check_targets = check_targets
+
+    def _kwargs(self) -> dict:
+        return dict(z_loss=self.z_loss, softcap=self.softcap, logit_scale=self.logit_scale,
+                    shift_seq_len=self.shift_seq_len, shift=self.shift,
+                    use_token_scaling=self.use_token_scaling, return_z_loss=self.return_z_loss,
+                    return_token_accuracy=self.return_token_accuracy,
+                    return_predicted_tokens=self.return_predicted_tokens,
+                    return_lse=self.return_lse, check_targets=self.check_targets)
 
     def extra_repr(self) -> str:
-        return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
+        text = (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
                 f"label_smoothing={self.label_smoothing}, z_loss={self.z_loss}, "
                 f"softcap={self.softcap}, logit_scale={self.logit_scale}, "
                 f"shift_seq_len={self.shift_seq_len}")
+        for name in ("shift", "use_token_scaling", "return_z_loss", "return_token_accuracy",
+                     "return_predicted_tokens", "return_lse", "check_targets"):
+            if getattr(self, name):
+                text += f", {name}={getattr(self, name)}"
+        return text
 
 
 class CrossEntropyLoss(_LossOptions):
     """torch.nn.CrossEntropyLoss with fusedce's :func:`cross_entropy` (and its extra options,
-    inplace_backward included)."""
+    inplace_backward and the return_* flags included: with one set, forward returns the
+    CrossEntropyOutput named tuple)."""
 
     def __init__(self, *args, inplace_backward: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         self.inplace_backward = inplace_backward
 
-    def forward(self, input: Tensor, target: Tensor) -> Tensor:
+    def forward(self, input: Tensor, target: Tensor):
         return cross_entropy(input, target, self.weight, self.ignore_index, self.reduction,
-                             self.label_smoothing, z_loss=self.z_loss, softcap=self.softcap,
-                             logit_scale=self.logit_scale, shift_seq_len=self.shift_seq_len,
-                             inplace_backward=self.inplace_backward)
+                             self.label_smoothing, inplace_backward=self.inplace_backward,
+                             **self._kwargs())
 
 
 class LinearCrossEntropyLoss(_LossOptions):
@@ -618,11 +894,9 @@ class LinearCrossEntropyLoss(_LossOptions):
         self.workspace_bytes = workspace_bytes
 
     def forward(self, input: Tensor, linear_weight: Tensor, target: Tensor,
-                linear_bias: Optional[Tensor] = None) -> Tensor:
+                linear_bias: Optional[Tensor] = None):
         return linear_cross_entropy(
             input, linear_weight, target, linear_bias=linear_bias, weight=self.weight,
             reduction=self.reduction, ignore_index=self.ignore_index,
-            label_smoothing=self.label_smoothing, z_loss=self.z_loss, softcap=self.softcap,
-            logit_scale=self.logit_scale, shift_seq_len=self.shift_seq_len,
-            workspace_bytes=self.workspace_bytes)
-
+            label_smoothing=self.label_smoothing, workspace_bytes=self.workspace_bytes,
+            **self._kwargs())

@@ -42,6 +42,14 @@ OPTION_SETS = {
     "shift": {"shift_seq_len": 6},
     "everything": {"class_weights": _weights(V), "label_smoothing": 0.1, "z_loss_scale": 1e-4,
                    "softcap": 20.0, "logit_scale": 1.5, "ignore_index": 5, "shift_seq_len": 4},
+    # version 0.3
+    "shift=3": {"shift_seq_len": 6, "shift": 3},
+    "token_scaling": {"token_scaling": True},
+    "token_scaling+z_loss+weights": {"token_scaling": True, "z_loss_scale": 1e-3,
+                                     "class_weights": _weights(V), "label_smoothing": 0.1},
+    "everything-0.3": {"class_weights": _weights(V), "label_smoothing": 0.1,
+                       "z_loss_scale": 1e-3, "softcap": 20.0, "logit_scale": -1.5,
+                       "ignore_index": 5, "shift_seq_len": 8, "shift": 2, "token_scaling": True},
 }
 
 
@@ -93,9 +101,9 @@ def test_version_check_rejects_other_major():
 
 
 def test_options_struct_layout():
-    assert ctypes.sizeof(_lib.Options) == 104
+    assert ctypes.sizeof(_lib.Options) == _lib.FCE_OPTIONS_SIZE_V0_3 == 136
     o = _lib.default_options()
-    assert o.struct_size == ctypes.sizeof(_lib.Options)
+    assert o.struct_size == ctypes.sizeof(_lib.Options) == _lib.options_size()
     assert o.ignore_index == -100 and o.logit_scale == 1.0 and o.softcap == 0.0
     assert o.backend == _lib.FCE_BACKEND_CUDA and o.dtype == _lib.FCE_FLOAT32
     assert o.target_dtype == _lib.FCE_INT64 and o.reduction == _lib.FCE_REDUCTION_MEAN
@@ -105,7 +113,25 @@ def test_options_struct_layout():
     offsets = {name: getattr(_lib.Options, name).offset for name, _ in _lib.Options._fields_}
     assert offsets["ignore_index"] == 16 and offsets["backend"] == 56
     assert offsets["label_smoothing"] == 72 and offsets["reserved0"] == 100
+    # appended in 0.3, after the 104 bytes of 0.1/0.2
+    assert (offsets["shift"], offsets["argmax"], offsets["accuracy"], offsets["token_scaling"],
+            offsets["reserved1"]) == (104, 112, 120, 128, 132)
+    assert (o.shift, o.argmax, o.accuracy, o.token_scaling, o.reserved1) == (0, None, None, 0, 0)
 
+
+def test_older_library_gets_the_old_struct_size(monkeypatch):
+    """Against a 0.1/0.2 library the binding passes the 104-byte struct it knows, and refuses the
+    0.3 options instead of letting the library ignore them."""
+    _lib.load()
+    assert _lib._options_size_of(200) == _lib.FCE_OPTIONS_SIZE_V0_1
+    assert _lib._options_size_of(300) == _lib.FCE_OPTIONS_SIZE_V0_3
+    monkeypatch.setattr(_lib, "_LIB_VERSION", 200)
+    assert _lib.default_options().struct_size == 104
+    z, y = make_inputs()
+    for kw in ({"shift_seq_len": 4, "shift": 2}, {"token_scaling": True},
+               {"return_argmax": True}, {"return_accuracy": True}):
+        with pytest.raises(fusedce.UnsupportedError, match="0.3"):
+            fusedce.forward(z, y, **kw)
 
 def test_status_strings():
     assert "NULL" in fusedce.status_string(_lib.FCE_ERROR_NULL_POINTER)
@@ -163,10 +189,18 @@ def test_forward_backward_float32(case, reduction, std):
     r2 = fusedce.forward(z, y, reduction=reduction, **opts)
     np.testing.assert_array_equal(r2.loss, loss)
 
-    # fce_backward from the saved lse: the gradient fce_forward wrote (SEMANTICS.md rule 12)
+    # argmax and accuracy (rule 15), written in the same pass
+    r3 = fusedce.forward(z, y, reduction=reduction, return_argmax=True, return_accuracy=True,
+                         **opts)
+    np.testing.assert_array_equal(r3.argmax, ref["argmax"])
+    assert_close(r3.accuracy, ref["accuracy"], 1e-6, "accuracy")
+    np.testing.assert_array_equal(r3.loss, loss)
+
+    # fce_backward from the saved lse: the gradient fce_forward wrote, to the rounding of the
+    # float32 lse (SEMANTICS.md rule 12: no longer bit for bit)
     gb = fusedce.backward(z, y, lse, g, reduction=reduction, grad_logits=poison((N, V)), **opts)
     assert_close(gb, ref["grad"], 1e-5, "backward grad")
-    np.testing.assert_array_equal(gb, grad)
+    assert_close(gb, grad, 1e-5, "backward grad vs forward grad")
 
 
 def test_reference_gradient_by_finite_differences():
@@ -178,6 +212,7 @@ def test_reference_gradient_by_finite_differences():
     for reduction in REDUCTIONS:
         zz = z.astype(np.float64)
         ref = R.cross_entropy(zz, y, reduction=reduction, **opts)["grad"]
+        # (token scaling's p_y is a constant for the gradient: not checked by differences)
         num = np.zeros_like(zz)
         h = 1e-6
         for i in range(zz.shape[0]):
@@ -217,6 +252,106 @@ def test_shift_equals_explicitly_shifted_targets():
     m1 = fusedce.forward(z, y, shift_seq_len=t).loss
     m2 = fusedce.forward(zs, ys).loss
     assert_close(m1, m2, 1e-6)
+
+
+@pytest.mark.parametrize("k", [1, 2, 5])
+def test_shift_k_equals_explicitly_shifted_targets(k):
+    """shift=k (0.3): logits[:, :-k] against targets[:, k:], without a copy."""
+    b, t = 4, 6
+    z, y = make_inputs(n=b * t, seed=k)
+    zs = z.reshape(b, t, V)[:, :t - k].reshape(-1, V)
+    ys = np.ascontiguousarray(y.reshape(b, t)[:, k:].reshape(-1))
+    direct = fusedce.forward(zs, ys, reduction="none", return_argmax=True, return_grad=True)
+    r = fusedce.forward(z, y, reduction="none", shift_seq_len=t, shift=k, return_argmax=True,
+                        return_grad=True)
+    rows = r.loss.reshape(b, t)
+    assert np.all(rows[:, t - k:] == 0)
+    assert_close(rows[:, :t - k].reshape(-1), direct.loss, 1e-6)
+    assert np.all(r.argmax.reshape(b, t)[:, t - k:] == -1)
+    am = r.argmax.reshape(b, t)[:, :t - k].reshape(-1)
+    np.testing.assert_array_equal(am, np.where(ys == -100, -1, direct.argmax))
+    grad = r.grad_logits.reshape(b, t, V)
+    assert np.all(grad[:, t - k:] == 0)
+    assert_close(grad[:, :t - k].reshape(-1, V), direct.grad_logits, 1e-6)
+    mean = fusedce.forward(z, y, shift_seq_len=t, shift=k, return_accuracy=True)
+    flat = fusedce.forward(zs, ys, return_accuracy=True)
+    assert_close(mean.loss, flat.loss, 1e-6)
+    assert_close(mean.accuracy, flat.accuracy, 1e-7)
+    if k == 1:  # 0 and 1 are the same shift
+        np.testing.assert_array_equal(
+            fusedce.forward(z, y, reduction="none", shift_seq_len=t).loss, r.loss)
+    with pytest.raises(ValueError, match="shift_seq_len"):
+        fusedce.forward(z, y, shift=k)  # a shift needs the sequence length
+
+
+def test_argmax_and_accuracy_corners():
+    """Rule 15: ties go to the lowest index, a NaN is the largest, ignored rows get -1 and do not
+    count; an out-of-range target counts and is never right; every row ignored: accuracy 0."""
+    v = 6
+    z = np.zeros((6, v), np.float32)
+    z[0, [2, 4]] = 3.0                 # tie: 2
+    z[1, 3], z[1, 5] = np.nan, 9.0     # NaN: 3
+    z[2, 1] = -np.inf                  # all 0 but one -inf: 0
+    z[3, 5] = 1.0
+    z[4, 0] = 2.0
+    z[5, 4] = 7.0
+    y = np.array([2, 3, 0, -100, v + 3, 1])
+    ref = R.cross_entropy(z, y)
+    for reduction in REDUCTIONS:
+        r = fusedce.forward(z, y, reduction=reduction, return_argmax=True, return_accuracy=True)
+        np.testing.assert_array_equal(r.argmax, [2, 3, 0, -1, 0, 4])
+        if reduction == "none":
+            np.testing.assert_array_equal(r.accuracy, [1, 1, 1, 0, 0, 0])
+        else:  # 3 right of the 5 non-ignored rows (the invalid one counts, never right)
+            assert r.accuracy.shape == () and float(r.accuracy) == np.float32(3 / 5)
+    np.testing.assert_array_equal(ref["argmax"], [2, 3, 0, -1, 0, 4])
+    # given buffers, and every row ignored
+    am, acc = np.full(6, 77, np.int64), np.full((), 5.0, np.float32)
+    r = fusedce.forward(z, np.full(6, -100), argmax=am, accuracy=acc)
+    assert r.argmax is am and r.accuracy is acc
+    assert np.all(am == -1) and float(acc) == 0.0
+    with pytest.raises(TypeError, match="int64"):
+        fusedce.forward(z, y, argmax=np.zeros(6, np.int32))
+    with pytest.raises(ValueError, match="accuracy"):
+        fusedce.forward(z, y, reduction="none", accuracy=np.zeros((), np.float32))
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_adversarial_rows_exact(reduction):
+    """The 0.3 precision contract (rule 9): rows whose logits share a huge offset are exact, -inf
+    entries are zero probabilities, a -inf target logit gives loss +inf, a NaN row NaN."""
+    v = 13
+    rng = np.random.default_rng(5)
+    z = rng.standard_normal((8, v)).astype(np.float32)
+    z[0] = -1e30                       # all equal, huge negative: uniform
+    z[1] = -1e30
+    z[1, 4] = -1e30 + 2e23             # a huge offset and a spread
+    z[2, [1, 5, 7]] = -np.inf          # -inf entries
+    z[3] = 1e30                        # all equal, huge positive
+    z[4, :] = 1e4 * rng.standard_normal(v).astype(np.float32)  # wide spread
+    z[5, 3] = -np.inf                  # -inf target logit
+    z[6, 0] = np.nan
+    y = np.array([3, 4, 2, 0, 9, 3, 1, 7])
+    ref = R.cross_entropy(z, y, reduction=reduction)
+    r = fusedce.forward(z, y, reduction=reduction, return_grad=True, return_lse=True)
+    assert_close(r.lse[np.isfinite(ref["lse"])], ref["lse"][np.isfinite(ref["lse"])], 1e-6)
+    if reduction == "none":
+        loss = r.loss
+        assert np.isposinf(loss[5]) and np.isnan(loss[6])
+        fin = np.isfinite(ref["loss"])
+        np.testing.assert_allclose(loss[fin], ref["loss"][fin], rtol=1e-5, atol=1e-5)
+        assert abs(loss[0] - np.log(v)) <= 1e-6 and abs(loss[3] - np.log(v)) <= 1e-6
+    else:
+        assert np.isnan(r.loss)  # the NaN row wins over the +inf one
+    g = r.grad_logits
+    assert np.all(np.isnan(g[6])) and np.all(np.isfinite(np.delete(g, 6, axis=0)))
+    keep = [i for i in range(8) if i != 6]
+    scale = 1.0 if reduction != "mean" else 1.0 / 8
+    # finite rows of the gradient: exact to float32 (p = 1/V on the flat rows)
+    want = ref["grad"][keep]
+    if reduction == "mean":  # the reference's mean is NaN-poisoned: rebuild it for g = 1/8
+        want = R.cross_entropy(z[keep], y[keep], reduction="sum")["grad"] * scale
+    np.testing.assert_allclose(g[keep], want, rtol=1e-5, atol=1e-6 * scale)
 
 
 def test_ignored_rows_get_zero_loss_and_gradient():
@@ -380,6 +515,8 @@ LINEAR_OPTIONS = {
     "weights+smoothing": {"class_weights": _weights(LIN_V), "label_smoothing": 0.1},
     "z_loss+softcap+scale": {"z_loss_scale": 1e-3, "softcap": 5.0, "logit_scale": 2.0},
     "shift": {"shift_seq_len": 5},
+    "shift=2+token_scaling+z_loss": {"shift_seq_len": 10, "shift": 2, "token_scaling": True,
+                                     "z_loss_scale": 1e-3},
 }
 
 
@@ -396,8 +533,10 @@ def test_linear_ce_float32(case, reduction, bias):
     gb = poison((LIN_V,)) if bias else None
     r = fusedce.linear_ce(h, W, y, b, reduction=reduction, grad_hidden=gh, grad_weight=gw,
                           grad_bias=gb, grad_output=g, return_lse=True, return_z_loss=True,
-                          **opts)
+                          return_argmax=True, return_accuracy=True, **opts)
     assert_close(r.loss, ref["loss"], 1e-5, "loss")
+    np.testing.assert_array_equal(r.argmax, ref["argmax"])
+    assert_close(r.accuracy, ref["accuracy"], 1e-6, "accuracy")
     assert_close(r.lse, ref["lse"], 1e-5, "lse")
     assert_close(r.z_loss, ref["z_loss"], 1e-5, "z_loss")
     assert_close(gh, ref["grad_hidden"], 1e-5, "grad_hidden")
@@ -747,8 +886,9 @@ def test_backward_rescale_raw_call():
                                   grad.ctypes.data)
             want = fusedce.forward(z, y, reduction=reduction, return_grad=True,
                                    grad_output=go[0], **opts).grad_logits
-            np.testing.assert_array_equal(grad[~ignored].view(np.uint32),
-                                          want[~ignored].view(np.uint32), f"{reduction}, g={g}")
+            # bit for bit, signed zeros included (SEMANTICS rule 14; ignored rows stay +0)
+            np.testing.assert_array_equal(grad.view(np.uint32), want.view(np.uint32),
+                                          f"{reduction}, g={g}")
             assert np.all(grad[ignored] == 0) and np.all(want[ignored] == 0)
             if g == 1.0:
                 np.testing.assert_array_equal(grad.view(np.uint32), one.view(np.uint32))

@@ -14,8 +14,8 @@ import torch.nn.functional as F  # noqa: E402
 
 import fusedce  # noqa: E402
 from fusedce import core  # noqa: E402
-from fusedce.torch import (CrossEntropyLoss, LinearCrossEntropyLoss, cross_entropy,  # noqa: E402
-                           linear_cross_entropy)
+from fusedce.torch import (OUTPUT_FIELDS, CrossEntropyLoss, LinearCrossEntropyLoss,  # noqa: E402
+                           cross_entropy, linear_cross_entropy)
 
 HAS_CUDA = torch.cuda.is_available() and fusedce.cuda_available()
 needs_cuda = pytest.mark.skipif(
@@ -30,34 +30,62 @@ REDUCTIONS = ["mean", "sum", "none"]
 
 
 # ---------------------------------------------------------------- float64 reference ----
-def shifted_targets(y, ignore_index, t):
+def shifted_targets(y, ignore_index, t, k=0):
+    """SEMANTICS.md rule 1: row b*T+t against target b*T+t+k (k = 0 meaning 1), the last k
+    positions of each sequence ignored."""
     if not t:
         return y
+    k = max(k, 1)
     yy = torch.full_like(y, ignore_index)
     r = torch.arange(y.shape[0], device=y.device)
-    keep = (r % t) != (t - 1)
-    yy[keep] = y[r[keep] + 1]
+    keep = (r % t) < (t - k)
+    yy[keep] = y[r[keep] + k]
     return yy
 
 
 def reference(z, y, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
-              z_loss=0.0, softcap=0.0, logit_scale=1.0, shift_seq_len=0):
-    """SPEC.md built from torch float64 ops (F.cross_entropy for the CE part)."""
+              z_loss=0.0, softcap=0.0, logit_scale=1.0, shift_seq_len=0, shift=0,
+              use_token_scaling=False, extras=False):
+    """SPEC.md / SEMANTICS.md built from torch float64 ops (F.cross_entropy for the CE part;
+    Liger's token scaling: each row times its detached p_y; the mean's z-loss over the number
+    of non-ignored rows). With extras=True: (loss, dict of z_loss, token_accuracy,
+    predicted_tokens, lse), the logging outputs as fusedce.torch returns them."""
     a = z.double() * logit_scale
     if softcap:
         a = softcap * torch.tanh(a / softcap)
-    yy = shifted_targets(y.long(), ignore_index, shift_seq_len)
+    yy = shifted_targets(y.reshape(-1).long(), ignore_index, shift_seq_len, shift)
     w = weight.double() if weight is not None else None
     ce = F.cross_entropy(a, yy, weight=w, ignore_index=ignore_index, reduction="none",
                          label_smoothing=label_smoothing)
     valid = yy != ignore_index
-    rows = ce + z_loss * torch.logsumexp(a, 1) ** 2 * valid
+    lse = torch.logsumexp(a, 1)
+    zl = z_loss * lse ** 2 * valid
+    if use_token_scaling:
+        p_y = torch.exp(a.gather(1, yy.clamp_min(0)[:, None])[:, 0] - lse).detach()
+        p_y = torch.where(valid, p_y, torch.ones_like(p_y))
+        ce, zl = ce * p_y, zl * p_y
     if reduction == "none":
-        return rows
-    if reduction == "sum":
-        return rows.sum()
-    denom = (w[yy[valid]].sum() if w is not None else valid.sum().double())
-    return rows.sum() / denom if denom > 0 else rows.sum() * 0
+        loss, z_total = ce + zl, zl
+    elif reduction == "sum":
+        loss, z_total = (ce + zl).sum(), zl.sum()
+    else:
+        denom = (w[yy[valid]].sum() if w is not None else valid.sum().double())
+        count = valid.sum().double()
+        loss = ((ce.sum() / denom if denom > 0 else ce.sum() * 0)
+                + (zl.sum() / count if count > 0 else zl.sum() * 0))
+        z_total = zl.sum() / count if count > 0 else zl.sum() * 0
+    if not extras:
+        return loss
+    # argmax of the logits as the library forms them (float32), lowest index among equals
+    a32 = z.float() * logit_scale
+    if softcap:
+        a32 = softcap * torch.tanh(a32 / softcap)
+    pred = torch.where(valid, torch.argmax(a32, 1), torch.full_like(yy, -1))
+    right = (valid & (pred == yy)).double()
+    acc = right if reduction == "none" else (
+        right.sum() / valid.sum() if valid.any() else right.sum() * 0)
+    return loss, dict(z_loss=z_total.detach(), token_accuracy=acc, predicted_tokens=pred,
+                      lse=lse.detach())
 
 
 def loss_and_grad(fn, z, *args, upstream=None, **kwargs):
@@ -358,13 +386,19 @@ def test_workspace_budget_cpu():
 def test_opcheck_custom_ops():
     z, y, w = make(n=8, v=11)
     z.requires_grad_(True)
+    # the options after class_weights: ignore_index, reduction, label_smoothing, z_loss, softcap,
+    # logit_scale, shift_seq_len, shift, token_scaling; then extras (bitmask), check_targets
+    every = 7  # z_loss | accuracy | argmax
+    cases = [(0, 0, False, 0), (0, 0, False, every), (4, 2, True, every)]
     for red in (0, 1, 2):
-        torch.library.opcheck(torch.ops.fusedce.ce_forward.default,
-                              (z, y, w, -100, red, 0.1, 1e-3, 0.0, 1.0, 0))
+        for t, k, scaling, extras in cases:
+            torch.library.opcheck(torch.ops.fusedce.ce_forward.default,
+                                  (z, y, w, -100, red, 0.1, 1e-3, 0.0, 1.0, t, k, scaling,
+                                   extras, False))
         g = torch.rand(8) if red == 2 else torch.tensor(1.5)
         torch.library.opcheck(torch.ops.fusedce.ce_backward.default,
                               (g, z.detach(), y, torch.randn(8), w, -100, red, 0.1, 1e-3, 0.0,
-                               1.0, 0))
+                               1.0, 0, 0, False))
     h = torch.randn(8, 6, requires_grad=True)
     W = torch.randn(11, 6, requires_grad=True)
     b = torch.randn(11, requires_grad=True)
@@ -378,10 +412,12 @@ def test_opcheck_custom_ops():
             utils = in_place_outputs if red == 0 and need[0] else None
             torch.library.opcheck(torch.ops.fusedce.linear_ce.default,
                                   (h, W, b, y, w, None, -100, red, 0.0, 0.0, 0.0, 1.0, 0, 0,
-                                   1 << 30) + need, **({"test_utils": utils} if utils else {}))
+                                   False, 0, 1 << 30) + need + (every, False),
+                                  **({"test_utils": utils} if utils else {}))
     for red in (0, 1):
         torch.library.opcheck(torch.ops.fusedce.ce_forward_grad.default,
-                              (z.detach(), y, w, -100, red, 0.1, 1e-3, 0.0, 1.0, 0),
+                              (z.detach(), y, w, -100, red, 0.1, 1e-3, 0.0, 1.0, 0, 0, False,
+                               every, False),
                               test_utils=in_place_outputs)
     torch.library.opcheck(torch.ops.fusedce.scale_.default, (torch.randn(8, 11), torch.tensor(1.5)))
 
@@ -411,6 +447,345 @@ def _compile_check(device):
 
 def test_torch_compile_fullgraph_cpu():
     _compile_check("cpu")
+
+
+def _compile_extras_check(device):
+    """The 0.3 keywords under torch.compile(fullgraph=True): the same outputs and gradients as
+    eager, and check_targets raising from inside the compiled graph."""
+    from torch.utils._pytree import tree_leaves
+    torch._dynamo.reset()
+    z, y, w = make(device=device)
+    h = torch.randn(40, 16, device=device)
+    W = torch.randn(101, 16, device=device)
+
+    def step(z, h, W):
+        a = cross_entropy(z * 1.0, y, w, z_loss=1e-3, shift_seq_len=8, shift=3,
+                          use_token_scaling=True, **ALL_EXTRAS)
+        b = linear_cross_entropy(h, W, y, reduction="none", z_loss=1e-3, shift=2,
+                                 use_token_scaling=True, **ALL_EXTRAS)
+        c = cross_entropy(z * 1.0, y, reduction="none", return_lse=True,
+                          return_predicted_tokens=True)
+        with torch.no_grad():
+            d = cross_entropy(z, y, return_token_accuracy=True)
+        return a.loss + b.loss.sum() / 40 + c.loss.sum() / 40, (a, b, c, d)
+
+    compiled = torch.compile(step, fullgraph=True)
+    outs = []
+    for fn in (step, compiled):
+        zz, hh, WW = (t.clone().requires_grad_(True) for t in (z, h, W))
+        loss, extras = fn(zz, hh, WW)
+        grads = torch.autograd.grad(loss, (zz, hh, WW))
+        outs.append([loss.detach(), *tree_leaves(extras), *grads])
+        assert type(extras[0]).__name__ == "CrossEntropyOutput"
+    for a, b in zip(*outs):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert rel_err(a.detach(), b.detach()) <= 1e-5
+    bad = y.clone()
+    bad[5] = 400
+    for requires_grad in (False, True):
+        f = torch.compile(lambda t: cross_entropy(t, bad, check_targets=True), fullgraph=True)
+        with pytest.raises(IndexError, match="Target 400 is out of bounds."):
+            f(z.clone().requires_grad_(requires_grad))
+
+
+def test_torch_compile_extras_cpu():
+    _compile_extras_check("cpu")
+
+
+# ============================================== 0.3: extras, token scaling, shift k ====
+NEW_OPTIONS = {
+    "z_loss+weight": {"z_loss": 1e-3, "weight": "w"},  # the mean's z-loss over the row count
+    "token_scaling": {"use_token_scaling": True},
+    "token_scaling+z_loss+weight+smoothing": {"use_token_scaling": True, "z_loss": 1e-3,
+                                              "weight": "w", "label_smoothing": 0.1},
+    "shift=2": {"shift_seq_len": 5, "shift": 2},
+    "everything-0.3": {"weight": "w", "label_smoothing": 0.1, "z_loss": 1e-3, "softcap": 20.0,
+                       "logit_scale": -1.3, "shift_seq_len": 8, "shift": 3, "ignore_index": 2,
+                       "use_token_scaling": True},
+}
+ALL_EXTRAS = dict(return_z_loss=True, return_token_accuracy=True, return_predicted_tokens=True,
+                  return_lse=True)
+
+
+def check_extras(out, ref_extras, reduction, shape=None):
+    """Every extra of a CrossEntropyOutput against the float64 reference's."""
+    assert out.predicted_tokens.dtype == torch.int64
+    assert all(getattr(out, f).dtype == torch.float32
+               for f in ("z_loss", "token_accuracy", "lse"))
+    for f in ("z_loss", "token_accuracy", "predicted_tokens", "lse"):
+        t = getattr(out, f)
+        assert not t.requires_grad and t.grad_fn is None, f
+        r = ref_extras[f]
+        if shape is not None and (f in ("predicted_tokens", "lse") or reduction == "none"):
+            r = r.reshape(shape)
+        assert t.shape == r.shape, (f, t.shape, r.shape)
+        if f == "predicted_tokens":
+            assert torch.equal(t.cpu(), r.cpu()), f
+        else:
+            assert rel_err(t.cpu(), r.cpu()) <= 1e-5, (f, rel_err(t.cpu(), r.cpu()))
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("case", list(NEW_OPTIONS))
+def test_new_keywords_cpu_against_float64(case, reduction):
+    """loss, gradient and every extra output against the float64 torch reference, through the
+    eager one-pass path (mean/sum), the 'none' path, the no-grad path and inplace_backward."""
+    z, y, w = make(ignore_index=NEW_OPTIONS[case].get("ignore_index", -100))
+    opts = resolve(NEW_OPTIONS[case], w)
+    up = torch.rand(z.shape[0]) + 0.5 if reduction == "none" else torch.tensor(0.7)
+    x = z.clone().requires_grad_(True)
+    out = cross_entropy(x, y, reduction=reduction, **ALL_EXTRAS, **opts)
+    assert type(out).__name__ == "CrossEntropyOutput" and out._fields == OUTPUT_FIELDS
+    (g,) = torch.autograd.grad(out.loss, x, up)
+    xr = z.double().requires_grad_(True)
+    rloss, rex = reference(xr, y, reduction=reduction, extras=True, **opts)
+    (rg,) = torch.autograd.grad(rloss, xr, up.double())
+    assert rel_err(out.loss.detach(), rloss) <= 1e-5
+    assert rel_err(g, rg) <= 1e-5
+    check_extras(out, rex, reduction)
+    # evaluation (no grad): the same values
+    with torch.no_grad():
+        ev = cross_entropy(z, y, reduction=reduction, **ALL_EXTRAS, **opts)
+    for a, b in zip(ev, out):
+        assert rel_err(a, b.detach()) <= 1e-6
+    if reduction != "none":  # the gradient over the logits: the same extras, the same gradient
+        xi = z.clone().requires_grad_(True)
+        oi = cross_entropy(xi, y, reduction=reduction, inplace_backward=True, **ALL_EXTRAS,
+                           **opts)
+        for a, b in zip(oi, out):
+            assert rel_err(a.detach(), b.detach()) <= 1e-6
+        oi.loss.backward(up)
+        assert rel_err(xi.grad, rg) <= 1e-5
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_new_keywords_cpu(reduction, bias):
+    gen = torch.Generator().manual_seed(5)
+    h = torch.randn(3, 8, 16, generator=gen)
+    W = torch.randn(53, 16, generator=gen) / 4
+    b = torch.randn(53, generator=gen) if bias else None
+    y = torch.randint(0, 53, (3, 8), generator=gen)
+    y[0, :3] = -100
+    w = torch.rand(53, generator=gen) + 0.5
+    kw = dict(weight=w, label_smoothing=0.1, z_loss=1e-3, softcap=9.0, shift=2,
+              use_token_scaling=True)  # shift alone: T = target.shape[-1] = 8
+    ps = [t.clone().requires_grad_(True) for t in (h, W) + ((b,) if bias else ())]
+    out = linear_cross_entropy(ps[0], ps[1], y, linear_bias=ps[2] if bias else None,
+                               reduction=reduction, **ALL_EXTRAS, **kw)
+    rs = [t.double().clone().requires_grad_(True) for t in (h, W) + ((b,) if bias else ())]
+    zr = F.linear(rs[0], rs[1], rs[2] if bias else None).reshape(-1, 53)
+    kw.pop("shift")
+    rloss, rex = reference(zr, y.reshape(-1), reduction=reduction, shift_seq_len=8, shift=2,
+                           extras=True, **kw)
+    if reduction == "none":
+        rloss = rloss.reshape(3, 8)
+    assert out.loss.shape == rloss.shape and rel_err(out.loss.detach(), rloss) <= 1e-5
+    check_extras(out, rex, reduction, shape=(3, 8))
+    up = torch.rand_like(out.loss) + 0.5
+    grads = torch.autograd.grad(out.loss, ps, up)
+    rgrads = torch.autograd.grad(rloss, rs, up.double())
+    for a, r in zip(grads, rgrads):
+        assert rel_err(a, r) <= 1e-5
+
+
+def test_return_convention():
+    """No return_* flag: the loss tensor. Otherwise the CrossEntropyOutput named tuple of the
+    loss and the outputs asked for, in the order (loss, z_loss, token_accuracy,
+    predicted_tokens, lse): CCE's (loss, lse) and Liger's (loss, z_loss, token_accuracy,
+    predicted_tokens) unpack as they do there."""
+    z, y, w = make(n=12, v=9)
+    assert torch.is_tensor(cross_entropy(z, y))
+    loss, lse = cross_entropy(z, y, return_lse=True)
+    assert lse.shape == (12,) and torch.equal(loss, cross_entropy(z, y))
+    loss, z_loss, acc, pred = cross_entropy(z, y, z_loss=1e-2, return_z_loss=True,
+                                            return_token_accuracy=True,
+                                            return_predicted_tokens=True)
+    assert z_loss.shape == () and acc.shape == () and pred.shape == (12,)
+    o = cross_entropy(z, y, return_predicted_tokens=True, return_z_loss=True)
+    assert o._fields == ("loss", "z_loss", "predicted_tokens")
+    assert OUTPUT_FIELDS == ("loss", "z_loss", "token_accuracy", "predicted_tokens", "lse")
+    # shapes follow the 'none' loss: (N, C, d1, d2) input, (C,) input
+    z4, y4 = torch.randn(2, 9, 3, 4), torch.randint(0, 9, (2, 3, 4))
+    for reduction in REDUCTIONS:
+        o = cross_entropy(z4, y4, reduction=reduction, z_loss=1e-2, **ALL_EXTRAS)
+        per_row = (2, 3, 4)
+        assert o.predicted_tokens.shape == per_row and o.lse.shape == per_row
+        scalar = () if reduction != "none" else per_row
+        assert o.loss.shape == scalar and o.z_loss.shape == scalar
+        assert o.token_accuracy.shape == scalar
+        a = z4.movedim(1, -1).double()
+        assert torch.equal(o.predicted_tokens, a.argmax(-1))
+        assert rel_err(o.lse, torch.logsumexp(a, -1)) <= 1e-6
+    o = cross_entropy(z[0], y[0].clone().fill_(3), **ALL_EXTRAS)
+    assert all(t.shape == () for t in o)
+    # modules carry the flags
+    m = CrossEntropyLoss(return_lse=True, shift=1)
+    assert "return_lse=True" in repr(m) and "shift=1" in repr(m)
+    assert len(m(z, y)) == 2
+
+
+def test_shift_spellings():
+    """shift_seq_len=T alone (k = 1), shift=k alone (T = target.shape[-1], CCE's), both; all
+    equal to slicing the logits and targets by hand."""
+    b, t, v = 3, 7, 11
+    gen = torch.Generator().manual_seed(4)
+    z = torch.randn(b * t, v, generator=gen)
+    y = torch.randint(0, v, (b, t), generator=gen)
+    y[0, 4] = -100
+    for k in (1, 2, 6):
+        zs = z.view(b, t, v)[:, :t - k].reshape(-1, v)
+        ys = y[:, k:].reshape(-1)
+        ref = F.cross_entropy(zs.double(), ys)
+        spellings = [dict(shift=k), dict(shift_seq_len=t, shift=k)]
+        if k == 1:
+            spellings += [dict(shift_seq_len=t), dict(shift=True)]
+        for kw in spellings:
+            target = y if "shift_seq_len" not in kw else y.reshape(-1)
+            assert rel_err(cross_entropy(z, target, **kw), ref) <= 1e-5, kw
+            none = cross_entropy(z, target, reduction="none", **kw)
+            # the 'none' loss keeps every position, the last k of each sequence 0; CCE's is
+            # none[..., :-k]
+            assert none.shape == target.shape
+            rows = none.reshape(b, t)
+            assert torch.all(rows[:, t - k:] == 0)
+            assert rel_err(rows[:, :t - k].reshape(-1),
+                           F.cross_entropy(zs.double(), ys, reduction="none")) <= 1e-5
+        h = torch.randn(b, t, 5, generator=gen)
+        W = torch.randn(v, 5, generator=gen)
+        lin = F.cross_entropy(F.linear(h.double(), W.double())[:, :t - k].reshape(-1, v), ys)
+        assert rel_err(linear_cross_entropy(h, W, y, shift=k), lin) <= 1e-5
+    with pytest.raises(ValueError, match=r"shift must be in \[0, 7\)"):
+        cross_entropy(z, y, shift=7)
+    with pytest.raises(ValueError, match="shift must be >= 0"):
+        cross_entropy(z, y, shift=-1)
+    with pytest.raises(ValueError, match="whole number of sequences"):
+        cross_entropy(z, y.reshape(-1), shift_seq_len=5)
+
+
+def test_check_targets():
+    """check_targets=True raises as torch does (IndexError "Target X is out of bounds."), naming
+    the target the row is scored against (after the shift); by default: NaN, no error."""
+    z, y, w = make(n=12, v=9)
+    bad = y.clone()
+    bad[5] = 40
+    with pytest.raises(IndexError) as torch_error:
+        F.cross_entropy(z, bad)
+    for fn in (lambda **kw: cross_entropy(z, bad, **kw),
+               lambda **kw: cross_entropy(z.clone().requires_grad_(True), bad, **kw),
+               lambda **kw: cross_entropy(z.clone().requires_grad_(True), bad,
+                                          reduction="none", **kw),
+               lambda **kw: linear_cross_entropy(torch.randn(12, 4), torch.randn(9, 4), bad,
+                                                 **kw)):
+        assert torch.isnan(fn()).any()  # default: NaN, no sync
+        with pytest.raises(IndexError) as e:
+            fn(check_targets=True)
+        assert str(e.value) == str(torch_error.value) == "Target 40 is out of bounds."
+    bad[5] = -3
+    with pytest.raises(IndexError, match="Target -3 is out of bounds."):
+        cross_entropy(z, bad, check_targets=True)
+    # with a shift, the last position of a sequence is never read
+    y2 = y.clone()
+    y2[0] = 99  # read by no row when shift=1 and T = 6
+    cross_entropy(z, y2, shift_seq_len=6, check_targets=True)
+    y2[1] = 77
+    with pytest.raises(IndexError, match="Target 77 is out of bounds."):
+        cross_entropy(z, y2, shift_seq_len=6, check_targets=True)
+    cross_entropy(z, y, check_targets=True)  # fine
+
+
+def test_extras_buffers_are_per_call():
+    """The cached fce_options of an option set carry the argmax / accuracy pointers of one call
+    only: a later call without them must not write into an earlier call's outputs."""
+    z, y, w = make(n=16, v=13)
+    first = cross_entropy(z, y, return_predicted_tokens=True, return_token_accuracy=True)
+    kept = [t.clone() for t in first]
+    z2, y2, _ = make(n=16, v=13, seed=5)
+    for grad in (False, True):
+        cross_entropy(z2.clone().requires_grad_(grad), y2)  # the same option set, no extras
+        h = torch.randn(16, 4)
+        linear_cross_entropy(h, torch.randn(13, 4), y2)
+    for a, b in zip(first, kept):
+        assert torch.equal(a, b)
+
+
+def test_gradcheck_shift_and_z_loss_cpu():
+    """gradcheck (finite differences, float64 inputs computed in float32) through shift=k and
+    the z-loss, every reduction (token scaling is left out: its p_y is a constant on purpose)."""
+    z, y, w = make(n=6, v=7, std=2.0)
+    z = z.double().requires_grad_(True)
+    for reduction in REDUCTIONS:
+        fn = lambda t: cross_entropy(t, y, w, reduction=reduction, z_loss=1e-2,  # noqa: E731
+                                     shift_seq_len=3, shift=2, label_smoothing=0.1)
+        assert torch.autograd.gradcheck(fn, (z,), eps=1e-3, atol=2e-3, rtol=2e-2)
+    h = torch.randn(2, 3, 5, dtype=torch.float64, requires_grad=True)
+    W = torch.randn(7, 5, dtype=torch.float64, requires_grad=True)
+    for reduction in REDUCTIONS:
+        fn = lambda h, W: linear_cross_entropy(h, W, y.view(2, 3), reduction=reduction,  # noqa
+                                               z_loss=1e-2, shift=1)
+        assert torch.autograd.gradcheck(fn, (h, W), eps=1e-3, atol=2e-3, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_adversarial_rows_cpu(dtype, reduction):
+    adversarial_check("cpu", dtype, reduction)
+
+
+def adversarial_rows(dtype, device):
+    """Logits no float32 lse can round-trip: rows sharing a huge offset (the largest magnitude
+    of the dtype), -inf entries, a -inf target logit (loss +inf), a 1e4 spread, a NaN row."""
+    big = {torch.float32: 1e30, torch.bfloat16: 3e38, torch.float16: 6e4}[dtype]
+    v = 37
+    gen = torch.Generator().manual_seed(9)
+    z = torch.randn(10, v, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, v, (10,), generator=gen)
+    z[0] = -big
+    z[1] = big
+    z[2] = -big
+    z[2, 5] = -big * (1 - 2 ** -7)  # a huge offset and a spread of a few ulps
+    z[3, [1, 4, 9]] = -float("inf")
+    z[4] = z[4] * 1e4 if dtype != torch.float16 else z[4] * 1e3
+    z[5, y[5]] = -float("inf")  # loss +inf
+    z[6, 0] = z[6, 0] + 80.0
+    z[7] = big * (torch.rand(v, generator=gen, dtype=torch.float64) - 0.5) / 4
+    z[8, 3] = float("nan")
+    y[3] = 2
+    return z.to(dtype).to(device), y.to(device)
+
+
+def adversarial_check(device, dtype, reduction):
+    z, y = adversarial_rows(dtype, device)
+    up = (torch.rand(z.shape[0], device=device) + 0.5 if reduction == "none"
+          else torch.tensor(0.75, device=device))
+    for kw in ({}, {"return_lse": True}):
+        x = z.clone().requires_grad_(True)
+        out = cross_entropy(x, y, reduction=reduction, **kw)
+        loss = out.loss if kw else out
+        (g,) = torch.autograd.grad(loss, x, up)
+        xr = z.double().requires_grad_(True)
+        rloss = F.cross_entropy(xr, y, reduction=reduction)
+        (rg,) = torch.autograd.grad(rloss, xr, up.double())
+        assert_matches_with_nonfinite(loss.detach(), rloss.detach(), 1e-5, "loss")
+        tol = {torch.float32: 1e-5, torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11}[dtype]
+        assert_matches_with_nonfinite(g, rg, tol, "grad")
+        if kw:
+            lse = torch.logsumexp(z.double(), 1)
+            assert_matches_with_nonfinite(out.lse, lse, 1e-6, "lse")
+
+
+def assert_matches_with_nonfinite(x, ref, tol, what):
+    """NaN and ±inf exactly where the reference has them, elsewhere within tol * max|ref|."""
+    x, ref = x.double().cpu(), ref.double().cpu()
+    assert torch.equal(torch.isnan(x), torch.isnan(ref)), what
+    inf = torch.isinf(ref)
+    assert torch.equal(x[inf], ref[inf]) and not torch.isinf(x[~inf]).any(), what
+    fin = torch.isfinite(ref)
+    if fin.any():
+        scale = ref[fin].abs().max().clamp_min(1e-30)
+        err = ((x[fin] - ref[fin]).abs() / scale).max().item()
+        assert err <= tol, f"{what}: {err:.3e} > {tol:.1e}"
 
 
 # ======================================================================= CUDA ====
@@ -534,10 +909,55 @@ def test_cupy_parity(reduction):
     tl, tg = loss_and_grad(cross_entropy, z.cuda(), y.cuda(), w.cuda(), reduction=reduction,
                            label_smoothing=0.1, upstream=up.cuda())
     assert rel_err(torch.as_tensor(cupy.asnumpy(r.loss)), tl.cpu()) <= 1e-6
-    assert rel_err(torch.as_tensor(cupy.asnumpy(r.grad_logits)), tg.cpu()) <= 1e-6
+    # (reduction 'none': the torch layer's gradient comes from fce_backward and the saved
+    # float32 lse, the core's from fce_forward's one pass: equal to the rounding of lse)
+    assert rel_err(torch.as_tensor(cupy.asnumpy(r.grad_logits)), tg.cpu()) <= (
+        1e-5 if reduction == "none" else 1e-6)
     h_t = torch.as_tensor(cupy.asnumpy(hb)).double().requires_grad_(True)
     W_t = torch.as_tensor(cupy.asnumpy(Wb)).double().requires_grad_(True)
     ref = F.cross_entropy(F.linear(h_t, W_t), y, reduction=reduction)
     assert rel_err(torch.as_tensor(cupy.asnumpy(rl.loss)), ref) <= 1e-5
     gref = torch.autograd.grad(ref, W_t, torch.ones_like(ref))[0]
     assert rel_err(torch.as_tensor(cupy.asnumpy(rl.grad_weight)), gref) <= 1e-5
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_adversarial_rows_cuda(dtype, reduction):
+    adversarial_check("cuda", dtype, reduction)
+
+
+@needs_cuda
+def test_torch_compile_extras_cuda():
+    _compile_extras_check("cuda")
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16],
+                         ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("case", list(NEW_OPTIONS))
+def test_cuda_new_keywords_against_float64(case, dtype):
+    """The 0.3 keywords on the CUDA backend: loss, gradient and extras against the float64
+    reference (float32: 1e-5; bfloat16: the gradient within its rounding), the predicted
+    tokens equal to the CPU backend's."""
+    z, y, w = make(n=240, v=3001, std=6.0, dtype=dtype,  # 240 rows: sequences of 5 and 8
+                   ignore_index=NEW_OPTIONS[case].get("ignore_index", -100))
+    for reduction in REDUCTIONS:
+        up = (torch.rand(z.shape[0]) + 0.5) if reduction == "none" else torch.tensor(0.7)
+        x = z.cuda().requires_grad_(True)
+        out = cross_entropy(x, y.cuda(), reduction=reduction, **ALL_EXTRAS,
+                            **resolve(NEW_OPTIONS[case], w.cuda()))
+        (g,) = torch.autograd.grad(out.loss, x, up.cuda())
+        opts = resolve(NEW_OPTIONS[case], w)
+        xr = z.double().requires_grad_(True)
+        rloss, rex = reference(xr, y, reduction=reduction, extras=True, **opts)
+        (rg,) = torch.autograd.grad(rloss, xr, up.double())
+        assert rel_err(out.loss.detach().cpu(), rloss) <= 1e-5
+        tol = {torch.float32: 1e-5, torch.bfloat16: 2 ** -7}[dtype]
+        assert rel_err(g.cpu(), rg) <= tol
+        host = cross_entropy(z, y, reduction=reduction, **ALL_EXTRAS, **opts)
+        assert torch.equal(out.predicted_tokens.cpu(), host.predicted_tokens)
+        if dtype == torch.float32:
+            check_extras(out, rex, reduction)

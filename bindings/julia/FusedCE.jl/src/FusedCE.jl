@@ -4,7 +4,9 @@
 Julia binding of fusedce: fused cross-entropy kernels for large vocabularies behind a C ABI
 (`include/fusedce.h`; the math is `shared/SPEC.md`, the corner cases `lib/SEMANTICS.md`).
 
-    forward(logits, targets; grad=false, options...)   loss, lse, z-loss; the gradient with grad=true
+    forward(logits, targets; grad=false, options...)   loss, lse, z-loss; the gradient with grad=true,
+                                                       predicted classes / accuracy with
+                                                       argmax=true / accuracy=true
     backward(logits, targets, lse; options...)         the gradient from the lse forward saved
     backward_rescale!(grad, logits, targets, lse, grad_output)
                                                        forward's gradient for an upstream 1 made
@@ -250,8 +252,9 @@ end
 
 The C struct `fce_options`, starting from `FCE_OPTIONS_INIT` (what `fce_options_default` writes),
 with the given fields set: every field of the C struct is a keyword (`class_weights` is then a
-`Ptr{Cfloat}`; `reduction` also takes `:mean`, `:sum` or `:none`). For the low-level `fce_*`
-functions; `forward`, `backward` and `linear_ce` build it from their keywords and arrays.
+`Ptr{Cfloat}`, the outputs `argmax` and `accuracy` a `Ptr{Int64}` and a `Ptr{Cfloat}`;
+`reduction` also takes `:mean`, `:sum` or `:none`). For the low-level `fce_*` functions;
+`forward`, `backward` and `linear_ce` build it from their keywords and arrays.
 """
 function FceOptions(; kwargs...)
     values = Dict{Symbol,Any}()
@@ -268,15 +271,24 @@ end
 The `fce_options` fields the high-level functions take as keywords. `backend`, `dtype`,
 `target_dtype` and the strides are read off the arrays (a value given must agree with them;
 describe strided memory with a view), `class_weights` is a `Float32` vector of `vocab` weights
-on the data's backend, `struct_size` is always `sizeof(FceOptions)` and `reserved0` always 0.
+on the data's backend, `struct_size` is always `sizeof(FceOptions)` and `reserved0` and
+`reserved1` always 0. Since 0.3: `shift` (the k of the causal shift: row b·T+t against target
+b·T+t+k, the last k rows of each sequence of `shift_seq_len` T ignored; 0 means 1, and it must
+be 0 without `shift_seq_len`) and `token_scaling` (each scored row's loss, z-loss term included,
+and gradient times p_y = exp(a_y - lse), a constant for the gradient). The two outputs that live
+in `fce_options`, `argmax` and `accuracy`, are not options here but output arrays of
+[`forward!`](@ref) and [`linear_ce!`](@ref) (`argmax=true`, `accuracy=true` for
+[`forward`](@ref) and [`linear_ce`](@ref)).
 """
 const OPTION_KEYWORDS = (:class_weights, :ignore_index, :row_stride, :grad_row_stride,
                          :shift_seq_len, :hidden_row_stride, :backend, :dtype, :target_dtype,
                          :reduction, :label_smoothing, :z_loss_scale, :softcap, :logit_scale,
-                         :deterministic, :accumulate, :grad_weight_fp32)
+                         :deterministic, :accumulate, :grad_weight_fp32, :shift, :token_scaling)
 
-# The options of one call: the caller's keywords, checked, then what the arrays say.
-function _options(kw, derived::NamedTuple, dense::NamedTuple, class_weights::Ptr)
+# The options of one call: the caller's keywords, checked, then what the arrays say; `outputs`
+# the argmax / accuracy pointers of a forward call (C_NULL when not asked for).
+function _options(kw, derived::NamedTuple, dense::NamedTuple, class_weights::Ptr,
+                  outputs::NamedTuple=(argmax=C_NULL, accuracy=C_NULL))
     values = Dict{Symbol,Any}()
     for (k, v) in pairs(kw)
         k in OPTION_KEYWORDS ||
@@ -297,6 +309,8 @@ function _options(kw, derived::NamedTuple, dense::NamedTuple, class_weights::Ptr
         values[k] = v
     end
     values[:class_weights] = class_weights
+    values[:argmax] = outputs.argmax
+    values[:accuracy] = outputs.accuracy
     return _fce_options(values)
 end
 
@@ -466,6 +480,17 @@ function _check_matrix(x::AbstractMatrix, name, dims::Tuple, T::Type)
     return nothing
 end
 
+# The argmax ([rows] Int64) and accuracy ([1], or [rows] for :none, Float32) outputs of a
+# forward call, checked.
+function _check_outputs(argmax, accuracy, rows, per_row)
+    argmax === nothing || _check_vector(argmax, "argmax", rows)
+    accuracy === nothing || _check_vector(accuracy, "accuracy", per_row ? rows : 1)
+    return nothing
+end
+
+_output_pointers(argmax, accuracy) = (argmax=buffer_pointer(argmax),
+                                      accuracy=buffer_pointer(accuracy))
+
 function _class_weights(kw, be, vocab)
     cw = get(kw, :class_weights, nothing)
     cw === nothing && return nothing
@@ -497,14 +522,19 @@ end
 # ------------------------------------------------------------------------------ forward
 
 """
-    forward!(loss, logits, targets; lse=nothing, z_loss=nothing, grad_logits=nothing,
-             grad_output=nothing, error_flags=nothing, workspace=nothing, stream=nothing,
-             options...) -> loss
+    forward!(loss, logits, targets; lse=nothing, z_loss=nothing, argmax=nothing,
+             accuracy=nothing, grad_logits=nothing, grad_output=nothing, error_flags=nothing,
+             workspace=nothing, stream=nothing, options...) -> loss
 
 `fce_forward` into caller-owned arrays. `logits` is `vocab × rows` (a strided view is fine),
 `targets` `rows` Int32/Int64 class indices (0-based). `loss` gets 1 value (`reduction` `:mean`
 or `:sum`) or `rows` values (`:none`); `lse` (`rows`) the log-sum-exp that `backward!` needs;
-`z_loss` (1) the z-loss total for logging. With `grad_logits` (the shape and element type of
+`z_loss` (1) the z-loss total for logging (for `:mean` divided by the number of non-ignored
+rows). `argmax` (`rows` Int64) gets each row's predicted class, 0-based as the targets: the
+argmax of its scaled, capped logits (lowest index among equal maxima, a NaN the largest, as
+torch.argmax), -1 for ignored rows. `accuracy` (1 Float32 for `:mean`/`:sum`: the fraction of
+non-ignored rows whose argmax is the target; `rows` for `:none`: 1 or 0 each, 0 for ignored
+rows) is unweighted. With `grad_logits` (the shape and element type of
 `logits`, maybe `logits` itself) the gradient of the loss times `grad_output` (1 or `rows`
 Float32 values; 1 when `nothing`) is written in the same pass. `error_flags` (a UInt32 the call
 ORs `FCE_FLAG_*` bits into: zero it first) reports targets out of range. `workspace`: a UInt8
@@ -514,6 +544,8 @@ buffer of at least the queried size + 16; allocated when `nothing`. Options: see
 function forward!(loss::AbstractVector{Float32}, logits::AbstractMatrix, targets::AbstractVector;
                   lse::Union{Nothing,AbstractVector{Float32}}=nothing,
                   z_loss::Union{Nothing,AbstractVector{Float32}}=nothing,
+                  argmax::Union{Nothing,AbstractVector{Int64}}=nothing,
+                  accuracy::Union{Nothing,AbstractVector{Float32}}=nothing,
                   grad_logits::Union{Nothing,AbstractMatrix}=nothing,
                   grad_output::Union{Nothing,AbstractVector{Float32}}=nothing,
                   error_flags::Union{Nothing,AbstractVector{UInt32}}=nothing,
@@ -522,14 +554,15 @@ function forward!(loss::AbstractVector{Float32}, logits::AbstractMatrix, targets
     return with_stream(stream) do
         vocab, rows = size(logits)
         be = array_backend(logits)
-        _check_same_backend(be, (; targets, loss, lse, z_loss, grad_logits, grad_output,
-                                 error_flags, workspace))
+        _check_same_backend(be, (; targets, loss, lse, z_loss, argmax, accuracy, grad_logits,
+                                 grad_output, error_flags, workspace))
         per_row = _reduction(options) == FCE_REDUCTION_NONE
         row_stride = _row_stride(logits, "logits")
         _check_vector(targets, "targets", rows)
         _check_vector(loss, "loss", per_row ? rows : 1)
         lse === nothing || _check_vector(lse, "lse", rows)
         z_loss === nothing || _check_vector(z_loss, "z_loss", 1)
+        _check_outputs(argmax, accuracy, rows, per_row)
         grad_output === nothing || _check_vector(grad_output, "grad_output", per_row ? rows : 1)
         error_flags === nothing || _check_vector(error_flags, "error_flags", 1; at_least=true)
         grad_logits === nothing ||
@@ -541,8 +574,9 @@ function forward!(loss::AbstractVector{Float32}, logits::AbstractMatrix, targets
                    target_dtype=target_dtype_code(eltype(targets)), row_stride=row_stride,
                    grad_row_stride=grad_row_stride)
         dense = (row_stride=vocab, grad_row_stride=vocab)
-        GC.@preserve logits targets loss lse z_loss grad_logits grad_output error_flags cw begin
-            opts = _options(options, derived, dense, buffer_pointer(cw))
+        GC.@preserve logits targets loss lse z_loss argmax accuracy grad_logits grad_output error_flags cw begin
+            opts = _options(options, derived, dense, buffer_pointer(cw),
+                            _output_pointers(argmax, accuracy))
             nbytes = Ref{Csize_t}(0)
             fce_forward_workspace_size(opts, rows, vocab, nbytes)
             ws, owned = _workspace(logits, workspace, nbytes[])
@@ -560,8 +594,9 @@ function forward!(loss::AbstractVector{Float32}, logits::AbstractMatrix, targets
 end
 
 """
-    forward(logits, targets; grad=false, inplace=false, grad_output=nothing, stream=nothing,
-            options...) -> (; loss, lse, z_loss, grad, error_flags)
+    forward(logits, targets; grad=false, inplace=false, argmax=false, accuracy=false,
+            grad_output=nothing, stream=nothing, options...)
+        -> (; loss, lse, z_loss, grad, error_flags, argmax, accuracy)
 
 Cross-entropy of `logits` (`vocab × rows`) against `targets` (0-based class indices), with
 `fce_forward`. `loss` is a Float32 for `:mean`/`:sum` and a vector for `reduction=:none`;
@@ -569,16 +604,21 @@ Cross-entropy of `logits` (`vocab × rows`) against `targets` (0-based class ind
 `error_flags` the `FCE_FLAG_*` bits (`FCE_FLAG_TARGET_OUT_OF_RANGE`: some target was outside
 `[0, vocab)` and not `ignore_index`; its row's loss is NaN). With `grad=true`, `grad` is the
 gradient of the loss (times `grad_output`) over the logits, written over `logits` itself when
-`inplace=true`. On the CUDA backend the scalars stay 1-element CuArrays and the call returns
-before the work is done.
+`inplace=true`. With `argmax=true`, `argmax` is each row's predicted class (an Int64 vector,
+0-based, -1 for ignored rows); with `accuracy=true`, `accuracy` is the fraction of non-ignored
+rows predicted right (a Float32; a vector of 1s and 0s for `:none`); each is `nothing` when
+not asked for (see [`forward!`](@ref)). On the CUDA backend the scalars stay 1-element CuArrays
+and the call returns before the work is done.
 
 Options (keywords, as in C): `reduction` (`:mean`, `:sum`, `:none`), `ignore_index` (-100),
 `label_smoothing`, `z_loss_scale`, `softcap`, `logit_scale`, `class_weights` (a Float32 vector
-of `vocab` weights), `shift_seq_len` (causal shift by one within sequences of that length),
-`deterministic`; see [`OPTION_KEYWORDS`](@ref).
+of `vocab` weights), `shift_seq_len` (causal shift within sequences of that length), `shift`
+(by how many positions: 1 by default), `token_scaling`, `deterministic`; see
+[`OPTION_KEYWORDS`](@ref).
 """
 function forward(logits::AbstractMatrix, targets::AbstractVector; grad::Bool=false,
-                 inplace::Bool=false, grad_output=nothing, stream=nothing, options...)
+                 inplace::Bool=false, argmax::Bool=false, accuracy::Bool=false,
+                 grad_output=nothing, stream=nothing, options...)
     return with_stream(stream) do
         vocab, rows = size(logits)
         per_row = _reduction(options) == FCE_REDUCTION_NONE
@@ -587,10 +627,14 @@ function forward(logits::AbstractMatrix, targets::AbstractVector; grad::Bool=fal
         z_loss = similar(logits, Float32, 1)
         error_flags = fill!(similar(logits, UInt32, 1), zero(UInt32))
         grad_logits = !grad ? nothing : inplace ? logits : similar(logits, eltype(logits), vocab, rows)
-        forward!(loss, logits, targets; lse=lse, z_loss=z_loss, grad_logits=grad_logits,
-                 grad_output=grad_output, error_flags=error_flags, options...)
+        pred = argmax ? similar(logits, Int64, rows) : nothing
+        acc = accuracy ? similar(logits, Float32, per_row ? rows : 1) : nothing
+        forward!(loss, logits, targets; lse=lse, z_loss=z_loss, argmax=pred, accuracy=acc,
+                 grad_logits=grad_logits, grad_output=grad_output, error_flags=error_flags,
+                 options...)
         (loss=per_row ? loss : _scalar(loss), lse=lse, z_loss=_scalar(z_loss), grad=grad_logits,
-         error_flags=_scalar(error_flags))
+         error_flags=_scalar(error_flags), argmax=pred,
+         accuracy=acc === nothing || per_row ? acc : _scalar(acc))
     end
 end
 
@@ -602,7 +646,9 @@ end
 
 `fce_backward`: the gradient over `logits` (written to `grad_logits`, which may be `logits`)
 from the `lse` that `forward!` saved with the same options, scaled by `grad_output` (1 or `rows`
-Float32 values; 1 when `nothing`).
+Float32 values; 1 when `nothing`). Its p_j = exp(a_j - lse) carry the rounding of the Float32
+lse (a relative |lse|·2^-24): `forward!`'s gradient to that rounding, not bit for bit
+([`backward_rescale!`](@ref) is).
 """
 function backward!(grad_logits::AbstractMatrix, logits::AbstractMatrix, targets::AbstractVector,
                    lse::AbstractVector{Float32};
@@ -624,8 +670,9 @@ end
 bit for bit what `forward!` writes given it: the training path when the upstream gradient is
 known only after the forward. `logits`, `targets`, `lse` and the options are the forward's;
 `grad_logits` must not be `logits`. Decided on the device (no synchronisation on CUDA): a
-scalar of exactly 1 writes nothing, 0 or ±2^k scales `grad_logits` in place, anything else
-computes the gradient again from `logits` and `lse`.
+scalar of exactly 1 writes nothing, 0 or ±2^k scales `grad_logits` in place (ignored rows stay
++0), anything else computes the gradient again from `logits`, by the computation `forward!`
+runs. Neither backward call writes `argmax` or `accuracy`.
 """
 function backward_rescale!(grad_logits::AbstractMatrix, logits::AbstractMatrix,
                            targets::AbstractVector, lse::AbstractVector{Float32},
@@ -696,8 +743,9 @@ end
 
 """
     linear_ce!(loss, hidden, weight, targets; bias=nothing, lse=nothing, z_loss=nothing,
-               grad_hidden=nothing, grad_weight=nothing, grad_bias=nothing, grad_output=nothing,
-               error_flags=nothing, workspace=nothing, stream=nothing, options...) -> loss
+               argmax=nothing, accuracy=nothing, grad_hidden=nothing, grad_weight=nothing,
+               grad_bias=nothing, grad_output=nothing, error_flags=nothing, workspace=nothing,
+               stream=nothing, options...) -> loss
 
 `fce_linear_ce`: logits `z = weight' * hidden .+ bias` (never held whole) then cross-entropy.
 `hidden` is `hidden_size × rows` (a strided view is fine), `weight` `hidden_size × vocab` dense
@@ -705,6 +753,8 @@ end
 (like `hidden`, dense; overwritten), `grad_weight` (like `weight`) and `grad_bias` (`vocab`,
 only with a bias), of the data's element type or Float32 with `grad_weight_fp32=true`,
 overwritten or, with `accumulate=true`, added to. With none of them the loss alone is computed.
+`lse`, `z_loss`, `argmax`, `accuracy`, `grad_output` and `error_flags` are as for
+[`forward!`](@ref).
 `workspace`: `nothing` or `:optimal` (allocate the size for full speed), `:min` (the least that
 works, same result), or a UInt8 buffer (16 bytes beyond the queried size, for alignment).
 """
@@ -713,6 +763,8 @@ function linear_ce!(loss::AbstractVector{Float32}, hidden::AbstractMatrix, weigh
                     bias::Union{Nothing,AbstractVector}=nothing,
                     lse::Union{Nothing,AbstractVector{Float32}}=nothing,
                     z_loss::Union{Nothing,AbstractVector{Float32}}=nothing,
+                    argmax::Union{Nothing,AbstractVector{Int64}}=nothing,
+                    accuracy::Union{Nothing,AbstractVector{Float32}}=nothing,
                     grad_hidden::Union{Nothing,AbstractMatrix}=nothing,
                     grad_weight::Union{Nothing,AbstractMatrix}=nothing,
                     grad_bias::Union{Nothing,AbstractVector}=nothing,
@@ -732,8 +784,8 @@ function linear_ce!(loss::AbstractVector{Float32}, hidden::AbstractMatrix, weigh
         given_ws = workspace isa AbstractVector ? workspace : nothing
         workspace isa Symbol && !(workspace in (:min, :optimal)) &&
             throw(ArgumentError("workspace must be :min, :optimal, nothing or a UInt8 buffer"))
-        _check_same_backend(be, (; weight, bias, targets, loss, lse, z_loss, grad_hidden,
-                                 grad_weight, grad_bias, grad_output, error_flags,
+        _check_same_backend(be, (; weight, bias, targets, loss, lse, z_loss, argmax, accuracy,
+                                 grad_hidden, grad_weight, grad_bias, grad_output, error_flags,
                                  workspace=given_ws))
         per_row = _reduction(options) == FCE_REDUCTION_NONE
         hidden_row_stride = _row_stride(hidden, "hidden")
@@ -748,6 +800,7 @@ function linear_ce!(loss::AbstractVector{Float32}, hidden::AbstractMatrix, weigh
         _check_vector(loss, "loss", per_row ? rows : 1)
         lse === nothing || _check_vector(lse, "lse", rows)
         z_loss === nothing || _check_vector(z_loss, "z_loss", 1)
+        _check_outputs(argmax, accuracy, rows, per_row)
         grad_output === nothing || _check_vector(grad_output, "grad_output", per_row ? rows : 1)
         error_flags === nothing || _check_vector(error_flags, "error_flags", 1; at_least=true)
         if grad_hidden !== nothing
@@ -770,8 +823,9 @@ function linear_ce!(loss::AbstractVector{Float32}, hidden::AbstractMatrix, weigh
         derived = (backend=be, dtype=dtype_code(T), target_dtype=target_dtype_code(eltype(targets)),
                    hidden_row_stride=hidden_row_stride)
         dense = (hidden_row_stride=dim,)
-        GC.@preserve hidden weight bias targets loss lse z_loss grad_hidden grad_weight grad_bias grad_output error_flags cw begin
-            opts = _options(options, derived, dense, buffer_pointer(cw))
+        GC.@preserve hidden weight bias targets loss lse z_loss argmax accuracy grad_hidden grad_weight grad_bias grad_output error_flags cw begin
+            opts = _options(options, derived, dense, buffer_pointer(cw),
+                            _output_pointers(argmax, accuracy))
             min_bytes = Ref{Csize_t}(0)
             optimal_bytes = Ref{Csize_t}(0)
             fce_linear_ce_workspace_size(opts, rows, dim, vocab, Cint(with_grad), min_bytes,
@@ -795,20 +849,22 @@ function linear_ce!(loss::AbstractVector{Float32}, hidden::AbstractMatrix, weigh
 end
 
 """
-    linear_ce(hidden, weight, targets; bias=nothing, grad=true, grad_output=nothing,
-              stream=nothing, options...)
-        -> (; loss, lse, z_loss, grad_hidden, grad_weight, grad_bias, error_flags)
+    linear_ce(hidden, weight, targets; bias=nothing, grad=true, argmax=false, accuracy=false,
+              grad_output=nothing, stream=nothing, options...)
+        -> (; loss, lse, z_loss, grad_hidden, grad_weight, grad_bias, error_flags, argmax,
+              accuracy)
 
 Cross-entropy of `z = weight' * hidden .+ bias` against `targets` without materialising `z`
 (`fce_linear_ce`): `hidden` is `hidden_size × rows`, `weight` `hidden_size × vocab`. With
 `grad=true` (the default) the gradients over `hidden`, `weight` and `bias` (new arrays; Float32
 for `weight` and `bias` with `grad_weight_fp32=true`); with `grad=false` the loss only. Results
-as for [`forward`](@ref); options likewise (`accumulate` needs existing gradients: use
+(`argmax` and `accuracy` included, when asked for) as for [`forward`](@ref); options likewise (`accumulate` needs existing gradients: use
 [`linear_ce!`](@ref)).
 """
 function linear_ce(hidden::AbstractMatrix, weight::AbstractMatrix, targets::AbstractVector;
                    bias::Union{Nothing,AbstractVector}=nothing, grad::Bool=true,
-                   grad_output=nothing, stream=nothing, options...)
+                   argmax::Bool=false, accuracy::Bool=false, grad_output=nothing,
+                   stream=nothing, options...)
     return with_stream(stream) do
         dim, rows = size(hidden)
         vocab = size(weight, 2)
@@ -825,12 +881,16 @@ function linear_ce(hidden::AbstractMatrix, weight::AbstractMatrix, targets::Abst
         grad_hidden = grad ? similar(hidden, T, dim, rows) : nothing
         grad_weight = grad ? similar(weight, GW, dim, vocab) : nothing
         grad_bias = grad && bias !== nothing ? similar(weight, GW, vocab) : nothing
+        pred = argmax ? similar(hidden, Int64, rows) : nothing
+        acc = accuracy ? similar(hidden, Float32, per_row ? rows : 1) : nothing
         linear_ce!(loss, hidden, weight, targets; bias=bias, lse=lse, z_loss=z_loss,
-                   grad_hidden=grad_hidden, grad_weight=grad_weight, grad_bias=grad_bias,
-                   grad_output=grad_output, error_flags=error_flags, options...)
+                   argmax=pred, accuracy=acc, grad_hidden=grad_hidden, grad_weight=grad_weight,
+                   grad_bias=grad_bias, grad_output=grad_output, error_flags=error_flags,
+                   options...)
         (loss=per_row ? loss : _scalar(loss), lse=lse, z_loss=_scalar(z_loss),
          grad_hidden=grad_hidden, grad_weight=grad_weight, grad_bias=grad_bias,
-         error_flags=_scalar(error_flags))
+         error_flags=_scalar(error_flags), argmax=pred,
+         accuracy=acc === nothing || per_row ? acc : _scalar(acc))
     end
 end
 

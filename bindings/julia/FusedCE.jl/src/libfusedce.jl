@@ -17,12 +17,13 @@
 
 # ---------------------------------------------------------------- #define constants
 const FCE_VERSION_MAJOR = 0
-const FCE_VERSION_MINOR = 2
+const FCE_VERSION_MINOR = 3
 const FCE_VERSION_PATCH = 0
 # FCE_VERSION_NUMBER = (FCE_VERSION_MAJOR * 10000 + FCE_VERSION_MINOR * 100 + FCE_VERSION_PATCH)
-const FCE_VERSION_NUMBER = 200
+const FCE_VERSION_NUMBER = 300
 const FCE_FLAG_TARGET_OUT_OF_RANGE = Cuint(1)  # 1u
 const FCE_OPTIONS_SIZE_V0_1 = 104
+const FCE_OPTIONS_SIZE_V0_3 = 136
 
 # ---------------------------------------------------------------- enum fce_status
 const fce_status = Cint
@@ -78,19 +79,25 @@ struct FceOptions
     accumulate::Int32           # int32_t accumulate (offset 92)
     grad_weight_fp32::Int32     # int32_t grad_weight_fp32 (offset 96)
     reserved0::Int32            # int32_t reserved0 (offset 100)
+    shift::Int64                # int64_t shift (offset 104)
+    argmax::Ptr{Int64}          # int64_t* argmax (offset 112)
+    accuracy::Ptr{Cfloat}       # float* accuracy (offset 120)
+    token_scaling::Int32        # int32_t token_scaling (offset 128)
+    reserved1::Int32            # int32_t reserved1 (offset 132)
 end
 const fce_options = FceOptions
 
-# The C layout under the LP64 ABI (x86-64, aarch64): 104 bytes.
+# The C layout under the LP64 ABI (x86-64, aarch64): 136 bytes.
 @assert Sys.WORD_SIZE == 64 "fusedce's Julia binding needs a 64-bit platform"
-@assert sizeof(FceOptions) == 104 "FceOptions does not have the size of C's fce_options"
+@assert sizeof(FceOptions) == 136 "FceOptions does not have the size of C's fce_options"
 @assert Int[fieldoffset(FceOptions, i) for i in 1:fieldcount(FceOptions)] ==
-        [0, 8, 16, 24, 32, 40, 48, 56, 60, 64, 68, 72, 76, 80, 84, 88, 92, 96, 100]
+        [0, 8, 16, 24, 32, 40, 48, 56, 60, 64, 68, 72, 76, 80, 84, 88, 92, 96, 100, 104, 112, 120,
+         128, 132]
 
 # FCE_OPTIONS_INIT: the C initialiser, item for item.
 const FCE_OPTIONS_INIT = FceOptions(sizeof(FceOptions), C_NULL, -100, 0, 0, 0, 0, FCE_BACKEND_CUDA,
                                     FCE_FLOAT32, FCE_INT64, FCE_REDUCTION_MEAN, 0.0f0, 0.0f0, 0.0f0,
-                                    1.0f0, 0, 0, 0, 0)
+                                    1.0f0, 0, 0, 0, 0, 0, C_NULL, C_NULL, 0, 0)
 
 # ---------------------------------------------------------------- functions
 const FCE_FUNCTIONS = (:fce_version, :fce_status_string, :fce_last_error, :fce_options_default,

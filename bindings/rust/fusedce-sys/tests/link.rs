@@ -18,8 +18,12 @@ fn library_version_matches_the_bindings() {
 
 #[test]
 fn options_default_matches_the_header_initialiser() {
+    // struct_size first (0 would mean a 0.1 caller's struct: the 0.3 fields left as they are)
     let mut o = std::mem::MaybeUninit::<fce_options>::zeroed();
-    unsafe { fce_options_default(o.as_mut_ptr()) };
+    unsafe {
+        (*o.as_mut_ptr()).struct_size = std::mem::size_of::<fce_options>();
+        fce_options_default(o.as_mut_ptr());
+    }
     let o = unsafe { o.assume_init() };
     assert_eq!(o.struct_size, std::mem::size_of::<fce_options>());
     assert!(o.class_weights.is_null());
@@ -49,6 +53,29 @@ fn options_default_matches_the_header_initialiser() {
             o.reserved0
         ),
         (0, 0, 0, 0)
+    );
+    // appended in 0.3
+    assert_eq!(o.shift, 0);
+    assert!(o.argmax.is_null() && o.accuracy.is_null());
+    assert_eq!((o.token_scaling, o.reserved1), (0, 0));
+}
+
+#[test]
+fn options_sizes_of_each_version() {
+    assert_eq!(
+        std::mem::size_of::<fce_options>(),
+        FCE_OPTIONS_SIZE_V0_3 as usize
+    );
+    // A 0.1/0.2 caller's struct_size: fce_options_default writes no byte past it.
+    let size = std::mem::size_of::<fce_options>();
+    let v01 = FCE_OPTIONS_SIZE_V0_1 as usize;
+    let mut words = vec![0xa5a5_a5a5_a5a5_a5a5u64; size / 8]; // 8-aligned, as fce_options
+    words[0] = v01 as u64; // struct_size
+    unsafe { fce_options_default(words.as_mut_ptr().cast()) };
+    let after: Vec<u8> = words.iter().flat_map(|w| w.to_ne_bytes()).collect();
+    assert!(
+        after[v01..].iter().all(|&b| b == 0xa5),
+        "fce_options_default wrote past struct_size {v01}"
     );
 }
 

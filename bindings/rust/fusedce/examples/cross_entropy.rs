@@ -4,8 +4,8 @@
 //   FUSEDCE_LIB_DIR=$PWD/build cargo run --offline --manifest-path bindings/rust/Cargo.toml -p fusedce --example cross_entropy
 //
 // It scores 4 tokens over a vocabulary of 6 classes (one target ignored), prints the mean loss,
-// each row's lse and the gradient over the logits, then the same loss computed by fused
-// linear + cross-entropy from hidden states and a weight matrix.
+// each row's lse, predicted class and the accuracy, and the gradient over the logits, then the
+// same loss computed by fused linear + cross-entropy from hidden states and a weight matrix.
 use fusedce::{forward, linear_ce, ForwardBuffers, LinearCeBuffers, Options, Reduction};
 
 fn main() -> Result<(), fusedce::Error> {
@@ -32,6 +32,8 @@ fn main() -> Result<(), fusedce::Error> {
     let mut loss = [0.0f32];
     let mut lse = vec![0.0f32; rows];
     let mut grad = vec![0.0f32; rows * vocab];
+    let mut predicted = vec![0i64; rows];
+    let mut accuracy = [0.0f32];
     forward(
         &opts,
         rows,
@@ -40,11 +42,17 @@ fn main() -> Result<(), fusedce::Error> {
         &targets,
         ForwardBuffers::new(&mut loss)
             .lse(&mut lse)
+            .argmax(&mut predicted)
+            .accuracy(&mut accuracy)
             .grad_logits(&mut grad),
     )?;
 
     println!("mean cross-entropy (label smoothing 0.1): {:.6}", loss[0]);
     println!("lse per row: {lse:.4?}");
+    println!(
+        "predicted classes: {predicted:?} (-1: ignored), accuracy {:.3}",
+        accuracy[0]
+    );
     println!("gradient d loss / d logits:");
     for (r, row) in grad.chunks(vocab).enumerate() {
         println!("  row {r} (target {:>4}): {row:+.5?}", targets[r]);

@@ -173,6 +173,10 @@ fn host_options<T: Element, I: Target>(
         let raw = o.raw_mut();
         raw.backend = sys::FCE_BACKEND_CPU as i32;
         raw.target_dtype = I::DTYPE.raw();
+        // Outputs come from the call's buffers only (set by the forward calls), never from
+        // pointers an Options::from_raw struct may carry.
+        raw.argmax = ptr::null_mut();
+        raw.accuracy = ptr::null_mut();
     }
     if let Some(d) = Dtype::from_raw(o.as_raw().dtype) {
         slices_hold::<T>(func, "options dtype", d)?;
@@ -190,6 +194,27 @@ fn per_call(raw: &sys::fce_options, rows: usize) -> (usize, &'static str) {
         Some(_) => (1, "1 for mean/sum"),
         None => (rows.max(1), "rows"), // the library rejects it anyway
     }
+}
+
+/// Puts the argmax `[rows]` and accuracy (`[1]`, or `[rows]` for none) slices of a forward
+/// call into its options struct, after checking their lengths.
+fn set_outputs(
+    func: &str,
+    raw: &mut sys::fce_options,
+    rows: usize,
+    argmax: Option<&mut [i64]>,
+    accuracy: Option<&mut [f32]>,
+) -> Result<()> {
+    let (per, per_how) = per_call(raw, rows);
+    if let Some(a) = argmax {
+        need(func, "argmax", a.len(), Some(rows), "rows")?;
+        raw.argmax = a.as_mut_ptr();
+    }
+    if let Some(a) = accuracy {
+        need(func, "accuracy", a.len(), Some(per), per_how)?;
+        raw.accuracy = a.as_mut_ptr();
+    }
+    Ok(())
 }
 
 fn workspace_ptr(
@@ -275,6 +300,8 @@ pub struct ForwardBuffers<'a, T: Element> {
     loss: &'a mut [f32],
     lse: Option<&'a mut [f32]>,
     z_loss: Option<&'a mut f32>,
+    argmax: Option<&'a mut [i64]>,
+    accuracy: Option<&'a mut [f32]>,
     grad_logits: Option<&'a mut [T]>,
     grad_output: Option<&'a [f32]>,
     error_flags: Option<&'a mut u32>,
@@ -288,6 +315,8 @@ impl<'a, T: Element> ForwardBuffers<'a, T> {
             loss,
             lse: None,
             z_loss: None,
+            argmax: None,
+            accuracy: None,
             grad_logits: None,
             grad_output: None,
             error_flags: None,
@@ -299,9 +328,26 @@ impl<'a, T: Element> ForwardBuffers<'a, T> {
         self.lse = Some(lse);
         self
     }
-    /// Also write the z-loss total λ·Σ lse², normalised like the loss (for logging).
+    /// Also write the z-loss total λ·Σ lse² over the non-ignored rows (each term times p_y
+    /// with token scaling), divided by their number for mean: the part of the loss that is
+    /// z-loss, for logging.
     pub fn z_loss(mut self, z_loss: &'a mut f32) -> Self {
         self.z_loss = Some(z_loss);
+        self
+    }
+    /// Also write each row's predicted class `[rows]`: the argmax of its scaled, capped logits
+    /// (the lowest index among equal maxima; a NaN counts as the largest, as torch.argmax),
+    /// −1 for ignored rows. Since 0.3.
+    pub fn argmax(mut self, argmax: &'a mut [i64]) -> Self {
+        self.argmax = Some(argmax);
+        self
+    }
+    /// Also write the accuracy: `[1]` for mean/sum, the fraction of non-ignored rows whose
+    /// argmax is the target (rows with an invalid target count, never correct; 0 when every
+    /// row is ignored); `[rows]` for none, 1 or 0 per row (0 for ignored rows). Unweighted.
+    /// Since 0.3.
+    pub fn accuracy(mut self, accuracy: &'a mut [f32]) -> Self {
+        self.accuracy = Some(accuracy);
         self
     }
     /// Also write ∂loss/∂logits `[rows, grad_row_stride]` in the same pass (the training path).
@@ -327,7 +373,8 @@ impl<'a, T: Element> ForwardBuffers<'a, T> {
 }
 
 /// Cross-entropy of host `logits` `[rows, row_stride]` against `targets` `[rows]` on the CPU
-/// backend: the loss, and whatever else `bufs` asks for (lse, z-loss, the gradient).
+/// backend: the loss, and whatever else `bufs` asks for (lse, z-loss, argmax, accuracy, the
+/// gradient).
 ///
 /// ```no_run
 /// # fn main() -> fusedce::Result<()> {
@@ -455,7 +502,7 @@ fn forward_impl<T: Element, I: Target>(
     targets: &[I],
     bufs: ForwardBuffers<'_, T>,
 ) -> Result<()> {
-    let raw = host_options::<T, I>(func, opts, vocab)?;
+    let mut raw = host_options::<T, I>(func, opts, vocab)?;
     let (r, v) = (to_i64("rows", rows)?, to_i64("vocab", vocab)?);
     let (per, per_how) = per_call(&raw, rows);
     let logits_span = span(rows, vocab, raw.row_stride);
@@ -468,10 +515,13 @@ fn forward_impl<T: Element, I: Target>(
     if let Some(g) = &bufs.grad_output {
         need(func, "grad_output", g.len(), Some(per), per_how)?;
     }
+    set_outputs(func, &mut raw, rows, bufs.argmax, bufs.accuracy)?;
     let ForwardBuffers {
         loss,
         lse,
         z_loss,
+        argmax: _,
+        accuracy: _,
         grad_logits,
         grad_output,
         error_flags,
@@ -556,7 +606,9 @@ impl<'a, T: Element> BackwardBuffers<'a, T> {
 }
 
 /// The gradient only, from the logits, the targets and the lse `[rows]` that [`forward`] wrote
-/// with the same options.
+/// with the same options (`fce_backward`): p_j = exp(a_j − lse) from the float32 lse, so the
+/// values are [`forward`]'s gradient to the rounding of lse (a relative |lse|·2⁻²⁴ in each
+/// p_j), not bit for bit; [`backward_rescale`] is bit for bit.
 pub fn backward<T: Element, I: Target>(
     opts: &Options<'_>,
     rows: usize,
@@ -609,7 +661,8 @@ pub fn backward_in_place<T: Element, I: Target>(
 /// the training path when the upstream gradient is known only after the forward. `bufs` must
 /// carry both `grad_logits` (holding that gradient) and `grad_output`; `logits`, `targets`,
 /// `lse` and the options are the forward's. A scalar of exactly 1 writes nothing, 0 or ±2^k
-/// scales the gradient in place, anything else computes it again from the logits and `lse`.
+/// scales the gradient in place (ignored rows stay +0), anything else computes it again from
+/// the logits, by the computation [`forward`] runs.
 ///
 /// ```no_run
 /// # fn main() -> fusedce::Result<()> {
@@ -773,6 +826,8 @@ pub struct LinearCeBuffers<'a, T: Element> {
     loss: &'a mut [f32],
     lse: Option<&'a mut [f32]>,
     z_loss: Option<&'a mut f32>,
+    argmax: Option<&'a mut [i64]>,
+    accuracy: Option<&'a mut [f32]>,
     grad_hidden: Option<&'a mut [T]>,
     grad_weight: Option<Grad<'a, T>>,
     grad_bias: Option<Grad<'a, T>>,
@@ -788,6 +843,8 @@ impl<'a, T: Element> LinearCeBuffers<'a, T> {
             loss,
             lse: None,
             z_loss: None,
+            argmax: None,
+            accuracy: None,
             grad_hidden: None,
             grad_weight: None,
             grad_bias: None,
@@ -801,9 +858,21 @@ impl<'a, T: Element> LinearCeBuffers<'a, T> {
         self.lse = Some(lse);
         self
     }
-    /// Also write the z-loss total.
+    /// Also write the z-loss total (as [`ForwardBuffers::z_loss`]).
     pub fn z_loss(mut self, z_loss: &'a mut f32) -> Self {
         self.z_loss = Some(z_loss);
+        self
+    }
+    /// Also write each row's predicted class `[rows]` (as [`ForwardBuffers::argmax`], over
+    /// z = hidden·weightᵀ + bias after scale and softcap). Since 0.3.
+    pub fn argmax(mut self, argmax: &'a mut [i64]) -> Self {
+        self.argmax = Some(argmax);
+        self
+    }
+    /// Also write the accuracy, `[1]` for mean/sum or `[rows]` for none (as
+    /// [`ForwardBuffers::accuracy`]). Since 0.3.
+    pub fn accuracy(mut self, accuracy: &'a mut [f32]) -> Self {
+        self.accuracy = Some(accuracy);
         self
     }
     /// ∂loss/∂hidden `[rows, hidden]` (dense), always overwritten.
@@ -850,9 +919,9 @@ impl<'a, T: Element> LinearCeBuffers<'a, T> {
 }
 
 /// Fused linear + cross-entropy on the CPU backend: z = hidden·weightᵀ + bias is never held
-/// whole; the loss (+ lse, z-loss) and, when given buffers, the gradients of hidden, weight and
-/// bias. `hidden_states` `[rows, hidden_row_stride]`, `weight` `[vocab, hidden]` row-major,
-/// `bias` `[vocab]`.
+/// whole; the loss (+ lse, z-loss, argmax, accuracy) and, when given buffers, the gradients of
+/// hidden, weight and bias. `hidden_states` `[rows, hidden_row_stride]`, `weight`
+/// `[vocab, hidden]` row-major, `bias` `[vocab]`.
 #[allow(clippy::too_many_arguments)]
 pub fn linear_ce<T: Element, I: Target>(
     opts: &Options<'_>,
@@ -908,10 +977,24 @@ pub fn linear_ce<T: Element, I: Target>(
     if let Some(g) = &bufs.grad_bias {
         need(func, "grad_bias", g.len(), Some(vocab), "vocab")?;
     }
+    let LinearCeBuffers {
+        loss,
+        lse,
+        z_loss,
+        argmax,
+        accuracy,
+        grad_hidden,
+        grad_weight,
+        grad_bias,
+        grad_output,
+        error_flags,
+        workspace,
+    } = bufs;
+    set_outputs(func, &mut raw, rows, argmax, accuracy)?;
     // grad_weight_fp32 follows the kind of slices given (for f32 both kinds are the same).
     let kinds = [
-        bufs.grad_weight.as_ref().map(Grad::is_f32),
-        bufs.grad_bias.as_ref().map(Grad::is_f32),
+        grad_weight.as_ref().map(Grad::is_f32),
+        grad_bias.as_ref().map(Grad::is_f32),
     ];
     match kinds {
         [Some(a), Some(b)] if a != b && !T::IS_F32 => {
@@ -923,24 +1006,12 @@ pub fn linear_ce<T: Element, I: Target>(
         [Some(f), _] | [None, Some(f)] => raw.grad_weight_fp32 = (f && !T::IS_F32) as i32,
         [None, None] => {}
     }
-    let with_grad =
-        bufs.grad_hidden.is_some() || bufs.grad_weight.is_some() || bufs.grad_bias.is_some();
+    let with_grad = grad_hidden.is_some() || grad_weight.is_some() || grad_bias.is_some();
     let (mut min, mut optimal) = (0usize, 0usize);
     // SAFETY: valid options struct and out pointers.
     check(unsafe {
         sys::fce_linear_ce_workspace_size(&raw, r, h, v, with_grad as i32, &mut min, &mut optimal)
     })?;
-    let LinearCeBuffers {
-        loss,
-        lse,
-        z_loss,
-        grad_hidden,
-        grad_weight,
-        grad_bias,
-        grad_output,
-        error_flags,
-        workspace,
-    } = bufs;
     let mut local = HostWorkspace::new();
     let (ws, ws_len) = workspace_ptr(workspace, &mut local, min, optimal.max(min));
     // SAFETY: every pointer is null or a live host buffer at least as long as the library

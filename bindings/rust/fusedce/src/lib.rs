@@ -17,6 +17,11 @@
 //! library, whose message comes back in [`Error`]. For device memory and a CUDA stream, use
 //! the `unsafe` functions of [`raw`].
 //!
+//! Since 0.3: [`Options::shift`] (the causal shift by k) and [`Options::token_scaling`], and the
+//! optional outputs `argmax` (each row's predicted class) and `accuracy`, given per call to
+//! [`ForwardBuffers`] / [`LinearCeBuffers`] (host slices) or [`raw::ForwardArgs`] /
+//! [`raw::LinearCeArgs`] (pointers).
+//!
 //! ```no_run
 //! # fn main() -> fusedce::Result<()> {
 //! use fusedce::{forward, ForwardBuffers, Options, Reduction};

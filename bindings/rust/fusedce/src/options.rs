@@ -1,4 +1,5 @@
-//! `Options`: a builder over `fce_options`, every field of it.
+//! `Options`: a builder over `fce_options`, every option of it (its two outputs, argmax and
+//! accuracy, are given per call with the other outputs).
 use std::marker::PhantomData;
 use std::mem::size_of;
 
@@ -36,7 +37,8 @@ pub enum TargetDtype {
 /// How row losses become the loss.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Reduction {
-    /// Sum of row losses / sum of class weights of the non-ignored rows (torch's); the default.
+    /// The cross-entropy terms / sum of class weights of the non-ignored rows (torch's), plus
+    /// the z-loss terms / the number of non-ignored rows (Liger's); the default.
     Mean,
     /// Sum of row losses.
     Sum,
@@ -132,6 +134,11 @@ impl Reduction {
 /// The defaults are the C header's `FCE_OPTIONS_INIT`. The lifetime `'w` is that of borrowed
 /// class weights ([`Options::class_weights`]); the host functions ignore the `backend` and
 /// target-dtype fields (they run on the CPU backend with the targets' own type).
+///
+/// The two outputs that live in `fce_options` (`argmax`, `accuracy`, since 0.3) are not set
+/// here: they are per-call buffers, given like the other outputs, to [`crate::ForwardBuffers`]
+/// and [`crate::LinearCeBuffers`] (host slices), or [`crate::raw::ForwardArgs`] and
+/// [`crate::raw::LinearCeArgs`] (pointers); each call puts them into its own copy of the struct.
 #[derive(Clone, Copy, Debug)]
 pub struct Options<'w> {
     raw: sys::fce_options,
@@ -148,7 +155,8 @@ impl Default for Options<'_> {
 
 impl<'w> Options<'w> {
     /// The defaults of `FCE_OPTIONS_INIT`: mean reduction, ignore_index −100, dense strides,
-    /// float32 logits, int64 targets, no smoothing, z-loss, softcap; logit scale 1; CUDA.
+    /// float32 logits, int64 targets, no smoothing, z-loss, softcap, shift or token scaling;
+    /// logit scale 1; CUDA.
     pub fn new() -> Self {
         // Built here rather than with fce_options_default(), which writes the library's own
         // sizeof(fce_options): a newer library would write past a struct of this size.
@@ -172,6 +180,11 @@ impl<'w> Options<'w> {
             accumulate: 0,
             grad_weight_fp32: 0,
             reserved0: 0,
+            shift: 0,
+            argmax: std::ptr::null_mut(),
+            accuracy: std::ptr::null_mut(),
+            token_scaling: 0,
+            reserved1: 0,
         };
         Options {
             raw,
@@ -225,10 +238,20 @@ impl<'w> Options<'w> {
         self
     }
 
-    /// Causal shift with sequence length T > 0: row b·T+t is scored against target b·T+t+1 and
-    /// rows with t = T−1 are ignored (rows must be a multiple of T); 0 = off (the default).
+    /// Causal shift with sequence length T > 0: row b·T+t is scored against target b·T+t+k
+    /// (k = [`Options::shift`], 1 by default) and rows with t ≥ T−k are ignored (rows must be a
+    /// multiple of T); 0 = off (the default).
     pub fn shift_seq_len(mut self, seq_len: i64) -> Self {
         self.raw.shift_seq_len = seq_len;
+        self
+    }
+
+    /// The shift k ≥ 0 of the causal shift (with [`Options::shift_seq_len`] T > 0): row b·T+t
+    /// is scored against target b·T+t+k and rows with t ≥ T−k are ignored (CCE's integer
+    /// shift). 0 means 1, the default (the shift of 0.2); it must be 0 without a
+    /// `shift_seq_len`. Since 0.3.
+    pub fn shift(mut self, k: i64) -> Self {
+        self.raw.shift = k;
         self
     }
 
@@ -270,7 +293,8 @@ impl<'w> Options<'w> {
         self
     }
 
-    /// z-loss scale λ ≥ 0: adds λ·lse² to each row's loss; default 0.
+    /// z-loss scale λ ≥ 0: adds λ·lse² to each row's loss; default 0. For the mean, the z-loss
+    /// terms are divided by the number of non-ignored rows (not by the class weights' sum).
     pub fn z_loss_scale(mut self, lambda: f32) -> Self {
         self.raw.z_loss_scale = lambda;
         self
@@ -285,6 +309,14 @@ impl<'w> Options<'w> {
     /// Logit scale s (finite, non-zero): a = s·z before anything else; default 1.
     pub fn logit_scale(mut self, scale: f32) -> Self {
         self.raw.logit_scale = scale;
+        self
+    }
+
+    /// Token scaling (Liger's `use_token_scaling`): each scored row's loss, its z-loss term
+    /// included, and its gradient are multiplied by p_y = exp(a_y − lse), treated as a constant;
+    /// the mean's denominators are unchanged. Default off. Since 0.3.
+    pub fn token_scaling(mut self, on: bool) -> Self {
+        self.raw.token_scaling = on as i32;
         self
     }
 
@@ -329,6 +361,10 @@ impl<'w> Options<'w> {
     /// See [`Options::shift_seq_len`].
     pub fn get_shift_seq_len(&self) -> i64 {
         self.raw.shift_seq_len
+    }
+    /// See [`Options::shift`] (the raw value: 0 means 1).
+    pub fn get_shift(&self) -> i64 {
+        self.raw.shift
     }
     /// See [`Options::hidden_row_stride`].
     pub fn get_hidden_row_stride(&self) -> i64 {
@@ -378,6 +414,10 @@ impl<'w> Options<'w> {
     pub fn get_grad_weight_fp32(&self) -> bool {
         self.raw.grad_weight_fp32 != 0
     }
+    /// See [`Options::token_scaling`].
+    pub fn get_token_scaling(&self) -> bool {
+        self.raw.token_scaling != 0
+    }
 
     // ---- the C struct
 
@@ -388,8 +428,15 @@ impl<'w> Options<'w> {
 
     /// Options from a C struct (for instance one filled by `fce_options_default`).
     ///
+    /// Its `argmax` and `accuracy` output pointers are kept for the raw calls (a non-null
+    /// pointer in their argument struct takes precedence); the safe host functions ignore them
+    /// and write the slices their buffers name instead.
+    ///
     /// # Safety
-    /// `class_weights`, if not null, must satisfy what [`Options::class_weights_ptr`] asks.
+    /// `class_weights`, if not null, must satisfy what [`Options::class_weights_ptr`] asks;
+    /// `argmax` and `accuracy`, if not null, must point to outputs of the sizes
+    /// `include/fusedce.h` gives them, in the memory of the backend of every raw call made
+    /// with these options.
     pub unsafe fn from_raw(raw: sys::fce_options) -> Self {
         Options {
             raw,

@@ -43,6 +43,15 @@ pub struct ForwardArgs {
     pub lse: *mut f32,
     /// Optional float32 `[1]`.
     pub z_loss: *mut f32,
+    /// Optional int64 `[rows]`: each row's predicted class (the argmax of its scaled, capped
+    /// logits; lowest index among equal maxima, NaN the largest), −1 for ignored rows. Goes to
+    /// `fce_options::argmax`; null leaves the options' own (null unless set with
+    /// [`Options::from_raw`]). Since 0.3.
+    pub argmax: *mut i64,
+    /// Optional float32: `[1]` for mean/sum (the fraction of non-ignored rows whose argmax is
+    /// the target, unweighted), `[rows]` for none (1 or 0 per row). Goes to
+    /// `fce_options::accuracy` like `argmax`. Since 0.3.
+    pub accuracy: *mut f32,
     /// Optional `[rows, grad_row_stride]` of dtype; may equal `logits` (in place).
     pub grad_logits: *mut c_void,
     /// Optional float32 `[1]` or `[rows]`; null = 1.
@@ -65,6 +74,8 @@ impl Default for ForwardArgs {
             loss: ptr::null_mut(),
             lse: ptr::null_mut(),
             z_loss: ptr::null_mut(),
+            argmax: ptr::null_mut(),
+            accuracy: ptr::null_mut(),
             grad_logits: ptr::null_mut(),
             grad_output: ptr::null(),
             error_flags: ptr::null_mut(),
@@ -131,6 +142,11 @@ pub struct LinearCeArgs {
     pub lse: *mut f32,
     /// Optional float32 `[1]`.
     pub z_loss: *mut f32,
+    /// Optional int64 `[rows]`: the predicted classes, as [`ForwardArgs::argmax`]. Since 0.3.
+    pub argmax: *mut i64,
+    /// Optional float32 `[1]` (mean/sum) or `[rows]` (none): the accuracy, as
+    /// [`ForwardArgs::accuracy`]. Since 0.3.
+    pub accuracy: *mut f32,
     /// Optional `[rows, hidden]` dense of dtype.
     pub grad_hidden: *mut c_void,
     /// Optional `[vocab, hidden]` of dtype, or float32 with grad_weight_fp32.
@@ -159,6 +175,8 @@ impl Default for LinearCeArgs {
             loss: ptr::null_mut(),
             lse: ptr::null_mut(),
             z_loss: ptr::null_mut(),
+            argmax: ptr::null_mut(),
+            accuracy: ptr::null_mut(),
             grad_hidden: ptr::null_mut(),
             grad_weight: ptr::null_mut(),
             grad_bias: ptr::null_mut(),
@@ -171,6 +189,18 @@ impl Default for LinearCeArgs {
     }
 }
 
+/// `opts`' struct with the argmax / accuracy outputs of one call (null: the options' own).
+fn with_outputs(opts: &Options<'_>, argmax: *mut i64, accuracy: *mut f32) -> sys::fce_options {
+    let mut raw = *opts.as_raw();
+    if !argmax.is_null() {
+        raw.argmax = argmax;
+    }
+    if !accuracy.is_null() {
+        raw.accuracy = accuracy;
+    }
+    raw
+}
+
 /// `fce_forward` on `opts`' backend.
 ///
 /// # Safety
@@ -179,8 +209,9 @@ impl Default for LinearCeArgs {
 /// it, live until the work completes (CUDA: asynchronous, ordered on `stream`), and the outputs
 /// must not be accessed concurrently. `stream` must be a valid CUDA stream or null.
 pub unsafe fn forward(opts: &Options<'_>, rows: i64, vocab: i64, a: &ForwardArgs) -> Result<()> {
+    let raw = with_outputs(opts, a.argmax, a.accuracy);
     check(sys::fce_forward(
-        opts.as_raw(),
+        &raw,
         rows,
         vocab,
         a.logits,
@@ -225,9 +256,10 @@ pub unsafe fn backward(opts: &Options<'_>, rows: i64, vocab: i64, a: &BackwardAr
 /// wrote with `grad_output` null (an upstream 1) and becomes the gradient for the upstream
 /// scalar `*a.grad_output` (required; reductions mean and sum), bit for bit what [`forward`]
 /// writes given that scalar. Decided on the device, without a host synchronisation: exactly 1
-/// writes nothing, 0 or ±2^k scales `a.grad_logits` in place, anything else computes the
-/// gradient again from `a.logits` and `a.lse` (which `a.grad_logits` must not overwrite: not
-/// in place). The workspace is [`crate::backward_workspace_size`]'s.
+/// writes nothing, 0 or ±2^k scales `a.grad_logits` in place (ignored rows stay +0), anything
+/// else computes the gradient again from `a.logits` by the kernel [`forward`] runs (which
+/// `a.grad_logits` must not overwrite: not in place). `fce_options::argmax` and `accuracy`
+/// are never written by the backward calls. The workspace is [`crate::backward_workspace_size`]'s.
 ///
 /// # Safety
 /// As for [`forward`].
@@ -278,8 +310,9 @@ pub unsafe fn linear_ce(
     vocab: i64,
     a: &LinearCeArgs,
 ) -> Result<()> {
+    let raw = with_outputs(opts, a.argmax, a.accuracy);
     check(sys::fce_linear_ce(
-        opts.as_raw(),
+        &raw,
         rows,
         hidden,
         vocab,

@@ -1,7 +1,8 @@
 //! fusedce::backward_rescale (and raw::backward_rescale) on the CPU backend: the gradient
 //! forward wrote without a grad_output, rescaled for g, is bit for bit what forward writes given
-//! g (ignored rows: 0 of either sign); exactly 1 changes no bit; bad arguments come back as
-//! errors naming fce_backward_rescale (or fusedce::backward_rescale) and the argument.
+//! g (ignored rows included: they stay +0 for a negative power of two); exactly 1 changes no
+//! bit; bad arguments come back as errors naming fce_backward_rescale (or
+//! fusedce::backward_rescale) and the argument.
 mod common;
 
 use common::*;
@@ -66,15 +67,11 @@ fn rescaled_and_direct<T: Element>(
     (grad, forward_grad(opts, logits, Some(g), poison).0)
 }
 
-/// Bitwise equal, except that NaN equals NaN and ignored rows compare by value (0 == -0: the
-/// in-place scaling turns their +0 into -0 for a negative g).
+/// Bitwise equal (NaN equals NaN), ignored rows included: +0 there, whatever g's sign.
 fn assert_same(what: &str, got: &[f32], want: &[f32]) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
     for (i, (&a, &b)) in got.iter().zip(want).enumerate() {
-        let ok = if IGNORED.contains(&(i / VOCAB)) {
-            a == 0.0 && b == 0.0
-        } else {
-            a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan())
-        };
+        let ok = a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan());
         assert!(
             ok,
             "{what} [{i}]: got {a:e} ({:#x}), forward wrote {b:e}",
@@ -87,6 +84,19 @@ fn options() -> Options<'static> {
     Options::new().label_smoothing(0.1).z_loss_scale(1e-3)
 }
 
+/// The gradient rows of the ignored rows are +0 (not -0), element by element.
+fn assert_ignored_rows_plus_zero(what: &str, grad: &[f32]) {
+    for r in IGNORED {
+        for (j, x) in grad[r * VOCAB..(r + 1) * VOCAB].iter().enumerate() {
+            assert_eq!(
+                x.to_bits(),
+                0,
+                "{what}: ignored row {r} [{j}] is {x:e}, not +0"
+            );
+        }
+    }
+}
+
 #[test]
 fn f32_matches_forward_given_the_upstream_scalar() {
     let logits = Rng::new(20).normals_f32(ROWS * VOCAB, 5.0);
@@ -96,6 +106,7 @@ fn f32_matches_forward_given_the_upstream_scalar() {
         for g in [1.0f32, 0.75, -1.7, 2.0, -0.25, 0.0] {
             let (got, want) = rescaled_and_direct(&opts, &logits, g, f32::NAN);
             assert_same(&format!("{reduction:?}, g = {g}"), &got, &want);
+            assert_ignored_rows_plus_zero(&format!("{reduction:?}, g = {g}"), &got);
         }
         let r = Ref {
             reduction: if reduction == Reduction::Mean {
@@ -110,6 +121,89 @@ fn f32_matches_forward_given_the_upstream_scalar() {
         let want = reference(&r, ROWS, VOCAB, &to_f64(&logits), &targets(), &[0.75]);
         let (got, _) = rescaled_and_direct(&opts, &logits, 0.75, f32::NAN);
         assert_close("g = 0.75 vs the reference", &got, &want.grad, 2e-5);
+    }
+}
+
+/// The options of 0.3 go through every branch of the rescale too: token scaling, a causal shift
+/// by k, class weights with the z-loss (the z-loss normalised by the count of rows).
+#[test]
+fn token_scaling_shift_and_class_weights_match_forward() {
+    let logits = Rng::new(26).normals_f32(ROWS * VOCAB, 4.0);
+    let mut rng = Rng::new(27);
+    let weights: Vec<f32> = (0..VOCAB)
+        .map(|_| 0.25 + 2.0 * rng.uniform() as f32)
+        .collect();
+    let w64 = to_f64(&weights);
+    // one sequence of ROWS (13) tokens, shifted by 3: its last 3 rows are ignored too
+    for (name, opts, r) in [
+        (
+            "token scaling",
+            options().token_scaling(true),
+            Ref {
+                eps: 0.1,
+                lambda: 1e-3,
+                token_scaling: true,
+                ..Ref::default()
+            },
+        ),
+        (
+            "shift 3, class weights",
+            options()
+                .shift_seq_len(ROWS as i64)
+                .shift(3)
+                .class_weights(&weights),
+            Ref {
+                eps: 0.1,
+                lambda: 1e-3,
+                shift_seq_len: ROWS,
+                shift: 3,
+                weights: Some(w64.clone()),
+                ..Ref::default()
+            },
+        ),
+        (
+            "everything",
+            options()
+                .token_scaling(true)
+                .shift_seq_len(ROWS as i64)
+                .shift(2)
+                .class_weights(&weights)
+                .softcap(20.0),
+            Ref {
+                eps: 0.1,
+                lambda: 1e-3,
+                token_scaling: true,
+                shift_seq_len: ROWS,
+                shift: 2,
+                weights: Some(w64.clone()),
+                softcap: 20.0,
+                ..Ref::default()
+            },
+        ),
+    ] {
+        for reduction in [Reduction::Mean, Reduction::Sum] {
+            let opts = opts.reduction(reduction);
+            for g in [1.0f32, 0.75, -1.7, 2.0, -0.25, 0.0] {
+                let (got, want) = rescaled_and_direct(&opts, &logits, g, f32::NAN);
+                assert_same(&format!("{name}, {reduction:?}, g = {g}"), &got, &want);
+            }
+            let r = Ref {
+                reduction: if reduction == Reduction::Mean {
+                    Red::Mean
+                } else {
+                    Red::Sum
+                },
+                ..r.clone()
+            };
+            let want = reference(&r, ROWS, VOCAB, &to_f64(&logits), &targets(), &[-1.7]);
+            let (got, _) = rescaled_and_direct(&opts, &logits, -1.7, f32::NAN);
+            assert_close(
+                &format!("{name}, {reduction:?}, g = -1.7"),
+                &got,
+                &want.grad,
+                2e-5,
+            );
+        }
     }
 }
 

@@ -328,7 +328,10 @@ fn version_and_default_options_match_the_library() {
     fusedce::check_version().unwrap();
     assert_eq!(fusedce::version(), fusedce::HEADER_VERSION);
     let mut c = std::mem::MaybeUninit::<fusedce::sys::fce_options>::zeroed();
-    unsafe { fusedce::sys::fce_options_default(c.as_mut_ptr()) };
+    unsafe {
+        (*c.as_mut_ptr()).struct_size = std::mem::size_of::<fusedce::sys::fce_options>();
+        fusedce::sys::fce_options_default(c.as_mut_ptr());
+    }
     let c = unsafe { c.assume_init() };
     let r = *Options::new().as_raw();
     assert_eq!(format!("{c:?}"), format!("{r:?}"));
@@ -354,7 +357,9 @@ fn options_builder_sets_every_field() {
         .logit_scale(0.4)
         .deterministic(true)
         .accumulate(true)
-        .grad_weight_fp32(true);
+        .grad_weight_fp32(true)
+        .shift(2)
+        .token_scaling(true);
     let r = o.as_raw();
     assert_eq!(r.class_weights, weights.as_ptr());
     assert_eq!(
@@ -392,4 +397,8 @@ fn options_builder_sets_every_field() {
     assert_eq!(o.get_dtype(), Some(Dtype::Float16));
     assert_eq!(o.get_backend(), Some(Backend::Cpu));
     assert!(o.get_accumulate() && o.get_deterministic() && o.get_grad_weight_fp32());
+    assert_eq!((r.shift, r.token_scaling, r.reserved1), (2, 1, 0));
+    assert_eq!((o.get_shift(), o.get_token_scaling()), (2, true));
+    // the outputs are per call, never set by the builder
+    assert!(r.argmax.is_null() && r.accuracy.is_null());
 }

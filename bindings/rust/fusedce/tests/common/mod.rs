@@ -18,7 +18,12 @@ pub struct Ref {
     pub softcap: f64,
     pub scale: f64,
     pub weights: Option<Vec<f64>>,
+    /// T of the causal shift (options' shift_seq_len); 0: no shift.
+    pub shift_seq_len: usize,
+    /// k of the causal shift (options' shift); 0 means 1.
     pub shift: usize,
+    /// Each scored row's loss and gradient times the detached p_y.
+    pub token_scaling: bool,
 }
 
 impl Default for Ref {
@@ -31,7 +36,9 @@ impl Default for Ref {
             softcap: 0.0,
             scale: 1.0,
             weights: None,
+            shift_seq_len: 0,
             shift: 0,
+            token_scaling: false,
         }
     }
 }
@@ -44,18 +51,61 @@ pub struct RefOut {
     pub z_loss: f64,
     /// dense [rows, vocab]
     pub grad: Vec<f64>,
+    /// [rows]: the lowest index of the largest a (a NaN the largest), −1 for ignored rows.
+    pub argmax: Vec<i64>,
+    /// [1] for mean/sum, [rows] for none.
+    pub accuracy: Vec<f64>,
+    /// [rows]: the target each row is scored against (None: ignored).
+    pub target: Vec<Option<i64>>,
+}
+
+/// The target of row r (SEMANTICS.md rule 1): y[r], or with a causal shift (T, k) y[r + k]
+/// unless r mod T ≥ T − k; None when the row is shifted out or its target is ignore_index.
+pub fn row_target(o: &Ref, r: usize, y: &[i64]) -> Option<i64> {
+    let t = if o.shift_seq_len > 0 {
+        let k = o.shift.max(1);
+        if r % o.shift_seq_len + k >= o.shift_seq_len {
+            return None;
+        }
+        y[r + k]
+    } else {
+        y[r]
+    };
+    (t != o.ignore_index).then_some(t)
+}
+
+/// torch.argmax of a row: the lowest index of the maximum, the first NaN if there is one.
+pub fn argmax_of(a: &[f64]) -> i64 {
+    if let Some(i) = a.iter().position(|x| x.is_nan()) {
+        return i as i64;
+    }
+    let mut best = 0;
+    for j in 1..a.len() {
+        if a[j] > a[best] {
+            best = j;
+        }
+    }
+    best as i64
 }
 
 /// Cross-entropy of dense z [rows, vocab] (f64) against y, with upstream g ([1] or [rows]).
+/// SEMANTICS.md: loss_r = t·ce_r + t·zl_r (t = p_y with token scaling, else 1); mean: Σ ce / D
+/// + Σ zl / n, D the class-weight sum, n the count of non-ignored rows.
 pub fn reference(o: &Ref, rows: usize, vocab: usize, z: &[f64], y: &[i64], g: &[f64]) -> RefOut {
     let w = |j: usize| o.weights.as_ref().map_or(1.0, |w| w[j]);
     let omega: f64 = (0..vocab).map(w).sum();
     let v = vocab as f64;
-    let mut row_loss = vec![0.0; rows];
+    let mut ce_r = vec![0.0; rows];
+    let mut zl_r = vec![0.0; rows];
     let mut lse = vec![0.0; rows];
-    let mut dadz = vec![0.0; rows * vocab]; // dloss_r/da * da/dz, before the upstream scale
-    let mut denom = 0.0;
-    let mut zsum = 0.0;
+    let mut argmax = vec![-1i64; rows];
+    let mut correct = vec![0.0; rows];
+    let mut targets = vec![None; rows];
+    // d(ce_r)/dz and d(zl_r)/dz (token scale included), before the upstream scales
+    let mut dce = vec![0.0; rows * vocab];
+    let mut dzl = vec![0.0; rows * vocab];
+    let mut denom = 0.0; // D
+    let mut count = 0.0; // n
     for r in 0..rows {
         // 1-2: scale, softcap
         let a: Vec<f64> = (0..vocab)
@@ -72,69 +122,88 @@ pub fn reference(o: &Ref, rows: usize, vocab: usize, z: &[f64], y: &[i64], g: &[
         let m = a.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
         let l = m + a.iter().map(|x| (x - m).exp()).sum::<f64>().ln();
         lse[r] = l;
-        let target = if o.shift > 0 {
-            if r % o.shift == o.shift - 1 {
-                None
-            } else {
-                Some(y[r + 1])
-            }
-        } else {
-            Some(y[r])
+        let Some(t) = row_target(o, r, y) else {
+            continue;
         };
-        let t = match target {
-            None => continue,
-            Some(t) if t == o.ignore_index => continue,
-            Some(t) => t,
-        };
+        targets[r] = Some(t);
+        argmax[r] = argmax_of(&a);
+        count += 1.0;
         if t < 0 || t as usize >= vocab {
-            row_loss[r] = f64::NAN;
+            // invalid: NaN loss and gradient, counts 1, its z-loss term unscaled, never correct
+            ce_r[r] = f64::NAN;
+            zl_r[r] = o.lambda * l * l;
             denom += 1.0;
-            zsum += o.lambda * l * l;
             for j in 0..vocab {
-                dadz[r * vocab + j] = f64::NAN;
+                dce[r * vocab + j] = f64::NAN;
             }
             continue;
         }
         let t = t as usize;
-        // 4-5: CE with weights and smoothing, then z-loss
+        correct[r] = (argmax[r] == t as i64) as u8 as f64;
+        let ts = if o.token_scaling {
+            (a[t] - l).exp()
+        } else {
+            1.0
+        };
+        // 4-5: CE with weights and smoothing, then z-loss, each times the token scale
         let smooth: f64 = (0..vocab).map(|j| w(j) * (l - a[j])).sum();
-        let ce = (1.0 - o.eps) * w(t) * (l - a[t]) + o.eps / v * smooth;
-        row_loss[r] = ce + o.lambda * l * l;
+        ce_r[r] = ts * ((1.0 - o.eps) * w(t) * (l - a[t]) + o.eps / v * smooth);
+        zl_r[r] = ts * o.lambda * l * l;
         denom += w(t);
-        zsum += o.lambda * l * l;
         for j in 0..vocab {
             let p = (a[j] - l).exp();
             let onehot = if j == t { 1.0 } else { 0.0 };
-            let da = (1.0 - o.eps) * w(t) * (p - onehot)
-                + o.eps / v * (omega * p - w(j))
-                + 2.0 * o.lambda * l * p;
+            let dce_da = (1.0 - o.eps) * w(t) * (p - onehot) + o.eps / v * (omega * p - w(j));
+            let dzl_da = 2.0 * o.lambda * l * p;
             let cap = if o.softcap > 0.0 {
                 1.0 - (a[j] / o.softcap).powi(2)
             } else {
                 1.0
             };
-            dadz[r * vocab + j] = da * o.scale * cap;
+            dce[r * vocab + j] = ts * dce_da * o.scale * cap;
+            dzl[r * vocab + j] = ts * dzl_da * o.scale * cap;
         }
     }
     let gr = |r: usize| if g.len() == 1 { g[0] } else { g[r] };
-    let (loss, z_loss, k): (Vec<f64>, f64, Vec<f64>) = match o.reduction {
-        Red::Mean => {
-            let d = |x: f64| if denom == 0.0 { 0.0 } else { x / denom };
-            (
-                vec![d(row_loss.iter().sum())],
-                d(zsum),
-                vec![d(gr(0)); rows],
-            )
-        }
-        Red::Sum => (vec![row_loss.iter().sum()], zsum, vec![gr(0); rows]),
-        Red::None => (row_loss.clone(), zsum, (0..rows).map(gr).collect()),
-    };
-    let grad = (0..rows * vocab).map(|i| k[i / vocab] * dadz[i]).collect();
+    let over = |x: f64, d: f64| if d == 0.0 { 0.0 } else { x / d };
+    let zsum: f64 = zl_r.iter().sum();
+    let row_loss: Vec<f64> = (0..rows).map(|r| ce_r[r] + zl_r[r]).collect();
+    // (loss, z_loss, accuracy, k for the CE terms, k_z for the z-loss terms)
+    let (loss, z_loss, accuracy, k, kz): (Vec<f64>, f64, Vec<f64>, Vec<f64>, Vec<f64>) =
+        match o.reduction {
+            Red::Mean => (
+                vec![over(ce_r.iter().sum(), denom) + over(zsum, count)],
+                over(zsum, count),
+                vec![over(correct.iter().sum(), count)],
+                vec![over(gr(0), denom); rows],
+                vec![over(gr(0), count); rows],
+            ),
+            Red::Sum => (
+                vec![row_loss.iter().sum()],
+                zsum,
+                vec![over(correct.iter().sum(), count)],
+                vec![gr(0); rows],
+                vec![gr(0); rows],
+            ),
+            Red::None => (
+                row_loss,
+                zsum,
+                correct,
+                (0..rows).map(gr).collect(),
+                (0..rows).map(gr).collect(),
+            ),
+        };
+    let grad = (0..rows * vocab)
+        .map(|i| k[i / vocab] * dce[i] + kz[i / vocab] * dzl[i])
+        .collect();
     RefOut {
         loss,
         lse,
         z_loss,
         grad,
+        argmax,
+        accuracy,
+        target: targets,
     }
 }
 
@@ -252,6 +321,18 @@ pub fn assert_close(name: &str, got: &[f32], want: &[f64], rtol: f64) {
             "{name}[{i}]: got {g}, want {w} (error {err:.3e} > {tol:.3e})"
         );
     }
+}
+
+/// The tolerance of fce_backward's gradient against fce_forward's (SEMANTICS.md rule 12): each
+/// p_j = exp(a_j - lse) carries the rounding of the float32 lse, a relative |lse|·2^-24 (rows
+/// with |lse| >= 1024 are reduced again, exactly), on top of float32 rounding.
+pub fn backward_rtol(lse: &[f32]) -> f64 {
+    let worst = lse
+        .iter()
+        .filter(|x| x.is_finite())
+        .fold(0.0f64, |m, &x| m.max((x as f64).abs()))
+        .min(1024.0);
+    1e-6 + 2.0 * worst * 2f64.powi(-24)
 }
 
 pub fn nan_vec(n: usize) -> Vec<f32> {
