@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # make bench: on a GPU machine, times fusedce and its peers; writes bench/results/*.json.
-# bench_ce.py and bench_linear.py time the C ABI calls; bench_torch.py is the torch-level benchmark
+# bench_ce.py and bench_linear.py time the C ABI calls (bench_options.py: what the 0.3 options
+# cost; adversarial.py: errors on adversarial rows against float64 and torch eager); bench_torch.py
+# is the torch-level benchmark
 # (loss + .backward() through each library's torch API; FCE_BENCH_TORCH_ARGS, e.g. "--ops ce --merge").
 # Peers (Liger-Kernel, cut-cross-entropy) are used when importable, or installed from wheels
 # carried in .whl/ (see bench/NOTES.md); never vendored.
@@ -17,4 +19,6 @@ cd "$ROOT/bench"
 export PYTHONUNBUFFERED=1
 python3 bench_ce.py ${OUT:+--out "$OUT"} ${FCE_BENCH_CE_ARGS:-}
 python3 bench_linear.py ${OUT:+--out "$OUT"} ${FCE_BENCH_LINEAR_ARGS:-}
+python3 bench_options.py
+PYTHONPATH="$ROOT/bindings/python${PYTHONPATH:+:$PYTHONPATH}" python3 adversarial.py --device cuda
 python3 bench_torch.py ${OUT:+--out "$OUT"} ${FCE_BENCH_TORCH_ARGS:-}
