@@ -1,7 +1,8 @@
 // ce.cpp — cross-entropy over given logits on the CPU: fce_forward (loss, lse, z-loss, argmax,
 // accuracy and, with a gradient buffer, the gradient in the same pass), fce_backward (the
 // gradient from the saved lse) and fce_backward_rescale. The reference backend and the oracle of
-// the GPU tests: every row in double (ce_row.h), rows on threads, the reduction in row order.
+// the GPU tests: every row by ce_row.h (float32 vectorised with the
+// sums in double; in double with logit_scale or softcap), rows on threads, the reduction in row order.
 #include <memory>
 #include <new>
 #include <vector>
@@ -49,7 +50,7 @@ fce_status cpu_ce(const CeProblem& p) {
     const CeSetup setup = make_setup(p.opt, p.rows, p.vocab, p.targets, p.grad_output);
     if (p.rescale && rescale_in_place(p, setup)) return FCE_SUCCESS;
     const bool outputs = p.loss != nullptr;  // fce_forward; the backward calls write grad only
-    RowScratch scratch(p.vocab, p.rows);
+    RowScratch scratch(setup, p.rows);
     std::unique_ptr<RowResults> results;
     if (outputs) results.reset(new RowResults(p.rows, p.accuracy != nullptr));
 

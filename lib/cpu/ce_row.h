@@ -1,5 +1,5 @@
 // ce_row.h — the cross-entropy of one row, SPEC.md "The loss, row by row" and "The gradient"
-// step by step, in double, with the corner cases of SEMANTICS.md; shared by ce.cpp (logits given)
+// step by step (in double here; the float32 fast path below), with the corner cases of SEMANTICS.md; shared by ce.cpp (logits given)
 // and linear_ce.cpp (logits made chunk by chunk). Rows are independent, so they run on threads
 // (parallel_for); the reduction over rows is sequential, in row order: deterministic.
 #pragma once
@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "common.h"
+#include "row_kernels.h"
 
 namespace fce {
 namespace cpu {
@@ -212,6 +213,93 @@ inline void gradient(const CeSetup& setup, double* a, const RowStats& st, int64_
   }
 }
 
+// -------------------------------------------------- the float32 row (fast path) ----
+//
+// When a = z exactly (logit_scale 1, no softcap: float16, bfloat16 and float32 logits are all
+// exact in float32) the row stays in float32 and the hot loops run vectorised (row_kernels.h):
+// float32 exp per element, Σ exp(a_j − m) and the smoothing sum accumulated in double, log s
+// and the loss in double, m and log s kept apart (SEMANTICS 9), and the gradient computed in
+// float32 from p_j = exp((a_j − m) − log s), the upstream g multiplied last in float32 (so that
+// fce_backward_rescale's exact scaling is bit for bit this with that g, SEMANTICS 14). With
+// logit_scale or softcap the double path above is used.
+
+inline bool float_path(const CeSetup& setup) { return setup.s == 1.0 && setup.c == 0.0; }
+
+// Step 3 on a float32 row: as row_stats.
+inline RowStats row_stats_f32(const float* a, int64_t vocab) {
+  constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+  bool nan_seen = false;
+  const float m = row_max_f32(a, vocab, &nan_seen);
+  if (nan_seen) {
+    int64_t j = 0;
+    while (!std::isnan(a[j])) ++j;
+    return {kNaN, kNaN, kNaN, j};
+  }
+  int64_t argmax = 0;
+  while (argmax + 1 < vocab && a[argmax] != m) ++argmax;
+  double s;
+  if (std::isfinite(m)) {
+    s = sum_exp_f32(a, vocab, m);
+  } else {  // ±inf maximum: the entries equal to it count 1, the others 0
+    s = 0.0;
+    for (int64_t j = 0; j < vocab; ++j) s += a[j] == m ? 1.0 : 0.0;
+  }
+  const double log_s = std::log(s);
+  return {double(m), log_s, double(m) + log_s, argmax};
+}
+
+// saved_stats on a float32 row.
+inline RowStats saved_stats_f32(float saved, const float* a, int64_t vocab) {
+  const RowStats exact = row_stats_f32(a, vocab);
+  if (float(exact.lse) == saved || std::fabs(saved) >= 1024.0f) return exact;
+  return {double(saved), 0.0, double(saved), exact.argmax};
+}
+
+// Step 4 on a float32 row, as cross_entropy.
+inline double cross_entropy_f32(const CeSetup& setup, const float* a, const RowStats& st,
+                                int64_t y) {
+  double ce = (1.0 - setup.eps) * omega_of(setup, y) * ((st.m - double(a[y])) + st.log_s);
+  if (setup.eps > 0.0)
+    ce += setup.eps / double(setup.vocab) *
+          smooth_sum_f32(a, setup.vocab, st.m, st.log_s, setup.omega);
+  return ce;
+}
+
+// The gradient of a float32 row into out (float32, may be a): gradient's formula with s = 1,
+// regrouped per element as g · (A p_j + B ω_j),
+//   A = t (k1 ((1−ε) ω_y + (ε/V) Ω) + kz1 2 λ lse),  B = −t k1 ε/V,
+// and the target's element, which has the − (1−ε) ω_y on top, computed again in double.
+inline void gradient_f32_row(const CeSetup& setup, const float* a, const RowStats& st, int64_t y,
+                             const Upstream& up, double t, float* out) {
+  const double target_weight = (1.0 - setup.eps) * omega_of(setup, y);
+  const double smoothing = setup.eps / double(setup.vocab);
+  const double z_loss = setup.lambda == 0.0 ? 0.0 : 2.0 * setup.lambda * st.lse;
+  double A = up.k1 * (target_weight + smoothing * setup.Omega);
+  if (z_loss != 0.0) A += up.kz1 * z_loss;
+  double B = -up.k1 * smoothing;
+  if (setup.token_scaling) A *= t, B *= t;
+  const float g = float(up.g);
+  const double a_y = a[y];  // read before out (maybe a) is written
+  gradient_f32(a, setup.vocab, float(st.m), float(st.log_s), float(A), float(B), setup.omega, g,
+               out);
+  const double p = std::exp((a_y - st.m) - st.log_s);
+  double d_ce = target_weight * (p - 1.0);
+  if (smoothing != 0.0) d_ce += smoothing * (setup.Omega * p - omega_of(setup, y));
+  double d_a = up.k1 * d_ce;
+  if (z_loss != 0.0) d_a += up.kz1 * z_loss * p;
+  if (setup.token_scaling) d_a *= t;
+  out[y] = g * float(d_a);
+}
+
+// Elements [0, n) of a row of `dtype` at src, as float32 (exact).
+inline void load_row_f32(int dtype, const void* src, int64_t n, float* dst) {
+  if (dtype == FCE_FLOAT32) {
+    std::memcpy(dst, src, size_t(n) * sizeof(float));
+    return;
+  }
+  convert_row_to_float(dtype, src, n, dst);
+}
+
 // ------------------------------------------------------------- many rows ----
 
 // Per-row results of a forward, indexed by problem row, reduced by write_reduction.
@@ -240,15 +328,53 @@ struct RowsJob {
   RowResults* results;   // forward: ce, z-loss and accuracy per row; nullptr: gradient only
 };
 
-// One double row per thread, allocated before any output is written.
+// One row per thread (float32 on the fast path, else double), allocated before any output is
+// written.
 struct RowScratch {
   int threads;
   std::vector<std::vector<double>> rows;
-  RowScratch(int64_t vocab, int64_t max_count) {
+  std::vector<std::vector<float>> frows;
+  RowScratch(const CeSetup& setup, int64_t max_count) {
+    const int64_t vocab = setup.vocab;
     threads = thread_count(max_count, std::max<int64_t>(1, (int64_t(1) << 16) / vocab));
-    rows.assign(size_t(threads), std::vector<double>(size_t(vocab)));
+    if (float_path(setup))
+      frows.assign(size_t(threads), std::vector<float>(size_t(vocab)));
+    else
+      rows.assign(size_t(threads), std::vector<double>(size_t(vocab)));
   }
 };
+
+// run_rows' work on one row that is read, on the float32 path. Returns false when the gradient
+// row is still to be filled (ignored and invalid rows).
+inline bool float_row(const CeSetup& setup, const RowsJob& job, RowTarget t, int64_t r,
+                      const void* z_row, void* grad_row, float* a) {
+  const int64_t V = setup.vocab;
+  RowResults* res = job.results;
+  load_row_f32(job.logits_dtype, z_row, V, a);
+  const RowStats st = job.lse_in ? saved_stats_f32(job.lse_in[r], a, V) : row_stats_f32(a, V);
+  if (job.lse_out) job.lse_out[r] = float(st.lse);
+  if (job.argmax && t.kind != RowKind::kIgnored) job.argmax[r] = st.argmax;
+  const double tscale = setup.token_scaling && t.kind == RowKind::kScored
+                            ? std::exp((double(a[t.y]) - st.m) - st.log_s)
+                            : 1.0;
+  if (res && t.kind == RowKind::kInvalid) {
+    res->ce[size_t(r)] = std::numeric_limits<double>::quiet_NaN();
+    res->z_loss[size_t(r)] = z_loss_term(setup, st.lse);
+  } else if (res && t.kind == RowKind::kScored) {
+    res->ce[size_t(r)] = tscale * cross_entropy_f32(setup, a, st, t.y);
+    res->z_loss[size_t(r)] = tscale * z_loss_term(setup, st.lse);
+    if (!res->correct.empty()) res->correct[size_t(r)] = st.argmax == t.y ? 1 : 0;
+  }
+  if (!(grad_row && t.kind == RowKind::kScored)) return false;
+  const Upstream up = upstream_scales(setup, r);
+  if (job.grad_dtype == FCE_FLOAT32) {
+    gradient_f32_row(setup, a, st, t.y, up, tscale, static_cast<float*>(grad_row));
+  } else {
+    gradient_f32_row(setup, a, st, t.y, up, tscale, a);
+    for (int64_t j = 0; j < V; ++j) store_float(job.grad_dtype, grad_row, j, a[j]);
+  }
+  return true;
+}
 
 // The job's rows, each read whole into the thread's buffer before its gradient is written (in
 // place works). Returns true when some target was out of range.
@@ -257,8 +383,10 @@ inline bool run_rows(const CeSetup& setup, const RowsJob& job, RowScratch& scrat
   const size_t logits_size = dtype_size(job.logits_dtype), grad_size = dtype_size(job.grad_dtype);
   std::atomic<bool> invalid_seen{false};
   RowResults* res = job.results;
+  const bool fast = float_path(setup);
   parallel_for(job.count, scratch.threads, [&](int64_t begin, int64_t end, int thread) {
-    double* a = scratch.rows[size_t(thread)].data();
+    double* a = fast ? nullptr : scratch.rows[size_t(thread)].data();
+    float* af = fast ? scratch.frows[size_t(thread)].data() : nullptr;
     for (int64_t i = begin; i < end; ++i) {
       const int64_t r = job.first_row + i;
       const RowTarget t = row_target(setup, r);
@@ -280,7 +408,9 @@ inline bool run_rows(const CeSetup& setup, const RowsJob& job, RowScratch& scrat
       // ignored or invalid row.
       const bool read = t.kind == RowKind::kScored || job.lse_out ||
                         (t.kind == RowKind::kInvalid && (res || job.argmax));
-      if (read) {
+      if (read && fast) {
+        if (float_row(setup, job, t, r, z_row, grad_row, af)) continue;
+      } else if (read) {
         load_row(job.logits_dtype, z_row, V, a);
         scale_and_softcap(setup, a);                                   // steps 1, 2
         const RowStats st = job.lse_in ? saved_stats(job.lse_in[r], a, V) : row_stats(a, V);  // 3

@@ -3,7 +3,7 @@
 // cross-entropy on the chunk, then the gradients (SEMANTICS 13): ∂h = ∂z·W, ∂W (+)= ∂zᵀ·h
 // accumulated in float32, ∂b (+)= Σ_r ∂z_r. The GEMMs are OpenBLAS cblas_sgemm in float32: float32 inputs are used as
 // they are; float16/bfloat16 ones are widened (W and b once per call, in host memory; h chunk by
-// chunk); the per-row cross-entropy is ce_row.h's, in double.
+// chunk); the per-row cross-entropy is ce_row.h's (float32 vectorised, sums in double).
 //
 // The chunk has a fixed number of rows that depends on the problem sizes only, never on the
 // workspace, so every workspace of at least min_bytes gives bit for bit the same result (BLAS
@@ -22,7 +22,7 @@ namespace {
 
 using namespace cpu;
 
-constexpr int64_t kChunkRows = 256;                        // rows per chunk ...
+constexpr int64_t kChunkRows = 1024;  // rows per chunk (big: fewer passes over ∂W) ...
 constexpr int64_t kChunkLogitsBytes = int64_t(128) << 20;  // ... fewer when V is huge
 
 int64_t chunk_rows(int64_t rows, int64_t vocab) {
@@ -178,7 +178,7 @@ fce_status cpu_linear_ce(const LinearCeProblem& p) {
   try {
     // Everything is allocated before any output is written.
     const CeSetup setup = make_setup(p.opt, p.rows, p.vocab, p.targets, p.grad_output);
-    RowScratch scratch(p.vocab, R);
+    RowScratch scratch(setup, R);
     RowResults results(p.rows, p.accuracy != nullptr);
     const FloatMatrix W = as_float(dtype, p.weight, p.vocab, p.hidden);
     const FloatMatrix b = p.bias ? as_float(dtype, p.bias, 1, p.vocab) : FloatMatrix();
