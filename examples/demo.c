@@ -204,6 +204,7 @@ int main(int argc, char** argv) {
   printf("fusedce %u.%u.%u\n", fce_version() / 10000, fce_version() / 100 % 100, fce_version() % 100);
   if (fce_version() != FCE_VERSION_NUMBER) { fprintf(stderr, "header/library version mismatch\n"); return 1; }
   g_gpu = !force_cpu && fce_cuda_available();
+  printf("%s\n", fce_build_info());
   printf("backend: %s\n\n", g_gpu ? "CUDA" : "CPU (no CUDA device, or --cpu)");
   if (g_gpu) {
     demo_cross_entropy(small ? 256 : 16384, small ? 32000 : 128256, FCE_BFLOAT16);

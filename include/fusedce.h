@@ -118,7 +118,8 @@ typedef struct fce_options {
   int64_t shift_seq_len;      /* T > 0: causal shift, row b*T+t is scored against target
                                  b*T+t+1, rows with t = T-1 are ignored; rows % T must be 0.
                                  0 = no shift */
-  int64_t hidden_row_stride;  /* fce_linear_ce: elements between rows of hidden; 0 = hidden size */
+  int64_t hidden_row_stride;  /* fce_linear_ce: elements between rows of hidden (any value >=
+                                 hidden; unused with one row); 0 = hidden size */
   int32_t backend;            /* fce_backend: FCE_BACKEND_CUDA */
   int32_t dtype;              /* fce_dtype of logits / hidden, weight, bias, and of their
                                  gradients (but see grad_weight_fp32): FCE_FLOAT32 */
@@ -129,7 +130,7 @@ typedef struct fce_options {
                                  divided by the count of non-ignored rows, not by the class
                                  weights' sum): 0 */
   float softcap;              /* c >= 0: a = c * tanh(a / c) when c > 0: 0 (off) */
-  float logit_scale;          /* s, finite: a = s * z before anything else: 1 */
+  float logit_scale;          /* s, finite and nonzero: a = s * z before anything else: 1 */
   int32_t deterministic;      /* nonzero: bitwise-identical results run to run. Every path of
                                  this version is deterministic; the flag keeps it so. */
   int32_t accumulate;         /* fce_linear_ce: nonzero adds into grad_weight and grad_bias
@@ -332,6 +333,12 @@ FCE_API fce_status fce_scale_gradient(int32_t backend, int32_t dtype, int64_t co
 /* ---------------------------------------------------------------- backends ---- */
 /* 1 when this build has the CUDA backend and a CUDA device is visible, else 0. */
 FCE_API int fce_cuda_available(void);
+
+/* One line naming what this library was built with and runs on, e.g. "fusedce 0.3.0; backends:
+ * cpu, cuda (sm 80 90, CUDA 13.0.48; device visible); BLAS: OpenBLAS (OpenBLAS 0.3.21 DYNAMIC_ARCH
+ * NO_AFFINITY Haswell MAX_THREADS=64, 2 threads)". Static storage: valid for the library's
+ * lifetime. (0.3) */
+FCE_API const char* fce_build_info(void);
 
 #ifdef __cplusplus
 } /* extern "C" */

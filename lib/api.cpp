@@ -458,6 +458,9 @@ FCE_API fce_status fce_linear_ce(const fce_options* options, int64_t rows, int64
     return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: grad_bias is given but bias is NULL", fn);
   FCE_TRY(check_stride(fn, "options->hidden_row_stride", o->hidden_row_stride, hidden,
                        &p.hidden_row_stride));
+  // One row has no "next row": its stride is never used, whatever it is (the header allows any
+  // stride >= hidden), so the backends see the dense value (BLAS and cuBLASLt take int ones).
+  if (rows == 1) p.hidden_row_stride = hidden;
   const size_t esize = fce::dtype_size(o->dtype), tsize = fce::dtype_size(o->target_dtype);
   const size_t gw_size = o->grad_weight_fp32 ? 4 : esize;
   const int64_t h_bytes = span_bytes(rows, hidden, p.hidden_row_stride, esize);

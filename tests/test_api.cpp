@@ -21,6 +21,20 @@ TEST(Api, Version) {
       << "library built from another header version";
 }
 
+// fce_build_info: one line naming the version, the backends and the CPU backend's BLAS; the same
+// pointer on every call.
+TEST(Api, BuildInfo) {
+  const char* info = fce_build_info();
+  ASSERT_NE(info, nullptr);
+  char want[64];
+  std::snprintf(want, sizeof want, "fusedce %d.%d.%d; backends: cpu", FCE_VERSION_MAJOR,
+                FCE_VERSION_MINOR, FCE_VERSION_PATCH);
+  EXPECT_EQ(std::string(info).rfind(want, 0), 0u) << info;
+  EXPECT_NE(std::string(info).find("; BLAS: "), std::string::npos) << info;
+  EXPECT_EQ(std::string(info).find('\n'), std::string::npos) << info;
+  EXPECT_EQ(fce_build_info(), info);
+}
+
 TEST(Api, StatusStrings) {
   const std::pair<fce_status, const char*> codes[] = {
       {FCE_SUCCESS, "FCE_SUCCESS"},

@@ -788,6 +788,28 @@ TEST_F(LinearBadInput, ValidBaselineSucceeds) {
   ASSERT_TRUE(finish());
 }
 
+// One row: its hidden_row_stride is never used, so any stride >= hidden works, even one past
+// INT_MAX (which BLAS and cuBLASLt could not take): the same loss and gradients as dense.
+TEST_F(LinearBadInput, OneRowTakesAnyHiddenStride) {
+  LinArgs x = a;
+  x.opts = &x.o;
+  x.rows = 1;
+  x.o.reduction = FCE_REDUCTION_SUM;
+  x.gw = nullptr, x.gb = nullptr;  // grad_hidden only: compared below
+  ASSERT_EQ(call(x), FCE_SUCCESS) << fce_last_error();
+  ASSERT_TRUE(finish());
+  loss.pull();
+  gh.pull();
+  const std::vector<uint8_t> dense_loss = loss.mirror(), dense_gh = gh.mirror();
+  x.o.hidden_row_stride = int64_t{INT32_MAX} + 5;
+  ASSERT_EQ(call(x), FCE_SUCCESS) << fce_last_error();
+  ASSERT_TRUE(finish());
+  loss.pull();
+  gh.pull();
+  EXPECT_TRUE(unchanged(loss, dense_loss, "loss with a huge stride of one row"));
+  EXPECT_TRUE(unchanged(gh, dense_gh, "grad_hidden with a huge stride of one row"));
+}
+
 TEST_F(LinearBadInput, NullPointers) {
   expect_rejected("options NULL", FCE_ERROR_NULL_POINTER, "options", [](LinArgs& x) { x.opts = nullptr; });
   expect_rejected("hidden_states NULL", FCE_ERROR_NULL_POINTER, "hidden_states", [](LinArgs& x) { x.h = nullptr; });

@@ -19,7 +19,9 @@ have_header() {  # have_header NAME: found in the usual include folders
 missing=()
 command -v cmake >/dev/null || missing+=(cmake)
 command -v g++ >/dev/null || missing+=(g++)
-have_header cblas.h || missing+=(libopenblas-dev)
+# OpenBLAS itself (its openblas_config.h), not just any cblas.h: Debian's reference BLAS
+# (libblas-dev) also has one, and the CPU backend would then run ~35x slower
+have_header openblas_config.h || missing+=(libopenblas-dev)
 have_header gtest/gtest.h || missing+=(libgtest-dev)
 if [ "$MODE" = test ]; then
   command -v pkg-config >/dev/null || missing+=(pkg-config)
@@ -44,4 +46,30 @@ PYTHON=${PYTHON:-python3}
 if ! "$PYTHON" -c "import numpy, pytest" >/dev/null 2>&1; then
   echo "setup: installing Python packages: numpy pytest"
   "$PYTHON" -m pip install -q --disable-pip-version-check numpy pytest
+fi
+
+# ---- tests/fuzz (make fuzz, run by make test): clang++ able to link a libFuzzer target with
+# AddressSanitizer + UndefinedBehaviorSanitizer. Debian 12 keeps the compiler-rt runtimes in
+# libclang-rt-<N>-dev (libclang-rt-dev: the default N's); older releases in
+# libclang-common-<N>-dev, which clang itself pulls in. (make test-asan needs nothing more:
+# g++'s libasan and libubsan come with it.)
+fuzz_runtime() {
+  command -v clang++ >/dev/null || return 1
+  local dir
+  dir=$(clang++ -print-resource-dir 2>/dev/null) || return 1
+  find "$dir" -name 'libclang_rt.fuzzer*.a' 2>/dev/null | grep -q . \
+    && find "$dir" -name 'libclang_rt.asan*.a' 2>/dev/null | grep -q .
+}
+if ! fuzz_runtime; then
+  if ! command -v apt-get >/dev/null; then
+    echo "setup: make fuzz needs clang with libFuzzer (compiler-rt) and no apt-get to install it" >&2
+    exit 1
+  fi
+  export DEBIAN_FRONTEND=noninteractive
+  fz=(clang)
+  $SUDO apt-get update -qq
+  apt-cache show libclang-rt-dev >/dev/null 2>&1 && fz+=(libclang-rt-dev)
+  echo "setup: installing Debian packages for the fuzz target: ${fz[*]}"
+  $SUDO apt-get install -y -qq "${fz[@]}" >/dev/null
+  fuzz_runtime || { echo "setup: clang++ still cannot find libFuzzer (libclang_rt.fuzzer)" >&2; exit 1; }
 fi

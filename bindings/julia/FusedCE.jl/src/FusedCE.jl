@@ -58,7 +58,7 @@ module FusedCE
 
 const Libdl = Base.Libc.Libdl
 
-export FusedCEError, FceOptions, forward, forward!, backward, backward!, backward_rescale!,
+export FusedCEError, FceOptions, build_info, forward, forward!, backward, backward!, backward_rescale!,
        linear_ce, linear_ce!, scale_gradient!
 
 # ------------------------------------------------------------------------------ the library
@@ -224,6 +224,14 @@ end
 Whether the library has the CUDA backend and sees a CUDA device (`fce_cuda_available()`).
 """
 cuda_available() = fce_cuda_available() != 0
+
+"""
+    build_info() -> String
+
+What the loaded library was built with and runs on, one line (`fce_build_info()`): version,
+backends, the CPU backend's BLAS.
+"""
+build_info() = unsafe_string(fce_build_info())
 
 # ------------------------------------------------------------------------------ options
 

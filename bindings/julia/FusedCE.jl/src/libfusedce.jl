@@ -103,7 +103,7 @@ const FCE_OPTIONS_INIT = FceOptions(sizeof(FceOptions), C_NULL, -100, 0, 0, 0, 0
 const FCE_FUNCTIONS = (:fce_version, :fce_status_string, :fce_last_error, :fce_options_default,
                        :fce_forward_workspace_size, :fce_forward, :fce_backward_workspace_size,
                        :fce_backward, :fce_backward_rescale, :fce_linear_ce_workspace_size,
-                       :fce_linear_ce, :fce_scale_gradient, :fce_cuda_available)
+                       :fce_linear_ce, :fce_scale_gradient, :fce_cuda_available, :fce_build_info)
 
 # unsigned fce_version(void)
 function fce_version()
@@ -230,4 +230,9 @@ end
 # int fce_cuda_available(void)
 function fce_cuda_available()
     return ccall(libfusedce_symbol(:fce_cuda_available), Cint, ())
+end
+
+# const char* fce_build_info(void)
+function fce_build_info()
+    return ccall(libfusedce_symbol(:fce_build_info), Cstring, ())
 end

@@ -172,6 +172,8 @@ const CASES = [
     @test FusedCE.library_version().major == FusedCE.HEADER_VERSION.major
     @test isfile(FusedCE.library_path())
     @test FusedCE.cuda_available() isa Bool
+    @test startswith(build_info(), "fusedce $(FusedCE.library_version().major).")
+    @test occursin("BLAS: ", build_info())
     @test sizeof(FceOptions) >= FusedCE.FCE_OPTIONS_SIZE_V0_1
     @test sizeof(FceOptions) == FusedCE.FCE_OPTIONS_SIZE_V0_3
     # fce_options_default writes exactly FCE_OPTIONS_INIT over a struct of junk

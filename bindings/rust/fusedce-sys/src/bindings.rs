@@ -608,3 +608,6 @@ extern "C" {
 extern "C" {
     pub fn fce_cuda_available() -> ::std::os::raw::c_int;
 }
+extern "C" {
+    pub fn fce_build_info() -> *const ::std::os::raw::c_char;
+}

@@ -10,9 +10,12 @@ use fusedce::{forward, linear_ce, ForwardBuffers, LinearCeBuffers, Options, Redu
 
 fn main() -> Result<(), fusedce::Error> {
     fusedce::check_version()?;
+    let v = fusedce::version();
     println!(
-        "libfusedce {} (CUDA backend available: {})",
-        fusedce::version(),
+        "libfusedce {}.{}.{} (CUDA backend available: {})",
+        v / 10000,
+        v / 100 % 100,
+        v % 100,
         fusedce::cuda_available()
     );
 

@@ -91,3 +91,12 @@ pub fn cuda_available() -> bool {
     // SAFETY: no arguments.
     unsafe { sys::fce_cuda_available() != 0 }
 }
+
+/// What the loaded library was built with and runs on, one line (`fce_build_info()`): version,
+/// backends, the CPU backend's BLAS.
+pub fn build_info() -> String {
+    // SAFETY: no arguments; the library returns a NUL-terminated string of static storage.
+    unsafe { std::ffi::CStr::from_ptr(sys::fce_build_info()) }
+        .to_string_lossy()
+        .into_owned()
+}

@@ -338,6 +338,15 @@ fn version_and_default_options_match_the_library() {
 }
 
 #[test]
+fn build_info_names_the_version_and_the_blas() {
+    let info = fusedce::build_info();
+    let v = fusedce::version();
+    let want = format!("fusedce {}.{}.{}", v / 10000, v / 100 % 100, v % 100);
+    assert!(info.starts_with(&want), "{info}");
+    assert!(info.contains("BLAS: "), "{info}");
+}
+
+#[test]
 fn options_builder_sets_every_field() {
     let weights = [1.0f32; 4];
     let o = Options::new()
