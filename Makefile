@@ -4,6 +4,11 @@
 #   make test       set up, build, run every test that needs no GPU (what CI runs)
 #   make test-gpu   the same suites on the CUDA backend, under compute-sanitizer, torch parity
 #   make bench      the benchmarks (on a GPU machine); writes bench/results/
+#   make bench-cpu  the CPU backend against torch CPU (or NumPy); writes bench/results/cpu-*.json
+#   make fuzz       the libFuzzer target over every entry point's argument checks (CPU backend,
+#                   clang, ASan+UBSan; tests/fuzz): FUZZ_SECONDS (300) of it, from the corpus in
+#                   tests/fuzz/corpus; FUZZ_MERGE=1 adds what it found there. make test: 60 s
+#   make test-asan  the CPU test suites built with AddressSanitizer + UBSan (build-asan/)
 #   make install PREFIX=/usr/local
 BUILD ?= build
 PREFIX ?= /usr/local
@@ -12,8 +17,11 @@ CUDA_ARCHS ?= 80;90
 NVCC := $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
 WITH_CUDA ?= $(if $(NVCC),ON,OFF)
 PYTHON ?= python3
+FUZZ_BUILD ?= build-fuzz
+FUZZ_SECONDS ?= 300
+ASAN_BUILD ?= build-asan
 
-.PHONY: all setup setup-demo configure build demo test test-c test-python test-rust test-julia test-examples test-gpu bench install clean
+.PHONY: all setup setup-demo configure build demo test test-gpu bench bench-cpu install clean fuzz test-asan
 
 all: build
 
@@ -28,7 +36,13 @@ $(BUILD)/CMakeCache.txt:
 	  "-DCMAKE_CUDA_ARCHITECTURES=$(CUDA_ARCHS)" $(if $(NVCC),-DCMAKE_CUDA_COMPILER=$(NVCC)) \
 	  -DCMAKE_INSTALL_PREFIX=$(PREFIX)
 
+# An existing build/ keeps the CUDA architectures it was configured with: re-configure when
+# `make CUDA_ARCHS=...` asks for others (cmake would otherwise keep the cached value silently).
+CACHED_ARCHS = $(shell sed -n 's/^CMAKE_CUDA_ARCHITECTURES:[A-Z]*=//p' $(BUILD)/CMakeCache.txt 2>/dev/null)
 configure: $(BUILD)/CMakeCache.txt
+	@if [ "$(WITH_CUDA)" = ON ] && [ -n "$(CACHED_ARCHS)" ] && [ "$(CACHED_ARCHS)" != "$(CUDA_ARCHS)" ]; then \
+	  echo "configure: CUDA_ARCHS changed ($(CACHED_ARCHS) -> $(CUDA_ARCHS)): re-configuring $(BUILD)"; \
+	  cmake -S . -B $(BUILD) "-DCMAKE_CUDA_ARCHITECTURES=$(CUDA_ARCHS)" >/dev/null; fi
 
 build: configure
 	cmake --build $(BUILD) -j $(JOBS)
@@ -37,13 +51,22 @@ demo: setup-demo build
 	$(BUILD)/examples/demo
 
 test: setup build
-	@bash tools/run_tests.sh $(BUILD)
+	@FUZZ_BUILD=$(FUZZ_BUILD) ASAN_BUILD=$(ASAN_BUILD) bash tools/run_tests.sh $(BUILD)
+
+fuzz: setup
+	@bash tools/run_fuzz.sh $(FUZZ_BUILD) $(FUZZ_SECONDS)
+
+test-asan: setup
+	@bash tools/run_asan.sh $(ASAN_BUILD)
 
 test-gpu: build
 	@bash tools/run_gpu_tests.sh $(BUILD)
 
 bench: build
 	@bash bench/run.sh $(BUILD)
+
+bench-cpu: build
+	FUSEDCE_LIBRARY=$(BUILD)/libfusedce.so PYTHONPATH=bindings/python $(PYTHON) bench/bench_cpu.py
 
 install: build
 	cmake --install $(BUILD) --prefix $(PREFIX)

@@ -39,6 +39,11 @@ fi
 if [ -x "$BUILD/examples/cpp_example" ]; then
   suite "C++ example (CPU backend)" "$BUILD/examples/cpp_example" --cpu
 fi
+suite "README code blocks (tools/check_readme.py)" "$PYTHON" "$ROOT/tools/check_readme.py" "$BUILD"
+# pip install ./bindings/python into a fresh virtual environment (CPU-only build), then the
+# Python tests against that installed package with no FUSEDCE_LIBRARY set
+suite "pip install ./bindings/python (fresh venv, CPU-only)" env -u FUSEDCE_LIBRARY \
+  bash "$ROOT/tools/test_pip_install.sh"
 echo "SKIPPED: GPU tests (make test-gpu) need a CUDA device; this run tests the CPU backend"
 echo
 [ $failed -gt 0 ] && echo "failed suites: ${failed_names[*]}"

@@ -7,15 +7,17 @@
 The core (this namespace, :mod:`fusedce.core`) takes NumPy arrays (CPU backend), torch tensors
 and any ``__cuda_array_interface__`` / DLPack array; :mod:`fusedce.torch` adds autograd,
 ``torch.compile`` support and ``torch.nn`` modules. The shared library is loaded on first use
-(``FUSEDCE_LIBRARY``, then beside the package, then the system path); see :mod:`fusedce._lib`.
+(``FUSEDCE_LIBRARY`` when set, else the one ``pip install`` put in the package, then the
+system path); see :mod:`fusedce._lib`. ``python -m fusedce`` says which and what it was built
+with.
 """
 
 from ._lib import (HEADER_VERSION_MAJOR, HEADER_VERSION_MINOR, HEADER_VERSION_NUMBER,
                    HEADER_VERSION_PATCH, BackendUnavailableError, CublasError, CudaError,
                    FusedCEError, InternalError, InvalidArgumentError, LibraryNotFoundError,
                    MisalignedError, NullPointerError, UnsupportedError, VersionMismatchError,
-                   WorkspaceTooSmallError, cuda_available, last_error, library_path, load,
-                   status_string)
+                   WorkspaceTooSmallError, build_info, cuda_available, last_error,
+                   library_origin, library_path, load, status_string)
 from .core import (REDUCTIONS, ForwardResult, LinearCEResult, backward,
                    backward_workspace_size, bfloat16_bits_to_float, check_error_flags,
                    float_to_bfloat16_bits, forward, forward_workspace_size, linear_ce,
@@ -35,7 +37,8 @@ __all__ = [
     "forward", "backward", "linear_ce", "forward_workspace_size", "backward_workspace_size",
     "linear_ce_workspace_size", "ForwardResult", "LinearCEResult", "REDUCTIONS",
     "check_error_flags", "float_to_bfloat16_bits", "bfloat16_bits_to_float", "cuda_available",
-    "last_error", "status_string", "library_path", "library_version", "load", "FusedCEError",
+    "last_error", "status_string", "library_path", "library_origin", "library_version",
+    "build_info", "load", "FusedCEError",
     "InvalidArgumentError", "NullPointerError", "MisalignedError", "UnsupportedError",
     "WorkspaceTooSmallError", "BackendUnavailableError", "CudaError", "CublasError",
     "InternalError", "LibraryNotFoundError", "VersionMismatchError", "__version__",

@@ -10,10 +10,14 @@ struct_size they know (``FCE_OPTIONS_SIZE_V0_1``), and asking for an option appe
 
 The library is searched in this order:
   1. the path in the environment variable FUSEDCE_LIBRARY (a file, or a folder holding
-     libfusedce.so);
-  2. beside this package (fusedce/libfusedce.so*, where a wheel or a developer may put it);
+     libfusedce.so or libfusedce.so.0), when it is set: an explicit choice, never silently
+     replaced by another library;
+  2. inside this package: fusedce/lib/libfusedce.so* (where ``pip install``/``pip wheel`` of
+     bindings/python put the library they build), then fusedce/libfusedce.so* (where a developer
+     may copy one);
   3. the system: ctypes.util.find_library("fusedce"), then "libfusedce.so.0" (the soname) and
      "libfusedce.so" through the dynamic loader's own path (LD_LIBRARY_PATH, ldconfig).
+:func:`library_origin` says which of them the loaded library came from.
 """
 
 from __future__ import annotations
@@ -183,25 +187,31 @@ def error_for_status(status: int, message: str, function: str = "") -> FusedCEEr
 # --------------------------------------------------------------------------- loading ----
 _LIB = None
 _LIB_PATH = None
+_LIB_ORIGIN = None
 _LIB_VERSION = 0
 _LOCK = threading.Lock()
 
+# where the package's own copy of the library lives (CMakeLists.txt's last block installs it)
+PACKAGED_LIBRARY_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lib")
+
 
 def _candidates():
-    """(description, path-or-name) pairs, in search order."""
+    """(origin, path-or-name) pairs, in search order."""
     env = os.environ.get("FUSEDCE_LIBRARY")
     if env:
         if os.path.isdir(env):
-            for name in ("libfusedce.so", "libfusedce.so.0", "libfusedce.dylib"):
+            for name in ("libfusedce.so", "libfusedce.so.%d" % HEADER_VERSION_MAJOR,
+                         "libfusedce.dylib"):
                 yield ("FUSEDCE_LIBRARY", os.path.join(env, name))
         else:
             yield ("FUSEDCE_LIBRARY", env)
         return  # an explicit choice is never silently replaced by another library
-    here = os.path.dirname(os.path.abspath(__file__))
-    for path in sorted(glob.glob(os.path.join(here, "libfusedce.so*"))) + sorted(
-        glob.glob(os.path.join(here, "libfusedce*.dylib"))
-    ):
-        yield ("beside the package", path)
+    here = os.path.dirname(PACKAGED_LIBRARY_DIR)
+    for folder, origin in ((PACKAGED_LIBRARY_DIR, "packaged"), (here, "beside the package")):
+        for path in sorted(glob.glob(os.path.join(folder, "libfusedce.so*"))) + sorted(
+            glob.glob(os.path.join(folder, "libfusedce*.dylib"))
+        ):
+            yield (origin, path)
     found = ctypes.util.find_library("fusedce")
     if found:
         yield ("ctypes.util.find_library", found)
@@ -235,6 +245,10 @@ def _declare(lib) -> None:
         fn = getattr(lib, name)  # AttributeError names the missing symbol
         fn.restype = restype
         fn.argtypes = argtypes
+    # optional symbols, absent from older libraries of the same major version
+    if hasattr(lib, "fce_build_info"):  # 0.3
+        lib.fce_build_info.restype = c.c_char_p
+        lib.fce_build_info.argtypes = []
 
 
 def check_version(library_version: int, header_version: int = HEADER_VERSION_NUMBER) -> None:
@@ -280,7 +294,7 @@ def format_version(number: int) -> str:
 
 def load(reload: bool = False):
     """The loaded ctypes.CDLL (loading it on first use). Raises LibraryNotFoundError."""
-    global _LIB, _LIB_PATH, _LIB_VERSION
+    global _LIB, _LIB_PATH, _LIB_ORIGIN, _LIB_VERSION
     with _LOCK:
         if _LIB is not None and not reload:
             return _LIB
@@ -313,16 +327,35 @@ def load(reload: bool = False):
                     "fce_options_default() of libfusedce %s (struct_size %d) does not fill the "
                     "defaults this binding expects: the header and this binding disagree" %
                     (format_version(lib_version), size))
-            _LIB, _LIB_PATH, _LIB_VERSION = lib, path, int(lib_version)
+            _LIB, _LIB_PATH, _LIB_ORIGIN, _LIB_VERSION = lib, path, origin, int(lib_version)
             return lib
         raise LibraryNotFoundError(
-            "libfusedce not found; set FUSEDCE_LIBRARY to the path of libfusedce.so "
-            "(e.g. build/libfusedce.so). Tried:\n  " + "\n  ".join(tried))
+            "libfusedce not found; `pip install ./bindings/python` builds it into the package, "
+            "or set FUSEDCE_LIBRARY to the path of libfusedce.so (e.g. build/libfusedce.so). "
+            "Tried:\n  " + "\n  ".join(tried or ["(nothing: no candidate)"]))
 
 
 def library_path() -> str:
+    """The path (or, for one found by the dynamic loader, the name) of the loaded library."""
     load()
     return _LIB_PATH
+
+
+def library_origin() -> str:
+    """Where the loaded library was found: "FUSEDCE_LIBRARY", "packaged" (fusedce/lib, put there
+    by pip), "beside the package", "ctypes.util.find_library" or "system loader"."""
+    load()
+    return _LIB_ORIGIN
+
+
+def build_info():
+    """fce_build_info(): one line naming the library's version, backends and BLAS; None for a
+    library older than 0.3, which does not have it."""
+    lib = load()
+    if not hasattr(lib, "fce_build_info"):
+        return None
+    s = lib.fce_build_info()
+    return s.decode("utf-8", "replace") if s else ""
 
 
 # ----------------------------------------------------------------- thin C wrappers ----
