@@ -238,6 +238,7 @@ fce_status ce_workspace_query(const char* fn, const fce_options* options, int64_
   fce::CeOptions opt;
   FCE_TRY(check_options(fn, &o, rows, vocab, &opt));
   if (!bytes) return fail(FCE_ERROR_NULL_POINTER, "%s: workspace_bytes is NULL", fn);
+  FCE_TRY(check_alignment(fn, "workspace_bytes", bytes, alignof(size_t)));
   *bytes = ce_workspace(&o, opt, rows, vocab, backward);
   return FCE_SUCCESS;
 }
@@ -429,6 +430,8 @@ FCE_API fce_status fce_linear_ce_workspace_size(const fce_options* options, int6
   FCE_TRY(check_options(fn, &o, rows, vocab, &opt));
   FCE_TRY(check_hidden(fn, hidden));
   if (!min_bytes) return fail(FCE_ERROR_NULL_POINTER, "%s: min_bytes is NULL", fn);
+  FCE_TRY(check_alignment(fn, "min_bytes", min_bytes, alignof(size_t)));
+  FCE_TRY(check_alignment(fn, "optimal_bytes", optimal_bytes, alignof(size_t)));
   size_t lo = 0, hi = 0;
   linear_workspace(&o, opt, rows, hidden, vocab, with_grad != 0, &lo, &hi);
   *min_bytes = lo;

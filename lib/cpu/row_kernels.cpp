@@ -43,7 +43,9 @@ inline __attribute__((always_inline)) float fast_expf(float x) {
   std::memcpy(&ti, &t, 4);
   const int32_t ni = ti - 0x4b400000;  // n as an integer, in [−150, 128]
   const int32_t n1 = ni >> 1, n2 = ni - n1;
-  const int32_t b1 = (n1 + 127) << 23, b2 = (n2 + 127) << 23;
+  // unsigned: for a NaN or ±inf x (whose result is chosen below) the exponent is garbage, and a
+  // signed shift out of range would be undefined behaviour
+  const uint32_t b1 = static_cast<uint32_t>(n1 + 127) << 23, b2 = static_cast<uint32_t>(n2 + 127) << 23;
   float s1, s2;
   std::memcpy(&s1, &b1, 4);
   std::memcpy(&s2, &b2, 4);
