@@ -51,7 +51,7 @@ extern "C" {
 
 /* ---------------------------------------------------------------- version ---- */
 #define FCE_VERSION_MAJOR 0
-#define FCE_VERSION_MINOR 3
+#define FCE_VERSION_MINOR 4
 #define FCE_VERSION_PATCH 0
 #define FCE_VERSION_NUMBER (FCE_VERSION_MAJOR * 10000 + FCE_VERSION_MINOR * 100 + FCE_VERSION_PATCH)
 
@@ -307,6 +307,131 @@ FCE_API fce_status fce_linear_ce(const fce_options* options, int64_t rows, int64
                                  float* z_loss, void* grad_hidden, void* grad_weight,
                                  void* grad_bias, const float* grad_output, uint32_t* error_flags,
                                  void* workspace, size_t workspace_bytes, void* stream);
+
+/* ---------------------------------------------------- vocabulary-parallel ---- */
+/*
+ * The output layer sharded over the vocabulary (Megatron's tensor parallelism): each of P ranks
+ * holds classes [vocab_start, vocab_start + vocab_local) of vocab_total: its logits' columns, or
+ * the rows W[vocab_start : vocab_start + vocab_local, :] of the weight (and of the bias). The
+ * loss needs the whole row's softmax, so a step has two phases around one collective that the
+ * caller runs with its own communicator (or libfusedce_nccl, fusedce_nccl.h, does it all):
+ *
+ *   1. fce_vp_stats / fce_vp_linear_stats: each rank writes FCE_VP_STATS float32 per row of
+ *      partial statistics of its shard into stats [rows, FCE_VP_STATS] (never the logits);
+ *   2. the caller ALL-GATHERS the ranks' stats buffers, in any rank order, into
+ *      gathered_stats [ranks, rows, FCE_VP_STATS] (rank-major: what ncclAllGather or
+ *      torch.distributed.all_gather_into_tensor makes of the [rows, FCE_VP_STATS] buffers);
+ *   3. fce_vp_loss: the loss (and lse, z_loss, argmax, accuracy) from gathered_stats, identical
+ *      on every rank (the same inputs in the same order: bit for bit); and for training
+ *      fce_vp_backward / fce_vp_linear_backward: the gradient of this rank's shard from
+ *      gathered_stats. fce_vp_linear_backward's grad_hidden is this rank's PARTIAL ∂h (its
+ *      columns' share); the true ∂h is the sum over ranks: ALL-REDUCE (sum) it.
+ *
+ * The combination is fixed (lib/SEMANTICS.md rule 16): with each rank's row maximum m_r and
+ * s_r = Σ exp(a_j − m_r) over its shard, M = max_r m_r, S = Σ_r s_r·exp(m_r − M) (ranks in
+ * their gathered order), lse = M + log S, and the target logit from the one shard that holds
+ * the target. Every call below has the same options as the one-GPU calls (reduction, ignore_index,
+ * class_weights [vocab_total] — the WHOLE vocabulary's weights on every rank —, label
+ * smoothing, z-loss, softcap, logit_scale, shift, token_scaling; argmax and accuracy are written by
+ * fce_vp_loss), and the loss, the gradients and the mean's denominator are those of the
+ * unsharded call to float32 rounding. All ranks must pass the same options, rows, vocab_total
+ * and targets. If the gathered statistics do not tile [0, vocab_total) — their vocab_local do
+ * not sum to vocab_total, a row's target is held by no shard or by two, or two shards report the
+ * same argmax (a shard's statistics gathered twice) — the rows concerned get a NaN loss and
+ * gradient and FCE_FLAG_SHARDS_INCONSISTENT is set. (What cannot be seen from the statistics is
+ * not caught: statistics of another step, or shards that overlap without sharing an argmax.)
+ *
+ * Same promises as every call: caller-owned memory, one stream, no allocation, no host
+ * synchronisation, graph-capturable, deterministic. Sizes: rows >= 1, ranks >= 1,
+ * 1 <= vocab_local, 0 <= vocab_start, vocab_start + vocab_local <= vocab_total <= 2^31-1.
+ * stats and gathered_stats are float32 in the backend's memory, aligned to 16 bytes. (0.4)
+ */
+#define FCE_VP_STATS 8 /* float32 per row of a shard's statistics (the layout is internal) */
+
+/* Bit of error_flags: gathered statistics that do not tile the vocabulary (see above). */
+#define FCE_FLAG_SHARDS_INCONSISTENT 2u
+
+/* Phase 1 over this rank's logits [rows, vocab_local] (options->row_stride apart): writes
+ * stats [rows, FCE_VP_STATS]. One read of the logits; no workspace. targets are the global
+ * class indices (the same array on every rank). */
+FCE_API fce_status fce_vp_stats(const fce_options* options, int64_t rows, int64_t vocab_total,
+                                int64_t vocab_start, int64_t vocab_local, const void* logits,
+                                const void* targets, float* stats, void* stream);
+
+/* Workspace bytes fce_vp_loss needs. */
+FCE_API fce_status fce_vp_loss_workspace_size(const fce_options* options, int64_t ranks,
+                                              int64_t rows, int64_t vocab_total,
+                                              size_t* workspace_bytes);
+
+/* Phase 3, the loss: loss ([1] for mean/sum, [rows] for none; required), lse [rows], z_loss [1]
+ * (optional), options->argmax and ->accuracy (optional), as fce_forward writes them for the
+ * unsharded logits. error_flags as fce_forward (targets outside [0, vocab_total)) plus
+ * FCE_FLAG_SHARDS_INCONSISTENT. Reads only gathered_stats and the targets. */
+FCE_API fce_status fce_vp_loss(const fce_options* options, int64_t ranks, int64_t rows,
+                               int64_t vocab_total, const void* targets,
+                               const float* gathered_stats, float* loss, float* lse,
+                               float* z_loss, uint32_t* error_flags, void* workspace,
+                               size_t workspace_bytes, void* stream);
+
+/* Workspace bytes fce_vp_backward needs. */
+FCE_API fce_status fce_vp_backward_workspace_size(const fce_options* options, int64_t ranks,
+                                                  int64_t rows, int64_t vocab_total,
+                                                  int64_t vocab_local, size_t* workspace_bytes);
+
+/* Phase 3, the gradient of this rank's logits: grad_logits [rows, vocab_local]
+ * (options->grad_row_stride apart; may be logits itself, in place, as for fce_backward), for
+ * the upstream grad_output (as fce_backward: NULL = 1). One read of the logits, one write. */
+FCE_API fce_status fce_vp_backward(const fce_options* options, int64_t ranks, int64_t rows,
+                                   int64_t vocab_total, int64_t vocab_start, int64_t vocab_local,
+                                   const void* logits, const void* targets,
+                                   const float* gathered_stats, const float* grad_output,
+                                   void* grad_logits, uint32_t* error_flags, void* workspace,
+                                   size_t workspace_bytes, void* stream);
+
+/* Workspace of fce_vp_linear_stats (phase 1 of the fused linear + CE; min_bytes required,
+ * optimal_bytes may be NULL). */
+FCE_API fce_status fce_vp_linear_stats_workspace_size(const fce_options* options, int64_t rows,
+                                                      int64_t hidden, int64_t vocab_local,
+                                                      size_t* min_bytes, size_t* optimal_bytes);
+
+/* Phase 1 of the fused linear + CE: the statistics of z = hidden · weightᵀ + bias over this
+ * rank's weight [vocab_local, hidden] and bias [vocab_local] (or NULL), the logits made piece
+ * by piece in the workspace as fce_linear_ce makes them (2·N·D·vocab_local FLOPs). */
+FCE_API fce_status fce_vp_linear_stats(const fce_options* options, int64_t rows, int64_t hidden,
+                                       int64_t vocab_total, int64_t vocab_start,
+                                       int64_t vocab_local, const void* hidden_states,
+                                       const void* weight, const void* bias, const void* targets,
+                                       float* stats, void* workspace, size_t workspace_bytes,
+                                       void* stream);
+
+/* Workspace of fce_vp_linear_backward for these sizes, grad_hidden_dtype and options (min_bytes
+ * required, optimal_bytes may be NULL). */
+FCE_API fce_status fce_vp_linear_backward_workspace_size(const fce_options* options,
+                                                         int64_t ranks, int64_t rows,
+                                                         int64_t hidden, int64_t vocab_total,
+                                                         int64_t vocab_local,
+                                                         int32_t grad_hidden_dtype,
+                                                         size_t* min_bytes,
+                                                         size_t* optimal_bytes);
+
+/* Phase 3 of the fused linear + CE, the gradients of this rank (6·N·D·vocab_local FLOPs: the
+ * logits are made again, piece by piece):
+ *   grad_hidden   this rank's partial ∂h [rows, hidden] dense, of grad_hidden_dtype
+ *                 (FCE_FLOAT32, or options->dtype), always overwritten; the caller sums it
+ *                 over ranks (all-reduce; float32 keeps that sum exact to float32); or NULL.
+ *   grad_weight   ∂W of this rank's rows [vocab_local, hidden], grad_bias ∂b [vocab_local]: as
+ *                 fce_linear_ce's (dtype or float32 by grad_weight_fp32; options->accumulate).
+ * At least one gradient pointer must be given. */
+FCE_API fce_status fce_vp_linear_backward(const fce_options* options, int64_t ranks, int64_t rows,
+                                          int64_t hidden, int64_t vocab_total,
+                                          int64_t vocab_start, int64_t vocab_local,
+                                          const void* hidden_states, const void* weight,
+                                          const void* bias, const void* targets,
+                                          const float* gathered_stats, const float* grad_output,
+                                          void* grad_hidden, int32_t grad_hidden_dtype,
+                                          void* grad_weight, void* grad_bias,
+                                          uint32_t* error_flags, void* workspace,
+                                          size_t workspace_bytes, void* stream);
 
 /* --------------------------------------------------------- upstream scale ---- */
 /*

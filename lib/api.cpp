@@ -201,13 +201,15 @@ fce_status check_forward_outputs(const char* fn, const fce_options& o, int64_t r
   return FCE_SUCCESS;
 }
 
+// cols_name: what the row's columns are called in the message (default: "hidden" for the
+// hidden states' stride, else "vocab").
 fce_status check_stride(const char* fn, const char* name, int64_t stride, int64_t cols,
-                        int64_t* resolved) {
+                        int64_t* resolved, const char* cols_name = nullptr) {
   if (stride == 0) stride = cols;
+  if (!cols_name) cols_name = std::strstr(name, "hidden") ? "hidden" : "vocab";
   if (stride < cols)
     return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: %s (%lld) is less than %s (%lld)", fn, name,
-                (long long)stride, std::strstr(name, "hidden") ? "hidden" : "vocab",
-                (long long)cols);
+                (long long)stride, cols_name, (long long)cols);
   *resolved = stride;
   return FCE_SUCCESS;
 }
@@ -352,6 +354,103 @@ fce_status check_hidden(const char* fn, int64_t hidden) {
     return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: hidden (%lld) must be in [1, 2^31-1]", fn,
                 (long long)hidden);
   return FCE_SUCCESS;
+}
+
+// ---- vocabulary-parallel (fce_vp_*) ----
+
+constexpr int64_t kStatsBytes = FCE_VP_STATS * 4;  // one row of a shard's statistics
+
+// vocab_total in [1, 2^31-1], 1 <= vocab_local, and, with a vocab_start (has_start),
+// 0 <= vocab_start and vocab_start + vocab_local <= vocab_total; else vocab_local <= vocab_total.
+fce_status check_vp_vocab(const char* fn, int64_t vocab_total, int64_t vocab_start,
+                          int64_t vocab_local, bool has_start) {
+  if (vocab_total < 1 || vocab_total > kMaxVocab)
+    return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: vocab_total (%lld) must be in [1, 2^31-1]", fn,
+                (long long)vocab_total);
+  if (vocab_local < 1)
+    return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: vocab_local (%lld) must be >= 1", fn,
+                (long long)vocab_local);
+  if (!has_start) {
+    if (vocab_local > vocab_total)
+      return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: vocab_local (%lld) exceeds vocab_total (%lld)",
+                  fn, (long long)vocab_local, (long long)vocab_total);
+    return FCE_SUCCESS;
+  }
+  if (vocab_start < 0)
+    return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: vocab_start (%lld) must be >= 0", fn,
+                (long long)vocab_start);
+  if (vocab_start > vocab_total - vocab_local)
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "%s: vocab_start (%lld) + vocab_local (%lld) exceeds vocab_total (%lld)", fn,
+                (long long)vocab_start, (long long)vocab_local, (long long)vocab_total);
+  return FCE_SUCCESS;
+}
+
+fce_status check_vocab_total(const char* fn, int64_t vocab_total) {
+  return check_vp_vocab(fn, vocab_total, 0, 1, false);
+}
+
+// rows (checked >= 1 by check_options) of stats fit a 64-bit byte offset, and, when the call
+// has a ranks argument (ranks not NULL), ranks >= 1 of them do (gathered_stats [ranks, rows,
+// FCE_VP_STATS]).
+fce_status check_vp_rows(const char* fn, int64_t rows, const int64_t* ranks_arg) {
+  if (rows > kMaxBytes / kStatsBytes)
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "%s: rows (%lld) x FCE_VP_STATS overflows a 64-bit byte offset", fn,
+                (long long)rows);
+  if (!ranks_arg) return FCE_SUCCESS;
+  const int64_t ranks = *ranks_arg;
+  if (ranks < 1)
+    return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: ranks (%lld) must be >= 1", fn,
+                (long long)ranks);
+  if (ranks > kMaxBytes / kStatsBytes / rows)
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "%s: ranks (%lld) x rows (%lld) x FCE_VP_STATS overflows a 64-bit byte offset", fn,
+                (long long)ranks, (long long)rows);
+  return FCE_SUCCESS;
+}
+
+// grad_hidden_dtype of fce_vp_linear_backward: FCE_FLOAT32 or options->dtype.
+fce_status check_grad_hidden_dtype(const char* fn, int32_t grad_hidden_dtype, int32_t dtype) {
+  if (grad_hidden_dtype != FCE_FLOAT32 && grad_hidden_dtype != dtype)
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "%s: grad_hidden_dtype (%d) must be FCE_FLOAT32 or options->dtype (%d)", fn,
+                grad_hidden_dtype, dtype);
+  return FCE_SUCCESS;
+}
+
+// The backends' workspace of fce_vp_loss (backward false; vocab_local 0: not an argument) and
+// fce_vp_backward.
+size_t vp_workspace(const fce_options* o, const fce::CeOptions& opt, int64_t ranks, int64_t rows,
+                    int64_t vocab_total, int64_t vocab_local, bool backward) {
+  return o->backend == FCE_BACKEND_CPU
+             ? fce::cpu_vp_workspace_size(opt, ranks, rows, vocab_total, vocab_local, backward)
+             : fce::cuda_vp_workspace_size(opt, ranks, rows, vocab_total, vocab_local, backward);
+}
+
+// The backends' workspace of fce_vp_linear_stats (backward false: the query knows neither ranks
+// nor vocab_total, so they are passed as 1 and vocab_local, by the query and by the call alike;
+// grad_hidden_dtype FCE_FLOAT32, unused) and fce_vp_linear_backward.
+void vp_linear_workspace(const fce_options* o, const fce::CeOptions& opt, int64_t ranks,
+                         int64_t rows, int64_t hidden, int64_t vocab_total, int64_t vocab_local,
+                         bool backward, int32_t grad_hidden_dtype, size_t* min_bytes,
+                         size_t* optimal_bytes) {
+  const bool fp32 = o->grad_weight_fp32 != 0;
+  if (o->backend == FCE_BACKEND_CPU)
+    fce::cpu_vp_linear_workspace_size(opt, ranks, rows, hidden, vocab_total, vocab_local,
+                                      backward, grad_hidden_dtype, fp32, min_bytes,
+                                      optimal_bytes);
+  else
+    fce::cuda_vp_linear_workspace_size(opt, ranks, rows, hidden, vocab_total, vocab_local,
+                                       backward, grad_hidden_dtype, fp32, min_bytes,
+                                       optimal_bytes);
+}
+
+// The optional size_t outputs of a linear workspace query.
+fce_status linear_query_outputs(const char* fn, size_t* min_bytes, size_t* optimal_bytes) {
+  if (!min_bytes) return fail(FCE_ERROR_NULL_POINTER, "%s: min_bytes is NULL", fn);
+  FCE_TRY(check_alignment(fn, "min_bytes", min_bytes, alignof(size_t)));
+  return check_alignment(fn, "optimal_bytes", optimal_bytes, alignof(size_t));
 }
 
 }  // namespace
@@ -566,6 +665,444 @@ FCE_API fce_status fce_scale_gradient(int32_t backend, int32_t dtype, int64_t co
   if (!fce::cuda_available())
     return fail(FCE_ERROR_BACKEND_UNAVAILABLE, "%s: no CUDA device or no CUDA backend", fn);
   return fce::cuda_scale_gradient(dtype, count, grad, grad_output, stream);
+}
+
+// ---------------------------------------------------------------- vocabulary-parallel ----
+
+FCE_API fce_status fce_vp_stats(const fce_options* options, int64_t rows, int64_t vocab_total,
+                                int64_t vocab_start, int64_t vocab_local, const void* logits,
+                                const void* targets, float* stats, void* stream) {
+  const char* fn = "fce_vp_stats";
+  fce::clear_error();
+  fce_options local;
+  FCE_TRY(read_options(fn, options, &local));
+  const fce_options* o = &local;
+  fce::VpStatsProblem p{};
+  FCE_TRY(check_vp_vocab(fn, vocab_total, vocab_start, vocab_local, true));
+  FCE_TRY(check_options(fn, o, rows, vocab_total, &p.opt));
+  FCE_TRY(check_vp_rows(fn, rows, nullptr));
+  if (!logits) return fail(FCE_ERROR_NULL_POINTER, "%s: logits is NULL", fn);
+  if (!targets) return fail(FCE_ERROR_NULL_POINTER, "%s: targets is NULL", fn);
+  if (!stats) return fail(FCE_ERROR_NULL_POINTER, "%s: stats is NULL", fn);
+  FCE_TRY(check_stride(fn, "options->row_stride", o->row_stride, vocab_local, &p.row_stride,
+                       "vocab_local"));
+  const size_t esize = fce::dtype_size(o->dtype), tsize = fce::dtype_size(o->target_dtype);
+  const int64_t logits_bytes = span_bytes(rows, vocab_local, p.row_stride, esize);
+  if (logits_bytes < 0)
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "%s: rows (%lld) x row stride overflows a 64-bit byte offset", fn,
+                (long long)rows);
+  FCE_TRY(check_alignment(fn, "logits", logits, esize));
+  FCE_TRY(check_alignment(fn, "targets", targets, tsize));
+  FCE_TRY(check_alignment(fn, "stats", stats, 16));
+  const Range ranges[] = {
+      {"logits", logits, static_cast<uint64_t>(logits_bytes), false},
+      {"targets", targets, static_cast<uint64_t>(rows) * tsize, false},
+      {"options->class_weights", o->class_weights, static_cast<uint64_t>(vocab_total) * 4, false},
+      {"stats", stats, static_cast<uint64_t>(rows) * kStatsBytes, true},
+  };
+  FCE_TRY(check_overlaps(fn, ranges, sizeof ranges / sizeof ranges[0]));
+  p.rows = rows;
+  p.vocab_total = vocab_total;
+  p.vocab_start = vocab_start;
+  p.vocab_local = vocab_local;
+  p.logits = logits;
+  p.targets = targets;
+  p.stats = stats;
+  p.stream = stream;
+  return o->backend == FCE_BACKEND_CPU ? fce::cpu_vp_stats(p) : fce::cuda_vp_stats(p);
+}
+
+FCE_API fce_status fce_vp_loss_workspace_size(const fce_options* options, int64_t ranks,
+                                              int64_t rows, int64_t vocab_total,
+                                              size_t* workspace_bytes) {
+  const char* fn = "fce_vp_loss_workspace_size";
+  fce::clear_error();
+  fce_options o;
+  FCE_TRY(read_options(fn, options, &o));
+  FCE_TRY(check_vocab_total(fn, vocab_total));
+  fce::CeOptions opt;
+  FCE_TRY(check_options(fn, &o, rows, vocab_total, &opt));
+  FCE_TRY(check_vp_rows(fn, rows, &ranks));
+  if (!workspace_bytes) return fail(FCE_ERROR_NULL_POINTER, "%s: workspace_bytes is NULL", fn);
+  FCE_TRY(check_alignment(fn, "workspace_bytes", workspace_bytes, alignof(size_t)));
+  *workspace_bytes = vp_workspace(&o, opt, ranks, rows, vocab_total, 0, false);
+  return FCE_SUCCESS;
+}
+
+FCE_API fce_status fce_vp_loss(const fce_options* options, int64_t ranks, int64_t rows,
+                               int64_t vocab_total, const void* targets,
+                               const float* gathered_stats, float* loss, float* lse,
+                               float* z_loss, uint32_t* error_flags, void* workspace,
+                               size_t workspace_bytes, void* stream) {
+  const char* fn = "fce_vp_loss";
+  fce::clear_error();
+  fce_options local;
+  FCE_TRY(read_options(fn, options, &local));
+  const fce_options* o = &local;
+  fce::VpProblem p{};
+  FCE_TRY(check_vocab_total(fn, vocab_total));
+  FCE_TRY(check_options(fn, o, rows, vocab_total, &p.opt));
+  FCE_TRY(check_vp_rows(fn, rows, &ranks));
+  if (!targets) return fail(FCE_ERROR_NULL_POINTER, "%s: targets is NULL", fn);
+  if (!gathered_stats) return fail(FCE_ERROR_NULL_POINTER, "%s: gathered_stats is NULL", fn);
+  if (!loss) return fail(FCE_ERROR_NULL_POINTER, "%s: loss is NULL", fn);
+  const size_t tsize = fce::dtype_size(o->target_dtype);
+  FCE_TRY(check_alignment(fn, "targets", targets, tsize));
+  FCE_TRY(check_alignment(fn, "gathered_stats", gathered_stats, 16));
+  FCE_TRY(check_alignment(fn, "loss", loss, 4));
+  FCE_TRY(check_alignment(fn, "lse", lse, 4));
+  FCE_TRY(check_alignment(fn, "z_loss", z_loss, 4));
+  FCE_TRY(check_alignment(fn, "error_flags", error_flags, 4));
+  Range argmax{}, accuracy{};
+  FCE_TRY(check_forward_outputs(fn, *o, rows, &argmax, &accuracy));
+  const bool per_row = o->reduction == FCE_REDUCTION_NONE;
+  const uint64_t rbytes = static_cast<uint64_t>(rows) * 4;
+  const Range ranges[] = {
+      {"targets", targets, static_cast<uint64_t>(rows) * tsize, false},
+      {"options->class_weights", o->class_weights, static_cast<uint64_t>(vocab_total) * 4, false},
+      {"gathered_stats", gathered_stats,
+       static_cast<uint64_t>(ranks) * static_cast<uint64_t>(rows) * kStatsBytes, false},
+      {"loss", loss, per_row ? rbytes : 4, true},
+      {"lse", lse, rbytes, true},
+      {"z_loss", z_loss, 4, true},
+      {"error_flags", error_flags, 4, true},
+      {"workspace", workspace, workspace_bytes, true},
+      argmax,
+      accuracy,
+  };
+  FCE_TRY(check_overlaps(fn, ranges, sizeof ranges / sizeof ranges[0]));
+  FCE_TRY(check_workspace(fn, vp_workspace(o, p.opt, ranks, rows, vocab_total, 0, false),
+                          workspace, workspace_bytes));
+  p.ranks = ranks;
+  p.rows = rows;
+  p.vocab_total = vocab_total;
+  p.targets = targets;
+  p.gathered = gathered_stats;
+  p.loss = loss;
+  p.lse = lse;
+  p.z_loss = z_loss;
+  p.argmax = o->argmax;
+  p.accuracy = o->accuracy;
+  p.error_flags = error_flags;
+  p.workspace = workspace;
+  p.workspace_bytes = workspace_bytes;
+  p.stream = stream;
+  return o->backend == FCE_BACKEND_CPU ? fce::cpu_vp(p) : fce::cuda_vp(p);
+}
+
+FCE_API fce_status fce_vp_backward_workspace_size(const fce_options* options, int64_t ranks,
+                                                  int64_t rows, int64_t vocab_total,
+                                                  int64_t vocab_local, size_t* workspace_bytes) {
+  const char* fn = "fce_vp_backward_workspace_size";
+  fce::clear_error();
+  fce_options o;
+  FCE_TRY(read_options(fn, options, &o));
+  FCE_TRY(check_vp_vocab(fn, vocab_total, 0, vocab_local, false));
+  fce::CeOptions opt;
+  FCE_TRY(check_options(fn, &o, rows, vocab_total, &opt));
+  FCE_TRY(check_vp_rows(fn, rows, &ranks));
+  if (!workspace_bytes) return fail(FCE_ERROR_NULL_POINTER, "%s: workspace_bytes is NULL", fn);
+  FCE_TRY(check_alignment(fn, "workspace_bytes", workspace_bytes, alignof(size_t)));
+  *workspace_bytes = vp_workspace(&o, opt, ranks, rows, vocab_total, vocab_local, true);
+  return FCE_SUCCESS;
+}
+
+FCE_API fce_status fce_vp_backward(const fce_options* options, int64_t ranks, int64_t rows,
+                                   int64_t vocab_total, int64_t vocab_start, int64_t vocab_local,
+                                   const void* logits, const void* targets,
+                                   const float* gathered_stats, const float* grad_output,
+                                   void* grad_logits, uint32_t* error_flags, void* workspace,
+                                   size_t workspace_bytes, void* stream) {
+  const char* fn = "fce_vp_backward";
+  fce::clear_error();
+  fce_options local;
+  FCE_TRY(read_options(fn, options, &local));
+  const fce_options* o = &local;
+  fce::VpProblem p{};
+  FCE_TRY(check_vp_vocab(fn, vocab_total, vocab_start, vocab_local, true));
+  FCE_TRY(check_options(fn, o, rows, vocab_total, &p.opt));
+  FCE_TRY(check_vp_rows(fn, rows, &ranks));
+  if (!logits) return fail(FCE_ERROR_NULL_POINTER, "%s: logits is NULL", fn);
+  if (!targets) return fail(FCE_ERROR_NULL_POINTER, "%s: targets is NULL", fn);
+  if (!gathered_stats) return fail(FCE_ERROR_NULL_POINTER, "%s: gathered_stats is NULL", fn);
+  if (!grad_logits) return fail(FCE_ERROR_NULL_POINTER, "%s: grad_logits is NULL", fn);
+  FCE_TRY(check_stride(fn, "options->row_stride", o->row_stride, vocab_local, &p.row_stride,
+                       "vocab_local"));
+  FCE_TRY(check_stride(fn, "options->grad_row_stride", o->grad_row_stride, vocab_local,
+                       &p.grad_row_stride, "vocab_local"));
+  const size_t esize = fce::dtype_size(o->dtype), tsize = fce::dtype_size(o->target_dtype);
+  const int64_t logits_bytes = span_bytes(rows, vocab_local, p.row_stride, esize);
+  const int64_t grad_bytes = span_bytes(rows, vocab_local, p.grad_row_stride, esize);
+  if (logits_bytes < 0 || grad_bytes < 0)
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "%s: rows (%lld) x row stride overflows a 64-bit byte offset", fn,
+                (long long)rows);
+  FCE_TRY(check_alignment(fn, "logits", logits, esize));
+  FCE_TRY(check_alignment(fn, "targets", targets, tsize));
+  FCE_TRY(check_alignment(fn, "gathered_stats", gathered_stats, 16));
+  FCE_TRY(check_alignment(fn, "grad_output", grad_output, 4));
+  FCE_TRY(check_alignment(fn, "grad_logits", grad_logits, esize));
+  FCE_TRY(check_alignment(fn, "error_flags", error_flags, 4));
+  if (grad_logits == logits && p.grad_row_stride != p.row_stride)
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "%s: grad_logits is logits (in place) but options->grad_row_stride (%lld) != "
+                "options->row_stride (%lld)",
+                fn, (long long)p.grad_row_stride, (long long)p.row_stride);
+  const bool per_row = o->reduction == FCE_REDUCTION_NONE;
+  enum { kLogits = 0, kGrad = 5 };  // positions in ranges
+  const Range ranges[] = {
+      {"logits", logits, static_cast<uint64_t>(logits_bytes), false},
+      {"targets", targets, static_cast<uint64_t>(rows) * tsize, false},
+      {"options->class_weights", o->class_weights, static_cast<uint64_t>(vocab_total) * 4, false},
+      {"gathered_stats", gathered_stats,
+       static_cast<uint64_t>(ranks) * static_cast<uint64_t>(rows) * kStatsBytes, false},
+      {"grad_output", grad_output, per_row ? static_cast<uint64_t>(rows) * 4 : 4, false},
+      {"grad_logits", grad_logits, static_cast<uint64_t>(grad_bytes), true},
+      {"error_flags", error_flags, 4, true},
+      {"workspace", workspace, workspace_bytes, true},
+  };
+  const bool in_place = grad_logits == logits;
+  FCE_TRY(check_overlaps(fn, ranges, sizeof ranges / sizeof ranges[0], in_place ? kLogits : -1,
+                         in_place ? kGrad : -1));
+  FCE_TRY(check_workspace(fn, vp_workspace(o, p.opt, ranks, rows, vocab_total, vocab_local, true),
+                          workspace, workspace_bytes));
+  p.ranks = ranks;
+  p.rows = rows;
+  p.vocab_total = vocab_total;
+  p.vocab_start = vocab_start;
+  p.vocab_local = vocab_local;
+  p.targets = targets;
+  p.gathered = gathered_stats;
+  p.logits = logits;
+  p.grad_output = grad_output;
+  p.grad = grad_logits;
+  p.error_flags = error_flags;
+  p.workspace = workspace;
+  p.workspace_bytes = workspace_bytes;
+  p.stream = stream;
+  return o->backend == FCE_BACKEND_CPU ? fce::cpu_vp(p) : fce::cuda_vp(p);
+}
+
+FCE_API fce_status fce_vp_linear_stats_workspace_size(const fce_options* options, int64_t rows,
+                                                      int64_t hidden, int64_t vocab_local,
+                                                      size_t* min_bytes, size_t* optimal_bytes) {
+  const char* fn = "fce_vp_linear_stats_workspace_size";
+  fce::clear_error();
+  fce_options o;
+  FCE_TRY(read_options(fn, options, &o));
+  if (vocab_local < 1 || vocab_local > kMaxVocab)
+    return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: vocab_local (%lld) must be in [1, 2^31-1]", fn,
+                (long long)vocab_local);
+  fce::CeOptions opt;
+  FCE_TRY(check_options(fn, &o, rows, vocab_local, &opt));
+  FCE_TRY(check_hidden(fn, hidden));
+  FCE_TRY(check_vp_rows(fn, rows, nullptr));
+  FCE_TRY(linear_query_outputs(fn, min_bytes, optimal_bytes));
+  size_t lo = 0, hi = 0;
+  vp_linear_workspace(&o, opt, 1, rows, hidden, vocab_local, vocab_local, false, FCE_FLOAT32, &lo,
+                      &hi);
+  *min_bytes = lo;
+  if (optimal_bytes) *optimal_bytes = hi;
+  return FCE_SUCCESS;
+}
+
+FCE_API fce_status fce_vp_linear_stats(const fce_options* options, int64_t rows, int64_t hidden,
+                                       int64_t vocab_total, int64_t vocab_start,
+                                       int64_t vocab_local, const void* hidden_states,
+                                       const void* weight, const void* bias, const void* targets,
+                                       float* stats, void* workspace, size_t workspace_bytes,
+                                       void* stream) {
+  const char* fn = "fce_vp_linear_stats";
+  fce::clear_error();
+  fce_options local;
+  FCE_TRY(read_options(fn, options, &local));
+  const fce_options* o = &local;
+  fce::VpLinearProblem p{};
+  FCE_TRY(check_vp_vocab(fn, vocab_total, vocab_start, vocab_local, true));
+  FCE_TRY(check_options(fn, o, rows, vocab_total, &p.opt));
+  FCE_TRY(check_hidden(fn, hidden));
+  FCE_TRY(check_vp_rows(fn, rows, nullptr));
+  if (!hidden_states) return fail(FCE_ERROR_NULL_POINTER, "%s: hidden_states is NULL", fn);
+  if (!weight) return fail(FCE_ERROR_NULL_POINTER, "%s: weight is NULL", fn);
+  if (!targets) return fail(FCE_ERROR_NULL_POINTER, "%s: targets is NULL", fn);
+  if (!stats) return fail(FCE_ERROR_NULL_POINTER, "%s: stats is NULL", fn);
+  FCE_TRY(check_stride(fn, "options->hidden_row_stride", o->hidden_row_stride, hidden,
+                       &p.hidden_row_stride));
+  if (rows == 1) p.hidden_row_stride = hidden;  // as fce_linear_ce: one row has no stride
+  const size_t esize = fce::dtype_size(o->dtype), tsize = fce::dtype_size(o->target_dtype);
+  const int64_t h_bytes = span_bytes(rows, hidden, p.hidden_row_stride, esize);
+  const int64_t w_bytes = span_bytes(vocab_local, hidden, hidden, esize);
+  if (h_bytes < 0 || w_bytes < 0)
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "%s: the sizes (rows %lld, hidden %lld, vocab_local %lld) overflow a 64-bit byte "
+                "offset",
+                fn, (long long)rows, (long long)hidden, (long long)vocab_local);
+  FCE_TRY(check_alignment(fn, "hidden_states", hidden_states, esize));
+  FCE_TRY(check_alignment(fn, "weight", weight, esize));
+  FCE_TRY(check_alignment(fn, "bias", bias, esize));
+  FCE_TRY(check_alignment(fn, "targets", targets, tsize));
+  FCE_TRY(check_alignment(fn, "stats", stats, 16));
+  const Range ranges[] = {
+      {"hidden_states", hidden_states, static_cast<uint64_t>(h_bytes), false},
+      {"weight", weight, static_cast<uint64_t>(w_bytes), false},
+      {"bias", bias, static_cast<uint64_t>(vocab_local) * esize, false},
+      {"targets", targets, static_cast<uint64_t>(rows) * tsize, false},
+      {"options->class_weights", o->class_weights, static_cast<uint64_t>(vocab_total) * 4, false},
+      {"stats", stats, static_cast<uint64_t>(rows) * kStatsBytes, true},
+      {"workspace", workspace, workspace_bytes, true},
+  };
+  FCE_TRY(check_overlaps(fn, ranges, sizeof ranges / sizeof ranges[0]));
+  size_t min_bytes = 0, optimal_bytes = 0;
+  vp_linear_workspace(o, p.opt, 1, rows, hidden, vocab_local, vocab_local, false, FCE_FLOAT32,
+                      &min_bytes, &optimal_bytes);
+  FCE_TRY(check_workspace(fn, min_bytes, workspace, workspace_bytes));
+  p.ranks = 1;
+  p.rows = rows;
+  p.hidden = hidden;
+  p.vocab_total = vocab_total;
+  p.vocab_start = vocab_start;
+  p.vocab_local = vocab_local;
+  p.hidden_states = hidden_states;
+  p.weight = weight;
+  p.bias = bias;
+  p.targets = targets;
+  p.stats = stats;
+  p.grad_hidden_dtype = FCE_FLOAT32;
+  p.workspace = workspace;
+  p.workspace_bytes = workspace_bytes;
+  p.stream = stream;
+  return o->backend == FCE_BACKEND_CPU ? fce::cpu_vp_linear(p) : fce::cuda_vp_linear(p);
+}
+
+FCE_API fce_status fce_vp_linear_backward_workspace_size(const fce_options* options,
+                                                         int64_t ranks, int64_t rows,
+                                                         int64_t hidden, int64_t vocab_total,
+                                                         int64_t vocab_local,
+                                                         int32_t grad_hidden_dtype,
+                                                         size_t* min_bytes,
+                                                         size_t* optimal_bytes) {
+  const char* fn = "fce_vp_linear_backward_workspace_size";
+  fce::clear_error();
+  fce_options o;
+  FCE_TRY(read_options(fn, options, &o));
+  FCE_TRY(check_vp_vocab(fn, vocab_total, 0, vocab_local, false));
+  fce::CeOptions opt;
+  FCE_TRY(check_options(fn, &o, rows, vocab_total, &opt));
+  FCE_TRY(check_hidden(fn, hidden));
+  FCE_TRY(check_vp_rows(fn, rows, &ranks));
+  FCE_TRY(check_grad_hidden_dtype(fn, grad_hidden_dtype, o.dtype));
+  FCE_TRY(linear_query_outputs(fn, min_bytes, optimal_bytes));
+  size_t lo = 0, hi = 0;
+  vp_linear_workspace(&o, opt, ranks, rows, hidden, vocab_total, vocab_local, true,
+                      grad_hidden_dtype, &lo, &hi);
+  *min_bytes = lo;
+  if (optimal_bytes) *optimal_bytes = hi;
+  return FCE_SUCCESS;
+}
+
+FCE_API fce_status fce_vp_linear_backward(const fce_options* options, int64_t ranks, int64_t rows,
+                                          int64_t hidden, int64_t vocab_total,
+                                          int64_t vocab_start, int64_t vocab_local,
+                                          const void* hidden_states, const void* weight,
+                                          const void* bias, const void* targets,
+                                          const float* gathered_stats, const float* grad_output,
+                                          void* grad_hidden, int32_t grad_hidden_dtype,
+                                          void* grad_weight, void* grad_bias,
+                                          uint32_t* error_flags, void* workspace,
+                                          size_t workspace_bytes, void* stream) {
+  const char* fn = "fce_vp_linear_backward";
+  fce::clear_error();
+  fce_options local;
+  FCE_TRY(read_options(fn, options, &local));
+  const fce_options* o = &local;
+  fce::VpLinearProblem p{};
+  FCE_TRY(check_vp_vocab(fn, vocab_total, vocab_start, vocab_local, true));
+  FCE_TRY(check_options(fn, o, rows, vocab_total, &p.opt));
+  FCE_TRY(check_hidden(fn, hidden));
+  FCE_TRY(check_vp_rows(fn, rows, &ranks));
+  FCE_TRY(check_grad_hidden_dtype(fn, grad_hidden_dtype, o->dtype));
+  if (!hidden_states) return fail(FCE_ERROR_NULL_POINTER, "%s: hidden_states is NULL", fn);
+  if (!weight) return fail(FCE_ERROR_NULL_POINTER, "%s: weight is NULL", fn);
+  if (!targets) return fail(FCE_ERROR_NULL_POINTER, "%s: targets is NULL", fn);
+  if (!gathered_stats) return fail(FCE_ERROR_NULL_POINTER, "%s: gathered_stats is NULL", fn);
+  if (!grad_hidden && !grad_weight && !grad_bias)
+    return fail(FCE_ERROR_NULL_POINTER,
+                "%s: grad_hidden, grad_weight and grad_bias are all NULL: at least one gradient "
+                "is needed",
+                fn);
+  if (grad_bias && !bias)
+    return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: grad_bias is given but bias is NULL", fn);
+  FCE_TRY(check_stride(fn, "options->hidden_row_stride", o->hidden_row_stride, hidden,
+                       &p.hidden_row_stride));
+  if (rows == 1) p.hidden_row_stride = hidden;  // as fce_linear_ce: one row has no stride
+  const size_t esize = fce::dtype_size(o->dtype), tsize = fce::dtype_size(o->target_dtype);
+  const size_t gw_size = o->grad_weight_fp32 ? 4 : esize;
+  const size_t gh_size = fce::dtype_size(grad_hidden_dtype);
+  const int64_t h_bytes = span_bytes(rows, hidden, p.hidden_row_stride, esize);
+  const int64_t w_bytes = span_bytes(vocab_local, hidden, hidden, 4);  // largest: f32 grad_weight
+  const int64_t gh_bytes = span_bytes(rows, hidden, hidden, 4);        // largest: f32 grad_hidden
+  if (h_bytes < 0 || w_bytes < 0 || gh_bytes < 0)
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "%s: the sizes (rows %lld, hidden %lld, vocab_local %lld) overflow a 64-bit byte "
+                "offset",
+                fn, (long long)rows, (long long)hidden, (long long)vocab_local);
+  FCE_TRY(check_alignment(fn, "hidden_states", hidden_states, esize));
+  FCE_TRY(check_alignment(fn, "weight", weight, esize));
+  FCE_TRY(check_alignment(fn, "bias", bias, esize));
+  FCE_TRY(check_alignment(fn, "targets", targets, tsize));
+  FCE_TRY(check_alignment(fn, "gathered_stats", gathered_stats, 16));
+  FCE_TRY(check_alignment(fn, "grad_output", grad_output, 4));
+  FCE_TRY(check_alignment(fn, "grad_hidden", grad_hidden, gh_size));
+  FCE_TRY(check_alignment(fn, "grad_weight", grad_weight, gw_size));
+  FCE_TRY(check_alignment(fn, "grad_bias", grad_bias, gw_size));
+  FCE_TRY(check_alignment(fn, "error_flags", error_flags, 4));
+  const bool per_row = o->reduction == FCE_REDUCTION_NONE;
+  const uint64_t vd = static_cast<uint64_t>(vocab_local) * static_cast<uint64_t>(hidden);
+  const uint64_t nd = static_cast<uint64_t>(rows) * static_cast<uint64_t>(hidden);
+  const Range ranges[] = {
+      {"hidden_states", hidden_states, static_cast<uint64_t>(h_bytes), false},
+      {"weight", weight, vd * esize, false},
+      {"bias", bias, static_cast<uint64_t>(vocab_local) * esize, false},
+      {"targets", targets, static_cast<uint64_t>(rows) * tsize, false},
+      {"options->class_weights", o->class_weights, static_cast<uint64_t>(vocab_total) * 4, false},
+      {"gathered_stats", gathered_stats,
+       static_cast<uint64_t>(ranks) * static_cast<uint64_t>(rows) * kStatsBytes, false},
+      {"grad_output", grad_output, per_row ? static_cast<uint64_t>(rows) * 4 : 4, false},
+      {"grad_hidden", grad_hidden, nd * gh_size, true},
+      {"grad_weight", grad_weight, vd * gw_size, true},
+      {"grad_bias", grad_bias, static_cast<uint64_t>(vocab_local) * gw_size, true},
+      {"error_flags", error_flags, 4, true},
+      {"workspace", workspace, workspace_bytes, true},
+  };
+  FCE_TRY(check_overlaps(fn, ranges, sizeof ranges / sizeof ranges[0]));
+  size_t min_bytes = 0, optimal_bytes = 0;
+  vp_linear_workspace(o, p.opt, ranks, rows, hidden, vocab_total, vocab_local, true,
+                      grad_hidden_dtype, &min_bytes, &optimal_bytes);
+  FCE_TRY(check_workspace(fn, min_bytes, workspace, workspace_bytes));
+  p.ranks = ranks;
+  p.rows = rows;
+  p.hidden = hidden;
+  p.vocab_total = vocab_total;
+  p.vocab_start = vocab_start;
+  p.vocab_local = vocab_local;
+  p.hidden_states = hidden_states;
+  p.weight = weight;
+  p.bias = bias;
+  p.targets = targets;
+  p.gathered = gathered_stats;
+  p.grad_output = grad_output;
+  p.grad_hidden = grad_hidden;
+  p.grad_hidden_dtype = grad_hidden_dtype;
+  p.grad_weight = grad_weight;
+  p.grad_bias = grad_bias;
+  p.grad_weight_fp32 = o->grad_weight_fp32 != 0;
+  p.accumulate = o->accumulate != 0;
+  p.error_flags = error_flags;
+  p.workspace = workspace;
+  p.workspace_bytes = workspace_bytes;
+  p.stream = stream;
+  return o->backend == FCE_BACKEND_CPU ? fce::cpu_vp_linear(p) : fce::cuda_vp_linear(p);
 }
 
 }  // extern "C"

@@ -18,4 +18,21 @@ fce_status cuda_linear_ce(const LinearCeProblem&) {
 fce_status cuda_scale_gradient(int, int64_t, void*, const float*, void*) {
   return fail(FCE_ERROR_BACKEND_UNAVAILABLE, "this build has no CUDA backend");
 }
+fce_status cuda_vp_stats(const VpStatsProblem&) {
+  return fail(FCE_ERROR_BACKEND_UNAVAILABLE, "this build has no CUDA backend");
+}
+size_t cuda_vp_workspace_size(const CeOptions&, int64_t, int64_t, int64_t, int64_t, bool) {
+  return 0;
+}
+fce_status cuda_vp(const VpProblem&) {
+  return fail(FCE_ERROR_BACKEND_UNAVAILABLE, "this build has no CUDA backend");
+}
+void cuda_vp_linear_workspace_size(const CeOptions&, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                   bool, int, bool, size_t* min_bytes, size_t* optimal_bytes) {
+  if (min_bytes) *min_bytes = 0;
+  if (optimal_bytes) *optimal_bytes = 0;
+}
+fce_status cuda_vp_linear(const VpLinearProblem&) {
+  return fail(FCE_ERROR_BACKEND_UNAVAILABLE, "this build has no CUDA backend");
+}
 }  // namespace fce

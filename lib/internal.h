@@ -114,6 +114,82 @@ struct LinearCeProblem {
   bool with_grad() const { return grad_hidden || grad_weight || grad_bias; }
 };
 
+// ---- vocabulary-parallel (fce_vp_*; SEMANTICS.md rule 16). The stats layout, FCE_VP_STATS
+// float32 per row of a shard: see VpStat. class_weights (opt) are the whole vocabulary's.
+enum VpStat {
+  kVpMax = 0,       // m_r = max_j a_j over the shard (NaN if any a_j is NaN)
+  kVpSumExp = 1,    // s_r = Σ_j exp(a_j − m_r) (0 when m_r = −inf)
+  kVpTarget = 2,    // a_y when the row's target y is in the shard, else 0
+  kVpHit = 3,       // 1 when the row is scored and its target is in the shard, else 0
+  kVpSmooth = 4,    // u_r = Σ_j ω_j (m_r − a_j) when label_smoothing > 0 and m_r > −inf, else 0
+  kVpWeight = 5,    // W_r = Σ_j ω_j over the shard (vocab_local without class weights)
+  kVpArgmax = 6,    // int32 bits: the global index of the shard's argmax (SEMANTICS rule 15)
+  kVpLocal = 7,     // int32 bits: vocab_local (the tiling check)
+  kVpCount = 8
+};
+static_assert(kVpCount == FCE_VP_STATS, "stats layout");
+
+// fce_vp_stats (logits given) — validated as fce_forward's logits (row_stride >= vocab_local).
+struct VpStatsProblem {
+  CeOptions opt;
+  int64_t rows, vocab_total, vocab_start, vocab_local;
+  int64_t row_stride;         // >= vocab_local
+  const void* logits;         // [rows, row_stride] of opt.dtype
+  const void* targets;        // [rows (+ shift)] global class indices
+  float* stats;               // [rows, FCE_VP_STATS], 16-byte aligned
+  void* stream;
+};
+
+// fce_vp_loss (grad == nullptr) and fce_vp_backward (grad != nullptr: logits, grad used;
+// loss/lse/z_loss/argmax/accuracy null).
+struct VpProblem {
+  CeOptions opt;
+  int64_t ranks, rows, vocab_total;
+  int64_t vocab_start, vocab_local;   // backward only
+  int64_t row_stride, grad_row_stride;  // backward only, >= vocab_local
+  const void* targets;
+  const float* gathered;      // [ranks, rows, FCE_VP_STATS]
+  // loss
+  float* loss;                // [1] or [rows]
+  float* lse;                 // optional [rows]
+  float* z_loss;              // optional [1]
+  int64_t* argmax;            // optional [rows]
+  float* accuracy;            // optional [1] or [rows]
+  // backward
+  const void* logits;         // [rows, row_stride], this rank's shard
+  const float* grad_output;   // nullptr = 1
+  void* grad;                 // [rows, grad_row_stride]; may == logits
+  uint32_t* error_flags;      // optional
+  void* workspace;
+  size_t workspace_bytes;
+  void* stream;
+};
+
+// fce_vp_linear_stats (gathered == nullptr: writes stats) and fce_vp_linear_backward
+// (gathered != nullptr: writes the gradients).
+struct VpLinearProblem {
+  CeOptions opt;
+  int64_t ranks, rows, hidden, vocab_total, vocab_start, vocab_local;
+  int64_t hidden_row_stride;  // >= hidden
+  const void* hidden_states;  // [rows, hidden_row_stride]
+  const void* weight;         // [vocab_local, hidden]
+  const void* bias;           // [vocab_local] or nullptr
+  const void* targets;
+  float* stats;               // phase 1: [rows, FCE_VP_STATS]
+  const float* gathered;      // phase 3: [ranks, rows, FCE_VP_STATS]
+  const float* grad_output;   // nullptr = 1
+  void* grad_hidden;          // optional [rows, hidden] dense, grad_hidden_dtype
+  int grad_hidden_dtype;      // FCE_FLOAT32 or opt.dtype
+  void* grad_weight;          // optional [vocab_local, hidden] dense, dtype or f32
+  void* grad_bias;            // optional [vocab_local], same dtype as grad_weight
+  bool grad_weight_fp32;
+  bool accumulate;
+  uint32_t* error_flags;      // optional (phase 3)
+  void* workspace;
+  size_t workspace_bytes;
+  void* stream;
+};
+
 // ---- CPU backend (lib/cpu/) ----
 size_t cpu_ce_workspace_size(const CeOptions& opt, int64_t rows, int64_t vocab, bool backward);
 fce_status cpu_ce(const CeProblem& p);  // forward or backward (p.lse_in != nullptr)
@@ -123,6 +199,16 @@ void cpu_linear_ce_workspace_size(const CeOptions& opt, int64_t rows, int64_t hi
 fce_status cpu_linear_ce(const LinearCeProblem& p);
 // grad[i] *= *scale for i < count (fce_scale_gradient; arguments checked).
 fce_status cpu_scale_gradient(int dtype, int64_t count, void* grad, const float* scale);
+// vocabulary-parallel (lib/cpu/vocab_parallel.cpp)
+fce_status cpu_vp_stats(const VpStatsProblem& p);
+size_t cpu_vp_workspace_size(const CeOptions& opt, int64_t ranks, int64_t rows,
+                             int64_t vocab_total, int64_t vocab_local, bool backward);
+fce_status cpu_vp(const VpProblem& p);  // loss (p.grad null) or backward
+void cpu_vp_linear_workspace_size(const CeOptions& opt, int64_t ranks, int64_t rows,
+                                  int64_t hidden, int64_t vocab_total, int64_t vocab_local,
+                                  bool backward, int grad_hidden_dtype, bool grad_weight_fp32,
+                                  size_t* min_bytes, size_t* optimal_bytes);
+fce_status cpu_vp_linear(const VpLinearProblem& p);  // stats (p.gathered null) or backward
 
 // ---- CUDA backend (lib/cuda/); stubs returning FCE_ERROR_BACKEND_UNAVAILABLE when not built --
 bool cuda_available();
@@ -135,5 +221,15 @@ void cuda_linear_ce_workspace_size(const CeOptions& opt, int64_t rows, int64_t h
 fce_status cuda_linear_ce(const LinearCeProblem& p);
 fce_status cuda_scale_gradient(int dtype, int64_t count, void* grad, const float* scale,
                                void* stream);
+// vocabulary-parallel (lib/cuda/vocab_parallel.cu, lib/cuda/vp_linear.cu)
+fce_status cuda_vp_stats(const VpStatsProblem& p);
+size_t cuda_vp_workspace_size(const CeOptions& opt, int64_t ranks, int64_t rows,
+                              int64_t vocab_total, int64_t vocab_local, bool backward);
+fce_status cuda_vp(const VpProblem& p);
+void cuda_vp_linear_workspace_size(const CeOptions& opt, int64_t ranks, int64_t rows,
+                                   int64_t hidden, int64_t vocab_total, int64_t vocab_local,
+                                   bool backward, int grad_hidden_dtype, bool grad_weight_fp32,
+                                   size_t* min_bytes, size_t* optimal_bytes);
+fce_status cuda_vp_linear(const VpLinearProblem& p);
 
 }  // namespace fce

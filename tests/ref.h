@@ -181,11 +181,12 @@ inline CeResult cross_entropy(const Options& o, int64_t N, int64_t V, const std:
     }
     res.t[ri] = static_cast<double>(ts);
     res.row_ce[ri] = static_cast<double>(ts * ce);
-    res.row_zl[ri] = static_cast<double>(ts * zl);
-    res.row_loss[ri] = static_cast<double>(ts * ce + ts * zl);
+    const LD tzl = lam != 0 ? ts * zl : 0.0L;  // (lambda = 0: none, even for p_y NaN)
+    res.row_zl[ri] = static_cast<double>(tzl);
+    res.row_loss[ri] = static_cast<double>(ts * ce + tzl);
     D += omega(t);
     sum_ce += ts * ce;
-    sum_zl += ts * zl;
+    sum_zl += tzl;
     if (res.argmax[ri] == t) {
       res.correct[ri] = 1.0;
       sum_correct += 1;

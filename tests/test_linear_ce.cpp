@@ -2,9 +2,10 @@
 // float64 reference (ref.h: a naive double matmul), on the backend FCE_TEST_BACKEND selects.
 //
 // Every option, bias or not, overwrite and accumulate, grad_weight_fp32, per-row upstream,
-// loss only, partial gradients, workspaces from the minimum to past the optimum, odd shapes,
-// strided hidden rows, out-of-range targets, shift by k, token scaling, argmax and accuracy,
-// determinism, bad input. Outputs poisoned, guards and row gaps checked as in test_ce.cpp.
+// loss only, partial gradients, workspaces from the minimum to past the optimum, each CUDA plan
+// crossed with the gradient sets (and captured into a CUDA graph), odd shapes, strided hidden
+// rows, out-of-range targets, shift by k, token scaling, argmax and accuracy, determinism, bad
+// input. Outputs poisoned, guards and row gaps checked as in test_ce.cpp.
 #include <functional>
 
 #include "check_ce.h"
@@ -152,11 +153,7 @@ class LinRunner {
     ref_ = fceref::linear_cross_entropy(ro, c_.N, c_.D, c_.V, d_.h, d_.W, d_.b, d_.y,
                                         d_.g.empty() ? nullptr : &d_.g, true);
     gdt_ = c_.gw_fp32 ? FCE_FLOAT32 : c_.dtype;
-    if (c_.accumulate) {  // pre-filled gradients of the same size as this call's
-      double sw = rms(ref_.grad_weight), sb = rms(ref_.grad_bias);
-      d_.gw0 = random_normal(rng, gdt_, static_cast<size_t>(c_.V * c_.D), sw > 0 ? sw : 1.0);
-      d_.gb0 = random_normal(rng, gdt_, static_cast<size_t>(c_.V), sb > 0 ? sb : 1.0);
-    }
+    if (c_.accumulate) prefill(rng);
     tol_ = lin_tolerance(c_.dtype, ref_.logits);
 
     hm_ = mat(c_.dtype, c_.N, c_.D, c_.D + c_.h_pad);
@@ -194,6 +191,27 @@ class LinRunner {
     o_.class_weights = cw_.p<float>();
   }
 
+  // Another set of gradients (grad_bias only where there is a bias), overwritten or
+  // accumulated, grad_weight_fp32 or not, on the same data and float64 reference (which has
+  // every gradient): one reference for a loop over the sets. Accumulate draws new pre-filled
+  // gradients.
+  void set_gradients(bool gh, bool gw, bool gb, bool accumulate, bool gw_fp32) {
+    c_.gh = gh;
+    c_.gw = gw;
+    c_.gb = gb && c_.bias;
+    c_.accumulate = accumulate;
+    c_.gw_fp32 = gw_fp32;
+    gdt_ = gw_fp32 ? FCE_FLOAT32 : c_.dtype;
+    o_.accumulate = accumulate;
+    o_.grad_weight_fp32 = gw_fp32;
+    d_.gw0.clear();
+    d_.gb0.clear();
+    if (accumulate) {
+      std::mt19937_64 rng(c_.seed * 7919u + 13u);
+      prefill(rng);
+    }
+  }
+
   const fceref::LinearResult& ref() const { return ref_; }
   double tol() const { return tol_; }
   fce_options& options() { return o_; }
@@ -221,7 +239,11 @@ class LinRunner {
     }
   }
 
-  void run(LinOut* out = nullptr, int ws_choice = -1, uint8_t ws_fill = 0xFF) {
+  // One call on outputs poisoned (or pre-filled, accumulate), checked against the reference.
+  // as_graph (CUDA backend): the call is captured into a CUDA graph (nothing may run during the
+  // capture) and the graph launched once instead.
+  void run(LinOut* out = nullptr, int ws_choice = -1, uint8_t ws_fill = 0xFF,
+           bool as_graph = false) {
     if (ws_choice < 0) ws_choice = c_.ws;
     LinCase label = c_;
     label.ws = ws_choice;
@@ -260,11 +282,30 @@ class LinRunner {
          b_y = targets_.mirror(), b_cw = cw_.mirror(), b_g = gout_.mirror(),
          b_loss = loss.mirror(), b_lse = lse.mirror(), b_zl = zl.mirror(), b_gh = gh.mirror(),
          b_gw = gw.mirror(), b_gb = gb.mirror(), b_am = am.mirror(), b_acc = acc.mirror();
-    fce_status st = fce_linear_ce(&o_, N, D, V, hidden_.ptr(), weight_.ptr(), bias_.ptr(),
-                                  targets_.ptr(), loss.p<float>(), lse.p<float>(),
-                                  zl.p<float>(), gh.ptr(), gw.ptr(), gb.ptr(), gout_.p<float>(),
-                                  c_.flags ? flags.p<uint32_t>() : nullptr, ws.ptr(), wsb,
-                                  test_stream());
+    auto call = [&] {
+      return fce_linear_ce(&o_, N, D, V, hidden_.ptr(), weight_.ptr(), bias_.ptr(),
+                           targets_.ptr(), loss.p<float>(), lse.p<float>(), zl.p<float>(),
+                           gh.ptr(), gw.ptr(), gb.ptr(), gout_.p<float>(),
+                           c_.flags ? flags.p<uint32_t>() : nullptr, ws.ptr(), wsb,
+                           test_stream());
+    };
+    fce_status st = FCE_SUCCESS;
+#if FCE_TEST_HAVE_CUDA
+    CapturedGraph graph;  // lives until the checks are done (it holds this call's pointers)
+#endif
+    if (as_graph) {
+#if FCE_TEST_HAVE_CUDA
+      ASSERT_TRUE(on_cuda()) << "graph capture needs the CUDA backend";
+      ASSERT_TRUE(graph.capture(call));
+      loss.pull();
+      EXPECT_FALSE(all_written(loss, loss_m, "loss")) << "fce_linear_ce ran during capture";
+      ASSERT_TRUE(graph.launch());
+#else
+      FAIL() << "graph capture needs the CUDA backend (built with FCE_WITH_CUDA=OFF)";
+#endif
+    } else {
+      st = call();
+    }
     ASSERT_EQ(st, FCE_SUCCESS) << fce_status_string(st) << ": " << fce_last_error();
     ASSERT_TRUE(finish());
     for (Buf* b : {&hidden_, &weight_, &bias_, &targets_, &cw_, &gout_, &loss, &lse, &zl, &gh,
@@ -373,6 +414,13 @@ class LinRunner {
   }
 
  private:
+  // Pre-filled gradients (accumulate) of the same size as this call's.
+  void prefill(std::mt19937_64& rng) {
+    double sw = rms(ref_.grad_weight), sb = rms(ref_.grad_bias);
+    d_.gw0 = random_normal(rng, gdt_, static_cast<size_t>(c_.V * c_.D), sw > 0 ? sw : 1.0);
+    d_.gb0 = random_normal(rng, gdt_, static_cast<size_t>(c_.V), sb > 0 ? sb : 1.0);
+  }
+
   LinCase c_;
   LinData d_;
   fceref::LinearResult ref_;
@@ -584,6 +632,180 @@ TEST_F(Linear, ManyChunksAccumulateInFloat32) {
     }
 }
 
+// ------------------------------------------------------------------ plans -------------------
+// Problems that take fce_linear_ce through each of its plans, crossed with the gradient sets
+// and the workspace sizes. On CUDA (lib/cuda/linear_ce.cu; min / mid / optimal):
+//   300 x 100 x 1000, hidden_row_stride 103 (rows 2-byte aligned in 16 bits): 3 token chunks of
+//     128 rows at the minimum for loss only and a float32 grad_weight, the vocab-sliced plan
+//     there for a 16-bit grad_weight and for grad_hidden only; one chunk at mid and optimal;
+//   5000 x 32 x 64: more rows than a full-speed chunk (4096): 2 balanced chunks of 2560 even at
+//     the optimum for loss only and a float32 grad_weight (40 of 128 at the minimum); a 16-bit
+//     grad_weight accumulated in place over 4 chunks of 1280 at the minimum, one chunk above;
+//   64 x 256 x 3000: fewer rows than 128: one chunk (the vocab-sliced plan at the minimum for a
+//     16-bit grad_weight and for grad_hidden only).
+// On the CPU: chunks of 1024 rows (5 at 5000 rows), in host memory below the optimum.
+struct PlanShape {
+  int64_t N, D, V, h_pad;
+};
+const PlanShape kPlanShapes[] = {{300, 100, 1000, 3}, {5000, 32, 64, 0}, {64, 256, 3000, 0}};
+
+// Three option sets, one per reduction: mean with a bias and a scalar grad_output; sum with
+// every option of the per-row math, no bias, grad_output NULL; none with a shift and a per-row
+// grad_output. A tenth of the targets ignored.
+const char* const kPlanOptionNames[] = {"mean_bias", "sum_all_options", "none_shift"};
+
+LinCase plan_case(int dtype, const PlanShape& s, int option_set, uint64_t seed) {
+  LinCase c;
+  c.name = std::string("plans_") + kPlanOptionNames[option_set];
+  c.dtype = dtype;
+  c.N = s.N;
+  c.D = s.D;
+  c.V = s.V;
+  c.h_pad = s.h_pad;
+  c.ignore_frac = 0.1;
+  c.seed = seed;
+  switch (option_set) {
+    case 0:
+      c.reduction = FCE_REDUCTION_MEAN;
+      break;
+    case 1:
+      c.reduction = FCE_REDUCTION_SUM;
+      c.bias = c.gb = c.gout = false;
+      c.eps = 0.1f;
+      c.lambda = 1e-3f;
+      c.softcap = 20.0f;
+      c.scale = 0.8f;
+      c.weights = true;
+      break;
+    default:
+      c.reduction = FCE_REDUCTION_NONE;
+      c.eps = 0.05f;
+      c.lambda = 1e-3f;
+      c.shift = 4;
+      break;
+  }
+  return c;
+}
+
+// The gradient sets (LinRunner::set_gradients; grad_bias where there is a bias).
+struct GradSet {
+  const char* name;
+  bool gh, gw, gb, accumulate, gw_fp32;
+};
+const GradSet kGradSets[] = {
+    {"loss_only", false, false, false, false, false},
+    {"all", true, true, true, false, false},
+    {"all_accumulate", true, true, true, true, false},
+    {"all_accumulate_grad_weight_fp32", true, true, true, true, true},
+    {"all_grad_weight_fp32", true, true, true, false, true},
+    {"grad_hidden_only", true, false, false, false, false},
+};
+// grad_weight_fp32 is what a float32 dtype does anyway.
+bool applies(const GradSet& g, int dtype) { return !(g.gw_fp32 && dtype == FCE_FLOAT32); }
+
+std::string plan_trace(int dtype, const PlanShape& s, const GradSet& g, int ws) {
+  std::ostringstream o;
+  o << dtype_name(dtype) << " " << s.N << "x" << s.D << "x" << s.V << " " << g.name
+    << " workspace=" << ws_name(ws);
+  return o.str();
+}
+
+// Every output of two calls, bit for bit.
+void expect_same_bits(const LinOut& a, const LinOut& b, const std::string& what) {
+  SCOPED_TRACE(what);
+  EXPECT_TRUE(bitwise_equal(a.loss, b.loss, "loss"));
+  EXPECT_TRUE(bitwise_equal(a.lse, b.lse, "lse"));
+  EXPECT_TRUE(bitwise_equal(a.zloss, b.zloss, "z_loss"));
+  EXPECT_TRUE(bitwise_equal(a.gh, b.gh, "grad_hidden"));
+  EXPECT_TRUE(bitwise_equal(a.gw, b.gw, "grad_weight"));
+  EXPECT_TRUE(bitwise_equal(a.gb, b.gb, "grad_bias"));
+}
+
+// Each plan, with each gradient set (loss only, all of them overwritten or accumulated, a
+// float32 grad_weight for a 16-bit dtype, grad_hidden only) at the minimum, a middle and the
+// optimal workspace: within the bound of the reference, and the same bits when run again (the
+// workspace's garbage changed in between). The option sets take turns over dtypes and shapes
+// (each shape and each dtype meets each set once): one float64 reference per dtype and shape.
+TEST_F(Linear, PlansByGradientsAndWorkspace) {
+  for (int di = 0; di < 3; ++di)
+    for (int si = 0; si < 3; ++si) {
+      const int dtype = kDtypes[di];
+      const PlanShape& s = kPlanShapes[si];
+      LinRunner r(plan_case(dtype, s, (di + si) % 3, 1234 + static_cast<uint64_t>(si)));
+      r.options().deterministic = 1;
+      for (const GradSet& g : kGradSets) {
+        if (!applies(g, dtype)) continue;
+        r.set_gradients(g.gh, g.gw, g.gb, g.accumulate, g.gw_fp32);
+        for (int ws : {kWsMin, kWsMid, kWsOpt}) {
+          SCOPED_TRACE(plan_trace(dtype, s, g, ws));
+          LinOut a, b;
+          ASSERT_NO_FATAL_FAILURE(r.run(&a, ws, 0xFF));
+          ASSERT_NO_FATAL_FAILURE(r.run(&b, ws, 0x00));
+          expect_same_bits(a, b, "the same workspace size twice");
+        }
+      }
+    }
+}
+
+// One byte short of min_bytes is refused for each gradient set (its own query: on CUDA the
+// minimum of a 16-bit grad_weight is the vocab-sliced plan's, that of loss only and of a float32
+// grad_weight 128-row chunks'), the outputs untouched; min_bytes itself is enough.
+TEST_F(Linear, WorkspaceOneByteShortIsRefused) {
+  const PlanShape& s = kPlanShapes[0];
+  const int64_t N = s.N, D = s.D, V = s.V;
+  std::mt19937_64 rng(31);
+  for (int dtype : kDtypes) {
+    const Mat hm = mat(dtype, N, D), wm = mat(dtype, V, D), bm = vec(dtype, V);
+    Buf h(hm), w(wm), b(bm);
+    write_mat(h, hm, random_normal(rng, dtype, static_cast<size_t>(N * D), 1.0));
+    write_mat(w, wm, random_normal(rng, dtype, static_cast<size_t>(V * D), 0.1));
+    write_mat(b, bm, random_normal(rng, dtype, static_cast<size_t>(V), 0.5));
+    h.push();
+    w.push();
+    b.push();
+    Buf y = targets_buf(random_targets(rng, N, V, 0.1), FCE_INT64);
+    for (const GradSet& g : kGradSets) {
+      if (!applies(g, dtype) || g.accumulate) continue;
+      SCOPED_TRACE(plan_trace(dtype, s, g, kWsMin));
+      const int gdt = g.gw_fp32 ? FCE_FLOAT32 : dtype;
+      const Mat one = vec(FCE_FLOAT32, 1), ghm = mat(dtype, N, D), gwm = mat(gdt, V, D),
+                gbm = vec(gdt, V);
+      Buf loss = poisoned(one), gh = g.gh ? poisoned(ghm) : Buf(), gw = g.gw ? poisoned(gwm) : Buf(),
+          gb = g.gb ? poisoned(gbm) : Buf();
+      fce_options o = test_options();
+      o.dtype = dtype;
+      o.grad_weight_fp32 = g.gw_fp32;
+      size_t mn = 0, op = 0;
+      ASSERT_EQ(fce_linear_ce_workspace_size(&o, N, D, V, g.gh || g.gw || g.gb, &mn, &op),
+                FCE_SUCCESS)
+          << fce_last_error();
+      ASSERT_GT(mn, 0u) << "min_bytes 0: cannot test a too-small workspace";
+      Buf ws = workspace_buf(mn);
+      auto call = [&](size_t bytes) {
+        return fce_linear_ce(&o, N, D, V, h.ptr(), w.ptr(), b.ptr(), y.ptr(), loss.p<float>(),
+                             nullptr, nullptr, gh.ptr(), gw.ptr(), gb.ptr(), nullptr, nullptr,
+                             ws.ptr(), bytes, test_stream());
+      };
+      std::vector<Buf*> outs = {&loss, &gh, &gw, &gb, &h, &w, &b, &y};
+      std::vector<std::vector<uint8_t>> before;
+      for (Buf* x : outs) before.push_back(x->mirror());
+      fce_status st = call(mn - 1);
+      EXPECT_EQ(st, FCE_ERROR_WORKSPACE_TOO_SMALL) << fce_status_string(st) << ": " << fce_last_error();
+      EXPECT_TRUE(error_mentions("workspace"));
+      ASSERT_TRUE(finish());
+      for (size_t i = 0; i < outs.size(); ++i) {
+        outs[i]->pull();
+        EXPECT_TRUE(unchanged(*outs[i], before[i], "a buffer of the refused call"));
+      }
+      st = call(mn);
+      EXPECT_EQ(st, FCE_SUCCESS) << fce_status_string(st) << ": " << fce_last_error();
+      ASSERT_TRUE(finish());
+      loss.pull();
+      EXPECT_TRUE(all_written(loss, one, "loss (workspace of min_bytes)"));
+    }
+  }
+}
+
 // Targets outside [0, V): NaN loss row (and reduced), the flag, NaN grad_hidden row, and
 // grad_weight / grad_bias NaN (every column sees the NaN row); other rows' dh intact.
 TEST_F(Linear, OutOfRangeTargets) {
@@ -605,6 +827,30 @@ TEST_F(Linear, OutOfRangeTargets) {
           };
           run_case(c);
         }
+}
+
+// An out-of-range target in a problem of several chunks, at the minimum workspace (on CUDA: 3
+// token chunks for loss only and a float32 grad_weight, the vocab-sliced plan for a 16-bit
+// grad_weight and for grad_hidden only): whichever plan computes them, the NaN row reaches the
+// reduced loss, the flag, its grad_hidden row and every element of grad_weight and grad_bias.
+TEST_F(Linear, OutOfRangeTargetAtMinimumWorkspace) {
+  for (int dtype : kDtypes) {
+    LinCase c = plan_case(dtype, kPlanShapes[0], 0, 99);
+    c.name = "out_of_range_min_workspace";
+    c.h_pad = 0;
+    c.ws = kWsMin;
+    c.edit = [](const LinCase& cc, std::vector<int64_t>& y) {
+      y[static_cast<size_t>(cc.N / 2)] = cc.V;
+    };
+    LinRunner r(c);
+    ASSERT_TRUE(r.any_invalid());
+    for (const GradSet& g : kGradSets) {
+      if (!applies(g, dtype) || g.accumulate) continue;
+      SCOPED_TRACE(plan_trace(dtype, kPlanShapes[0], g, kWsMin));
+      r.set_gradients(g.gh, g.gw, g.gb, g.accumulate, g.gw_fp32);
+      ASSERT_NO_FATAL_FAILURE(r.run());
+    }
+  }
 }
 
 TEST_F(Linear, AllRowsIgnored) {
@@ -1019,6 +1265,35 @@ TEST_F(Linear, CudaGraphCapture) {
   EXPECT_TRUE(bitwise_equal(gw.mirror(), e_gw, "graph vs eager grad_weight"));
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
+}
+
+// Each plan captured into a CUDA graph and replayed (the call enqueues everything on the one
+// stream: no allocation, no synchronisation): the replay matches the reference and the eager
+// call bit for bit. The first two problems of kPlanShapes with a bias and grad_output, at the
+// minimum and the optimal workspace (token chunks of 128 and 2560 rows, a 16-bit grad_weight
+// accumulated over 4 chunks, the vocab-sliced plan, one chunk), with each gradient set; lse,
+// z_loss and error_flags included.
+TEST_F(Linear, CudaGraphCaptureEveryPlan) {
+  if (!on_cuda()) {
+    std::printf("SKIPPED: graph capture is a CUDA backend test (FCE_TEST_BACKEND=cuda)\n");
+    GTEST_SKIP() << "CUDA backend only";
+  }
+  for (int dtype : kDtypes)
+    for (int si = 0; si < 2; ++si) {
+      const PlanShape& s = kPlanShapes[si];
+      LinRunner r(plan_case(dtype, s, 0, 4321));
+      for (const GradSet& g : kGradSets) {
+        if (!applies(g, dtype)) continue;
+        r.set_gradients(g.gh, g.gw, g.gb, g.accumulate, g.gw_fp32);
+        for (int ws : {kWsMin, kWsOpt}) {
+          SCOPED_TRACE(plan_trace(dtype, s, g, ws));
+          LinOut eager, replay;
+          ASSERT_NO_FATAL_FAILURE(r.run(&eager, ws, 0xFF));  // first: the cuBLASLt handle exists
+          ASSERT_NO_FATAL_FAILURE(r.run(&replay, ws, 0xFF, /*as_graph=*/true));
+          expect_same_bits(eager, replay, "graph replay vs eager");
+        }
+      }
+    }
 }
 #endif
 

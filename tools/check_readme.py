@@ -9,7 +9,8 @@ status 0 when no block failed.
   ```python  run with this interpreter (sys.executable; `make test` runs it with python3),
              PYTHONPATH=bindings/python and FUSEDCE_LIBRARY=BUILD_DIR/libfusedce.so, in a
              fresh process, from a scratch directory. A block that mentions torch is skipped
-             when torch cannot be imported; one that asks for a CUDA device when none is visible.
+             when torch cannot be imported, one that imports another module (transformers, jax)
+             when that cannot; one that asks for a CUDA device when none is visible.
   ```c       pasted into tools/readme_c_harness.c (which declares the buffers the snippets use),
              compiled with cc against include/ and BUILD_DIR/libfusedce.so, and run twice: as
              written (CUDA backend: without a device every call returns
@@ -97,6 +98,14 @@ def run_python(blocks, env, have):
     code = "\n".join("\n".join(b.code) for b in blocks)
     if re.search(r"\btorch\b", code) and not have["torch"]:
         return "SKIPPED: needs torch (not importable by %s)" % sys.executable
+    # optional frameworks a block imports (transformers, jax, ...): skipped where absent
+    for module in sorted(set(re.findall(r"^\s*(?:import|from)\s+(\w+)", code, re.M))):
+        if module in ("fusedce", "torch", "numpy", "os", "sys", "tempfile", "math"):
+            continue
+        if module not in have:
+            have[module] = python_has(module)
+        if not have[module]:
+            return "SKIPPED: needs %s (not importable by %s)" % (module, sys.executable)
     if re.search(r"""\.cuda\(|device=["']cuda|["']cuda:\d""", code) and not have["gpu"]:
         return "SKIPPED: needs a CUDA device"
     with tempfile.TemporaryDirectory() as tmp:

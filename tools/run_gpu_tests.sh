@@ -6,6 +6,12 @@ BUILD=$(cd "${1:-build}" && pwd)
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 export FUSEDCE_LIBRARY="$BUILD/libfusedce.so"
 export LD_LIBRARY_PATH="$BUILD${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# libfusedce_nccl's tests need libnccl.so.2: the system's, else the one pip's torch brings
+if ! ldconfig -p 2>/dev/null | grep -q libnccl.so.2; then
+  nccl_dir=$(python3 -c "import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], 'lib'))" 2>/dev/null)
+  [ -n "$nccl_dir" ] && export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$nccl_dir"
+fi
+export NCCL_NVLS_ENABLE=0  # NVLink multicast stays off (the device notes)
 export PYTHONPATH="$ROOT/bindings/python${PYTHONPATH:+:$PYTHONPATH}"
 if ! python3 - <<'PY'
 import ctypes, os, sys
@@ -48,15 +54,27 @@ if command -v compute-sanitizer >/dev/null; then
       --gtest_filter="$lin_filter"
     suite "$tool scale" env FCE_TEST_BACKEND=cuda compute-sanitizer --tool $tool \
       --error-exitcode 1 "$BUILD/tests/test_scale"
+    suite "$tool test_vocab_parallel" env FCE_TEST_BACKEND=cuda compute-sanitizer --tool $tool \
+      --error-exitcode 1 "$BUILD/tests/test_vocab_parallel" \
+      --gtest_filter='Vp.*:VpLinear.*:*bf16_mean_everything*:*f16_none*'
+    [ -x "$BUILD/tests/test_nccl" ] && suite "$tool test_nccl" compute-sanitizer --tool $tool \
+      --error-exitcode 1 "$BUILD/tests/test_nccl" --gtest_filter='Nccl.*MatchesUnsharded'
+    true
   done
 else
   echo "SKIPPED: compute-sanitizer not on PATH"
 fi
-[ -x "$BUILD/tests/smoke_linear_ce" ] && suite "linear CE smoke (CUDA)" "$BUILD/tests/smoke_linear_ce"
 suite "torch parity (tests/gpu)" python3 -m pytest -q "$ROOT/tests/gpu"
 if [ -f "$ROOT/bindings/python/tests/test_torch.py" ]; then
   suite "Python binding on CUDA (torch, CuPy)" python3 -m pytest -q "$ROOT/bindings/python/tests/test_torch.py"
 fi
+suite "vocabulary-parallel: fusedce.torch.distributed (gloo processes, NCCL, CUDA phases)" \
+  python3 -m pytest -q -rs -p no:cacheprovider "$ROOT/bindings/python/tests/test_distributed.py"
+suite "Hugging Face transformers (fusedce.transformers)" \
+  python3 -m pytest -q -rs -p no:cacheprovider "$ROOT/bindings/python/tests/test_transformers.py"
+suite "JAX (fusedce.jax, CUDA custom calls)" env XLA_PYTHON_CLIENT_PREALLOCATE=false \
+  FUSEDCE_JAX_CACHE_DIR="$BUILD/jax-shim" \
+  python3 -m pytest -q -rs -p no:cacheprovider "$ROOT/bindings/python/tests/test_jax.py"
 suite "demo (CUDA)" "$BUILD/examples/demo" --small
 echo
 [ $failed -gt 0 ] && echo "failed suites: ${failed_names[*]}"

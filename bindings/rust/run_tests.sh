@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
 # The Rust binding's tests, against the libfusedce.so in build dir $1 (what `make test` runs):
 #   1. check_bindings.sh: fusedce-sys/src/bindings.rs is what bindgen makes of include/fusedce.h
-#   2. cargo test for fusedce-sys and fusedce (CPU backend; float64 reference in the tests)
-#   3. the example: cargo run --example cross_entropy
+#   2. cargo test for fusedce-sys and fusedce (CPU backend; float64 reference in the tests;
+#      tests/cuda.rs runs the CUDA entry points against the CPU where a GPU is visible, and
+#      prints "skipped: no CUDA device" otherwise)
+#   3. tests/cuda.rs's harness on the CPU backend over host memory (FUSEDCE_CUDA_TESTS_ON_CPU=1),
+#      so that it is exercised without a GPU too
+#   4. the example: cargo run --example cross_entropy
+# On a GPU machine without cargo: bindings/rust/run_gpu_tests.sh (pack here, run there).
 # Usage: bindings/rust/run_tests.sh BUILD_DIR
 # Cargo writes only under BUILD_DIR/rust-target (CARGO_TARGET_DIR); --offline --locked: no
 # network, no change to Cargo.lock. FCE_SKIP_BINDGEN_CHECK=1 skips step 1 (no bindgen).
@@ -30,6 +35,9 @@ bash "$here/check_bindings.sh"
 
 step "cargo test (fusedce-sys, fusedce)"
 "$CARGO" test "${cargo_flags[@]}" --workspace
+
+step "tests/cuda.rs's harness on the CPU backend (FUSEDCE_CUDA_TESTS_ON_CPU=1)"
+FUSEDCE_CUDA_TESTS_ON_CPU=1 "$CARGO" test "${cargo_flags[@]}" -p fusedce --test cuda
 
 step "example: cargo run --example cross_entropy"
 "$CARGO" run "${cargo_flags[@]}" -p fusedce --example cross_entropy

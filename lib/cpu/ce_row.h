@@ -191,6 +191,12 @@ inline double z_loss_term(const CeSetup& setup, double lse) {
   return setup.lambda == 0.0 ? 0.0 : setup.lambda * lse * lse;
 }
 
+// The z-loss term of a scored row with token scaling's factor t: t · λ lse², and 0 when λ == 0
+// whatever t is (no z-loss term at all, even for a row whose p_y is NaN).
+inline double scaled_z_loss_term(const CeSetup& setup, double t, double lse) {
+  return setup.lambda == 0.0 ? 0.0 : t * z_loss_term(setup, lse);
+}
+
 // The gradient (SEMANTICS 9), in place: a_j in, ∂loss/∂z_j out:
 //   ∂ce/∂a_j = (1−ε) ω_y (p_j − [j = y]) + (ε/V)(Ω p_j − ω_j),  ∂zl/∂a_j = 2 λ lse p_j
 //   ∂loss/∂z_j = t · (k ∂ce/∂a_j + k_z ∂zl/∂a_j) · s · (1 − (a_j / c)²)
@@ -362,7 +368,7 @@ inline bool float_row(const CeSetup& setup, const RowsJob& job, RowTarget t, int
     res->z_loss[size_t(r)] = z_loss_term(setup, st.lse);
   } else if (res && t.kind == RowKind::kScored) {
     res->ce[size_t(r)] = tscale * cross_entropy_f32(setup, a, st, t.y);
-    res->z_loss[size_t(r)] = tscale * z_loss_term(setup, st.lse);
+    res->z_loss[size_t(r)] = scaled_z_loss_term(setup, tscale, st.lse);
     if (!res->correct.empty()) res->correct[size_t(r)] = st.argmax == t.y ? 1 : 0;
   }
   if (!(grad_row && t.kind == RowKind::kScored)) return false;
@@ -424,7 +430,7 @@ inline bool run_rows(const CeSetup& setup, const RowsJob& job, RowScratch& scrat
           res->z_loss[size_t(r)] = z_loss_term(setup, st.lse);  // never scaled
         } else if (res && t.kind == RowKind::kScored) {
           res->ce[size_t(r)] = tscale * cross_entropy(setup, a, st, t.y);  // 4
-          res->z_loss[size_t(r)] = tscale * z_loss_term(setup, st.lse);    // 5
+          res->z_loss[size_t(r)] = scaled_z_loss_term(setup, tscale, st.lse);    // 5
           if (!res->correct.empty()) res->correct[size_t(r)] = st.argmax == t.y ? 1 : 0;
         }
         if (grad_row && t.kind == RowKind::kScored) {

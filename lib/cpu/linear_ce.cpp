@@ -16,149 +16,22 @@
 #include <vector>
 
 #include "ce_row.h"
+#include "linear_chunks.h"
 
 namespace fce {
 namespace {
 
 using namespace cpu;
 
-constexpr int64_t kChunkRows = 1024;  // rows per chunk (big: fewer passes over ∂W) ...
-constexpr int64_t kChunkLogitsBytes = int64_t(128) << 20;  // ... fewer when V is huge
-
-int64_t chunk_rows(int64_t rows, int64_t vocab) {
-  const int64_t fit = std::max<int64_t>(1, kChunkLogitsBytes / (4 * vocab));
-  return std::min(rows, std::min(kChunkRows, fit));
-}
-
-size_t align16(size_t bytes) { return (bytes + 15) & ~size_t(15); }
-
-// The float32 buffers of a chunk of `rows` rows, in this order in the workspace.
-struct ChunkLayout {
-  size_t logits;       // z, then ∂z in place [rows, V]
-  size_t hidden;       // h as float32 [rows, D]: only when dtype is not float32
-  size_t grad_hidden;  // ∂h as float32 [rows, D]: only with gradients and dtype not float32
-  size_t total() const { return logits + hidden + grad_hidden; }
-};
-
-ChunkLayout chunk_layout(int dtype, int64_t rows, int64_t hidden, int64_t vocab, bool with_grad) {
-  const bool convert = dtype != FCE_FLOAT32;
-  ChunkLayout layout;
-  layout.logits = align16(size_t(rows) * size_t(vocab) * 4);
-  layout.hidden = convert ? align16(size_t(rows) * size_t(hidden) * 4) : 0;
-  layout.grad_hidden = convert && with_grad ? align16(size_t(rows) * size_t(hidden) * 4) : 0;
-  return layout;
-}
-
-// A [rows, cols] float32 matrix with leading dimension ld: either the caller's float32 data or
-// a float32 copy of data of another dtype.
-struct FloatMatrix {
-  const float* borrowed = nullptr;
-  std::vector<float> copy;
-  int64_t ld = 0;
-  const float* data() const { return borrowed ? borrowed : copy.empty() ? nullptr : copy.data(); }
-};
-
-FloatMatrix as_float(int dtype, const void* src, int64_t rows, int64_t cols) {
-  FloatMatrix m;
-  m.ld = cols;
-  if (dtype == FCE_FLOAT32) {
-    m.borrowed = static_cast<const float*>(src);
-    return m;
-  }
-  m.copy.resize(size_t(rows) * size_t(cols));
-  const size_t esize = dtype_size(dtype);
-  parallel_for(rows, thread_count(rows, std::max<int64_t>(1, (int64_t(1) << 16) / cols)),
-               [&](int64_t begin, int64_t end, int) {
-                 for (int64_t r = begin; r < end; ++r)
-                   convert_row_to_float(dtype,
-                                        static_cast<const char*>(src) + size_t(r) * cols * esize,
-                                        cols, m.copy.data() + size_t(r) * cols);
-               });
-  return m;
-}
-
-// Where the chunk's buffers are: the workspace, or host memory when the workspace is smaller
-// than the chunk (the same chunk either way).
-struct ChunkBuffers {
-  float* logits;
-  float* hidden;
-  float* grad_hidden;
-  std::vector<float> host;
-  ChunkBuffers(const ChunkLayout& layout, void* workspace, size_t workspace_bytes) {
-    char* base = static_cast<char*>(workspace);
-    if (workspace_bytes < layout.total()) {
-      host.resize(layout.total() / 4);
-      base = reinterpret_cast<char*>(host.data());
-    }
-    logits = reinterpret_cast<float*>(base);
-    hidden = reinterpret_cast<float*>(base + layout.logits);
-    grad_hidden = reinterpret_cast<float*>(base + layout.logits + layout.hidden);
-  }
-};
-
-// The chunk's hidden rows [r0, r0 + count) as float32: the caller's rows (float32, with their
-// stride) or a dense float32 copy in the chunk buffer.
-const float* hidden_chunk(const LinearCeProblem& p, int64_t r0, int64_t count, float* buffer,
-                          int64_t* ld) {
-  const size_t esize = dtype_size(p.opt.dtype);
-  const char* first =
-      static_cast<const char*>(p.hidden_states) + size_t(r0) * p.hidden_row_stride * esize;
-  if (p.opt.dtype == FCE_FLOAT32) {
-    *ld = p.hidden_row_stride;
-    return reinterpret_cast<const float*>(first);
-  }
-  for (int64_t i = 0; i < count; ++i)
-    convert_row_to_float(p.opt.dtype, first + size_t(i) * p.hidden_row_stride * esize, p.hidden,
-                         buffer + size_t(i) * p.hidden);
-  *ld = p.hidden;
-  return buffer;
-}
-
-// z [count, V] = h·Wᵀ + b.
-void logits_chunk(const float* h, int64_t ldh, const FloatMatrix& W, const float* b, int64_t count,
-                  int64_t hidden, int64_t vocab, float* z) {
-  if (b)
-    for (int64_t i = 0; i < count; ++i) std::copy(b, b + vocab, z + size_t(i) * vocab);
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(count), int(vocab), int(hidden), 1.0f, h,
-              int(ldh), W.data(), int(W.ld), b ? 1.0f : 0.0f, z, int(vocab));
-}
-
-// ∂h [count, D] = ∂z·W, into the caller's rows (float32) or the chunk buffer, then rounded.
-void grad_hidden_chunk(const LinearCeProblem& p, const float* dz, const FloatMatrix& W, int64_t r0,
-                       int64_t count, float* buffer) {
-  const int dtype = p.opt.dtype;
-  const size_t esize = dtype_size(dtype);
-  char* first = static_cast<char*>(p.grad_hidden) + size_t(r0) * p.hidden * esize;
-  float* dh = dtype == FCE_FLOAT32 ? reinterpret_cast<float*>(first) : buffer;
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(count), int(p.hidden), int(p.vocab),
-              1.0f, dz, int(p.vocab), W.data(), int(W.ld), 0.0f, dh, int(p.hidden));
-  if (dtype == FCE_FLOAT32) return;
-  for (int64_t i = 0; i < count * p.hidden; ++i) store_float(dtype, first, i, dh[i]);
-}
-
-// ∂W [V, D] += ∂zᵀ·h over the chunk's rows, in float32.
-void grad_weight_chunk(const float* dz, const float* h, int64_t ldh, int64_t count, int64_t hidden,
-                       int64_t vocab, float* dW) {
-  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(vocab), int(hidden), int(count), 1.0f,
-              dz, int(vocab), h, int(ldh), 1.0f, dW, int(hidden));
-}
-
-// ∂b [V] += Σ_r ∂z_r over the chunk's rows, in row order, in double.
-void grad_bias_chunk(const float* dz, int64_t count, int64_t vocab, double* db) {
-  parallel_for(vocab, thread_count(vocab, 4096), [&](int64_t begin, int64_t end, int) {
-    for (int64_t i = 0; i < count; ++i)
-      for (int64_t j = begin; j < end; ++j) db[j] += dz[size_t(i) * vocab + j];
-  });
-}
-
 }  // namespace
 
 void cpu_linear_ce_workspace_size(const CeOptions& opt, int64_t rows, int64_t hidden, int64_t vocab,
                                   bool with_grad, bool /*grad_weight_fp32*/, size_t* min_bytes,
                                   size_t* optimal_bytes) {
-  const ChunkLayout one_row = chunk_layout(opt.dtype, 1, hidden, vocab, with_grad);
+  const ChunkLayout one_row = chunk_layout(opt.dtype, 1, hidden, vocab, with_grad && opt.dtype != FCE_FLOAT32);
   const ChunkLayout chunk =
-      chunk_layout(opt.dtype, chunk_rows(rows, vocab), hidden, vocab, with_grad);
+      chunk_layout(opt.dtype, chunk_rows(rows, vocab), hidden, vocab,
+                   with_grad && opt.dtype != FCE_FLOAT32);
   if (min_bytes) *min_bytes = one_row.total();
   if (optimal_bytes) *optimal_bytes = chunk.total();
 }
@@ -182,7 +55,7 @@ fce_status cpu_linear_ce(const LinearCeProblem& p) {
     RowResults results(p.rows, p.accuracy != nullptr);
     const FloatMatrix W = as_float(dtype, p.weight, p.vocab, p.hidden);
     const FloatMatrix b = p.bias ? as_float(dtype, p.bias, 1, p.vocab) : FloatMatrix();
-    ChunkBuffers chunk(chunk_layout(dtype, R, p.hidden, p.vocab, with_grad), p.workspace,
+    ChunkBuffers chunk(chunk_layout(dtype, R, p.hidden, p.vocab, with_grad && dtype != FCE_FLOAT32), p.workspace,
                        p.workspace_bytes);
     // ∂W in float32: the caller's buffer when it is float32, else an accumulator added at the end.
     std::vector<float> dW_accumulator;
@@ -201,7 +74,8 @@ fce_status cpu_linear_ce(const LinearCeProblem& p) {
     for (int64_t r0 = 0; r0 < p.rows; r0 += R) {
       const int64_t count = std::min(R, p.rows - r0);
       int64_t ldh = 0;
-      const float* h = hidden_chunk(p, r0, count, chunk.hidden, &ldh);
+      const float* h = hidden_chunk(dtype, p.hidden_states, p.hidden_row_stride, p.hidden, r0, count,
+                                    chunk.hidden, &ldh);
       logits_chunk(h, ldh, W, b.data(), count, p.hidden, p.vocab, chunk.logits);
 
       RowsJob job;
@@ -221,7 +95,9 @@ fce_status cpu_linear_ce(const LinearCeProblem& p) {
       if (!with_grad) continue;
 
       const float* dz = chunk.logits;
-      if (p.grad_hidden) grad_hidden_chunk(p, dz, W, r0, count, chunk.grad_hidden);
+      if (p.grad_hidden)
+        grad_hidden_chunk(dtype, p.grad_hidden, dz, W, r0, count, p.hidden, p.vocab,
+                          chunk.grad_hidden);
       if (dW) grad_weight_chunk(dz, h, ldh, count, p.hidden, p.vocab, dW);
       if (p.grad_bias) grad_bias_chunk(dz, count, p.vocab, db.data());
     }

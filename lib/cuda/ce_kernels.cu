@@ -636,8 +636,12 @@ __device__ __forceinline__ void grad_vector(const uint4& raw, I j0, bool full, b
   constexpr int E = vec_elems<TZ>();
   float g[E];
   unpack<TZ>(raw, g);
-  const int64_t dyl = y - p.col_begin - static_cast<int64_t>(j0);  // target within this vector
-  const int dy = (dyl >= 0 && dyl < E) ? static_cast<int>(dyl) : -1;
+  // the target within this vector: inside the buffer's columns only (a column slice's partial
+  // end vectors cover classes of the neighbouring slices, and a row's first partial vector
+  // starts before the row)
+  const int64_t yl = y - p.col_begin;
+  const int64_t dyl = yl - static_cast<int64_t>(j0);
+  const int dy = (yl >= 0 && yl < p.vocab && dyl >= 0 && dyl < E) ? static_cast<int>(dyl) : -1;
   const bool weighted = use_smooth<MODE>(p) && p.class_weights != nullptr;
   // 16-bit logits: the target element (at most one per row) is computed after the loop and
   // stored over the vector's value, instead of a per-element `q == dy` test (a compare and a

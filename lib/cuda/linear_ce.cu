@@ -55,6 +55,10 @@
 // No allocation, no synchronisation, one stream: everything is carved from the caller's
 // workspace (256-byte aligned) and enqueued on p.stream, so the call is graph-capturable once
 // the device's cuBLASLt handle exists (created on the first call on that device).
+//
+// Shared with the vocabulary-parallel linear calls (vp_linear.cu) through linear_plan.cuh: the
+// plan arithmetic (namespace linear), logits_gemm (step 1 / a) and slice_pass (the vocab-sliced
+// plan's gradient pass, steps a-e below), which this file runs as it always did.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -66,57 +70,17 @@
 #include "cuda/device_pointers.cuh"
 #include "cuda/gemm.cuh"
 #include "cuda/linear_kernels.cuh"
+#include "cuda/linear_plan.cuh"
 #include "internal.h"
 
 namespace fce {
 namespace cuda {
-namespace {
+namespace linear {
 
-constexpr size_t kAlign = 256;  // every workspace slice starts 256-byte aligned
-// The full-speed token chunk stays within this (see the plans in the header comment).
-constexpr size_t kChunkBudget = size_t(1) << 30;
-// cuBLASLt workspace sizes, largest first: 32 MiB is NVIDIA's recommendation for Hopper; the
-// budgeted chunk leaves at least kLtWorkspaceBudget; 4 MiB is the floor when memory is tight.
-// (Tuning knob, to be measured: whether these GEMMs run slower with 16 MiB than with 32 MiB;
-// 4096 bf16 rows at V = 128256 leave about 20 MiB of the 1 GiB for everything else.)
-constexpr size_t kLtWorkspaceSizes[] = {32u << 20, 16u << 20, 8u << 20, 4u << 20};
-constexpr size_t kLtWorkspaceFull = 32u << 20;
-constexpr size_t kLtWorkspaceBudget = 16u << 20;
-constexpr size_t kLtWorkspaceMin = 4u << 20;
-constexpr int64_t kMaxChunkRows = 4096;      // more rows per chunk gives no more speed: ∂W's GEMM
-                                             // is compute bound from Nc ≈ 1024 (PERF.md)
-constexpr int64_t kFullSpeedRows = 1024;     // the full-speed chunk has at least this (or N)
-constexpr int64_t kMinChunkRows = 128;       // below this, W is re-read too often per FLOP
-constexpr int64_t kRowQuantum = 128;         // chunk rows are a multiple of this (or all rows)
-constexpr int64_t kVocabPad = 64;            // Z_c rows padded to 64 elements (≥ 128 B)
-
-enum class Mode { kChunked, kChunked16, kVocabSliced };
+// The constants, the saturating size arithmetic, balanced(), and the Sizes / Layout / Mode /
+// Plan types are in linear_plan.cuh (vp_linear.cu plans with them too).
 // (Version 0.1 also had a float32 [V, D] ∂W accumulator in the workspace, V·D·4 bytes: 2 GiB at
 // 128256×4096, more than the logits it saves. Gone: no plan allocates anything of size [V, D].)
-
-// A 16-bit grad_weight accumulated in place over token chunks (kChunked16) is rounded once per
-// chunk. SPEC allows it for "few" chunks, with an error within 2× torch eager's against float64:
-// bench/accuracy_dw.py measured it against the chunk count k (H200, bench/NOTES.md): ratio to
-// eager ≤ 1.79 at k = 4 for N up to 65536, but 2.2 at k = 8 (N = 32768, D = 1024); more
-// chunks than this take the vocab-sliced plan (one rounding).
-constexpr int64_t kMaxChunks16 = 4;
-// The vocab-sliced plan's smallest pieces: 16 rows of logits in the lse pass, 64 columns of
-// logits for all rows in the gradient pass (a few MiB of workspace at the peers' sizes).
-constexpr int64_t kMinSliceRows = 16;
-
-// ---- size arithmetic that saturates at SIZE_MAX instead of wrapping
-constexpr size_t kHuge = SIZE_MAX;
-size_t sat_add(size_t a, size_t b) { return a > kHuge - b ? kHuge : a + b; }
-size_t sat_mul(size_t a, size_t b) { return (a != 0 && b > kHuge / a) ? kHuge : a * b; }
-size_t sat_round(size_t a) { return a > kHuge - (kAlign - 1) ? kHuge : (a + kAlign - 1) / kAlign * kAlign; }
-
-// What the workspace has to hold, from the sizes and options alone.
-struct Sizes {
-  int64_t rows, hidden, vocab, vocab_padded;
-  size_t elem;          // bytes of one element of dtype: of Z_c / ∂Z_c and of the bias copy
-  bool reduction_none;  // the per-row losses go straight into the caller's loss
-  bool with_grad;       // ∂Z_c is produced (in place over Z_c)
-};
 
 Sizes sizes_of(const CeOptions& opt, int64_t rows, int64_t hidden, int64_t vocab, bool with_grad) {
   Sizes s;
@@ -129,12 +93,6 @@ Sizes sizes_of(const CeOptions& opt, int64_t rows, int64_t hidden, int64_t vocab
   s.with_grad = with_grad;
   return s;
 }
-
-// Byte offsets of the workspace slices, from a 256-byte aligned base. total includes kAlign of
-// slack for aligning the caller's (16-byte aligned) pointer; kHuge when it overflows.
-struct Layout {
-  size_t denoms, row_loss, row_zloss, row_correct, bias, db, stats, dh, lt, z, total;
-};
 
 // The slices of every plan; z_bytes is the logits scratch. `sliced` adds the vocab-sliced
 // plan's row statistics [N] (m, log s, t: CeRowStats) and float32 ∂h accumulator [N, D] (the
@@ -215,22 +173,6 @@ size_t lt_bytes_for(const Sizes& s, int64_t rows, size_t workspace_bytes) {
     if (fits(layout_of(s, rows, lt), workspace_bytes) && (!budgeted || in_budget(s, rows, lt)))
       return lt;
   return kLtWorkspaceMin;  // the caller checked that rows fit with it
-}
-
-struct Plan {
-  Mode mode;
-  int64_t chunk_rows, chunks;  // token chunks (the vocab-sliced plan's lse pass too)
-  int64_t slice_cols, slices;  // the vocab-sliced plan's gradient pass: columns per slice
-  size_t lt_bytes;
-  Layout layout;
-};
-
-// The fewest pieces of at most `most` each covering n, then each piece ceil(n / pieces) rounded
-// up to `quantum` (never above `most`): balanced, so the last piece is not a sliver.
-int64_t balanced(int64_t n, int64_t most, int64_t quantum) {
-  const int64_t pieces = (n + most - 1) / most;
-  const int64_t even = (n + pieces - 1) / pieces;
-  return std::min(most, (even + quantum - 1) / quantum * quantum);
 }
 
 // The plan of one token-chunk mode in workspace_bytes, or false when even its smallest chunk
@@ -347,13 +289,119 @@ size_t optimal_workspace(const Sizes& s, bool need_dw, bool dw_fp32) {
   return layout_of(s, r, lt).total;
 }
 
-}  // namespace
+
+fce_status logits_gemm(int dtype, int64_t M, int64_t N, int64_t K, const void* A, int64_t lda,
+                       const void* W, const void* bias, void* Z, int64_t ldz, void* lt_ws,
+                       size_t lt_bytes, cudaStream_t s) {
+  RowMajorGemm g{};
+  g.name = "logits (hidden · weightᵀ + bias)";
+  g.M = M; g.N = N; g.K = K;
+  g.A = A; g.lda = lda; g.trans_a = false;
+  g.B = W; g.ldb = K; g.trans_b = true;
+  g.ab_dtype = dtype;
+  g.C = Z; g.ldc = ldz; g.c_dtype = dtype;
+  g.alpha = 1.f; g.beta = 0.f;
+  g.bias = bias;
+  g.workspace = lt_ws; g.workspace_bytes = lt_bytes;
+  bool bias_applied = false;
+  FCE_TRY(gemm(g, s, &bias_applied));
+  // No algorithm fuses the bias for this shape: add it in a second pass (for f16/bf16 Z that
+  // is a second rounding, the one place the 16-bit logits are not torch's bit for bit).
+  if (bias && !bias_applied) FCE_TRY(launch_add_bias_rows(Z, dtype, M, N, ldz, bias, s));
+  return FCE_SUCCESS;
+}
+
+fce_status slice_pass(const SlicePass& sp, cudaStream_t stream) {
+  const CeOptions& opt = sp.opt;
+  const int dtype = opt.dtype;
+  const size_t e = dtype_size(dtype);
+  const int64_t N = sp.rows, D = sp.hidden, hs = sp.hidden_row_stride, V = sp.cols;
+  const char* hidden = static_cast<const char*>(sp.hidden_states);
+  void* z = sp.z;
+  for (int64_t sl = 0; sl < sp.slices; ++sl) {
+    const int64_t v0 = sl * sp.slice_cols;
+    const int64_t vc = std::min(sp.slice_cols, V - v0);
+    const int64_t lds = sp.slice_cols;
+    const bool first = sl == 0;
+    const char* w_s = static_cast<const char*>(sp.weight) + static_cast<size_t>(v0) * D * e;
+    const void* b_s = sp.bias ? static_cast<const char*>(sp.bias) + static_cast<size_t>(v0) * e
+                              : nullptr;
+
+    // a. Z_s[N, vc] = h · W_sᵀ + b_s   (computed again: cuBLASLt may pick another algorithm
+    //    for this shape than for the lse pass, so a logit may differ from it by a rounding)
+    FCE_TRY(logits_gemm(dtype, N, vc, D, hidden, hs, w_s, b_s, z, lds, sp.lt_ws, sp.lt_bytes,
+                        stream));
+
+    // b. ∂Z_s from the saved row statistics, in place (the backward kernel on a column slice)
+    CeRowsArgs a{};
+    a.opt = opt;
+    a.vocab = vc;
+    a.vocab_total = sp.vocab_total;
+    a.col_begin = sp.col_offset + v0;
+    a.total_rows = N;
+    a.row_begin = 0;
+    a.row_count = N;
+    a.logits = z;
+    a.logits_dtype = dtype;
+    a.row_stride = lds;
+    a.grad = z;
+    a.grad_dtype = dtype;
+    a.grad_row_stride = lds;
+    a.targets = sp.targets;
+    a.denoms = sp.denoms;
+    a.grad_output = sp.grad_output;
+    a.stats_in = sp.stats;
+    a.error_flags = nullptr;  // the lse pass has flagged invalid targets already
+    FCE_TRY(launch_ce_rows(a, stream));
+    if (sp.fix_dz) FCE_TRY(sp.fix_dz(sp.fix_ctx, z, N, vc, lds, stream));
+
+    // c. ∂W_s[vc, D] = ∂Z_sᵀ · h over all N rows: one GEMM, one rounding
+    if (sp.grad_weight) {
+      RowMajorGemm gw{};
+      gw.name = "grad_weight (dZᵀ · hidden)";
+      gw.M = vc; gw.N = D; gw.K = N;
+      gw.A = z; gw.lda = lds; gw.trans_a = true;
+      gw.B = hidden; gw.ldb = hs; gw.trans_b = false;
+      gw.ab_dtype = dtype;
+      gw.C = static_cast<char*>(sp.grad_weight) +
+             static_cast<size_t>(v0) * D * dtype_size(sp.grad_weight_dtype);
+      gw.ldc = D; gw.c_dtype = sp.grad_weight_dtype;
+      gw.alpha = 1.f; gw.beta = sp.accumulate ? 1.f : 0.f;
+      gw.workspace = sp.lt_ws; gw.workspace_bytes = sp.lt_bytes;
+      FCE_TRY(gemm(gw, stream, nullptr));
+    }
+
+    // d. ∂h[N, D] (+)= ∂Z_s · W_s   (float32 accumulation across slices)
+    if (sp.dh) {
+      RowMajorGemm gh{};
+      gh.name = "grad_hidden (dZ · weight)";
+      gh.M = N; gh.N = D; gh.K = vc;
+      gh.A = z; gh.lda = lds; gh.trans_a = false;
+      gh.B = w_s; gh.ldb = D; gh.trans_b = false;
+      gh.ab_dtype = dtype;
+      gh.C = sp.dh; gh.ldc = D; gh.c_dtype = FCE_FLOAT32;
+      gh.alpha = 1.f; gh.beta = first ? 0.f : 1.f;
+      gh.workspace = sp.lt_ws; gh.workspace_bytes = sp.lt_bytes;
+      FCE_TRY(gemm(gh, stream, nullptr));
+    }
+
+    // e. ∂b_s = Σ_rows ∂Z_s, complete in one pass
+    if (sp.db)
+      FCE_TRY(launch_column_sums(z, dtype, N, vc, lds,
+                                 static_cast<char*>(sp.db) + static_cast<size_t>(v0) * dtype_size(sp.db_dtype),
+                                 sp.db_dtype, sp.db_add_old, stream));
+  }
+  return FCE_SUCCESS;
+}
+
+}  // namespace linear
 }  // namespace cuda
 
 void cuda_linear_ce_workspace_size(const CeOptions& opt, int64_t rows, int64_t hidden,
                                    int64_t vocab, bool with_grad, bool grad_weight_fp32,
                                    size_t* min_bytes, size_t* optimal_bytes) {
   using namespace cuda;
+  using namespace cuda::linear;
   // The worst case of the gradients a call with these options may ask for: all of them.
   // optimal_bytes: the full-speed plan (optimal_workspace), never below min_bytes.
   const Sizes s = sizes_of(opt, rows, hidden, vocab, with_grad);
@@ -365,6 +413,7 @@ void cuda_linear_ce_workspace_size(const CeOptions& opt, int64_t rows, int64_t h
 
 fce_status cuda_linear_ce(const LinearCeProblem& p) {
   using namespace cuda;
+  using namespace cuda::linear;
   const CeOptions& opt = p.opt;
   const int dtype = opt.dtype;
   if (dtype != FCE_FLOAT32 && dtype != FCE_FLOAT16 && dtype != FCE_BFLOAT16)
@@ -443,22 +492,8 @@ fce_status cuda_linear_ce(const LinearCeProblem& p) {
     const void* h_c = hidden + static_cast<size_t>(r0) * static_cast<size_t>(hs) * e;
 
     // 1. Z_c[rc, V] = h_c[rc, D] · W[V, D]ᵀ + b   (in dtype, float32 accumulation, ld = ldz)
-    RowMajorGemm g{};
-    g.name = "logits (hidden · weightᵀ + bias)";
-    g.M = rc; g.N = V; g.K = D;
-    g.A = h_c; g.lda = hs; g.trans_a = false;
-    g.B = p.weight; g.ldb = D; g.trans_b = true;
-    g.ab_dtype = dtype;
-    g.C = z; g.ldc = ldz; g.c_dtype = dtype;
-    g.alpha = 1.f; g.beta = 0.f;
-    g.bias = bias_ws;
-    g.workspace = lt_ws; g.workspace_bytes = plan.lt_bytes;
-    bool bias_applied = false;
-    FCE_TRY(gemm(g, stream, &bias_applied));
-    // No algorithm fuses the bias for this shape: add it in a second pass (for f16/bf16 Z_c
-    // that is a second rounding, the one place the 16-bit logits are not torch's bit for bit).
-    if (bias_ws && !bias_applied)
-      FCE_TRY(launch_add_bias_rows(z, dtype, rc, V, ldz, bias_ws, stream));
+    FCE_TRY(logits_gemm(dtype, rc, V, D, h_c, hs, p.weight, bias_ws, z, ldz, lt_ws,
+                        plan.lt_bytes, stream));
 
     // 2. the CE pass: row losses, lse, and ∂Z_c in dtype, in place over Z_c
     CeRowsArgs a{};
@@ -539,85 +574,36 @@ fce_status cuda_linear_ce(const LinearCeProblem& p) {
   }
 
   // ---- the vocab-sliced gradient pass: per slice of columns [v0, v0 + vc), for all N rows
-  for (int64_t sl = 0; sliced && with_grad && sl < plan.slices; ++sl) {
-    const int64_t v0 = sl * plan.slice_cols;
-    const int64_t vc = std::min(plan.slice_cols, V - v0);
-    const int64_t lds = plan.slice_cols;
-    const bool first = sl == 0;
-    const char* w_s = static_cast<const char*>(p.weight) + static_cast<size_t>(v0) * D * e;
-    const void* b_s = bias_ws ? static_cast<const char*>(bias_ws) + static_cast<size_t>(v0) * e
-                              : nullptr;
-
-    // a. Z_s[N, vc] = h · W_sᵀ + b_s   (computed again: cuBLASLt may pick another algorithm
-    //    for this shape than for the lse pass, so a logit may differ from it by a rounding)
-    RowMajorGemm g{};
-    g.name = "logits (hidden · weightᵀ + bias)";
-    g.M = N; g.N = vc; g.K = D;
-    g.A = hidden; g.lda = hs; g.trans_a = false;
-    g.B = w_s; g.ldb = D; g.trans_b = true;
-    g.ab_dtype = dtype;
-    g.C = z; g.ldc = lds; g.c_dtype = dtype;
-    g.alpha = 1.f; g.beta = 0.f;
-    g.bias = b_s;
-    g.workspace = lt_ws; g.workspace_bytes = plan.lt_bytes;
-    bool bias_applied = false;
-    FCE_TRY(gemm(g, stream, &bias_applied));
-    if (b_s && !bias_applied) FCE_TRY(launch_add_bias_rows(z, dtype, N, vc, lds, b_s, stream));
-
-    // b. ∂Z_s from the saved row statistics, in place (the backward kernel on a column slice)
-    CeRowsArgs a{};
-    a.opt = opt;
-    a.vocab = vc;
-    a.vocab_total = V;
-    a.col_begin = v0;
-    a.total_rows = N;
-    a.row_begin = 0;
-    a.row_count = N;
-    a.logits = z;
-    a.logits_dtype = dtype;
-    a.row_stride = lds;
-    a.grad = z;
-    a.grad_dtype = dtype;
-    a.grad_row_stride = lds;
-    a.targets = p.targets;
-    a.denoms = denoms;
-    a.grad_output = p.grad_output;
-    a.stats_in = stats;
-    a.error_flags = nullptr;  // the lse pass has flagged invalid targets already
-    FCE_TRY(launch_ce_rows(a, stream));
-
-    // c. ∂W_s[vc, D] = ∂Z_sᵀ · h over all N rows: one GEMM, one rounding
-    if (p.grad_weight) {
-      RowMajorGemm gw{};
-      gw.name = "grad_weight (dZᵀ · hidden)";
-      gw.M = vc; gw.N = D; gw.K = N;
-      gw.A = z; gw.lda = lds; gw.trans_a = true;
-      gw.B = hidden; gw.ldb = hs; gw.trans_b = false;
-      gw.ab_dtype = dtype;
-      gw.C = static_cast<char*>(p.grad_weight) + static_cast<size_t>(v0) * D * dtype_size(grad_w_dtype);
-      gw.ldc = D; gw.c_dtype = grad_w_dtype;
-      gw.alpha = 1.f; gw.beta = p.accumulate ? 1.f : 0.f;
-      gw.workspace = lt_ws; gw.workspace_bytes = plan.lt_bytes;
-      FCE_TRY(gemm(gw, stream, nullptr));
-    }
-
-    // d. ∂h[N, D] (+)= ∂Z_s · W_s   (float32 accumulation across slices)
-    if (p.grad_hidden) {
-      RowMajorGemm gh{};
-      gh.name = "grad_hidden (dZ · weight)";
-      gh.M = N; gh.N = D; gh.K = vc;
-      gh.A = z; gh.lda = lds; gh.trans_a = false;
-      gh.B = w_s; gh.ldb = D; gh.trans_b = false;
-      gh.ab_dtype = dtype;
-      gh.C = dh32; gh.ldc = D; gh.c_dtype = FCE_FLOAT32;
-      gh.alpha = 1.f; gh.beta = first ? 0.f : 1.f;
-      gh.workspace = lt_ws; gh.workspace_bytes = plan.lt_bytes;
-      FCE_TRY(gemm(gh, stream, nullptr));
-    }
-
-    // e. ∂b_s = Σ_rows ∂Z_s, complete in one pass, into the float32 workspace (stored below)
-    if (p.grad_bias)
-      FCE_TRY(launch_column_sums(z, dtype, N, vc, lds, db32 + v0, FCE_FLOAT32, false, stream));
+  // (slice_pass, shared with fce_vp_linear_backward)
+  if (sliced && with_grad) {
+    SlicePass sp{};
+    sp.opt = opt;
+    sp.rows = N;
+    sp.hidden = D;
+    sp.hidden_row_stride = hs;
+    sp.cols = V;
+    sp.col_offset = 0;
+    sp.vocab_total = V;
+    sp.hidden_states = hidden;
+    sp.weight = p.weight;
+    sp.bias = bias_ws;
+    sp.targets = p.targets;
+    sp.denoms = denoms;
+    sp.grad_output = p.grad_output;
+    sp.stats = stats;
+    sp.z = z;
+    sp.slice_cols = plan.slice_cols;
+    sp.slices = plan.slices;
+    sp.lt_ws = lt_ws;
+    sp.lt_bytes = plan.lt_bytes;
+    sp.grad_weight = p.grad_weight;
+    sp.grad_weight_dtype = grad_w_dtype;
+    sp.accumulate = p.accumulate;
+    sp.dh = p.grad_hidden ? dh32 : nullptr;
+    sp.db = p.grad_bias ? db32 : nullptr;  // complete per slice; stored below
+    sp.db_dtype = FCE_FLOAT32;
+    sp.db_add_old = false;
+    FCE_TRY(slice_pass(sp, stream));
   }
   if (sliced && p.grad_hidden)
     FCE_TRY(launch_store_accumulator(dh32, p.grad_hidden, dtype, N * D, false, stream));

@@ -556,7 +556,9 @@ void declare_call(Input& in, Case& c) {
         declare(c, B_GRAD, kOut, dt, R, V, grs, kFillPoison, false, true);
       } else {
         c.b[B_LSE_IN].present = true;
-        declare(c, B_LSE_IN, kIn, FCE_FLOAT32, 1, R, R, kFillRaw, true);
+        // values (tame: the true lse, by derived_fill; raw bits only with data_mode 2, where
+        // any NaN payload may reach the outputs)
+        declare(c, B_LSE_IN, kIn, FCE_FLOAT32, 1, R, R, kFillData, true);
         c.b[B_GRAD].present = true;
         declare(c, B_GRAD, c.fn == kRescale ? kInOut : kOut, dt, R, V, grs,
                 c.fn == kRescale ? kFillData : kFillPoison, true, c.fn == kBackward);

@@ -1,12 +1,15 @@
 """The ctypes core: find and load libfusedce, mirror include/fusedce.h, raise on statuses.
 
-Everything here is a one-to-one image of the C header written for FCE_VERSION 0.3.0; nothing
+Everything here is a one-to-one image of the C header written for FCE_VERSION 0.4.0; nothing
 above the C ABI (arrays, allocation, frameworks) lives in this module: see core.py.
 
 Older libraries of the same major version are accepted: :func:`options_size` is then the
 struct_size they know (``FCE_OPTIONS_SIZE_V0_1``), and asking for an option appended later
 (``shift``, ``argmax``, ``accuracy``, ``token_scaling``) raises :class:`UnsupportedError`
-(:func:`require_options_v0_3`) instead of being silently ignored by the library.
+(:func:`require_options_v0_3`) instead of being silently ignored by the library. Functions
+added later are optional symbols: the vocabulary-parallel calls (``fce_vp_*``, 0.4) are declared
+only when the library has them, and :func:`require_vp` raises :class:`UnsupportedError` naming
+the loaded library's version otherwise.
 
 The library is searched in this order:
   1. the path in the environment variable FUSEDCE_LIBRARY (a file, or a folder holding
@@ -30,7 +33,7 @@ import threading
 
 # ---------------------------------------------------------------- the header we mirror ----
 HEADER_VERSION_MAJOR = 0
-HEADER_VERSION_MINOR = 3
+HEADER_VERSION_MINOR = 4
 HEADER_VERSION_PATCH = 0
 HEADER_VERSION_NUMBER = (HEADER_VERSION_MAJOR * 10000 + HEADER_VERSION_MINOR * 100
                          + HEADER_VERSION_PATCH)
@@ -65,6 +68,10 @@ FCE_BACKEND_CPU = 1
 
 # error_flags bits
 FCE_FLAG_TARGET_OUT_OF_RANGE = 1
+FCE_FLAG_SHARDS_INCONSISTENT = 2  # 0.4: gathered vocabulary shards that do not tile [0, V)
+
+# vocabulary-parallel (0.4): float32 per row of a shard's statistics (the layout is internal)
+FCE_VP_STATS = 8
 
 
 class Options(ctypes.Structure):
@@ -249,6 +256,28 @@ def _declare(lib) -> None:
     if hasattr(lib, "fce_build_info"):  # 0.3
         lib.fce_build_info.restype = c.c_char_p
         lib.fce_build_info.argtypes = []
+    psz = c.POINTER(sz)
+    vp_sigs = {  # 0.4: vocabulary-parallel; all or none (see has_vp)
+        "fce_vp_stats": (st, [opt, i64, i64, i64, i64, vp, vp, fp, vp]),
+        "fce_vp_loss_workspace_size": (st, [opt, i64, i64, i64, psz]),
+        "fce_vp_loss": (st, [opt, i64, i64, i64, vp, fp, fp, fp, fp, vp, vp, sz, vp]),
+        "fce_vp_backward_workspace_size": (st, [opt, i64, i64, i64, i64, psz]),
+        "fce_vp_backward": (
+            st, [opt, i64, i64, i64, i64, i64, vp, vp, fp, fp, vp, vp, vp, sz, vp]),
+        "fce_vp_linear_stats_workspace_size": (st, [opt, i64, i64, i64, psz, psz]),
+        "fce_vp_linear_stats": (
+            st, [opt, i64, i64, i64, i64, i64, vp, vp, vp, vp, fp, vp, sz, vp]),
+        "fce_vp_linear_backward_workspace_size": (
+            st, [opt, i64, i64, i64, i64, i64, c.c_int32, psz, psz]),
+        "fce_vp_linear_backward": (
+            st, [opt, i64, i64, i64, i64, i64, i64, vp, vp, vp, vp, fp, fp, vp, c.c_int32, vp,
+                 vp, vp, vp, sz, vp]),
+    }
+    if all(hasattr(lib, name) for name in vp_sigs):
+        for name, (restype, argtypes) in vp_sigs.items():
+            fn = getattr(lib, name)
+            fn.restype = restype
+            fn.argtypes = argtypes
 
 
 def check_version(library_version: int, header_version: int = HEADER_VERSION_NUMBER) -> None:
@@ -285,6 +314,32 @@ def require_options_v0_3(what: str) -> None:
             FCE_ERROR_UNSUPPORTED,
             "%s needs libfusedce 0.3 or later; the loaded library (%s) is %s" %
             (what, _LIB_PATH, format_version(_LIB_VERSION)))
+
+
+VP_SYMBOLS = ("fce_vp_stats", "fce_vp_loss_workspace_size", "fce_vp_loss",
+              "fce_vp_backward_workspace_size", "fce_vp_backward",
+              "fce_vp_linear_stats_workspace_size", "fce_vp_linear_stats",
+              "fce_vp_linear_backward_workspace_size", "fce_vp_linear_backward")
+
+
+def has_vp() -> bool:
+    """True when the loaded library has the vocabulary-parallel calls (fce_vp_*, 0.4)."""
+    lib = load()
+    return _LIB_VERSION >= 400 and all(hasattr(lib, name) for name in VP_SYMBOLS)
+
+
+def require_vp(what: str = "the vocabulary-parallel calls (fce_vp_*)") -> None:
+    """Raise UnsupportedError unless the loaded library has the vocabulary-parallel calls
+    (libfusedce 0.4 or later)."""
+    if not has_vp():
+        lib = load()
+        missing = [n for n in VP_SYMBOLS if not hasattr(lib, n)]
+        detail = ("" if len(missing) in (0, len(VP_SYMBOLS))
+                  else " (it lacks %s)" % ", ".join(missing))
+        raise UnsupportedError(
+            FCE_ERROR_UNSUPPORTED,
+            "%s: needs libfusedce 0.4 or later (fce_vp_*); the loaded library (%s) is %s%s" %
+            (what, _LIB_PATH, format_version(_LIB_VERSION), detail))
 
 
 def format_version(number: int) -> str:

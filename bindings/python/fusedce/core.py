@@ -731,6 +731,11 @@ def check_error_flags(error_flags) -> None:
     if value & FCE_FLAG_TARGET_OUT_OF_RANGE:
         raise ValueError("a target is outside [0, vocab) and is not ignore_index "
                          "(its row's loss is NaN)")
+    if value & _lib.FCE_FLAG_SHARDS_INCONSISTENT:
+        raise ValueError("the gathered vocabulary shards do not tile [0, vocab_total) (their "
+                         "sizes do not sum to vocab_total, or a target is held by no shard or "
+                         "by two: check vocab_start / vocab_total on every rank); the rows "
+                         "concerned have a NaN loss")
     if value:
         raise ValueError(f"fusedce reported error flags {value:#x}")
 

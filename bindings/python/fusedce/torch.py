@@ -900,3 +900,9 @@ class LinearCrossEntropyLoss(_LossOptions):
             reduction=self.reduction, ignore_index=self.ignore_index,
             label_smoothing=self.label_smoothing, workspace_bytes=self.workspace_bytes,
             **self._kwargs())
+
+
+# fusedce.torch.distributed: the vocabulary-parallel functions (fusedce/torch_distributed.py)
+from . import torch_distributed as distributed  # noqa: E402
+import sys as _sys  # noqa: E402
+_sys.modules.setdefault(__name__ + ".distributed", distributed)  # import fusedce.torch.distributed

@@ -17,13 +17,15 @@
 
 # ---------------------------------------------------------------- #define constants
 const FCE_VERSION_MAJOR = 0
-const FCE_VERSION_MINOR = 3
+const FCE_VERSION_MINOR = 4
 const FCE_VERSION_PATCH = 0
 # FCE_VERSION_NUMBER = (FCE_VERSION_MAJOR * 10000 + FCE_VERSION_MINOR * 100 + FCE_VERSION_PATCH)
-const FCE_VERSION_NUMBER = 300
+const FCE_VERSION_NUMBER = 400
 const FCE_FLAG_TARGET_OUT_OF_RANGE = Cuint(1)  # 1u
 const FCE_OPTIONS_SIZE_V0_1 = 104
 const FCE_OPTIONS_SIZE_V0_3 = 136
+const FCE_VP_STATS = 8
+const FCE_FLAG_SHARDS_INCONSISTENT = Cuint(2)  # 2u
 
 # ---------------------------------------------------------------- enum fce_status
 const fce_status = Cint
@@ -103,7 +105,11 @@ const FCE_OPTIONS_INIT = FceOptions(sizeof(FceOptions), C_NULL, -100, 0, 0, 0, 0
 const FCE_FUNCTIONS = (:fce_version, :fce_status_string, :fce_last_error, :fce_options_default,
                        :fce_forward_workspace_size, :fce_forward, :fce_backward_workspace_size,
                        :fce_backward, :fce_backward_rescale, :fce_linear_ce_workspace_size,
-                       :fce_linear_ce, :fce_scale_gradient, :fce_cuda_available, :fce_build_info)
+                       :fce_linear_ce, :fce_vp_stats, :fce_vp_loss_workspace_size, :fce_vp_loss,
+                       :fce_vp_backward_workspace_size, :fce_vp_backward,
+                       :fce_vp_linear_stats_workspace_size, :fce_vp_linear_stats,
+                       :fce_vp_linear_backward_workspace_size, :fce_vp_linear_backward,
+                       :fce_scale_gradient, :fce_cuda_available, :fce_build_info)
 
 # unsigned fce_version(void)
 function fce_version()
@@ -214,6 +220,129 @@ function fce_linear_ce(options, rows, hidden, vocab, hidden_states, weight, bias
                     Ptr{Cvoid}, Ptr{Cfloat}, Ptr{UInt32}, Ptr{Cvoid}, Csize_t, Ptr{Cvoid}),
                    options, rows, hidden, vocab, hidden_states, weight, bias, targets, loss, lse,
                    z_loss, grad_hidden, grad_weight, grad_bias, grad_output, error_flags, workspace,
+                   workspace_bytes, stream)
+    return check_status(status)
+end
+
+# fce_status fce_vp_stats(const fce_options* options, int64_t rows, int64_t vocab_total,
+#     int64_t vocab_start, int64_t vocab_local, const void* logits, const void* targets,
+#     float* stats, void* stream)
+function fce_vp_stats(options, rows, vocab_total, vocab_start, vocab_local, logits, targets, stats,
+                      stream)
+    status = ccall(libfusedce_symbol(:fce_vp_stats), Cint,
+                   (Ref{FceOptions}, Int64, Int64, Int64, Int64, Ptr{Cvoid}, Ptr{Cvoid},
+                    Ptr{Cfloat}, Ptr{Cvoid}),
+                   options, rows, vocab_total, vocab_start, vocab_local, logits, targets, stats,
+                   stream)
+    return check_status(status)
+end
+
+# fce_status fce_vp_loss_workspace_size(const fce_options* options, int64_t ranks, int64_t rows,
+#     int64_t vocab_total, size_t* workspace_bytes)
+function fce_vp_loss_workspace_size(options, ranks, rows, vocab_total, workspace_bytes)
+    status = ccall(libfusedce_symbol(:fce_vp_loss_workspace_size), Cint,
+                   (Ref{FceOptions}, Int64, Int64, Int64, Ref{Csize_t}),
+                   options, ranks, rows, vocab_total, workspace_bytes)
+    return check_status(status)
+end
+
+# fce_status fce_vp_loss(const fce_options* options, int64_t ranks, int64_t rows,
+#     int64_t vocab_total, const void* targets, const float* gathered_stats, float* loss,
+#     float* lse, float* z_loss, uint32_t* error_flags, void* workspace, size_t workspace_bytes,
+#     void* stream)
+function fce_vp_loss(options, ranks, rows, vocab_total, targets, gathered_stats, loss, lse, z_loss,
+                     error_flags, workspace, workspace_bytes, stream)
+    status = ccall(libfusedce_symbol(:fce_vp_loss), Cint,
+                   (Ref{FceOptions}, Int64, Int64, Int64, Ptr{Cvoid}, Ptr{Cfloat}, Ptr{Cfloat},
+                    Ptr{Cfloat}, Ptr{Cfloat}, Ptr{UInt32}, Ptr{Cvoid}, Csize_t, Ptr{Cvoid}),
+                   options, ranks, rows, vocab_total, targets, gathered_stats, loss, lse, z_loss,
+                   error_flags, workspace, workspace_bytes, stream)
+    return check_status(status)
+end
+
+# fce_status fce_vp_backward_workspace_size(const fce_options* options, int64_t ranks, int64_t rows,
+#     int64_t vocab_total, int64_t vocab_local, size_t* workspace_bytes)
+function fce_vp_backward_workspace_size(options, ranks, rows, vocab_total, vocab_local,
+                                        workspace_bytes)
+    status = ccall(libfusedce_symbol(:fce_vp_backward_workspace_size), Cint,
+                   (Ref{FceOptions}, Int64, Int64, Int64, Int64, Ref{Csize_t}),
+                   options, ranks, rows, vocab_total, vocab_local, workspace_bytes)
+    return check_status(status)
+end
+
+# fce_status fce_vp_backward(const fce_options* options, int64_t ranks, int64_t rows,
+#     int64_t vocab_total, int64_t vocab_start, int64_t vocab_local, const void* logits,
+#     const void* targets, const float* gathered_stats, const float* grad_output, void* grad_logits,
+#     uint32_t* error_flags, void* workspace, size_t workspace_bytes, void* stream)
+function fce_vp_backward(options, ranks, rows, vocab_total, vocab_start, vocab_local, logits,
+                         targets, gathered_stats, grad_output, grad_logits, error_flags, workspace,
+                         workspace_bytes, stream)
+    status = ccall(libfusedce_symbol(:fce_vp_backward), Cint,
+                   (Ref{FceOptions}, Int64, Int64, Int64, Int64, Int64, Ptr{Cvoid}, Ptr{Cvoid},
+                    Ptr{Cfloat}, Ptr{Cfloat}, Ptr{Cvoid}, Ptr{UInt32}, Ptr{Cvoid}, Csize_t,
+                    Ptr{Cvoid}),
+                   options, ranks, rows, vocab_total, vocab_start, vocab_local, logits, targets,
+                   gathered_stats, grad_output, grad_logits, error_flags, workspace,
+                   workspace_bytes, stream)
+    return check_status(status)
+end
+
+# fce_status fce_vp_linear_stats_workspace_size(const fce_options* options, int64_t rows,
+#     int64_t hidden, int64_t vocab_local, size_t* min_bytes, size_t* optimal_bytes)
+function fce_vp_linear_stats_workspace_size(options, rows, hidden, vocab_local, min_bytes,
+                                            optimal_bytes)
+    status = ccall(libfusedce_symbol(:fce_vp_linear_stats_workspace_size), Cint,
+                   (Ref{FceOptions}, Int64, Int64, Int64, Ref{Csize_t}, Ref{Csize_t}),
+                   options, rows, hidden, vocab_local, min_bytes, optimal_bytes)
+    return check_status(status)
+end
+
+# fce_status fce_vp_linear_stats(const fce_options* options, int64_t rows, int64_t hidden,
+#     int64_t vocab_total, int64_t vocab_start, int64_t vocab_local, const void* hidden_states,
+#     const void* weight, const void* bias, const void* targets, float* stats, void* workspace,
+#     size_t workspace_bytes, void* stream)
+function fce_vp_linear_stats(options, rows, hidden, vocab_total, vocab_start, vocab_local,
+                             hidden_states, weight, bias, targets, stats, workspace,
+                             workspace_bytes, stream)
+    status = ccall(libfusedce_symbol(:fce_vp_linear_stats), Cint,
+                   (Ref{FceOptions}, Int64, Int64, Int64, Int64, Int64, Ptr{Cvoid}, Ptr{Cvoid},
+                    Ptr{Cvoid}, Ptr{Cvoid}, Ptr{Cfloat}, Ptr{Cvoid}, Csize_t, Ptr{Cvoid}),
+                   options, rows, hidden, vocab_total, vocab_start, vocab_local, hidden_states,
+                   weight, bias, targets, stats, workspace, workspace_bytes, stream)
+    return check_status(status)
+end
+
+# fce_status fce_vp_linear_backward_workspace_size(const fce_options* options, int64_t ranks,
+#     int64_t rows, int64_t hidden, int64_t vocab_total, int64_t vocab_local,
+#     int32_t grad_hidden_dtype, size_t* min_bytes, size_t* optimal_bytes)
+function fce_vp_linear_backward_workspace_size(options, ranks, rows, hidden, vocab_total,
+                                               vocab_local, grad_hidden_dtype, min_bytes,
+                                               optimal_bytes)
+    status = ccall(libfusedce_symbol(:fce_vp_linear_backward_workspace_size), Cint,
+                   (Ref{FceOptions}, Int64, Int64, Int64, Int64, Int64, Int32, Ref{Csize_t},
+                    Ref{Csize_t}),
+                   options, ranks, rows, hidden, vocab_total, vocab_local, grad_hidden_dtype,
+                   min_bytes, optimal_bytes)
+    return check_status(status)
+end
+
+# fce_status fce_vp_linear_backward(const fce_options* options, int64_t ranks, int64_t rows,
+#     int64_t hidden, int64_t vocab_total, int64_t vocab_start, int64_t vocab_local,
+#     const void* hidden_states, const void* weight, const void* bias, const void* targets,
+#     const float* gathered_stats, const float* grad_output, void* grad_hidden,
+#     int32_t grad_hidden_dtype, void* grad_weight, void* grad_bias, uint32_t* error_flags,
+#     void* workspace, size_t workspace_bytes, void* stream)
+function fce_vp_linear_backward(options, ranks, rows, hidden, vocab_total, vocab_start, vocab_local,
+                                hidden_states, weight, bias, targets, gathered_stats, grad_output,
+                                grad_hidden, grad_hidden_dtype, grad_weight, grad_bias, error_flags,
+                                workspace, workspace_bytes, stream)
+    status = ccall(libfusedce_symbol(:fce_vp_linear_backward), Cint,
+                   (Ref{FceOptions}, Int64, Int64, Int64, Int64, Int64, Int64, Ptr{Cvoid},
+                    Ptr{Cvoid}, Ptr{Cvoid}, Ptr{Cvoid}, Ptr{Cfloat}, Ptr{Cfloat}, Ptr{Cvoid}, Int32,
+                    Ptr{Cvoid}, Ptr{Cvoid}, Ptr{UInt32}, Ptr{Cvoid}, Csize_t, Ptr{Cvoid}),
+                   options, ranks, rows, hidden, vocab_total, vocab_start, vocab_local,
+                   hidden_states, weight, bias, targets, gathered_stats, grad_output, grad_hidden,
+                   grad_hidden_dtype, grad_weight, grad_bias, error_flags, workspace,
                    workspace_bytes, stream)
     return check_status(status)
 end

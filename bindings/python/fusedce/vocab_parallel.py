@@ -1,0 +1,601 @@
+"""fusedce.vocab_parallel: libfusedce's vocabulary-parallel calls (``fce_vp_*``, 0.4) on arrays.
+
+The output layer sharded over the vocabulary (Megatron's tensor parallelism): each of P ranks
+holds classes ``[vocab_start, vocab_start + vocab_local)`` of ``vocab_total`` — its logits'
+columns, or the rows of the weight (and bias). A step is two phases around one collective that
+the caller runs with its own communicator (include/fusedce.h, lib/SEMANTICS.md rule 16):
+
+    stats = vp_stats(logits_shard, targets, vocab_start=s, vocab_total=V)   # [rows, 8] float32
+    gathered = all_gather(stats)                 # [P, rows, 8] (or [P * rows, 8]), any rank order
+    r = vp_loss(gathered, targets, vocab_total=V, reduction="mean")         # identical on ranks
+    g = vp_backward(logits_shard, targets, gathered, vocab_start=s, vocab_total=V)
+
+and for the fused linear + CE ``vp_linear_stats`` / ``vp_linear_backward``, whose ``grad_hidden``
+is this rank's PARTIAL ∂h: sum it over the ranks (all-reduce). Nothing here communicates:
+:mod:`fusedce.torch.distributed` does the whole step over a torch.distributed group.
+
+Arrays, devices, streams, allocation and the option keywords are those of :mod:`fusedce.core`
+(NumPy / torch / CuPy / DLPack; CPU or CUDA backend from where the arrays live). Options every
+call takes (all ranks and both phases must pass the same): ``reduction``, ``ignore_index``,
+``class_weights`` (float32 [vocab_total]: the WHOLE vocabulary's weights on every rank),
+``label_smoothing``, ``z_loss_scale``, ``softcap``, ``logit_scale``, ``shift_seq_len``,
+``shift``, ``token_scaling``, ``deterministic``. Targets are the global class indices, the same
+array on every rank. The loss, the gradients and the mean's denominator are those of the
+unsharded call (:func:`fusedce.forward` / :func:`fusedce.linear_ce` on the whole vocabulary) to
+float32 rounding. Gathered shards that do not tile ``[0, vocab_total)`` give NaN rows and set
+``FCE_FLAG_SHARDS_INCONSISTENT`` in ``error_flags`` (``check_targets=True`` raises).
+
+Needs libfusedce 0.4 (:func:`fusedce._lib.require_vp` raises UnsupportedError for an older one).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any, NamedTuple, Optional, Tuple
+
+import numpy as np
+
+from . import _lib
+from ._lib import FCE_REDUCTION_NONE, FCE_VP_STATS
+from .core import (_CODE_NAMES, _FLOAT_CODES, _TARGET_CODES, _Alloc, _Arr, _build_options,
+                   _call_stream, _check_backend_kw, _check_same_device, _check_shift,
+                   _check_stride_kw, _class_weights, _describe, _device_of, _dtype_name,
+                   _error_flags, _float_code, _grad_output, _grad_set, _int_option, _matrix,
+                   _need_dtype, _out, _ptr, _reduction_code, _backend_code, _stream_int,
+                   _targets_code, _user_workspace, _vector, _writable, _argmax_accuracy,
+                   check_error_flags)
+
+__all__ = [
+    "VP_STATS", "VPLossResult", "VPLinearGrads", "shard_range", "vp_stats", "vp_loss",
+    "vp_backward", "vp_linear_stats", "vp_linear_backward", "vp_loss_workspace_size",
+    "vp_backward_workspace_size", "vp_linear_stats_workspace_size",
+    "vp_linear_backward_workspace_size",
+]
+
+VP_STATS = FCE_VP_STATS  # float32 per row of a shard's statistics
+
+
+class VPLossResult(NamedTuple):
+    """What :func:`vp_loss` returns; entries not asked for are None."""
+
+    loss: Any          # float32: () for mean/sum, [rows] for none
+    lse: Any           # float32 [rows]: the whole vocabulary's log-sum-exp
+    z_loss: Any        # float32 ()
+    error_flags: Any   # uint32 [1] (int32 for torch)
+    argmax: Any = None    # int64 [rows]: global class index, -1 for ignored rows
+    accuracy: Any = None  # float32: () for mean/sum, [rows] for none
+
+
+class VPLinearGrads(NamedTuple):
+    """What :func:`vp_linear_backward` returns; entries not asked for are None."""
+
+    grad_hidden: Any   # [rows, hidden]: this rank's PARTIAL ∂h (sum it over the ranks)
+    grad_weight: Any   # [vocab_local, hidden]: ∂W of this rank's rows, complete
+    grad_bias: Any     # [vocab_local]
+    error_flags: Any
+
+
+def shard_range(vocab_total: int, rank: int, ranks: int, equal: bool = False) -> Tuple[int, int]:
+    """(vocab_start, vocab_local) of shard ``rank`` of ``ranks`` over ``vocab_total`` classes.
+
+    ``equal=True``: Megatron's VocabUtility (vocab_total must divide by ranks: rank r holds
+    [r·V/P, (r+1)·V/P)). Otherwise the split of ``numpy.array_split`` / ``torch.tensor_split``:
+    the first ``vocab_total % ranks`` shards hold one class more."""
+    v, r, p = int(vocab_total), int(rank), int(ranks)
+    if p < 1 or not 0 <= r < p:
+        raise ValueError(f"rank must be in [0, {p}), got {r}")
+    if equal:
+        if v % p:
+            raise ValueError(f"vocab_total ({v}) is not divisible by the {p} ranks")
+        return r * (v // p), v // p
+    q, m = divmod(v, p)
+    return r * q + min(r, m), q + (1 if r < m else 0)
+
+
+# ================================================================ shared checks ====
+def _sizes(vocab_total, vocab_start=None, vocab_local=None):
+    vt = _int_option(vocab_total, "vocab_total", 1)
+    vs = None if vocab_start is None else _int_option(vocab_start, "vocab_start", 0)
+    if vs is not None and vocab_local is not None and vs + int(vocab_local) > vt:
+        raise ValueError(f"vocab_start ({vs}) + vocab_local ({vocab_local}) exceeds vocab_total "
+                         f"({vt})")
+    return vt, vs
+
+
+def _gathered(g: _Arr, rows: int) -> int:
+    """Check gathered statistics [ranks, rows, VP_STATS] (or [ranks * rows, VP_STATS]) float32,
+    dense; return ranks."""
+    _need_dtype(g, "float32")
+    if len(g.shape) == 3 and g.shape[1:] == (rows, VP_STATS):
+        ranks = g.shape[0]
+    elif len(g.shape) == 2 and g.shape[1] == VP_STATS and g.shape[0] % rows == 0:
+        ranks = g.shape[0] // rows
+    else:
+        raise ValueError(f"gathered_stats must be [ranks, {rows}, {VP_STATS}] (or "
+                         f"[ranks * {rows}, {VP_STATS}]) float32, got shape {g.shape}")
+    if ranks < 1:
+        raise ValueError("gathered_stats holds no rank")
+    expect = []
+    acc = 1
+    for s in reversed(g.shape):
+        expect.append(acc)
+        acc *= s
+    if tuple(reversed(expect)) != g.strides and g.size > 1:
+        raise ValueError(f"gathered_stats must be dense (C-contiguous), got strides {g.strides}")
+    if g.ptr % 16:
+        raise ValueError(f"gathered_stats: address {g.ptr:#x} is not 16-byte aligned")
+    return ranks
+
+
+def _stats_out(stats, alloc: _Alloc, ref: _Arr, rows: int):
+    if stats is None:
+        if not ref.is_cuda and ref.framework != "torch":  # NumPy: 16-byte aligned by hand
+            buf = np.empty(rows * VP_STATS + 4, dtype=np.float32)
+            off = ((-buf.ctypes.data) % 16) // 4
+            stats = buf[off:off + rows * VP_STATS].reshape(rows, VP_STATS)
+        else:
+            stats = alloc.empty((rows, VP_STATS), "float32", "stats")
+    a = _out(stats, "stats", ref, "float32")
+    _matrix(a, rows, VP_STATS, dense=True, what=f"[rows, {VP_STATS}]")
+    if a.ptr % 16:
+        raise ValueError(f"stats: address {a.ptr:#x} is not 16-byte aligned")
+    return stats, a
+
+
+def _options(ref: _Arr, dtype_code: int, tcode: int, red: int, kw: dict, w: Optional[_Arr],
+             **extra):
+    return _build_options(
+        backend=_check_backend_kw(ref, kw.get("backend")), dtype=dtype_code, target_dtype=tcode,
+        reduction=red, ignore_index=kw["ignore_index"], class_weights_ptr=_ptr(w),
+        label_smoothing=kw["label_smoothing"], z_loss_scale=kw["z_loss_scale"],
+        softcap=kw["softcap"], logit_scale=kw["logit_scale"],
+        shift_seq_len=kw["shift_seq_len"], deterministic=kw["deterministic"],
+        shift=kw["shift"], token_scaling=kw["token_scaling"], **extra)
+
+
+def _opt_kw(reduction="mean", ignore_index=-100, class_weights=None, label_smoothing=0.0,
+            z_loss_scale=0.0, softcap=0.0, logit_scale=1.0, shift_seq_len=0, shift=0,
+            token_scaling=False, deterministic=False, backend=None):
+    return dict(reduction=reduction, ignore_index=ignore_index, class_weights=class_weights,
+                label_smoothing=label_smoothing, z_loss_scale=z_loss_scale, softcap=softcap,
+                logit_scale=logit_scale, shift_seq_len=shift_seq_len, shift=shift,
+                token_scaling=token_scaling, deterministic=deterministic, backend=backend)
+
+
+def _workspace(workspace, alloc: _Alloc, ref: _Arr, lo: int, hi: int, workspace_size):
+    if workspace is not None:
+        return _user_workspace(workspace, ref, lo)
+    if workspace_size == "optimal":
+        nbytes = hi
+    elif workspace_size == "min":
+        nbytes = lo
+    else:
+        nbytes = int(workspace_size)
+        if nbytes < lo:
+            raise ValueError(f"workspace_size={nbytes} is below the minimum {lo} bytes")
+    return alloc.workspace(max(nbytes, lo))
+
+
+# ======================================================================== phase 1 ====
+def vp_stats(logits, targets, *, vocab_total: int, vocab_start: int, reduction="mean",
+             ignore_index: int = -100, class_weights=None, label_smoothing: float = 0.0,
+             z_loss_scale: float = 0.0, softcap: float = 0.0, logit_scale: float = 1.0,
+             shift_seq_len: int = 0, shift: int = 0, token_scaling: bool = False,
+             deterministic: bool = False, dtype=None, target_dtype=None, backend=None,
+             row_stride=None, stats=None, stream=None):
+    """Phase 1 (fce_vp_stats) over this rank's logits [rows, vocab_local] (columns
+    ``[vocab_start, vocab_start + vocab_local)`` of the whole vocabulary; a row stride larger
+    than vocab_local is fine): returns ``stats`` float32 [rows, VP_STATS] (allocated, 16-byte
+    aligned, unless given). ``targets`` [rows] are global class indices."""
+    _lib.require_vp()
+    s_explicit = _stream_int(stream)
+    z = _describe(logits, "logits", s_explicit)
+    y = _describe(targets, "targets", s_explicit)
+    _check_same_device(z, y)
+    if len(z.shape) != 2:
+        raise ValueError(f"logits must be 2-D [rows, vocab_local], got shape {z.shape}")
+    rows, vl = z.shape
+    vt, vs = _sizes(vocab_total, vocab_start, vl)
+    dtype_code = _float_code(z, _dtype_name(dtype))
+    rs = _matrix(z, what="[rows, vocab_local]")
+    _check_stride_kw(row_stride, rs, "row_stride")
+    tcode = _targets_code(y, rows, target_dtype)
+    red = _reduction_code(reduction)
+    _check_shift(rows, shift_seq_len, shift)
+    w = _class_weights(class_weights, z, vt)
+    kw = _opt_kw(reduction, ignore_index, class_weights, label_smoothing, z_loss_scale, softcap,
+                 logit_scale, shift_seq_len, shift, token_scaling, deterministic, backend)
+    call_stream = _call_stream(s_explicit, [z, y, w]) if z.is_cuda else 0
+    alloc = _Alloc(z, call_stream)
+    with _device_of(z):
+        stats, sa = _stats_out(stats, alloc, z, rows)
+        opts = _options(z, dtype_code, tcode, red, kw, w, row_stride=rs)
+        _lib.call("fce_vp_stats", ctypes.byref(opts), rows, vt, vs, vl, z.ptr, y.ptr, sa.ptr,
+                  call_stream)
+    return stats
+
+
+def vp_linear_stats(hidden, weight, targets, bias=None, *, vocab_total: int, vocab_start: int,
+                    reduction="mean", ignore_index: int = -100, class_weights=None,
+                    label_smoothing: float = 0.0, z_loss_scale: float = 0.0,
+                    softcap: float = 0.0, logit_scale: float = 1.0, shift_seq_len: int = 0,
+                    shift: int = 0, token_scaling: bool = False, deterministic: bool = False,
+                    dtype=None, target_dtype=None, backend=None, hidden_row_stride=None,
+                    stats=None, workspace=None, workspace_size="optimal", stream=None):
+    """Phase 1 of the fused linear + CE (fce_vp_linear_stats): the statistics of
+    z = hidden [rows, D] · weightᵀ + bias over this rank's weight rows [vocab_local, D] (and
+    bias [vocab_local]), the logits made piece by piece in the workspace (``workspace_size``:
+    'optimal', 'min' or bytes, when it is allocated here). Returns stats [rows, VP_STATS]."""
+    _lib.require_vp()
+    s_explicit = _stream_int(stream)
+    h = _describe(hidden, "hidden", s_explicit)
+    W = _describe(weight, "weight", s_explicit)
+    y = _describe(targets, "targets", s_explicit)
+    b = _describe(bias, "bias", s_explicit) if bias is not None else None
+    _check_same_device(h, W, y, b)
+    rows, dim, vl, dname, dtype_code, hrs = _linear_args(h, W, b, dtype, hidden_row_stride)
+    vt, vs = _sizes(vocab_total, vocab_start, vl)
+    tcode = _targets_code(y, rows, target_dtype)
+    red = _reduction_code(reduction)
+    _check_shift(rows, shift_seq_len, shift)
+    w = _class_weights(class_weights, h, vt)
+    kw = _opt_kw(reduction, ignore_index, class_weights, label_smoothing, z_loss_scale, softcap,
+                 logit_scale, shift_seq_len, shift, token_scaling, deterministic, backend)
+    call_stream = _call_stream(s_explicit, [h, W, y, b, w]) if h.is_cuda else 0
+    alloc = _Alloc(h, call_stream)
+    with _device_of(h):
+        stats, sa = _stats_out(stats, alloc, h, rows)
+        opts = _options(h, dtype_code, tcode, red, kw, w, hidden_row_stride=hrs)
+        lo, hi = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        _lib.call("fce_vp_linear_stats_workspace_size", ctypes.byref(opts), rows, dim, vl,
+                  ctypes.byref(lo), ctypes.byref(hi))
+        ws_ptr, ws_bytes, ws_keep = _workspace(workspace, alloc, h, int(lo.value),
+                                               int(hi.value), workspace_size)
+        _lib.call("fce_vp_linear_stats", ctypes.byref(opts), rows, dim, vt, vs, vl, h.ptr, W.ptr,
+                  _ptr(b), y.ptr, sa.ptr, ws_ptr, ws_bytes, call_stream)
+        del ws_keep
+    return stats
+
+
+def _linear_args(h: _Arr, W: _Arr, b: Optional[_Arr], dtype, hidden_row_stride):
+    if len(h.shape) != 2:
+        raise ValueError(f"hidden must be 2-D [rows, hidden], got shape {h.shape}")
+    rows, dim = h.shape
+    if len(W.shape) != 2:
+        raise ValueError(f"weight must be 2-D [vocab_local, hidden], got shape {W.shape}")
+    vl = W.shape[0]
+    dtype_code = _float_code(h, _dtype_name(dtype))
+    dname = _CODE_NAMES[dtype_code]
+    _float_code(W, dname, "the hidden states' dtype")
+    hrs = _matrix(h, what="[rows, hidden]")
+    _check_stride_kw(hidden_row_stride, hrs, "hidden_row_stride")
+    _matrix(W, cols=dim, dense=True, what="[vocab_local, hidden]")
+    if b is not None:
+        _float_code(b, dname, "the hidden states' dtype")
+        _vector(b, vl, "[vocab_local]")
+    return rows, dim, vl, dname, dtype_code, hrs
+
+
+# ======================================================================== phase 3 ====
+def vp_loss(gathered_stats, targets, *, vocab_total: int, reduction="mean",
+            ignore_index: int = -100, class_weights=None, label_smoothing: float = 0.0,
+            z_loss_scale: float = 0.0, softcap: float = 0.0, logit_scale: float = 1.0,
+            shift_seq_len: int = 0, shift: int = 0, token_scaling: bool = False,
+            deterministic: bool = False, dtype="float32", target_dtype=None, backend=None,
+            return_lse: bool = False, return_z_loss: bool = False, return_argmax: bool = False,
+            return_accuracy: bool = False, loss=None, lse=None, z_loss=None, argmax=None,
+            accuracy=None, error_flags=None, workspace=None, stream=None,
+            check_targets: bool = False) -> VPLossResult:
+    """Phase 3 (fce_vp_loss): the loss of the whole vocabulary from the ranks' gathered
+    statistics [ranks, rows, VP_STATS] (any rank order; [ranks * rows, VP_STATS] too), identical
+    on every rank. Outputs as :func:`fusedce.forward`'s (loss, and when asked lse, z_loss, argmax
+    as global class indices, accuracy). ``dtype``: the logits' dtype (the same options as phase
+    1; it does not change the result). ``check_targets`` reads the error flags (a host sync on
+    CUDA) and raises ValueError for an out-of-range target or shards that do not tile."""
+    _lib.require_vp()
+    s_explicit = _stream_int(stream)
+    g = _describe(gathered_stats, "gathered_stats", s_explicit)
+    y = _describe(targets, "targets", s_explicit)
+    _check_same_device(g, y)
+    if len(y.shape) != 1:
+        raise ValueError(f"targets must be 1-D [rows], got shape {y.shape}")
+    rows = y.shape[0]
+    if rows < 1:
+        raise ValueError("targets is empty")
+    ranks = _gathered(g, rows)
+    vt, _ = _sizes(vocab_total)
+    dtype_code = _FLOAT_CODES[_dtype_name(dtype) or "float32"]
+    tcode = _targets_code(y, rows, target_dtype)
+    red = _reduction_code(reduction)
+    _check_shift(rows, shift_seq_len, shift)
+    w = _class_weights(class_weights, g, vt)
+    kw = _opt_kw(reduction, ignore_index, class_weights, label_smoothing, z_loss_scale, softcap,
+                 logit_scale, shift_seq_len, shift, token_scaling, deterministic, backend)
+    call_stream = _call_stream(s_explicit, [g, y, w]) if g.is_cuda else 0
+    alloc = _Alloc(g, call_stream)
+    none = red == FCE_REDUCTION_NONE
+    with _device_of(g):
+        if loss is None:
+            loss = alloc.empty((rows,) if none else (), "float32", "loss")
+        la = _out(loss, "loss", g, "float32")
+        _vector(la, rows if none else 1, "(the loss)", allow_scalar=not none)
+        lse_a = zl_a = None
+        if lse is None and return_lse:
+            lse = alloc.empty((rows,), "float32", "lse")
+        if lse is not None:
+            lse_a = _out(lse, "lse", g, "float32")
+            _vector(lse_a, rows, "[rows]")
+        if z_loss is None and return_z_loss:
+            z_loss = alloc.empty((), "float32", "z_loss")
+        if z_loss is not None:
+            zl_a = _out(z_loss, "z_loss", g, "float32")
+            _vector(zl_a, 1, "()", allow_scalar=True)
+        argmax, am_a, accuracy, acc_a = _argmax_accuracy(argmax, return_argmax, accuracy,
+                                                         return_accuracy, alloc, g, rows, red)
+        flags, flags_ptr = _error_flags(error_flags, alloc, g)
+        opts = _options(g, dtype_code, tcode, red, kw, w, argmax_ptr=_ptr(am_a),
+                        accuracy_ptr=_ptr(acc_a))
+        need = ctypes.c_size_t(0)
+        _lib.call("fce_vp_loss_workspace_size", ctypes.byref(opts), ranks, rows, vt,
+                  ctypes.byref(need))
+        if workspace is None:
+            ws_ptr, ws_bytes, ws_keep = alloc.workspace(int(need.value))
+        else:
+            ws_ptr, ws_bytes, ws_keep = _user_workspace(workspace, g, int(need.value))
+        _lib.call("fce_vp_loss", ctypes.byref(opts), ranks, rows, vt, y.ptr, g.ptr, la.ptr,
+                  _ptr(lse_a), _ptr(zl_a), flags_ptr, ws_ptr, ws_bytes, call_stream)
+        del ws_keep
+    if check_targets:
+        check_error_flags(flags)
+    return VPLossResult(loss, lse, z_loss, flags, argmax, accuracy)
+
+
+def vp_backward(logits, targets, gathered_stats, grad_output=None, *, vocab_total: int,
+                vocab_start: int, reduction="mean", ignore_index: int = -100,
+                class_weights=None, label_smoothing: float = 0.0, z_loss_scale: float = 0.0,
+                softcap: float = 0.0, logit_scale: float = 1.0, shift_seq_len: int = 0,
+                shift: int = 0, token_scaling: bool = False, deterministic: bool = False,
+                dtype=None, target_dtype=None, backend=None, row_stride=None,
+                grad_row_stride=None, grad_logits=None, in_place: bool = False,
+                error_flags=None, workspace=None, stream=None):
+    """Phase 3, the gradient of this rank's logits [rows, vocab_local] (fce_vp_backward) from the
+    gathered statistics, scaled by ``grad_output`` (a float, or float32 () for mean/sum, [rows]
+    for none; default 1). Returns grad_logits (allocated unless given; ``in_place=True`` writes
+    it over the logits). ``error_flags``: a uint32 word to OR flags into (none by default)."""
+    _lib.require_vp()
+    s_explicit = _stream_int(stream)
+    z = _describe(logits, "logits", s_explicit)
+    y = _describe(targets, "targets", s_explicit)
+    g = _describe(gathered_stats, "gathered_stats", s_explicit)
+    _check_same_device(z, y, g)
+    if len(z.shape) != 2:
+        raise ValueError(f"logits must be 2-D [rows, vocab_local], got shape {z.shape}")
+    rows, vl = z.shape
+    vt, vs = _sizes(vocab_total, vocab_start, vl)
+    dtype_code = _float_code(z, _dtype_name(dtype))
+    rs = _matrix(z, what="[rows, vocab_local]")
+    _check_stride_kw(row_stride, rs, "row_stride")
+    tcode = _targets_code(y, rows, target_dtype)
+    ranks = _gathered(g, rows)
+    red = _reduction_code(reduction)
+    _check_shift(rows, shift_seq_len, shift)
+    w = _class_weights(class_weights, z, vt)
+    if in_place and grad_logits is not None:
+        raise ValueError("pass either in_place=True or grad_logits=, not both")
+    kw = _opt_kw(reduction, ignore_index, class_weights, label_smoothing, z_loss_scale, softcap,
+                 logit_scale, shift_seq_len, shift, token_scaling, deterministic, backend)
+    call_stream = _call_stream(s_explicit, [z, y, g, w]) if z.is_cuda else 0
+    alloc = _Alloc(z, call_stream)
+    with _device_of(z):
+        if in_place:
+            _writable(z)
+            grad_logits, g_a, grs = logits, z, rs
+        else:
+            if grad_logits is None:
+                grad_logits = alloc.empty((rows, vl), _CODE_NAMES[dtype_code], "grad_logits",
+                                          like=z)
+            g_a = _out(grad_logits, "grad_logits", z)
+            _float_code(g_a, _CODE_NAMES[dtype_code], "the logits' dtype")
+            grs = _matrix(g_a, rows, vl, what="[rows, vocab_local]")
+        _check_stride_kw(grad_row_stride, grs, "grad_row_stride")
+        go_ptr, go_keep = _grad_output(grad_output, alloc, z, rows, red == FCE_REDUCTION_NONE)
+        flags_ptr = 0
+        if error_flags is not None and error_flags is not False:
+            _, flags_ptr = _error_flags(error_flags, alloc, z)
+        opts = _options(z, dtype_code, tcode, red, kw, w, row_stride=rs, grad_row_stride=grs)
+        need = ctypes.c_size_t(0)
+        _lib.call("fce_vp_backward_workspace_size", ctypes.byref(opts), ranks, rows, vt, vl,
+                  ctypes.byref(need))
+        if workspace is None:
+            ws_ptr, ws_bytes, ws_keep = alloc.workspace(int(need.value))
+        else:
+            ws_ptr, ws_bytes, ws_keep = _user_workspace(workspace, z, int(need.value))
+        _lib.call("fce_vp_backward", ctypes.byref(opts), ranks, rows, vt, vs, vl, z.ptr, y.ptr,
+                  g.ptr, go_ptr, g_a.ptr, flags_ptr, ws_ptr, ws_bytes, call_stream)
+        del ws_keep, go_keep
+    return grad_logits
+
+
+def vp_linear_backward(hidden, weight, targets, gathered_stats, bias=None, grad_output=None, *,
+                       vocab_total: int, vocab_start: int, reduction="mean",
+                       ignore_index: int = -100, class_weights=None,
+                       label_smoothing: float = 0.0, z_loss_scale: float = 0.0,
+                       softcap: float = 0.0, logit_scale: float = 1.0, shift_seq_len: int = 0,
+                       shift: int = 0, token_scaling: bool = False, deterministic: bool = False,
+                       dtype=None, target_dtype=None, backend=None, hidden_row_stride=None,
+                       return_grad=True, grad_hidden_dtype="float32", accumulate: bool = False,
+                       grad_weight_fp32: bool = False, grad_hidden=None, grad_weight=None,
+                       grad_bias=None, error_flags=None, workspace=None,
+                       workspace_size="optimal", stream=None) -> VPLinearGrads:
+    """Phase 3 of the fused linear + CE (fce_vp_linear_backward): the gradients of this rank,
+    scaled by ``grad_output`` (default 1). ``return_grad``: True or a subset of ('hidden',
+    'weight', 'bias'), or pass the buffers. grad_hidden [rows, hidden] is this rank's PARTIAL ∂h,
+    of ``grad_hidden_dtype`` ('float32', the default, keeps the sum over ranks exact to float32;
+    or the inputs' dtype): ALL-REDUCE (sum) it over the ranks. grad_weight [vocab_local, hidden]
+    and grad_bias [vocab_local] are the shard's, complete (the inputs' dtype, or float32 with
+    ``grad_weight_fp32``; ``accumulate`` adds into them)."""
+    _lib.require_vp()
+    s_explicit = _stream_int(stream)
+    h = _describe(hidden, "hidden", s_explicit)
+    W = _describe(weight, "weight", s_explicit)
+    y = _describe(targets, "targets", s_explicit)
+    g = _describe(gathered_stats, "gathered_stats", s_explicit)
+    b = _describe(bias, "bias", s_explicit) if bias is not None else None
+    _check_same_device(h, W, y, g, b)
+    rows, dim, vl, dname, dtype_code, hrs = _linear_args(h, W, b, dtype, hidden_row_stride)
+    vt, vs = _sizes(vocab_total, vocab_start, vl)
+    tcode = _targets_code(y, rows, target_dtype)
+    ranks = _gathered(g, rows)
+    red = _reduction_code(reduction)
+    _check_shift(rows, shift_seq_len, shift)
+    w = _class_weights(class_weights, h, vt)
+    grads = _grad_set(return_grad, b is not None)
+    gh_name = _dtype_name(grad_hidden_dtype) or "float32"
+    if gh_name not in ("float32", dname):
+        raise ValueError(f"grad_hidden_dtype must be float32 or the inputs' dtype ({dname}), "
+                         f"got {grad_hidden_dtype!r}")
+    gdtype = "float32" if grad_weight_fp32 else dname
+    kw = _opt_kw(reduction, ignore_index, class_weights, label_smoothing, z_loss_scale, softcap,
+                 logit_scale, shift_seq_len, shift, token_scaling, deterministic, backend)
+    call_stream = _call_stream(s_explicit, [h, W, y, g, b, w]) if h.is_cuda else 0
+    alloc = _Alloc(h, call_stream)
+    with _device_of(h):
+        gh_a = gw_a = gb_a = None
+        if grad_hidden is None and "hidden" in grads:
+            grad_hidden = alloc.empty((rows, dim), gh_name, "grad_hidden",
+                                      like=h if gh_name == dname else None)
+        if grad_hidden is not None:
+            gh_a = _out(grad_hidden, "grad_hidden", h)
+            _float_code(gh_a, gh_name, "grad_hidden_dtype")
+            _matrix(gh_a, rows, dim, dense=True, what="[rows, hidden]")
+        if grad_weight is None and "weight" in grads:
+            grad_weight = alloc.empty((vl, dim), gdtype, "grad_weight", zero=accumulate,
+                                      like=None if grad_weight_fp32 else W)
+        if grad_weight is not None:
+            gw_a = _out(grad_weight, "grad_weight", h)
+            _float_code(gw_a, gdtype, "float32 (grad_weight_fp32)" if grad_weight_fp32
+                        else "the weight's dtype")
+            _matrix(gw_a, vl, dim, dense=True, what="[vocab_local, hidden]")
+        if grad_bias is None and "bias" in grads:
+            grad_bias = alloc.empty((vl,), gdtype, "grad_bias", zero=accumulate,
+                                    like=None if grad_weight_fp32 else b)
+        if grad_bias is not None:
+            if b is None:
+                raise ValueError("grad_bias was given but there is no bias")
+            gb_a = _out(grad_bias, "grad_bias", h)
+            _float_code(gb_a, gdtype, "float32 (grad_weight_fp32)" if grad_weight_fp32
+                        else "the bias' dtype")
+            _vector(gb_a, vl, "[vocab_local]")
+        if gh_a is None and gw_a is None and gb_a is None:
+            raise ValueError("vp_linear_backward: no gradient asked for (return_grad=False and "
+                             "no gradient buffer)")
+        go_ptr, go_keep = _grad_output(grad_output, alloc, h, rows, red == FCE_REDUCTION_NONE)
+        flags_ptr = 0
+        if error_flags is not None and error_flags is not False:
+            _, flags_ptr = _error_flags(error_flags, alloc, h)
+        opts = _options(h, dtype_code, tcode, red, kw, w, hidden_row_stride=hrs,
+                        accumulate=accumulate, grad_weight_fp32=grad_weight_fp32)
+        gh_code = _FLOAT_CODES[gh_name]
+        lo, hi = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        _lib.call("fce_vp_linear_backward_workspace_size", ctypes.byref(opts), ranks, rows, dim,
+                  vt, vl, gh_code, ctypes.byref(lo), ctypes.byref(hi))
+        ws_ptr, ws_bytes, ws_keep = _workspace(workspace, alloc, h, int(lo.value),
+                                               int(hi.value), workspace_size)
+        _lib.call("fce_vp_linear_backward", ctypes.byref(opts), ranks, rows, dim, vt, vs, vl,
+                  h.ptr, W.ptr, _ptr(b), y.ptr, g.ptr, go_ptr, _ptr(gh_a), gh_code, _ptr(gw_a),
+                  _ptr(gb_a), flags_ptr, ws_ptr, ws_bytes, call_stream)
+        del ws_keep, go_keep
+    return VPLinearGrads(grad_hidden, grad_weight, grad_bias,
+                         error_flags if error_flags is not False else None)
+
+
+# ================================================================ workspace sizes ====
+def _query(dtype, target_dtype, reduction, class_weights, backend, kw, **extra):
+    b = _backend_code(backend)
+    w_ptr = _describe(class_weights, "class_weights").ptr if class_weights is not None else 0
+    return _build_options(
+        backend=b if b is not None else _lib.FCE_BACKEND_CPU,
+        dtype=_FLOAT_CODES[_dtype_name(dtype) or "float32"],
+        target_dtype=_TARGET_CODES[_dtype_name(target_dtype) or "int64"],
+        reduction=_reduction_code(reduction), class_weights_ptr=w_ptr, **kw, **extra)
+
+
+def _qkw(ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, shift_seq_len,
+         shift, token_scaling, deterministic):
+    return dict(ignore_index=ignore_index, label_smoothing=label_smoothing,
+                z_loss_scale=z_loss_scale, softcap=softcap, logit_scale=logit_scale,
+                shift_seq_len=shift_seq_len, deterministic=deterministic, shift=shift,
+                token_scaling=token_scaling)
+
+
+def vp_loss_workspace_size(ranks: int, rows: int, vocab_total: int, *, backend="cpu",
+                           dtype="float32", target_dtype="int64", reduction="mean",
+                           ignore_index=-100, class_weights=None, label_smoothing=0.0,
+                           z_loss_scale=0.0, softcap=0.0, logit_scale=1.0, shift_seq_len=0,
+                           shift=0, token_scaling=False, deterministic=False) -> int:
+    """fce_vp_loss_workspace_size: scratch bytes of :func:`vp_loss`."""
+    _lib.require_vp()
+    o = _query(dtype, target_dtype, reduction, class_weights, backend,
+               _qkw(ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale,
+                    shift_seq_len, shift, token_scaling, deterministic))
+    out = ctypes.c_size_t(0)
+    _lib.call("fce_vp_loss_workspace_size", ctypes.byref(o), int(ranks), int(rows),
+              int(vocab_total), ctypes.byref(out))
+    return int(out.value)
+
+
+def vp_backward_workspace_size(ranks: int, rows: int, vocab_total: int, vocab_local: int, *,
+                               backend="cpu", dtype="float32", target_dtype="int64",
+                               reduction="mean", ignore_index=-100, class_weights=None,
+                               label_smoothing=0.0, z_loss_scale=0.0, softcap=0.0,
+                               logit_scale=1.0, shift_seq_len=0, shift=0, token_scaling=False,
+                               deterministic=False) -> int:
+    """fce_vp_backward_workspace_size: scratch bytes of :func:`vp_backward`."""
+    _lib.require_vp()
+    o = _query(dtype, target_dtype, reduction, class_weights, backend,
+               _qkw(ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale,
+                    shift_seq_len, shift, token_scaling, deterministic))
+    out = ctypes.c_size_t(0)
+    _lib.call("fce_vp_backward_workspace_size", ctypes.byref(o), int(ranks), int(rows),
+              int(vocab_total), int(vocab_local), ctypes.byref(out))
+    return int(out.value)
+
+
+def vp_linear_stats_workspace_size(rows: int, hidden: int, vocab_local: int, *, backend="cpu",
+                                   dtype="float32", target_dtype="int64", reduction="mean",
+                                   ignore_index=-100, class_weights=None, label_smoothing=0.0,
+                                   z_loss_scale=0.0, softcap=0.0, logit_scale=1.0,
+                                   shift_seq_len=0, shift=0, token_scaling=False,
+                                   deterministic=False) -> Tuple[int, int]:
+    """fce_vp_linear_stats_workspace_size: (min_bytes, optimal_bytes)."""
+    _lib.require_vp()
+    o = _query(dtype, target_dtype, reduction, class_weights, backend,
+               _qkw(ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale,
+                    shift_seq_len, shift, token_scaling, deterministic))
+    lo, hi = ctypes.c_size_t(0), ctypes.c_size_t(0)
+    _lib.call("fce_vp_linear_stats_workspace_size", ctypes.byref(o), int(rows), int(hidden),
+              int(vocab_local), ctypes.byref(lo), ctypes.byref(hi))
+    return int(lo.value), int(hi.value)
+
+
+def vp_linear_backward_workspace_size(ranks: int, rows: int, hidden: int, vocab_total: int,
+                                      vocab_local: int, *, grad_hidden_dtype="float32",
+                                      backend="cpu", dtype="float32", target_dtype="int64",
+                                      reduction="mean", ignore_index=-100, class_weights=None,
+                                      label_smoothing=0.0, z_loss_scale=0.0, softcap=0.0,
+                                      logit_scale=1.0, shift_seq_len=0, shift=0,
+                                      token_scaling=False, deterministic=False,
+                                      accumulate=False,
+                                      grad_weight_fp32=False) -> Tuple[int, int]:
+    """fce_vp_linear_backward_workspace_size: (min_bytes, optimal_bytes)."""
+    _lib.require_vp()
+    o = _query(dtype, target_dtype, reduction, class_weights, backend,
+               _qkw(ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale,
+                    shift_seq_len, shift, token_scaling, deterministic),
+               accumulate=accumulate, grad_weight_fp32=grad_weight_fp32)
+    lo, hi = ctypes.c_size_t(0), ctypes.c_size_t(0)
+    _lib.call("fce_vp_linear_backward_workspace_size", ctypes.byref(o), int(ranks), int(rows),
+              int(hidden), int(vocab_total), int(vocab_local),
+              _FLOAT_CODES[_dtype_name(grad_hidden_dtype) or "float32"], ctypes.byref(lo),
+              ctypes.byref(hi))
+    return int(lo.value), int(hi.value)

@@ -1,0 +1,697 @@
+"""The vocabulary-parallel calls (libfusedce 0.4, fce_vp_*): the array-level phase API with P
+simulated shards in one process (NumPy, CPU backend; torch CUDA tensors when a device is
+there), and fusedce.torch.distributed over real process groups: 2 and 4 processes on gloo (CPU
+tensors, the CPU backend), one process on NCCL (a GPU), two on NCCL when there are two GPUs.
+Every result is compared with the unsharded call (fusedce.forward / linear_ce,
+fusedce.torch.cross_entropy / linear_cross_entropy) and with torch.nn.functional.
+
+    FUSEDCE_LIBRARY=build/libfusedce.so python -m pytest -q \
+        bindings/python/tests/test_distributed.py
+
+Tests skip with their reason where torch, CUDA or a 0.4 library is missing.
+"""
+
+import datetime
+import os
+import sys
+
+import numpy as np
+import pytest
+
+import fusedce
+from fusedce import _lib
+
+try:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+except Exception:  # pragma: no cover - depends on the environment
+    torch = None
+
+
+def _has_vp():
+    try:
+        return _lib.has_vp()
+    except Exception:
+        return False
+
+
+needs_vp = pytest.mark.skipif(
+    not _has_vp(), reason="the loaded libfusedce has no vocabulary-parallel calls (needs 0.4)")
+needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed")
+needs_gloo = pytest.mark.skipif(
+    torch is None or not (dist.is_available() and dist.is_gloo_available()),
+    reason="torch.distributed with gloo is not available")
+HAS_CUDA = torch is not None and torch.cuda.is_available() and fusedce.cuda_available()
+needs_cuda = pytest.mark.skipif(
+    not HAS_CUDA, reason="no CUDA device, or libfusedce was built without the CUDA backend")
+needs_nccl = pytest.mark.skipif(
+    not HAS_CUDA or not (dist.is_available() and dist.is_nccl_available()),
+    reason="no CUDA device or no NCCL in torch.distributed")
+
+from fusedce import vocab_parallel as vp  # noqa: E402 (loads nothing: the library is lazy)
+
+
+# ============================================================ array level (NumPy) ====
+def _shards(vocab, ranks, uneven):
+    return [vp.shard_range(vocab, r, ranks, equal=not uneven) for r in range(ranks)]
+
+
+def _inputs(rows, vocab, seed=0, ignore=True):
+    rng = np.random.default_rng(seed)
+    z = (rng.standard_normal((rows, vocab)) * 3).astype(np.float32)
+    y = rng.integers(0, vocab, rows).astype(np.int64)
+    if ignore:
+        y[1] = -100
+        y[rows // 2] = -100
+    return z, y
+
+
+def _close(actual, expected, rtol=2e-5, what=""):
+    actual = np.asarray(actual, dtype=np.float64)
+    expected = np.asarray(expected, dtype=np.float64)
+    scale = max(np.max(np.abs(expected[np.isfinite(expected)]), initial=0.0), 1e-30)
+    np.testing.assert_allclose(actual, expected, rtol=rtol, atol=rtol * scale, err_msg=what)
+
+
+OPTION_SETS = {
+    "plain": {},
+    "smoothing": {"label_smoothing": 0.1},
+    "weights": {"label_smoothing": 0.05, "class_weights": True},
+    "zloss-softcap-scale": {"z_loss_scale": 1e-3, "softcap": 4.0, "logit_scale": 0.7},
+    "shift-tokenscaling": {"shift_seq_len": 6, "shift": 2, "token_scaling": True,
+                           "z_loss_scale": 1e-2},
+}
+
+
+@needs_vp
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("options", list(OPTION_SETS))
+def test_phases_match_unsharded(ranks, reduction, options):
+    """P simulated ranks: stats per shard (uneven for P = 3), gathered in a permuted rank
+    order, loss and gradients equal to the one-call fce_forward on the whole vocabulary."""
+    rows, vocab = 12, (53 if ranks == 3 else 52)
+    z, y = _inputs(rows, vocab, seed=ranks)
+    kw = dict(OPTION_SETS[options])
+    if kw.pop("class_weights", False):
+        kw["class_weights"] = np.random.default_rng(7).uniform(0.5, 2.0, vocab).astype(np.float32)
+    kw["reduction"] = reduction
+    g_out = (np.random.default_rng(3).standard_normal(rows).astype(np.float32)
+             if reduction == "none" else 1.7)
+    ref = fusedce.forward(z, y, return_lse=True, return_z_loss=True, return_argmax=True,
+                          return_accuracy=True, return_grad=True, grad_output=g_out, **kw)
+    shards = _shards(vocab, ranks, uneven=ranks == 3)
+    stats = [vp.vp_stats(z[:, s:s + n], y, vocab_start=s, vocab_total=vocab, **kw)
+             for s, n in shards]
+    assert all(st.shape == (rows, vp.VP_STATS) and st.dtype == np.float32 for st in stats)
+    order = list(range(ranks))[::-1]  # any rank order
+    gathered = np.stack([stats[r] for r in order])
+    res = vp.vp_loss(gathered, y, vocab_total=vocab, return_lse=True, return_z_loss=True,
+                     return_argmax=True, return_accuracy=True, check_targets=True, **kw)
+    _close(res.loss, ref.loss, what="loss")
+    _close(res.lse, ref.lse, what="lse")
+    _close(res.z_loss, ref.z_loss, what="z_loss")
+    np.testing.assert_array_equal(res.argmax, ref.argmax)
+    _close(res.accuracy, ref.accuracy, what="accuracy")
+    # the concatenated form of the gathered buffer ([P * rows, 8]) is the same memory
+    res2 = vp.vp_loss(gathered.reshape(-1, vp.VP_STATS), y, vocab_total=vocab, **kw)
+    np.testing.assert_array_equal(res2.loss, res.loss)
+    grads = [vp.vp_backward(z[:, s:s + n], y, gathered, g_out, vocab_start=s, vocab_total=vocab,
+                            **kw) for s, n in shards]
+    _close(np.concatenate(grads, axis=1), ref.grad_logits, what="gradient")
+
+
+@needs_vp
+def test_rank_order_and_determinism():
+    """The loss is a function of the gathered buffer: the same for every rank order up to float
+    rounding, and bit for bit for the same order."""
+    z, y = _inputs(9, 40, seed=11)
+    shards = _shards(40, 4, uneven=False)
+    stats = [vp.vp_stats(z[:, s:s + n], y, vocab_start=s, vocab_total=40, reduction="none")
+             for s, n in shards]
+    a = vp.vp_loss(np.stack(stats), y, vocab_total=40, reduction="none").loss
+    b = vp.vp_loss(np.stack(stats), y, vocab_total=40, reduction="none").loss
+    c = vp.vp_loss(np.stack(stats[::-1]), y, vocab_total=40, reduction="none").loss
+    np.testing.assert_array_equal(a, b)
+    _close(c, a)
+
+
+@needs_vp
+def test_bfloat16_and_int32_targets():
+    rows, vocab = 10, 33
+    z, y = _inputs(rows, vocab, seed=5)
+    bits = fusedce.float_to_bfloat16_bits(z)
+    y32 = y.astype(np.int32)
+    ref = fusedce.forward(bits, y32, dtype="bfloat16", return_grad=True, label_smoothing=0.1)
+    shards = _shards(vocab, 2, uneven=True)
+    gathered = np.stack([vp.vp_stats(np.ascontiguousarray(bits[:, s:s + n]), y32, vocab_start=s,
+                                     vocab_total=vocab, dtype="bfloat16", label_smoothing=0.1)
+                         for s, n in shards])
+    res = vp.vp_loss(gathered, y32, vocab_total=vocab, dtype="bfloat16", label_smoothing=0.1)
+    _close(res.loss, ref.loss)
+    grads = [vp.vp_backward(np.ascontiguousarray(bits[:, s:s + n]), y32, gathered,
+                            vocab_start=s, vocab_total=vocab, dtype="bfloat16",
+                            label_smoothing=0.1) for s, n in shards]
+    got = fusedce.bfloat16_bits_to_float(np.concatenate(grads, axis=1))
+    _close(got, fusedce.bfloat16_bits_to_float(ref.grad_logits), rtol=1e-2)
+
+
+@needs_vp
+def test_in_place_gradient():
+    z, y = _inputs(8, 30, seed=2)
+    ref = fusedce.forward(z, y, return_grad=True)
+    shards = _shards(30, 3, uneven=False)
+    parts = [np.ascontiguousarray(z[:, s:s + n]) for s, n in shards]
+    gathered = np.stack([vp.vp_stats(p, y, vocab_start=s, vocab_total=30)
+                         for p, (s, n) in zip(parts, shards)])
+    for p, (s, n) in zip(parts, shards):
+        out = vp.vp_backward(p, y, gathered, vocab_start=s, vocab_total=30, in_place=True)
+        assert out is p
+    _close(np.concatenate(parts, axis=1), ref.grad_logits)
+
+
+@needs_vp
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_phases_match_unsharded(ranks, reduction, bias):
+    rows, dim, vocab = 14, 24, 45
+    rng = np.random.default_rng(ranks + 10 * bias)
+    h = rng.standard_normal((rows, dim)).astype(np.float32)
+    w = (rng.standard_normal((vocab, dim)) * 0.3).astype(np.float32)
+    b = (rng.standard_normal(vocab) * 0.2).astype(np.float32) if bias else None
+    y = rng.integers(0, vocab, rows).astype(np.int64)
+    y[2] = -100
+    kw = dict(reduction=reduction, label_smoothing=0.1, z_loss_scale=1e-3)
+    g_out = rng.standard_normal(rows).astype(np.float32) if reduction == "none" else 0.75
+    ref = fusedce.linear_ce(h, w, y, b, return_grad=True, grad_output=g_out, return_lse=True,
+                            **kw)
+    shards = _shards(vocab, ranks, uneven=True)
+    gathered = np.stack([
+        vp.vp_linear_stats(h, w[s:s + n], y, None if b is None else b[s:s + n], vocab_start=s,
+                           vocab_total=vocab, **kw) for s, n in shards])
+    res = vp.vp_loss(gathered, y, vocab_total=vocab, return_lse=True, **kw)
+    _close(res.loss, ref.loss, what="loss")
+    _close(res.lse, ref.lse, what="lse")
+    gh = np.zeros((rows, dim), np.float32)
+    gws, gbs = [], []
+    for s, n in shards:
+        r = vp.vp_linear_backward(h, w[s:s + n], y, gathered, None if b is None else b[s:s + n],
+                                  g_out, vocab_start=s, vocab_total=vocab, **kw)
+        assert r.grad_hidden.dtype == np.float32  # the partial, float32 by default
+        gh += r.grad_hidden  # the all-reduce
+        gws.append(r.grad_weight)
+        gbs.append(r.grad_bias)
+    _close(gh, ref.grad_hidden, rtol=1e-4, what="grad_hidden")
+    _close(np.concatenate(gws), ref.grad_weight, rtol=1e-4, what="grad_weight")
+    if bias:
+        _close(np.concatenate(gbs), ref.grad_bias, rtol=1e-4, what="grad_bias")
+    else:
+        assert gbs[0] is None
+
+
+@needs_vp
+def test_linear_partial_gradients_and_workspace_sizes():
+    rows, dim, vocab = 6, 8, 20
+    rng = np.random.default_rng(1)
+    h = rng.standard_normal((rows, dim)).astype(np.float32)
+    w = rng.standard_normal((vocab, dim)).astype(np.float32)
+    y = rng.integers(0, vocab, rows)
+    lo, hi = vp.vp_linear_stats_workspace_size(rows, dim, 10)
+    assert 0 <= lo <= hi
+    lo2, hi2 = vp.vp_linear_backward_workspace_size(2, rows, dim, vocab, 10)
+    assert 0 <= lo2 <= hi2
+    assert vp.vp_loss_workspace_size(2, rows, vocab) >= 0
+    assert vp.vp_backward_workspace_size(2, rows, vocab, 10) >= 0
+    gathered = np.stack([vp.vp_linear_stats(h, w[s:s + 10], y, vocab_start=s, vocab_total=vocab,
+                                            workspace_size="min") for s in (0, 10)])
+    ref = fusedce.linear_ce(h, w, y, return_grad=True)
+    only_w = vp.vp_linear_backward(h, w[:10], y, gathered, vocab_start=0, vocab_total=vocab,
+                                   return_grad=("weight",))
+    assert only_w.grad_hidden is None and only_w.grad_bias is None
+    _close(only_w.grad_weight, ref.grad_weight[:10], rtol=1e-4)
+    with pytest.raises(ValueError, match="no gradient"):
+        vp.vp_linear_backward(h, w[:10], y, gathered, vocab_start=0, vocab_total=vocab,
+                              return_grad=False)
+
+
+@needs_vp
+def test_inconsistent_shards_are_nan_and_flagged():
+    z, y = _inputs(6, 20, seed=4, ignore=False)
+    # two shards that overlap: [0, 10) twice, claiming a vocabulary of 20
+    st = [vp.vp_stats(z[:, 0:10], y, vocab_start=0, vocab_total=20) for _ in range(2)]
+    res = vp.vp_loss(np.stack(st), y, vocab_total=20, reduction="none")
+    assert np.isnan(res.loss).any()
+    assert int(res.error_flags[0]) & _lib.FCE_FLAG_SHARDS_INCONSISTENT
+    with pytest.raises(ValueError, match="do not tile"):
+        vp.vp_loss(np.stack(st), y, vocab_total=20, reduction="none", check_targets=True)
+    # sizes that do not sum to vocab_total
+    st = [vp.vp_stats(z[:, 0:10], y, vocab_start=0, vocab_total=30),
+          vp.vp_stats(z[:, 10:20], y, vocab_start=10, vocab_total=30)]
+    res = vp.vp_loss(np.stack(st), y, vocab_total=30, reduction="mean")
+    assert np.isnan(res.loss) and int(res.error_flags[0]) & _lib.FCE_FLAG_SHARDS_INCONSISTENT
+
+
+@needs_vp
+def test_out_of_range_target_is_nan_and_flagged():
+    z, y = _inputs(5, 20, seed=6, ignore=False)
+    y[2] = 20
+    st = [vp.vp_stats(z[:, s:s + 10], y, vocab_start=s, vocab_total=20) for s in (0, 10)]
+    res = vp.vp_loss(np.stack(st), y, vocab_total=20, reduction="none")
+    assert np.isnan(res.loss[2]) and np.isfinite(np.delete(res.loss, 2)).all()
+    assert int(res.error_flags[0]) & _lib.FCE_FLAG_TARGET_OUT_OF_RANGE
+    with pytest.raises(ValueError, match="outside"):
+        vp.vp_loss(np.stack(st), y, vocab_total=20, check_targets=True)
+
+
+@needs_vp
+def test_argument_errors():
+    z, y = _inputs(4, 20, seed=8)
+    st = vp.vp_stats(z[:, :10], y, vocab_start=0, vocab_total=20)
+    with pytest.raises(ValueError, match="gathered_stats"):
+        vp.vp_loss(st[:, :4], y, vocab_total=20)
+    with pytest.raises(ValueError, match="exceeds vocab_total"):
+        vp.vp_stats(z[:, :10], y, vocab_start=15, vocab_total=20)
+    with pytest.raises(ValueError, match="class_weights"):
+        vp.vp_stats(z[:, :10], y, vocab_start=0, vocab_total=20,
+                    class_weights=np.ones(10, np.float32))  # must be the whole vocabulary's
+    with pytest.raises(fusedce.FusedCEError):
+        vp.vp_stats(z[:, :10], y, vocab_start=0, vocab_total=20, label_smoothing=1.5)
+    assert vp.shard_range(10, 0, 3) == (0, 4) and vp.shard_range(10, 2, 3) == (7, 3)
+    assert vp.shard_range(12, 2, 3, equal=True) == (8, 4)
+    with pytest.raises(ValueError):
+        vp.shard_range(10, 0, 3, equal=True)
+
+
+def test_older_library_refuses_clearly(monkeypatch):
+    """A 0.3 library (or a 0.4 one made to look older) is still accepted for everything else;
+    the vocabulary-parallel calls raise UnsupportedError naming the version."""
+    z, y = _inputs(4, 20, seed=8)
+    if _has_vp():
+        monkeypatch.setattr(_lib, "_LIB_VERSION", 300)
+    assert not _lib.has_vp()
+    fusedce.forward(z, y)  # the rest works
+    with pytest.raises(fusedce.UnsupportedError, match="0.4"):
+        vp.vp_stats(z[:, :10], y, vocab_start=0, vocab_total=20)
+    if torch is not None:
+        from fusedce.torch import distributed
+        with pytest.raises(fusedce.UnsupportedError, match="0.4"):
+            distributed.vocab_parallel_cross_entropy(torch.zeros(2, 3),
+                                                     torch.zeros(2, dtype=torch.long))
+
+
+def test_header_version_and_constants():
+    assert (_lib.HEADER_VERSION_MAJOR, _lib.HEADER_VERSION_MINOR) == (0, 4)
+    assert fusedce.__version__ == "0.4.0"
+    assert _lib.FCE_VP_STATS == vp.VP_STATS == 8
+    assert _lib.FCE_FLAG_SHARDS_INCONSISTENT == 2
+
+
+@needs_vp
+@needs_cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_phases_cuda_torch_tensors(dtype):
+    """The phase API on CUDA (torch tensors, the current stream): simulated shards."""
+    tdt = getattr(torch, dtype)
+    rows, vocab, dim = 64, 1000, 32
+    gen = torch.Generator().manual_seed(0)
+    z = (torch.randn(rows, vocab, generator=gen) * 3).to(tdt).cuda()
+    y = torch.randint(0, vocab, (rows,), generator=gen).cuda()
+    y[3] = -100
+    ref = fusedce.forward(z, y, return_grad=True, label_smoothing=0.1, return_lse=True)
+    shards = _shards(vocab, 3, uneven=True)
+    gathered = torch.stack([vp.vp_stats(z[:, s:s + n], y, vocab_start=s, vocab_total=vocab,
+                                        label_smoothing=0.1) for s, n in shards])
+    res = vp.vp_loss(gathered, y, vocab_total=vocab, label_smoothing=0.1, return_lse=True)
+    torch.testing.assert_close(res.loss, ref.loss, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(res.lse, ref.lse, rtol=2e-5, atol=2e-5)
+    grads = torch.cat([vp.vp_backward(z[:, s:s + n], y, gathered, vocab_start=s,
+                                      vocab_total=vocab, label_smoothing=0.1)
+                       for s, n in shards], dim=1)
+    tol = 1e-4 if dtype == "float32" else 1e-2  # float32 combination on CUDA, 1 bf16 ulp
+    torch.testing.assert_close(grads.float(), ref.grad_logits.float(), rtol=tol, atol=tol * 1e-2)
+    # the fused linear + CE
+    h = torch.randn(rows, dim, generator=gen).to(tdt).cuda()
+    w = (torch.randn(vocab, dim, generator=gen) * 0.3).to(tdt).cuda()
+    ref = fusedce.linear_ce(h, w, y, return_grad=True)
+    gathered = torch.stack([vp.vp_linear_stats(h, w[s:s + n], y, vocab_start=s,
+                                               vocab_total=vocab) for s, n in shards])
+    res = vp.vp_loss(gathered, y, vocab_total=vocab)
+    torch.testing.assert_close(res.loss, ref.loss, rtol=1e-4, atol=1e-4)
+    gh = torch.zeros(rows, dim, device="cuda")
+    gw = []
+    for s, n in shards:
+        r = vp.vp_linear_backward(h, w[s:s + n], y, gathered, vocab_start=s, vocab_total=vocab)
+        gh += r.grad_hidden
+        gw.append(r.grad_weight)
+    tol = 1e-4 if dtype == "float32" else 2e-2
+    scale = ref.grad_hidden.float().abs().max().item()
+    torch.testing.assert_close(gh, ref.grad_hidden.float(), rtol=tol, atol=tol * scale)
+    scale = ref.grad_weight.float().abs().max().item()
+    torch.testing.assert_close(torch.cat(gw).float(), ref.grad_weight.float(), rtol=tol,
+                               atol=tol * scale)
+
+
+# ============================================ fusedce.torch.distributed, processes ====
+DEV = "cpu"  # the device of the tensors the cases make: cuda:<rank> in the NCCL workers
+
+
+def _tol(dtype):
+    return 2e-5 if dtype == torch.float32 else 1.5e-2
+
+
+def _assert_close(actual, expected, dtype, what):
+    tol = _tol(dtype)
+    actual, expected = actual.detach(), expected.detach()
+    scale = float(expected.float().abs().max()) if expected.numel() else 1.0
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=tol,
+                               atol=tol * max(scale, 1e-6), msg=lambda m: f"{what}: {m}")
+
+
+def _same_on_every_rank(t, group):
+    t = t.reshape(-1).contiguous()
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t, group=group)
+    for p in parts:
+        assert torch.equal(p, parts[0]), "the loss differs between ranks"
+
+
+def _layout(vocab, grank, gsize, uneven):
+    if uneven:
+        start, local = vp.shard_range(vocab, grank, gsize)
+        return start, local, dict(vocab_start=start, vocab_total=vocab)
+    local = vocab // gsize
+    return grank * local, local, {}
+
+
+def _check_ce(group, grank, gsize, *, vocab, dtype, reduction, label_smoothing=0.0,
+              uneven=False, weight=False, formula="torch", inplace=False, extras=False,
+              z_loss=0.0, softcap=0.0, seed=0):
+    from fusedce.torch import cross_entropy
+    from fusedce.torch.distributed import vocab_parallel_cross_entropy
+    gen = torch.Generator().manual_seed(seed)
+    s, b = 7, 3
+    z = (torch.randn(s, b, vocab, generator=gen) * 3).to(DEV, dtype)
+    y = torch.randint(0, vocab, (s, b), generator=gen)
+    y[0, 1] = y[4, 2] = -100
+    y = y.to(DEV)
+    cw = (torch.rand(vocab, generator=gen) + 0.5).to(DEV) if weight else None
+    up = (torch.randn(s, b, generator=gen) if reduction == "none" else torch.tensor(1.7)).to(DEV)
+    start, local, kw = _layout(vocab, grank, gsize, uneven)
+    shard = z[..., start:start + local].clone().requires_grad_()
+    flags = dict(return_z_loss=True, return_token_accuracy=True, return_predicted_tokens=True,
+                 return_lse=True) if extras else {}
+    out = vocab_parallel_cross_entropy(shard, y, label_smoothing, group, reduction=reduction,
+                                       weight=cw, label_smoothing_formula=formula,
+                                       inplace_backward=inplace, z_loss=z_loss,
+                                       softcap=softcap, **flags, **kw)
+    loss = out[0] if extras else out
+    assert loss.dtype == torch.float32
+    assert loss.shape == (y.shape if reduction == "none" else ())
+    _same_on_every_rank(loss.detach(), group)
+    (loss * up).sum().backward()
+    eps = label_smoothing * vocab / (vocab - 1) if formula == "megatron" else label_smoothing
+    full = z.reshape(-1, vocab).clone().requires_grad_()
+    ref = cross_entropy(full, y.reshape(-1), cw, reduction=reduction, label_smoothing=eps,
+                        z_loss=z_loss, softcap=softcap, **flags)
+    ref_loss = ref[0] if extras else ref
+    (ref_loss.reshape(loss.shape) * up).sum().backward()
+    what = f"P={gsize} {dtype} {reduction} eps={label_smoothing} uneven={uneven}"
+    _assert_close(loss, ref_loss.reshape(loss.shape), torch.float32, "loss " + what)
+    assert shard.grad.dtype == dtype and shard.grad.shape == shard.shape
+    _assert_close(shard.grad, full.grad.reshape(s, b, vocab)[..., start:start + local], dtype,
+                  "grad " + what)
+    if extras:
+        for name in ("z_loss", "token_accuracy", "predicted_tokens", "lse"):
+            a, e = getattr(out, name), getattr(ref, name)
+            per_row = reduction == "none" or name in ("predicted_tokens", "lse")
+            assert a.shape == (y.shape if per_row else ())
+            _assert_close(a, e.reshape(a.shape), torch.float32, name + " " + what)
+    if z_loss == 0 and softcap == 0:  # torch.nn.functional in float64
+        f64 = F.cross_entropy(z.double().reshape(-1, vocab), y.reshape(-1),
+                              weight=cw.double() if cw is not None else None,
+                              reduction=reduction, label_smoothing=eps)
+        _assert_close(loss.double(), f64.reshape(loss.shape), torch.float32, "F " + what)
+
+
+def _megatron_formula_reference(z, y, eps):
+    """Megatron's vocab-parallel loss with label smoothing at tensor-parallel size 1 (written
+    from its formula, float64): (1 - s)·(lse - z_y) - s·mean_j log p_j, s = eps·V/(V-1)."""
+    v = z.shape[-1]
+    logp = torch.log_softmax(z.double(), -1)
+    s = eps * v / (v - 1)
+    nll = -logp.gather(-1, y.unsqueeze(-1)).squeeze(-1)
+    return (1 - s) * nll - s * logp.mean(-1)
+
+
+def _check_linear(group, grank, gsize, *, vocab, dtype, reduction, bias=True,
+                  label_smoothing=0.0, uneven=False, reduce_grad_hidden=True, seed=0):
+    from fusedce.torch import linear_cross_entropy
+    from fusedce.torch.distributed import vocab_parallel_linear_cross_entropy
+    gen = torch.Generator().manual_seed(seed)
+    s, b, d = 5, 4, 24
+    h = torch.randn(s, b, d, generator=gen).to(DEV, dtype)
+    w = (torch.randn(vocab, d, generator=gen) * 0.3).to(DEV, dtype)
+    bb = (torch.randn(vocab, generator=gen) * 0.2).to(DEV, dtype) if bias else None
+    y = torch.randint(0, vocab, (s, b), generator=gen)
+    y[1, 1] = -100
+    y = y.to(DEV)
+    up = (torch.randn(s, b, generator=gen) if reduction == "none" else torch.tensor(0.6)).to(DEV)
+    start, local, kw = _layout(vocab, grank, gsize, uneven)
+    hh = h.clone().requires_grad_()
+    ws = w[start:start + local].clone().requires_grad_()
+    bs = bb[start:start + local].clone().requires_grad_() if bias else None
+    loss = vocab_parallel_linear_cross_entropy(hh, ws, y, group=group, bias=bs,
+                                               reduction=reduction,
+                                               label_smoothing=label_smoothing,
+                                               reduce_grad_hidden=reduce_grad_hidden, **kw)
+    _same_on_every_rank(loss.detach(), group)
+    (loss * up).sum().backward()
+    hr, wr = h.clone().requires_grad_(), w.clone().requires_grad_()
+    br = bb.clone().requires_grad_() if bias else None
+    ref = linear_cross_entropy(hr, wr, y, linear_bias=br, reduction=reduction,
+                               label_smoothing=label_smoothing)
+    (ref * up).sum().backward()
+    what = f"linear P={gsize} {dtype} {reduction} bias={bias} uneven={uneven}"
+    _assert_close(loss, ref, torch.float32 if dtype == torch.float32 else dtype, "loss " + what)
+    gh = hh.grad
+    if not reduce_grad_hidden:  # each rank's partial: the caller's reduction
+        gh = gh.float()
+        dist.all_reduce(gh, group=group)
+    assert hh.grad.dtype == dtype and hh.grad.shape == h.shape
+    _assert_close(gh, hr.grad, dtype, "grad_hidden " + what)
+    assert ws.grad.dtype == dtype
+    _assert_close(ws.grad, wr.grad[start:start + local], dtype, "grad_weight " + what)
+    if bias:
+        _assert_close(bs.grad, br.grad[start:start + local], dtype, "grad_bias " + what)
+    if dtype == torch.float32 and label_smoothing == 0:  # torch.nn.functional in float64
+        logits = F.linear(h.double(), w.double(), bb.double() if bias else None)
+        f64 = F.cross_entropy(logits.reshape(-1, vocab), y.reshape(-1), reduction=reduction)
+        _assert_close(loss.double(), f64.reshape(loss.shape), torch.float32, "F " + what)
+
+
+def _cases_ce(group, grank, gsize):
+    vocab = 12 * gsize
+    for dtype in (torch.float32, torch.bfloat16):
+        for reduction in ("none", "mean", "sum"):
+            _check_ce(group, grank, gsize, vocab=vocab, dtype=dtype, reduction=reduction,
+                      label_smoothing=0.1)
+    # uneven shards, class weights, ignore rows (every case has some), extras, z-loss, softcap
+    _check_ce(group, grank, gsize, vocab=vocab + 3, dtype=torch.float32, reduction="mean",
+              uneven=True, weight=True, label_smoothing=0.05, seed=1)
+    _check_ce(group, grank, gsize, vocab=vocab + 1, dtype=torch.bfloat16, reduction="none",
+              uneven=True, extras=True, z_loss=1e-3, softcap=5.0, seed=2)
+    _check_ce(group, grank, gsize, vocab=vocab, dtype=torch.float32, reduction="mean",
+              extras=True, seed=3)
+    _check_ce(group, grank, gsize, vocab=vocab, dtype=torch.float32, reduction="none",
+              label_smoothing=0.1, formula="megatron", inplace=True, seed=4)
+
+
+def _cases_linear(group, grank, gsize):
+    vocab = 10 * gsize
+    for dtype in (torch.float32, torch.bfloat16):
+        for reduction in ("mean", "none"):
+            _check_linear(group, grank, gsize, vocab=vocab, dtype=dtype, reduction=reduction,
+                          label_smoothing=0.1 if reduction == "mean" else 0.0)
+    _check_linear(group, grank, gsize, vocab=vocab + 3, dtype=torch.float32, reduction="sum",
+                  bias=False, uneven=True, seed=1)
+    _check_linear(group, grank, gsize, vocab=vocab + 1, dtype=torch.float32, reduction="mean",
+                  uneven=True, reduce_grad_hidden=False, seed=2)
+
+
+def _cases_misc(group, grank, gsize):
+    from fusedce.torch import cross_entropy, distributed
+    vpce = distributed.vocab_parallel_cross_entropy
+    vocab = 8 * gsize
+    gen = torch.Generator().manual_seed(9)
+    z = torch.randn(6, vocab, generator=gen).to(DEV)
+    y = torch.randint(0, vocab, (6,), generator=gen).to(DEV)
+    local = z[:, grank * 8:(grank + 1) * 8]
+    # Megatron's positional form (logits, target, label_smoothing, tp_group), and tp_group=
+    a = vpce(local, y, 0.0, group)
+    b = vpce(local, y, tp_group=group)
+    assert torch.equal(a, b)
+    # the all_gather fallback (for backends without all_gather_into_tensor): the same loss
+    from fusedce import torch_distributed as td
+    backend = str(dist.get_backend(group))
+    td._GATHER_FALLBACK.add(backend)
+    try:
+        assert torch.equal(vpce(local, y, 0.0, group), a)
+    finally:
+        td._GATHER_FALLBACK.discard(backend)
+    # per-row z-loss with token scaling: the target logit comes from its shard (an all-reduce)
+    kw = dict(reduction="none", z_loss=1e-2, use_token_scaling=True, return_z_loss=True)
+    out = vpce(local, y, 0.0, group, **kw)
+    ref = cross_entropy(z, y, **kw)
+    _assert_close(out.z_loss, ref.z_loss, torch.float32, "z_loss rows, token scaling")
+    _assert_close(out.loss, ref.loss, torch.float32, "loss, token scaling")
+    # no grad: the loss only
+    with torch.no_grad():
+        c = vpce(local.clone().requires_grad_(), y, group=group)
+    assert torch.equal(a, c)
+    # Megatron's label smoothing formula, at the size of the vocabulary (its TP=1 result)
+    m = vpce(local, y, 0.1, group, label_smoothing_formula="megatron")
+    _assert_close(m.double().cpu(), _megatron_formula_reference(z.cpu(), y.cpu(), 0.1),
+                  torch.float32, "megatron formula")
+    # shards that do not tile the vocabulary: NaN, and check_targets raises on every rank
+    bad = vpce(z[:, :8], y, group=group, vocab_start=0, vocab_total=vocab)
+    assert gsize == 1 or torch.isnan(bad).any()
+    if gsize > 1:
+        with pytest.raises(RuntimeError, match="do not tile"):
+            vpce(z[:, :8], y, group=group, vocab_start=0, vocab_total=vocab, check_targets=True)
+    # an out-of-range target: torch's IndexError with check_targets
+    yy = y.clone()
+    yy[3] = vocab + 5
+    with pytest.raises(IndexError, match="out of bounds"):
+        vpce(local, yy, group=group, check_targets=True)
+    # uneven shards need vocab_total; equal ones check it
+    with pytest.raises(ValueError, match="vocab_total"):
+        vpce(local, y, group=group, vocab_start=grank * 8)
+    with pytest.raises(ValueError, match="vocab_total"):
+        vpce(local, y, group=group, vocab_total=vocab + 1)
+    # a second backward through the graph (retain_graph) recomputes; in place it raises
+    x = local.clone().requires_grad_()
+    loss = vpce(x, y, group=group, reduction="mean")
+    loss.backward(retain_graph=True)
+    g1 = x.grad.clone()
+    x.grad = None
+    loss.backward()
+    assert torch.equal(g1, x.grad)
+    ref = cross_entropy(z.clone().requires_grad_(), y)
+    assert torch.allclose(loss, ref, rtol=2e-5, atol=2e-6)
+
+
+def _cases_subgroups(group, grank, gsize):
+    """4 processes: two groups of two ranks, each sharding its own vocabulary."""
+    world = dist.get_world_size()
+    rank = dist.get_rank()
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes every group
+    mine = groups[rank // 2]
+    assert dist.get_rank(mine) == rank % 2 and world == 4
+    _check_ce(mine, rank % 2, 2, vocab=22, dtype=torch.float32, reduction="none",
+              label_smoothing=0.1, seed=20 + rank // 2)
+    _check_linear(mine, rank % 2, 2, vocab=21, dtype=torch.float32, reduction="mean",
+                  uneven=True, seed=30 + rank // 2)
+
+
+CASES = {"ce": _cases_ce, "linear": _cases_linear, "misc": _cases_misc,
+         "subgroups": _cases_subgroups}
+
+
+def _worker(rank, world, backend, init_file, cases):
+    global DEV
+    torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        DEV = f"cuda:{rank}"
+    dist.init_process_group(backend, init_method="file://" + init_file, rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=300))
+    try:
+        group = dist.group.WORLD
+        for name in cases:
+            CASES[name](group, rank, world)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(world, backend, cases, tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "1")
+    init_file = str(tmp_path / f"store-{backend}-{world}-{'-'.join(cases)}")
+    if os.path.dirname(__file__) not in sys.path:  # the workers import this module
+        sys.path.insert(0, os.path.dirname(__file__))
+    import torch.multiprocessing as mp
+    mp.start_processes(_worker, args=(world, backend, init_file, tuple(cases)), nprocs=world,
+                       join=True, start_method="spawn")
+
+
+@needs_vp
+@needs_gloo
+@pytest.mark.parametrize("world", [2, 4])
+def test_gloo_processes(world, tmp_path, monkeypatch):
+    """fusedce.torch.distributed over `world` processes on gloo (CPU tensors, the CPU backend):
+    loss and gradients of vocab_parallel_cross_entropy and vocab_parallel_linear_cross_entropy
+    equal to the unsharded fusedce.torch calls and torch.nn.functional (float32 and bfloat16,
+    label smoothing, ignored rows, uneven shards, class weights, extras), Megatron's forms, the
+    error paths; with 4 processes also two subgroups of two. One spawn per size (starting a
+    process that imports torch costs seconds): a failure names its case."""
+    cases = ("ce", "linear", "misc") + (("subgroups",) if world == 4 else ())
+    _spawn(world, "gloo", cases, tmp_path, monkeypatch)
+
+
+@needs_vp
+@needs_torch
+def test_single_process_without_distributed():
+    """Without an initialised torch.distributed the call runs as one rank (no collective)."""
+    if dist.is_available() and dist.is_initialized():
+        pytest.skip("torch.distributed is initialised in this process")
+    from fusedce.torch import cross_entropy, linear_cross_entropy
+    from fusedce.torch.distributed import (vocab_parallel_cross_entropy,
+                                           vocab_parallel_linear_cross_entropy)
+    gen = torch.Generator().manual_seed(0)
+    z = torch.randn(4, 3, 17, generator=gen, requires_grad=True)
+    y = torch.randint(0, 17, (4, 3), generator=gen)
+    loss = vocab_parallel_cross_entropy(z, y, 0.1)
+    assert loss.shape == (4, 3)
+    ref = cross_entropy(z.detach().reshape(-1, 17), y.reshape(-1), reduction="none",
+                        label_smoothing=0.1)
+    torch.testing.assert_close(loss, ref.reshape(4, 3))
+    loss.sum().backward()
+    h = torch.randn(12, 8, generator=gen, requires_grad=True)
+    w = torch.randn(17, 8, generator=gen, requires_grad=True)
+    a = vocab_parallel_linear_cross_entropy(h, w, y.reshape(-1))
+    b = linear_cross_entropy(h, w, y.reshape(-1))
+    torch.testing.assert_close(a, b)
+    a.backward()
+    # autocast: the matmul in bfloat16, a float32 weight gets its float32 gradient
+    w.grad = None
+    w2 = w.detach().clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        a = vocab_parallel_linear_cross_entropy(h, w, y.reshape(-1))
+        b = linear_cross_entropy(h, w2, y.reshape(-1))
+    torch.testing.assert_close(a, b)
+    a.backward()
+    b.backward()
+    assert w.grad.dtype == torch.float32
+    torch.testing.assert_close(w.grad, w2.grad, rtol=1e-2, atol=1e-3)
+    import fusedce.torch
+    import fusedce.torch.distributed as d1
+    from fusedce.torch import distributed as d2
+    assert d1 is d2 is fusedce.torch.distributed
+
+
+@needs_vp
+@needs_nccl
+def test_nccl_one_process(tmp_path, monkeypatch):
+    """One process on NCCL over one GPU: the collectives run (a group of one), the library on
+    the current CUDA stream."""
+    _spawn(1, "nccl", ("ce", "linear", "misc"), tmp_path, monkeypatch)
+
+
+@pytest.mark.skipif(not HAS_CUDA or torch.cuda.device_count() < 2,
+                    reason="needs two CUDA devices")
+@needs_vp
+def test_nccl_two_processes(tmp_path, monkeypatch):
+    _spawn(2, "nccl", ("ce", "linear", "misc"), tmp_path, monkeypatch)

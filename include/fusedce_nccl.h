@@ -1,0 +1,152 @@
+/*
+ * fusedce_nccl.h — libfusedce_nccl, the optional NCCL companion of fusedce's vocabulary-parallel
+ * calls (fusedce.h, "vocabulary-parallel", and lib/SEMANTICS.md rule 16).
+ *
+ * The output layer sharded over the vocabulary (Megatron's tensor parallelism) in one call per
+ * step and rank: each entry point enqueues, on the caller's stream,
+ *
+ *   fce_nccl_cross_entropy   fce_vp_stats -> ncclAllGather of the statistics ->
+ *                            [fce_vp_backward] -> fce_vp_loss
+ *   fce_nccl_linear_ce       fce_vp_linear_stats -> ncclAllGather of the statistics ->
+ *                            [fce_vp_linear_backward (partial dloss/dh in float32) ->
+ *                             ncclAllReduce (sum) of dloss/dh -> one conversion to the dtype] ->
+ *                            fce_vp_loss
+ *
+ * (the bracketed part only when a gradient is asked for). Every rank of the communicator makes
+ * the same call with the same options, sizes and targets and its own shard, and gets the loss of
+ * the whole vocabulary (identical on every rank, bit for bit), the gradient of its shard and,
+ * for the linear CE, the FULL dloss/dh (the sum over ranks).
+ *
+ * Conventions: those of fusedce.h (caller-owned memory, one stream, no allocation, no host
+ * synchronisation, graph-capturable, deterministic), with these additions:
+ *   - The CUDA backend only (options->backend FCE_BACKEND_CUDA): device pointers on the calling
+ *     thread's current device, which must be the communicator's device (ncclCommCuDevice).
+ *   - comm is an ncclComm_t of nccl.h (typedef struct ncclComm* ncclComm_t): a BLOCKING
+ *     communicator (NCCL's default), P = ncclCommCount ranks. This header does not include
+ *     nccl.h; the library is linked against NCCL. The statistics are gathered in the
+ *     communicator's rank order (ncclCommUserRank); a rank's vocab_start need not follow it.
+ *   - Every rank must ask for the same gradients (grad_hidden given on all ranks or on none):
+ *     the collectives run on every rank or on none. Like any NCCL collective, a call that one
+ *     rank makes and another does not (or makes with other sizes) hangs the stream.
+ *   - Arguments are checked before anything is enqueued: options, sizes, comm, device, pointers
+ *     (NULL, alignment, overlaps with each other and with the workspace), workspace size. The
+ *     libfusedce calls inside check theirs again; should one of them fail after the statistics
+ *     and their all-gather were enqueued, only the workspace has been written (the gradient
+ *     calls run before fce_vp_loss, whose checks all appear above).
+ *   - Status and message: every function returns an fce_status; on failure
+ *     fce_nccl_last_error() (per thread) names this library's function and the argument, e.g.
+ *     "fce_nccl_linear_ce: comm is NULL", or holds the message of the failing libfusedce call
+ *     prefixed by this library's function ("fce_nccl_linear_ce: fce_vp_linear_stats: ...").
+ *     An error that NCCL reports (ncclAllGather / ncclAllReduce / a communicator query returning
+ *     anything but ncclSuccess, ncclInProgress of a nonblocking communicator included, or an
+ *     asynchronous error pending on comm) is returned as FCE_ERROR_CUDA, its ncclGetErrorString
+ *     text and ncclGetLastError detail in the message. (fce_last_error() of libfusedce is not
+ *     touched by this library: read fce_nccl_last_error().)
+ *   - Graph capture: the first call on a device does libfusedce's one-time host set-up, so make
+ *     one eager call of each entry point (with the same communicator) before capturing it. NCCL
+ *     collectives are capturable (NCCL >= 2.9).
+ *   - Thread safety: as fusedce.h; NCCL forbids concurrent use of one communicator from several
+ *     threads, so calls with the same comm must be issued by one thread at a time.
+ *
+ * Workspace: the caller's, 16-byte aligned, of at least the size the matching query returns for
+ * the same options, communicator and sizes. It holds the gathered statistics
+ * [P, rows, FCE_VP_STATS] float32 (P·rows·32 bytes), for fce_nccl_linear_ce with a 16-bit dtype
+ * and a gradient also the float32 dloss/dh [rows, hidden] being all-reduced, and then the
+ * scratch of the libfusedce calls (all that is left: a larger workspace lets
+ * fce_vp_linear_stats / fce_vp_linear_backward take faster plans, up to optimal_bytes).
+ *
+ * Link with -lfusedce_nccl -lfusedce (pkg-config fusedce_nccl; CMake: find_package(fusedce),
+ * target FusedCE::fusedce_nccl).
+ */
+#ifndef FUSEDCE_NCCL_H
+#define FUSEDCE_NCCL_H
+
+#include "fusedce.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+struct ncclComm; /* nccl.h: typedef struct ncclComm* ncclComm_t */
+
+/* The FCE_VERSION_NUMBER (fusedce.h) this library was built with: equal to fce_version() of the
+ * libfusedce it is used with. */
+FCE_API unsigned fce_nccl_version(void);
+
+/* One line naming this library, the NCCL it was built with and the one it runs with, and
+ * libfusedce's fce_build_info(), e.g. "fusedce_nccl 0.4.0; NCCL 2.28.9 (built with 2.28.9);
+ * fusedce 0.4.0; backends: ...". Static storage. */
+FCE_API const char* fce_nccl_build_info(void);
+
+/* The message of the last fce_nccl_* call on this thread if it failed, "" if it succeeded. Valid
+ * until the next fce_nccl_* call on this thread. */
+FCE_API const char* fce_nccl_last_error(void);
+
+/* ---------------------------------------------------------- cross-entropy ---- */
+/* Workspace bytes fce_nccl_cross_entropy needs: with_grad nonzero when grad_logits will be
+ * given. */
+FCE_API fce_status fce_nccl_cross_entropy_workspace_size(const fce_options* options,
+                                                         struct ncclComm* comm, int64_t rows,
+                                                         int64_t vocab_total, int64_t vocab_local,
+                                                         int with_grad, size_t* workspace_bytes);
+
+/* Cross-entropy over logits sharded by the vocabulary: this rank holds the columns
+ * [vocab_start, vocab_start + vocab_local) of vocab_total.
+ *   logits       this rank's z [rows, vocab_local] of options->dtype, options->row_stride apart
+ *   targets      y [rows] (global class indices; the same on every rank)
+ *   loss, lse, z_loss, options->argmax, options->accuracy: as fce_forward writes them for the
+ *                unsharded logits (loss required); identical on every rank
+ *   grad_logits  optional: dloss/dz of this rank's columns [rows, vocab_local],
+ *                options->grad_row_stride apart, for the upstream grad_output (as fce_forward:
+ *                NULL = 1); may be logits itself (in place: then grad_row_stride must equal
+ *                row_stride). NULL: the loss only (no backward call).
+ *   error_flags  optional, as fce_vp_loss / fce_vp_backward (FCE_FLAG_TARGET_OUT_OF_RANGE,
+ *                FCE_FLAG_SHARDS_INCONSISTENT when the ranks' shards do not tile the vocabulary)
+ * Reads the logits twice when grad_logits is given (phase 1 and the gradient). */
+FCE_API fce_status fce_nccl_cross_entropy(const fce_options* options, struct ncclComm* comm,
+                                          int64_t rows, int64_t vocab_total, int64_t vocab_start,
+                                          int64_t vocab_local, const void* logits,
+                                          const void* targets, float* loss, float* lse,
+                                          float* z_loss, void* grad_logits,
+                                          const float* grad_output, uint32_t* error_flags,
+                                          void* workspace, size_t workspace_bytes, void* stream);
+
+/* ------------------------------------------------------ fused linear + CE ---- */
+/* Workspace of fce_nccl_linear_ce: min_bytes (required) works, optimal_bytes (may be NULL) runs
+ * at full speed; with_grad nonzero when any gradient will be asked for (grad_hidden assumed). */
+FCE_API fce_status fce_nccl_linear_ce_workspace_size(const fce_options* options,
+                                                     struct ncclComm* comm, int64_t rows,
+                                                     int64_t hidden, int64_t vocab_total,
+                                                     int64_t vocab_local, int with_grad,
+                                                     size_t* min_bytes, size_t* optimal_bytes);
+
+/* z = hidden · weightᵀ + bias with the weight sharded by rows (the vocabulary), then
+ * cross-entropy over the whole vocabulary, then the gradients:
+ *   hidden_states  h [rows, hidden] of dtype, options->hidden_row_stride apart (the same on
+ *                  every rank)
+ *   weight, bias   this rank's W[vocab_start : vocab_start + vocab_local, :] [vocab_local,
+ *                  hidden] and b [vocab_local] (or NULL)
+ *   loss, lse, z_loss, targets, grad_output, error_flags, options->argmax, ->accuracy: as
+ *                  fce_nccl_cross_entropy
+ *   grad_hidden    the FULL dloss/dh [rows, hidden] dense, of dtype (the sum over ranks of
+ *                  every rank's share, all-reduced in float32 and rounded once to dtype),
+ *                  always overwritten, identical on every rank; or NULL (on every rank)
+ *   grad_weight, grad_bias  this rank's rows of dloss/dW [vocab_local, hidden] and dloss/db
+ *                  [vocab_local]: as fce_linear_ce (dtype or float32 by
+ *                  options->grad_weight_fp32; options->accumulate adds); or NULL
+ * With the three gradient pointers NULL: the loss only. */
+FCE_API fce_status fce_nccl_linear_ce(const fce_options* options, struct ncclComm* comm,
+                                      int64_t rows, int64_t hidden, int64_t vocab_total,
+                                      int64_t vocab_start, int64_t vocab_local,
+                                      const void* hidden_states, const void* weight,
+                                      const void* bias, const void* targets, float* loss,
+                                      float* lse, float* z_loss, void* grad_hidden,
+                                      void* grad_weight, void* grad_bias,
+                                      const float* grad_output, uint32_t* error_flags,
+                                      void* workspace, size_t workspace_bytes, void* stream);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* FUSEDCE_NCCL_H */

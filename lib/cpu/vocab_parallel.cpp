@@ -1,0 +1,554 @@
+// vocab_parallel.cpp — the vocabulary-parallel calls on the CPU (fce_vp_*, SEMANTICS.md rule 16):
+//   phase 1  each rank's FCE_VP_STATS float32 per row over its shard of the classes (m_r, s_r,
+//            t_r, h_r, u_r, W_r, the shard's argmax, V_r), from given logits (fce_vp_stats) or
+//            from z = h·W_shardᵀ + b_shard made chunk by chunk (fce_vp_linear_stats);
+//   phase 3  the gathered stats of all ranks combined per row, in gathered order, in double:
+//            M, S, ls = log S, lse = M + ls, t, Ω, U, the argmax and the tiling check; then the
+//            loss (fce_vp_loss) or the gradient of this rank's columns (fce_vp_backward,
+//            fce_vp_linear_backward, which also makes ∂h's share, ∂W and ∂b of the shard).
+// Everything per row is ce_row.h's arithmetic with the row maximum m and log s of rule 9 taken
+// from the combination: the float32 vectorised row when a = z (logit_scale 1, no softcap), sums
+// in double; the double row otherwise. Rows run on threads; the reduction over rows is
+// write_reduction's, in row order: deterministic, the same bits on every rank.
+//
+// Phase 1's m_r is stored as a float32; s_r and u_r are computed relative to that stored value
+// (not to the unrounded double maximum of the double path), so that the combination's algebra
+// (S = Σ s_r exp(m_r − M), U = Σ u_r + W_r (M − m_r)) is exact in the stored values and the
+// gradient's p_j = exp((a_j − M) − ls) sums to 1 over the shards.
+#include <cblas.h>
+
+#include <atomic>
+#include <climits>
+#include <new>
+#include <vector>
+
+#include "ce_row.h"
+#include "linear_chunks.h"
+
+namespace fce {
+namespace {
+
+using namespace cpu;
+
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+float int_as_float(int64_t v) {
+  const int32_t i = static_cast<int32_t>(v);
+  uint32_t u;
+  std::memcpy(&u, &i, sizeof u);
+  return bits_float(u);
+}
+
+int32_t float_as_int(float f) {
+  const uint32_t u = float_bits(f);
+  int32_t i;
+  std::memcpy(&i, &u, sizeof i);
+  return i;
+}
+
+// What every row of a call shares: ce_row.h's setup over the WHOLE vocabulary (targets, ω, D
+// and n of rule 4, the upstream), and this rank's shard [start, start + local).
+struct VpSetup {
+  CeSetup ce;                 // vocab = V (vocab_total)
+  int64_t start = 0, local = 0;
+  const float* omega_shard;   // ω + start, or nullptr without class weights
+  double shard_weight = 0;    // W_r = Σ ω_j over the shard
+  bool fast;                  // a = z: the float32 row (ce_row.h's float_path)
+};
+
+VpSetup make_vp_setup(const CeOptions& opt, int64_t rows, int64_t vocab_total, int64_t start,
+                      int64_t local, const void* targets, const float* grad_output) {
+  VpSetup s;
+  s.ce = make_setup(opt, rows, vocab_total, targets, grad_output);
+  s.start = start;
+  s.local = local;
+  s.omega_shard = opt.class_weights ? opt.class_weights + start : nullptr;
+  for (int64_t j = 0; j < local; ++j) s.shard_weight += omega_of(s.ce, start + j);
+  s.fast = float_path(s.ce);
+  return s;
+}
+
+bool in_shard(const VpSetup& s, const RowTarget& t) {
+  return t.kind == RowKind::kScored && t.y >= s.start && t.y < s.start + s.local;
+}
+
+// ------------------------------------------------------------------ phase 1 ----
+
+void write_stats(const VpSetup& s, float m, double sum, double target, bool hit, double u,
+                 int64_t argmax_local, float* out) {
+  out[kVpMax] = m;
+  out[kVpSumExp] = float(sum);
+  out[kVpTarget] = hit ? float(target) : 0.0f;
+  out[kVpHit] = hit ? 1.0f : 0.0f;
+  out[kVpSmooth] = float(u);
+  out[kVpWeight] = float(s.shard_weight);
+  out[kVpArgmax] = int_as_float(s.start + argmax_local);
+  out[kVpLocal] = int_as_float(s.local);
+}
+
+// The stats of a shard row of float32 a (= z: the fast path).
+void row_stats_shard_f32(const VpSetup& s, const float* a, const RowTarget& t, float* out) {
+  const int64_t n = s.local;
+  const bool hit = in_shard(s, t);
+  const double a_y = hit ? double(a[t.y - s.start]) : 0.0;
+  bool nan_seen = false;
+  const float m = row_max_f32(a, n, &nan_seen);
+  int64_t argmax = 0;
+  if (nan_seen) {  // m_r NaN, and the shard's argmax its first NaN (rule 15)
+    while (!std::isnan(a[argmax])) ++argmax;
+    write_stats(s, float(kNaN), kNaN, a_y, hit, 0.0, argmax, out);
+    return;
+  }
+  while (argmax + 1 < n && a[argmax] != m) ++argmax;
+  double sum;
+  if (m == -std::numeric_limits<float>::infinity()) {
+    sum = 0.0;  // s_r = 0 when m_r = −inf
+  } else if (std::isfinite(m)) {
+    sum = sum_exp_f32(a, n, m);
+  } else {  // +inf maximum: the entries equal to it count 1 (as ce_row.h)
+    sum = 0.0;
+    for (int64_t j = 0; j < n; ++j) sum += a[j] == m ? 1.0 : 0.0;
+  }
+  double u = 0.0;  // u_r = Σ ω_j (m_r − a_j) when ε > 0 and m_r > −inf
+  if (s.ce.eps > 0.0 && m > -std::numeric_limits<float>::infinity())
+    u = smooth_sum_f32(a, n, double(m), 0.0, s.omega_shard);
+  write_stats(s, m, sum, a_y, hit, u, argmax, out);
+}
+
+// The stats of a shard row of double a (scaled and capped: the double path).
+void row_stats_shard_f64(const VpSetup& s, const double* a, const RowTarget& t, float* out) {
+  const int64_t n = s.local;
+  const bool hit = in_shard(s, t);
+  const double a_y = hit ? a[t.y - s.start] : 0.0;
+  double m = -kInf;
+  int64_t argmax = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    if (std::isnan(a[j])) {
+      write_stats(s, float(kNaN), kNaN, a_y, hit, 0.0, j, out);
+      return;
+    }
+    if (a[j] > m) {
+      m = a[j];
+      argmax = j;
+    }
+  }
+  const float mf = float(m);  // what is stored: s_r and u_r are relative to it
+  const double md = mf;
+  double sum = 0.0;
+  if (m != -kInf)
+    for (int64_t j = 0; j < n; ++j) sum += a[j] == md ? 1.0 : std::exp(a[j] - md);
+  double u = 0.0;
+  if (s.ce.eps > 0.0 && m > -kInf)
+    for (int64_t j = 0; j < n; ++j) u += omega_of(s.ce, s.start + j) * (md - a[j]);
+  write_stats(s, mf, sum, a_y, hit, u, argmax, out);
+}
+
+// Steps 1 and 2 on the shard's row: a_j = s · z_j, then c · tanh(a_j / c) when c > 0.
+void scale_and_softcap_shard(const VpSetup& s, double* a) {
+  for (int64_t j = 0; j < s.local; ++j) {
+    a[j] = s.ce.s * a[j];
+    if (s.ce.c > 0.0) a[j] = s.ce.c * std::tanh(a[j] / s.ce.c);
+  }
+}
+
+// One shard row per thread (float32 on the fast path, else double), allocated before any
+// output is written.
+struct ShardScratch {
+  int threads;
+  std::vector<std::vector<float>> frows;
+  std::vector<std::vector<double>> rows;
+  ShardScratch(const VpSetup& s, int64_t max_count) {
+    threads = thread_count(max_count, std::max<int64_t>(1, (int64_t(1) << 16) / s.local));
+    if (s.fast)
+      frows.assign(size_t(threads), std::vector<float>(size_t(s.local)));
+    else
+      rows.assign(size_t(threads), std::vector<double>(size_t(s.local)));
+  }
+};
+
+// Phase 1 on rows [first_row, first_row + count) of the problem; the logits of row i of the
+// job at logits + i · stride elements, the stats of problem row r at stats + r · FCE_VP_STATS.
+void stats_rows(const VpSetup& s, int64_t first_row, int64_t count, const void* logits,
+                int64_t stride, int dtype, float* stats, ShardScratch& scratch) {
+  const size_t esize = dtype_size(dtype);
+  parallel_for(count, scratch.threads, [&](int64_t begin, int64_t end, int thread) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r = first_row + i;
+      const RowTarget t = row_target(s.ce, r);
+      const void* z = static_cast<const char*>(logits) + size_t(i) * size_t(stride) * esize;
+      float* out = stats + size_t(r) * kVpCount;
+      if (s.fast) {
+        float* a = scratch.frows[size_t(thread)].data();
+        load_row_f32(dtype, z, s.local, a);
+        row_stats_shard_f32(s, a, t, out);
+      } else {
+        double* a = scratch.rows[size_t(thread)].data();
+        load_row(dtype, z, s.local, a);
+        scale_and_softcap_shard(s, a);
+        row_stats_shard_f64(s, a, t, out);
+      }
+    }
+  });
+}
+
+// ------------------------------------------------------------------ phase 3 ----
+
+// The gathered stats of one row combined (rule 16), ranks in gathered order, in double.
+struct Combined {
+  bool consistent;   // the tiling check passed
+  double M, ls, lse;  // m and log s of rule 9, lse = M + ls
+  double t;          // a_y (scored rows)
+  double Omega;      // Σ_r W_r
+  double U;          // Σ_j ω_j (M − a_j) (ε > 0)
+  int64_t argmax;    // the global argmax
+};
+
+Combined combine(const VpSetup& s, const float* gathered, int64_t ranks, int64_t r,
+                 RowKind kind) {
+  const size_t rows = size_t(s.ce.rows);
+  auto at = [&](int64_t q) { return gathered + (size_t(q) * rows + size_t(r)) * kVpCount; };
+  Combined c;
+  // M = max_r m_r (NaN if any is NaN); the argmax: the rank with the largest m_r (a NaN
+  // largest), among equal maxima (NaNs among themselves) the smallest global index.
+  bool nan_seen = false;
+  double M = -kInf;
+  float best_m = at(0)[kVpMax];
+  int32_t best_j = float_as_int(at(0)[kVpArgmax]);
+  for (int64_t q = 0; q < ranks; ++q) {
+    const float* st = at(q);
+    const float m = st[kVpMax];
+    const int32_t j = float_as_int(st[kVpArgmax]);
+    if (std::isnan(m)) nan_seen = true;
+    else if (double(m) > M) M = m;
+    if (q == 0) continue;
+    bool better;
+    if (std::isnan(best_m)) better = std::isnan(m) && j < best_j;
+    else if (std::isnan(m)) better = true;
+    else better = m > best_m || (m == best_m && j < best_j);
+    if (better) best_m = m, best_j = j;
+  }
+  if (nan_seen) M = kNaN;
+  // S = Σ_r s_r exp(m_r − M) over ranks with m_r > −inf (0 when M = −inf; an m_r equal to an
+  // infinite M counts s_r), t = Σ t_r, Ω = Σ W_r, U = Σ (u_r + W_r (M − m_r)), Σ h_r, Σ V_r.
+  double S = 0.0, t = 0.0, hits = 0.0, Omega = 0.0, U = 0.0;
+  int64_t local_sum = 0;
+  const bool smoothing = s.ce.eps > 0.0;
+  for (int64_t q = 0; q < ranks; ++q) {
+    const float* st = at(q);
+    const double m = st[kVpMax];
+    if (m > -kInf) S += m == M ? double(st[kVpSumExp]) : double(st[kVpSumExp]) * std::exp(m - M);
+    t += st[kVpTarget];
+    hits += st[kVpHit];
+    Omega += st[kVpWeight];
+    if (smoothing) U += double(st[kVpSmooth]) + double(st[kVpWeight]) * (M - m);
+    local_sum += float_as_int(st[kVpLocal]);
+  }
+  if (nan_seen) S = kNaN;
+  c.M = M;
+  c.ls = std::log(S);
+  c.lse = M + c.ls;
+  c.t = t;
+  c.Omega = Omega;
+  c.U = U;
+  c.argmax = best_j;
+  // Two disjoint shards never report the same argmax (a global index inside each): equal ones
+  // mean a shard's statistics were gathered twice (in place of another's of the same size).
+  bool duplicate = false;
+  for (int64_t q = 1; q < ranks && !duplicate; ++q)
+    for (int64_t o = 0; o < q && !duplicate; ++o)
+      duplicate = float_as_int(at(q)[kVpArgmax]) == float_as_int(at(o)[kVpArgmax]);
+  c.consistent = local_sum == s.ce.vocab && !duplicate &&
+                 (kind != RowKind::kScored || hits == 1.0);
+  return c;
+}
+
+// Token scaling's p_y = exp((t − M) − ls) (rule 16), 1 without token scaling.
+double token_scale(const VpSetup& s, const Combined& c) {
+  return s.ce.token_scaling ? std::exp((c.t - c.M) - c.ls) : 1.0;
+}
+
+// fce_vp_loss on the CPU: every row combined, the per-row values, then write_reduction.
+fce_status vp_loss(const VpProblem& p) {
+  const VpSetup s = make_vp_setup(p.opt, p.rows, p.vocab_total, 0, 0, p.targets, nullptr);
+  RowResults res(p.rows, p.accuracy != nullptr);
+  std::atomic<bool> invalid_seen{false}, inconsistent_seen{false};
+  const double eps = s.ce.eps, V = double(s.ce.vocab);
+  parallel_for(p.rows, thread_count(p.rows, std::max<int64_t>(1, 4096 / p.ranks)),
+               [&](int64_t begin, int64_t end, int) {
+    for (int64_t r = begin; r < end; ++r) {
+      const size_t ri = size_t(r);
+      const RowTarget t = row_target(s.ce, r);
+      const Combined c = combine(s, p.gathered, p.ranks, r, t.kind);
+      res.ce[ri] = 0.0;
+      res.z_loss[ri] = 0.0;
+      if (!res.correct.empty()) res.correct[ri] = 0;
+      if (t.kind == RowKind::kInvalid) invalid_seen.store(true, std::memory_order_relaxed);
+      if (!c.consistent) {  // the tiling check: loss, lse NaN, argmax −1
+        inconsistent_seen.store(true, std::memory_order_relaxed);
+        res.ce[ri] = kNaN;
+        res.z_loss[ri] = s.ce.lambda == 0.0 ? 0.0 : kNaN;
+        if (p.lse) p.lse[r] = float(kNaN);
+        if (p.argmax) p.argmax[r] = -1;
+        continue;
+      }
+      if (p.lse) p.lse[r] = float(c.lse);
+      if (p.argmax) p.argmax[r] = t.kind == RowKind::kIgnored ? -1 : c.argmax;
+      if (t.kind == RowKind::kInvalid) {
+        res.ce[ri] = kNaN;
+        res.z_loss[ri] = z_loss_term(s.ce, c.lse);  // never scaled
+      } else if (t.kind == RowKind::kScored) {
+        // ce = (1−ε) ω_y ((M − t) + ls) + (ε/V)(U + Ω ls), zl = λ lse², both times p_y
+        double ce = (1.0 - eps) * omega_of(s.ce, t.y) * ((c.M - c.t) + c.ls);
+        if (eps > 0.0) ce += eps / V * (c.U + c.Omega * c.ls);
+        const double ts = token_scale(s, c);
+        res.ce[ri] = ts * ce;
+        res.z_loss[ri] = scaled_z_loss_term(s.ce, ts, c.lse);
+        if (!res.correct.empty()) res.correct[ri] = c.argmax == t.y ? 1 : 0;
+      }
+    }
+  });
+  write_reduction(s.ce, res, p.loss, p.z_loss, p.accuracy);
+  if (p.error_flags) {
+    if (invalid_seen.load()) *p.error_flags |= FCE_FLAG_TARGET_OUT_OF_RANGE;
+    if (inconsistent_seen.load()) *p.error_flags |= FCE_FLAG_SHARDS_INCONSISTENT;
+  }
+  return FCE_SUCCESS;
+}
+
+// The gradient of a float32 shard row (the fast path) into out (may be a): ce_row.h's
+// gradient_f32_row with m = M, log s = ls, Ω of the combination, the shard's ω, and the
+// one-hot term only when y is in the shard.
+void gradient_shard_f32(const VpSetup& s, const float* a, const Combined& c, const RowTarget& t,
+                        const Upstream& up, double ts, float* out) {
+  const double target_weight = (1.0 - s.ce.eps) * omega_of(s.ce, t.y);
+  const double smoothing = s.ce.eps / double(s.ce.vocab);
+  const double z_loss = s.ce.lambda == 0.0 ? 0.0 : 2.0 * s.ce.lambda * c.lse;
+  double A = up.k1 * (target_weight + smoothing * c.Omega);
+  if (z_loss != 0.0) A += up.kz1 * z_loss;
+  double B = -up.k1 * smoothing;
+  if (s.ce.token_scaling) A *= ts, B *= ts;
+  const float g = float(up.g);
+  const bool hit = in_shard(s, t);
+  const double a_y = hit ? double(a[t.y - s.start]) : 0.0;  // read before out (maybe a)
+  gradient_f32(a, s.local, float(c.M), float(c.ls), float(A), float(B), s.omega_shard, g, out);
+  if (!hit) return;
+  const double p = std::exp((a_y - c.M) - c.ls);
+  double d_ce = target_weight * (p - 1.0);
+  if (smoothing != 0.0) d_ce += smoothing * (c.Omega * p - omega_of(s.ce, t.y));
+  double d_a = up.k1 * d_ce;
+  if (z_loss != 0.0) d_a += up.kz1 * z_loss * p;
+  if (s.ce.token_scaling) d_a *= ts;
+  out[t.y - s.start] = g * float(d_a);
+}
+
+// The gradient of a double shard row (the double path), in place: ce_row.h's gradient with
+// m = M, log s = ls over the shard's columns.
+void gradient_shard_f64(const VpSetup& s, double* a, const Combined& c, const RowTarget& t,
+                        const Upstream& up, double ts) {
+  const double target_weight = (1.0 - s.ce.eps) * omega_of(s.ce, t.y);
+  const double smoothing = s.ce.eps / double(s.ce.vocab);
+  const double z_loss = s.ce.lambda == 0.0 ? 0.0 : 2.0 * s.ce.lambda * c.lse;
+  for (int64_t j = 0; j < s.local; ++j) {
+    const int64_t global = s.start + j;
+    const double p = std::exp((a[j] - c.M) - c.ls);
+    double d_ce = target_weight * (p - (global == t.y ? 1.0 : 0.0));
+    if (smoothing != 0.0) d_ce += smoothing * (c.Omega * p - omega_of(s.ce, global));
+    double d_a = up.k1 * d_ce;
+    if (z_loss != 0.0) d_a += up.kz1 * z_loss * p;
+    if (s.ce.token_scaling) d_a *= ts;
+    double d_z = d_a * s.ce.s;
+    if (s.ce.c > 0.0) d_z *= 1.0 - (a[j] / s.ce.c) * (a[j] / s.ce.c);
+    a[j] = up.g * d_z;
+  }
+}
+
+// The gradient of rows [first_row, first_row + count) of the shard: row i of the job's logits
+// at logits + i · logits_stride, of its gradient at grad + i · grad_stride (may be the logits:
+// each row is read whole before it is written). Ignored rows get 0, invalid and inconsistent
+// rows NaN. Returns the error flags to set.
+uint32_t gradient_rows(const VpSetup& s, const float* gathered, int64_t ranks, int64_t first_row,
+                       int64_t count, const void* logits, int64_t logits_stride, int logits_dtype,
+                       void* grad, int64_t grad_stride, int grad_dtype, ShardScratch& scratch) {
+  const size_t lsize = dtype_size(logits_dtype), gsize = dtype_size(grad_dtype);
+  std::atomic<uint32_t> flags{0};
+  parallel_for(count, scratch.threads, [&](int64_t begin, int64_t end, int thread) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r = first_row + i;
+      const RowTarget t = row_target(s.ce, r);
+      const Combined c = combine(s, gathered, ranks, r, t.kind);
+      void* g_row = static_cast<char*>(grad) + size_t(i) * size_t(grad_stride) * gsize;
+      if (t.kind == RowKind::kInvalid) flags.fetch_or(FCE_FLAG_TARGET_OUT_OF_RANGE);
+      if (!c.consistent) flags.fetch_or(FCE_FLAG_SHARDS_INCONSISTENT);
+      if (!c.consistent || t.kind != RowKind::kScored) {
+        fill_row(grad_dtype, g_row, s.local,
+                 c.consistent && t.kind == RowKind::kIgnored ? 0.0f : NAN);
+        continue;
+      }
+      const void* z = static_cast<const char*>(logits) + size_t(i) * size_t(logits_stride) * lsize;
+      const Upstream up = upstream_scales(s.ce, r);
+      const double ts = token_scale(s, c);
+      if (s.fast) {
+        float* a = scratch.frows[size_t(thread)].data();
+        load_row_f32(logits_dtype, z, s.local, a);
+        if (grad_dtype == FCE_FLOAT32) {
+          gradient_shard_f32(s, a, c, t, up, ts, static_cast<float*>(g_row));
+        } else {
+          gradient_shard_f32(s, a, c, t, up, ts, a);
+          for (int64_t j = 0; j < s.local; ++j) store_float(grad_dtype, g_row, j, a[j]);
+        }
+      } else {
+        double* a = scratch.rows[size_t(thread)].data();
+        load_row(logits_dtype, z, s.local, a);
+        scale_and_softcap_shard(s, a);
+        gradient_shard_f64(s, a, c, t, up, ts);
+        store_row(grad_dtype, a, s.local, g_row);
+      }
+    }
+  });
+  return flags.load();
+}
+
+// ------------------------------------------------------------------ linear ----
+// As lib/cpu/linear_ce.cpp: float32 cblas_sgemm over chunks of a fixed number of rows (fixed by
+// rows and vocab_local, never by the workspace), the chunk's buffers in the workspace when it
+// holds optimal_bytes, else in host memory.
+
+fce_status vp_linear(const VpLinearProblem& p) {
+  const bool backward = p.gathered != nullptr;
+  const char* fn = backward ? "fce_vp_linear_backward (CPU)" : "fce_vp_linear_stats (CPU)";
+  if (p.vocab_local > INT_MAX || p.hidden > INT_MAX || p.hidden_row_stride > INT_MAX)
+    return fail(FCE_ERROR_UNSUPPORTED,
+                "%s: BLAS takes int sizes: vocab_local %lld, hidden %lld, "
+                "hidden_row_stride %lld must be at most %d",
+                fn, (long long)p.vocab_local, (long long)p.hidden,
+                (long long)p.hidden_row_stride, INT_MAX);
+  const int dtype = p.opt.dtype;
+  const int grad_weight_dtype = p.grad_weight_fp32 ? FCE_FLOAT32 : dtype;
+  const int64_t R = chunk_rows(p.rows, p.vocab_local);
+  try {
+    // Everything is allocated before any output is written.
+    const VpSetup s = make_vp_setup(p.opt, p.rows, p.vocab_total, p.vocab_start, p.vocab_local,
+                                    p.targets, p.grad_output);
+    ShardScratch scratch(s, R);
+    const FloatMatrix W = as_float(dtype, p.weight, p.vocab_local, p.hidden);
+    const FloatMatrix b = p.bias ? as_float(dtype, p.bias, 1, p.vocab_local) : FloatMatrix();
+    ChunkBuffers chunk(
+        chunk_layout(dtype, R, p.hidden, p.vocab_local,
+                     backward && p.grad_hidden_dtype != FCE_FLOAT32),
+        p.workspace, p.workspace_bytes);
+    std::vector<float> dW_accumulator;
+    float* dW = nullptr;
+    if (p.grad_weight && grad_weight_dtype == FCE_FLOAT32) {
+      dW = static_cast<float*>(p.grad_weight);
+    } else if (p.grad_weight) {
+      dW_accumulator.assign(size_t(p.vocab_local) * size_t(p.hidden), 0.0f);
+      dW = dW_accumulator.data();
+    }
+    std::vector<double> db(p.grad_bias ? size_t(p.vocab_local) : 0, 0.0);
+    if (dW && dW == p.grad_weight && !p.accumulate)
+      std::fill(dW, dW + size_t(p.vocab_local) * size_t(p.hidden), 0.0f);
+
+    uint32_t flags = 0;
+    for (int64_t r0 = 0; r0 < p.rows; r0 += R) {
+      const int64_t count = std::min(R, p.rows - r0);
+      int64_t ldh = 0;
+      const float* h = hidden_chunk(dtype, p.hidden_states, p.hidden_row_stride, p.hidden, r0, count,
+                                    chunk.hidden, &ldh);
+      logits_chunk(h, ldh, W, b.data(), count, p.hidden, p.vocab_local, chunk.logits);
+      if (!backward) {
+        stats_rows(s, r0, count, chunk.logits, p.vocab_local, FCE_FLOAT32, p.stats, scratch);
+        continue;
+      }
+      // ∂z over z, in place
+      flags |= gradient_rows(s, p.gathered, p.ranks, r0, count, chunk.logits, p.vocab_local,
+                             FCE_FLOAT32, chunk.logits, p.vocab_local, FCE_FLOAT32, scratch);
+      const float* dz = chunk.logits;
+      if (p.grad_hidden)
+        grad_hidden_chunk(p.grad_hidden_dtype, p.grad_hidden, dz, W, r0, count, p.hidden,
+                          p.vocab_local, chunk.grad_hidden);
+      if (dW) grad_weight_chunk(dz, h, ldh, count, p.hidden, p.vocab_local, dW);
+      if (p.grad_bias) grad_bias_chunk(dz, count, p.vocab_local, db.data());
+    }
+    if (!backward) return FCE_SUCCESS;
+
+    // ∂W and ∂b in their dtype: (old value when accumulating) + the sum, rounded once.
+    if (p.grad_weight && dW != p.grad_weight) {
+      const int64_t n = p.vocab_local * p.hidden;
+      parallel_for(n, thread_count(n, int64_t(1) << 16), [&](int64_t begin, int64_t end, int) {
+        for (int64_t i = begin; i < end; ++i) {
+          const double old = p.accumulate ? load_float(grad_weight_dtype, p.grad_weight, i) : 0.0;
+          store_double(grad_weight_dtype, p.grad_weight, i, old + double(dW[i]));
+        }
+      });
+    }
+    if (p.grad_bias) {
+      for (int64_t j = 0; j < p.vocab_local; ++j) {
+        const double old = p.accumulate ? load_float(grad_weight_dtype, p.grad_bias, j) : 0.0;
+        store_double(grad_weight_dtype, p.grad_bias, j, old + db[size_t(j)]);
+      }
+    }
+    if (p.error_flags) *p.error_flags |= flags;
+    return FCE_SUCCESS;
+  } catch (const std::bad_alloc&) {
+    return fail(FCE_ERROR_INTERNAL,
+                "%s: out of host memory (rows %lld, hidden %lld, vocab_local %lld)", fn,
+                (long long)p.rows, (long long)p.hidden, (long long)p.vocab_local);
+  }
+}
+
+}  // namespace
+
+fce_status cpu_vp_stats(const VpStatsProblem& p) {
+  try {
+    const VpSetup s = make_vp_setup(p.opt, p.rows, p.vocab_total, p.vocab_start, p.vocab_local,
+                                    p.targets, nullptr);
+    ShardScratch scratch(s, p.rows);
+    stats_rows(s, 0, p.rows, p.logits, p.row_stride, p.opt.dtype, p.stats, scratch);
+    return FCE_SUCCESS;
+  } catch (const std::bad_alloc&) {
+    return fail(FCE_ERROR_INTERNAL,
+                "fce_vp_stats (CPU): out of host memory for %lld rows of %lld classes",
+                (long long)p.rows, (long long)p.vocab_local);
+  }
+}
+
+// Scratch lives in host memory (a row per thread, a few doubles per row).
+size_t cpu_vp_workspace_size(const CeOptions&, int64_t, int64_t, int64_t, int64_t, bool) {
+  return 0;
+}
+
+fce_status cpu_vp(const VpProblem& p) {
+  const bool backward = p.grad != nullptr;
+  try {
+    if (!backward) return vp_loss(p);
+    const VpSetup s = make_vp_setup(p.opt, p.rows, p.vocab_total, p.vocab_start, p.vocab_local,
+                                    p.targets, p.grad_output);
+    ShardScratch scratch(s, p.rows);
+    const uint32_t flags =
+        gradient_rows(s, p.gathered, p.ranks, 0, p.rows, p.logits, p.row_stride, p.opt.dtype,
+                      p.grad, p.grad_row_stride, p.opt.dtype, scratch);
+    if (p.error_flags) *p.error_flags |= flags;
+    return FCE_SUCCESS;
+  } catch (const std::bad_alloc&) {
+    return fail(FCE_ERROR_INTERNAL, "%s (CPU): out of host memory for %lld rows",
+                backward ? "fce_vp_backward" : "fce_vp_loss", (long long)p.rows);
+  }
+}
+
+void cpu_vp_linear_workspace_size(const CeOptions& opt, int64_t /*ranks*/, int64_t rows,
+                                  int64_t hidden, int64_t /*vocab_total*/, int64_t vocab_local,
+                                  bool backward, int grad_hidden_dtype, bool /*grad_weight_fp32*/,
+                                  size_t* min_bytes, size_t* optimal_bytes) {
+  const ChunkLayout one_row =
+      chunk_layout(opt.dtype, 1, hidden, vocab_local,
+                   backward && grad_hidden_dtype != FCE_FLOAT32);
+  const ChunkLayout chunk = chunk_layout(opt.dtype, chunk_rows(rows, vocab_local), hidden,
+                                         vocab_local, backward && grad_hidden_dtype != FCE_FLOAT32);
+  if (min_bytes) *min_bytes = one_row.total();
+  if (optimal_bytes) *optimal_bytes = chunk.total();
+}
+
+fce_status cpu_vp_linear(const VpLinearProblem& p) { return vp_linear(p); }
+
+}  // namespace fce

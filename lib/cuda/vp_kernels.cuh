@@ -1,0 +1,104 @@
+// vp_kernels.cuh — the kernels of the vocabulary-parallel calls (vocab_parallel.cu), shared by
+// fce_vp_stats / fce_vp_loss / fce_vp_backward (vocab_parallel.cu) and fce_vp_linear_stats /
+// fce_vp_linear_backward (vp_linear.cu). SEMANTICS.md rule 16; the stats layout is VpStat
+// (internal.h). Every launcher enqueues on the given stream only (no allocation, no
+// synchronisation) and returns FCE_ERROR_CUDA through fce::fail, naming `fn`, on a launch error.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+
+#include "cuda/ce_rows.cuh"
+#include "internal.h"
+
+namespace fce {
+namespace cuda {
+
+// Phase 1: the statistics of rows [row_begin, row_begin + row_count) of a logits shard (classes
+// [vocab_start, vocab_start + vocab_local) of vocab_total), one CTA per row, one read of it.
+// Writes stats[row · FCE_VP_STATS + k] for every k but kVpWeight when weight_written (the
+// class-weighted W_r, written by launch_vp_weights), for the global row index.
+struct VpStatsArgs {
+  const char* fn;          // the public function, for messages
+  CeOptions opt;
+  int64_t row_begin, row_count;
+  const void* logits;      // points at row row_begin; of logits_dtype
+  int logits_dtype;
+  int64_t row_stride;      // elements, >= vocab_local
+  int64_t vocab_total, vocab_start, vocab_local;
+  const void* targets;     // the whole targets array (global rows, shift rule inside)
+  float* stats;            // [rows, FCE_VP_STATS] (global rows), 16-byte aligned
+  bool weight_written;     // kVpWeight already written (class weights): leave it
+};
+fce_status launch_vp_stats(const VpStatsArgs& a, cudaStream_t s);
+
+// W_r = Σ_j ω_j over the shard's classes (opt.class_weights non-null), in a fixed order (double),
+// written to stats[row · FCE_VP_STATS + kVpWeight] for rows [0, rows): the same bits in every
+// row. Call it (with class weights) before or after launch_vp_stats with weight_written = true.
+fce_status launch_vp_weights(const char* fn, const CeOptions& opt, int64_t rows,
+                             int64_t vocab_start, int64_t vocab_local, float* stats,
+                             cudaStream_t s);
+
+// Phase 3: per row, the gathered statistics [ranks, rows, FCE_VP_STATS] combined in gathered
+// order in float32 (rule 16), then:
+//   stats_out    CeRowStats {M, log S, t} (t = p_y with token scaling, else 1), the gradient's
+//                row statistics (launch_ce_rows' stats_in); {NaN, NaN, NaN} for a row whose
+//                shards are inconsistent, with pad = 1 when that row is ignored (its gradient
+//                must be NaN too: launch_vp_nan_rows), else pad = 0
+//   row_loss     as launch_ce_rows' (reduction none: ce + zl; mean/sum: the ce part)
+//   row_zloss    λ·lse² (times p_y with token scaling), 0 for ignored rows
+//   (an inconsistent row, ignored or not: loss NaN, z-loss NaN when λ ≠ 0, lse NaN, argmax −1)
+//   lse, argmax, row_correct as fce_forward's
+//   error_flags  FCE_FLAG_TARGET_OUT_OF_RANGE, FCE_FLAG_SHARDS_INCONSISTENT
+// Every output pointer may be null.
+struct VpCombineArgs {
+  const char* fn;
+  CeOptions opt;
+  int64_t ranks, rows, vocab_total;
+  const void* targets;
+  const float* gathered;
+  CeRowStats* stats_out;
+  float* row_loss;
+  float* row_zloss;
+  float* lse;
+  int64_t* argmax;
+  float* row_correct;
+  uint32_t* error_flags;
+};
+fce_status launch_vp_combine(const VpCombineArgs& a, cudaStream_t s);
+
+// The gradient rows [rows, cols] (ld elements apart, dtype f32 / f16 / bf16) of the rows the
+// combine flagged (stats[row].pad ≠ 0: ignored rows of an inconsistent tiling, whose gradient is
+// NaN like every other row's, SEMANTICS rule 16) set to NaN; the other rows untouched. Run it
+// after the row kernel wrote the gradient (it writes 0 for ignored rows).
+fce_status launch_vp_nan_rows(const char* fn, const CeRowStats* stats, int64_t rows, void* g,
+                              int dtype, int64_t cols, int64_t ld, cudaStream_t s);
+
+// A failure of a shared launcher (launch_ce_rows, the GEMMs, ...) reported under the public
+// function's name: "fce_vp_backward: launch_ce_rows: ..." (a message naming fce_linear_ce, as the
+// shared GEMM wrapper's do, is renamed).
+inline fce_status relabel(const char* fn, fce_status st) {
+  if (st == FCE_SUCCESS) return st;
+  char msg[512];
+  std::snprintf(msg, sizeof msg, "%s", fce_last_error());
+  const size_t n = std::strlen(fn);
+  if (std::strncmp(msg, fn, n) == 0 && msg[n] == ':') return st;
+  const char* rest = msg;
+  static const char kLinear[] = "fce_linear_ce: ";
+  if (std::strncmp(rest, kLinear, sizeof kLinear - 1) == 0) rest += sizeof kLinear - 1;
+  return fail(st, "%s: %s", fn, rest);
+}
+
+}  // namespace cuda
+}  // namespace fce
+
+// Returns the status of `expr`, under fn's name, unless it is FCE_SUCCESS.
+#define FCE_VP_TRY(fn, expr)                                      \
+  do {                                                            \
+    const fce_status fce_vp_try_ = (expr);                        \
+    if (fce_vp_try_ != FCE_SUCCESS)                               \
+      return ::fce::cuda::relabel((fn), fce_vp_try_);             \
+  } while (0)

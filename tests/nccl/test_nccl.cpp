@@ -1,0 +1,1119 @@
+// test_nccl.cpp — libfusedce_nccl (include/fusedce_nccl.h) on the CUDA backend.
+//
+//   Single GPU: a one-rank communicator (ncclCommInitAll over device 0), so vocab_start = 0 and
+//   vocab_local = vocab_total: fce_nccl_cross_entropy against the unsharded fce_forward and
+//   fce_nccl_linear_ce against the unsharded fce_linear_ce, float32 and bfloat16, several
+//   options (label smoothing + z-loss + ignored rows, reduction none with a per-row upstream,
+//   sum with class weights, softcap and int32 targets, in place, loss only, accumulate,
+//   grad_weight_fp32, the minimum workspace), loss / lse / z_loss / argmax / accuracy and every
+//   gradient; a CUDA graph capturing both calls replays them bit for bit.
+//   Two or more GPUs: the vocabulary sharded unevenly over up to 4 of them, the shards in the
+//   reverse of the rank order, one host thread per rank: every rank's loss is the same bits,
+//   and loss, gradients and the all-reduced grad_hidden match the unsharded calls.
+//   Everywhere: bad arguments (NULL comm, the CPU backend, NULL options, ...) give a status and
+//   a message naming the function and the argument, and write nothing.
+//
+// Without a CUDA device the GPU cases print "SKIPPED: ..." and are skipped (the binary exits 0).
+#include <nccl.h>
+
+#include <thread>
+
+#include "fusedce_nccl.h"
+#include "test_util.h"
+
+using namespace fcet;
+
+namespace {
+
+// ------------------------------------------------------------------ device and communicator --
+int device_count() {
+  static const int n = [] {
+    int c = 0;
+    if (cudaGetDeviceCount(&c) != cudaSuccess) {
+      (void)cudaGetLastError();
+      c = 0;
+    }
+    return c;
+  }();
+  return n;
+}
+
+#define REQUIRE_GPU()                                                                     \
+  do {                                                                                    \
+    if (device_count() == 0) {                                                            \
+      std::printf("SKIPPED: test_nccl needs a CUDA device; none here\n");                 \
+      GTEST_SKIP() << "no CUDA device";                                                   \
+    }                                                                                     \
+  } while (0)
+
+#define NCCL_CHECK(expr)                                                                  \
+  do {                                                                                    \
+    ncclResult_t r_ = (expr);                                                             \
+    if (r_ != ncclSuccess) {                                                              \
+      std::fprintf(stderr, "%s:%d: %s -> %s\n", __FILE__, __LINE__, #expr,                \
+                   ncclGetErrorString(r_));                                               \
+      std::abort();                                                                       \
+    }                                                                                     \
+  } while (0)
+
+ncclComm_t g_comm = nullptr;
+
+// The one-rank communicator of device 0 (created on first use, destroyed after the last test).
+ncclComm_t comm1() {
+  if (!g_comm) {
+    int dev = 0;
+    FCE_CUDA_CHECK(cudaSetDevice(0));
+    NCCL_CHECK(ncclCommInitAll(&g_comm, 1, &dev));
+  }
+  return g_comm;
+}
+
+class NcclEnvironment : public ::testing::Environment {
+ public:
+  void TearDown() override {
+    if (g_comm) ncclCommDestroy(g_comm);
+    g_comm = nullptr;
+  }
+};
+::testing::Environment* const g_env = ::testing::AddGlobalTestEnvironment(new NcclEnvironment);
+
+// ------------------------------------------------------------------ device memory ------------
+// cudaMalloc'ed bytes on the current device; copies on `stream`, then a wait.
+class Dev {
+ public:
+  Dev() = default;
+  explicit Dev(size_t bytes, cudaStream_t s) : s_(s), n_(bytes) {
+    if (bytes) FCE_CUDA_CHECK(cudaMalloc(&p_, bytes));
+  }
+  Dev(const std::vector<uint8_t>& h, cudaStream_t s) : Dev(h.size(), s) { upload(h); }
+  Dev(const Dev&) = delete;
+  Dev& operator=(const Dev&) = delete;
+  Dev(Dev&& o) noexcept { *this = std::move(o); }
+  Dev& operator=(Dev&& o) noexcept {
+    std::swap(p_, o.p_);
+    std::swap(n_, o.n_);
+    std::swap(s_, o.s_);
+    return *this;
+  }
+  ~Dev() {
+    if (p_) cudaFree(p_);
+  }
+  void* ptr() const { return p_; }
+  template <class T> T* p() const { return static_cast<T*>(p_); }
+  size_t size() const { return n_; }
+  void upload(const std::vector<uint8_t>& h) {
+    if (!n_) return;
+    FCE_CUDA_CHECK(cudaMemcpyAsync(p_, h.data(), std::min(n_, h.size()), cudaMemcpyHostToDevice, s_));
+    FCE_CUDA_CHECK(cudaStreamSynchronize(s_));
+  }
+  void fill(uint8_t b) {
+    if (!n_) return;
+    FCE_CUDA_CHECK(cudaMemsetAsync(p_, b, n_, s_));
+    FCE_CUDA_CHECK(cudaStreamSynchronize(s_));
+  }
+  std::vector<uint8_t> download() const {
+    std::vector<uint8_t> h(n_);
+    if (!n_) return h;
+    FCE_CUDA_CHECK(cudaStreamSynchronize(s_));
+    FCE_CUDA_CHECK(cudaMemcpyAsync(h.data(), p_, n_, cudaMemcpyDeviceToHost, s_));
+    FCE_CUDA_CHECK(cudaStreamSynchronize(s_));
+    return h;
+  }
+
+ private:
+  cudaStream_t s_ = nullptr;
+  void* p_ = nullptr;
+  size_t n_ = 0;
+};
+
+std::vector<uint8_t> encode(int dtype, const std::vector<double>& v) {
+  std::vector<uint8_t> b(v.size() * dtype_size(dtype));
+  for (size_t i = 0; i < v.size(); ++i) put(dtype, b.data() + i * dtype_size(dtype), v[i]);
+  return b;
+}
+std::vector<double> decode(int dtype, const std::vector<uint8_t>& b) {
+  std::vector<double> v(b.size() / dtype_size(dtype));
+  for (size_t i = 0; i < v.size(); ++i) v[i] = get(dtype, b.data() + i * dtype_size(dtype));
+  return v;
+}
+std::vector<uint8_t> encode_targets(int tdtype, const std::vector<int64_t>& y) {
+  std::vector<double> d(y.begin(), y.end());
+  return encode(tdtype, d);
+}
+
+constexpr uint8_t kPoisonByte = 0xFF;   // float32 / bfloat16 NaN
+constexpr uint8_t kArgmaxPoison = 0xBA; // an int64 that is no index and not -1
+
+cudaStream_t stream0() { return cuda_stream(); }  // test_util.h: non-blocking, device 0
+
+// Tolerances: float32 outputs of two float32 computations of the same math (SPEC.md's 1e-5);
+// 16-bit gradients: each rounded once to the dtype (test_util.h: 4 unit roundoffs).
+constexpr double kTolF32 = 1e-5;
+double grad_tol(int dtype) { return dtype == FCE_FLOAT32 ? kTolF32 : tolerance(dtype); }
+
+::testing::AssertionResult ok(fce_status s, const char* what) {
+  if (s == FCE_SUCCESS) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << what << ": " << fce_status_string(s) << " (\""
+                                       << fce_nccl_last_error() << "\" / core: \""
+                                       << fce_last_error() << "\")";
+}
+
+// ------------------------------------------------------------------ cross-entropy -----------
+struct CeCase {
+  std::string name;
+  int dtype = FCE_FLOAT32;
+  int tdtype = FCE_INT64;
+  int reduction = FCE_REDUCTION_MEAN;
+  float eps = 0, lambda = 0, softcap = 0, scale = 1;
+  bool weights = false;
+  double ignore = 0;
+  bool argmax = false;  // options->argmax and ->accuracy
+  bool grad = true;
+  bool in_place = false;
+  int64_t N = 64, V = 1003;
+  uint64_t seed = 1;
+};
+
+std::string label(const CeCase& c) {
+  std::ostringstream s;
+  s << c.name << " [" << dtype_name(c.dtype) << " " << reduction_name(c.reduction) << " N=" << c.N
+    << " V=" << c.V << "]";
+  return s.str();
+}
+
+// The host data of a case.
+struct CeData {
+  std::vector<double> z, w, g;
+  std::vector<int64_t> y;
+};
+
+CeData ce_data(const CeCase& c) {
+  std::mt19937_64 rng(c.seed);
+  CeData d;
+  d.z = random_logits(rng, c.dtype, c.N, c.V, 1.0, 6.0, 5.0);
+  d.y = random_targets(rng, c.N, c.V, c.ignore, -100);
+  if (c.weights) d.w = random_uniform(rng, static_cast<size_t>(c.V), 0.5, 2.0);
+  d.g = random_uniform(rng, c.reduction == FCE_REDUCTION_NONE ? static_cast<size_t>(c.N) : 1,
+                       0.5, 1.5);
+  return d;
+}
+
+fce_options ce_options(const CeCase& c) {
+  fce_options o = FCE_OPTIONS_INIT;
+  o.backend = FCE_BACKEND_CUDA;
+  o.dtype = c.dtype;
+  o.target_dtype = c.tdtype;
+  o.reduction = c.reduction;
+  o.label_smoothing = c.eps;
+  o.z_loss_scale = c.lambda;
+  o.softcap = c.softcap;
+  o.logit_scale = c.scale;
+  return o;
+}
+
+// What one call wrote, downloaded.
+struct CeOut {
+  std::vector<uint8_t> loss, lse, z_loss, grad, argmax, accuracy, flags;
+};
+
+// The inputs on the device, and the outputs of one call.
+struct CeDev {
+  Dev z, y, w, g;
+  Dev loss, lse, zl, grad, argmax, acc, flags, ws;
+  void poison() {
+    for (Dev* d : {&loss, &lse, &zl, &grad, &acc}) d->fill(kPoisonByte);
+    argmax.fill(kArgmaxPoison);
+    flags.fill(0);
+    ws.fill(0xFF);
+  }
+  CeOut download(bool in_place) const {
+    return {loss.download(), lse.download(), zl.download(),
+            in_place ? z.download() : grad.download(), argmax.download(), acc.download(),
+            flags.download()};
+  }
+};
+
+CeDev ce_alloc(const CeCase& c, const CeData& d, cudaStream_t s) {
+  CeDev b;
+  const size_t N = static_cast<size_t>(c.N), V = static_cast<size_t>(c.V);
+  b.z = Dev(encode(c.dtype, d.z), s);
+  b.y = Dev(encode_targets(c.tdtype, d.y), s);
+  if (c.weights) b.w = Dev(encode(FCE_FLOAT32, d.w), s);
+  b.g = Dev(encode(FCE_FLOAT32, d.g), s);
+  const bool none = c.reduction == FCE_REDUCTION_NONE;
+  b.loss = Dev((none ? N : 1) * 4, s);
+  b.lse = Dev(N * 4, s);
+  b.zl = Dev(4, s);
+  if (c.grad && !c.in_place) b.grad = Dev(N * V * dtype_size(c.dtype), s);
+  b.argmax = Dev(N * 8, s);
+  b.acc = Dev((none ? N : 1) * 4, s);
+  b.flags = Dev(4, s);
+  return b;
+}
+
+// The unsharded reference: fce_forward (one pass, with the gradient when asked).
+::testing::AssertionResult ce_reference(const CeCase& c, const CeData& d, CeOut* out) {
+  cudaStream_t s = stream0();
+  CeCase rc = c;
+  rc.in_place = false;
+  CeDev b = ce_alloc(rc, d, s);
+  fce_options o = ce_options(c);
+  o.class_weights = c.weights ? b.w.p<float>() : nullptr;
+  if (c.argmax) {
+    o.argmax = b.argmax.p<int64_t>();
+    o.accuracy = b.acc.p<float>();
+  }
+  size_t wsb = 0;
+  fce_status st = fce_forward_workspace_size(&o, c.N, c.V, &wsb);
+  if (st != FCE_SUCCESS) return ok(st, "fce_forward_workspace_size");
+  b.ws = Dev(wsb, s);
+  b.poison();
+  st = fce_forward(&o, c.N, c.V, b.z.ptr(), b.y.ptr(), b.loss.p<float>(), b.lse.p<float>(),
+                   b.zl.p<float>(), c.grad ? b.grad.ptr() : nullptr, b.g.p<float>(),
+                   b.flags.p<uint32_t>(), b.ws.ptr(), wsb, s);
+  if (st != FCE_SUCCESS) return ok(st, "fce_forward (reference)");
+  auto f = finish();
+  if (!f) return f;
+  *out = b.download(false);
+  return ::testing::AssertionSuccess();
+}
+
+// fce_nccl_cross_entropy on the one-rank communicator; `graph`: after the eager call, capture
+// the call in a CUDA graph, poison the outputs, replay twice and require the eager bits.
+::testing::AssertionResult ce_nccl(const CeCase& c, const CeData& d, CeOut* out, bool graph) {
+  cudaStream_t s = stream0();
+  ncclComm_t comm = comm1();
+  CeDev b = ce_alloc(c, d, s);
+  fce_options o = ce_options(c);
+  o.class_weights = c.weights ? b.w.p<float>() : nullptr;
+  if (c.argmax) {
+    o.argmax = b.argmax.p<int64_t>();
+    o.accuracy = b.acc.p<float>();
+  }
+  size_t wsb = 0;
+  fce_status st = fce_nccl_cross_entropy_workspace_size(&o, comm, c.N, c.V, c.V, c.grad, &wsb);
+  if (st != FCE_SUCCESS) return ok(st, "fce_nccl_cross_entropy_workspace_size");
+  b.ws = Dev(wsb, s);
+  b.poison();
+  void* grad = c.grad ? (c.in_place ? b.z.ptr() : b.grad.ptr()) : nullptr;
+  auto call = [&] {
+    return fce_nccl_cross_entropy(&o, comm, c.N, c.V, 0, c.V, b.z.ptr(), b.y.ptr(),
+                                  b.loss.p<float>(), b.lse.p<float>(), b.zl.p<float>(), grad,
+                                  b.g.p<float>(), b.flags.p<uint32_t>(), b.ws.ptr(), wsb, s);
+  };
+  st = call();
+  if (st != FCE_SUCCESS) return ok(st, "fce_nccl_cross_entropy");
+  if (fce_nccl_last_error()[0] != '\0')
+    return ::testing::AssertionFailure() << "a successful call left the message \""
+                                         << fce_nccl_last_error() << "\"";
+  auto f = finish();
+  if (!f) return f;
+  *out = b.download(c.in_place);
+  if (!graph) return ::testing::AssertionSuccess();
+  if (c.in_place) return ::testing::AssertionFailure() << "graph: not with in place";
+  cudaGraph_t g = nullptr;
+  cudaGraphExec_t ge = nullptr;
+  FCE_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  st = call();
+  const cudaError_t ce = cudaStreamEndCapture(s, &g);
+  if (st != FCE_SUCCESS) return ok(st, "fce_nccl_cross_entropy (during capture)");
+  if (ce != cudaSuccess)
+    return ::testing::AssertionFailure() << "capture invalidated: " << cudaGetErrorString(ce);
+  FCE_CUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
+  for (int replay = 0; replay < 2; ++replay) {
+    b.poison();
+    FCE_CUDA_CHECK(cudaGraphLaunch(ge, s));
+    f = finish();
+    if (!f) return f;
+    const CeOut r = b.download(false);
+    const std::pair<const std::vector<uint8_t>*, const std::vector<uint8_t>*> pairs[] = {
+        {&r.loss, &out->loss}, {&r.lse, &out->lse},       {&r.z_loss, &out->z_loss},
+        {&r.grad, &out->grad}, {&r.argmax, &out->argmax}, {&r.accuracy, &out->accuracy},
+        {&r.flags, &out->flags}};
+    for (const auto& p : pairs)
+      if (*p.first != *p.second)
+        return ::testing::AssertionFailure()
+               << "graph replay " << replay << " differs from the eager call";
+  }
+  cudaGraphExecDestroy(ge);
+  cudaGraphDestroy(g);
+  return ::testing::AssertionSuccess();
+}
+
+void expect_ce_equal(const CeCase& c, const CeOut& got, const CeOut& ref) {
+  const std::string l = label(c);
+  EXPECT_TRUE(close_normwise(decode(FCE_FLOAT32, got.loss), decode(FCE_FLOAT32, ref.loss),
+                             kTolF32, l + " loss"));
+  EXPECT_TRUE(close_normwise(decode(FCE_FLOAT32, got.lse), decode(FCE_FLOAT32, ref.lse), kTolF32,
+                             l + " lse"));
+  EXPECT_TRUE(close_normwise(decode(FCE_FLOAT32, got.z_loss), decode(FCE_FLOAT32, ref.z_loss),
+                             kTolF32, l + " z_loss"));
+  if (c.grad) {
+    EXPECT_TRUE(close_normwise(decode(c.dtype, got.grad), decode(c.dtype, ref.grad),
+                               grad_tol(c.dtype), l + " grad_logits"));
+  }
+  if (c.argmax) {
+    EXPECT_EQ(got.argmax, ref.argmax) << l << " argmax";
+    EXPECT_TRUE(close_normwise(decode(FCE_FLOAT32, got.accuracy),
+                               decode(FCE_FLOAT32, ref.accuracy), 1e-6, l + " accuracy"));
+  }
+  EXPECT_EQ(got.flags, ref.flags) << l << " error_flags";
+}
+
+std::vector<CeCase> ce_cases() {
+  std::vector<CeCase> v;
+  for (int dt : {FCE_FLOAT32, FCE_BFLOAT16}) {
+    CeCase c;
+    c.dtype = dt;
+    c.name = "plain";
+    c.seed = 11 + dt;
+    v.push_back(c);
+    c.name = "smoothing+zloss+ignored+argmax";
+    c.eps = 0.1f;
+    c.lambda = 1e-3f;
+    c.ignore = 0.2;
+    c.argmax = true;
+    c.seed = 21 + dt;
+    v.push_back(c);
+    c = CeCase();
+    c.dtype = dt;
+    c.name = "none+per-row upstream+ignored+smoothing+zloss";
+    c.reduction = FCE_REDUCTION_NONE;
+    c.ignore = 0.25;
+    c.eps = 0.05f;
+    c.lambda = 1e-4f;
+    c.argmax = true;
+    c.seed = 31 + dt;
+    v.push_back(c);
+    c = CeCase();
+    c.dtype = dt;
+    c.name = "sum+class weights+softcap+scale+int32 targets";
+    c.reduction = FCE_REDUCTION_SUM;
+    c.weights = true;
+    c.softcap = 15.0f;
+    c.scale = 0.75f;
+    c.tdtype = FCE_INT32;
+    c.eps = 0.1f;
+    c.ignore = 0.1;
+    c.seed = 41 + dt;
+    v.push_back(c);
+    c = CeCase();
+    c.dtype = dt;
+    c.name = "in place";
+    c.in_place = true;
+    c.lambda = 1e-4f;
+    c.seed = 51 + dt;
+    v.push_back(c);
+    c = CeCase();
+    c.dtype = dt;
+    c.name = "loss only";
+    c.grad = false;
+    c.ignore = 0.3;
+    c.argmax = true;
+    c.seed = 61 + dt;
+    v.push_back(c);
+  }
+  return v;
+}
+
+// ------------------------------------------------------------------ linear + CE -------------
+struct LinCase {
+  std::string name;
+  int dtype = FCE_FLOAT32;
+  int reduction = FCE_REDUCTION_MEAN;
+  float eps = 0, lambda = 0;
+  double ignore = 0;
+  bool bias = true;
+  bool gh = true, gw = true, gb = true;
+  bool gw_fp32 = false, accumulate = false;
+  bool argmax = false;
+  bool min_ws = false;  // the minimum workspace (a slower plan) for fce_nccl_linear_ce
+  int64_t N = 48, D = 64, V = 517;
+  uint64_t seed = 1;
+};
+
+std::string label(const LinCase& c) {
+  std::ostringstream s;
+  s << c.name << " [" << dtype_name(c.dtype) << " " << reduction_name(c.reduction) << " N=" << c.N
+    << " D=" << c.D << " V=" << c.V << " grads=" << c.gh << c.gw << c.gb
+    << (c.min_ws ? " min workspace" : "") << "]";
+  return s.str();
+}
+
+struct LinData {
+  std::vector<double> h, W, b, g, gw0, gb0;
+  std::vector<int64_t> y;
+};
+
+LinData lin_data(const LinCase& c) {
+  std::mt19937_64 rng(c.seed);
+  LinData d;
+  const size_t N = static_cast<size_t>(c.N), D = static_cast<size_t>(c.D),
+               V = static_cast<size_t>(c.V);
+  d.h = random_normal(rng, c.dtype, N * D, 1.0);
+  d.W = random_normal(rng, c.dtype, V * D, 0.3);
+  d.b = random_normal(rng, c.dtype, V, 0.5);
+  d.y = random_targets(rng, c.N, c.V, c.ignore, -100);
+  d.g = random_uniform(rng, c.reduction == FCE_REDUCTION_NONE ? N : 1, 0.5, 1.5);
+  const int gwd = c.gw_fp32 ? FCE_FLOAT32 : c.dtype;
+  d.gw0 = random_normal(rng, gwd, V * D, 0.01);
+  d.gb0 = random_normal(rng, gwd, V, 0.01);
+  return d;
+}
+
+fce_options lin_options(const LinCase& c) {
+  fce_options o = FCE_OPTIONS_INIT;
+  o.backend = FCE_BACKEND_CUDA;
+  o.dtype = c.dtype;
+  o.reduction = c.reduction;
+  o.label_smoothing = c.eps;
+  o.z_loss_scale = c.lambda;
+  o.grad_weight_fp32 = c.gw_fp32;
+  o.accumulate = c.accumulate;
+  return o;
+}
+
+struct LinOut {
+  std::vector<uint8_t> loss, lse, z_loss, gh, gw, gb, argmax, accuracy, flags;
+};
+
+struct LinDev {
+  Dev h, W, b, y, g;
+  Dev loss, lse, zl, gh, gw, gb, argmax, acc, flags, ws;
+  std::vector<uint8_t> gw0, gb0;
+  void poison() {
+    for (Dev* d : {&loss, &lse, &zl, &gh, &acc}) d->fill(kPoisonByte);
+    argmax.fill(kArgmaxPoison);
+    flags.fill(0);
+    ws.fill(0xFF);
+    // grad_weight / grad_bias: what accumulate adds to (poison when overwritten)
+    if (!gw0.empty()) gw.upload(gw0); else gw.fill(kPoisonByte);
+    if (!gb0.empty()) gb.upload(gb0); else gb.fill(kPoisonByte);
+  }
+  LinOut download() const {
+    return {loss.download(), lse.download(), zl.download(),     gh.download(),  gw.download(),
+            gb.download(),   argmax.download(), acc.download(), flags.download()};
+  }
+};
+
+LinDev lin_alloc(const LinCase& c, const LinData& d, cudaStream_t s) {
+  LinDev b;
+  const size_t N = static_cast<size_t>(c.N), D = static_cast<size_t>(c.D),
+               V = static_cast<size_t>(c.V);
+  const int gwd = c.gw_fp32 ? FCE_FLOAT32 : c.dtype;
+  b.h = Dev(encode(c.dtype, d.h), s);
+  b.W = Dev(encode(c.dtype, d.W), s);
+  if (c.bias) b.b = Dev(encode(c.dtype, d.b), s);
+  b.y = Dev(encode_targets(FCE_INT64, d.y), s);
+  b.g = Dev(encode(FCE_FLOAT32, d.g), s);
+  const bool none = c.reduction == FCE_REDUCTION_NONE;
+  b.loss = Dev((none ? N : 1) * 4, s);
+  b.lse = Dev(N * 4, s);
+  b.zl = Dev(4, s);
+  if (c.gh) b.gh = Dev(N * D * dtype_size(c.dtype), s);
+  if (c.gw) b.gw = Dev(V * D * dtype_size(gwd), s);
+  if (c.gb && c.bias) b.gb = Dev(V * dtype_size(gwd), s);
+  if (c.accumulate) {
+    b.gw0 = encode(gwd, d.gw0);
+    b.gb0 = encode(gwd, d.gb0);
+  }
+  b.argmax = Dev(N * 8, s);
+  b.acc = Dev((none ? N : 1) * 4, s);
+  b.flags = Dev(4, s);
+  return b;
+}
+
+bool lin_with_grad(const LinCase& c) { return c.gh || c.gw || (c.gb && c.bias); }
+
+::testing::AssertionResult lin_reference(const LinCase& c, const LinData& d, LinOut* out) {
+  cudaStream_t s = stream0();
+  LinDev b = lin_alloc(c, d, s);
+  fce_options o = lin_options(c);
+  if (c.argmax) {
+    o.argmax = b.argmax.p<int64_t>();
+    o.accuracy = b.acc.p<float>();
+  }
+  size_t mn = 0, opt = 0;
+  fce_status st = fce_linear_ce_workspace_size(&o, c.N, c.D, c.V, lin_with_grad(c), &mn, &opt);
+  if (st != FCE_SUCCESS) return ok(st, "fce_linear_ce_workspace_size");
+  b.ws = Dev(opt, s);
+  b.poison();
+  st = fce_linear_ce(&o, c.N, c.D, c.V, b.h.ptr(), b.W.ptr(), b.b.ptr(), b.y.ptr(),
+                     b.loss.p<float>(), b.lse.p<float>(), b.zl.p<float>(), b.gh.ptr(), b.gw.ptr(),
+                     b.gb.ptr(), b.g.p<float>(), b.flags.p<uint32_t>(), b.ws.ptr(), opt, s);
+  if (st != FCE_SUCCESS) return ok(st, "fce_linear_ce (reference)");
+  auto f = finish();
+  if (!f) return f;
+  *out = b.download();
+  return ::testing::AssertionSuccess();
+}
+
+::testing::AssertionResult lin_nccl(const LinCase& c, const LinData& d, LinOut* out, bool graph) {
+  cudaStream_t s = stream0();
+  ncclComm_t comm = comm1();
+  LinDev b = lin_alloc(c, d, s);
+  fce_options o = lin_options(c);
+  if (c.argmax) {
+    o.argmax = b.argmax.p<int64_t>();
+    o.accuracy = b.acc.p<float>();
+  }
+  size_t mn = 0, opt = 0;
+  fce_status st = fce_nccl_linear_ce_workspace_size(&o, comm, c.N, c.D, c.V, c.V,
+                                                     lin_with_grad(c), &mn, &opt);
+  if (st != FCE_SUCCESS) return ok(st, "fce_nccl_linear_ce_workspace_size");
+  if (mn > opt)
+    return ::testing::AssertionFailure() << "min_bytes " << mn << " > optimal_bytes " << opt;
+  const size_t wsb = c.min_ws ? mn : opt;
+  b.ws = Dev(wsb, s);
+  b.poison();
+  auto call = [&] {
+    return fce_nccl_linear_ce(&o, comm, c.N, c.D, c.V, 0, c.V, b.h.ptr(), b.W.ptr(), b.b.ptr(),
+                              b.y.ptr(), b.loss.p<float>(), b.lse.p<float>(), b.zl.p<float>(),
+                              b.gh.ptr(), b.gw.ptr(), b.gb.ptr(), b.g.p<float>(),
+                              b.flags.p<uint32_t>(), b.ws.ptr(), wsb, s);
+  };
+  st = call();
+  if (st != FCE_SUCCESS) return ok(st, "fce_nccl_linear_ce");
+  auto f = finish();
+  if (!f) return f;
+  *out = b.download();
+  if (!graph) return ::testing::AssertionSuccess();
+  cudaGraph_t g = nullptr;
+  cudaGraphExec_t ge = nullptr;
+  FCE_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  st = call();
+  const cudaError_t ce = cudaStreamEndCapture(s, &g);
+  if (st != FCE_SUCCESS) return ok(st, "fce_nccl_linear_ce (during capture)");
+  if (ce != cudaSuccess)
+    return ::testing::AssertionFailure() << "capture invalidated: " << cudaGetErrorString(ce);
+  FCE_CUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
+  for (int replay = 0; replay < 2; ++replay) {
+    b.poison();
+    FCE_CUDA_CHECK(cudaGraphLaunch(ge, s));
+    f = finish();
+    if (!f) return f;
+    const LinOut r = b.download();
+    const std::pair<const std::vector<uint8_t>*, const std::vector<uint8_t>*> pairs[] = {
+        {&r.loss, &out->loss}, {&r.lse, &out->lse}, {&r.z_loss, &out->z_loss},
+        {&r.gh, &out->gh},     {&r.gw, &out->gw},   {&r.gb, &out->gb},
+        {&r.argmax, &out->argmax}, {&r.accuracy, &out->accuracy}, {&r.flags, &out->flags}};
+    for (const auto& p : pairs)
+      if (*p.first != *p.second)
+        return ::testing::AssertionFailure()
+               << "graph replay " << replay << " differs from the eager call";
+  }
+  cudaGraphExecDestroy(ge);
+  cudaGraphDestroy(g);
+  return ::testing::AssertionSuccess();
+}
+
+// test_linear_ce.cpp's bound: float32 1e-5; 16-bit: u·(4 + 2·max|z|). The two calls make the
+// 16-bit logits with GEMMs of different shapes (token chunks against vocabulary slices), so
+// cuBLASLt may pick different algorithms and round a logit differently: every output, the
+// float32 ones (loss, lse, a float32 grad_weight) too, moves by the logits' rounding.
+double lin_tolerance(const LinCase& c, const LinData& d) {
+  if (c.dtype == FCE_FLOAT32) return kTolF32;
+  double zmax = 0;
+  const size_t D = static_cast<size_t>(c.D);
+  for (size_t r = 0; r < static_cast<size_t>(c.N); ++r)
+    for (size_t v = 0; v < static_cast<size_t>(c.V); ++v) {
+      double z = c.bias ? d.b[v] : 0.0;
+      for (size_t k = 0; k < D; ++k) z += d.h[r * D + k] * d.W[v * D + k];
+      zmax = std::max(zmax, std::fabs(z));
+    }
+  return unit_roundoff(c.dtype) * (4.0 + 2.0 * zmax);
+}
+
+void expect_lin_equal(const LinCase& c, const LinData& d, const LinOut& got, const LinOut& ref) {
+  const std::string l = label(c);
+  const int gwd = c.gw_fp32 ? FCE_FLOAT32 : c.dtype;
+  const double tol = lin_tolerance(c, d);
+  EXPECT_TRUE(close_normwise(decode(FCE_FLOAT32, got.loss), decode(FCE_FLOAT32, ref.loss),
+                             tol, l + " loss"));
+  EXPECT_TRUE(close_normwise(decode(FCE_FLOAT32, got.lse), decode(FCE_FLOAT32, ref.lse), tol,
+                             l + " lse"));
+  EXPECT_TRUE(close_normwise(decode(FCE_FLOAT32, got.z_loss), decode(FCE_FLOAT32, ref.z_loss),
+                             tol, l + " z_loss"));
+  if (c.gh) {
+    EXPECT_TRUE(close_normwise(decode(c.dtype, got.gh), decode(c.dtype, ref.gh), tol,
+                               l + " grad_hidden"));
+  }
+  if (c.gw) {
+    EXPECT_TRUE(close_normwise(decode(gwd, got.gw), decode(gwd, ref.gw), tol,
+                               l + " grad_weight"));
+  }
+  if (c.gb && c.bias) {
+    EXPECT_TRUE(close_normwise(decode(gwd, got.gb), decode(gwd, ref.gb), tol,
+                               l + " grad_bias"));
+  }
+  if (c.argmax) {
+    EXPECT_EQ(got.argmax, ref.argmax) << l << " argmax";
+    EXPECT_TRUE(close_normwise(decode(FCE_FLOAT32, got.accuracy),
+                               decode(FCE_FLOAT32, ref.accuracy), 1e-6, l + " accuracy"));
+  }
+  EXPECT_EQ(got.flags, ref.flags) << l << " error_flags";
+}
+
+std::vector<LinCase> lin_cases() {
+  std::vector<LinCase> v;
+  for (int dt : {FCE_FLOAT32, FCE_BFLOAT16}) {
+    LinCase c;
+    c.dtype = dt;
+    c.name = "plain";
+    c.seed = 101 + dt;
+    v.push_back(c);
+    c.name = "smoothing+zloss+ignored+argmax";
+    c.eps = 0.1f;
+    c.lambda = 1e-3f;
+    c.ignore = 0.2;
+    c.argmax = true;
+    c.seed = 111 + dt;
+    v.push_back(c);
+    c.name = "smoothing+zloss+ignored, minimum workspace";
+    c.argmax = false;
+    c.min_ws = true;
+    c.seed = 121 + dt;
+    v.push_back(c);
+    c = LinCase();
+    c.dtype = dt;
+    c.name = "none+per-row upstream, no bias, grad_hidden only";
+    c.reduction = FCE_REDUCTION_NONE;
+    c.bias = false;
+    c.gw = c.gb = false;
+    c.ignore = 0.25;
+    c.lambda = 1e-4f;
+    c.seed = 131 + dt;
+    v.push_back(c);
+    c = LinCase();
+    c.dtype = dt;
+    c.name = "sum, accumulate, grad_weight_fp32, no grad_hidden";
+    c.reduction = FCE_REDUCTION_SUM;
+    c.gh = false;
+    c.accumulate = true;
+    c.gw_fp32 = dt != FCE_FLOAT32;
+    c.seed = 141 + dt;
+    v.push_back(c);
+    c = LinCase();
+    c.dtype = dt;
+    c.name = "loss only";
+    c.gh = c.gw = c.gb = false;
+    c.argmax = true;
+    c.seed = 151 + dt;
+    v.push_back(c);
+  }
+  return v;
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------ tests -------------------
+TEST(Nccl, VersionAndBuildInfo) {
+  EXPECT_EQ(fce_nccl_version(), fce_version());
+  EXPECT_EQ(fce_nccl_version(), static_cast<unsigned>(FCE_VERSION_NUMBER));
+  const std::string info = fce_nccl_build_info();
+  std::printf("%s\n", info.c_str());
+  EXPECT_NE(info.find("fusedce_nccl"), std::string::npos) << info;
+  EXPECT_NE(info.find("NCCL"), std::string::npos) << info;
+}
+
+// The checks that need no device: run everywhere.
+TEST(Nccl, BadArgumentsWithoutDevice) {
+  fce_options o = FCE_OPTIONS_INIT;
+  size_t ws = 12345, mn = 12345;
+  float loss = -1.0f;
+  const ncclComm_t no_comm = nullptr;
+  // NULL communicator
+  EXPECT_EQ(fce_nccl_cross_entropy_workspace_size(&o, no_comm, 4, 8, 8, 1, &ws),
+            FCE_ERROR_NULL_POINTER);
+  EXPECT_NE(std::string(fce_nccl_last_error()).find("fce_nccl_cross_entropy_workspace_size: comm"),
+            std::string::npos)
+      << fce_nccl_last_error();
+  EXPECT_EQ(ws, 12345u);
+  EXPECT_EQ(fce_nccl_cross_entropy(&o, no_comm, 4, 8, 0, 8, &loss, &loss, &loss, nullptr, nullptr,
+                                   nullptr, nullptr, nullptr, nullptr, 0, nullptr),
+            FCE_ERROR_NULL_POINTER);
+  EXPECT_NE(std::string(fce_nccl_last_error()).find("fce_nccl_cross_entropy: comm is NULL"),
+            std::string::npos)
+      << fce_nccl_last_error();
+  EXPECT_EQ(fce_nccl_linear_ce(&o, no_comm, 4, 8, 16, 0, 16, &loss, &loss, nullptr, &loss, &loss,
+                               nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
+                               nullptr, 0, nullptr),
+            FCE_ERROR_NULL_POINTER);
+  EXPECT_NE(std::string(fce_nccl_last_error()).find("fce_nccl_linear_ce: comm is NULL"),
+            std::string::npos)
+      << fce_nccl_last_error();
+  EXPECT_EQ(loss, -1.0f);
+  // the CPU backend: refused before the communicator is looked at
+  o.backend = FCE_BACKEND_CPU;
+  EXPECT_EQ(fce_nccl_linear_ce_workspace_size(&o, no_comm, 4, 8, 16, 16, 1, &mn, nullptr),
+            FCE_ERROR_UNSUPPORTED);
+  EXPECT_NE(std::string(fce_nccl_last_error()).find("fce_nccl_linear_ce_workspace_size: "
+                                                    "options->backend"),
+            std::string::npos)
+      << fce_nccl_last_error();
+  EXPECT_EQ(fce_nccl_linear_ce(&o, no_comm, 4, 8, 16, 0, 16, &loss, &loss, nullptr, &loss, &loss,
+                               nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
+                               nullptr, 0, nullptr),
+            FCE_ERROR_UNSUPPORTED);
+  EXPECT_NE(std::string(fce_nccl_last_error()).find("fce_nccl_linear_ce: options->backend"),
+            std::string::npos)
+      << fce_nccl_last_error();
+  EXPECT_EQ(fce_nccl_cross_entropy(&o, no_comm, 4, 8, 0, 8, &loss, &loss, &loss, nullptr,
+                                   nullptr, nullptr, nullptr, nullptr, nullptr, 0, nullptr),
+            FCE_ERROR_UNSUPPORTED);
+  EXPECT_NE(std::string(fce_nccl_last_error()).find("fce_nccl_cross_entropy: options->backend"),
+            std::string::npos)
+      << fce_nccl_last_error();
+  // a backend that does not exist
+  o.backend = 7;
+  EXPECT_EQ(fce_nccl_cross_entropy_workspace_size(&o, no_comm, 4, 8, 8, 1, &ws),
+            FCE_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(fce_nccl_last_error()).find("options->backend (7)"), std::string::npos)
+      << fce_nccl_last_error();
+  // NULL options, NULL outputs of the queries, a bad struct_size
+  EXPECT_EQ(fce_nccl_cross_entropy_workspace_size(nullptr, no_comm, 4, 8, 8, 1, &ws),
+            FCE_ERROR_NULL_POINTER);
+  EXPECT_NE(std::string(fce_nccl_last_error()).find("options is NULL"), std::string::npos)
+      << fce_nccl_last_error();
+  o = FCE_OPTIONS_INIT;
+  EXPECT_EQ(fce_nccl_cross_entropy_workspace_size(&o, no_comm, 4, 8, 8, 1, nullptr),
+            FCE_ERROR_NULL_POINTER);
+  EXPECT_NE(std::string(fce_nccl_last_error()).find("workspace_bytes is NULL"),
+            std::string::npos)
+      << fce_nccl_last_error();
+  EXPECT_EQ(fce_nccl_linear_ce_workspace_size(&o, no_comm, 4, 8, 16, 16, 1, nullptr, nullptr),
+            FCE_ERROR_NULL_POINTER);
+  EXPECT_NE(std::string(fce_nccl_last_error()).find("min_bytes is NULL"), std::string::npos)
+      << fce_nccl_last_error();
+  o.struct_size = 3;
+  EXPECT_EQ(fce_nccl_cross_entropy_workspace_size(&o, no_comm, 4, 8, 8, 1, &ws),
+            FCE_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(fce_nccl_last_error()).find("options->struct_size"), std::string::npos)
+      << fce_nccl_last_error();
+  EXPECT_EQ(ws, 12345u);
+  EXPECT_EQ(mn, 12345u);
+}
+
+// The checks on a real communicator: sizes, pointers, workspace, the core's own checks (the
+// message prefixed), and nothing written by a failing call.
+TEST(Nccl, BadArgumentsOnDevice) {
+  REQUIRE_GPU();
+  cudaStream_t s = stream0();
+  ncclComm_t comm = comm1();
+  const int64_t N = 8, V = 40, D = 16;
+  fce_options o = FCE_OPTIONS_INIT;
+  std::mt19937_64 rng(5);
+  Dev z(encode(FCE_FLOAT32, random_logits(rng, FCE_FLOAT32, N, V)), s);
+  Dev y(encode_targets(FCE_INT64, random_targets(rng, N, V)), s);
+  Dev h(encode(FCE_FLOAT32, random_normal(rng, FCE_FLOAT32, N * D, 1.0)), s);
+  Dev W(encode(FCE_FLOAT32, random_normal(rng, FCE_FLOAT32, V * D, 0.3)), s);
+  Dev loss(4 * N, s), grad(4 * N * V, s);
+  size_t wsb = 0;
+  ASSERT_TRUE(ok(fce_nccl_cross_entropy_workspace_size(&o, comm, N, V, V, 1, &wsb), "query"));
+  EXPECT_STREQ(fce_nccl_last_error(), "");
+  Dev ws(wsb + 256, s);
+  loss.fill(kPoisonByte);
+  grad.fill(kPoisonByte);
+  const std::vector<uint8_t> loss0 = loss.download(), grad0 = grad.download();
+  auto ce = [&](float* l, void* g, void* w, size_t b, int64_t vs = 0, int64_t vl = 40) {
+    return fce_nccl_cross_entropy(&o, comm, N, V, vs, vl, z.ptr(), y.ptr(), l, nullptr, nullptr,
+                                  g, nullptr, nullptr, w, b, s);
+  };
+  auto mentions = [](const char* a, const char* b) {
+    const std::string m = fce_nccl_last_error();
+    return m.find(a) != std::string::npos && m.find(b) != std::string::npos;
+  };
+  EXPECT_EQ(ce(loss.p<float>(), grad.ptr(), ws.ptr(), wsb - 1), FCE_ERROR_WORKSPACE_TOO_SMALL);
+  EXPECT_TRUE(mentions("fce_nccl_cross_entropy: ", "workspace_bytes")) << fce_nccl_last_error();
+  EXPECT_EQ(ce(loss.p<float>(), grad.ptr(), nullptr, wsb), FCE_ERROR_NULL_POINTER);
+  EXPECT_TRUE(mentions("fce_nccl_cross_entropy: ", "workspace is NULL")) << fce_nccl_last_error();
+  EXPECT_EQ(ce(loss.p<float>(), grad.ptr(), ws.p<char>() + 8, wsb), FCE_ERROR_MISALIGNED);
+  EXPECT_TRUE(mentions("fce_nccl_cross_entropy: ", "workspace")) << fce_nccl_last_error();
+  EXPECT_EQ(ce(nullptr, grad.ptr(), ws.ptr(), wsb), FCE_ERROR_NULL_POINTER);
+  EXPECT_TRUE(mentions("fce_nccl_cross_entropy: ", "loss is NULL")) << fce_nccl_last_error();
+  EXPECT_EQ(ce(loss.p<float>(), grad.ptr(), ws.ptr(), wsb, 1, V), FCE_ERROR_INVALID_ARGUMENT);
+  EXPECT_TRUE(mentions("fce_nccl_cross_entropy: ", "vocab_start")) << fce_nccl_last_error();
+  EXPECT_EQ(ce(loss.p<float>(), grad.ptr(), ws.ptr(), wsb, 0, V + 1), FCE_ERROR_INVALID_ARGUMENT);
+  EXPECT_TRUE(mentions("fce_nccl_cross_entropy: ", "vocab_local")) << fce_nccl_last_error();
+  EXPECT_EQ(ce(loss.p<float>(), ws.ptr(), ws.ptr(), wsb), FCE_ERROR_INVALID_ARGUMENT);
+  EXPECT_TRUE(mentions("fce_nccl_cross_entropy: ", "overlaps")) << fce_nccl_last_error();
+  EXPECT_EQ(ce(loss.p<float>(), grad.p<char>() + 2, ws.ptr(), wsb), FCE_ERROR_MISALIGNED);
+  EXPECT_TRUE(mentions("fce_nccl_cross_entropy: ", "grad_logits")) << fce_nccl_last_error();
+  // an option only libfusedce checks: its message, prefixed
+  o.label_smoothing = 2.0f;
+  EXPECT_EQ(ce(loss.p<float>(), grad.ptr(), ws.ptr(), wsb), FCE_ERROR_INVALID_ARGUMENT);
+  EXPECT_TRUE(mentions("fce_nccl_cross_entropy: fce_vp_", "label_smoothing"))
+      << fce_nccl_last_error();
+  o.label_smoothing = 0.0f;
+  ASSERT_TRUE(finish());
+  EXPECT_EQ(loss.download(), loss0) << "a failing call wrote loss";
+  EXPECT_EQ(grad.download(), grad0) << "a failing call wrote grad_logits";
+  // linear
+  size_t mn = 0;
+  ASSERT_TRUE(ok(fce_nccl_linear_ce_workspace_size(&o, comm, N, D, V, V, 1, &mn, nullptr), "q"));
+  Dev lws(mn, s), gh(4 * N * D, s);
+  auto lin = [&](const void* bias, void* gb, void* w, size_t b) {
+    return fce_nccl_linear_ce(&o, comm, N, D, V, 0, V, h.ptr(), W.ptr(), bias, y.ptr(),
+                              loss.p<float>(), nullptr, nullptr, gh.ptr(), nullptr, gb, nullptr,
+                              nullptr, w, b, s);
+  };
+  EXPECT_EQ(lin(nullptr, nullptr, lws.ptr(), mn - 1), FCE_ERROR_WORKSPACE_TOO_SMALL);
+  EXPECT_TRUE(mentions("fce_nccl_linear_ce: ", "workspace_bytes")) << fce_nccl_last_error();
+  EXPECT_EQ(lin(nullptr, grad.ptr(), lws.ptr(), mn), FCE_ERROR_INVALID_ARGUMENT);
+  EXPECT_TRUE(mentions("fce_nccl_linear_ce: ", "bias is NULL")) << fce_nccl_last_error();
+  EXPECT_EQ(fce_nccl_linear_ce(&o, comm, N, D, V, 0, V, nullptr, W.ptr(), nullptr, y.ptr(),
+                               loss.p<float>(), nullptr, nullptr, nullptr, nullptr, nullptr,
+                               nullptr, nullptr, lws.ptr(), mn, s),
+            FCE_ERROR_NULL_POINTER);
+  EXPECT_TRUE(mentions("fce_nccl_linear_ce: ", "hidden_states is NULL")) << fce_nccl_last_error();
+  ASSERT_TRUE(finish());
+  EXPECT_EQ(loss.download(), loss0) << "a failing call wrote loss";
+  // and a good call clears the message
+  ASSERT_TRUE(ok(lin(nullptr, nullptr, lws.ptr(), mn), "fce_nccl_linear_ce"));
+  EXPECT_STREQ(fce_nccl_last_error(), "");
+  ASSERT_TRUE(finish());
+}
+
+TEST(Nccl, CrossEntropyMatchesUnsharded) {
+  REQUIRE_GPU();
+  for (const CeCase& c : ce_cases()) {
+    SCOPED_TRACE(label(c));
+    const CeData d = ce_data(c);
+    CeOut ref, got;
+    ASSERT_TRUE(ce_reference(c, d, &ref));
+    ASSERT_TRUE(ce_nccl(c, d, &got, false));
+    expect_ce_equal(c, got, ref);
+  }
+}
+
+TEST(Nccl, LinearCeMatchesUnsharded) {
+  REQUIRE_GPU();
+  for (const LinCase& c : lin_cases()) {
+    SCOPED_TRACE(label(c));
+    const LinData d = lin_data(c);
+    LinOut ref, got;
+    ASSERT_TRUE(lin_reference(c, d, &ref));
+    ASSERT_TRUE(lin_nccl(c, d, &got, false));
+    expect_lin_equal(c, d, got, ref);
+  }
+}
+
+// Both calls captured in CUDA graphs after an eager call; two replays give the eager bits.
+TEST(Nccl, GraphCaptureReplays) {
+  REQUIRE_GPU();
+  for (int dt : {FCE_FLOAT32, FCE_BFLOAT16}) {
+    CeCase c;
+    c.name = "graph";
+    c.dtype = dt;
+    c.eps = 0.1f;
+    c.lambda = 1e-4f;
+    c.ignore = 0.1;
+    c.argmax = true;
+    c.seed = 201 + dt;
+    SCOPED_TRACE(label(c));
+    const CeData d = ce_data(c);
+    CeOut ref, got;
+    ASSERT_TRUE(ce_reference(c, d, &ref));
+    ASSERT_TRUE(ce_nccl(c, d, &got, true));
+    expect_ce_equal(c, got, ref);
+
+    LinCase l;
+    l.name = "graph";
+    l.dtype = dt;
+    l.eps = 0.1f;
+    l.lambda = 1e-4f;
+    l.ignore = 0.1;
+    l.argmax = true;
+    l.seed = 211 + dt;
+    SCOPED_TRACE(label(l));
+    const LinData ld = lin_data(l);
+    LinOut lref, lgot;
+    ASSERT_TRUE(lin_reference(l, ld, &lref));
+    ASSERT_TRUE(lin_nccl(l, ld, &lgot, true));
+    expect_lin_equal(l, ld, lgot, lref);
+  }
+}
+
+// ------------------------------------------------------------------ several GPUs ------------
+namespace {
+
+// What one rank computed (host copies), or why it failed.
+struct RankOut {
+  std::string error;
+  CeOut ce;
+  LinOut lin;
+};
+
+// A rank on device dev: the logits' columns [start, start + local) of the cross-entropy case,
+// the weight's rows [lstart, lstart + llocal) of the linear case.
+void run_rank(ncclComm_t comm, int dev, int64_t start, int64_t local, int64_t lstart,
+              int64_t llocal, const CeCase& c, const CeData& cd, const LinCase& l,
+              const LinData& ld, RankOut* out) {
+  if (cudaSetDevice(dev) != cudaSuccess) {
+    out->error = "cudaSetDevice";
+    return;
+  }
+  cudaStream_t s;
+  FCE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  {
+    // cross-entropy: this rank's columns, dense [N, local]
+    const size_t N = static_cast<size_t>(c.N);
+    std::vector<double> zs(N * static_cast<size_t>(local));
+    for (size_t r = 0; r < N; ++r)
+      for (int64_t j = 0; j < local; ++j)
+        zs[r * local + j] = cd.z[r * c.V + start + j];
+    CeData part = cd;
+    part.z = zs;
+    CeCase pc = c;
+    pc.V = local;  // the shard's buffers (sizes of the outputs: per row / scalar)
+    CeDev b = ce_alloc(pc, part, s);
+    if (c.weights) b.w = Dev(encode(FCE_FLOAT32, cd.w), s);  // the WHOLE vocabulary's
+    fce_options o = ce_options(c);
+    o.class_weights = c.weights ? b.w.p<float>() : nullptr;
+    o.argmax = b.argmax.p<int64_t>();
+    o.accuracy = b.acc.p<float>();
+    size_t wsb = 0;
+    fce_status st = fce_nccl_cross_entropy_workspace_size(&o, comm, c.N, c.V, local, 1, &wsb);
+    if (st == FCE_SUCCESS) {
+      b.ws = Dev(wsb, s);
+      b.poison();
+      st = fce_nccl_cross_entropy(&o, comm, c.N, c.V, start, local, b.z.ptr(), b.y.ptr(),
+                                  b.loss.p<float>(), b.lse.p<float>(), b.zl.p<float>(),
+                                  b.grad.ptr(), b.g.p<float>(), b.flags.p<uint32_t>(), b.ws.ptr(),
+                                  wsb, s);
+    }
+    if (st != FCE_SUCCESS) {
+      out->error = fce_nccl_last_error();
+      return;  // (the other ranks wait in the collective: the test times out)
+    }
+    FCE_CUDA_CHECK(cudaStreamSynchronize(s));
+    out->ce = b.download(false);
+  }
+  {
+    // linear: this rank's rows of W and b
+    const int64_t D = l.D;
+    LinData part = ld;
+    part.W.assign(ld.W.begin() + lstart * D, ld.W.begin() + (lstart + llocal) * D);
+    part.b.assign(ld.b.begin() + lstart, ld.b.begin() + lstart + llocal);
+    part.gw0.assign(ld.gw0.begin() + lstart * D, ld.gw0.begin() + (lstart + llocal) * D);
+    part.gb0.assign(ld.gb0.begin() + lstart, ld.gb0.begin() + lstart + llocal);
+    LinCase pc = l;
+    pc.V = llocal;
+    LinDev b = lin_alloc(pc, part, s);
+    fce_options o = lin_options(l);
+    o.argmax = b.argmax.p<int64_t>();
+    o.accuracy = b.acc.p<float>();
+    size_t mn = 0, opt = 0;
+    fce_status st =
+        fce_nccl_linear_ce_workspace_size(&o, comm, l.N, l.D, l.V, llocal, 1, &mn, &opt);
+    if (st == FCE_SUCCESS) {
+      b.ws = Dev(opt, s);
+      b.poison();
+      st = fce_nccl_linear_ce(&o, comm, l.N, l.D, l.V, lstart, llocal, b.h.ptr(), b.W.ptr(),
+                              b.b.ptr(), b.y.ptr(), b.loss.p<float>(), b.lse.p<float>(),
+                              b.zl.p<float>(), b.gh.ptr(), b.gw.ptr(), b.gb.ptr(), b.g.p<float>(),
+                              b.flags.p<uint32_t>(), b.ws.ptr(), opt, s);
+    }
+    if (st != FCE_SUCCESS) {
+      out->error = fce_nccl_last_error();
+      return;
+    }
+    FCE_CUDA_CHECK(cudaStreamSynchronize(s));
+    out->lin = b.download();
+  }
+  FCE_CUDA_CHECK(cudaStreamDestroy(s));
+}
+
+}  // namespace
+
+TEST(Nccl, ShardedOverSeveralGpus) {
+  REQUIRE_GPU();
+  const int P = std::min(device_count(), 4);
+  if (P < 2) {
+    std::printf("SKIPPED: Nccl.ShardedOverSeveralGpus needs 2 or more CUDA devices (%d here)\n",
+                device_count());
+    GTEST_SKIP() << "one CUDA device";
+  }
+  for (int dt : {FCE_FLOAT32, FCE_BFLOAT16}) {
+    CeCase c;
+    c.name = "sharded";
+    c.dtype = dt;
+    c.eps = 0.1f;
+    c.lambda = 1e-3f;
+    c.ignore = 0.2;
+    c.weights = true;
+    c.argmax = true;
+    c.seed = 301 + dt;
+    LinCase l;
+    l.name = "sharded";
+    l.dtype = dt;
+    l.eps = 0.1f;
+    l.lambda = 1e-3f;
+    l.ignore = 0.2;
+    l.argmax = true;
+    l.seed = 311 + dt;
+    SCOPED_TRACE(label(c) + " / " + label(l) + " over " + std::to_string(P) + " GPUs");
+    const CeData cd = ce_data(c);
+    const LinData ld = lin_data(l);
+    FCE_CUDA_CHECK(cudaSetDevice(0));
+    CeOut cref;
+    LinOut lref;
+    ASSERT_TRUE(ce_reference(c, cd, &cref));
+    ASSERT_TRUE(lin_reference(l, ld, &lref));
+    // Uneven shards (the last the largest), in the reverse of the rank order.
+    auto split = [P](int64_t V, std::vector<int64_t>* start, std::vector<int64_t>* size) {
+      start->assign(P, 0);
+      size->assign(P, 0);
+      int64_t at = 0;
+      for (int k = 0; k < P; ++k) {  // shard k goes to rank P-1-k
+        const int64_t n = k + 1 < P ? V / P - 7 * (k + 1) : V - at;
+        (*start)[P - 1 - k] = at;
+        (*size)[P - 1 - k] = n;
+        at += n;
+      }
+    };
+    std::vector<int64_t> cs, cn, ls, ln;
+    split(c.V, &cs, &cn);
+    split(l.V, &ls, &ln);
+    std::vector<int> devs(P);
+    for (int r = 0; r < P; ++r) devs[r] = r;
+    std::vector<ncclComm_t> comms(P);
+    NCCL_CHECK(ncclCommInitAll(comms.data(), P, devs.data()));
+    std::vector<RankOut> outs(P);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < P; ++r)
+      threads.emplace_back(run_rank, comms[r], devs[r], cs[r], cn[r], ls[r], ln[r], std::cref(c),
+                           std::cref(cd), std::cref(l), std::cref(ld), &outs[r]);
+    for (auto& t : threads) t.join();
+    for (auto& cm : comms) ncclCommDestroy(cm);
+    FCE_CUDA_CHECK(cudaSetDevice(0));
+    for (int r = 0; r < P; ++r) ASSERT_EQ(outs[r].error, "") << "rank " << r;
+    // the loss (and everything fce_vp_loss writes): the same bits on every rank
+    for (int r = 1; r < P; ++r) {
+      EXPECT_EQ(outs[r].ce.loss, outs[0].ce.loss) << "rank " << r;
+      EXPECT_EQ(outs[r].ce.lse, outs[0].ce.lse) << "rank " << r;
+      EXPECT_EQ(outs[r].ce.argmax, outs[0].ce.argmax) << "rank " << r;
+      EXPECT_EQ(outs[r].lin.loss, outs[0].lin.loss) << "rank " << r;
+      EXPECT_EQ(outs[r].lin.gh, outs[0].lin.gh) << "rank " << r << " grad_hidden";
+    }
+    // the shards' gradients put together: the unsharded call's
+    const size_t N = static_cast<size_t>(c.N), es = dtype_size(dt), D = static_cast<size_t>(l.D);
+    CeOut cat = outs[0].ce;
+    cat.grad.assign(N * static_cast<size_t>(c.V) * es, 0);
+    LinOut lcat = outs[0].lin;
+    lcat.gw.assign(static_cast<size_t>(l.V) * D * es, 0);
+    lcat.gb.assign(static_cast<size_t>(l.V) * es, 0);
+    for (int r = 0; r < P; ++r) {
+      for (size_t row = 0; row < N; ++row)
+        std::memcpy(cat.grad.data() + (row * c.V + cs[r]) * es,
+                    outs[r].ce.grad.data() + row * cn[r] * es, cn[r] * es);
+      std::memcpy(lcat.gw.data() + ls[r] * D * es, outs[r].lin.gw.data(), ln[r] * D * es);
+      std::memcpy(lcat.gb.data() + ls[r] * es, outs[r].lin.gb.data(), ln[r] * es);
+      uint32_t f = 0;
+      std::memcpy(&f, outs[r].ce.flags.data(), 4);
+      EXPECT_EQ(f, 0u) << "rank " << r << " error_flags";
+    }
+    expect_ce_equal(c, cat, cref);
+    expect_lin_equal(l, ld, lcat, lref);
+  }
+}
