@@ -1,6 +1,11 @@
 /*
  * fusedce.h — fused cross-entropy for large vocabularies: the public C ABI.
  *
+ * This header is the reference for the ABI: every declaration, and beside it the rules about
+ * arguments, ownership, aliasing, streams and threads. What each call computes (the math, the
+ * corner cases, the accuracy) is docs/semantics.md in the source repository; docs/performance.md
+ * is the performance model. The header is C99 and C++ (tests/ compiles it as pedantic C99).
+ *
  * The compute calls:
  *   fce_forward    cross-entropy over given logits z [rows, vocab]: loss (+ lse), and, when a
  *                  gradient buffer is given, dloss/dz in the same pass (one read, one write).
@@ -10,17 +15,23 @@
  *   fce_scale_gradient    a gradient times an upstream scalar read on the device.
  *   fce_linear_ce  z = hidden · weightᵀ + bias, then cross-entropy, then the gradients of hidden,
  *                  weight and bias, holding z only piece by piece within the caller's workspace.
- * The math is ../shared/SPEC.md's; every option lives in fce_options.
+ *   fce_vp_*       the same with the vocabulary sharded over ranks (0.4): per-shard statistics,
+ *                  a collective the caller runs, then the loss and the shard's gradients.
+ * Every option lives in fce_options.
  *
  * Conventions (the same for every call):
- *   - Every function returns an fce_status. On failure nothing has been written to any output
- *     buffer, and fce_last_error() returns a message naming the argument that was wrong.
+ *   - Every compute call and workspace query returns an fce_status. On failure
+ *     fce_last_error() returns a message naming the function and the argument that was wrong,
+ *     and nothing has been written to any output buffer, with one exception: FCE_ERROR_CUDA and
+ *     FCE_ERROR_CUBLAS can be reported part-way through the work a call enqueues, and then the
+ *     outputs are undefined.
  *   - Caller-owned memory: every buffer, the workspace and the stream come from the caller. The
  *     library never allocates device or pinned memory, never synchronises the host with the
  *     device, and enqueues work only on the stream it is given, so every compute call can be
  *     captured in a CUDA graph. (The first call on a device does host-side set-up once: kernel
- *     attribute and occupancy queries, and for fce_linear_ce one cuBLASLt handle; make one eager
- *     call of each function before capturing it.)
+ *     attribute and occupancy queries, and for the calls with GEMMs (fce_linear_ce,
+ *     fce_vp_linear_*) one cuBLASLt handle; make one eager call of each function before
+ *     capturing it.)
  *   - Backends: FCE_BACKEND_CUDA takes device pointers (on the calling thread's current device)
  *     and a cudaStream_t passed as void* (NULL = the legacy default stream); the call returns as
  *     soon as the work is enqueued (asynchronous). FCE_BACKEND_CPU takes host pointers, ignores
@@ -29,7 +40,8 @@
  *     that share an output buffer or a workspace must be ordered by the caller (the same stream,
  *     or events). The last-error message is per thread.
  *   - Sizes are int64_t; offsets inside are 64-bit, so tensors past 2^31 elements are fine.
- *   - Pointers must be aligned to their element size, the workspace to 16 bytes.
+ *   - Pointers must be aligned to their element size; the workspace, stats and gathered_stats
+ *     to 16 bytes.
  */
 #ifndef FUSEDCE_H
 #define FUSEDCE_H
@@ -64,13 +76,15 @@ typedef enum fce_status {
   FCE_SUCCESS = 0,
   FCE_ERROR_INVALID_ARGUMENT = 1,    /* a size, option or enum out of its domain */
   FCE_ERROR_NULL_POINTER = 2,        /* a required pointer is NULL */
-  FCE_ERROR_MISALIGNED = 3,          /* a pointer not aligned to its element (workspace: 16 B) */
+  FCE_ERROR_MISALIGNED = 3,          /* a pointer not aligned to its element (workspace, stats:
+                                        16 B) */
   FCE_ERROR_UNSUPPORTED = 4,         /* a valid request this build or device cannot do */
   FCE_ERROR_WORKSPACE_TOO_SMALL = 5, /* workspace_bytes below what the query returned */
   FCE_ERROR_BACKEND_UNAVAILABLE = 6, /* CUDA backend not built in, or no CUDA device */
   FCE_ERROR_CUDA = 7,                /* the CUDA runtime reported an error (launch, pointer) */
   FCE_ERROR_CUBLAS = 8,              /* cuBLASLt reported an error */
-  FCE_ERROR_INTERNAL = 9             /* a bug in fusedce: please report it */
+  FCE_ERROR_INTERNAL = 9,            /* a bug in fusedce: please report it */
+  FCE_ERROR_OUT_OF_MEMORY = 10       /* host memory ran out (the CPU backend's buffers) (0.4) */
 } fce_status;
 
 /* A static string naming the status ("FCE_ERROR_NULL_POINTER: a required pointer is NULL"). */
@@ -111,15 +125,20 @@ typedef enum fce_backend { FCE_BACKEND_CUDA = 0, FCE_BACKEND_CPU = 1 } fce_backe
  * past it take their defaults. */
 typedef struct fce_options {
   size_t struct_size;         /* sizeof(fce_options) */
-  const float* class_weights; /* w [vocab] float32 in the backend's memory, or NULL (all 1) */
+  const float* class_weights; /* w [vocab] float32 in the backend's memory, or NULL (all 1);
+                                 [vocab_total] for fce_vp_*: the whole vocabulary's */
   int64_t ignore_index;       /* rows whose target equals it get loss 0 and a zero gradient: -100 */
-  int64_t row_stride;         /* elements between rows of logits; 0 = vocab (dense) */
-  int64_t grad_row_stride;    /* elements between rows of grad_logits; 0 = vocab (dense) */
+  int64_t row_stride;         /* elements between rows of logits; 0 = vocab (dense; for
+                                 fce_vp_*, vocab_local) */
+  int64_t grad_row_stride;    /* elements between rows of grad_logits; 0 = vocab (dense; for
+                                 fce_vp_*, vocab_local) */
   int64_t shift_seq_len;      /* T > 0: causal shift, row b*T+t is scored against target
-                                 b*T+t+1, rows with t = T-1 are ignored; rows % T must be 0.
-                                 0 = no shift */
-  int64_t hidden_row_stride;  /* fce_linear_ce: elements between rows of hidden (any value >=
-                                 hidden; unused with one row); 0 = hidden size */
+                                 b*T+t+k (k = shift below, 1 by default), rows with t >= T-k
+                                 are ignored; rows % T must be 0. 0 = no shift */
+  int64_t hidden_row_stride;  /* fce_linear_ce, fce_vp_linear_*: elements between rows of
+                                 hidden (any value >= hidden, at most 2^31-1 on the CPU
+                                 backend, whose BLAS takes int; unused with one row); 0 =
+                                 hidden size */
   int32_t backend;            /* fce_backend: FCE_BACKEND_CUDA */
   int32_t dtype;              /* fce_dtype of logits / hidden, weight, bias, and of their
                                  gradients (but see grad_weight_fp32): FCE_FLOAT32 */
@@ -133,30 +152,34 @@ typedef struct fce_options {
   float logit_scale;          /* s, finite and nonzero: a = s * z before anything else: 1 */
   int32_t deterministic;      /* nonzero: bitwise-identical results run to run. Every path of
                                  this version is deterministic; the flag keeps it so. */
-  int32_t accumulate;         /* fce_linear_ce: nonzero adds into grad_weight and grad_bias
-                                 (gradient accumulation); 0 overwrites them. grad_hidden is
-                                 always overwritten */
-  int32_t grad_weight_fp32;   /* fce_linear_ce: nonzero = grad_weight and grad_bias are float32
-                                 whatever dtype is; 0 = they have dtype */
+  int32_t accumulate;         /* fce_linear_ce, fce_vp_linear_backward: nonzero adds into
+                                 grad_weight and grad_bias (gradient accumulation); 0
+                                 overwrites them. grad_hidden is always overwritten */
+  int32_t grad_weight_fp32;   /* fce_linear_ce, fce_vp_linear_backward: nonzero = grad_weight
+                                 and grad_bias are float32 whatever dtype is; 0 = they have
+                                 dtype */
   int32_t reserved0;          /* must be 0 */
   /* ---- appended in 0.3 (a 0.1/0.2 caller's smaller struct_size gets the defaults) ---- */
   int64_t shift;              /* k >= 0, with shift_seq_len T > 0: row b*T+t is scored against
                                  target b*T+t+k and rows with t >= T-k are ignored (CCE's
                                  integer shift). 0 = 1 (the shift of 0.2). k >= T ignores
                                  every row. Must be 0 when T = 0 */
-  int64_t* argmax;            /* fce_forward, fce_linear_ce: optional int64 [rows] in the
-                                 backend's memory: each row's predicted class, the argmax of its
-                                 scaled, capped logits a (lowest index among equal maxima, a NaN
-                                 counts as the largest, as torch.argmax); -1 for ignored rows.
-                                 NULL: not computed. fce_backward and fce_backward_rescale never
-                                 write it (they accept the options of the forward). */
-  float* accuracy;            /* fce_forward, fce_linear_ce: optional float32 in the backend's
-                                 memory: for mean and sum [1], the fraction of non-ignored rows
-                                 whose argmax equals the target (invalid rows count, never
-                                 correct; 0 when every row is ignored); for none [rows], 1 or 0
-                                 per row (0 for ignored and invalid rows). Unweighted. NULL: not
-                                 computed.
-                                 The backward calls never write it. */
+  int64_t* argmax;            /* fce_forward, fce_linear_ce, fce_vp_loss: optional int64 [rows]
+                                 in the backend's memory: each row's predicted class, the
+                                 argmax of its scaled, capped logits a (lowest index among
+                                 equal maxima, a NaN counts as the largest, as torch.argmax);
+                                 -1 for ignored rows. NULL: not computed. The gradient-only
+                                 calls (fce_backward, fce_backward_rescale, fce_vp_backward,
+                                 fce_vp_linear_backward) and the phase-1 calls (fce_vp_stats,
+                                 fce_vp_linear_stats) never write it (they accept the options
+                                 of the forward). */
+  float* accuracy;            /* fce_forward, fce_linear_ce, fce_vp_loss: optional float32 in
+                                 the backend's memory: for mean and sum [1], the fraction of
+                                 non-ignored rows whose argmax equals the target (invalid rows
+                                 count, never correct; 0 when every row is ignored); for none
+                                 [rows], 1 or 0 per row (0 for ignored and invalid rows).
+                                 Unweighted. NULL: not computed. The calls that never write
+                                 argmax never write it either. */
   int32_t token_scaling;      /* nonzero: each scored row's loss (its z-loss term included) and
                                  gradient are multiplied by p_y (exp((a_y - m) - log s), see
                                  fce_forward's precision note), treated as a
@@ -166,10 +189,35 @@ typedef struct fce_options {
   int32_t reserved1;          /* must be 0 */
 } fce_options;
 
-#define FCE_OPTIONS_INIT                                                                      \
-  {                                                                                           \
-    sizeof(fce_options), NULL, -100, 0, 0, 0, 0, FCE_BACKEND_CUDA, FCE_FLOAT32, FCE_INT64,   \
-        FCE_REDUCTION_MEAN, 0.0f, 0.0f, 0.0f, 1.0f, 0, 0, 0, 0, 0, NULL, NULL, 0, 0             \
+/* The defaults, one value per field in declaration order (positional: designated initialisers
+ * would not compile as C++ before C++20). fce_options_default() writes the same values, but
+ * keeps the caller's struct_size. */
+#define FCE_OPTIONS_INIT                                                      \
+  {                                                                           \
+    sizeof(fce_options), /* struct_size: this header's struct */              \
+    NULL,                /* class_weights: none (all 1) */                    \
+    -100,                /* ignore_index: -100 (torch's) */                   \
+    0,                   /* row_stride: vocab (dense) */                      \
+    0,                   /* grad_row_stride: vocab (dense) */                 \
+    0,                   /* shift_seq_len: no causal shift */                 \
+    0,                   /* hidden_row_stride: hidden (dense) */              \
+    FCE_BACKEND_CUDA,    /* backend: CUDA */                                  \
+    FCE_FLOAT32,         /* dtype: float32 */                                 \
+    FCE_INT64,           /* target_dtype: int64 (torch's) */                  \
+    FCE_REDUCTION_MEAN,  /* reduction: mean */                                \
+    0.0f,                /* label_smoothing: 0 */                             \
+    0.0f,                /* z_loss_scale: 0 (no z-loss) */                    \
+    0.0f,                /* softcap: 0 (off) */                               \
+    1.0f,                /* logit_scale: 1 */                                 \
+    0,                   /* deterministic: 0 (every path already is) */       \
+    0,                   /* accumulate: 0 (overwrite) */                      \
+    0,                   /* grad_weight_fp32: 0 (gradients of dtype) */       \
+    0,                   /* reserved0: must be 0 */                           \
+    0,                   /* shift: 0 (= 1 with shift_seq_len) (0.3) */        \
+    NULL,                /* argmax: not computed (0.3) */                     \
+    NULL,                /* accuracy: not computed (0.3) */                   \
+    0,                   /* token_scaling: off (0.3) */                       \
+    0                    /* reserved1: must be 0 (0.3) */                     \
   }
 
 /* sizeof(fce_options) in version 0.1, the first: the smallest struct_size any library accepts. */
@@ -254,8 +302,11 @@ FCE_API fce_status fce_backward(const fce_options* options, int64_t rows, int64_
  * over the logits can only be scaled, with fce_scale_gradient). Decided on the device from the
  * scalar, without a host synchronisation:
  *   exactly 1            nothing is done (one launch whose blocks return at once);
- *   0 or ± a power of 2  the rows with a valid target are scaled in place (exact: one read
- *                        and write of them; ignored rows keep +0, invalid rows NaN);
+ *   0 or ± a power of 2  the rows with a valid target are scaled in place (one read and
+ *                        write of them; ignored rows keep +0, invalid rows NaN): exact, and
+ *                        what fce_forward writes for that scalar, except that an element
+ *                        below the dtype's smallest normal number may differ from it by one
+ *                        subnormal step (it is rounded twice);
  *   anything else        the gradient is computed again from the logits, by the kernel
  *                        fce_forward runs (one read of the logits, one write; lse is not read),
  *                        bit for bit what fce_forward would have written.
@@ -327,7 +378,7 @@ FCE_API fce_status fce_linear_ce(const fce_options* options, int64_t rows, int64
  *      gathered_stats. fce_vp_linear_backward's grad_hidden is this rank's PARTIAL ∂h (its
  *      columns' share); the true ∂h is the sum over ranks: ALL-REDUCE (sum) it.
  *
- * The combination is fixed (lib/SEMANTICS.md rule 16): with each rank's row maximum m_r and
+ * The combination is fixed (docs/semantics.md rule 16): with each rank's row maximum m_r and
  * s_r = Σ exp(a_j − m_r) over its shard, M = max_r m_r, S = Σ_r s_r·exp(m_r − M) (ranks in
  * their gathered order), lse = M + log S, and the target logit from the one shard that holds
  * the target. Every call below has the same options as the one-GPU calls (reduction, ignore_index,
@@ -337,9 +388,10 @@ FCE_API fce_status fce_linear_ce(const fce_options* options, int64_t rows, int64
  * unsharded call to float32 rounding. All ranks must pass the same options, rows, vocab_total
  * and targets. If the gathered statistics do not tile [0, vocab_total) — their vocab_local do
  * not sum to vocab_total, a row's target is held by no shard or by two, or two shards report the
- * same argmax (a shard's statistics gathered twice) — the rows concerned get a NaN loss and
- * gradient and FCE_FLAG_SHARDS_INCONSISTENT is set. (What cannot be seen from the statistics is
- * not caught: statistics of another step, or shards that overlap without sharing an argmax.)
+ * same argmax (a shard's statistics gathered twice) — the rows concerned get a NaN loss, lse
+ * and gradient and an argmax of -1, and FCE_FLAG_SHARDS_INCONSISTENT is set. (What cannot be
+ * seen from the statistics is not caught: statistics of another step, or shards that overlap
+ * without sharing an argmax.)
  *
  * Same promises as every call: caller-owned memory, one stream, no allocation, no host
  * synchronisation, graph-capturable, deterministic. Sizes: rows >= 1, ranks >= 1,
@@ -366,7 +418,8 @@ FCE_API fce_status fce_vp_loss_workspace_size(const fce_options* options, int64_
 /* Phase 3, the loss: loss ([1] for mean/sum, [rows] for none; required), lse [rows], z_loss [1]
  * (optional), options->argmax and ->accuracy (optional), as fce_forward writes them for the
  * unsharded logits. error_flags as fce_forward (targets outside [0, vocab_total)) plus
- * FCE_FLAG_SHARDS_INCONSISTENT. Reads only gathered_stats and the targets. */
+ * FCE_FLAG_SHARDS_INCONSISTENT. Reads gathered_stats, the targets and, with class weights,
+ * their targets' weights: never the logits. */
 FCE_API fce_status fce_vp_loss(const fce_options* options, int64_t ranks, int64_t rows,
                                int64_t vocab_total, const void* targets,
                                const float* gathered_stats, float* loss, float* lse,
@@ -459,7 +512,7 @@ FCE_API fce_status fce_scale_gradient(int32_t backend, int32_t dtype, int64_t co
 /* 1 when this build has the CUDA backend and a CUDA device is visible, else 0. */
 FCE_API int fce_cuda_available(void);
 
-/* One line naming what this library was built with and runs on, e.g. "fusedce 0.3.0; backends:
+/* One line naming what this library was built with and runs on, e.g. "fusedce 0.4.0; backends:
  * cpu, cuda (sm 80 90, CUDA 13.0.48; device visible); BLAS: OpenBLAS (OpenBLAS 0.3.21 DYNAMIC_ARCH
  * NO_AFFINITY Haswell MAX_THREADS=64, 2 threads)". Static storage: valid for the library's
  * lifetime. (0.3) */

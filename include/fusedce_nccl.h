@@ -1,6 +1,6 @@
 /*
  * fusedce_nccl.h — libfusedce_nccl, the optional NCCL companion of fusedce's vocabulary-parallel
- * calls (fusedce.h, "vocabulary-parallel", and lib/SEMANTICS.md rule 16).
+ * calls (fusedce.h, "vocabulary-parallel", and docs/semantics.md rule 16).
  *
  * The output layer sharded over the vocabulary (Megatron's tensor parallelism) in one call per
  * step and rank: each entry point enqueues, on the caller's stream,

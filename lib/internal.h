@@ -45,7 +45,22 @@ inline bool exact_scale(float g) {
   return (bits & 0x7fffffffu) == 0 || (mantissa == 0 && exponent != 0 && exponent != 0xffu);
 }
 
-// The options every cross-entropy computation shares (SPEC.md, "The loss, row by row").
+// One buffer of a call, as the ABI layer lists it once per call (lib/api_*.cpp's argument
+// tables): its name as the header spells it, where it is, how many bytes it spans, the
+// alignment it needs, and whether the call writes it. The same table drives the alignment
+// check, the overlap check and the CUDA backend's device-pointer check.
+struct Arg {
+  const char* name;
+  const void* ptr;   // nullptr: absent (optional and not given)
+  uint64_t bytes;
+  size_t align;
+  bool output;
+};
+
+// What a cross-entropy call computes (no longer inferred from which pointers are null).
+enum class CeMode { kForward, kBackward, kRescale };
+
+// The options every cross-entropy computation shares (docs/semantics.md, "The loss, row by row").
 struct CeOptions {
   int dtype;               // FCE_FLOAT32 / FCE_FLOAT16 / FCE_BFLOAT16 of the logits
   bool targets_int64;      // target dtype
@@ -59,11 +74,13 @@ struct CeOptions {
   int64_t shift_seq_len;   // T, 0 = off
   int64_t shift;           // k >= 1 when T > 0 (options->shift, 0 resolved to 1); 0 when T = 0
   bool token_scaling;      // loss and gradient of each scored row times the detached p_y
-  bool deterministic;
 };
 
-// fce_forward (lse_in == nullptr) and fce_backward (lse_in != nullptr; loss/lse/z_loss null).
+// fce_forward, fce_backward and fce_backward_rescale (mode). Backward and rescale: lse_in and
+// grad given, loss/lse/z_loss/argmax/accuracy null.
 struct CeProblem {
+  const char* fn;           // the public function ("fce_forward", ...): every message starts with it
+  CeMode mode;
   CeOptions opt;
   int64_t rows, vocab;
   int64_t row_stride;       // >= vocab
@@ -82,13 +99,11 @@ struct CeProblem {
   void* workspace;          // >= the backend's workspace size, 16-byte aligned (or null if 0)
   size_t workspace_bytes;
   void* stream;
-  bool rescale;             // fce_backward_rescale: grad holds the upstream-1 gradient; by the
-                            // device-side value of *grad_output: 1 nothing, 0 or ±2^k scale it
-                            // in place, else the backward (needs grad_output, mean/sum)
 };
 
 // fce_linear_ce.
 struct LinearCeProblem {
+  const char* fn;             // "fce_linear_ce"
   CeOptions opt;
   int64_t rows, hidden, vocab;
   int64_t hidden_row_stride;  // >= hidden
@@ -114,7 +129,7 @@ struct LinearCeProblem {
   bool with_grad() const { return grad_hidden || grad_weight || grad_bias; }
 };
 
-// ---- vocabulary-parallel (fce_vp_*; SEMANTICS.md rule 16). The stats layout, FCE_VP_STATS
+// ---- vocabulary-parallel (fce_vp_*; docs/semantics.md rule 16). The stats layout, FCE_VP_STATS
 // float32 per row of a shard: see VpStat. class_weights (opt) are the whole vocabulary's.
 enum VpStat {
   kVpMax = 0,       // m_r = max_j a_j over the shard (NaN if any a_j is NaN)
@@ -123,7 +138,7 @@ enum VpStat {
   kVpHit = 3,       // 1 when the row is scored and its target is in the shard, else 0
   kVpSmooth = 4,    // u_r = Σ_j ω_j (m_r − a_j) when label_smoothing > 0 and m_r > −inf, else 0
   kVpWeight = 5,    // W_r = Σ_j ω_j over the shard (vocab_local without class weights)
-  kVpArgmax = 6,    // int32 bits: the global index of the shard's argmax (SEMANTICS rule 15)
+  kVpArgmax = 6,    // int32 bits: the global index of the shard's argmax (docs/semantics.md rule 15)
   kVpLocal = 7,     // int32 bits: vocab_local (the tiling check)
   kVpCount = 8
 };
@@ -131,6 +146,7 @@ static_assert(kVpCount == FCE_VP_STATS, "stats layout");
 
 // fce_vp_stats (logits given) — validated as fce_forward's logits (row_stride >= vocab_local).
 struct VpStatsProblem {
+  const char* fn;             // "fce_vp_stats"
   CeOptions opt;
   int64_t rows, vocab_total, vocab_start, vocab_local;
   int64_t row_stride;         // >= vocab_local
@@ -140,9 +156,11 @@ struct VpStatsProblem {
   void* stream;
 };
 
-// fce_vp_loss (grad == nullptr) and fce_vp_backward (grad != nullptr: logits, grad used;
+// fce_vp_loss (backward false) and fce_vp_backward (backward: logits, grad used;
 // loss/lse/z_loss/argmax/accuracy null).
 struct VpProblem {
+  const char* fn;             // "fce_vp_loss" or "fce_vp_backward"
+  bool backward;              // fce_vp_backward (not inferred from the pointers)
   CeOptions opt;
   int64_t ranks, rows, vocab_total;
   int64_t vocab_start, vocab_local;   // backward only
@@ -165,9 +183,11 @@ struct VpProblem {
   void* stream;
 };
 
-// fce_vp_linear_stats (gathered == nullptr: writes stats) and fce_vp_linear_backward
-// (gathered != nullptr: writes the gradients).
+// fce_vp_linear_stats (backward false: writes stats) and fce_vp_linear_backward (backward:
+// reads gathered, writes the gradients).
 struct VpLinearProblem {
+  const char* fn;             // "fce_vp_linear_stats" or "fce_vp_linear_backward"
+  bool backward;              // fce_vp_linear_backward (not inferred from the pointers)
   CeOptions opt;
   int64_t ranks, rows, hidden, vocab_total, vocab_start, vocab_local;
   int64_t hidden_row_stride;  // >= hidden
@@ -192,7 +212,7 @@ struct VpLinearProblem {
 
 // ---- CPU backend (lib/cpu/) ----
 size_t cpu_ce_workspace_size(const CeOptions& opt, int64_t rows, int64_t vocab, bool backward);
-fce_status cpu_ce(const CeProblem& p);  // forward or backward (p.lse_in != nullptr)
+fce_status cpu_ce(const CeProblem& p);  // by p.mode
 void cpu_linear_ce_workspace_size(const CeOptions& opt, int64_t rows, int64_t hidden,
                                   int64_t vocab, bool with_grad, bool grad_weight_fp32,
                                   size_t* min_bytes, size_t* optimal_bytes);
@@ -203,17 +223,21 @@ fce_status cpu_scale_gradient(int dtype, int64_t count, void* grad, const float*
 fce_status cpu_vp_stats(const VpStatsProblem& p);
 size_t cpu_vp_workspace_size(const CeOptions& opt, int64_t ranks, int64_t rows,
                              int64_t vocab_total, int64_t vocab_local, bool backward);
-fce_status cpu_vp(const VpProblem& p);  // loss (p.grad null) or backward
+fce_status cpu_vp(const VpProblem& p);  // loss, or backward (p.backward)
 void cpu_vp_linear_workspace_size(const CeOptions& opt, int64_t ranks, int64_t rows,
                                   int64_t hidden, int64_t vocab_total, int64_t vocab_local,
                                   bool backward, int grad_hidden_dtype, bool grad_weight_fp32,
                                   size_t* min_bytes, size_t* optimal_bytes);
-fce_status cpu_vp_linear(const VpLinearProblem& p);  // stats (p.gathered null) or backward
+fce_status cpu_vp_linear(const VpLinearProblem& p);  // stats, or backward (p.backward)
 
 // ---- CUDA backend (lib/cuda/); stubs returning FCE_ERROR_BACKEND_UNAVAILABLE when not built --
 bool cuda_available();
+// Every present buffer of the call's argument table must be memory the current device can
+// dereference (FCE_ERROR_INVALID_ARGUMENT naming fn and the argument otherwise). The ABI layer
+// calls it once per CUDA call, before dispatching; the backend does not check again.
+fce_status cuda_check_pointers(const char* fn, const Arg* args, int count);
 size_t cuda_ce_workspace_size(const CeOptions& opt, int64_t rows, int64_t vocab, bool backward);
-// Checks that each non-null pointer of p is device-accessible on the current device.
+// fce_forward, fce_backward, fce_backward_rescale on the CUDA backend (by p.mode).
 fce_status cuda_ce(const CeProblem& p);
 void cuda_linear_ce_workspace_size(const CeOptions& opt, int64_t rows, int64_t hidden,
                                    int64_t vocab, bool with_grad, bool grad_weight_fp32,

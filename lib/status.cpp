@@ -1,7 +1,6 @@
-// status.cpp — status strings, the thread-local last-error message, version, option defaults.
+// status.cpp — status strings and the thread-local last-error message (fail, fce_last_error).
 #include <cstdarg>
 #include <cstdio>
-#include <cstring>
 
 #include "internal.h"
 
@@ -25,8 +24,6 @@ void clear_error() { g_last_error[0] = '\0'; }
 
 extern "C" {
 
-FCE_API unsigned fce_version(void) { return FCE_VERSION_NUMBER; }
-
 FCE_API const char* fce_status_string(fce_status status) {
   switch (status) {
     case FCE_SUCCESS: return "FCE_SUCCESS: no error";
@@ -44,20 +41,11 @@ FCE_API const char* fce_status_string(fce_status status) {
     case FCE_ERROR_CUDA: return "FCE_ERROR_CUDA: the CUDA runtime reported an error";
     case FCE_ERROR_CUBLAS: return "FCE_ERROR_CUBLAS: cuBLASLt reported an error";
     case FCE_ERROR_INTERNAL: return "FCE_ERROR_INTERNAL: an internal error in fusedce";
+    case FCE_ERROR_OUT_OF_MEMORY: return "FCE_ERROR_OUT_OF_MEMORY: host memory ran out";
   }
   return "unknown fce_status";
 }
 
 FCE_API const char* fce_last_error(void) { return g_last_error; }
-
-FCE_API void fce_options_default(fce_options* options) {
-  if (!options) return;
-  size_t size = options->struct_size ? options->struct_size : FCE_OPTIONS_SIZE_V0_1;
-  if (size < sizeof(size_t)) return;
-  if (size > sizeof(fce_options)) size = sizeof(fce_options);
-  fce_options defaults = FCE_OPTIONS_INIT;
-  defaults.struct_size = options->struct_size ? options->struct_size : FCE_OPTIONS_SIZE_V0_1;
-  std::memcpy(options, &defaults, size);
-}
 
 }  // extern "C"

@@ -1,7 +1,7 @@
 // check_ce.h — checks of the cross-entropy outputs that need the float64 reference (ref.h) and
-// more than a norm-wise bound: argmax and accuracy (SEMANTICS 15), with the near ties a float32
+// more than a norm-wise bound: argmax and accuracy (docs/semantics.md rule 15), with the near ties a float32
 // computation of the logits may break either way, and fce_backward's gradient against
-// fce_forward's up to the rounding of the saved lse (SEMANTICS 12).
+// fce_forward's up to the rounding of the saved lse (docs/semantics.md rule 12).
 #pragma once
 
 #include "ref.h"
@@ -58,7 +58,7 @@ inline ::testing::AssertionResult argmax_matches(const std::vector<int64_t>& got
 }
 
 // options->accuracy: for none [N] 1/0 per row, for mean/sum [1] the fraction of the n
-// non-ignored rows whose argmax is their target (SEMANTICS 15). With the call's own argmax
+// non-ignored rows whose argmax is their target (docs/semantics.md rule 15). With the call's own argmax
 // (argmax non-null) the accuracy must be exactly what that argmax implies (within one float32
 // rounding of the quotient); without it, it may differ from the reference only on ambiguous
 // rows.
@@ -100,10 +100,10 @@ inline ::testing::AssertionResult accuracy_matches(const std::vector<double>& go
                                        << ", " << n << " non-ignored rows)";
 }
 
-// The sum of the magnitudes of the terms of gradient element (r, j) (SEMANTICS 9), the scale
+// The sum of the magnitudes of the terms of gradient element (r, j) (docs/semantics.md rule 9), the scale
 // against which its rounding error is measured:
 //   |t s (1 − (a_j/c)²)| (|k| ((1−ε) ω_y (p_j + [j = y]) + (ε/V)(Ω p_j + ω_j)) + |k_z| 2 λ |lse| p_j)
-// k and k_z the upstream scales of the row (SEMANTICS 6). 0 for rows that are not scored.
+// k and k_z the upstream scales of the row (docs/semantics.md rule 6). 0 for rows that are not scored.
 inline double gradient_term_magnitude(const fceref::CeResult& ref, const fceref::Options& o,
                                       int64_t V, double k, double kz, size_t r, int64_t j) {
   if (ref.kind[r] != fceref::kValid) return 0.0;
@@ -132,7 +132,7 @@ inline double subnormal_step(int dtype) {
 }
 
 // fce_backward's gradient (from the float32 lse fce_forward saved) against fce_forward's own,
-// element by element (SEMANTICS 12: "equal to the rounding of lse"). Both are the reference's
+// element by element (docs/semantics.md rule 12: "equal to the rounding of lse"). Both are the reference's
 // formula evaluated with p_j = exp(x_j) for slightly different exponents x_j: the backward's
 // carries the rounding of the saved lse, |lse| 2^-24 (none for rows with |lse| >= 1024, reduced
 // again), and each kernel's own float32 roundings of the exponent, a few units of

@@ -1,10 +1,10 @@
-// ref.h — an independent float64 reference of fusedce, written from SPEC.md and
-// lib/SEMANTICS.md (never from lib/): per-row loss, lse, gradient, argmax, the reductions, the
+// ref.h — an independent float64 reference of fusedce, written from
+// docs/semantics.md (never from lib/): per-row loss, lse, gradient, argmax, the reductions, the
 // z-loss total, the accuracy, and linear cross-entropy through a naive double matmul. Slow and
 // obvious on purpose.
 //
 // Exact on adversarial rows too: every row is reduced in long double to its maximum m and
-// log s (s = Σ_j exp(a_j − m)) kept apart (SEMANTICS 8, 9), never through a rounded lse, so a
+// log s (s = Σ_j exp(a_j − m)) kept apart (docs/semantics.md rules 8, 9), never through a rounded lse, so a
 // row whose logits share a huge offset (all −1e30, all 3e38) loses nothing; log s is
 // log1p(Σ over the entries but the first maximum), so that a confident row's tiny loss and its
 // gradient p_y − 1 = expm1(log p_y) keep their digits.
@@ -57,7 +57,7 @@ struct CeResult {
   std::vector<double> grad;        // [N * V] dense dloss/dz (upstream applied), when asked for
 };
 
-// SEMANTICS.md rules 1-3: which target row r is scored against, and what kind of row it is.
+// docs/semantics.md rules 1-3: which target row r is scored against, and what kind of row it is.
 inline RowKind row_kind(const Options& o, int64_t N, int64_t V, const std::vector<int64_t>& y,
                         int64_t r, int64_t* target) {
   (void)N;
@@ -105,7 +105,7 @@ inline CeResult cross_entropy(const Options& o, int64_t N, int64_t V, const std:
   LD Omega = 0;
   for (int64_t j = 0; j < V; ++j) Omega += omega(j);
 
-  // Steps 1-2 of SPEC.md: a = s z, then a = c tanh(a / c).
+  // Steps 1-2 of docs/semantics.md: a = s z, then a = c tanh(a / c).
   std::vector<LD> a(static_cast<size_t>(N * V));
   res.a.resize(a.size());
   for (size_t i = 0; i < a.size(); ++i) {
@@ -115,7 +115,7 @@ inline CeResult cross_entropy(const Options& o, int64_t N, int64_t V, const std:
     res.a[i] = static_cast<double>(v);
   }
 
-  // Step 3 per row: m, log s, lse, the argmax (SEMANTICS 8, 10, 15).
+  // Step 3 per row: m, log s, lse, the argmax (docs/semantics.md rules 8, 10, 15).
   std::vector<LD> M(n_rows), LS(n_rows);
   for (int64_t r = 0; r < N; ++r) {
     const LD* ar = &a[static_cast<size_t>(r * V)];
@@ -151,7 +151,7 @@ inline CeResult cross_entropy(const Options& o, int64_t N, int64_t V, const std:
     if (k != kIgnored) res.argmax[static_cast<size_t>(r)] = first_nan >= 0 ? first_nan : first_max;
   }
 
-  // Steps 4-5 per row, and the reductions (SEMANTICS 4, 5, 7, 8, 15).
+  // Steps 4-5 per row, and the reductions (docs/semantics.md rules 4, 5, 7, 8, 15).
   LD D = 0, n = 0, sum_ce = 0, sum_zl = 0, sum_correct = 0;
   for (int64_t r = 0; r < N; ++r) {
     const size_t ri = static_cast<size_t>(r);
@@ -171,7 +171,7 @@ inline CeResult cross_entropy(const Options& o, int64_t N, int64_t V, const std:
       continue;
     }
     const int64_t t = res.target[ri];
-    // Token scaling's t = p_y, a constant (SEMANTICS 8).
+    // Token scaling's t = p_y, a constant (docs/semantics.md rule 8).
     const LD ts = o.token_scaling ? std::exp((ar[t] - m) - log_s) : 1.0L;
     LD ce = (1 - eps) * omega(t) * ((m - ar[t]) + log_s);
     if (eps != 0) {
@@ -204,7 +204,7 @@ inline CeResult cross_entropy(const Options& o, int64_t N, int64_t V, const std:
   }
   if (!want_grad) return res;
 
-  // The gradient (SEMANTICS.md rules 6 and 9).
+  // The gradient (docs/semantics.md rules 6 and 9).
   res.grad.assign(static_cast<size_t>(N * V), 0.0);
   for (int64_t r = 0; r < N; ++r) {
     const size_t ri = static_cast<size_t>(r);

@@ -3,7 +3,7 @@
 // double, exact on these rows). The families:
 //   constant_huge      constant rows at ±1e30 and ±3e38 (float32, bfloat16) or ±6e4 and ±65504
 //                      (float16): lse = m + log s rounds to m in float32, so a p_j computed as
-//                      exp(a_j − float(lse)) is V times too large (SEMANTICS 9, 12)
+//                      exp(a_j − float(lse)) is V times too large (docs/semantics.md rules 9, 12)
 //   masked_vocabulary  −inf entries (masked classes), a row of −inf but the target
 //   spread_1e4         logits spread over ±1e4, and 1e4 plus small noise (|lse| >= 1024:
 //                      fce_backward reduces those rows again)
@@ -48,13 +48,13 @@ const double kU24 = std::ldexp(1.0, -24);
 // float32 outputs (loss, lse, z_loss, a float32 gradient): the CPU backend rounds a double
 // result once (2^-24); the CUDA backend works in float32, a handful of roundings per term
 // (a − m, the exp2 and log2 approximations of at most 2 ulp, products) and a tree sum over the
-// row (log2 V ≈ 7 levels): 32 units of 2^-24 (1.9e-6, a fifth of SPEC.md's 1e-5).
+// row (log2 V ≈ 7 levels): 32 units of 2^-24 (1.9e-6, a fifth of docs/semantics.md's 1e-5).
 const double kBound = 32 * kU24;
 // A 16-bit gradient is also rounded once to its dtype: its unit roundoff on top, and one
 // subnormal step (absolute) for the elements that underflow.
 double grad_bound(int dtype) { return dtype == FCE_FLOAT32 ? kBound : kBound + unit_roundoff(dtype); }
 // fce_backward reads the float32 lse: each p_j then carries its rounding, |lse| 2^-24 relative
-// (SEMANTICS 12), twice for safety, except on rows with |lse| >= 1024, which it reduces again.
+// (docs/semantics.md rule 12), twice for safety, except on rows with |lse| >= 1024, which it reduces again.
 double lse_rounding(double lse) { return std::fabs(lse) < 1024 ? 2 * std::fabs(lse) * kU24 : 0.0; }
 
 // ------------------------------------------------------------------ the families ------------
@@ -235,7 +235,7 @@ LossScale loss_scale(const fceref::CeResult& ref, const fceref::Options& o, size
   return s;
 }
 
-// The upstream scales (k, k_z) of row r (SEMANTICS 6).
+// The upstream scales (k, k_z) of row r (docs/semantics.md rule 6).
 std::pair<double, double> upstream(const fceref::CeResult& ref, const fceref::Options& o,
                                    const std::vector<double>& g, size_t r) {
   const double gv = o.reduction == fceref::kNone ? g[r] : g[0];

@@ -47,9 +47,10 @@ TEST(Api, StatusStrings) {
       {FCE_ERROR_CUDA, "FCE_ERROR_CUDA"},
       {FCE_ERROR_CUBLAS, "FCE_ERROR_CUBLAS"},
       {FCE_ERROR_INTERNAL, "FCE_ERROR_INTERNAL"},
+      {FCE_ERROR_OUT_OF_MEMORY, "FCE_ERROR_OUT_OF_MEMORY"},
   };
   // Append-only numbering.
-  for (int i = 0; i < 10; ++i) EXPECT_EQ(static_cast<int>(codes[i].first), i);
+  for (int i = 0; i < 11; ++i) EXPECT_EQ(static_cast<int>(codes[i].first), i);
   std::set<std::string> seen;
   for (const auto& c : codes) {
     const char* s = fce_status_string(c.first);
@@ -63,7 +64,7 @@ TEST(Api, StatusStrings) {
     EXPECT_TRUE(seen.insert(str).second) << "duplicate string " << str;
     EXPECT_EQ(fce_status_string(c.first), s) << "not a static string";
   }
-  for (int bad : {-1, 10, 1000, 0x7fffffff}) {
+  for (int bad : {-1, 11, 1000, 0x7fffffff}) {
     const char* s = fce_status_string(static_cast<fce_status>(bad));
     ASSERT_NE(s, nullptr) << "unknown code " << bad;
     EXPECT_GT(std::strlen(s), 0u) << "unknown code " << bad;

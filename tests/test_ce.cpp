@@ -272,7 +272,7 @@ class CeRunner {
       EXPECT_EQ(f, expected_flags(preset)) << "error_flags";
       EXPECT_TRUE(guards_intact(flags, "error_flags"));
     }
-    // Argmax and accuracy (SEMANTICS 15).
+    // Argmax and accuracy (docs/semantics.md rule 15).
     std::vector<int64_t> am;
     if (c_.argmax) {
       EXPECT_TRUE(only_elements_changed(argmax_, b_am, &am_m, "options->argmax"));
@@ -297,7 +297,7 @@ class CeRunner {
 
   // fce_backward from the lse the last forward() saved, with the forward's options (argmax and
   // accuracy included: never written); compares with the reference and with the gradient
-  // forward wrote (fwd_grad): to the rounding of the saved lse (SEMANTICS.md rule 12), bit for
+  // forward wrote (fwd_grad): to the rounding of the saved lse (docs/semantics.md rule 12), bit for
   // bit on the CPU backend (its backward reduces each row again in double and, where that rounds
   // to the saved lse, uses it).
   void backward(bool inplace, const std::vector<uint8_t>* fwd_grad, std::vector<uint8_t>* out = nullptr,
@@ -647,7 +647,7 @@ TEST_F(Ce, ExtremeLogits) {
     }
 }
 
-// A row of all -inf: lse = -inf and its loss NaN (SEMANTICS.md rule 10); other rows intact.
+// A row of all -inf: lse = -inf and its loss NaN (docs/semantics.md rule 10); other rows intact.
 TEST_F(Ce, AllNegativeInfinityRow) {
   for (int dtype : kDtypes) {
     CeCase c;
@@ -846,7 +846,7 @@ HandOut hand_forward(const fce_options& opts, int64_t N, int64_t V, const std::v
   return out;
 }
 
-// Class weights and z-loss under mean (SEMANTICS 5-7): the cross-entropy is divided by
+// Class weights and z-loss under mean (docs/semantics.md rules 5-7): the cross-entropy is divided by
 // D = sum of the weights of the targets, the z-loss by n = the number of non-ignored rows
 // (Liger's normalisation). Constant rows of V = 4: lse = log 4, each ce = w log 4.
 TEST_F(Ce, ZLossMeanDividesByRowCount) {
@@ -876,7 +876,7 @@ TEST_F(Ce, ZLossMeanDividesByRowCount) {
   EXPECT_TRUE(close_scalar(h.z_loss[0], 2 * lamf * L * L, 1e-6, "z_loss total (sum)"));
 }
 
-// Token scaling (SEMANTICS 8, 9) on V = 2: p_y = t, loss = t (−log t), gradient t (p − e_y),
+// Token scaling (docs/semantics.md rules 8, 9) on V = 2: p_y = t, loss = t (−log t), gradient t (p − e_y),
 // t a constant. Rows: logits (0, log 3) → p = (1/4, 3/4), target 1 (t = 3/4) and target 0
 // (t = 1/4).
 TEST_F(Ce, TokenScalingByHand) {
@@ -905,7 +905,7 @@ TEST_F(Ce, TokenScalingByHand) {
   EXPECT_NEAR(h.grad[1], p1 * ((p1 - 1) + 2 * 0.5 * lse * p1), 1e-6);
 }
 
-// Argmax and accuracy corners (SEMANTICS 15), in every dtype (each value below is exact in
+// Argmax and accuracy corners (docs/semantics.md rule 15), in every dtype (each value below is exact in
 // float16 and bfloat16): equal maxima → the lowest index; a NaN counts as the largest (the
 // first NaN); a row of −inf → 0; an ignored row → −1; accuracy over the n non-ignored rows.
 TEST_F(Ce, ArgmaxTiesAndNaN) {
@@ -946,7 +946,7 @@ TEST_F(Ce, ArgmaxTiesAndNaN) {
     }
 }
 
-// Shift by k (SEMANTICS 1): row b T + t is scored against target b T + t + k, rows t >= T − k
+// Shift by k (docs/semantics.md rule 1): row b T + t is scored against target b T + t + k, rows t >= T − k
 // are ignored, and targets of the first k positions of each sequence are never read (garbage
 // there sets no flag). k >= T ignores every row.
 TEST_F(Ce, ShiftByKReadsOnlyItsTargets) {

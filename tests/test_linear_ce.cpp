@@ -81,7 +81,7 @@ struct LinData {
   std::vector<double> gw0, gb0;  // accumulate: what grad_weight / grad_bias hold before
 };
 
-// The bound for everything downstream of the logits. float32: SPEC.md's 1e-5. float16 and
+// The bound for everything downstream of the logits. float32: docs/semantics.md's 1e-5. float16 and
 // bfloat16: torch eager materialises z = h W^T + b in the dtype, which perturbs every logit
 // by up to u |z| and so every p (and the loss) by up to 2u max|z| relative; on top of that
 // the same 4u as tolerance() for the dtype's roundings of the results.
@@ -385,7 +385,7 @@ class LinRunner {
       std::memcpy(&f, flags.h(), 4);
       EXPECT_EQ(f, preset | (any_invalid() ? FCE_FLAG_TARGET_OUT_OF_RANGE : 0u)) << "error_flags";
     }
-    // Argmax and accuracy (SEMANTICS 15) of the logits h W^T + b.
+    // Argmax and accuracy (docs/semantics.md rule 15) of the logits h W^T + b.
     std::vector<int64_t> amv;
     if (c_.argmax) {
       EXPECT_TRUE(only_elements_changed(am, b_am, &am_m, "options->argmax"));
@@ -613,7 +613,7 @@ TEST_F(Linear, WorkspaceSweepMatchesReference) {
 }
 
 // The smallest workspace cuts the rows into many chunks; dW and db must still be summed in
-// float32 across them (SPEC.md) and rounded once: 16-bit partial sums over ~1000 chunks
+// float32 across them (docs/semantics.md) and rounded once: 16-bit partial sums over ~1000 chunks
 // would miss the bound by a wide margin. (On CUDA the minimum takes the vocab-sliced plan for
 // a 16-bit grad_weight: one GEMM over all rows per column slice.)
 TEST_F(Linear, ManyChunksAccumulateInFloat32) {

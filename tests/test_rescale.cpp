@@ -12,7 +12,7 @@
 //     once to the dtype and scaling an already rounded subnormal are not the same there. Such
 //     elements occur with realistic data in every dtype (float16: most of a 32003-class row), so
 //     they are allowed, counted, and printed as a NOTE. Nothing else: ignored rows stay +0 for a
-//     negative g (SEMANTICS 14), bit for bit what fce_forward given that g writes;
+//     negative g (docs/semantics.md rule 14), bit for bit what fce_forward given that g writes;
 //   NaN rows compare as NaN whatever the payload.
 // And: g == 1 leaves G bitwise as it was (not even rewritten); the values within test_ce.cpp's
 // bounds of the float64 reference (ref.h) for g = 2 and g = 3 (one of each kind); ignored rows

@@ -119,6 +119,7 @@ class Job {
   int dtype_ = FCE_FLOAT32, scale_dtype_ = FCE_FLOAT32;
   fce_options o_{}, ro_{}, lo_{};
   size_t ws_f_ = 0, ws_b_ = 0, ws_l_ = 0;
+  size_t ws_fr_ = 0, ws_br_ = 0;  // the rescale pair's (ro_: mean/sum where o_ may be none)
   std::vector<std::unique_ptr<Slot>> slots_;
   // CE
   Slot *logits_ = nullptr, *logits_ip_ = nullptr, *targets_ = nullptr, *cw_ = nullptr,
@@ -329,8 +330,11 @@ void Job::build() {
   size_t opt = 0;
   EXPECT_EQ(fce_linear_ce_workspace_size(&lo_, LN_, LD_, LV_, 1, &ws_l_, &opt), FCE_SUCCESS)
       << fce_last_error();
-  if (ws_f_) ws_fs_ = &add("workspace (forward)", workspace_buf(ws_f_), kScratch);
-  if (ws_b_) ws_bs_ = &add("workspace (backward)", workspace_buf(ws_b_), kScratch);
+  EXPECT_EQ(fce_forward_workspace_size(&ro_, N_, V_, &ws_fr_), FCE_SUCCESS) << fce_last_error();
+  EXPECT_EQ(fce_backward_workspace_size(&ro_, N_, V_, &ws_br_), FCE_SUCCESS) << fce_last_error();
+  const size_t ws_f_most = std::max(ws_f_, ws_fr_), ws_b_most = std::max(ws_b_, ws_br_);
+  if (ws_f_most) ws_fs_ = &add("workspace (forward)", workspace_buf(ws_f_most), kScratch);
+  if (ws_b_most) ws_bs_ = &add("workspace (backward)", workspace_buf(ws_b_most), kScratch);
   if (ws_l_) ws_ls_ = &add("workspace (linear)", workspace_buf(ws_l_), kScratch);
 }
 
@@ -373,10 +377,10 @@ void Job::run(Result* out) {
             "fce_backward");
   // the gradient for an upstream 1, then made the gradient for g
   expect_ok(fce_forward(&ro_, N_, V_, p(logits_), p(targets_), f(loss_r_), f(lse_r_), nullptr,
-                        p(grad_r_), nullptr, flags, p(ws_fs_), ws_f_, stream_),
+                        p(grad_r_), nullptr, flags, p(ws_fs_), ws_fr_, stream_),
             "fce_forward (upstream 1)");
   expect_ok(fce_backward_rescale(&ro_, N_, V_, p(logits_), p(targets_), f(lse_r_), f(g_r_),
-                                 p(grad_r_), flags, p(ws_bs_), ws_b_, stream_),
+                                 p(grad_r_), flags, p(ws_bs_), ws_br_, stream_),
             "fce_backward_rescale");
   expect_ok(fce_linear_ce(&lo_, LN_, LD_, LV_, p(hidden_), p(weight_), p(bias_), p(ltargets_),
                           f(lloss_), f(llse_), f(lzl_), p(gh_), p(gw_), p(gb_), nullptr,

@@ -623,7 +623,7 @@ inline double unit_roundoff(int dtype) {
 
 // Norm-wise relative bound ||out - ref|| / ||ref|| against the float64 reference on the same
 // (rounded) inputs.
-//  - float32: SPEC.md's 1e-5.
+//  - float32: docs/semantics.md's 1e-5.
 //  - float16 / bfloat16: what an honest computation in that dtype achieves (torch eager): the
 //    gradient is rounded to the dtype once, an error of up to u (the unit roundoff: 2^-11 for
 //    float16, 2^-8 for bfloat16) per element, and torch rounds its log-softmax to the dtype

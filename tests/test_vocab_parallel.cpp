@@ -1,4 +1,4 @@
-// test_vocab_parallel.cpp — the vocabulary-parallel calls (fce_vp_*, SEMANTICS.md rule 16) on
+// test_vocab_parallel.cpp — the vocabulary-parallel calls (fce_vp_*, docs/semantics.md rule 16) on
 // the backend FCE_TEST_BACKEND selects, with P = 1, 2, 3, 4 ranks simulated in one process:
 // phase 1 on each shard, the stats "all-gathered" by the test (in rank order and in a permuted
 // order), then fce_vp_loss and each shard's fce_vp_backward / fce_vp_linear_backward. Every

@@ -16,7 +16,7 @@ size_t cpu_ce_workspace_size(const CeOptions&, int64_t, int64_t, bool) { return 
 
 namespace {
 
-// fce_backward_rescale's cheap cases (SEMANTICS 14): the upstream scalar g is 1 (nothing to do)
+// fce_backward_rescale's cheap cases (docs/semantics.md rule 14): the upstream scalar g is 1 (nothing to do)
 // or scales exactly (0, ±2^k: each element of a scored row times g, one float32 product, as the
 // CUDA kernel). Ignored rows keep the +0 fce_forward wrote (a negative g would make it −0) and
 // invalid rows their NaN. Returns false when the gradient has to be computed again.
@@ -42,14 +42,14 @@ bool rescale_in_place(const CeProblem& p, const cpu::CeSetup& setup) {
 
 fce_status cpu_ce(const CeProblem& p) {
   using namespace cpu;
-  // fce_backward_rescale computes again what fce_forward computes (SEMANTICS 14: bit for bit),
+  // fce_backward_rescale computes again what fce_forward computes (docs/semantics.md rule 14: bit for bit),
   // not fce_backward's gradient from the saved lse.
-  const bool forward = p.lse_in == nullptr || p.rescale;
-  const char* fn = p.rescale ? "fce_backward_rescale" : forward ? "fce_forward" : "fce_backward";
+  const bool rescale = p.mode == CeMode::kRescale;
+  const bool forward = p.mode != CeMode::kBackward;
   try {
     const CeSetup setup = make_setup(p.opt, p.rows, p.vocab, p.targets, p.grad_output);
-    if (p.rescale && rescale_in_place(p, setup)) return FCE_SUCCESS;
-    const bool outputs = p.loss != nullptr;  // fce_forward; the backward calls write grad only
+    if (rescale && rescale_in_place(p, setup)) return FCE_SUCCESS;
+    const bool outputs = p.mode == CeMode::kForward;  // the backward calls write grad only
     RowScratch scratch(setup, p.rows);
     std::unique_ptr<RowResults> results;
     if (outputs) results.reset(new RowResults(p.rows, p.accuracy != nullptr));
@@ -73,8 +73,9 @@ fce_status cpu_ce(const CeProblem& p) {
     if (invalid_seen && p.error_flags) *p.error_flags |= FCE_FLAG_TARGET_OUT_OF_RANGE;
     return FCE_SUCCESS;
   } catch (const std::bad_alloc&) {
-    return fail(FCE_ERROR_INTERNAL, "%s (CPU): out of host memory for %lld rows of %lld classes",
-                fn, (long long)p.rows, (long long)p.vocab);
+    return fail(FCE_ERROR_OUT_OF_MEMORY,
+                "%s (CPU): out of host memory for %lld rows of %lld classes", p.fn,
+                (long long)p.rows, (long long)p.vocab);
   }
 }
 

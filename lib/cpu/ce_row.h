@@ -1,5 +1,5 @@
-// ce_row.h — the cross-entropy of one row, SPEC.md "The loss, row by row" and "The gradient"
-// step by step (in double here; the float32 fast path below), with the corner cases of SEMANTICS.md; shared by ce.cpp (logits given)
+// ce_row.h — the cross-entropy of one row, docs/semantics.md "The loss, row by row" and "The gradient"
+// step by step (in double here; the float32 fast path below), with the corner cases of docs/semantics.md; shared by ce.cpp (logits given)
 // and linear_ce.cpp (logits made chunk by chunk). Rows are independent, so they run on threads
 // (parallel_for); the reduction over rows is sequential, in row order: deterministic.
 #pragma once
@@ -18,7 +18,7 @@ namespace cpu {
 
 // ------------------------------------------------------------ once per call ----
 
-// What every row shares: the options as the SPEC names them, Ω and the denominators D and n.
+// What every row shares: the options as docs/semantics.md names them, Ω and the denominators D and n.
 struct CeSetup {
   int64_t rows, vocab;  // N, V
   double s;             // logit_scale
@@ -35,8 +35,8 @@ struct CeSetup {
   bool targets_int64;
   int reduction;
   const float* grad_output;  // g: [1] (mean, sum) or [N] (none); nullptr = 1
-  double D;                  // SEMANTICS 4: Σ ω_y over scored rows + the number of invalid rows
-  double n;                  // SEMANTICS 4: the number of non-ignored rows
+  double D;                  // docs/semantics.md rule 4: Σ ω_y over scored rows + the number of invalid rows
+  double n;                  // docs/semantics.md rule 4: the number of non-ignored rows
 };
 
 enum class RowKind { kScored, kIgnored, kInvalid };
@@ -50,7 +50,7 @@ inline double omega_of(const CeSetup& setup, int64_t j) {
   return setup.omega ? double(setup.omega[j]) : 1.0;
 }
 
-// SEMANTICS 1-3: the target row r is scored against, or why it is not. With the shift, the
+// docs/semantics.md rules 1-3: the target row r is scored against, or why it is not. With the shift, the
 // last k rows of each sequence are ignored before their (absent) target is read.
 inline RowTarget row_target(const CeSetup& setup, int64_t r) {
   int64_t source = r;
@@ -66,7 +66,7 @@ inline RowTarget row_target(const CeSetup& setup, int64_t r) {
   return {RowKind::kScored, y};
 }
 
-// SEMANTICS 4: D = Σ ω_{y_r} over scored rows + the number of invalid rows, and n = the number
+// docs/semantics.md rule 4: D = Σ ω_{y_r} over scored rows + the number of invalid rows, and n = the number
 // of non-ignored rows, in row order.
 inline void denominators(CeSetup& setup) {
   setup.D = 0.0;
@@ -103,11 +103,11 @@ inline CeSetup make_setup(const CeOptions& opt, int64_t rows, int64_t vocab, con
   return setup;
 }
 
-// SEMANTICS 6: the upstream scales of row r, k = g · k1 for the cross-entropy terms and
+// docs/semantics.md rule 6: the upstream scales of row r, k = g · k1 for the cross-entropy terms and
 // k_z = g · kz1 for the z-loss term (k1 = 1/D and kz1 = 1/n for mean, 1 otherwise). The gradient
 // is computed for an upstream 1 and multiplied by g last, so that the gradient for g = ±2^k or 0
 // is exactly the gradient for 1 times g, zeros' signs included (fce_backward_rescale's scaling
-// in place, SEMANTICS 14).
+// in place, docs/semantics.md rule 14).
 struct Upstream {
   double g, k1, kz1;
 };
@@ -129,11 +129,11 @@ inline void scale_and_softcap(const CeSetup& setup, double* a) {
   }
 }
 
-// Step 3 in two parts (SEMANTICS 8-10): the row maximum m and log s, s = Σ_j exp(a_j − m), kept
+// Step 3 in two parts (docs/semantics.md rules 8-10): the row maximum m and log s, s = Σ_j exp(a_j − m), kept
 // apart, so that p_j = exp((a_j − m) − log s) keeps log s even when |m| is huge (all entries
 // -1e30: lse = m + log s rounds to m). lse = m + log s. A NaN anywhere makes m, log s and lse
 // NaN. An entry equal to m counts exp(0) = 1 even when m is infinite: a row of −inf gives
-// s = V and lse = −inf, +inf entries give lse = +inf. argmax is SEMANTICS 15's: the first NaN,
+// s = V and lse = −inf, +inf entries give lse = +inf. argmax is docs/semantics.md rule 15's: the first NaN,
 // else the lowest j with a_j == m.
 struct RowStats {
   double m, log_s, lse;
@@ -157,7 +157,7 @@ inline RowStats row_stats(const double* a, int64_t vocab) {
   return {m, log_s, m + log_s, argmax};
 }
 
-// fce_backward's statistics (SEMANTICS 12): the row is reduced again (in double, cheap next to
+// fce_backward's statistics (docs/semantics.md rule 12): the row is reduced again (in double, cheap next to
 // the gradient); when its lse rounds to the saved float, that is exactly what fce_forward had, so
 // its (m, log s) are used and the gradient is fce_forward's bit for bit; so they are when
 // |lse| >= 1024, where the saved float would lose log s. Otherwise (the lse of another call)
@@ -168,12 +168,12 @@ inline RowStats saved_stats(float saved, const double* a, int64_t vocab) {
   return {double(saved), 0.0, double(saved), exact.argmax};
 }
 
-// p_j = exp((a_j − m) − log s) (SEMANTICS 9).
+// p_j = exp((a_j − m) − log s) (docs/semantics.md rule 9).
 inline double probability(const RowStats& st, double a_j) {
   return std::exp((a_j - st.m) - st.log_s);
 }
 
-// Step 4 (SEMANTICS 8): ce = (1 − ε) ω_y ((m − a_y) + log s) + (ε/V) Σ_j ω_j ((m − a_j) + log s).
+// Step 4 (docs/semantics.md rule 8): ce = (1 − ε) ω_y ((m − a_y) + log s) + (ε/V) Σ_j ω_j ((m − a_j) + log s).
 // The smoothing sum is skipped when ε == 0 (so that a −inf entry does not make 0 · inf).
 inline double cross_entropy(const CeSetup& setup, const double* a, const RowStats& st, int64_t y) {
   double ce = (1.0 - setup.eps) * omega_of(setup, y) * ((st.m - a[y]) + st.log_s);
@@ -197,7 +197,7 @@ inline double scaled_z_loss_term(const CeSetup& setup, double t, double lse) {
   return setup.lambda == 0.0 ? 0.0 : t * z_loss_term(setup, lse);
 }
 
-// The gradient (SEMANTICS 9), in place: a_j in, ∂loss/∂z_j out:
+// The gradient (docs/semantics.md rule 9), in place: a_j in, ∂loss/∂z_j out:
 //   ∂ce/∂a_j = (1−ε) ω_y (p_j − [j = y]) + (ε/V)(Ω p_j − ω_j),  ∂zl/∂a_j = 2 λ lse p_j
 //   ∂loss/∂z_j = t · (k ∂ce/∂a_j + k_z ∂zl/∂a_j) · s · (1 − (a_j / c)²)
 // (the last factor only with softcap; t = p_y with token scaling, else 1), g applied last.
@@ -224,9 +224,9 @@ inline void gradient(const CeSetup& setup, double* a, const RowStats& st, int64_
 // When a = z exactly (logit_scale 1, no softcap: float16, bfloat16 and float32 logits are all
 // exact in float32) the row stays in float32 and the hot loops run vectorised (row_kernels.h):
 // float32 exp per element, Σ exp(a_j − m) and the smoothing sum accumulated in double, log s
-// and the loss in double, m and log s kept apart (SEMANTICS 9), and the gradient computed in
+// and the loss in double, m and log s kept apart (docs/semantics.md rule 9), and the gradient computed in
 // float32 from p_j = exp((a_j − m) − log s), the upstream g multiplied last in float32 (so that
-// fce_backward_rescale's exact scaling is bit for bit this with that g, SEMANTICS 14). With
+// fce_backward_rescale's exact scaling is bit for bit this with that g, docs/semantics.md rule 14). With
 // logit_scale or softcap the double path above is used.
 
 inline bool float_path(const CeSetup& setup) { return setup.s == 1.0 && setup.c == 0.0; }
@@ -311,7 +311,7 @@ inline void load_row_f32(int dtype, const void* src, int64_t n, float* dst) {
 // Per-row results of a forward, indexed by problem row, reduced by write_reduction.
 struct RowResults {
   std::vector<double> ce;        // ce_r (times t with token scaling): 0 ignored, NaN invalid
-  std::vector<double> z_loss;    // zl_r: 0 for ignored rows (SEMANTICS 7, 8)
+  std::vector<double> z_loss;    // zl_r: 0 for ignored rows (docs/semantics.md rules 7, 8)
   std::vector<uint8_t> correct;  // 1 when argmax_r == y_r (scored rows), else 0; empty: no accuracy
   RowResults(int64_t rows, bool accuracy)
       : ce(size_t(rows)), z_loss(size_t(rows)), correct(accuracy ? size_t(rows) : 0) {}
@@ -422,7 +422,7 @@ inline bool run_rows(const CeSetup& setup, const RowsJob& job, RowScratch& scrat
         const RowStats st = job.lse_in ? saved_stats(job.lse_in[r], a, V) : row_stats(a, V);  // 3
         if (job.lse_out) job.lse_out[r] = float(st.lse);
         if (job.argmax && t.kind != RowKind::kIgnored) job.argmax[r] = st.argmax;
-        // Token scaling's t = p_y, a constant of the row (SEMANTICS 8, 9).
+        // Token scaling's t = p_y, a constant of the row (docs/semantics.md rules 8, 9).
         const double tscale =
             setup.token_scaling && t.kind == RowKind::kScored ? probability(st, a[t.y]) : 1.0;
         if (res && t.kind == RowKind::kInvalid) {
@@ -446,7 +446,7 @@ inline bool run_rows(const CeSetup& setup, const RowsJob& job, RowScratch& scrat
   return invalid_seen.load();
 }
 
-// SEMANTICS 5, 7 and 15: the loss, the z-loss total and the accuracy from the rows' values,
+// docs/semantics.md rules 5, 7 and 15: the loss, the z-loss total and the accuracy from the rows' values,
 // summed in row order.
 inline void write_reduction(const CeSetup& setup, const RowResults& res, float* loss,
                             float* z_loss, float* accuracy) {

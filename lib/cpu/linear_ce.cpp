@@ -1,6 +1,6 @@
 // linear_ce.cpp — fused linear + cross-entropy on the CPU: z = h·Wᵀ + b, one chunk of token rows
 // at a time (the N×V logits exist whole only when N fits one chunk), then ce_row.h's row-by-row
-// cross-entropy on the chunk, then the gradients (SEMANTICS 13): ∂h = ∂z·W, ∂W (+)= ∂zᵀ·h
+// cross-entropy on the chunk, then the gradients (docs/semantics.md rule 13): ∂h = ∂z·W, ∂W (+)= ∂zᵀ·h
 // accumulated in float32, ∂b (+)= Σ_r ∂z_r. The GEMMs are OpenBLAS cblas_sgemm in float32: float32 inputs are used as
 // they are; float16/bfloat16 ones are widened (W and b once per call, in host memory; h chunk by
 // chunk); the per-row cross-entropy is ce_row.h's (float32 vectorised, sums in double).
@@ -37,13 +37,12 @@ void cpu_linear_ce_workspace_size(const CeOptions& opt, int64_t rows, int64_t hi
 }
 
 fce_status cpu_linear_ce(const LinearCeProblem& p) {
-  const char* fn = "fce_linear_ce (CPU)";
   const int64_t R = chunk_rows(p.rows, p.vocab);
   if (p.vocab > INT_MAX || p.hidden > INT_MAX || p.hidden_row_stride > INT_MAX)
     return fail(FCE_ERROR_UNSUPPORTED,
-                "%s: BLAS takes int sizes: vocab %lld, hidden %lld, "
+                "%s (CPU): BLAS takes int sizes: vocab %lld, hidden %lld, "
                 "hidden_row_stride %lld must be at most %d",
-                fn, (long long)p.vocab, (long long)p.hidden, (long long)p.hidden_row_stride,
+                p.fn, (long long)p.vocab, (long long)p.hidden, (long long)p.hidden_row_stride,
                 INT_MAX);
   const int dtype = p.opt.dtype;
   const int grad_weight_dtype = p.grad_weight_fp32 ? FCE_FLOAT32 : dtype;
@@ -57,18 +56,8 @@ fce_status cpu_linear_ce(const LinearCeProblem& p) {
     const FloatMatrix b = p.bias ? as_float(dtype, p.bias, 1, p.vocab) : FloatMatrix();
     ChunkBuffers chunk(chunk_layout(dtype, R, p.hidden, p.vocab, with_grad && dtype != FCE_FLOAT32), p.workspace,
                        p.workspace_bytes);
-    // ∂W in float32: the caller's buffer when it is float32, else an accumulator added at the end.
-    std::vector<float> dW_accumulator;
-    float* dW = nullptr;
-    if (p.grad_weight && grad_weight_dtype == FCE_FLOAT32) {
-      dW = static_cast<float*>(p.grad_weight);
-    } else if (p.grad_weight) {
-      dW_accumulator.assign(size_t(p.vocab) * size_t(p.hidden), 0.0f);
-      dW = dW_accumulator.data();
-    }
-    std::vector<double> db(p.grad_bias ? size_t(p.vocab) : 0, 0.0);
-    if (dW && dW == p.grad_weight && !p.accumulate)
-      std::fill(dW, dW + size_t(p.vocab) * size_t(p.hidden), 0.0f);
+    WeightGrads weight_grads(grad_weight_dtype, p.grad_weight, p.grad_bias, p.accumulate, p.vocab,
+                             p.hidden);
 
     bool invalid_seen = false;
     for (int64_t r0 = 0; r0 < p.rows; r0 += R) {
@@ -98,33 +87,17 @@ fce_status cpu_linear_ce(const LinearCeProblem& p) {
       if (p.grad_hidden)
         grad_hidden_chunk(dtype, p.grad_hidden, dz, W, r0, count, p.hidden, p.vocab,
                           chunk.grad_hidden);
-      if (dW) grad_weight_chunk(dz, h, ldh, count, p.hidden, p.vocab, dW);
-      if (p.grad_bias) grad_bias_chunk(dz, count, p.vocab, db.data());
+      weight_grads.add(dz, h, ldh, count);
     }
 
-    // ∂W and ∂b in their dtype: (old value when accumulating) + the sum, rounded once.
-    if (p.grad_weight && dW != p.grad_weight) {
-      const int64_t n = p.vocab * p.hidden;
-      parallel_for(n, thread_count(n, int64_t(1) << 16), [&](int64_t begin, int64_t end, int) {
-        for (int64_t i = begin; i < end; ++i) {
-          const double old = p.accumulate ? load_float(grad_weight_dtype, p.grad_weight, i) : 0.0;
-          store_double(grad_weight_dtype, p.grad_weight, i, old + double(dW[i]));
-        }
-      });
-    }
-    if (p.grad_bias) {
-      for (int64_t j = 0; j < p.vocab; ++j) {
-        const double old = p.accumulate ? load_float(grad_weight_dtype, p.grad_bias, j) : 0.0;
-        store_double(grad_weight_dtype, p.grad_bias, j, old + db[size_t(j)]);
-      }
-    }
-
+    weight_grads.store();
     write_reduction(setup, results, p.loss, p.z_loss, p.accuracy);
     if (invalid_seen && p.error_flags) *p.error_flags |= FCE_FLAG_TARGET_OUT_OF_RANGE;
     return FCE_SUCCESS;
   } catch (const std::bad_alloc&) {
-    return fail(FCE_ERROR_INTERNAL, "%s: out of host memory (rows %lld, hidden %lld, vocab %lld)",
-                fn, (long long)p.rows, (long long)p.hidden, (long long)p.vocab);
+    return fail(FCE_ERROR_OUT_OF_MEMORY,
+                "%s (CPU): out of host memory (rows %lld, hidden %lld, vocab %lld)", p.fn,
+                (long long)p.rows, (long long)p.hidden, (long long)p.vocab);
   }
 }
 

@@ -147,5 +147,62 @@ inline void grad_bias_chunk(const float* dz, int64_t count, int64_t vocab, doubl
   });
 }
 
+// ∂W [V, D] and ∂b [V] of a call, summed over its chunks: ∂W in float32 (the caller's
+// grad_weight when it is float32, zeroed unless accumulating; else an accumulator), ∂b in
+// double. The constructor allocates and then writes that zeroing, the one output written before
+// the chunks: construct it after every other allocation of the call.
+class WeightGrads {
+ public:
+  WeightGrads(int dtype, void* grad_weight, void* grad_bias, bool accumulate, int64_t vocab,
+              int64_t hidden)
+      : dtype_(dtype), grad_weight_(grad_weight), grad_bias_(grad_bias), accumulate_(accumulate),
+        vocab_(vocab), hidden_(hidden) {
+    const size_t n = size_t(vocab) * size_t(hidden);
+    if (grad_weight && dtype == FCE_FLOAT32) {
+      dW_ = static_cast<float*>(grad_weight);
+    } else if (grad_weight) {
+      accumulator_.assign(n, 0.0f);
+      dW_ = accumulator_.data();
+    }
+    db_.assign(grad_bias ? size_t(vocab) : 0, 0.0);
+    if (dW_ && dW_ == grad_weight && !accumulate) std::fill(dW_, dW_ + n, 0.0f);
+  }
+
+  // ∂W += ∂zᵀ·h and ∂b += Σ_r ∂z_r over a chunk of `count` rows.
+  void add(const float* dz, const float* h, int64_t ldh, int64_t count) {
+    if (dW_) grad_weight_chunk(dz, h, ldh, count, hidden_, vocab_, dW_);
+    if (grad_bias_) grad_bias_chunk(dz, count, vocab_, db_.data());
+  }
+
+  // ∂W and ∂b in their dtype: (the old value when accumulating) + the sum, rounded once.
+  void store() const {
+    if (grad_weight_ && dW_ != grad_weight_) {
+      const int64_t n = vocab_ * hidden_;
+      parallel_for(n, thread_count(n, int64_t(1) << 16), [&](int64_t begin, int64_t end, int) {
+        for (int64_t i = begin; i < end; ++i) {
+          const double old = accumulate_ ? load_float(dtype_, grad_weight_, i) : 0.0;
+          store_double(dtype_, grad_weight_, i, old + double(dW_[i]));
+        }
+      });
+    }
+    if (grad_bias_) {
+      for (int64_t j = 0; j < vocab_; ++j) {
+        const double old = accumulate_ ? load_float(dtype_, grad_bias_, j) : 0.0;
+        store_double(dtype_, grad_bias_, j, old + db_[size_t(j)]);
+      }
+    }
+  }
+
+ private:
+  int dtype_;  // of grad_weight and grad_bias
+  void* grad_weight_;
+  void* grad_bias_;
+  bool accumulate_;
+  int64_t vocab_, hidden_;
+  std::vector<float> accumulator_;
+  float* dW_ = nullptr;
+  std::vector<double> db_;
+};
+
 }  // namespace cpu
 }  // namespace fce

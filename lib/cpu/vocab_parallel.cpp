@@ -1,4 +1,4 @@
-// vocab_parallel.cpp — the vocabulary-parallel calls on the CPU (fce_vp_*, SEMANTICS.md rule 16):
+// vocab_parallel.cpp — the vocabulary-parallel calls on the CPU (fce_vp_*, docs/semantics.md rule 16):
 //   phase 1  each rank's FCE_VP_STATS float32 per row over its shard of the classes (m_r, s_r,
 //            t_r, h_r, u_r, W_r, the shard's argmax, V_r), from given logits (fce_vp_stats) or
 //            from z = h·W_shardᵀ + b_shard made chunk by chunk (fce_vp_linear_stats);
@@ -415,13 +415,12 @@ uint32_t gradient_rows(const VpSetup& s, const float* gathered, int64_t ranks, i
 // holds optimal_bytes, else in host memory.
 
 fce_status vp_linear(const VpLinearProblem& p) {
-  const bool backward = p.gathered != nullptr;
-  const char* fn = backward ? "fce_vp_linear_backward (CPU)" : "fce_vp_linear_stats (CPU)";
+  const bool backward = p.backward;
   if (p.vocab_local > INT_MAX || p.hidden > INT_MAX || p.hidden_row_stride > INT_MAX)
     return fail(FCE_ERROR_UNSUPPORTED,
-                "%s: BLAS takes int sizes: vocab_local %lld, hidden %lld, "
+                "%s (CPU): BLAS takes int sizes: vocab_local %lld, hidden %lld, "
                 "hidden_row_stride %lld must be at most %d",
-                fn, (long long)p.vocab_local, (long long)p.hidden,
+                p.fn, (long long)p.vocab_local, (long long)p.hidden,
                 (long long)p.hidden_row_stride, INT_MAX);
   const int dtype = p.opt.dtype;
   const int grad_weight_dtype = p.grad_weight_fp32 ? FCE_FLOAT32 : dtype;
@@ -437,17 +436,8 @@ fce_status vp_linear(const VpLinearProblem& p) {
         chunk_layout(dtype, R, p.hidden, p.vocab_local,
                      backward && p.grad_hidden_dtype != FCE_FLOAT32),
         p.workspace, p.workspace_bytes);
-    std::vector<float> dW_accumulator;
-    float* dW = nullptr;
-    if (p.grad_weight && grad_weight_dtype == FCE_FLOAT32) {
-      dW = static_cast<float*>(p.grad_weight);
-    } else if (p.grad_weight) {
-      dW_accumulator.assign(size_t(p.vocab_local) * size_t(p.hidden), 0.0f);
-      dW = dW_accumulator.data();
-    }
-    std::vector<double> db(p.grad_bias ? size_t(p.vocab_local) : 0, 0.0);
-    if (dW && dW == p.grad_weight && !p.accumulate)
-      std::fill(dW, dW + size_t(p.vocab_local) * size_t(p.hidden), 0.0f);
+    WeightGrads weight_grads(grad_weight_dtype, p.grad_weight, p.grad_bias, p.accumulate,
+                             p.vocab_local, p.hidden);
 
     uint32_t flags = 0;
     for (int64_t r0 = 0; r0 < p.rows; r0 += R) {
@@ -467,32 +457,16 @@ fce_status vp_linear(const VpLinearProblem& p) {
       if (p.grad_hidden)
         grad_hidden_chunk(p.grad_hidden_dtype, p.grad_hidden, dz, W, r0, count, p.hidden,
                           p.vocab_local, chunk.grad_hidden);
-      if (dW) grad_weight_chunk(dz, h, ldh, count, p.hidden, p.vocab_local, dW);
-      if (p.grad_bias) grad_bias_chunk(dz, count, p.vocab_local, db.data());
+      weight_grads.add(dz, h, ldh, count);
     }
     if (!backward) return FCE_SUCCESS;
 
-    // ∂W and ∂b in their dtype: (old value when accumulating) + the sum, rounded once.
-    if (p.grad_weight && dW != p.grad_weight) {
-      const int64_t n = p.vocab_local * p.hidden;
-      parallel_for(n, thread_count(n, int64_t(1) << 16), [&](int64_t begin, int64_t end, int) {
-        for (int64_t i = begin; i < end; ++i) {
-          const double old = p.accumulate ? load_float(grad_weight_dtype, p.grad_weight, i) : 0.0;
-          store_double(grad_weight_dtype, p.grad_weight, i, old + double(dW[i]));
-        }
-      });
-    }
-    if (p.grad_bias) {
-      for (int64_t j = 0; j < p.vocab_local; ++j) {
-        const double old = p.accumulate ? load_float(grad_weight_dtype, p.grad_bias, j) : 0.0;
-        store_double(grad_weight_dtype, p.grad_bias, j, old + db[size_t(j)]);
-      }
-    }
+    weight_grads.store();
     if (p.error_flags) *p.error_flags |= flags;
     return FCE_SUCCESS;
   } catch (const std::bad_alloc&) {
-    return fail(FCE_ERROR_INTERNAL,
-                "%s: out of host memory (rows %lld, hidden %lld, vocab_local %lld)", fn,
+    return fail(FCE_ERROR_OUT_OF_MEMORY,
+                "%s (CPU): out of host memory (rows %lld, hidden %lld, vocab_local %lld)", p.fn,
                 (long long)p.rows, (long long)p.hidden, (long long)p.vocab_local);
   }
 }
@@ -507,8 +481,8 @@ fce_status cpu_vp_stats(const VpStatsProblem& p) {
     stats_rows(s, 0, p.rows, p.logits, p.row_stride, p.opt.dtype, p.stats, scratch);
     return FCE_SUCCESS;
   } catch (const std::bad_alloc&) {
-    return fail(FCE_ERROR_INTERNAL,
-                "fce_vp_stats (CPU): out of host memory for %lld rows of %lld classes",
+    return fail(FCE_ERROR_OUT_OF_MEMORY,
+                "%s (CPU): out of host memory for %lld rows of %lld classes", p.fn,
                 (long long)p.rows, (long long)p.vocab_local);
   }
 }
@@ -519,9 +493,8 @@ size_t cpu_vp_workspace_size(const CeOptions&, int64_t, int64_t, int64_t, int64_
 }
 
 fce_status cpu_vp(const VpProblem& p) {
-  const bool backward = p.grad != nullptr;
   try {
-    if (!backward) return vp_loss(p);
+    if (!p.backward) return vp_loss(p);
     const VpSetup s = make_vp_setup(p.opt, p.rows, p.vocab_total, p.vocab_start, p.vocab_local,
                                     p.targets, p.grad_output);
     ShardScratch scratch(s, p.rows);
@@ -531,8 +504,9 @@ fce_status cpu_vp(const VpProblem& p) {
     if (p.error_flags) *p.error_flags |= flags;
     return FCE_SUCCESS;
   } catch (const std::bad_alloc&) {
-    return fail(FCE_ERROR_INTERNAL, "%s (CPU): out of host memory for %lld rows",
-                backward ? "fce_vp_backward" : "fce_vp_loss", (long long)p.rows);
+    return fail(FCE_ERROR_OUT_OF_MEMORY,
+                "%s (CPU): out of host memory (ranks %lld, rows %lld, vocab_total %lld)", p.fn,
+                (long long)p.ranks, (long long)p.rows, (long long)p.vocab_total);
   }
 }
 

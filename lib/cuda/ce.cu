@@ -1,15 +1,16 @@
-// ce.cu — the CUDA backend of fce_forward / fce_backward: checks that every pointer is usable on
-// the current device, carves the workspace, and enqueues the three steps on the caller's stream:
+// ce.cu — the CUDA backend of fce_forward / fce_backward / fce_backward_rescale: carves the
+// workspace and enqueues the three steps on the caller's stream (the ABI layer has checked every
+// argument, the device pointers included: cuda_check_pointers, device_pointers.cu):
 //   1. launch_ce_denominators   D and Ω over all rows (needed by mean and by weighted smoothing)
 //   2. launch_ce_rows           row losses, lse, z-loss terms, the gradient (one pass)
 //   3. launch_ce_finalize       the fixed-order reduced loss / z-loss (forward)
-// No allocation, no synchronisation, nothing on another stream: graph-capturable.
+// No allocation, no synchronisation, nothing on another stream: graph-capturable. Every message
+// starts with p.fn, the public function.
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
 #include "cuda/ce_rows.cuh"
-#include "cuda/device_pointers.cuh"
 #include "internal.h"
 
 namespace fce {
@@ -73,26 +74,15 @@ size_t cuda_ce_workspace_size(const CeOptions& opt, int64_t rows, int64_t /*voca
 
 fce_status cuda_ce(const CeProblem& p) {
   // fce_backward_rescale runs the forward's kernels in rescale mode (no outputs but the gradient)
-  const bool backward = p.lse_in != nullptr && !p.rescale;
-  const char* fn = p.rescale ? "fce_backward_rescale" : backward ? "fce_backward" : "fce_forward";
-  const bool outputs = !backward && !p.rescale;
+  const bool backward = p.mode == CeMode::kBackward;
+  const bool rescale = p.mode == CeMode::kRescale;
+  const bool outputs = p.mode == CeMode::kForward;
+  const char* fn = p.fn;
   const CeOptions& opt = p.opt;
 
-  // ---- everything that can fail before any work is enqueued
-  const cuda::NamedPointer pointers[] = {
-      {p.logits, "logits"},           {p.targets, "targets"},
-      {p.loss, "loss"},               {p.lse, "lse"},
-      {p.z_loss, "z_loss"},           {p.grad, "grad_logits"},
-      {p.grad_output, "grad_output"}, {p.lse_in, "lse"},
-      {p.error_flags, "error_flags"}, {opt.class_weights, "options->class_weights"},
-      {p.argmax, "options->argmax"},  {p.accuracy, "options->accuracy"},
-      {p.workspace, "workspace"}};
-  int device = 0;
-  if (fce_status st = cuda::check_device_pointers(
-          fn, pointers, static_cast<int>(sizeof pointers / sizeof pointers[0]), &device))
-    return st;
-
-  const WsLayout ws = ws_layout(opt, p.rows, p.lse_in != nullptr);
+  // ---- everything that can fail before any work is enqueued (the backward and the rescale
+  // share the backward's workspace: no per-row outputs)
+  const WsLayout ws = ws_layout(opt, p.rows, !outputs);
   if (p.workspace_bytes < ws.total)
     return fail(FCE_ERROR_WORKSPACE_TOO_SMALL, "%s: workspace_bytes (%zu) is less than %zu", fn,
                 p.workspace_bytes, ws.total);
@@ -102,6 +92,8 @@ fce_status cuda_ce(const CeProblem& p) {
     return fail(FCE_ERROR_NULL_POINTER, "%s: loss is NULL", fn);
   if (!outputs && !p.grad)
     return fail(FCE_ERROR_NULL_POINTER, "%s: grad_logits is NULL", fn);
+  if (backward && !p.lse_in)
+    return fail(FCE_ERROR_NULL_POINTER, "%s: lse is NULL", fn);
 
   char* base = static_cast<char*>(p.workspace);
   auto* denoms = reinterpret_cast<cuda::CeDenoms*>(base + ws.denoms);
@@ -118,11 +110,13 @@ fce_status cuda_ce(const CeProblem& p) {
   cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
 
   // ---- 1. denominators (all rows, before any row needs k = g / D)
-  if (fce_status st = cuda::launch_ce_denominators(opt, p.rows, p.vocab, p.targets, denoms, stream))
+  if (fce_status st =
+          cuda::launch_ce_denominators(fn, opt, p.rows, p.vocab, p.targets, denoms, stream))
     return st;
 
   // ---- 2. the rows
   cuda::CeRowsArgs a{};
+  a.fn = fn;
   a.opt = opt;
   a.vocab = p.vocab;
   a.total_rows = p.rows;
@@ -144,14 +138,14 @@ fce_status cuda_ce(const CeProblem& p) {
   a.argmax_out = outputs ? p.argmax : nullptr;
   a.row_correct = row_correct;
   a.error_flags = p.error_flags;
-  a.rescale = p.rescale;
+  a.rescale = rescale;
   if (fce_status st = cuda::launch_ce_rows(a, stream)) return st;
 
   // ---- 3. the reduced loss, z-loss and accuracy (forward); for none the rows are the outputs
   if (outputs) {
     float* loss_out = none ? nullptr : p.loss;
     float* acc_out = none ? nullptr : p.accuracy;
-    if (fce_status st = cuda::launch_ce_finalize(opt, p.rows, row_loss, row_zloss, row_correct,
+    if (fce_status st = cuda::launch_ce_finalize(fn, opt, p.rows, row_loss, row_zloss, row_correct,
                                                  denoms, loss_out, p.z_loss, acc_out, stream))
       return st;
   }

@@ -1,10 +1,13 @@
-// ce_rows.cuh — the cross-entropy row kernels (ce_kernels.cu), shared by cuda_ce (ce.cu) and the
-// fused linear + CE path (linear_ce.cu), which calls launch_ce_rows on chunks of rows.
+// ce_rows.cuh — the cross-entropy row kernels (ce_kernels.cu, ce_reduce.cu), shared by cuda_ce
+// (ce.cu), the fused linear + CE path (linear_ce.cu), which calls launch_ce_rows on chunks of
+// rows, and the vocabulary-parallel calls (vocab_parallel.cu, vp_linear.cu).
 //
 // Call order on one stream, per problem: launch_ce_denominators (all rows) → launch_ce_rows (all
 // rows, in one call or in chunks, any order) → launch_ce_finalize. Everything is enqueued on the
 // given stream: no allocation, no synchronisation, graph-capturable. Each returns FCE_SUCCESS or
-// a status with fce::fail() naming the kernel (FCE_ERROR_CUDA on a launch error).
+// a status with fce::fail() whose message starts with `fn`, the public function the caller runs
+// ("fce_forward", "fce_vp_backward", ...), and names the kernel after it (FCE_ERROR_CUDA on a
+// launch error; launch_check.cuh).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -17,7 +20,7 @@ namespace fce {
 namespace cuda {
 
 struct CeDenoms {
-  float denom;        // D (SEMANTICS rule 4)
+  float denom;        // D (docs/semantics.md rule 4)
   float omega_total;  // Omega = sum_j w_j (vocab without class weights)
   float count;        // n, the non-ignored rows (rule 4): the z-loss's and accuracy's divisor
 };  // device memory, lives in the workspace
@@ -25,18 +28,20 @@ struct CeDenoms {
 // What a forward pass keeps of a row for a later gradient of a column slice (fce_linear_ce's
 // vocabulary-sliced plan): the row maximum m, log s, and the token-scaling factor t (1 when off).
 // p_j = exp((a_j − m) − ls) needs both m and ls: lse = m + ls in float32 loses ls when |m| is
-// huge (SEMANTICS rule 9).
+// huge (docs/semantics.md rule 9).
 struct CeRowStats {
   float m, ls, t, pad;
 };
 
-// D (SEMANTICS rule 4) and Omega = sum of class weights (or vocab), deterministic, all rows.
+// D (docs/semantics.md rule 4) and Omega = sum of class weights (or vocab), deterministic, all rows.
 // launch_ce_rows reads D for reduction mean (to form k = g / D) and Omega for label smoothing
 // with class weights; launch_ce_finalize reads D for mean. Call it before them, always.
-fce_status launch_ce_denominators(const CeOptions& opt, int64_t rows, int64_t vocab,
-                                  const void* targets, CeDenoms* out, cudaStream_t s);
+fce_status launch_ce_denominators(const char* fn, const CeOptions& opt, int64_t rows,
+                                  int64_t vocab, const void* targets, CeDenoms* out,
+                                  cudaStream_t s);
 
 struct CeRowsArgs {
+  const char* fn;                // the public function, for messages ("fce_forward", ...)
   CeOptions opt;
   int64_t vocab;
   int64_t total_rows;
@@ -79,21 +84,15 @@ struct CeRowsArgs {
 // register / cluster path, longer ones the two-pass path (see ce_kernels.cu).
 fce_status launch_ce_rows(const CeRowsArgs& a, cudaStream_t s);
 
-// Deterministic fixed-order sums over all rows (SEMANTICS rules 5, 7, 15): loss[0] from row_loss
+// Deterministic fixed-order sums over all rows (docs/semantics.md rules 5, 7, 15): loss[0] from row_loss
 // (the cross-entropy parts) and row_zloss, z_loss[0] from row_zloss, accuracy[0] from
 // row_correct. For reduction none the caller passes loss = nullptr and accuracy = nullptr (the
 // rows are the outputs) and this only makes z_loss. row_zloss = nullptr means λ = 0. Nothing to
 // do when loss, z_loss and accuracy are all null.
-fce_status launch_ce_finalize(const CeOptions& opt, int64_t rows, const float* row_loss,
-                              const float* row_zloss, const float* row_correct,
-                              const CeDenoms* d, float* loss, float* z_loss, float* accuracy,
-                              cudaStream_t s);
-
-#if defined(FCE_CE_SELFTEST)
-// Host-only check of the register path's index arithmetic (ce_kernels.cu); returns the number
-// of failures. Built only with -DFCE_CE_SELFTEST; needs no GPU.
-int ce_rows_selftest();
-#endif
+fce_status launch_ce_finalize(const char* fn, const CeOptions& opt, int64_t rows,
+                              const float* row_loss, const float* row_zloss,
+                              const float* row_correct, const CeDenoms* d, float* loss,
+                              float* z_loss, float* accuracy, cudaStream_t s);
 
 }  // namespace cuda
 }  // namespace fce

@@ -1,7 +1,16 @@
-// device_pointers.cu — see device_pointers.cuh.
+// device_pointers.cu — cuda_check_pointers (internal.h): the CUDA backend's one check that the
+// caller's buffers are usable on the current device. The ABI layer (lib/api.cpp) builds one
+// argument table per call (fce::Arg: the names as the header spells them) and calls it once,
+// before dispatching to the backend; the backend's files do not check again.
+//
+// Every present pointer must be memory the current device can dereference: device memory of
+// this device, managed memory, pinned host memory mapped into the device's address space, or any
+// host memory where the device accesses pageable memory (HMM / ATS). Anything else is an
+// FCE_ERROR_INVALID_ARGUMENT naming the function and the argument, before any work is enqueued.
+// Host-side queries only (no synchronisation, nothing enqueued: graph capture is not disturbed).
 #include <cuda_runtime.h>
 
-#include "cuda/device_pointers.cuh"
+#include "internal.h"
 
 namespace fce {
 namespace cuda {
@@ -45,22 +54,20 @@ fce_status check_pointer(const char* fn, const void* ptr, const char* name, int 
 }
 
 }  // namespace
+}  // namespace cuda
 
-fce_status check_device_pointers(const char* fn, const NamedPointer* pointers, int count,
-                                 int* device) {
-  int pageable_ok = 0;
-  cudaError_t e = cudaGetDevice(device);
+fce_status cuda_check_pointers(const char* fn, const Arg* args, int count) {
+  int device = 0, pageable_ok = 0;
+  cudaError_t e = cudaGetDevice(&device);
   if (e == cudaSuccess)
-    e = cudaDeviceGetAttribute(&pageable_ok, cudaDevAttrPageableMemoryAccess, *device);
+    e = cudaDeviceGetAttribute(&pageable_ok, cudaDevAttrPageableMemoryAccess, device);
   if (e != cudaSuccess) {
     (void)cudaGetLastError();
     return fail(FCE_ERROR_CUDA, "%s: no usable CUDA device: %s", fn, cudaGetErrorString(e));
   }
   for (int i = 0; i < count; ++i)
-    if (fce_status st = check_pointer(fn, pointers[i].ptr, pointers[i].name, *device, pageable_ok))
-      return st;
+    FCE_TRY(cuda::check_pointer(fn, args[i].ptr, args[i].name, device, pageable_ok));
   return FCE_SUCCESS;
 }
 
-}  // namespace cuda
 }  // namespace fce

@@ -52,7 +52,7 @@ uint32_t alignment_of(const void* p, int64_t ld, size_t elem) {
   return static_cast<uint32_t>(bits & (~bits + 1));
 }
 
-fce_status get_handle(int device, cublasLtHandle_t* out) {
+fce_status get_handle(const char* fn, int device, cublasLtHandle_t* out) {
   std::lock_guard<std::mutex> lock(g_mutex);
   auto it = g_handles.find(device);
   if (it != g_handles.end()) {
@@ -62,8 +62,8 @@ fce_status get_handle(int device, cublasLtHandle_t* out) {
   cublasLtHandle_t h = nullptr;
   cublasStatus_t st = cublasLtCreate(&h);
   if (st != CUBLAS_STATUS_SUCCESS)
-    return fail(FCE_ERROR_CUBLAS, "fce_linear_ce: cublasLtCreate on device %d failed: %s",
-                device, cublasLtGetStatusString(st));
+    return fail(FCE_ERROR_CUBLAS, "%s: cublasLtCreate on device %d failed: %s", fn, device,
+                cublasLtGetStatusString(st));
   g_handles.emplace(device, h);
   *out = h;
   return FCE_SUCCESS;
@@ -88,15 +88,15 @@ struct LtObjects {
 fce_status gemm(const RowMajorGemm& g, cudaStream_t s, bool* bias_applied) {
   if (bias_applied) *bias_applied = false;
   if (g.M <= 0 || g.N <= 0 || g.K <= 0)
-    return fail(FCE_ERROR_INTERNAL, "fce_linear_ce: GEMM %s: empty problem %lld x %lld x %lld",
+    return fail(FCE_ERROR_INTERNAL, "%s: GEMM %s: empty problem %lld x %lld x %lld", g.fn,
                 g.name, (long long)g.M, (long long)g.N, (long long)g.K);
 
   int device = 0;
   cudaError_t ce = cudaGetDevice(&device);
   if (ce != cudaSuccess)
-    return fail(FCE_ERROR_CUDA, "fce_linear_ce: cudaGetDevice failed: %s", cudaGetErrorString(ce));
+    return fail(FCE_ERROR_CUDA, "%s: cudaGetDevice failed: %s", g.fn, cudaGetErrorString(ce));
   cublasLtHandle_t handle = nullptr;
-  fce_status fs = get_handle(device, &handle);
+  fce_status fs = get_handle(g.fn, device, &handle);
   if (fs != FCE_SUCCESS) return fs;
 
   // ---- the mapping of gemm.cuh: column-major Cᵀ[N, M] = op(B)ᵀ[N, K] · op(A)ᵀ[K, M]
@@ -207,9 +207,9 @@ fce_status gemm(const RowMajorGemm& g, cudaStream_t s, bool* bias_applied) {
 #undef FCE_LT
 lt_error:
   return fail(FCE_ERROR_CUBLAS,
-              "fce_linear_ce: GEMM %s (row-major [%lld x %lld] = [%lld x %lld]%s · %s, %s -> %s): "
+              "%s: GEMM %s (row-major [%lld x %lld] = [%lld x %lld]%s · %s, %s -> %s): "
               "%s failed: %s (%s)",
-              g.name, (long long)g.M, (long long)g.N, (long long)g.M, (long long)g.K,
+              g.fn, g.name, (long long)g.M, (long long)g.N, (long long)g.M, (long long)g.K,
               g.trans_a ? "(Aᵀ)" : "", g.trans_b ? "Bᵀ" : "B", dtype_name(g.ab_dtype),
               dtype_name(g.c_dtype), what, cublasLtGetStatusName(st),
               cublasLtGetStatusString(st));

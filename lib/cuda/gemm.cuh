@@ -40,6 +40,7 @@ namespace fce {
 namespace cuda {
 
 struct RowMajorGemm {
+  const char* fn;     // the public function, first in error messages ("fce_linear_ce", ...)
   const char* name;   // names the GEMM in error messages ("logits", "grad_hidden", ...)
   int64_t M, N, K;    // op(A) is [M, K], op(B) is [K, N], C is [M, N]
   const void* A;      // stored [M, K] row-major, or [K, M] when trans_a
@@ -98,7 +99,7 @@ inline ColumnMajorView column_major_view(const RowMajorGemm& g) {
 // Enqueues the GEMM on stream s. With a bias, *bias_applied tells whether cuBLASLt's BIAS
 // epilogue added it; when no algorithm supports that epilogue for this problem the GEMM runs
 // without it, *bias_applied = false, and the caller adds the bias itself. Errors come back as
-// FCE_ERROR_CUBLAS / FCE_ERROR_CUDA through fce::fail, naming g.name.
+// FCE_ERROR_CUBLAS / FCE_ERROR_CUDA through fce::fail, naming g.fn, then g.name.
 fce_status gemm(const RowMajorGemm& g, cudaStream_t s, bool* bias_applied);
 
 }  // namespace cuda

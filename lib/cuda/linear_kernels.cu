@@ -7,6 +7,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "cuda/launch_check.cuh"
 #include "cuda/linear_kernels.cuh"
 
 namespace fce {
@@ -37,14 +38,6 @@ unsigned grid_for(int64_t n) {
   if (blocks > kMaxBlocks) blocks = kMaxBlocks;
   if (blocks < 1) blocks = 1;
   return static_cast<unsigned>(blocks);
-}
-
-fce_status check_launch(const char* kernel) {
-  cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess)
-    return fail(FCE_ERROR_CUDA, "fce_linear_ce: launching %s failed: %s", kernel,
-                cudaGetErrorString(e));
-  return FCE_SUCCESS;
 }
 
 // f16/bf16 → float → the same f16/bf16 is exact, so a same-dtype convert is a bit copy.
@@ -102,34 +95,35 @@ __global__ void store_accumulator_kernel(const float* acc, void* out, int out_dt
 
 }  // namespace
 
-fce_status launch_convert(const void* src, int src_dtype, void* dst, int dst_dtype, int64_t n,
-                          cudaStream_t s) {
+fce_status launch_convert(const char* fn, const void* src, int src_dtype, void* dst,
+                          int dst_dtype, int64_t n, cudaStream_t s) {
   if (n <= 0) return FCE_SUCCESS;
   convert_kernel<<<grid_for(n), kThreads, 0, s>>>(src, src_dtype, dst, dst_dtype, n);
-  return check_launch("the bias copy kernel");
+  return launch_check(fn, "convert_kernel");
 }
 
-fce_status launch_add_bias_rows(void* z, int dtype, int64_t rows, int64_t cols, int64_t ld,
-                                const void* bias, cudaStream_t s) {
+fce_status launch_add_bias_rows(const char* fn, void* z, int dtype, int64_t rows, int64_t cols,
+                                int64_t ld, const void* bias, cudaStream_t s) {
   if (rows <= 0 || cols <= 0) return FCE_SUCCESS;
   add_bias_rows_kernel<<<grid_for(rows * cols), kThreads, 0, s>>>(z, dtype, rows, cols, ld, bias);
-  return check_launch("the bias-add kernel");
+  return launch_check(fn, "add_bias_rows_kernel");
 }
 
-fce_status launch_column_sums(const void* dz, int dz_dtype, int64_t rows, int64_t cols,
-                              int64_t ld, void* out, int out_dtype, bool add_old, cudaStream_t s) {
+fce_status launch_column_sums(const char* fn, const void* dz, int dz_dtype, int64_t rows,
+                              int64_t cols, int64_t ld, void* out, int out_dtype, bool add_old,
+                              cudaStream_t s) {
   if (cols <= 0) return FCE_SUCCESS;
   const int64_t blocks = (cols + kColTile - 1) / kColTile;  // cols < 2^31: fits a grid.x
   column_sums_kernel<<<static_cast<unsigned>(blocks), dim3(kColTile, kRowGroups), 0, s>>>(
       dz, dz_dtype, rows, cols, ld, out, out_dtype, add_old);
-  return check_launch("the bias-gradient column-sum kernel");
+  return launch_check(fn, "column_sums_kernel");
 }
 
-fce_status launch_store_accumulator(const float* acc, void* out, int out_dtype, int64_t n,
-                                    bool add_old, cudaStream_t s) {
+fce_status launch_store_accumulator(const char* fn, const float* acc, void* out, int out_dtype,
+                                    int64_t n, bool add_old, cudaStream_t s) {
   if (n <= 0) return FCE_SUCCESS;
   store_accumulator_kernel<<<grid_for(n), kThreads, 0, s>>>(acc, out, out_dtype, n, add_old);
-  return check_launch("the gradient store kernel");
+  return launch_check(fn, "store_accumulator_kernel");
 }
 
 }  // namespace cuda

@@ -1,9 +1,10 @@
 // linear_plan.cuh — what fce_linear_ce's CUDA path (linear_ce.cu) shares with the
-// vocabulary-parallel linear calls (vp_linear.cu): the workspace arithmetic of its plans, the
-// logits GEMM of a piece of z, and the vocab-sliced plan's gradient pass over column slices.
-// Everything here is defined in linear_ce.cu (the header comment there describes the plans);
-// fce_linear_ce calls exactly these functions, so sharing them changes none of its GEMMs, kernels
-// or their order.
+// vocabulary-parallel linear calls (vp_linear.cu, vp_linear_plan.cu): the workspace arithmetic of
+// its plans (defined in linear_plan.cu, host code only), the logits GEMM of a piece of z, and the
+// vocab-sliced plan's gradient pass over column slices (both defined in linear_ce.cu, whose
+// header comment describes the plans). fce_linear_ce calls exactly these functions, so sharing
+// them changes none of its GEMMs, kernels or their order. Every function that can fail takes
+// `fn`, the public function its messages start with ("fce_linear_ce", "fce_vp_linear_stats").
 #pragma once
 
 #include <cuda_runtime.h>
@@ -31,14 +32,14 @@ constexpr size_t kLtWorkspaceFull = 32u << 20;
 constexpr size_t kLtWorkspaceBudget = 16u << 20;
 constexpr size_t kLtWorkspaceMin = 4u << 20;
 constexpr int64_t kMaxChunkRows = 4096;      // more rows per chunk gives no more speed: ∂W's GEMM
-                                             // is compute bound from Nc ≈ 1024 (PERF.md)
+                                             // is compute bound from Nc ≈ 1024 (docs/performance.md)
 constexpr int64_t kFullSpeedRows = 1024;     // the full-speed chunk has at least this (or N)
 constexpr int64_t kMinChunkRows = 128;       // below this, W is re-read too often per FLOP
 constexpr int64_t kRowQuantum = 128;         // chunk rows are a multiple of this (or all rows)
 constexpr int64_t kVocabPad = 64;            // Z_c rows padded to 64 elements (≥ 128 B)
 
 // A 16-bit grad_weight accumulated in place over token chunks (kChunked16) is rounded once per
-// chunk. SPEC allows it for "few" chunks, with an error within 2× torch eager's against float64:
+// chunk. docs/semantics.md allows it for "few" chunks, with an error within 2× torch eager's against float64:
 // bench/accuracy_dw.py measured it against the chunk count k (H200, bench/NOTES.md): ratio to
 // eager ≤ 1.79 at k = 4 for N up to 65536, but 2.2 at k = 8 (N = 32768, D = 1024); more
 // chunks than this take the vocab-sliced plan (one rounding).
@@ -91,6 +92,9 @@ struct Plan {
 // The plan of one token-chunk mode in workspace_bytes, or false when even its smallest chunk
 // does not fit.
 bool plan_mode(const Sizes& s, Mode mode, size_t workspace_bytes, Plan* out);
+// fce_linear_ce's plan in workspace_bytes (need_dw: grad_weight is asked for; dw_fp32: it is
+// float32), or false when none fits: see linear_plan.cu.
+bool choose_plan(const Sizes& s, bool need_dw, bool dw_fp32, size_t workspace_bytes, Plan* out);
 // The smallest workspace in which a call with these gradients has a plan, and the workspace of
 // the full-speed plan (need_dw: grad_weight is asked for; dw_fp32: it is float32).
 size_t min_workspace(const Sizes& s, bool need_dw, bool dw_fp32);
@@ -99,9 +103,9 @@ size_t optimal_workspace(const Sizes& s, bool need_dw, bool dw_fp32);
 // Z[M, N] = A[M, K] · W[N, K]ᵀ (+ bias[N]) in dtype with float32 accumulation (ldz elements
 // between rows of Z, lda between rows of A, W dense): cuBLASLt with the BIAS epilogue, or the
 // bias added by a second kernel when no algorithm fuses it (gemm.cuh).
-fce_status logits_gemm(int dtype, int64_t M, int64_t N, int64_t K, const void* A, int64_t lda,
-                       const void* W, const void* bias, void* Z, int64_t ldz, void* lt_ws,
-                       size_t lt_bytes, cudaStream_t s);
+fce_status logits_gemm(const char* fn, int dtype, int64_t M, int64_t N, int64_t K, const void* A,
+                       int64_t lda, const void* W, const void* bias, void* Z, int64_t ldz,
+                       void* lt_ws, size_t lt_bytes, cudaStream_t s);
 
 // The vocab-sliced plan's gradient pass (linear_ce.cu): per slice of slice_cols columns
 // [v0, v0 + vc) of the weight's `cols` rows, for all `rows` rows of hidden:
@@ -114,6 +118,7 @@ fce_status logits_gemm(int dtype, int64_t M, int64_t N, int64_t K, const void* A
 //   e. db[v0, v0 + vc) = colsum(∂Z_s) (+ old)    (fixed order)
 // No error flags (the pass that made stats flagged invalid targets already).
 struct SlicePass {
+  const char* fn;              // the public function, for messages
   CeOptions opt;               // opt.dtype: of hidden, weight, bias and the logits scratch
   int64_t rows, hidden, hidden_row_stride;
   int64_t cols;                // rows of weight (classes) covered

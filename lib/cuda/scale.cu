@@ -3,13 +3,14 @@
 // mean or sum), and then every block reads the one float and returns, so applying it costs a
 // launch, no host synchronisation and no pass over the gradient. Otherwise one streaming read
 // and write in 16-byte vectors (float32 product, one rounding to the dtype), as fast as a copy.
+// The ABI layer has checked the arguments, the device pointers included (cuda_check_pointers).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
-#include "cuda/device_pointers.cuh"
+#include "cuda/launch_check.cuh"
 #include "internal.h"
 
 namespace fce {
@@ -73,10 +74,7 @@ fce_status launch(void* grad, int64_t n, const float* scale, cudaStream_t s) {
   if (blocks > kMaxBlocks) blocks = kMaxBlocks;
   scale_kernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, s>>>(static_cast<T*>(grad), n,
                                                                       head, nvec, scale);
-  const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess)
-    return fail(FCE_ERROR_CUDA, "fce_scale_gradient: launch failed: %s", cudaGetErrorString(e));
-  return FCE_SUCCESS;
+  return launch_check("fce_scale_gradient", "scale_kernel");
 }
 
 }  // namespace
@@ -84,9 +82,6 @@ fce_status launch(void* grad, int64_t n, const float* scale, cudaStream_t s) {
 
 fce_status cuda_scale_gradient(int dtype, int64_t count, void* grad, const float* scale,
                                void* stream) {
-  const cuda::NamedPointer pointers[] = {{grad, "grad"}, {scale, "grad_output"}};
-  int device = 0;
-  FCE_TRY(cuda::check_device_pointers("fce_scale_gradient", pointers, 2, &device));
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   switch (dtype) {
     case FCE_FLOAT16: return cuda::launch<__half>(grad, count, scale, s);

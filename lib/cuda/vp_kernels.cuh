@@ -1,6 +1,6 @@
-// vp_kernels.cuh — the kernels of the vocabulary-parallel calls (vocab_parallel.cu), shared by
+// vp_kernels.cuh — the kernels of the vocabulary-parallel calls (vp_kernels.cu), shared by
 // fce_vp_stats / fce_vp_loss / fce_vp_backward (vocab_parallel.cu) and fce_vp_linear_stats /
-// fce_vp_linear_backward (vp_linear.cu). SEMANTICS.md rule 16; the stats layout is VpStat
+// fce_vp_linear_backward (vp_linear.cu). docs/semantics.md rule 16; the stats layout is VpStat
 // (internal.h). Every launcher enqueues on the given stream only (no allocation, no
 // synchronisation) and returns FCE_ERROR_CUDA through fce::fail, naming `fn`, on a launch error.
 #pragma once
@@ -8,8 +8,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstdio>
-#include <cstring>
 
 #include "cuda/ce_rows.cuh"
 #include "internal.h"
@@ -72,33 +70,10 @@ fce_status launch_vp_combine(const VpCombineArgs& a, cudaStream_t s);
 
 // The gradient rows [rows, cols] (ld elements apart, dtype f32 / f16 / bf16) of the rows the
 // combine flagged (stats[row].pad ≠ 0: ignored rows of an inconsistent tiling, whose gradient is
-// NaN like every other row's, SEMANTICS rule 16) set to NaN; the other rows untouched. Run it
+// NaN like every other row's, docs/semantics.md rule 16) set to NaN; the other rows untouched. Run it
 // after the row kernel wrote the gradient (it writes 0 for ignored rows).
 fce_status launch_vp_nan_rows(const char* fn, const CeRowStats* stats, int64_t rows, void* g,
                               int dtype, int64_t cols, int64_t ld, cudaStream_t s);
 
-// A failure of a shared launcher (launch_ce_rows, the GEMMs, ...) reported under the public
-// function's name: "fce_vp_backward: launch_ce_rows: ..." (a message naming fce_linear_ce, as the
-// shared GEMM wrapper's do, is renamed).
-inline fce_status relabel(const char* fn, fce_status st) {
-  if (st == FCE_SUCCESS) return st;
-  char msg[512];
-  std::snprintf(msg, sizeof msg, "%s", fce_last_error());
-  const size_t n = std::strlen(fn);
-  if (std::strncmp(msg, fn, n) == 0 && msg[n] == ':') return st;
-  const char* rest = msg;
-  static const char kLinear[] = "fce_linear_ce: ";
-  if (std::strncmp(rest, kLinear, sizeof kLinear - 1) == 0) rest += sizeof kLinear - 1;
-  return fail(st, "%s: %s", fn, rest);
-}
-
 }  // namespace cuda
 }  // namespace fce
-
-// Returns the status of `expr`, under fn's name, unless it is FCE_SUCCESS.
-#define FCE_VP_TRY(fn, expr)                                      \
-  do {                                                            \
-    const fce_status fce_vp_try_ = (expr);                        \
-    if (fce_vp_try_ != FCE_SUCCESS)                               \
-      return ::fce::cuda::relabel((fn), fce_vp_try_);             \
-  } while (0)

@@ -1,5 +1,5 @@
 // fusedce_nccl.cpp — libfusedce_nccl: the vocabulary-parallel calls of libfusedce (fce_vp_*,
-// SEMANTICS.md rule 16) around NCCL's all-gather of the statistics and all-reduce of dloss/dh,
+// docs/semantics.md rule 16) around NCCL's all-gather of the statistics and all-reduce of dloss/dh,
 // one entry point per step (include/fusedce_nccl.h).
 //
 // Every call: check everything (options, sizes, communicator, device, pointers, overlaps,

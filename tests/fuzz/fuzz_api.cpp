@@ -1074,7 +1074,7 @@ int64_t read_target(const Case& c, const uint8_t* t, int64_t i) {
   return v;
 }
 
-// SEMANTICS 1-3: each row scored, ignored or invalid, from the targets in memory.
+// docs/semantics.md rules 1-3: each row scored, ignored or invalid, from the targets in memory.
 std::vector<RowInfo::Kind> row_kinds(const Case& c) {
   std::vector<RowInfo::Kind> k(size_t(c.rows));
   const uint8_t* t = c.b[B_TARGETS].ptr;
@@ -1165,7 +1165,7 @@ void fill_buffer(Case& c, Buffer& b, Rng& rng) {
   }
 }
 
-// The saved lse of the backward calls, as fce_forward computes it (SEMANTICS 8), when the data
+// The saved lse of the backward calls, as fce_forward computes it (docs/semantics.md rule 8), when the data
 // is tame; and the gradient fce_backward_rescale starts from: 0 in ignored rows, NaN in invalid
 // ones (what fce_forward wrote), other values elsewhere.
 void derived_fill(Case& c) {
@@ -1410,11 +1410,12 @@ void run_misc(Input& in) {
   const int32_t code = int32_t(in.below(16));
   const char* s = fce_status_string(static_cast<fce_status>(code));
   if (!s || !*s) fail(dummy, "fce_status_string(" + std::to_string(code) + ") is empty");
-  if (code >= 0 && code <= 9) {
+  if (code >= 0 && code <= 10) {
     const char* names[] = {"FCE_SUCCESS", "FCE_ERROR_INVALID_ARGUMENT", "FCE_ERROR_NULL_POINTER",
                            "FCE_ERROR_MISALIGNED", "FCE_ERROR_UNSUPPORTED",
                            "FCE_ERROR_WORKSPACE_TOO_SMALL", "FCE_ERROR_BACKEND_UNAVAILABLE",
-                           "FCE_ERROR_CUDA", "FCE_ERROR_CUBLAS", "FCE_ERROR_INTERNAL"};
+                           "FCE_ERROR_CUDA", "FCE_ERROR_CUBLAS", "FCE_ERROR_INTERNAL",
+                           "FCE_ERROR_OUT_OF_MEMORY"};
     if (std::strncmp(s, names[code], std::strlen(names[code])) != 0)
       fail(dummy, std::string("fce_status_string: ") + s);
   }
@@ -1595,7 +1596,7 @@ int run_one(const uint8_t* data, size_t size) {
   FUZZ_UNPOISON(A.base, pos);
   if (g_verbose) std::fprintf(stderr, "  -> %s \"%s\"\n", fce_status_string(status), msg.c_str());
 
-  if (status < FCE_SUCCESS || status > FCE_ERROR_INTERNAL)
+  if (status < FCE_SUCCESS || status > FCE_ERROR_OUT_OF_MEMORY)
     fail(c, "status " + std::to_string(int(status)) + " is no fce_status");
   if (status == FCE_ERROR_INTERNAL) fail(c, "FCE_ERROR_INTERNAL: " + msg);
   if (status == FCE_SUCCESS) {

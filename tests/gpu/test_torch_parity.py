@@ -4,9 +4,9 @@ For every option torch's cross-entropy has (weight, ignore_index, reduction, lab
 float32/float16/bfloat16 inputs and logits of standard deviation 1 to 30:
   * fusedce is at least as close to float64 as torch computing the same thing in the same dtype
     (loss and gradient, normwise relative errors): err(fusedce) <= max(1.05 * err(torch), floor),
-    where floor is SPEC.md's 1e-5 for float32 outputs and the error of merely rounding to the
+    where floor is docs/semantics.md's 1e-5 for float32 outputs and the error of merely rounding to the
     dtype for 16-bit gradients (ties at the rounding level count as ties);
-  * float32: relative error <= 1e-5 (SPEC.md);
+  * float32: relative error <= 1e-5 (docs/semantics.md);
   * never NaN or inf where the reference is finite.
 The same for linear_cross_entropy against F.cross_entropy(F.linear(h, W, b).float(), y).
 Version 0.3's keywords (z_loss with its mean over the non-ignored rows, use_token_scaling, CCE's
@@ -44,7 +44,7 @@ if not fusedce.cuda_available():
 from fusedce.torch import cross_entropy, linear_cross_entropy  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-# Below these errors fusedce passes whatever torch does: SPEC.md's float32 bound (1e-5) for
+# Below these errors fusedce passes whatever torch does: docs/semantics.md's float32 bound (1e-5) for
 # float32 outputs (fusedce's losses are float32 for every input dtype), and the error of merely
 # rounding to the dtype (half an ulp, relative) for 16-bit gradients.
 LOSS_FLOOR = 1e-5

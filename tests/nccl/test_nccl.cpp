@@ -146,7 +146,7 @@ constexpr uint8_t kArgmaxPoison = 0xBA; // an int64 that is no index and not -1
 
 cudaStream_t stream0() { return cuda_stream(); }  // test_util.h: non-blocking, device 0
 
-// Tolerances: float32 outputs of two float32 computations of the same math (SPEC.md's 1e-5);
+// Tolerances: float32 outputs of two float32 computations of the same math (docs/semantics.md's 1e-5);
 // 16-bit gradients: each rounded once to the dtype (test_util.h: 4 unit roundoffs).
 constexpr double kTolF32 = 1e-5;
 double grad_tol(int dtype) { return dtype == FCE_FLOAT32 ? kTolF32 : tolerance(dtype); }

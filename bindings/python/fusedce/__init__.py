@@ -9,15 +9,20 @@ and any ``__cuda_array_interface__`` / DLPack array; :mod:`fusedce.torch` adds a
 ``torch.compile`` support and ``torch.nn`` modules. The shared library is loaded on first use
 (``FUSEDCE_LIBRARY`` when set, else the one ``pip install`` put in the package, then the
 system path); see :mod:`fusedce._lib`. ``python -m fusedce`` says which and what it was built
-with.
+with. Its major version must be this binding's; an older minor works for everything it has
+(what it lacks raises :class:`UnsupportedError` "...: needs libfusedce >= 0.x"), a newer minor
+too (bindings/README.md, "Library versions").
+
+Errors: a failing call raises the :class:`FusedCEError` subclass of its fce_status, with the
+library's own message (it names the function and the argument).
 """
 
 from ._lib import (HEADER_VERSION_MAJOR, HEADER_VERSION_MINOR, HEADER_VERSION_NUMBER,
                    HEADER_VERSION_PATCH, BackendUnavailableError, CublasError, CudaError,
                    FusedCEError, InternalError, InvalidArgumentError, LibraryNotFoundError,
-                   MisalignedError, NullPointerError, UnsupportedError, VersionMismatchError,
-                   WorkspaceTooSmallError, build_info, cuda_available, last_error,
-                   library_origin, library_path, load, status_string)
+                   MisalignedError, NullPointerError, OutOfMemoryError, UnsupportedError,
+                   VersionMismatchError, WorkspaceTooSmallError, build_info, cuda_available,
+                   last_error, library_origin, library_path, load, status_string)
 from .core import (REDUCTIONS, ForwardResult, LinearCEResult, backward,
                    backward_workspace_size, bfloat16_bits_to_float, check_error_flags,
                    float_to_bfloat16_bits, forward, forward_workspace_size, linear_ce,
@@ -41,6 +46,7 @@ __all__ = [
     "build_info", "load", "FusedCEError",
     "InvalidArgumentError", "NullPointerError", "MisalignedError", "UnsupportedError",
     "WorkspaceTooSmallError", "BackendUnavailableError", "CudaError", "CublasError",
-    "InternalError", "LibraryNotFoundError", "VersionMismatchError", "__version__",
+    "InternalError", "OutOfMemoryError", "LibraryNotFoundError", "VersionMismatchError",
+    "__version__",
     "HEADER_VERSION_MAJOR", "HEADER_VERSION_MINOR", "HEADER_VERSION_PATCH", "HEADER_VERSION_NUMBER",
 ]

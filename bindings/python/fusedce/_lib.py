@@ -1,15 +1,19 @@
 """The ctypes core: find and load libfusedce, mirror include/fusedce.h, raise on statuses.
 
 Everything here is a one-to-one image of the C header written for FCE_VERSION 0.4.0; nothing
-above the C ABI (arrays, allocation, frameworks) lives in this module: see core.py.
+above the C ABI (arrays, allocation, frameworks) lives in this module (see core.py); the status
+codes and their exceptions are in _errors.py.
 
-Older libraries of the same major version are accepted: :func:`options_size` is then the
-struct_size they know (``FCE_OPTIONS_SIZE_V0_1``), and asking for an option appended later
-(``shift``, ``argmax``, ``accuracy``, ``token_scaling``) raises :class:`UnsupportedError`
-(:func:`require_options_v0_3`) instead of being silently ignored by the library. Functions
-added later are optional symbols: the vocabulary-parallel calls (``fce_vp_*``, 0.4) are declared
-only when the library has them, and :func:`require_vp` raises :class:`UnsupportedError` naming
-the loaded library's version otherwise.
+Library versions (the rule every binding follows, bindings/README.md "Library versions"): the
+library's major version must equal the binding's (:class:`VersionMismatchError` otherwise); an
+older minor is accepted, and what it lacks raises :class:`UnsupportedError` "<feature>: needs
+libfusedce >= 0.x; the loaded library (...) is 0.y.z" when asked for; a newer minor is accepted.
+What "lacks" means here: an fce_options field appended later (``shift``, ``argmax``,
+``accuracy``, ``token_scaling``: 0.3; :func:`options_size` is then the struct_size the library
+knows, FCE_OPTIONS_SIZE_V0_1, and :func:`require_options_v0_3` refuses those options instead of
+letting the library ignore them), and a function added later (:data:`SINCE`: calling one the
+library does not have raises, and :func:`require_vp` / :func:`has_vp` for the
+vocabulary-parallel calls, 0.4).
 
 The library is searched in this order:
   1. the path in the environment variable FUSEDCE_LIBRARY (a file, or a folder holding
@@ -31,24 +35,23 @@ import glob
 import os
 import threading
 
+# fce_status and the exception of each status: fusedce/_errors.py (re-exported here)
+from ._errors import (FCE_ERROR_BACKEND_UNAVAILABLE, FCE_ERROR_CUBLAS, FCE_ERROR_CUDA,  # noqa: F401
+                      FCE_ERROR_INTERNAL, FCE_ERROR_INVALID_ARGUMENT, FCE_ERROR_MISALIGNED,
+                      FCE_ERROR_NULL_POINTER, FCE_ERROR_OUT_OF_MEMORY, FCE_ERROR_UNSUPPORTED,
+                      FCE_ERROR_WORKSPACE_TOO_SMALL, FCE_SUCCESS, BackendUnavailableError,
+                      CublasError, CudaError, FusedCEError, InternalError, InvalidArgumentError,
+                      LibraryNotFoundError, MisalignedError, NullPointerError, OutOfMemoryError,
+                      UnsupportedError, VersionMismatchError, WorkspaceTooSmallError,
+                      error_for_status)
+from ._errors import ERRORS as _ERRORS  # noqa: F401
+
 # ---------------------------------------------------------------- the header we mirror ----
 HEADER_VERSION_MAJOR = 0
 HEADER_VERSION_MINOR = 4
 HEADER_VERSION_PATCH = 0
 HEADER_VERSION_NUMBER = (HEADER_VERSION_MAJOR * 10000 + HEADER_VERSION_MINOR * 100
                          + HEADER_VERSION_PATCH)
-
-# fce_status (append-only in the header, so a code we do not know is still reported).
-FCE_SUCCESS = 0
-FCE_ERROR_INVALID_ARGUMENT = 1
-FCE_ERROR_NULL_POINTER = 2
-FCE_ERROR_MISALIGNED = 3
-FCE_ERROR_UNSUPPORTED = 4
-FCE_ERROR_WORKSPACE_TOO_SMALL = 5
-FCE_ERROR_BACKEND_UNAVAILABLE = 6
-FCE_ERROR_CUDA = 7
-FCE_ERROR_CUBLAS = 8
-FCE_ERROR_INTERNAL = 9
 
 # fce_dtype
 FCE_FLOAT32 = 0
@@ -114,88 +117,12 @@ assert ctypes.sizeof(Options) == OPTIONS_C_SIZEOF, ctypes.sizeof(Options)
 assert Options.reserved0.offset + 4 == FCE_OPTIONS_SIZE_V0_1
 
 
-# ------------------------------------------------------------------------ exceptions ----
-class FusedCEError(RuntimeError):
-    """A non-success fce_status. ``status`` is the code, ``message`` fce_last_error()."""
-
-    def __init__(self, status: int, message: str, function: str = ""):
-        self.status = int(status)
-        self.message = message
-        self.function = function
-        self.status_string = status_string(status) if _LIB is not None else str(status)
-        text = message or self.status_string
-        if message and self.status_string not in message:
-            text = f"{message} [{self.status_string}]"
-        super().__init__(text)
-
-
-class InvalidArgumentError(FusedCEError, ValueError):
-    """FCE_ERROR_INVALID_ARGUMENT."""
-
-
-class NullPointerError(FusedCEError, ValueError):
-    """FCE_ERROR_NULL_POINTER."""
-
-
-class MisalignedError(FusedCEError, ValueError):
-    """FCE_ERROR_MISALIGNED."""
-
-
-class UnsupportedError(FusedCEError):
-    """FCE_ERROR_UNSUPPORTED."""
-
-
-class WorkspaceTooSmallError(FusedCEError, ValueError):
-    """FCE_ERROR_WORKSPACE_TOO_SMALL."""
-
-
-class BackendUnavailableError(FusedCEError):
-    """FCE_ERROR_BACKEND_UNAVAILABLE: no CUDA backend in this build, or no device."""
-
-
-class CudaError(FusedCEError):
-    """FCE_ERROR_CUDA."""
-
-
-class CublasError(FusedCEError):
-    """FCE_ERROR_CUBLAS."""
-
-
-class InternalError(FusedCEError):
-    """FCE_ERROR_INTERNAL: a bug in fusedce."""
-
-
-class LibraryNotFoundError(ImportError):
-    """libfusedce could not be found or loaded (see the module docstring for the search order)."""
-
-
-class VersionMismatchError(ImportError):
-    """The library's major version differs from the header this binding mirrors."""
-
-
-_ERRORS = {
-    FCE_ERROR_INVALID_ARGUMENT: InvalidArgumentError,
-    FCE_ERROR_NULL_POINTER: NullPointerError,
-    FCE_ERROR_MISALIGNED: MisalignedError,
-    FCE_ERROR_UNSUPPORTED: UnsupportedError,
-    FCE_ERROR_WORKSPACE_TOO_SMALL: WorkspaceTooSmallError,
-    FCE_ERROR_BACKEND_UNAVAILABLE: BackendUnavailableError,
-    FCE_ERROR_CUDA: CudaError,
-    FCE_ERROR_CUBLAS: CublasError,
-    FCE_ERROR_INTERNAL: InternalError,
-}
-
-
-def error_for_status(status: int, message: str, function: str = "") -> FusedCEError:
-    """The exception object for a status code (FusedCEError itself for a code we do not know)."""
-    return _ERRORS.get(int(status), FusedCEError)(status, message, function)
-
-
 # --------------------------------------------------------------------------- loading ----
 _LIB = None
 _LIB_PATH = None
 _LIB_ORIGIN = None
 _LIB_VERSION = 0
+_LIB_MISSING = frozenset()  # the functions added after 0.1 that the loaded library lacks
 _LOCK = threading.Lock()
 
 # where the package's own copy of the library lives (CMakeLists.txt's last block installs it)
@@ -226,38 +153,40 @@ def _candidates():
     yield ("system loader", "libfusedce.so")
 
 
-def _declare(lib) -> None:
+# The functions appended to the C ABI after 0.1, with the FCE_VERSION_NUMBER that added them.
+VP_SYMBOLS = ("fce_vp_stats", "fce_vp_loss_workspace_size", "fce_vp_loss",
+              "fce_vp_backward_workspace_size", "fce_vp_backward",
+              "fce_vp_linear_stats_workspace_size", "fce_vp_linear_stats",
+              "fce_vp_linear_backward_workspace_size", "fce_vp_linear_backward")
+SINCE = {"fce_scale_gradient": 200, "fce_backward_rescale": 200, "fce_build_info": 300,
+         **{name: 400 for name in VP_SYMBOLS}}
+
+
+def _declare(lib) -> frozenset:
+    """Set the signatures of the library's functions; returns the names of the functions added
+    after 0.1 that it lacks (each replaced by one raising UnsupportedError: needs >= 0.x)."""
     c = ctypes
     i64, sz, vp, fp = c.c_int64, c.c_size_t, c.c_void_p, c.c_void_p
     opt = c.POINTER(Options)
+    psz = c.POINTER(sz)
     st = c.c_int  # fce_status: a C enum, int-sized
     sigs = {
         "fce_version": (c.c_uint, []),
         "fce_status_string": (c.c_char_p, [st]),
         "fce_last_error": (c.c_char_p, []),
         "fce_options_default": (None, [opt]),
-        "fce_forward_workspace_size": (st, [opt, i64, i64, c.POINTER(sz)]),
+        "fce_forward_workspace_size": (st, [opt, i64, i64, psz]),
         "fce_forward": (st, [opt, i64, i64, vp, vp, fp, fp, fp, vp, fp, vp, vp, sz, vp]),
-        "fce_backward_workspace_size": (st, [opt, i64, i64, c.POINTER(sz)]),
+        "fce_backward_workspace_size": (st, [opt, i64, i64, psz]),
         "fce_backward": (st, [opt, i64, i64, vp, vp, fp, fp, vp, vp, vp, sz, vp]),
-        "fce_linear_ce_workspace_size": (
-            st, [opt, i64, i64, i64, c.c_int, c.POINTER(sz), c.POINTER(sz)]),
+        "fce_linear_ce_workspace_size": (st, [opt, i64, i64, i64, c.c_int, psz, psz]),
         "fce_linear_ce": (
             st, [opt, i64, i64, i64, vp, vp, vp, vp, fp, fp, fp, vp, vp, vp, fp, vp, vp, sz, vp]),
+        "fce_cuda_available": (c.c_int, []),
+        # ---- added later (SINCE); absent from older libraries of the same major version
         "fce_scale_gradient": (st, [c.c_int32, c.c_int32, i64, vp, fp, vp]),
         "fce_backward_rescale": (st, [opt, i64, i64, vp, vp, fp, fp, vp, vp, vp, sz, vp]),
-        "fce_cuda_available": (c.c_int, []),
-    }
-    for name, (restype, argtypes) in sigs.items():
-        fn = getattr(lib, name)  # AttributeError names the missing symbol
-        fn.restype = restype
-        fn.argtypes = argtypes
-    # optional symbols, absent from older libraries of the same major version
-    if hasattr(lib, "fce_build_info"):  # 0.3
-        lib.fce_build_info.restype = c.c_char_p
-        lib.fce_build_info.argtypes = []
-    psz = c.POINTER(sz)
-    vp_sigs = {  # 0.4: vocabulary-parallel; all or none (see has_vp)
+        "fce_build_info": (c.c_char_p, []),
         "fce_vp_stats": (st, [opt, i64, i64, i64, i64, vp, vp, fp, vp]),
         "fce_vp_loss_workspace_size": (st, [opt, i64, i64, i64, psz]),
         "fce_vp_loss": (st, [opt, i64, i64, i64, vp, fp, fp, fp, fp, vp, vp, sz, vp]),
@@ -273,23 +202,51 @@ def _declare(lib) -> None:
             st, [opt, i64, i64, i64, i64, i64, i64, vp, vp, vp, vp, fp, fp, vp, c.c_int32, vp,
                  vp, vp, vp, sz, vp]),
     }
-    if all(hasattr(lib, name) for name in vp_sigs):
-        for name, (restype, argtypes) in vp_sigs.items():
-            fn = getattr(lib, name)
-            fn.restype = restype
-            fn.argtypes = argtypes
+    missing = []
+    for name, (restype, argtypes) in sigs.items():
+        if name in SINCE and not hasattr(lib, name):
+            missing.append(name)
+            setattr(lib, name, _lacking(name))
+            continue
+        fn = getattr(lib, name)  # AttributeError names the missing symbol
+        fn.restype = restype
+        fn.argtypes = argtypes
+    return frozenset(missing)
+
+
+def _lacking(name: str):
+    """What stands for a function the loaded library does not have."""
+    def call(*_args):
+        require(name, SINCE[name])
+        raise UnsupportedError(FCE_ERROR_UNSUPPORTED, "%s: the loaded library (%s, %s) lacks it"
+                               % (name, _LIB_PATH, format_version(_LIB_VERSION)), name)
+    call.__name__ = name
+    return call
 
 
 def check_version(library_version: int, header_version: int = HEADER_VERSION_NUMBER) -> None:
-    """Raise VersionMismatchError unless the majors of the two FCE_VERSION_NUMBERs agree."""
+    """Raise VersionMismatchError unless the majors of the two FCE_VERSION_NUMBERs agree (any
+    minor is accepted: bindings/README.md "Library versions")."""
     lib_major = int(library_version) // 10000
     hdr_major = int(header_version) // 10000
     if lib_major != hdr_major:
         raise VersionMismatchError(
             "libfusedce version %s (major %d) does not match the version %s (major %d) this "
-            "binding was written for; rebuild the library or install a matching binding"
+            "binding was written for: the major versions must be equal; rebuild the library or "
+            "install a matching binding"
             % (format_version(library_version), lib_major, format_version(header_version),
                hdr_major))
+
+
+def require(what: str, since: int, detail: str = "") -> None:
+    """Raise UnsupportedError "<what>: needs libfusedce >= 0.x; the loaded library (...) is
+    0.y.z" when the loaded library is older than the FCE_VERSION_NUMBER ``since``."""
+    load()
+    if _LIB_VERSION < since:
+        raise UnsupportedError(
+            FCE_ERROR_UNSUPPORTED, "%s: needs libfusedce >= %d.%d%s; the loaded library (%s) is %s"
+            % (what, since // 10000, since // 100 % 100, " (%s)" % detail if detail else "",
+               _LIB_PATH, format_version(_LIB_VERSION)))
 
 
 def _options_size_of(library_version: int) -> int:
@@ -308,38 +265,24 @@ def options_size() -> int:
 def require_options_v0_3(what: str) -> None:
     """Raise UnsupportedError when the loaded library predates the 0.3 options (``what`` names
     the option asked for)."""
-    load()
-    if _LIB_VERSION < 300:
-        raise UnsupportedError(
-            FCE_ERROR_UNSUPPORTED,
-            "%s needs libfusedce 0.3 or later; the loaded library (%s) is %s" %
-            (what, _LIB_PATH, format_version(_LIB_VERSION)))
-
-
-VP_SYMBOLS = ("fce_vp_stats", "fce_vp_loss_workspace_size", "fce_vp_loss",
-              "fce_vp_backward_workspace_size", "fce_vp_backward",
-              "fce_vp_linear_stats_workspace_size", "fce_vp_linear_stats",
-              "fce_vp_linear_backward_workspace_size", "fce_vp_linear_backward")
+    require(what, 300)
 
 
 def has_vp() -> bool:
     """True when the loaded library has the vocabulary-parallel calls (fce_vp_*, 0.4)."""
-    lib = load()
-    return _LIB_VERSION >= 400 and all(hasattr(lib, name) for name in VP_SYMBOLS)
+    load()
+    return _LIB_VERSION >= 400 and not _LIB_MISSING.intersection(VP_SYMBOLS)
 
 
 def require_vp(what: str = "the vocabulary-parallel calls (fce_vp_*)") -> None:
     """Raise UnsupportedError unless the loaded library has the vocabulary-parallel calls
     (libfusedce 0.4 or later)."""
+    require(what, 400, "fce_vp_*")
     if not has_vp():
-        lib = load()
-        missing = [n for n in VP_SYMBOLS if not hasattr(lib, n)]
-        detail = ("" if len(missing) in (0, len(VP_SYMBOLS))
-                  else " (it lacks %s)" % ", ".join(missing))
         raise UnsupportedError(
-            FCE_ERROR_UNSUPPORTED,
-            "%s: needs libfusedce 0.4 or later (fce_vp_*); the loaded library (%s) is %s%s" %
-            (what, _LIB_PATH, format_version(_LIB_VERSION), detail))
+            FCE_ERROR_UNSUPPORTED, "%s: the loaded library (%s, %s) lacks %s" %
+            (what, _LIB_PATH, format_version(_LIB_VERSION),
+             ", ".join(n for n in VP_SYMBOLS if n in _LIB_MISSING)))
 
 
 def format_version(number: int) -> str:
@@ -349,7 +292,7 @@ def format_version(number: int) -> str:
 
 def load(reload: bool = False):
     """The loaded ctypes.CDLL (loading it on first use). Raises LibraryNotFoundError."""
-    global _LIB, _LIB_PATH, _LIB_ORIGIN, _LIB_VERSION
+    global _LIB, _LIB_PATH, _LIB_ORIGIN, _LIB_VERSION, _LIB_MISSING
     with _LOCK:
         if _LIB is not None and not reload:
             return _LIB
@@ -364,7 +307,7 @@ def load(reload: bool = False):
                 tried.append(f"{path} ({origin}: {e})")
                 continue
             try:
-                _declare(lib)
+                missing = _declare(lib)
             except AttributeError as e:
                 tried.append(f"{path} ({origin}: not a fusedce library: {e})")
                 continue
@@ -382,7 +325,8 @@ def load(reload: bool = False):
                     "fce_options_default() of libfusedce %s (struct_size %d) does not fill the "
                     "defaults this binding expects: the header and this binding disagree" %
                     (format_version(lib_version), size))
-            _LIB, _LIB_PATH, _LIB_ORIGIN, _LIB_VERSION = lib, path, origin, int(lib_version)
+            _LIB, _LIB_PATH, _LIB_ORIGIN = lib, path, origin
+            _LIB_VERSION, _LIB_MISSING = int(lib_version), missing
             return lib
         raise LibraryNotFoundError(
             "libfusedce not found; `pip install ./bindings/python` builds it into the package, "
@@ -407,7 +351,7 @@ def build_info():
     """fce_build_info(): one line naming the library's version, backends and BLAS; None for a
     library older than 0.3, which does not have it."""
     lib = load()
-    if not hasattr(lib, "fce_build_info"):
+    if "fce_build_info" in _LIB_MISSING:
         return None
     s = lib.fce_build_info()
     return s.decode("utf-8", "replace") if s else ""
@@ -467,7 +411,9 @@ def backward_rescale(options: Options, rows: int, vocab: int, logits_ptr, target
 
 
 def check(status: int, function: str) -> None:
-    """Raise the FusedCEError subclass for a failing status, with fce_last_error()."""
+    """Raise the FusedCEError subclass for a failing status, with fce_last_error(): the
+    library's own message, naming the function and the argument (the binding does not repeat the
+    checks the library makes: this message is the one the user reads)."""
     if status != FCE_SUCCESS:
         message = last_error()  # read on the same thread, right after the failing call
         raise error_for_status(status, message or f"{function} failed", function)

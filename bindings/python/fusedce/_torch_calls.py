@@ -11,13 +11,12 @@ through torch (the workspace is a torch tensor, so torch's caching allocator ser
 from __future__ import annotations
 
 import ctypes
-import os
 from typing import Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from . import _lib
+from . import _alloc, _lib
 
 # Bits of the ``extras`` argument: the optional outputs of a forward call.
 EXTRA_Z_LOSS = 1     # z_loss total, float32 ()
@@ -28,31 +27,10 @@ _CODE = {torch.float32: _lib.FCE_FLOAT32, torch.float16: _lib.FCE_FLOAT16,
          torch.bfloat16: _lib.FCE_BFLOAT16, torch.int32: _lib.FCE_INT32,
          torch.int64: _lib.FCE_INT64}
 
-# ------------------------------------------------------------------ memory budget ----
-DEFAULT_WORKSPACE_BYTES = 1 << 30  # linear CE through torch: ≤ 1 GiB beyond the gradients
-
-
-def parse_bytes(text: str) -> int:
-    """'1073741824', '512M', '1G', '128MiB' -> bytes."""
-    t = text.strip().upper().replace("IB", "").replace("B", "")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(t[-1:], 1)
-    num = t[:-1] if t[-1:] in "KMGT" else t
-    value = int(float(num) * mult)
-    if value < 0:
-        raise ValueError(f"a byte count must be >= 0, got {text!r}")
-    return value
-
-
-def default_workspace_bytes() -> int:
-    """The linear CE memory budget when a call gives none: FUSEDCE_WORKSPACE_BYTES, else 1 GiB."""
-    env = os.environ.get("FUSEDCE_WORKSPACE_BYTES")
-    if env:
-        try:
-            return parse_bytes(env)
-        except (ValueError, IndexError):
-            raise ValueError(f"FUSEDCE_WORKSPACE_BYTES={env!r} is not a byte count "
-                             "(e.g. 1073741824, 512M, 1G)") from None
-    return DEFAULT_WORKSPACE_BYTES
+# the linear CE memory budget (FUSEDCE_WORKSPACE_BYTES, else 1 GiB), shared with fusedce.jax
+DEFAULT_WORKSPACE_BYTES = _alloc.DEFAULT_WORKSPACE_BYTES
+parse_bytes = _alloc.parse_bytes
+default_workspace_bytes = _alloc.default_workspace_bytes
 
 
 # ------------------------------------------------------------------------ options ----
@@ -135,7 +113,7 @@ def _flags(check_targets: bool, like: Tensor) -> Optional[Tensor]:
 
 
 def row_targets(targets: Tensor, ignore_index: int, shift_seq_len: int, shift: int) -> Tensor:
-    """The target each row is scored against (SEMANTICS.md rule 1): targets[r + k] for rows with
+    """The target each row is scored against (docs/semantics.md rule 1): targets[r + k] for rows with
     t = r mod T < T - k, ignore_index for the others; targets itself without a shift."""
     if not shift_seq_len:
         return targets

@@ -64,119 +64,50 @@ Differences from optax / ``jax.nn`` conventions, on purpose (the library's, as f
 a 'mean' over zero non-ignored rows is 0 with zero gradients; a target outside [0, V) that is
 not ``ignore_index`` gives a NaN loss (no host synchronisation to raise); class-probability
 targets are not supported.
+
+Errors: what the library checks (option ranges, the causal shift's values, ...) it reports
+itself at trace time, from the workspace queries (:class:`fusedce.FusedCEError` subclasses,
+ValueError for invalid arguments), naming the option.
+
+The modules behind this one: _jax_calls.py (registration, workspaces, the custom calls),
+_jax_vjp.py (the custom_vjp rules), jax_ffi/ (the shim and its build).
 """
+
 
 from __future__ import annotations
 
 import argparse
 import collections
-import ctypes
-import functools
-import os
 import sys
-import threading
-from typing import NamedTuple, Optional, Tuple
+from typing import Optional
 
 import numpy as np
 
 import jax
 import jax.numpy as jnp
-from jax import custom_batching, lax
-from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
+from jax import lax
 
-from . import _lib
+from . import _alloc, _args, _lib
 from . import jax_ffi as _shim_build
+from ._jax_calls import (_F32, _NONE, _TARGETS, _Cfg, _argmax_of, _ce_bwd_call,  # noqa: F401
+                         _ce_fwd_call, _ce_workspace, _cuda_usable, _empty, _extra_shapes,
+                         _ffi_call, _linear_call, _linear_workspace, _per_platform,
+                         _query_options, _scale, _sds, register, shim_path)
+from ._jax_vjp import (_ce, _ce_bwd, _ce_fwd, _is_zero, _linear, _linear_bwd,  # noqa: F401
+                       _linear_fwd, _need_marker, _primal)
 
 __all__ = ["cross_entropy", "linear_cross_entropy", "register", "shim_path",
            "DEFAULT_WORKSPACE_BYTES", "OUTPUT_FIELDS"]
 
-DEFAULT_WORKSPACE_BYTES = 1 << 30
+DEFAULT_WORKSPACE_BYTES = _alloc.DEFAULT_WORKSPACE_BYTES
 OUTPUT_FIELDS = ("loss", "z_loss", "token_accuracy", "predicted_tokens", "lse")
 _REDUCTIONS = {"mean": 0, "sum": 1, "none": 2}
-_NONE = 2
-_F32 = jnp.float32
 _OUTPUT_TYPES = {
     mask: collections.namedtuple(
         "CrossEntropyOutput",
         ("loss",) + tuple(f for i, f in enumerate(OUTPUT_FIELDS[1:]) if mask >> i & 1))
     for mask in range(1, 16)
 }
-
-# the FFI targets: name -> symbol prefix in the shim (+ "Cpu" / "Cuda")
-_TARGETS = {
-    "fusedce_ce_fwd": "FusedceCeForward",
-    "fusedce_ce_bwd": "FusedceCeBackward",
-    "fusedce_linear_ce": "FusedceLinearCe",
-    "fusedce_scale": "FusedceScale",
-}
-
-# ----------------------------------------------------------------- registration ----
-_LOCK = threading.Lock()
-_SHIM = None
-_SHIM_PATH = None
-
-
-def register() -> str:
-    """Load libfusedce (the Python binding's) and the shim (building it if needed), bind the
-    shim to the library and register the FFI targets for the "cpu" and "CUDA" platforms. Done
-    once, on the first call of :func:`cross_entropy` / :func:`linear_cross_entropy`; returns
-    the shim's path."""
-    global _SHIM, _SHIM_PATH
-    with _LOCK:
-        if _SHIM is not None:
-            return _SHIM_PATH
-        _lib.load()
-        path = _shim_build.library_path()
-        shim = ctypes.CDLL(path)
-        shim.fce_jax_abi.restype = ctypes.c_uint
-        shim.fce_jax_init.restype = ctypes.c_int
-        shim.fce_jax_init.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
-        shim.fce_jax_init_error.restype = ctypes.c_char_p
-        if shim.fce_jax_abi() != _shim_build.SHIM_ABI:
-            raise ImportError("%s has handler ABI %d, this fusedce.jax expects %d: rebuild it "
-                              "(python -m fusedce.jax build)" % (path, shim.fce_jax_abi(),
-                                                                  _shim_build.SHIM_ABI))
-        lib_path = _lib.library_path()
-        if shim.fce_jax_init(os.fsencode(lib_path), _lib.options_size()) != 0:
-            raise ImportError("fusedce.jax: binding %s to %s failed: %s" % (
-                path, lib_path, shim.fce_jax_init_error().decode("utf-8", "replace")))
-        for name, symbol in _TARGETS.items():
-            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(shim, symbol + "Cpu")),
-                                        platform="cpu")
-            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(shim, symbol + "Cuda")),
-                                        platform="CUDA")
-        _SHIM, _SHIM_PATH = shim, path
-        return path
-
-
-def shim_path() -> Optional[str]:
-    """The path of the loaded shim (None before :func:`register`)."""
-    return _SHIM_PATH
-
-
-# ---------------------------------------------------------------------- options ----
-class _Cfg(NamedTuple):
-    """The static options of one call (hashable: a nondiff argument of the custom_vjp)."""
-    reduction: int
-    ignore_index: int
-    label_smoothing: float
-    z_loss: float
-    softcap: float
-    logit_scale: float
-    shift_seq_len: int
-    shift: int                # 0 means 1 (the C default)
-    token_scaling: bool
-    extras: int               # 1 z_loss (library total, mean/sum), 2 accuracy, 4 argmax
-    want_lse: bool
-    workspace_bytes: int = 0  # linear CE only
-
-    def attrs(self, rescale: bool = False) -> dict:
-        iopts = np.array([self.reduction, self.ignore_index, self.shift_seq_len, self.shift,
-                          int(self.token_scaling), self.workspace_bytes, int(rescale), 0],
-                         dtype=np.int64)
-        fopts = np.array([self.label_smoothing, self.z_loss, self.softcap, self.logit_scale],
-                         dtype=np.float32)
-        return {"iopts": iopts, "fopts": fopts}
 
 
 def _reduction(reduction: str) -> int:
@@ -185,41 +116,12 @@ def _reduction(reduction: str) -> int:
     return _REDUCTIONS[reduction]
 
 
-def _resolve_shift(shift, shift_seq_len, target_shape: tuple, rows: int) -> Tuple[int, int]:
-    """(T, k) for the C options, as fusedce.torch: ``shift_seq_len=T`` alone means k = 1;
-    ``shift=k`` alone takes T = target.shape[-1]; k = 1 is passed as 0 (the C default)."""
-    t, k = int(shift_seq_len), int(shift)
-    if t < 0:
-        raise ValueError(f"shift_seq_len must be >= 0, got {shift_seq_len}")
-    if k < 0:
-        raise ValueError(f"shift must be >= 0, got {shift}")
-    if k:
-        if not t:
-            t = int(target_shape[-1]) if len(target_shape) else rows
-        if k >= t:
-            raise ValueError(f"shift must be in [0, {t}) (the sequence length), got {k}")
-    if t and rows % t:
-        raise ValueError(f"the {rows} rows are not a whole number of sequences of "
-                         f"shift_seq_len={t}")
-    return t, (0 if k == 1 else k)
-
-
-def _parse_bytes(text: str) -> int:
-    t = text.strip().upper().replace("IB", "").replace("B", "")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(t[-1:], 1)
-    num = t[:-1] if t[-1:] in "KMGT" else t
-    return int(float(num) * mult)
-
-
-def _default_workspace_bytes() -> int:
-    env = os.environ.get("FUSEDCE_WORKSPACE_BYTES")
-    if env:
-        try:
-            return _parse_bytes(env)
-        except (ValueError, IndexError):
-            raise ValueError(f"FUSEDCE_WORKSPACE_BYTES={env!r} is not a byte count "
-                             "(e.g. 1073741824, 512M, 1G)") from None
-    return DEFAULT_WORKSPACE_BYTES
+# (T, k) for the C options, as fusedce.torch: ``shift_seq_len=T`` alone means k = 1; ``shift=k``
+# alone takes T = target.shape[-1]; k = 1 is passed as 0 (the C default)
+_resolve_shift = _args._resolve_shift
+# the linear CE workspace budget: FUSEDCE_WORKSPACE_BYTES, else 1 GiB (as fusedce.torch)
+_parse_bytes = _alloc.parse_bytes
+_default_workspace_bytes = _alloc.default_workspace_bytes
 
 
 def _targets(targets) -> jax.Array:
@@ -250,325 +152,12 @@ def _class_weights(class_weights, vocab: int) -> jax.Array:
     return lax.stop_gradient(w.astype(_F32))
 
 
-def _empty(dtype=_F32) -> jax.Array:
-    return jnp.zeros((0,), dtype)
-
-
-def _sds(shape, dtype) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(shape, dtype)
-
-
-def _extra_shapes(cfg: _Cfg, n: int):
-    """(z_loss, accuracy, argmax-as-int32-pairs) output specs; (0,) for those not asked."""
-    zl = _sds(() if cfg.extras & 1 and cfg.reduction != _NONE else (0,), _F32)
-    acc = _sds(((n,) if cfg.reduction == _NONE else ()) if cfg.extras & 2 else (0,), _F32)
-    # int64 argmax, written as int32 pairs (int64 arrays need jax_enable_x64): the low word
-    # (little-endian) holds the class, -1 included
-    am = _sds((n, 2) if cfg.extras & 4 else (0,), jnp.int32)
-    return [zl, acc, am]
-
-
-def _argmax_of(am: jax.Array) -> jax.Array:
-    return am[:, 0] if am.ndim == 2 else am
-
-
-# ------------------------------------------------------------------- workspaces ----
-_CPU, _CUDA = _lib.FCE_BACKEND_CPU, _lib.FCE_BACKEND_CUDA
-_FLOAT_CODES = {"float32": _lib.FCE_FLOAT32, "float16": _lib.FCE_FLOAT16,
-                "bfloat16": _lib.FCE_BFLOAT16}
-# A valid, aligned host address standing in the queries' options for the pointers the handler
-# sets (class_weights, argmax, accuracy): the queries read only the options' values (and check
-# the pointers' alignment), never the memory.
-_PLACEHOLDER = np.zeros(4, np.int64)
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_usable() -> bool:
-    """libfusedce has its CUDA backend and sees a device (asked once)."""
-    try:
-        return _lib.cuda_available()
-    except Exception:  # pragma: no cover - a library that cannot answer has no CUDA for us
-        return False
-
-
-def _query_options(cfg: _Cfg, backend: int, dtype, target_dtype, class_weights: bool,
-                   accuracy: bool = False, argmax: bool = False) -> _lib.Options:
-    """The fce_options the shim's handler builds (MakeOptions, SetExtras in fusedce_jax.cc) for
-    these static options, dtypes and optional buffers: what the workspace queries must see."""
-    o = _lib.default_options()  # struct_size: _lib.options_size(), the shim's too (fce_jax_init)
-    o.backend = backend
-    o.dtype = _FLOAT_CODES[jnp.dtype(dtype).name]
-    o.target_dtype = _lib.FCE_INT64 if jnp.dtype(target_dtype) == jnp.int64 else _lib.FCE_INT32
-    o.reduction = cfg.reduction
-    o.ignore_index = cfg.ignore_index
-    o.shift_seq_len = cfg.shift_seq_len
-    o.label_smoothing = cfg.label_smoothing
-    o.z_loss_scale = cfg.z_loss
-    o.softcap = cfg.softcap
-    o.logit_scale = cfg.logit_scale
-    placeholder = _PLACEHOLDER.ctypes.data
-    if class_weights:
-        o.class_weights = placeholder
-    if o.struct_size >= _lib.FCE_OPTIONS_SIZE_V0_3:
-        o.shift = cfg.shift
-        o.token_scaling = 1 if cfg.token_scaling else 0
-        o.argmax = placeholder if argmax else None
-        o.accuracy = placeholder if accuracy else None
-    else:  # the shim refuses these with a 0.1/0.2 library; say so now
-        for on, what in ((cfg.shift, "shift"), (cfg.token_scaling, "use_token_scaling"),
-                         (argmax, "return_predicted_tokens"),
-                         (accuracy, "return_token_accuracy")):
-            if on:
-                _lib.require_options_v0_3(what)
-    return o
-
-
-def _per_platform(query) -> Tuple[int, int]:
-    """(CPU bytes, CUDA bytes) from ``query(backend)``. CUDA where libfusedce has no usable CUDA
-    backend gets 0 (its handler would say so at run time); a backend whose query fails gets 0
-    as well, its handler then reporting the library's error, which is raised here instead when
-    no backend answered (an option out of its domain: the library's message, at trace time)."""
-    sizes = []
-    answered, error = 0, None
-    for backend, usable in ((_CPU, True), (_CUDA, _cuda_usable())):
-        size = 0
-        if usable:
-            try:
-                size = int(query(backend))
-                answered += 1
-            except _lib.FusedCEError as e:
-                error = error or e
-        sizes.append(size)
-    if not answered and error is not None:
-        raise error
-    return sizes[0], sizes[1]
-
-
-def _ce_workspace(function: str, cfg: _Cfg, logits, targets, cw, extras: bool):
-    """fce_forward_workspace_size / fce_backward_workspace_size per platform."""
-    n, v = logits.shape
-
-    def query(backend):
-        o = _query_options(cfg, backend, logits.dtype, targets.dtype, cw.shape[0] > 0,
-                           accuracy=extras and bool(cfg.extras & 2),
-                           argmax=extras and bool(cfg.extras & 4))
-        out = ctypes.c_size_t(0)
-        _lib.call(function, ctypes.byref(o), n, v, ctypes.byref(out))
-        return out.value
-    return _per_platform(query)
-
-
-def _linear_workspace(cfg: _Cfg, hidden, weight, targets, cw, with_grad: bool):
-    """fce_linear_ce's workspace per platform: on CUDA the fastest plan's (optimal_bytes) when
-    it is within the budget cfg.workspace_bytes, else the budget, never below min_bytes; on the
-    CPU min_bytes (the workspace only decides where the chunk buffers live, fusedce.h)."""
-    n, d = hidden.shape
-    v = weight.shape[0]
-    budget = cfg.workspace_bytes
-
-    def query(backend):
-        o = _query_options(cfg, backend, hidden.dtype, targets.dtype, cw.shape[0] > 0,
-                           accuracy=bool(cfg.extras & 2), argmax=bool(cfg.extras & 4))
-        lo, hi = ctypes.c_size_t(0), ctypes.c_size_t(0)
-        _lib.call("fce_linear_ce_workspace_size", ctypes.byref(o), n, d, v,
-                  1 if with_grad else 0, ctypes.byref(lo), ctypes.byref(hi))
-        if backend == _CPU:
-            return lo.value
-        return hi.value if hi.value < budget else max(budget, lo.value)
-    return _per_platform(query)
-
-
-def _ffi_call(target: str, outs, args, attrs: dict, workspace: Tuple[int, int],
-              input_output_aliases=None):
-    """The custom call ``target`` with the results ``outs`` and one more, the workspace
-    ``uint8 [bytes]``, which is dropped; ``workspace``: (CPU bytes, CUDA bytes), staged with
-    lax.platform_dependent when they differ (the "default" branch, CUDA's, also stands for
-    platforms without a registered handler, which XLA then names). Batched by
-    sequential_vmap around the call AND the drop, so vmap never stacks workspaces."""
-    def call(nbytes: int):
-        fn = jax.ffi.ffi_call(target, list(outs) + [_sds((nbytes,), jnp.uint8)],
-                              vmap_method="sequential",
-                              input_output_aliases=input_output_aliases)
-        return lambda *a: tuple(fn(*a, **attrs)[:-1])
-
-    cpu, cuda = workspace
-    if cpu == cuda:
-        body = call(cpu)
-    else:
-        on_cpu, on_cuda = call(cpu), call(cuda)
-
-        def body(*a):
-            return lax.platform_dependent(*a, cpu=on_cpu, default=on_cuda)
-    return custom_batching.sequential_vmap(body)(*args)
-
-
-# -------------------------------------------------------------------- the calls ----
-# Each jitted: eager use compiles the custom call, its platform branch and the drop of the
-# workspace together (the workspace is then an XLA temporary, never an array handed back);
-# under an outer jit they are inlined.
-@functools.partial(jax.jit, static_argnames=("cfg", "with_grad", "want_lse"))
-def _ce_fwd_call(logits, targets, cw, cfg: _Cfg, with_grad: bool, want_lse: bool):
-    """(loss, lse|(0,), z_loss, accuracy, argmax, grad|(0,)) from fusedce_ce_fwd."""
-    n, v = logits.shape
-    outs = [_sds((n,) if cfg.reduction == _NONE else (), _F32),
-            _sds((n,) if want_lse else (0,), _F32)] + _extra_shapes(cfg, n) + [
-            _sds((n, v) if with_grad else (0,), logits.dtype)]
-    ws = _ce_workspace("fce_forward_workspace_size", cfg, logits, targets, cw, extras=True)
-    return _ffi_call("fusedce_ce_fwd", outs, (logits, targets, cw), cfg.attrs(), ws)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _ce_bwd_call(logits, targets, cw, lse, ct, grad1, cfg: _Cfg):
-    """fce_backward (grad1 None) or fce_backward_rescale in place on grad1."""
-    rescale = grad1 is not None
-    ws = _ce_workspace("fce_backward_workspace_size", cfg, logits, targets, cw, extras=False)
-    (grad,) = _ffi_call(
-        "fusedce_ce_bwd", [_sds(logits.shape, logits.dtype)],
-        (logits, targets, cw, lse, ct, grad1 if rescale else _empty(logits.dtype)),
-        cfg.attrs(rescale=rescale), ws, input_output_aliases={5: 0} if rescale else None)
-    return grad
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "need"))
-def _linear_call(hidden, weight, bias, targets, cw, grad_output, cfg: _Cfg,
-                 need: Tuple[bool, bool, bool]):
-    """(loss, lse, z_loss, accuracy, argmax, grad_hidden, grad_weight, grad_bias) from
-    fusedce_linear_ce; the gradients not in ``need`` are (0,)."""
-    n, d = hidden.shape
-    v = weight.shape[0]
-    dt = hidden.dtype
-    need_bias = need[2] and bias is not None
-    outs = [_sds((n,) if cfg.reduction == _NONE else (), _F32),
-            _sds((n,) if cfg.want_lse else (0,), _F32)] + _extra_shapes(cfg, n) + [
-            _sds((n, d) if need[0] else (0,), dt),
-            _sds((v, d) if need[1] else (0,), dt),
-            _sds((v,) if need_bias else (0,), dt)]
-    ws = _linear_workspace(cfg, hidden, weight, targets, cw,
-                           with_grad=bool(need[0] or need[1] or need_bias))
-    return _ffi_call("fusedce_linear_ce", outs,
-                     (hidden, weight, bias if bias is not None else _empty(dt), targets, cw,
-                      grad_output if grad_output is not None else _empty()), cfg.attrs(), ws)
-
-
-def _scale(grad, ct):
-    """grad * ct in place (fce_scale_gradient: a no-op launch when ct is exactly 1)."""
-    return jax.ffi.ffi_call("fusedce_scale", _sds(grad.shape, grad.dtype),
-                            vmap_method="sequential", input_output_aliases={0: 0})(
-        grad, ct.astype(_F32).reshape(()))
-
-
-def _primal(p):
-    """(value, perturbed) of a custom_vjp(symbolic_zeros=True) forward-rule argument."""
-    if isinstance(p, CustomVJPPrimal):
-        return p.value, bool(p.perturbed)
-    return p, False
-
-
-def _is_zero(ct) -> bool:
-    return ct is None or isinstance(ct, SymbolicZero)
-
-
-# --------------------------------------------------------------- cross_entropy vjp ----
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _ce(logits, targets, cw, cfg: _Cfg):
-    loss, lse, zl, acc, am, _ = _ce_fwd_call(logits, targets, cw, cfg, False, cfg.want_lse)
-    return loss, lse, zl, acc, am
-
-
-def _ce_fwd(logits, targets, cw, cfg: _Cfg):
-    z, dz = _primal(logits)
-    y, _ = _primal(targets)
-    w, _ = _primal(cw)
-    if not dz:  # nothing to differentiate here
-        loss, lse, zl, acc, am, _ = _ce_fwd_call(z, y, w, cfg, False, cfg.want_lse)
-        return (loss, lse, zl, acc, am), None
-    one_pass = cfg.reduction != _NONE
-    loss, lse, zl, acc, am, grad1 = _ce_fwd_call(z, y, w, cfg, one_pass, True)
-    out_lse = lse if cfg.want_lse else _empty()
-    return (loss, out_lse, zl, acc, am), (z, y, w, lse, grad1 if one_pass else None)
-
-
-def _ce_bwd(cfg: _Cfg, res, cts):
-    ct = cts[0]
-    if res is None or _is_zero(ct):
-        return None, None, None
-    z, y, w, lse, grad1 = res
-    ct = jnp.asarray(ct, _F32).reshape((z.shape[0],) if cfg.reduction == _NONE else ())
-    return _ce_bwd_call(z, y, w, lse, ct, grad1, cfg), None, None
-
-
-_ce.defvjp(_ce_fwd, _ce_bwd, symbolic_zeros=True)
-
-
-# -------------------------------------------------------- linear_cross_entropy vjp ----
-def _need_marker(flags):
-    """A pytree (residuals hold arrays only) saying which gradients the backward computes."""
-    return tuple(() if f else None for f in flags)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _linear(hidden, weight, bias, targets, cw, cfg: _Cfg):
-    loss, lse, zl, acc, am, _, _, _ = _linear_call(hidden, weight, bias, targets, cw, None, cfg,
-                                                   (False, False, False))
-    return loss, lse, zl, acc, am
-
-
-def _linear_fwd(hidden, weight, bias, targets, cw, cfg: _Cfg):
-    h, dh = _primal(hidden)
-    wt, dw = _primal(weight)
-    b, db = _primal(bias) if bias is not None else (None, False)
-    y, _ = _primal(targets)
-    w, _ = _primal(cw)
-    db = db and b is not None
-    if not (dh or dw or db):
-        loss, lse, zl, acc, am, _, _, _ = _linear_call(h, wt, b, y, w, None, cfg,
-                                                       (False, False, False))
-        return (loss, lse, zl, acc, am), None
-    out_lse = (lambda lse: lse if cfg.want_lse else _empty())
-    if cfg.reduction != _NONE and not db:
-        # gradients for an upstream 1 in the same call as the loss; scaled in the backward
-        loss, lse, zl, acc, am, gh, gw, _ = _linear_call(h, wt, b, y, w, None, cfg,
-                                                         (dh, dw, False))
-        return (loss, out_lse(lse), zl, acc, am), ((gh if dh else None, gw if dw else None),
-                                                    None)
-    # reduction 'none' (per-row cotangent) or a bias to differentiate (its 16-bit sum would be
-    # rounded twice by a scale): the loss now, everything with the real cotangent later
-    loss, lse, zl, acc, am, _, _, _ = _linear_call(h, wt, b, y, w, None, cfg,
-                                                   (False, False, False))
-    return (loss, out_lse(lse), zl, acc, am), (None, ((h, wt, b, y, w), _need_marker(
-        (dh, dw, db))))
-
-
-def _linear_bwd(cfg: _Cfg, res, cts):
-    ct = cts[0]
-    nones = (None, None)
-    if res is None or _is_zero(ct):
-        return (None, None, None) + nones
-    scaled, recompute = res
-    if scaled is not None:
-        gh, gw = scaled
-        ct = jnp.asarray(ct, _F32).reshape(())
-        return ((_scale(gh, ct) if gh is not None else None),
-                (_scale(gw, ct) if gw is not None else None), None) + nones
-    (h, wt, b, y, w), marker = recompute
-    need = tuple(m is not None for m in marker)
-    ct = jnp.asarray(ct, _F32).reshape((h.shape[0],) if cfg.reduction == _NONE else ())
-    _, _, _, _, _, gh, gw, gb = _linear_call(h, wt, b, y, w, ct, cfg, need)
-    return ((gh if need[0] else None), (gw if need[1] else None),
-            (gb if need[2] else None)) + nones
-
-
-_linear.defvjp(_linear_fwd, _linear_bwd, symbolic_zeros=True)
-
-
 # ------------------------------------------------------------------ public API ----
-def _output_mask(return_z_loss, return_token_accuracy, return_predicted_tokens, return_lse):
-    return ((1 if return_z_loss else 0) | (2 if return_token_accuracy else 0)
-            | (4 if return_predicted_tokens else 0) | (8 if return_lse else 0))
+_output_mask = _args._output_mask
 
 
 def _row_targets(y, ignore_index: int, t: int, k: int):
-    """The target each row is scored against (SEMANTICS.md rule 1)."""
+    """The target each row is scored against (docs/semantics.md rule 1)."""
     if not t:
         return y
     k = max(k, 1)

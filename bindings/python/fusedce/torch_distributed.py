@@ -46,7 +46,7 @@ vocab_parallel_logits, target, label_smoothing=0.0, tp_group=None)):
   per-token float32 loss (reduction 'none' is the default here); the gradient has the logits'
   dtype and shape; without label smoothing the loss and gradient equal Megatron's to float32
   rounding (Megatron computes in float32 too);
-* label smoothing: ours is torch's (F.cross_entropy's, SEMANTICS.md rule 8) over the WHOLE
+* label smoothing: ours is torch's (F.cross_entropy's, docs/semantics.md rule 8) over the WHOLE
   vocabulary: (1−ε)·(−log p_y) + ε/V·Σ_j(−log p_j), the same on every rank and equal to the
   unsharded F.cross_entropy(label_smoothing=ε). Megatron's uses the NeMo form with
   ε' = ε·V/(V−1) (mass ε/(V−1) on each non-target class) — which is torch's formula with ε' — but
@@ -88,7 +88,8 @@ from torch import Tensor
 
 from . import _lib
 from . import _torch_calls as _tc
-from . import torch as _ft
+from . import _torch_args as _ta  # argument handling, the return convention
+from . import _torch_ops as _to  # the autograd helpers, the option tuple
 from .vocab_parallel import VP_STATS, shard_range
 
 __all__ = ["vocab_parallel_cross_entropy", "vocab_parallel_linear_cross_entropy",
@@ -158,11 +159,9 @@ def _layout(vocab_local: int, rank: int, size: int, vocab_start, vocab_total) ->
             "vocab_start was given without vocab_total: with uneven shards pass vocab_total (the "
             "whole vocabulary's size, the same on every rank) as well; it is not all-reduced "
             "from the local sizes (one more collective and a host sync per call)")
-    vs, vt = int(vocab_start), int(vocab_total)
-    if vs < 0 or vs + vocab_local > vt:
-        raise ValueError(f"this rank's classes [{vs}, {vs + vocab_local}) are not inside "
-                         f"[0, vocab_total={vt})")
-    return vs, vt
+    # [vs, vs + vocab_local) inside [0, vt): the library checks it (fce_vp_stats,
+    # fce_vp_linear_stats), naming vocab_start and vocab_total
+    return int(vocab_start), int(vocab_total)
 
 
 _GATHER_FALLBACK = set()  # backends whose all_gather_into_tensor raised: all_gather into views
@@ -287,7 +286,7 @@ class _VocabParallelCE(torch.autograd.Function):
         ctx.save_for_backward(logits, targets, cw, gathered)
         ctx.layout, ctx.opts, ctx.inplace = layout, opts, inplace
         ctx.set_materialize_grads(False)
-        _ft._non_differentiable(ctx, lse, zl, acc, am)
+        _to._non_differentiable(ctx, lse, zl, acc, am)
         return loss, lse, zl, acc, am
 
     @staticmethod
@@ -302,7 +301,7 @@ class _VocabParallelCE(torch.autograd.Function):
         key, o = _opts_struct(logits, logits.dtype, targets, ctx.opts, cw)
         o.row_stride = logits.stride(0) if n > 1 else vl
         if ctx.inplace:
-            _ft._hand_out_once(ctx)
+            _to._hand_out_once(ctx)
             grad = logits
             o.grad_row_stride = o.row_stride
         else:
@@ -320,7 +319,7 @@ class _VocabParallelCE(torch.autograd.Function):
 
 # ============================================================= public helpers ====
 def _float_input(x: Tensor, name: str) -> Tensor:
-    return _ft._float_input(x, name)
+    return _ta._float_input(x, name)
 
 
 def _smoothing(label_smoothing: float, formula: str, vt: int) -> float:
@@ -342,7 +341,7 @@ def _class_weights(weight: Optional[Tensor], vt: int, device) -> Optional[Tensor
 
 
 def _targets(target: Tensor, n: int, what: str, device) -> Tensor:
-    tgt = _ft._targets(target).contiguous()
+    tgt = _ta._targets(target).contiguous()
     if tgt.shape[0] != n:
         raise ValueError(f"target has {tgt.shape[0]} elements for {n} rows of {what}")
     if tgt.device != device:
@@ -401,7 +400,7 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: Tensor, target: Tensor,
     if group is not None and tp_group is not None and group is not tp_group:
         raise ValueError("pass the process group once (group= or tp_group=)")
     group, rank, size = _resolve_group(group if group is not None else tp_group)
-    red = _ft._reduction(reduction)
+    red = _ta._reduction(reduction)
     x = _float_input(vocab_parallel_logits, "vocab_parallel_logits")
     if x.dim() < 1:
         raise ValueError("vocab_parallel_logits must be [..., V_local]")
@@ -409,18 +408,16 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: Tensor, target: Tensor,
     logits = x.reshape(-1, vl)
     if logits.stride(-1) != 1 and vl > 1:
         logits = logits.contiguous()
-    n = logits.shape[0]
-    if n < 1 or vl < 1:
-        raise ValueError(f"vocab_parallel_logits is empty (shape {tuple(x.shape)})")
+    n = logits.shape[0]  # (rows >= 1, vocab_local >= 1: the library checks them)
     tgt = _targets(target, n, "vocab_parallel_logits", logits.device)
     vs, vt = _layout(vl, rank, size, vocab_start, vocab_total)
     cw = _class_weights(weight, vt, logits.device)
-    t, k = _ft._resolve_shift(shift, shift_seq_len, tuple(target.shape), n)
-    opts = _ft._opts(ignore_index, red, _smoothing(label_smoothing, label_smoothing_formula, vt),
+    t, k = _ta._resolve_shift(shift, shift_seq_len, tuple(target.shape), n)
+    opts = _to._opts(ignore_index, red, _smoothing(label_smoothing, label_smoothing_formula, vt),
                      z_loss, softcap, logit_scale, t, k, use_token_scaling)
-    mask = _ft._output_mask(return_z_loss, return_token_accuracy, return_predicted_tokens,
+    mask = _ta._output_mask(return_z_loss, return_token_accuracy, return_predicted_tokens,
                             return_lse)
-    extras = _ft._c_extras(mask, red)
+    extras = _ta._c_extras(mask, red)
     want_lse = bool(mask & 8) or (bool(mask & 1) and red == _lib.FCE_REDUCTION_NONE)
     layout = (group, size, vs, vt)
     if torch.is_grad_enabled() and logits.requires_grad:
@@ -437,8 +434,8 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: Tensor, target: Tensor,
             lambda j: logits.detach().gather(1, j.unsqueeze(1)).squeeze(1), y, vs, vl, group,
             size)
 
-    return _ft._finish(mask, red, tuple(target.shape), loss, lse, zl, acc, am,
-                       lambda: _ft._z_loss_rows(lse, tgt, vt, opts, target_logit))
+    return _ta._finish(mask, red, tuple(target.shape), loss, lse, zl, acc, am,
+                       lambda: _ta._z_loss_rows(lse, tgt, vt, opts, target_logit))
 
 
 # ===================================================== fused linear + CE, sharded ====
@@ -491,7 +488,7 @@ class _VocabParallelLinearCE(torch.autograd.Function):
         ctx.layout, ctx.opts, ctx.cdt, ctx.budget = layout, opts, cdt, budget
         ctx.reduce_grad_hidden = reduce_grad_hidden
         ctx.set_materialize_grads(False)
-        _ft._non_differentiable(ctx, lse, zl, acc, am)
+        _to._non_differentiable(ctx, lse, zl, acc, am)
         return loss, lse, zl, acc, am
 
     @staticmethod
@@ -589,7 +586,7 @@ def vocab_parallel_linear_cross_entropy(hidden: Tensor, weight_shard: Tensor, ta
     none), or the CrossEntropyOutput named tuple with return_* flags."""
     _lib.require_vp("fusedce.torch.distributed.vocab_parallel_linear_cross_entropy")
     group, rank, size = _resolve_group(group)
-    red = _ft._reduction(reduction)
+    red = _ta._reduction(reduction)
     if hidden.dim() < 1:
         raise ValueError("hidden must be [..., D]")
     d = hidden.shape[-1]
@@ -599,14 +596,11 @@ def vocab_parallel_linear_cross_entropy(hidden: Tensor, weight_shard: Tensor, ta
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != vl):
         raise ValueError(f"bias must be [{vl}] (this rank's entries), got {tuple(bias.shape)}")
     h2 = hidden.reshape(-1, d)
-    n = h2.shape[0]
-    if n < 1 or vl < 1 or d < 1:
-        raise ValueError(f"empty inputs: hidden {tuple(hidden.shape)}, weight_shard "
-                         f"{tuple(weight_shard.shape)}")
+    n = h2.shape[0]  # (rows, vocab_local and hidden >= 1: the library checks them)
     tgt = _targets(target, n, "hidden", hidden.device)
     vs, vt = _layout(vl, rank, size, vocab_start, vocab_total)
     cw = _class_weights(weight, vt, hidden.device)
-    t, k = _ft._resolve_shift(shift, shift_seq_len, tuple(target.shape), n)
+    t, k = _ta._resolve_shift(shift, shift_seq_len, tuple(target.shape), n)
     dev = hidden.device.type
     if dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev):
         cdt = torch.get_autocast_dtype(dev)
@@ -618,16 +612,16 @@ def vocab_parallel_linear_cross_entropy(hidden: Tensor, weight_shard: Tensor, ta
         cdt = hidden.dtype
     if cdt == torch.float64:
         cdt = torch.float32
-    if cdt not in _ft._CODE_OF_TORCH:
+    if cdt not in _to._CODE_OF_TORCH:
         raise TypeError(f"hidden must be float32, float16 or bfloat16, got {cdt}")
     budget = _tc.default_workspace_bytes() if workspace_bytes is None else int(workspace_bytes)
     if budget < 0:
         raise ValueError(f"workspace_bytes must be >= 0, got {workspace_bytes}")
-    opts = _ft._opts(ignore_index, red, _smoothing(label_smoothing, label_smoothing_formula, vt),
+    opts = _to._opts(ignore_index, red, _smoothing(label_smoothing, label_smoothing_formula, vt),
                      z_loss, softcap, logit_scale, t, k, use_token_scaling)
-    mask = _ft._output_mask(return_z_loss, return_token_accuracy, return_predicted_tokens,
+    mask = _ta._output_mask(return_z_loss, return_token_accuracy, return_predicted_tokens,
                             return_lse)
-    extras = _ft._c_extras(mask, red)
+    extras = _ta._c_extras(mask, red)
     want_lse = bool(mask & 8) or (bool(mask & 1) and red == _lib.FCE_REDUCTION_NONE)
     layout = (group, size, vs, vt)
     grad_on = torch.is_grad_enabled() and (
@@ -651,5 +645,5 @@ def vocab_parallel_linear_cross_entropy(hidden: Tensor, weight_shard: Tensor, ta
             return a
         return _shard_target_logit(local_logit, y, vs, vl, group, size)
 
-    return _ft._finish(mask, red, tuple(target.shape), loss, lse, zl, acc, am,
-                       lambda: _ft._z_loss_rows(lse, tgt, vt, opts, target_logit))
+    return _ta._finish(mask, red, tuple(target.shape), loss, lse, zl, acc, am,
+                       lambda: _ta._z_loss_rows(lse, tgt, vt, opts, target_logit))

@@ -3,7 +3,7 @@
 The output layer sharded over the vocabulary (Megatron's tensor parallelism): each of P ranks
 holds classes ``[vocab_start, vocab_start + vocab_local)`` of ``vocab_total`` — its logits'
 columns, or the rows of the weight (and bias). A step is two phases around one collective that
-the caller runs with its own communicator (include/fusedce.h, lib/SEMANTICS.md rule 16):
+the caller runs with its own communicator (include/fusedce.h, docs/semantics.md rule 16):
 
     stats = vp_stats(logits_shard, targets, vocab_start=s, vocab_total=V)   # [rows, 8] float32
     gathered = all_gather(stats)                 # [P, rows, 8] (or [P * rows, 8]), any rank order
@@ -37,13 +37,15 @@ import numpy as np
 
 from . import _lib
 from ._lib import FCE_REDUCTION_NONE, FCE_VP_STATS
-from .core import (_CODE_NAMES, _FLOAT_CODES, _TARGET_CODES, _Alloc, _Arr, _build_options,
-                   _call_stream, _check_backend_kw, _check_same_device, _check_shift,
-                   _check_stride_kw, _class_weights, _describe, _device_of, _dtype_name,
-                   _error_flags, _float_code, _grad_output, _grad_set, _int_option, _matrix,
-                   _need_dtype, _out, _ptr, _reduction_code, _backend_code, _stream_int,
-                   _targets_code, _user_workspace, _vector, _writable, _argmax_accuracy,
-                   check_error_flags)
+from ._alloc import (_Alloc, _argmax_accuracy, _class_weights, _error_flags, _grad_output, _out,
+                     _ptr, _user_workspace, _workspace)
+from ._args import (_backend_code, _build_options, _check_backend_kw, _check_same_device,
+                    _check_stride_kw, _grad_set, _int_option, _matrix, _reduction_code,
+                    _targets_code, _vector, _writable)
+from ._arrays import (_CODE_NAMES, _FLOAT_CODES, _TARGET_CODES, _Arr, _describe, _dtype_name,
+                      _float_code, _need_dtype)
+from ._streams import _call_stream, _device_of, _stream_int
+from .core import check_error_flags
 
 __all__ = [
     "VP_STATS", "VPLossResult", "VPLinearGrads", "shard_range", "vp_stats", "vp_loss",
@@ -93,28 +95,24 @@ def shard_range(vocab_total: int, rank: int, ranks: int, equal: bool = False) ->
 
 
 # ================================================================ shared checks ====
-def _sizes(vocab_total, vocab_start=None, vocab_local=None):
-    vt = _int_option(vocab_total, "vocab_total", 1)
-    vs = None if vocab_start is None else _int_option(vocab_start, "vocab_start", 0)
-    if vs is not None and vocab_local is not None and vs + int(vocab_local) > vt:
-        raise ValueError(f"vocab_start ({vs}) + vocab_local ({vocab_local}) exceeds vocab_total "
-                         f"({vt})")
+def _sizes(vocab_total, vocab_start=None):
+    """vocab_total and vocab_start as ints (their ranges are the library's to check)."""
+    vt = _int_option(vocab_total, "vocab_total")
+    vs = None if vocab_start is None else _int_option(vocab_start, "vocab_start")
     return vt, vs
 
 
 def _gathered(g: _Arr, rows: int) -> int:
     """Check gathered statistics [ranks, rows, VP_STATS] (or [ranks * rows, VP_STATS]) float32,
-    dense; return ranks."""
+    dense; return ranks (checked by the library, with the 16-byte alignment)."""
     _need_dtype(g, "float32")
     if len(g.shape) == 3 and g.shape[1:] == (rows, VP_STATS):
         ranks = g.shape[0]
-    elif len(g.shape) == 2 and g.shape[1] == VP_STATS and g.shape[0] % rows == 0:
+    elif len(g.shape) == 2 and g.shape[1] == VP_STATS and rows > 0 and g.shape[0] % rows == 0:
         ranks = g.shape[0] // rows
     else:
         raise ValueError(f"gathered_stats must be [ranks, {rows}, {VP_STATS}] (or "
                          f"[ranks * {rows}, {VP_STATS}]) float32, got shape {g.shape}")
-    if ranks < 1:
-        raise ValueError("gathered_stats holds no rank")
     expect = []
     acc = 1
     for s in reversed(g.shape):
@@ -122,8 +120,6 @@ def _gathered(g: _Arr, rows: int) -> int:
         acc *= s
     if tuple(reversed(expect)) != g.strides and g.size > 1:
         raise ValueError(f"gathered_stats must be dense (C-contiguous), got strides {g.strides}")
-    if g.ptr % 16:
-        raise ValueError(f"gathered_stats: address {g.ptr:#x} is not 16-byte aligned")
     return ranks
 
 
@@ -137,9 +133,7 @@ def _stats_out(stats, alloc: _Alloc, ref: _Arr, rows: int):
             stats = alloc.empty((rows, VP_STATS), "float32", "stats")
     a = _out(stats, "stats", ref, "float32")
     _matrix(a, rows, VP_STATS, dense=True, what=f"[rows, {VP_STATS}]")
-    if a.ptr % 16:
-        raise ValueError(f"stats: address {a.ptr:#x} is not 16-byte aligned")
-    return stats, a
+    return stats, a  # (its 16-byte alignment: the library's to check)
 
 
 def _options(ref: _Arr, dtype_code: int, tcode: int, red: int, kw: dict, w: Optional[_Arr],
@@ -162,20 +156,6 @@ def _opt_kw(reduction="mean", ignore_index=-100, class_weights=None, label_smoot
                 token_scaling=token_scaling, deterministic=deterministic, backend=backend)
 
 
-def _workspace(workspace, alloc: _Alloc, ref: _Arr, lo: int, hi: int, workspace_size):
-    if workspace is not None:
-        return _user_workspace(workspace, ref, lo)
-    if workspace_size == "optimal":
-        nbytes = hi
-    elif workspace_size == "min":
-        nbytes = lo
-    else:
-        nbytes = int(workspace_size)
-        if nbytes < lo:
-            raise ValueError(f"workspace_size={nbytes} is below the minimum {lo} bytes")
-    return alloc.workspace(max(nbytes, lo))
-
-
 # ======================================================================== phase 1 ====
 def vp_stats(logits, targets, *, vocab_total: int, vocab_start: int, reduction="mean",
              ignore_index: int = -100, class_weights=None, label_smoothing: float = 0.0,
@@ -195,13 +175,12 @@ def vp_stats(logits, targets, *, vocab_total: int, vocab_start: int, reduction="
     if len(z.shape) != 2:
         raise ValueError(f"logits must be 2-D [rows, vocab_local], got shape {z.shape}")
     rows, vl = z.shape
-    vt, vs = _sizes(vocab_total, vocab_start, vl)
+    vt, vs = _sizes(vocab_total, vocab_start)
     dtype_code = _float_code(z, _dtype_name(dtype))
     rs = _matrix(z, what="[rows, vocab_local]")
     _check_stride_kw(row_stride, rs, "row_stride")
     tcode = _targets_code(y, rows, target_dtype)
     red = _reduction_code(reduction)
-    _check_shift(rows, shift_seq_len, shift)
     w = _class_weights(class_weights, z, vt)
     kw = _opt_kw(reduction, ignore_index, class_weights, label_smoothing, z_loss_scale, softcap,
                  logit_scale, shift_seq_len, shift, token_scaling, deterministic, backend)
@@ -234,10 +213,9 @@ def vp_linear_stats(hidden, weight, targets, bias=None, *, vocab_total: int, voc
     b = _describe(bias, "bias", s_explicit) if bias is not None else None
     _check_same_device(h, W, y, b)
     rows, dim, vl, dname, dtype_code, hrs = _linear_args(h, W, b, dtype, hidden_row_stride)
-    vt, vs = _sizes(vocab_total, vocab_start, vl)
+    vt, vs = _sizes(vocab_total, vocab_start)
     tcode = _targets_code(y, rows, target_dtype)
     red = _reduction_code(reduction)
-    _check_shift(rows, shift_seq_len, shift)
     w = _class_weights(class_weights, h, vt)
     kw = _opt_kw(reduction, ignore_index, class_weights, label_smoothing, z_loss_scale, softcap,
                  logit_scale, shift_seq_len, shift, token_scaling, deterministic, backend)
@@ -300,14 +278,11 @@ def vp_loss(gathered_stats, targets, *, vocab_total: int, reduction="mean",
     if len(y.shape) != 1:
         raise ValueError(f"targets must be 1-D [rows], got shape {y.shape}")
     rows = y.shape[0]
-    if rows < 1:
-        raise ValueError("targets is empty")
     ranks = _gathered(g, rows)
     vt, _ = _sizes(vocab_total)
     dtype_code = _FLOAT_CODES[_dtype_name(dtype) or "float32"]
     tcode = _targets_code(y, rows, target_dtype)
     red = _reduction_code(reduction)
-    _check_shift(rows, shift_seq_len, shift)
     w = _class_weights(class_weights, g, vt)
     kw = _opt_kw(reduction, ignore_index, class_weights, label_smoothing, z_loss_scale, softcap,
                  logit_scale, shift_seq_len, shift, token_scaling, deterministic, backend)
@@ -341,7 +316,7 @@ def vp_loss(gathered_stats, targets, *, vocab_total: int, reduction="mean",
         if workspace is None:
             ws_ptr, ws_bytes, ws_keep = alloc.workspace(int(need.value))
         else:
-            ws_ptr, ws_bytes, ws_keep = _user_workspace(workspace, g, int(need.value))
+            ws_ptr, ws_bytes, ws_keep = _user_workspace(workspace, g)
         _lib.call("fce_vp_loss", ctypes.byref(opts), ranks, rows, vt, y.ptr, g.ptr, la.ptr,
                   _ptr(lse_a), _ptr(zl_a), flags_ptr, ws_ptr, ws_bytes, call_stream)
         del ws_keep
@@ -371,14 +346,13 @@ def vp_backward(logits, targets, gathered_stats, grad_output=None, *, vocab_tota
     if len(z.shape) != 2:
         raise ValueError(f"logits must be 2-D [rows, vocab_local], got shape {z.shape}")
     rows, vl = z.shape
-    vt, vs = _sizes(vocab_total, vocab_start, vl)
+    vt, vs = _sizes(vocab_total, vocab_start)
     dtype_code = _float_code(z, _dtype_name(dtype))
     rs = _matrix(z, what="[rows, vocab_local]")
     _check_stride_kw(row_stride, rs, "row_stride")
     tcode = _targets_code(y, rows, target_dtype)
     ranks = _gathered(g, rows)
     red = _reduction_code(reduction)
-    _check_shift(rows, shift_seq_len, shift)
     w = _class_weights(class_weights, z, vt)
     if in_place and grad_logits is not None:
         raise ValueError("pass either in_place=True or grad_logits=, not both")
@@ -409,7 +383,7 @@ def vp_backward(logits, targets, gathered_stats, grad_output=None, *, vocab_tota
         if workspace is None:
             ws_ptr, ws_bytes, ws_keep = alloc.workspace(int(need.value))
         else:
-            ws_ptr, ws_bytes, ws_keep = _user_workspace(workspace, z, int(need.value))
+            ws_ptr, ws_bytes, ws_keep = _user_workspace(workspace, z)
         _lib.call("fce_vp_backward", ctypes.byref(opts), ranks, rows, vt, vs, vl, z.ptr, y.ptr,
                   g.ptr, go_ptr, g_a.ptr, flags_ptr, ws_ptr, ws_bytes, call_stream)
         del ws_keep, go_keep
@@ -443,17 +417,16 @@ def vp_linear_backward(hidden, weight, targets, gathered_stats, bias=None, grad_
     b = _describe(bias, "bias", s_explicit) if bias is not None else None
     _check_same_device(h, W, y, g, b)
     rows, dim, vl, dname, dtype_code, hrs = _linear_args(h, W, b, dtype, hidden_row_stride)
-    vt, vs = _sizes(vocab_total, vocab_start, vl)
+    vt, vs = _sizes(vocab_total, vocab_start)
     tcode = _targets_code(y, rows, target_dtype)
     ranks = _gathered(g, rows)
     red = _reduction_code(reduction)
-    _check_shift(rows, shift_seq_len, shift)
     w = _class_weights(class_weights, h, vt)
     grads = _grad_set(return_grad, b is not None)
     gh_name = _dtype_name(grad_hidden_dtype) or "float32"
-    if gh_name not in ("float32", dname):
-        raise ValueError(f"grad_hidden_dtype must be float32 or the inputs' dtype ({dname}), "
-                         f"got {grad_hidden_dtype!r}")
+    if gh_name not in _FLOAT_CODES:  # float32 or the inputs' dtype: the library checks which
+        raise TypeError(f"grad_hidden_dtype must be a floating-point dtype, got "
+                        f"{grad_hidden_dtype!r}")
     gdtype = "float32" if grad_weight_fp32 else dname
     kw = _opt_kw(reduction, ignore_index, class_weights, label_smoothing, z_loss_scale, softcap,
                  logit_scale, shift_seq_len, shift, token_scaling, deterministic, backend)
@@ -479,16 +452,11 @@ def vp_linear_backward(hidden, weight, targets, gathered_stats, bias=None, grad_
         if grad_bias is None and "bias" in grads:
             grad_bias = alloc.empty((vl,), gdtype, "grad_bias", zero=accumulate,
                                     like=None if grad_weight_fp32 else b)
-        if grad_bias is not None:
-            if b is None:
-                raise ValueError("grad_bias was given but there is no bias")
+        if grad_bias is not None:  # (without a bias: the library refuses it)
             gb_a = _out(grad_bias, "grad_bias", h)
             _float_code(gb_a, gdtype, "float32 (grad_weight_fp32)" if grad_weight_fp32
                         else "the bias' dtype")
             _vector(gb_a, vl, "[vocab_local]")
-        if gh_a is None and gw_a is None and gb_a is None:
-            raise ValueError("vp_linear_backward: no gradient asked for (return_grad=False and "
-                             "no gradient buffer)")
         go_ptr, go_keep = _grad_output(grad_output, alloc, h, rows, red == FCE_REDUCTION_NONE)
         flags_ptr = 0
         if error_flags is not None and error_flags is not False:

@@ -1,4 +1,4 @@
-"""An independent float64 NumPy reference of SPEC.md / lib/SEMANTICS.md, written from the
+"""An independent float64 NumPy reference of docs/semantics.md, written from the
 formulas (not from the library), for the binding's tests."""
 
 import numpy as np
@@ -7,7 +7,7 @@ import numpy as np
 def row_targets(targets, rows, ignore_index=-100, shift_seq_len=0, shift=0):
     """The target each row is scored against (ignore_index for shifted-out rows): with T =
     shift_seq_len > 0 and k = shift (0 meaning 1), row r = b*T+t takes targets[r + k] when
-    t < T - k (SEMANTICS.md rule 1)."""
+    t < T - k (docs/semantics.md rule 1)."""
     y = np.asarray(targets, dtype=np.int64).copy()
     if shift_seq_len:
         t, k = shift_seq_len, max(shift, 1)

@@ -67,7 +67,7 @@ def poison(shape, dtype=np.float32):
 
 def assert_close(actual, ref, rtol, what=""):
     """Element-wise |a - r| <= rtol * (|r| + max|r|): a relative error bound scaled to the
-    array's magnitude (SPEC.md: relative error <= 1e-5 for float32)."""
+    array's magnitude (docs/semantics.md: relative error <= 1e-5 for float32)."""
     actual = np.asarray(actual, dtype=np.float64)
     ref = np.asarray(ref, dtype=np.float64)
     assert actual.shape == ref.shape, (what, actual.shape, ref.shape)
@@ -133,6 +133,57 @@ def test_older_library_gets_the_old_struct_size(monkeypatch):
         with pytest.raises(fusedce.UnsupportedError, match="0.3"):
             fusedce.forward(z, y, **kw)
 
+def test_version_rule():
+    """One rule for every binding (bindings/README.md): the major version must be equal; an older
+    minor and a newer minor are accepted."""
+    major = _lib.HEADER_VERSION_MAJOR * 10000
+    for accepted in (major, major + 100, major + 9999, _lib.HEADER_VERSION_NUMBER - 100):
+        _lib.check_version(accepted)
+    for refused in (major + 10000, major - 1 if major else 10000):
+        with pytest.raises(fusedce.VersionMismatchError, match="major versions must be equal"):
+            _lib.check_version(refused)
+
+
+def test_older_library_lacks_functions(monkeypatch):
+    """A library of the same major version without the functions added later is accepted: what
+    it has works (with the 0.1 struct_size for an 0.1/0.2 library), each function it lacks
+    raises UnsupportedError "<function>: needs libfusedce >= 0.x" when called."""
+    real = _lib.load()
+
+    class Old:  # a 0.1 library: only the functions 0.1 had
+        pass
+
+    old = Old()
+    for name in ("fce_version", "fce_status_string", "fce_last_error", "fce_options_default",
+                 "fce_forward_workspace_size", "fce_forward", "fce_backward_workspace_size",
+                 "fce_backward", "fce_linear_ce_workspace_size", "fce_linear_ce",
+                 "fce_cuda_available"):
+        setattr(old, name, getattr(real, name))
+    missing = _lib._declare(old)
+    assert missing == frozenset(_lib.SINCE)
+    monkeypatch.setattr(_lib, "_LIB", old)
+    monkeypatch.setattr(_lib, "_LIB_VERSION", 100)
+    monkeypatch.setattr(_lib, "_LIB_MISSING", missing)
+    a, g = np.ones(4, np.float32), np.full(1, 2.0, np.float32)
+    with pytest.raises(fusedce.UnsupportedError,
+                       match=r"^fce_scale_gradient: needs libfusedce >= 0\.2; the loaded library "
+                             r"\(.*\) is 0\.1\.0"):
+        _lib.scale_gradient(_lib.FCE_BACKEND_CPU, _lib.FCE_FLOAT32, 4, a.ctypes.data,
+                            g.ctypes.data)
+    with pytest.raises(fusedce.UnsupportedError, match=r"fce_vp_stats: needs libfusedce >= 0\.4"):
+        old.fce_vp_stats()
+    assert fusedce.build_info() is None and not _lib.has_vp()
+    with pytest.raises(fusedce.UnsupportedError, match=r"needs libfusedce >= 0\.4"):
+        _lib.require_vp()
+    z, y = make_inputs()
+    assert _lib.default_options().struct_size == _lib.FCE_OPTIONS_SIZE_V0_1
+    r = fusedce.forward(z, y, return_grad=True)  # what 0.1 has works
+    ref = R.cross_entropy(z, y)
+    assert_close(r.loss, ref["loss"], 1e-5)
+    with pytest.raises(fusedce.UnsupportedError, match=r"shift: needs libfusedce >= 0\.3"):
+        fusedce.forward(z, y, shift_seq_len=4, shift=2)
+
+
 def test_status_strings():
     assert "NULL" in fusedce.status_string(_lib.FCE_ERROR_NULL_POINTER)
     assert fusedce.status_string(_lib.FCE_SUCCESS).startswith("FCE_SUCCESS")
@@ -197,7 +248,7 @@ def test_forward_backward_float32(case, reduction, std):
     np.testing.assert_array_equal(r3.loss, loss)
 
     # fce_backward from the saved lse: the gradient fce_forward wrote, to the rounding of the
-    # float32 lse (SEMANTICS.md rule 12: no longer bit for bit)
+    # float32 lse (docs/semantics.md rule 12: no longer bit for bit)
     gb = fusedce.backward(z, y, lse, g, reduction=reduction, grad_logits=poison((N, V)), **opts)
     assert_close(gb, ref["grad"], 1e-5, "backward grad")
     assert_close(gb, grad, 1e-5, "backward grad vs forward grad")
@@ -620,10 +671,15 @@ def test_workspace_queries_and_user_workspace():
     ws = raw[(-raw.ctypes.data) % 16:][:hi]
     r = fusedce.linear_ce(h, W, y, b, workspace=ws, return_grad=True)
     assert_close(r.grad_weight, ref["grad_weight"], 1e-5)
-    with pytest.raises(ValueError, match="workspace has"):
+    # the workspace's size and alignment are the library's to check: its message names them
+    with pytest.raises(fusedce.WorkspaceTooSmallError,
+                       match=r"fce_linear_ce: workspace_bytes \(%d\) is less than" % (lo - 16)):
         fusedce.linear_ce(h, W, y, b, workspace=ws[: lo - 16])
-    with pytest.raises(ValueError, match="16-byte"):
+    with pytest.raises(fusedce.MisalignedError,
+                       match=r"fce_linear_ce: workspace \(.*\) is not aligned to 16 bytes"):
         fusedce.linear_ce(h, W, y, b, workspace=raw[((-raw.ctypes.data) % 16) + 1:][:lo])
+    with pytest.raises(fusedce.WorkspaceTooSmallError, match="workspace_bytes"):
+        fusedce.linear_ce(h, W, y, b, workspace_size=lo - 1, return_grad=True)  # < minimum
 
 
 # ---------------------------------------------------------------- array kinds ----
@@ -775,6 +831,73 @@ def test_library_rejects_option_values(kwargs, needle):
         fusedce.linear_ce(*make_linear()[:2], make_linear()[3], **kwargs)
 
 
+@pytest.mark.parametrize("case", ["shift<0", "shift_seq_len<0", "shift w/o T", "T∤rows",
+                                  "misaligned logits", "row_stride<vocab", "misaligned targets",
+                                  "class_weights misaligned", "reduction code"])
+def test_library_checks_reach_the_user(case):
+    """What the library checks is not checked again in Python: its message (naming the function
+    and the argument) is the exception's text, with the status's class."""
+    z, y = make_inputs()
+    buf = np.zeros(z.size * 4 + 8, np.uint8)
+    cases = {
+        "shift<0": (dict(shift_seq_len=4, shift=-1), fusedce.InvalidArgumentError,
+                    r"options->shift \(-1\) must be >= 0"),
+        "shift_seq_len<0": (dict(shift_seq_len=-3), fusedce.InvalidArgumentError,
+                            r"options->shift_seq_len \(-3\) must be >= 0"),
+        "shift w/o T": (dict(shift=2), fusedce.InvalidArgumentError,
+                        r"options->shift \(2\) needs options->shift_seq_len"),
+        "T∤rows": (dict(shift_seq_len=5), fusedce.InvalidArgumentError,
+                   r"rows \(%d\) is not a multiple of options->shift_seq_len \(5\)" % N),
+        "reduction code": (dict(reduction=7), fusedce.InvalidArgumentError,
+                           r"options->reduction \(7\) is not an fce_reduction"),
+    }
+    logits, targets, kw = z, y, {}
+    if case in cases:
+        kw, error, needle = cases[case]
+    elif case == "misaligned logits":
+        logits = np.frombuffer(buf, np.float32, count=z.size, offset=2).reshape(z.shape)
+        error, needle = fusedce.MisalignedError, r"logits \(0x[0-9a-f]+\) is not aligned to 4"
+    elif case == "misaligned targets":
+        targets = np.frombuffer(buf, np.int64, count=N, offset=4)
+        error, needle = fusedce.MisalignedError, r"targets \(0x[0-9a-f]+\) is not aligned to 8"
+    elif case == "class_weights misaligned":
+        kw = dict(class_weights=np.frombuffer(buf, np.float32, count=V, offset=1))
+        error, needle = fusedce.MisalignedError, r"options->class_weights .* is not aligned to 4"
+    else:  # rows 3 elements apart: overlapping rows of a [N, V] view
+        logits = np.lib.stride_tricks.as_strided(z, shape=z.shape, strides=(12, 4))
+        error = fusedce.InvalidArgumentError
+        needle = r"options->row_stride \(3\) is less than vocab"
+    with pytest.raises(error, match="fce_forward(_workspace_size)?: " + needle) as e:
+        fusedce.forward(logits, targets, **kw)
+    assert isinstance(e.value, ValueError) and e.value.message in str(e.value)
+    assert e.value.message == fusedce.last_error()
+
+
+def test_status_exceptions():
+    """Every fce_status has its exception class; FCE_ERROR_OUT_OF_MEMORY (10, 0.4) is a
+    MemoryError; a status the binding does not know is still a FusedCEError."""
+    classes = {
+        _lib.FCE_ERROR_INVALID_ARGUMENT: (fusedce.InvalidArgumentError, ValueError),
+        _lib.FCE_ERROR_NULL_POINTER: (fusedce.NullPointerError, ValueError),
+        _lib.FCE_ERROR_MISALIGNED: (fusedce.MisalignedError, ValueError),
+        _lib.FCE_ERROR_UNSUPPORTED: (fusedce.UnsupportedError, fusedce.FusedCEError),
+        _lib.FCE_ERROR_WORKSPACE_TOO_SMALL: (fusedce.WorkspaceTooSmallError, ValueError),
+        _lib.FCE_ERROR_BACKEND_UNAVAILABLE: (fusedce.BackendUnavailableError,
+                                             fusedce.FusedCEError),
+        _lib.FCE_ERROR_CUDA: (fusedce.CudaError, fusedce.FusedCEError),
+        _lib.FCE_ERROR_CUBLAS: (fusedce.CublasError, fusedce.FusedCEError),
+        _lib.FCE_ERROR_INTERNAL: (fusedce.InternalError, fusedce.FusedCEError),
+        _lib.FCE_ERROR_OUT_OF_MEMORY: (fusedce.OutOfMemoryError, MemoryError),
+    }
+    assert _lib.FCE_ERROR_OUT_OF_MEMORY == 10
+    assert sorted(classes) == list(range(1, 11))
+    for status, (cls, base) in classes.items():
+        err = _lib.error_for_status(status, "fce_forward: something", "fce_forward")
+        assert type(err) is cls and isinstance(err, base) and isinstance(err, RuntimeError)
+        assert err.status == status and str(err).startswith("fce_forward: something")
+    assert type(_lib.error_for_status(99, "x")) is fusedce.FusedCEError
+
+
 def test_library_errors_through_raw_calls():
     """Statuses the high-level API never lets through, raised from the raw C calls."""
     z, y = make_inputs()
@@ -886,7 +1009,7 @@ def test_backward_rescale_raw_call():
                                   grad.ctypes.data)
             want = fusedce.forward(z, y, reduction=reduction, return_grad=True,
                                    grad_output=go[0], **opts).grad_logits
-            # bit for bit, signed zeros included (SEMANTICS rule 14; ignored rows stay +0)
+            # bit for bit, signed zeros included (docs/semantics.md rule 14; ignored rows stay +0)
             np.testing.assert_array_equal(grad.view(np.uint32), want.view(np.uint32),
                                           f"{reduction}, g={g}")
             assert np.all(grad[ignored] == 0) and np.all(want[ignored] == 0)

@@ -31,7 +31,7 @@ REDUCTIONS = ["mean", "sum", "none"]
 
 # ---------------------------------------------------------------- float64 reference ----
 def shifted_targets(y, ignore_index, t, k=0):
-    """SEMANTICS.md rule 1: row b*T+t against target b*T+t+k (k = 0 meaning 1), the last k
+    """docs/semantics.md rule 1: row b*T+t against target b*T+t+k (k = 0 meaning 1), the last k
     positions of each sequence ignored."""
     if not t:
         return y
@@ -46,7 +46,7 @@ def shifted_targets(y, ignore_index, t, k=0):
 def reference(z, y, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
               z_loss=0.0, softcap=0.0, logit_scale=1.0, shift_seq_len=0, shift=0,
               use_token_scaling=False, extras=False):
-    """SPEC.md / SEMANTICS.md built from torch float64 ops (F.cross_entropy for the CE part;
+    """docs/semantics.md built from torch float64 ops (F.cross_entropy for the CE part;
     Liger's token scaling: each row times its detached p_y; the mean's z-loss over the number
     of non-ignored rows). With extras=True: (loss, dict of z_loss, token_accuracy,
     predicted_tokens, lse), the logging outputs as fusedce.torch returns them."""
@@ -657,10 +657,15 @@ def test_shift_spellings():
         assert rel_err(linear_cross_entropy(h, W, y, shift=k), lin) <= 1e-5
     with pytest.raises(ValueError, match=r"shift must be in \[0, 7\)"):
         cross_entropy(z, y, shift=7)
-    with pytest.raises(ValueError, match="shift must be >= 0"):
+    # negative values and rows that are no whole number of sequences: the library's message
+    with pytest.raises(fusedce.InvalidArgumentError, match=r"options->shift \(-1\) must be >= 0"):
         cross_entropy(z, y, shift=-1)
-    with pytest.raises(ValueError, match="whole number of sequences"):
+    with pytest.raises(fusedce.InvalidArgumentError,
+                       match=r"rows \(\d+\) is not a multiple of options->shift_seq_len \(5\)"):
         cross_entropy(z, y.reshape(-1), shift_seq_len=5)
+    with pytest.raises(fusedce.InvalidArgumentError, match=r"options->shift_seq_len \(-2\)"):
+        linear_cross_entropy(torch.randn(4, 3), torch.randn(5, 3),
+                             torch.zeros(4, dtype=torch.long), shift_seq_len=-2)
 
 
 def test_check_targets():

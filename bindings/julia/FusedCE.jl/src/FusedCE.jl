@@ -2,7 +2,7 @@
     FusedCE
 
 Julia binding of fusedce: fused cross-entropy kernels for large vocabularies behind a C ABI
-(`include/fusedce.h`; the math is `shared/SPEC.md`, the corner cases `lib/SEMANTICS.md`).
+(`include/fusedce.h`; the math and its corner cases are `docs/semantics.md`).
 
     forward(logits, targets; grad=false, options...)   loss, lse, z-loss; the gradient with grad=true,
                                                        predicted classes / accuracy with
@@ -40,8 +40,12 @@ must be on the same backend.
 
 # Library
 The shared library is `ENV["FUSEDCE_LIBRARY"]` (a path, or a name on the library search path),
-else `"libfusedce"`; it is opened the first time a function needs it, and its major version must
-be that of the header this binding was generated from.
+else `"libfusedce"`; it is opened the first time a function needs it. Library versions follow the
+rule of every fusedce binding (bindings/README.md, "Library versions"): the library's major
+version must be that of the header this binding was generated from; an older minor is accepted,
+and what it lacks (a function added later, an `fce_options` field appended in 0.3) throws
+`FusedCEError(FCE_ERROR_UNSUPPORTED, "<feature>: needs libfusedce >= 0.x; the loaded library
+... is 0.y.z")` when asked for; a newer minor is accepted.
 
 # Errors
 Every failing status throws [`FusedCEError`](@ref)`(status, message)`, the message being
@@ -108,8 +112,9 @@ function _load_library()
         lib = library_version()
         if lib.major != FCE_VERSION_MAJOR
             _loaded[] = false
-            error("FusedCE: $name is fusedce $lib, but this binding was generated from the " *
-                  "header of fusedce $HEADER_VERSION: the major versions must be the same")
+            error("FusedCE: $name is fusedce $lib (major $(lib.major)), but this binding was " *
+                  "generated from the header of fusedce $HEADER_VERSION (major " *
+                  "$FCE_VERSION_MAJOR): the major versions must be equal")
         end
     finally
         unlock(_lock)
@@ -117,9 +122,22 @@ function _load_library()
     return nothing
 end
 
+# The functions appended to the C API after 0.1, with the version that added them (the
+# vocabulary-parallel fce_vp_*: 0.4).
+const _SINCE = Dict{Symbol,VersionNumber}(:fce_scale_gradient => v"0.2",
+                                          :fce_backward_rescale => v"0.2",
+                                          :fce_build_info => v"0.3")
+_since(name::Symbol) = startswith(String(name), "fce_vp_") ? v"0.4" : get(_SINCE, name, v"0.1")
+
+# "<feature>: needs libfusedce >= 0.x; the loaded library ... is 0.y.z" (FCE_ERROR_UNSUPPORTED).
+function _needs(what, since::VersionNumber)
+    return FusedCEError(FCE_ERROR_UNSUPPORTED,
+                        "FusedCE: $what: needs libfusedce >= $(since.major).$(since.minor); the " *
+                        "loaded library $(_name[]) is $(library_version())")
+end
+
 @noinline function _no_symbol(name::Symbol)
-    error("FusedCE: the fusedce library $(_name[]) has no function $name: it is older than " *
-          "this binding (header version $HEADER_VERSION)")
+    throw(_needs(name, _since(name)))
 end
 
 """
@@ -279,8 +297,9 @@ end
 The `fce_options` fields the high-level functions take as keywords. `backend`, `dtype`,
 `target_dtype` and the strides are read off the arrays (a value given must agree with them;
 describe strided memory with a view), `class_weights` is a `Float32` vector of `vocab` weights
-on the data's backend, `struct_size` is always `sizeof(FceOptions)` and `reserved0` and
-`reserved1` always 0. Since 0.3: `shift` (the k of the causal shift: row b·T+t against target
+on the data's backend, `struct_size` is `sizeof(FceOptions)` (`FCE_OPTIONS_SIZE_V0_1` for a
+library older than 0.3, which then refuses the 0.3 options) and `reserved0` and `reserved1`
+always 0. Since 0.3: `shift` (the k of the causal shift: row b·T+t against target
 b·T+t+k, the last k rows of each sequence of `shift_seq_len` T ignored; 0 means 1, and it must
 be 0 without `shift_seq_len`) and `token_scaling` (each scored row's loss, z-loss term included,
 and gradient times p_y = exp(a_y - lse), a constant for the gradient). The two outputs that live
@@ -319,6 +338,20 @@ function _options(kw, derived::NamedTuple, dense::NamedTuple, class_weights::Ptr
     values[:class_weights] = class_weights
     values[:argmax] = outputs.argmax
     values[:accuracy] = outputs.accuracy
+    return _for_library(_fce_options(values))
+end
+
+# The struct to pass the loaded library: as built for a library of 0.3 or later; for an older one
+# (which rejects a struct_size larger than its own) the 0.1 struct, after refusing the fields
+# appended in 0.3, which it would not see.
+function _for_library(o::FceOptions)
+    library_version() >= v"0.3" && return o
+    for (on, what) in ((o.shift != 0, "shift"), (o.token_scaling != 0, "token_scaling"),
+                       (o.argmax != C_NULL, "argmax"), (o.accuracy != C_NULL, "accuracy"))
+        on && throw(_needs(what, v"0.3"))
+    end
+    values = Dict{Symbol,Any}(k => getfield(o, k) for k in fieldnames(FceOptions))
+    values[:struct_size] = Csize_t(FCE_OPTIONS_SIZE_V0_1)
     return _fce_options(values)
 end
 

@@ -39,6 +39,7 @@ const FCE_ERROR_BACKEND_UNAVAILABLE = fce_status(6)
 const FCE_ERROR_CUDA = fce_status(7)
 const FCE_ERROR_CUBLAS = fce_status(8)
 const FCE_ERROR_INTERNAL = fce_status(9)
+const FCE_ERROR_OUT_OF_MEMORY = fce_status(10)
 
 # ---------------------------------------------------------------- enum fce_dtype
 const fce_dtype = Cint

@@ -1,5 +1,5 @@
 # The Julia binding on fusedce's CPU backend, against a small Float64 reference written here from
-# shared/SPEC.md and lib/SEMANTICS.md (independent of the library's code). From the repository root:
+# docs/semantics.md (independent of the library's code). From the repository root:
 #
 #   FUSEDCE_LIBRARY=$PWD/build/libfusedce.so julia --project=bindings/julia/FusedCE.jl \
 #       bindings/julia/FusedCE.jl/test/runtests.jl
@@ -16,7 +16,7 @@ using FusedCE: FCE_BACKEND_CPU, FCE_ERROR_INVALID_ARGUMENT, FCE_FLAG_TARGET_OUT_
     reference(z, y; options...) -> (; loss, lse, z_loss, grad, argmax, accuracy)
 
 Cross-entropy of `z` (vocab × rows, any reals) against 0-based targets `y`, in Float64, step by
-step as SPEC.md and SEMANTICS.md write it: with token scaling each scored row's terms are times
+step as docs/semantics.md writes it: with token scaling each scored row's terms are times
 t = p_y (a constant for the gradient); the mean divides the cross-entropy terms by the class
 weights' sum D and the z-loss terms by the count n of non-ignored rows. `argmax` is 0-based
 (-1 for ignored rows), `accuracy` unweighted.
@@ -49,7 +49,7 @@ function reference(z::AbstractMatrix, y::AbstractVector; reduction::Symbol=:mean
         else
             y[r]
         end
-        # SPEC steps 1-3: scale, softcap, lse
+        # docs/semantics.md steps 1-3: scale, softcap, lse
         a = s .* Float64.(z[:, r])
         if c > 0
             a = c .* tanh.(a ./ c)
@@ -121,7 +121,7 @@ end
 
 close_to(a, b, rtol) = isapprox(Float64.(a), Float64.(b); rtol=rtol)
 
-# fce_backward against fce_forward (SEMANTICS.md rule 12): each p_j = exp(a_j - lse) carries the
+# fce_backward against fce_forward (docs/semantics.md rule 12): each p_j = exp(a_j - lse) carries the
 # rounding of the Float32 lse, a relative |lse|·2^-24 (rows with |lse| >= 1024 are exact).
 backward_rtol(lse) = 1e-6 + 2 * min(maximum(abs, filter(isfinite, lse); init=0.0), 1024) * 2.0^-24
 
@@ -134,7 +134,7 @@ const HAND_Z = Float32[1   0 1     2  -Inf32 0 5;
                        0   0 NaN32 -1 7      2 3]
 const HAND_Y = [1, 2, 1, -100, 3, 4, 0]
 
-# Logits with a realistic spread (SPEC: standard deviation 1-30), targets with ignored rows.
+# Logits with a realistic spread (docs/semantics.md: standard deviation 1-30), targets with ignored rows.
 function make_data(rng, V, N; std=8.0, ignore_index=-100)
     z = Float32.(randn(rng, V, N) .* std)
     y = rand(rng, 0:V-1, N)

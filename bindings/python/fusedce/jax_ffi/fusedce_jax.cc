@@ -23,9 +23,10 @@
 // ordered on the call's stream; freed, or reused, after the call), so nothing here allocates:
 // no ffi::ScratchAllocator (which jaxlib's GPU client may leave without an allocator, failing
 // every Allocate). The handler passes the whole buffer (its size is workspace_bytes; NULL when
-// it is empty), after checking that it is at least what the library's query asks for now and
-// 16-byte aligned. A handler of the other platform's size gets a clear error, never a smaller
-// workspace. fusedce_linear_ce: any size >= min_bytes works; jax.py picks the fastest plan
+// it is empty); the library checks that it holds what its query asks for and is 16-byte
+// aligned (one source of truth: its message is the error, with a hint at the trace-time sizing
+// for a workspace too small). A handler of the other platform's size gets a clear error, never
+// a smaller workspace. fusedce_linear_ce: any size >= min_bytes works; jax.py picks the fastest plan
 // within the budget on CUDA and min_bytes on the CPU (there the workspace only decides whether
 // the chunk buffers live in it, fusedce.h).
 //
@@ -85,17 +86,13 @@ struct Api {
   const char* (*last_error)(void);
   const char* (*status_string)(fce_status);
   void (*options_default)(fce_options*);
-  fce_status (*forward_workspace_size)(const fce_options*, int64_t, int64_t, size_t*);
   fce_status (*forward)(const fce_options*, int64_t, int64_t, const void*, const void*, float*,
                         float*, float*, void*, const float*, uint32_t*, void*, size_t, void*);
-  fce_status (*backward_workspace_size)(const fce_options*, int64_t, int64_t, size_t*);
   fce_status (*backward)(const fce_options*, int64_t, int64_t, const void*, const void*,
                          const float*, const float*, void*, uint32_t*, void*, size_t, void*);
   fce_status (*backward_rescale)(const fce_options*, int64_t, int64_t, const void*, const void*,
                                  const float*, const float*, void*, uint32_t*, void*, size_t,
                                  void*);
-  fce_status (*linear_ce_workspace_size)(const fce_options*, int64_t, int64_t, int64_t, int,
-                                         size_t*, size_t*);
   fce_status (*linear_ce)(const fce_options*, int64_t, int64_t, int64_t, const void*,
                           const void*, const void*, const void*, float*, float*, float*, void*,
                           void*, void*, const float*, uint32_t*, void*, size_t, void*);
@@ -147,6 +144,10 @@ ffi::Error Fail(fce_status st, const char* fn) {
     default:
       break;
   }
+  if (st == FCE_ERROR_WORKSPACE_TOO_SMALL)
+    text += " (the workspace is the call's last result, sized by fusedce/jax.py when the function "
+            "was traced: was it traced for another backend, where libfusedce had no CUDA backend, "
+            "or with a different FUSEDCE_LIBRARY?)";
   return ffi::Error(code, std::move(text));
 }
 
@@ -155,44 +156,30 @@ ffi::Error Invalid(const std::string& what) {
 }
 
 // ------------------------------------------------------------------- workspaces ----
-constexpr uintptr_t kWorkspaceAlign = 16;  // fusedce.h: the workspace is 16-byte aligned
-
-// The workspace result (the last one): its pointer (NULL when empty, as fusedce.h allows when
-// the query says 0) and byte size, once it holds `need` bytes (what the library's query returned
-// for these options and sizes) and is 16-byte aligned. `fn`: the query, for the message.
-ffi::Error Workspace(ffi::Result<ffi::AnyBuffer>& ws, size_t need, const char* platform,
-                     const char* fn, void** ptr, size_t* bytes) {
+// The workspace result (the last one): its pointer (NULL when empty) and byte size, all of it
+// passed to the library, which checks it holds what its query asks for and is 16-byte aligned
+// (its message, through Fail, names workspace_bytes; fusedce/jax.py sized it at trace time).
+ffi::Error Workspace(ffi::Result<ffi::AnyBuffer>& ws, void** ptr, size_t* bytes) {
   *ptr = nullptr;
   *bytes = 0;
   if (ws->element_type() != ffi::DataType::U8 || ws->dimensions().size() != 1)
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                       "fusedce_jax: the workspace (the last result) must be a uint8 vector "
                       "(fusedce/jax.py and the shim disagree: rebuild the shim)");
-  const size_t have = ws->size_bytes();
-  if (have < need)
-    return ffi::Error(
-        ffi::ErrorCode::kInvalidArgument,
-        std::string("fusedce_jax (") + platform + "): the workspace result has " +
-            std::to_string(have) + " bytes but " + fn + " asks for " + std::to_string(need) +
-            " for these options and sizes: fusedce/jax.py sized it at trace time for another "
-            "backend or library (was the function traced where libfusedce had no CUDA backend, "
-            "or with a different FUSEDCE_LIBRARY?)");
-  if (have == 0) return ffi::Error::Success();
-  void* p = ws->untyped_data();
-  if (p == nullptr || reinterpret_cast<uintptr_t>(p) % kWorkspaceAlign != 0) {
-    char addr[32];
-    std::snprintf(addr, sizeof addr, "%p", p);
-    return ffi::Error(ffi::ErrorCode::kInternal,
-                      std::string("fusedce_jax (") + platform + "): XLA gave the workspace "
-                      "result (" + std::to_string(have) + " bytes) the address " + addr +
-                          ", which is not 16-byte aligned as libfusedce requires");
-  }
-  *ptr = p;
-  *bytes = have;
+  *bytes = ws->size_bytes();
+  if (*bytes) *ptr = ws->untyped_data();
   return ffi::Error::Success();
 }
 
-const char* PlatformName(int32_t backend) { return backend == FCE_BACKEND_CPU ? "cpu" : "CUDA"; }
+// A function or option the loaded library is too old for (bindings/README.md, "Library
+// versions"): "<what>: needs libfusedce >= <since>; the loaded library is <version>".
+ffi::Error NeedsError(const char* what, const char* since) {
+  unsigned v = g_api.version ? g_api.version() : 0;
+  return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                    std::string("fusedce_jax: ") + what + ": needs libfusedce >= " + since +
+                        "; the loaded library is " + std::to_string(v / 10000) + "." +
+                        std::to_string(v / 100 % 100) + "." + std::to_string(v % 100));
+}
 
 // ---------------------------------------------------------------------- helpers ----
 bool FloatCode(ffi::DataType t, int32_t* code) {
@@ -242,7 +229,7 @@ ffi::Error MakeOptions(ffi::Span<const int64_t> iopts, ffi::Span<const float> fo
   o->logit_scale = fopts[3];
   bool v03 = g_options_size >= FCE_OPTIONS_SIZE_V0_3;
   if (!v03 && (iopts[kShift] != 0 || iopts[kTokenScaling] != 0))
-    return Invalid("shift / use_token_scaling need libfusedce 0.3 or later");
+    return NeedsError("shift / use_token_scaling", "0.3");
   if (v03) {
     o->shift = iopts[kShift];
     o->token_scaling = static_cast<int32_t>(iopts[kTokenScaling] != 0);
@@ -260,7 +247,7 @@ ffi::Error MakeOptions(ffi::Span<const int64_t> iopts, ffi::Span<const float> fo
 ffi::Error SetExtras(fce_options* o, void* argmax, void* accuracy) {
   if (!argmax && !accuracy) return ffi::Error::Success();
   if (g_options_size < FCE_OPTIONS_SIZE_V0_3)
-    return Invalid("return_predicted_tokens / return_token_accuracy need libfusedce 0.3");
+    return NeedsError("return_predicted_tokens / return_token_accuracy", "0.3");
   o->argmax = static_cast<int64_t*>(argmax);
   o->accuracy = static_cast<float*>(accuracy);
   return ffi::Error::Success();
@@ -332,14 +319,9 @@ ffi::Error CeForward(int32_t backend, void* stream, ffi::AnyBuffer logits, ffi::
       e.failure())
     return e;
   if (auto e = SetExtras(&o, Opt(argmax), Opt(accuracy)); e.failure()) return e;
-  size_t ws_bytes = 0;
-  if (fce_status st = g_api.forward_workspace_size(&o, n, v, &ws_bytes))
-    return Fail(st, "fce_forward_workspace_size");
   void* ws;
-  if (auto e = Workspace(workspace, ws_bytes, PlatformName(backend), "fce_forward_workspace_size",
-                         &ws, &ws_bytes);
-      e.failure())
-    return e;
+  size_t ws_bytes;
+  if (auto e = Workspace(workspace, &ws, &ws_bytes); e.failure()) return e;
   if (fce_status st = g_api.forward(&o, n, v, logits.untyped_data(), targets.untyped_data(),
                                     static_cast<float*>(loss->untyped_data()),
                                     static_cast<float*>(Opt(lse)),
@@ -381,15 +363,11 @@ ffi::Error CeBackward(int32_t backend, void* stream, ffi::AnyBuffer logits,
     return e;
   if (rescale && grad_in.untyped_data() != grad->untyped_data())
     return Invalid("rescale: the forward's gradient (input 5) must be aliased to the output");
-  size_t ws_bytes = 0;
-  if (fce_status st = g_api.backward_workspace_size(&o, n, v, &ws_bytes))
-    return Fail(st, "fce_backward_workspace_size");
   void* ws;
-  if (auto e = Workspace(workspace, ws_bytes, PlatformName(backend),
-                         "fce_backward_workspace_size", &ws, &ws_bytes);
-      e.failure())
-    return e;
+  size_t ws_bytes;
+  if (auto e = Workspace(workspace, &ws, &ws_bytes); e.failure()) return e;
   auto fn = rescale ? g_api.backward_rescale : g_api.backward;
+  if (!fn) return NeedsError("fce_backward_rescale", "0.2");
   if (fce_status st = fn(&o, n, v, logits.untyped_data(), targets.untyped_data(),
                          static_cast<const float*>(lse.untyped_data()),
                          static_cast<const float*>(grad_output.untyped_data()),
@@ -454,20 +432,13 @@ ffi::Error LinearCe(int32_t backend, void* stream, ffi::AnyBuffer hidden,
     return e;
   if (auto e = F32(grad_output, "grad_output", none ? n : 1, true); e.failure()) return e;
   if (auto e = SetExtras(&o, Opt(argmax), Opt(accuracy)); e.failure()) return e;
-  int with_grad = (gh || gw || gb) ? 1 : 0;
-  size_t lo = 0;
-  if (fce_status st = g_api.linear_ce_workspace_size(&o, n, d, v, with_grad, &lo, nullptr))
-    return Fail(st, "fce_linear_ce_workspace_size");
   // The whole workspace result, whose size decides the plan: fusedce/jax.py sized it (CUDA: the
   // fastest plan within the budget, never below min_bytes; CPU: min_bytes, the workspace only
-  // deciding where the chunk buffers live). Below min_bytes it is an error, never a silently
-  // different size.
+  // deciding where the chunk buffers live). Below min_bytes the library refuses it, never a
+  // silently different size.
   void* ws;
-  size_t ws_bytes = 0;
-  if (auto e = Workspace(workspace, lo, PlatformName(backend),
-                         "fce_linear_ce_workspace_size (min_bytes)", &ws, &ws_bytes);
-      e.failure())
-    return e;
+  size_t ws_bytes;
+  if (auto e = Workspace(workspace, &ws, &ws_bytes); e.failure()) return e;
   if (fce_status st = g_api.linear_ce(
           &o, n, d, v, hidden.untyped_data(), weight.untyped_data(), Opt(bias),
           targets.untyped_data(), static_cast<float*>(loss->untyped_data()),
@@ -490,6 +461,7 @@ ffi::Error Scale(int32_t backend, void* stream, ffi::AnyBuffer grad_in,
     return Invalid("scale: grad_output must be one float32");
   int64_t count = static_cast<int64_t>(grad->element_count());
   if (count == 0) return ffi::Error::Success();
+  if (!g_api.scale_gradient) return NeedsError("fce_scale_gradient", "0.2");
   if (fce_status st =
           g_api.scale_gradient(backend, dt, count, grad->untyped_data(),
                                static_cast<const float*>(grad_output.untyped_data()), stream))
@@ -598,14 +570,13 @@ FCE_JAX_API int fce_jax_init(const char* library_path, size_t options_size) {
   Sym(h, "fce_last_error", a.last_error, missing);
   Sym(h, "fce_status_string", a.status_string, missing);
   Sym(h, "fce_options_default", a.options_default, missing);
-  Sym(h, "fce_forward_workspace_size", a.forward_workspace_size, missing);
   Sym(h, "fce_forward", a.forward, missing);
-  Sym(h, "fce_backward_workspace_size", a.backward_workspace_size, missing);
   Sym(h, "fce_backward", a.backward, missing);
-  Sym(h, "fce_backward_rescale", a.backward_rescale, missing);
-  Sym(h, "fce_linear_ce_workspace_size", a.linear_ce_workspace_size, missing);
   Sym(h, "fce_linear_ce", a.linear_ce, missing);
-  Sym(h, "fce_scale_gradient", a.scale_gradient, missing);
+  // added in 0.2: optional (a handler that needs one the library lacks says so, NeedsError)
+  std::string optional;
+  Sym(h, "fce_backward_rescale", a.backward_rescale, optional);
+  Sym(h, "fce_scale_gradient", a.scale_gradient, optional);
   if (!missing.empty()) {
     g_init_error = std::string(library_path) + " lacks " + missing;
     return -1;

@@ -25,6 +25,7 @@ pub const FCE_ERROR_BACKEND_UNAVAILABLE: fce_status = 6;
 pub const FCE_ERROR_CUDA: fce_status = 7;
 pub const FCE_ERROR_CUBLAS: fce_status = 8;
 pub const FCE_ERROR_INTERNAL: fce_status = 9;
+pub const FCE_ERROR_OUT_OF_MEMORY: fce_status = 10;
 pub type fce_status = ::std::os::raw::c_uint;
 extern "C" {
     pub fn fce_status_string(status: fce_status) -> *const ::std::os::raw::c_char;

@@ -239,8 +239,9 @@ fn workspace_ptr(
 pub fn forward_workspace_size(opts: &Options<'_>, rows: usize, vocab: usize) -> Result<usize> {
     let mut bytes = 0usize;
     let (r, v) = (to_i64("rows", rows)?, to_i64("vocab", vocab)?);
+    let raw = crate::options_for_library(*opts.as_raw())?;
     // SAFETY: options is a valid struct, bytes a valid out pointer.
-    check(unsafe { sys::fce_forward_workspace_size(opts.as_raw(), r, v, &mut bytes) })?;
+    check(unsafe { sys::fce_forward_workspace_size(&raw, r, v, &mut bytes) })?;
     Ok(bytes)
 }
 
@@ -248,8 +249,9 @@ pub fn forward_workspace_size(opts: &Options<'_>, rows: usize, vocab: usize) -> 
 pub fn backward_workspace_size(opts: &Options<'_>, rows: usize, vocab: usize) -> Result<usize> {
     let mut bytes = 0usize;
     let (r, v) = (to_i64("rows", rows)?, to_i64("vocab", vocab)?);
+    let raw = crate::options_for_library(*opts.as_raw())?;
     // SAFETY: as above.
-    check(unsafe { sys::fce_backward_workspace_size(opts.as_raw(), r, v, &mut bytes) })?;
+    check(unsafe { sys::fce_backward_workspace_size(&raw, r, v, &mut bytes) })?;
     Ok(bytes)
 }
 
@@ -277,17 +279,10 @@ pub fn linear_ce_workspace_size(
         to_i64("hidden", hidden)?,
         to_i64("vocab", vocab)?,
     );
+    let raw = crate::options_for_library(*opts.as_raw())?;
     // SAFETY: options is a valid struct, both outputs valid pointers.
     check(unsafe {
-        sys::fce_linear_ce_workspace_size(
-            opts.as_raw(),
-            r,
-            h,
-            v,
-            with_grad as i32,
-            &mut min,
-            &mut optimal,
-        )
+        sys::fce_linear_ce_workspace_size(&raw, r, h, v, with_grad as i32, &mut min, &mut optimal)
     })?;
     Ok(WorkspaceSize { min, optimal })
 }
@@ -516,6 +511,7 @@ fn forward_impl<T: Element, I: Target>(
         need(func, "grad_output", g.len(), Some(per), per_how)?;
     }
     set_outputs(func, &mut raw, rows, bufs.argmax, bufs.accuracy)?;
+    let raw = crate::options_for_library(raw)?;
     let ForwardBuffers {
         loss,
         lse,
@@ -713,7 +709,10 @@ fn backward_impl<T: Element, I: Target>(
     lse: &[f32],
     bufs: BackwardBuffers<'_, T>,
 ) -> Result<()> {
-    let raw = host_options::<T, I>(func, opts, vocab)?;
+    if rescale {
+        crate::require("fce_backward_rescale", 200)?;
+    }
+    let raw = crate::options_for_library(host_options::<T, I>(func, opts, vocab)?)?;
     let (r, v) = (to_i64("rows", rows)?, to_i64("vocab", vocab)?);
     let (per, per_how) = per_call(&raw, rows);
     let logits_span = span(rows, vocab, raw.row_stride);
@@ -779,6 +778,7 @@ fn backward_impl<T: Element, I: Target>(
 /// ```
 pub fn scale_gradient<T: Element>(dtype: Dtype, grad: &mut [T], grad_output: f32) -> Result<()> {
     let func = "fusedce::scale_gradient";
+    crate::require("fce_scale_gradient", 200)?;
     slices_hold::<T>(func, "dtype", dtype)?;
     let count = to_i64("grad length", grad.len())?;
     // SAFETY: grad is an exclusive borrow of `count` host elements of dtype, grad_output a live
@@ -1006,6 +1006,7 @@ pub fn linear_ce<T: Element, I: Target>(
         [Some(f), _] | [None, Some(f)] => raw.grad_weight_fp32 = (f && !T::IS_F32) as i32,
         [None, None] => {}
     }
+    let raw = crate::options_for_library(raw)?;
     let with_grad = grad_hidden.is_some() || grad_weight.is_some() || grad_bias.is_some();
     let (mut min, mut optimal) = (0usize, 0usize);
     // SAFETY: valid options struct and out pointers.

@@ -1,6 +1,6 @@
 //! Safe Rust wrappers over libfusedce: fused cross-entropy for large vocabularies.
 //!
-//! The calls of the C ABI (`include/fusedce.h`; the math is `shared/SPEC.md`'s):
+//! The calls of the C ABI (`include/fusedce.h`; the math is `docs/semantics.md`'s):
 //! - [`forward`]: loss (+ lse, z-loss) over logits `[rows, vocab]`, and the gradient over the
 //!   logits in the same pass when given a buffer for it;
 //! - [`backward`]: the gradient from the logits, the targets and the saved lse;
@@ -70,20 +70,73 @@ pub fn version() -> u32 {
     unsafe { sys::fce_version() }
 }
 
-/// Ok when the loaded library can serve these bindings: the same major version and a minor
-/// version at least the header's (fields of fce_options are only ever appended).
+/// Ok when the loaded library can serve these bindings, by the rule every fusedce binding follows
+/// (`bindings/README.md`, "Library versions"): the library's major version must equal the
+/// binding's; an older minor is accepted, and what it lacks returns [`Status::Unsupported`]
+/// ("<feature>: needs libfusedce >= 0.x; the loaded library is 0.y.z") when asked for; a newer
+/// minor is accepted.
 pub fn check_version() -> Result<()> {
     let (lib, hdr) = (version(), HEADER_VERSION);
-    if lib / 10000 == hdr / 10000 && lib >= hdr {
+    if lib / 10000 == hdr / 10000 {
         Ok(())
     } else {
         Err(Error::new(
             Status::Unsupported,
             format!(
-                "fusedce: the library is version {lib}, these bindings need {hdr} or a later minor"
+                "fusedce: the library is version {} (major {}), these bindings were written for \
+                 {} (major {}): the major versions must be equal",
+                format_version(lib),
+                lib / 10000,
+                format_version(hdr),
+                hdr / 10000
             ),
         ))
     }
+}
+
+fn format_version(n: u32) -> String {
+    format!("{}.{}.{}", n / 10000, n / 100 % 100, n % 100)
+}
+
+/// `Err(Status::Unsupported)` "<what>: needs libfusedce >= 0.x; the loaded library is 0.y.z"
+/// when the loaded library is older than the `FCE_VERSION_NUMBER` `since`.
+pub(crate) fn require(what: &str, since: u32) -> Result<()> {
+    let lib = version();
+    if lib >= since {
+        return Ok(());
+    }
+    Err(Error::new(
+        Status::Unsupported,
+        format!(
+            "{what}: needs libfusedce >= {}.{}; the loaded library is {}",
+            since / 10000,
+            since / 100 % 100,
+            format_version(lib)
+        ),
+    ))
+}
+
+/// The struct to pass the loaded library: as built, for a library of 0.3 or later; for an older
+/// one (which rejects a `struct_size` larger than its own) the 0.1 struct, after refusing the
+/// fields appended in 0.3, which it would not see. A struct whose `struct_size` is not this
+/// crate's (an [`Options::from_raw`] one) goes as it is.
+pub(crate) fn options_for_library(mut raw: sys::fce_options) -> Result<sys::fce_options> {
+    if raw.struct_size != std::mem::size_of::<sys::fce_options>() || version() >= 300 {
+        return Ok(raw);
+    }
+    let appended = [
+        (raw.shift != 0, "shift"),
+        (raw.token_scaling != 0, "token_scaling"),
+        (!raw.argmax.is_null(), "argmax"),
+        (!raw.accuracy.is_null(), "accuracy"),
+    ];
+    for (on, what) in appended {
+        if on {
+            require(what, 300)?;
+        }
+    }
+    raw.struct_size = sys::FCE_OPTIONS_SIZE_V0_1 as usize;
+    Ok(raw)
 }
 
 /// Whether this library has the CUDA backend and sees a CUDA device.
@@ -93,10 +146,36 @@ pub fn cuda_available() -> bool {
 }
 
 /// What the loaded library was built with and runs on, one line (`fce_build_info()`): version,
-/// backends, the CPU backend's BLAS.
+/// backends, the CPU backend's BLAS. A library older than 0.3 has no `fce_build_info`: the line
+/// then says so.
 pub fn build_info() -> String {
+    if let Err(e) = require("fce_build_info", 300) {
+        return e.message().to_string();
+    }
     // SAFETY: no arguments; the library returns a NUL-terminated string of static storage.
     unsafe { std::ffi::CStr::from_ptr(sys::fce_build_info()) }
         .to_string_lossy()
         .into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn version_rule() {
+        check_version().unwrap(); // the library these tests run against: the same major
+        assert!(require("anything", 100).is_ok()); // every library has 0.1's
+        let e = require("a feature of 0.99", 9900).unwrap_err();
+        assert_eq!(e.status(), Status::Unsupported);
+        let want = format!(
+            "a feature of 0.99: needs libfusedce >= 0.99; the loaded library is {}",
+            format_version(version())
+        );
+        assert_eq!(e.message(), want);
+        let raw = *Options::new().shift_seq_len(4).shift(2).as_raw();
+        let passed = options_for_library(raw).unwrap(); // a library of 0.3 or later
+        assert_eq!(passed.struct_size, std::mem::size_of::<sys::fce_options>());
+        assert_eq!(format_version(30102), "3.1.2");
+    }
 }

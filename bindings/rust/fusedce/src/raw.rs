@@ -209,7 +209,7 @@ fn with_outputs(opts: &Options<'_>, argmax: *mut i64, accuracy: *mut f32) -> sys
 /// it, live until the work completes (CUDA: asynchronous, ordered on `stream`), and the outputs
 /// must not be accessed concurrently. `stream` must be a valid CUDA stream or null.
 pub unsafe fn forward(opts: &Options<'_>, rows: i64, vocab: i64, a: &ForwardArgs) -> Result<()> {
-    let raw = with_outputs(opts, a.argmax, a.accuracy);
+    let raw = crate::options_for_library(with_outputs(opts, a.argmax, a.accuracy))?;
     check(sys::fce_forward(
         &raw,
         rows,
@@ -269,6 +269,7 @@ pub unsafe fn backward_rescale(
     vocab: i64,
     a: &BackwardArgs,
 ) -> Result<()> {
+    crate::require("fce_backward_rescale", 200)?;
     backward_call(sys::fce_backward_rescale, opts, rows, vocab, a)
 }
 
@@ -283,8 +284,9 @@ unsafe fn backward_call(
     vocab: i64,
     a: &BackwardArgs,
 ) -> Result<()> {
+    let raw = crate::options_for_library(*opts.as_raw())?;
     check(call(
-        opts.as_raw(),
+        &raw,
         rows,
         vocab,
         a.logits,
@@ -310,7 +312,7 @@ pub unsafe fn linear_ce(
     vocab: i64,
     a: &LinearCeArgs,
 ) -> Result<()> {
-    let raw = with_outputs(opts, a.argmax, a.accuracy);
+    let raw = crate::options_for_library(with_outputs(opts, a.argmax, a.accuracy))?;
     check(sys::fce_linear_ce(
         &raw,
         rows,
@@ -352,6 +354,7 @@ pub unsafe fn scale_gradient(
     grad_output: *const f32,
     stream: Stream,
 ) -> Result<()> {
+    crate::require("fce_scale_gradient", 200)?;
     check(sys::fce_scale_gradient(
         backend.raw(),
         dtype.raw(),

@@ -1,5 +1,5 @@
 //! fusedce::forward / backward on the CPU backend against the float64 reference of
-//! tests/common (SPEC.md's formulas). Outputs are poisoned with NaN before every call.
+//! tests/common (docs/semantics.md's formulas). Outputs are poisoned with NaN before every call.
 mod common;
 
 use common::*;
@@ -72,7 +72,7 @@ fn run_case(c: &Case) {
     }
 
     // backward from the saved lse gives the forward's gradient to the rounding of lse
-    // (SEMANTICS.md 12: p_j = exp(a_j - lse) carries a relative |lse|·2^-24).
+    // (docs/semantics.md rule 12: p_j = exp(a_j - lse) carries a relative |lse|·2^-24).
     let mut grad2 = nan_vec(rows * vocab);
     let mut bufs = BackwardBuffers::new().grad_logits(&mut grad2);
     if !c.grad_output.is_empty() {

@@ -833,7 +833,7 @@ impl Default for CeCase {
 /// forward with gradient (and grad_output), again (bit for bit run to run), without gradient,
 /// in place; backward from the saved lse; for mean/sum, forward with grad_output NULL then
 /// backward_rescale for g in {1, 0.5, −2, 0, 0.75} (each also bit for bit CUDA's forward with
-/// that g, SEMANTICS.md rule 14) and scale_gradient (bit for bit the CPU's on the same input).
+/// that g, docs/semantics.md rule 14) and scale_gradient (bit for bit the CPU's on the same input).
 fn run_ce<T: El>(name: &str, case: &CeCase) {
     if !gpu() {
         return;

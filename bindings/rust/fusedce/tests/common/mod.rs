@@ -1,4 +1,4 @@
-//! An independent float64 reference of shared/SPEC.md and lib/SEMANTICS.md, written from the
+//! An independent float64 reference of docs/semantics.md, written from the
 //! formulas (not from the library), plus random data and comparison helpers for the tests.
 #![allow(dead_code)]
 
@@ -59,7 +59,7 @@ pub struct RefOut {
     pub target: Vec<Option<i64>>,
 }
 
-/// The target of row r (SEMANTICS.md rule 1): y[r], or with a causal shift (T, k) y[r + k]
+/// The target of row r (docs/semantics.md rule 1): y[r], or with a causal shift (T, k) y[r + k]
 /// unless r mod T ≥ T − k; None when the row is shifted out or its target is ignore_index.
 pub fn row_target(o: &Ref, r: usize, y: &[i64]) -> Option<i64> {
     let t = if o.shift_seq_len > 0 {
@@ -89,7 +89,7 @@ pub fn argmax_of(a: &[f64]) -> i64 {
 }
 
 /// Cross-entropy of dense z [rows, vocab] (f64) against y, with upstream g ([1] or [rows]).
-/// SEMANTICS.md: loss_r = t·ce_r + t·zl_r (t = p_y with token scaling, else 1); mean: Σ ce / D
+/// docs/semantics.md: loss_r = t·ce_r + t·zl_r (t = p_y with token scaling, else 1); mean: Σ ce / D
 /// + Σ zl / n, D the class-weight sum, n the count of non-ignored rows.
 pub fn reference(o: &Ref, rows: usize, vocab: usize, z: &[f64], y: &[i64], g: &[f64]) -> RefOut {
     let w = |j: usize| o.weights.as_ref().map_or(1.0, |w| w[j]);
@@ -323,7 +323,7 @@ pub fn assert_close(name: &str, got: &[f32], want: &[f64], rtol: f64) {
     }
 }
 
-/// The tolerance of fce_backward's gradient against fce_forward's (SEMANTICS.md rule 12): each
+/// The tolerance of fce_backward's gradient against fce_forward's (docs/semantics.md rule 12): each
 /// p_j = exp(a_j - lse) carries the rounding of the float32 lse, a relative |lse|·2^-24 (rows
 /// with |lse| >= 1024 are reduced again, exactly), on top of float32 rounding.
 pub fn backward_rtol(lse: &[f32]) -> f64 {

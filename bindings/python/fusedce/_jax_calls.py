@@ -1,0 +1,309 @@
+"""The FFI-call layer of fusedce.jax: registration of the XLA FFI targets of the shim
+(libfusedce_jax.so, fusedce/jax_ffi), the static options of a call (:class:`_Cfg`), the
+workspaces sized at trace time with the library's own queries (per platform), and the jitted
+custom calls themselves. The custom_vjp wiring is in _jax_vjp.py, the public functions in jax.py.
+How the workspace is handled: the docstring of :mod:`fusedce.jax` ("Workspaces").
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import threading
+from typing import NamedTuple, Optional, Tuple
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+from jax import custom_batching, lax
+
+from . import _lib
+from . import jax_ffi as _shim_build
+
+_NONE = 2  # FCE_REDUCTION_NONE
+_F32 = jnp.float32
+
+# the FFI targets: name -> symbol prefix in the shim (+ "Cpu" / "Cuda")
+_TARGETS = {
+    "fusedce_ce_fwd": "FusedceCeForward",
+    "fusedce_ce_bwd": "FusedceCeBackward",
+    "fusedce_linear_ce": "FusedceLinearCe",
+    "fusedce_scale": "FusedceScale",
+}
+
+# ----------------------------------------------------------------- registration ----
+_LOCK = threading.Lock()
+_SHIM = None
+_SHIM_PATH = None
+
+
+def register() -> str:
+    """Load libfusedce (the Python binding's) and the shim (building it if needed), bind the
+    shim to the library and register the FFI targets for the "cpu" and "CUDA" platforms. Done
+    once, on the first call of :func:`cross_entropy` / :func:`linear_cross_entropy`; returns
+    the shim's path."""
+    global _SHIM, _SHIM_PATH
+    with _LOCK:
+        if _SHIM is not None:
+            return _SHIM_PATH
+        _lib.load()
+        path = _shim_build.library_path()
+        shim = ctypes.CDLL(path)
+        shim.fce_jax_abi.restype = ctypes.c_uint
+        shim.fce_jax_init.restype = ctypes.c_int
+        shim.fce_jax_init.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+        shim.fce_jax_init_error.restype = ctypes.c_char_p
+        if shim.fce_jax_abi() != _shim_build.SHIM_ABI:
+            raise ImportError("%s has handler ABI %d, this fusedce.jax expects %d: rebuild it "
+                              "(python -m fusedce.jax build)" % (path, shim.fce_jax_abi(),
+                                                                  _shim_build.SHIM_ABI))
+        lib_path = _lib.library_path()
+        if shim.fce_jax_init(os.fsencode(lib_path), _lib.options_size()) != 0:
+            raise ImportError("fusedce.jax: binding %s to %s failed: %s" % (
+                path, lib_path, shim.fce_jax_init_error().decode("utf-8", "replace")))
+        for name, symbol in _TARGETS.items():
+            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(shim, symbol + "Cpu")),
+                                        platform="cpu")
+            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(shim, symbol + "Cuda")),
+                                        platform="CUDA")
+        _SHIM, _SHIM_PATH = shim, path
+        return path
+
+
+def shim_path() -> Optional[str]:
+    """The path of the loaded shim (None before :func:`register`)."""
+    return _SHIM_PATH
+
+
+# ---------------------------------------------------------------------- options ----
+class _Cfg(NamedTuple):
+    """The static options of one call (hashable: a nondiff argument of the custom_vjp)."""
+    reduction: int
+    ignore_index: int
+    label_smoothing: float
+    z_loss: float
+    softcap: float
+    logit_scale: float
+    shift_seq_len: int
+    shift: int                # 0 means 1 (the C default)
+    token_scaling: bool
+    extras: int               # 1 z_loss (library total, mean/sum), 2 accuracy, 4 argmax
+    want_lse: bool
+    workspace_bytes: int = 0  # linear CE only
+
+    def attrs(self, rescale: bool = False) -> dict:
+        iopts = np.array([self.reduction, self.ignore_index, self.shift_seq_len, self.shift,
+                          int(self.token_scaling), self.workspace_bytes, int(rescale), 0],
+                         dtype=np.int64)
+        fopts = np.array([self.label_smoothing, self.z_loss, self.softcap, self.logit_scale],
+                         dtype=np.float32)
+        return {"iopts": iopts, "fopts": fopts}
+
+
+def _empty(dtype=_F32) -> jax.Array:
+    return jnp.zeros((0,), dtype)
+
+
+def _sds(shape, dtype) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def _extra_shapes(cfg: _Cfg, n: int):
+    """(z_loss, accuracy, argmax-as-int32-pairs) output specs; (0,) for those not asked."""
+    zl = _sds(() if cfg.extras & 1 and cfg.reduction != _NONE else (0,), _F32)
+    acc = _sds(((n,) if cfg.reduction == _NONE else ()) if cfg.extras & 2 else (0,), _F32)
+    # int64 argmax, written as int32 pairs (int64 arrays need jax_enable_x64): the low word
+    # (little-endian) holds the class, -1 included
+    am = _sds((n, 2) if cfg.extras & 4 else (0,), jnp.int32)
+    return [zl, acc, am]
+
+
+def _argmax_of(am: jax.Array) -> jax.Array:
+    return am[:, 0] if am.ndim == 2 else am
+
+
+# ------------------------------------------------------------------- workspaces ----
+_CPU, _CUDA = _lib.FCE_BACKEND_CPU, _lib.FCE_BACKEND_CUDA
+_FLOAT_CODES = {"float32": _lib.FCE_FLOAT32, "float16": _lib.FCE_FLOAT16,
+                "bfloat16": _lib.FCE_BFLOAT16}
+# A valid, aligned host address standing in the queries' options for the pointers the handler
+# sets (class_weights, argmax, accuracy): the queries read only the options' values (and check
+# the pointers' alignment), never the memory.
+_PLACEHOLDER = np.zeros(4, np.int64)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_usable() -> bool:
+    """libfusedce has its CUDA backend and sees a device (asked once)."""
+    try:
+        return _lib.cuda_available()
+    except Exception:  # pragma: no cover - a library that cannot answer has no CUDA for us
+        return False
+
+
+def _query_options(cfg: _Cfg, backend: int, dtype, target_dtype, class_weights: bool,
+                   accuracy: bool = False, argmax: bool = False) -> _lib.Options:
+    """The fce_options the shim's handler builds (MakeOptions, SetExtras in fusedce_jax.cc) for
+    these static options, dtypes and optional buffers: what the workspace queries must see."""
+    o = _lib.default_options()  # struct_size: _lib.options_size(), the shim's too (fce_jax_init)
+    o.backend = backend
+    o.dtype = _FLOAT_CODES[jnp.dtype(dtype).name]
+    o.target_dtype = _lib.FCE_INT64 if jnp.dtype(target_dtype) == jnp.int64 else _lib.FCE_INT32
+    o.reduction = cfg.reduction
+    o.ignore_index = cfg.ignore_index
+    o.shift_seq_len = cfg.shift_seq_len
+    o.label_smoothing = cfg.label_smoothing
+    o.z_loss_scale = cfg.z_loss
+    o.softcap = cfg.softcap
+    o.logit_scale = cfg.logit_scale
+    placeholder = _PLACEHOLDER.ctypes.data
+    if class_weights:
+        o.class_weights = placeholder
+    if o.struct_size >= _lib.FCE_OPTIONS_SIZE_V0_3:
+        o.shift = cfg.shift
+        o.token_scaling = 1 if cfg.token_scaling else 0
+        o.argmax = placeholder if argmax else None
+        o.accuracy = placeholder if accuracy else None
+    else:  # the shim refuses these with a 0.1/0.2 library; say so now
+        for on, what in ((cfg.shift, "shift"), (cfg.token_scaling, "use_token_scaling"),
+                         (argmax, "return_predicted_tokens"),
+                         (accuracy, "return_token_accuracy")):
+            if on:
+                _lib.require_options_v0_3(what)
+    return o
+
+
+def _per_platform(query) -> Tuple[int, int]:
+    """(CPU bytes, CUDA bytes) from ``query(backend)``. CUDA where libfusedce has no usable CUDA
+    backend gets 0 (its handler would say so at run time); a backend whose query fails gets 0
+    as well, its handler then reporting the library's error, which is raised here instead when
+    no backend answered (an option out of its domain: the library's message, at trace time)."""
+    sizes = []
+    answered, error = 0, None
+    for backend, usable in ((_CPU, True), (_CUDA, _cuda_usable())):
+        size = 0
+        if usable:
+            try:
+                size = int(query(backend))
+                answered += 1
+            except _lib.FusedCEError as e:
+                error = error or e
+        sizes.append(size)
+    if not answered and error is not None:
+        raise error
+    return sizes[0], sizes[1]
+
+
+def _ce_workspace(function: str, cfg: _Cfg, logits, targets, cw, extras: bool):
+    """fce_forward_workspace_size / fce_backward_workspace_size per platform."""
+    n, v = logits.shape
+
+    def query(backend):
+        o = _query_options(cfg, backend, logits.dtype, targets.dtype, cw.shape[0] > 0,
+                           accuracy=extras and bool(cfg.extras & 2),
+                           argmax=extras and bool(cfg.extras & 4))
+        out = ctypes.c_size_t(0)
+        _lib.call(function, ctypes.byref(o), n, v, ctypes.byref(out))
+        return out.value
+    return _per_platform(query)
+
+
+def _linear_workspace(cfg: _Cfg, hidden, weight, targets, cw, with_grad: bool):
+    """fce_linear_ce's workspace per platform: on CUDA the fastest plan's (optimal_bytes) when
+    it is within the budget cfg.workspace_bytes, else the budget, never below min_bytes; on the
+    CPU min_bytes (the workspace only decides where the chunk buffers live, fusedce.h)."""
+    n, d = hidden.shape
+    v = weight.shape[0]
+    budget = cfg.workspace_bytes
+
+    def query(backend):
+        o = _query_options(cfg, backend, hidden.dtype, targets.dtype, cw.shape[0] > 0,
+                           accuracy=bool(cfg.extras & 2), argmax=bool(cfg.extras & 4))
+        lo, hi = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        _lib.call("fce_linear_ce_workspace_size", ctypes.byref(o), n, d, v,
+                  1 if with_grad else 0, ctypes.byref(lo), ctypes.byref(hi))
+        if backend == _CPU:
+            return lo.value
+        return hi.value if hi.value < budget else max(budget, lo.value)
+    return _per_platform(query)
+
+
+def _ffi_call(target: str, outs, args, attrs: dict, workspace: Tuple[int, int],
+              input_output_aliases=None):
+    """The custom call ``target`` with the results ``outs`` and one more, the workspace
+    ``uint8 [bytes]``, which is dropped; ``workspace``: (CPU bytes, CUDA bytes), staged with
+    lax.platform_dependent when they differ (the "default" branch, CUDA's, also stands for
+    platforms without a registered handler, which XLA then names). Batched by
+    sequential_vmap around the call AND the drop, so vmap never stacks workspaces."""
+    def call(nbytes: int):
+        fn = jax.ffi.ffi_call(target, list(outs) + [_sds((nbytes,), jnp.uint8)],
+                              vmap_method="sequential",
+                              input_output_aliases=input_output_aliases)
+        return lambda *a: tuple(fn(*a, **attrs)[:-1])
+
+    cpu, cuda = workspace
+    if cpu == cuda:
+        body = call(cpu)
+    else:
+        on_cpu, on_cuda = call(cpu), call(cuda)
+
+        def body(*a):
+            return lax.platform_dependent(*a, cpu=on_cpu, default=on_cuda)
+    return custom_batching.sequential_vmap(body)(*args)
+
+
+# -------------------------------------------------------------------- the calls ----
+# Each jitted: eager use compiles the custom call, its platform branch and the drop of the
+# workspace together (the workspace is then an XLA temporary, never an array handed back);
+# under an outer jit they are inlined.
+@functools.partial(jax.jit, static_argnames=("cfg", "with_grad", "want_lse"))
+def _ce_fwd_call(logits, targets, cw, cfg: _Cfg, with_grad: bool, want_lse: bool):
+    """(loss, lse|(0,), z_loss, accuracy, argmax, grad|(0,)) from fusedce_ce_fwd."""
+    n, v = logits.shape
+    outs = [_sds((n,) if cfg.reduction == _NONE else (), _F32),
+            _sds((n,) if want_lse else (0,), _F32)] + _extra_shapes(cfg, n) + [
+            _sds((n, v) if with_grad else (0,), logits.dtype)]
+    ws = _ce_workspace("fce_forward_workspace_size", cfg, logits, targets, cw, extras=True)
+    return _ffi_call("fusedce_ce_fwd", outs, (logits, targets, cw), cfg.attrs(), ws)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _ce_bwd_call(logits, targets, cw, lse, ct, grad1, cfg: _Cfg):
+    """fce_backward (grad1 None) or fce_backward_rescale in place on grad1."""
+    rescale = grad1 is not None
+    ws = _ce_workspace("fce_backward_workspace_size", cfg, logits, targets, cw, extras=False)
+    (grad,) = _ffi_call(
+        "fusedce_ce_bwd", [_sds(logits.shape, logits.dtype)],
+        (logits, targets, cw, lse, ct, grad1 if rescale else _empty(logits.dtype)),
+        cfg.attrs(rescale=rescale), ws, input_output_aliases={5: 0} if rescale else None)
+    return grad
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "need"))
+def _linear_call(hidden, weight, bias, targets, cw, grad_output, cfg: _Cfg,
+                 need: Tuple[bool, bool, bool]):
+    """(loss, lse, z_loss, accuracy, argmax, grad_hidden, grad_weight, grad_bias) from
+    fusedce_linear_ce; the gradients not in ``need`` are (0,)."""
+    n, d = hidden.shape
+    v = weight.shape[0]
+    dt = hidden.dtype
+    need_bias = need[2] and bias is not None
+    outs = [_sds((n,) if cfg.reduction == _NONE else (), _F32),
+            _sds((n,) if cfg.want_lse else (0,), _F32)] + _extra_shapes(cfg, n) + [
+            _sds((n, d) if need[0] else (0,), dt),
+            _sds((v, d) if need[1] else (0,), dt),
+            _sds((v,) if need_bias else (0,), dt)]
+    ws = _linear_workspace(cfg, hidden, weight, targets, cw,
+                           with_grad=bool(need[0] or need[1] or need_bias))
+    return _ffi_call("fusedce_linear_ce", outs,
+                     (hidden, weight, bias if bias is not None else _empty(dt), targets, cw,
+                      grad_output if grad_output is not None else _empty()), cfg.attrs(), ws)
+
+
+def _scale(grad, ct):
+    """grad * ct in place (fce_scale_gradient: a no-op launch when ct is exactly 1)."""
+    return jax.ffi.ffi_call("fusedce_scale", _sds(grad.shape, grad.dtype),
+                            vmap_method="sequential", input_output_aliases={0: 0})(
+        grad, ct.astype(_F32).reshape(()))

@@ -1,0 +1,120 @@
+"""The custom_vjp wiring of fusedce.jax: which custom calls the forward and backward rules of
+:func:`fusedce.jax.cross_entropy` and :func:`fusedce.jax.linear_cross_entropy` make (the plan
+is in the docstring of :mod:`fusedce.jax`, "How the gradients are computed"); the calls
+themselves are in _jax_calls.py.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
+
+from ._jax_calls import (_F32, _NONE, _Cfg, _ce_bwd_call, _ce_fwd_call, _empty, _linear_call,
+                         _scale)
+
+
+def _primal(p):
+    """(value, perturbed) of a custom_vjp(symbolic_zeros=True) forward-rule argument."""
+    if isinstance(p, CustomVJPPrimal):
+        return p.value, bool(p.perturbed)
+    return p, False
+
+
+def _is_zero(ct) -> bool:
+    return ct is None or isinstance(ct, SymbolicZero)
+
+
+# --------------------------------------------------------------- cross_entropy vjp ----
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _ce(logits, targets, cw, cfg: _Cfg):
+    loss, lse, zl, acc, am, _ = _ce_fwd_call(logits, targets, cw, cfg, False, cfg.want_lse)
+    return loss, lse, zl, acc, am
+
+
+def _ce_fwd(logits, targets, cw, cfg: _Cfg):
+    z, dz = _primal(logits)
+    y, _ = _primal(targets)
+    w, _ = _primal(cw)
+    if not dz:  # nothing to differentiate here
+        loss, lse, zl, acc, am, _ = _ce_fwd_call(z, y, w, cfg, False, cfg.want_lse)
+        return (loss, lse, zl, acc, am), None
+    one_pass = cfg.reduction != _NONE
+    loss, lse, zl, acc, am, grad1 = _ce_fwd_call(z, y, w, cfg, one_pass, True)
+    out_lse = lse if cfg.want_lse else _empty()
+    return (loss, out_lse, zl, acc, am), (z, y, w, lse, grad1 if one_pass else None)
+
+
+def _ce_bwd(cfg: _Cfg, res, cts):
+    ct = cts[0]
+    if res is None or _is_zero(ct):
+        return None, None, None
+    z, y, w, lse, grad1 = res
+    ct = jnp.asarray(ct, _F32).reshape((z.shape[0],) if cfg.reduction == _NONE else ())
+    return _ce_bwd_call(z, y, w, lse, ct, grad1, cfg), None, None
+
+
+_ce.defvjp(_ce_fwd, _ce_bwd, symbolic_zeros=True)
+
+
+# -------------------------------------------------------- linear_cross_entropy vjp ----
+def _need_marker(flags):
+    """A pytree (residuals hold arrays only) saying which gradients the backward computes."""
+    return tuple(() if f else None for f in flags)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _linear(hidden, weight, bias, targets, cw, cfg: _Cfg):
+    loss, lse, zl, acc, am, _, _, _ = _linear_call(hidden, weight, bias, targets, cw, None, cfg,
+                                                   (False, False, False))
+    return loss, lse, zl, acc, am
+
+
+def _linear_fwd(hidden, weight, bias, targets, cw, cfg: _Cfg):
+    h, dh = _primal(hidden)
+    wt, dw = _primal(weight)
+    b, db = _primal(bias) if bias is not None else (None, False)
+    y, _ = _primal(targets)
+    w, _ = _primal(cw)
+    db = db and b is not None
+    if not (dh or dw or db):
+        loss, lse, zl, acc, am, _, _, _ = _linear_call(h, wt, b, y, w, None, cfg,
+                                                       (False, False, False))
+        return (loss, lse, zl, acc, am), None
+    out_lse = (lambda lse: lse if cfg.want_lse else _empty())
+    if cfg.reduction != _NONE and not db:
+        # gradients for an upstream 1 in the same call as the loss; scaled in the backward
+        loss, lse, zl, acc, am, gh, gw, _ = _linear_call(h, wt, b, y, w, None, cfg,
+                                                         (dh, dw, False))
+        return (loss, out_lse(lse), zl, acc, am), ((gh if dh else None, gw if dw else None),
+                                                    None)
+    # reduction 'none' (per-row cotangent) or a bias to differentiate (its 16-bit sum would be
+    # rounded twice by a scale): the loss now, everything with the real cotangent later
+    loss, lse, zl, acc, am, _, _, _ = _linear_call(h, wt, b, y, w, None, cfg,
+                                                   (False, False, False))
+    return (loss, out_lse(lse), zl, acc, am), (None, ((h, wt, b, y, w), _need_marker(
+        (dh, dw, db))))
+
+
+def _linear_bwd(cfg: _Cfg, res, cts):
+    ct = cts[0]
+    nones = (None, None)
+    if res is None or _is_zero(ct):
+        return (None, None, None) + nones
+    scaled, recompute = res
+    if scaled is not None:
+        gh, gw = scaled
+        ct = jnp.asarray(ct, _F32).reshape(())
+        return ((_scale(gh, ct) if gh is not None else None),
+                (_scale(gw, ct) if gw is not None else None), None) + nones
+    (h, wt, b, y, w), marker = recompute
+    need = tuple(m is not None for m in marker)
+    ct = jnp.asarray(ct, _F32).reshape((h.shape[0],) if cfg.reduction == _NONE else ())
+    _, _, _, _, _, gh, gw, gb = _linear_call(h, wt, b, y, w, ct, cfg, need)
+    return ((gh if need[0] else None), (gw if need[1] else None),
+            (gb if need[2] else None)) + nones
+
+
+_linear.defvjp(_linear_fwd, _linear_bwd, symbolic_zeros=True)

@@ -1,0 +1,119 @@
+"""Argument handling and the return convention shared by :mod:`fusedce.torch` and
+:mod:`fusedce.torch.distributed`: reductions, targets, input dtypes, the causal shift, and the
+optional outputs (``CrossEntropyOutput``) with the per-row z-loss made from lse.
+
+Values the library checks (a negative shift or shift_seq_len, rows that are no whole number of
+sequences, option ranges) are left to it: its message, naming the option, is raised as it is.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import torch
+from torch import Tensor
+
+from . import _args
+from . import _torch_calls as _tc
+from ._lib import FCE_REDUCTION_NONE
+from ._torch_ops import _CODE_OF_TORCH
+
+_REDUCTIONS = {"mean": 0, "sum": 1, "none": FCE_REDUCTION_NONE}
+
+
+def _reduction(reduction: str) -> int:
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    return _REDUCTIONS[reduction]
+
+
+def _targets(target: Tensor) -> Tensor:
+    if target.is_floating_point():
+        raise TypeError("fusedce supports class-index targets only (int64/int32), not class "
+                        "probabilities")
+    if target.dtype not in (torch.int64, torch.int32):
+        target = target.to(torch.int64)
+    return target.reshape(-1)
+
+
+def _float_input(x: Tensor, name: str) -> Tensor:
+    if x.dtype == torch.float64:
+        return x.to(torch.float32)  # computed in float32 (documented)
+    if x.dtype not in _CODE_OF_TORCH:
+        raise TypeError(f"{name} must be float32, float16 or bfloat16, got {x.dtype}")
+    return x
+
+
+# (T, k) for the C options from the two spellings of the causal shift: ``shift_seq_len=T``
+# alone means k = 1, ``shift=k`` alone takes T = target.shape[-1], k = 1 is passed as 0
+_resolve_shift = _args._resolve_shift
+
+
+# ------------------------------------------------------------- extra outputs ----
+# The optional outputs, in the order they follow the loss in the returned tuple: Liger's
+# (loss, z_loss, token_accuracy, predicted_tokens), then CCE's lse.
+OUTPUT_FIELDS = ("loss", "z_loss", "token_accuracy", "predicted_tokens", "lse")
+_OUTPUT_TYPES = {
+    mask: collections.namedtuple(
+        "CrossEntropyOutput",
+        ("loss",) + tuple(f for i, f in enumerate(OUTPUT_FIELDS[1:]) if mask >> i & 1))
+    for mask in range(1, 16)
+}
+
+
+_output_mask = _args._output_mask
+
+
+def _c_extras(mask: int, red: int) -> int:
+    """The _tc.EXTRA_* bits the library computes for an output mask (a 'none' z-loss is made
+    per row from lse here, the library giving only the total)."""
+    return ((_tc.EXTRA_Z_LOSS if mask & 1 and red != FCE_REDUCTION_NONE else 0)
+            | (_tc.EXTRA_ACCURACY if mask & 2 else 0) | (_tc.EXTRA_ARGMAX if mask & 4 else 0))
+
+
+def _transform(a: Tensor, logit_scale: float, softcap: float) -> Tensor:
+    """a = c * tanh(s * z / c), in float32, as the library does before anything else."""
+    a = a.float() * logit_scale
+    if softcap > 0:
+        a = softcap * torch.tanh(a / softcap)
+    return a
+
+
+def _z_loss_rows(lse: Tensor, targets: Tensor, vocab: int, opts: tuple, target_logit) -> Tensor:
+    """Per-row z-loss for reduction 'none' (Liger's): lambda * lse^2 for every non-ignored row
+    (out-of-range targets included, docs/semantics.md rule 3), times the detached p_y with token
+    scaling (valid rows), 0 for ignored rows. ``target_logit(y)`` gives the raw logit of class
+    y[r] in row r (only called with token scaling)."""
+    _, ignore_index, _, lam, softcap, logit_scale, t, k, token_scaling = opts
+    if lam == 0.0:
+        return torch.zeros_like(lse)
+    y = _tc.row_targets(targets.to(torch.int64), ignore_index, t, k)
+    counted = y != ignore_index
+    zl = lam * lse.square()
+    if token_scaling:
+        valid = counted & (y >= 0) & (y < vocab)
+        a_y = _transform(target_logit(y.clamp(0, vocab - 1)), logit_scale, softcap)
+        zl = torch.where(valid, zl * torch.exp(a_y - lse), zl)
+    return torch.where(counted, zl, torch.zeros_like(zl))
+
+
+def _finish(mask: int, red: int, out_shape, loss: Tensor, lse, zl, acc, am, z_rows):
+    """The return value: the loss alone, or the CrossEntropyOutput named tuple of the loss and
+    the outputs asked for. Per-row outputs take out_shape (the shape of a 'none' loss)."""
+    def rows(t):
+        return t.reshape(out_shape) if out_shape is not None else t
+
+    if red == FCE_REDUCTION_NONE:
+        loss = rows(loss)
+    if not mask:
+        return loss
+    values = [loss]
+    if mask & 1:
+        values.append(rows(z_rows()) if red == FCE_REDUCTION_NONE else zl)
+    if mask & 2:
+        values.append(rows(acc) if red == FCE_REDUCTION_NONE else acc)
+    if mask & 4:
+        values.append(rows(am))
+    if mask & 8:
+        values.append(rows(lse))
+    return _OUTPUT_TYPES[mask](*values)

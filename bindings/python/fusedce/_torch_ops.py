@@ -1,0 +1,408 @@
+"""The torch ops of fusedce.torch: ``torch.library.custom_op`` operators (with ``register_fake``
+and ``register_autograd``, what ``torch.compile`` traces) and the plain ``torch.autograd.Function``
+s eager mode runs, over the direct C calls of :mod:`fusedce._torch_calls`. How the gradient is
+computed on each path: the docstring of :mod:`fusedce.torch`. The public functions and modules
+(argument handling, the return convention) are in fusedce/torch.py and _torch_args.py.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import _torch_calls as _tc
+from ._lib import FCE_BFLOAT16, FCE_FLOAT16, FCE_FLOAT32, FCE_REDUCTION_NONE
+
+if not hasattr(torch, "library") or not hasattr(torch.library, "custom_op"):
+    raise ImportError(f"fusedce.torch needs torch >= 2.4 (torch.library.custom_op); this is "
+                      f"torch {torch.__version__}")
+
+_TORCH_OF_CODE = {FCE_FLOAT32: torch.float32, FCE_FLOAT16: torch.float16,
+                  FCE_BFLOAT16: torch.bfloat16}
+_CODE_OF_TORCH = {v: k for k, v in _TORCH_OF_CODE.items()}
+
+
+def _cw(class_weights: Optional[Tensor]) -> Optional[Tensor]:
+    if class_weights is None:
+        return None
+    return class_weights.to(torch.float32).contiguous()
+
+
+# ============================================================ cross_entropy ops ====
+# opts, everywhere below: (reduction, ignore_index, label_smoothing, z_loss, softcap,
+# logit_scale, shift_seq_len, shift, token_scaling), the order _torch_calls.options takes them
+# in. ``extras`` is a bitmask of the optional forward outputs (_tc.EXTRA_Z_LOSS, EXTRA_ACCURACY,
+# EXTRA_ARGMAX); an op returns an empty [0] tensor for an output not asked for.
+def _opts(ignore_index, reduction, label_smoothing, z_loss, softcap, logit_scale, shift_seq_len,
+          shift, token_scaling):
+    return (int(reduction), int(ignore_index), float(label_smoothing), float(z_loss),
+            float(softcap), float(logit_scale), int(shift_seq_len), int(shift),
+            bool(token_scaling))
+
+
+_N_OPTS = 9  # the option arguments of every op below, ignore_index ... token_scaling
+
+
+def _or_empty(t: Optional[Tensor], like: Tensor, dtype=torch.float32) -> Tensor:
+    return t if t is not None else like.new_empty((0,), dtype=dtype)
+
+
+def _fake_extras(like: Tensor, n, reduction: int, extras: int):
+    """The (z_loss, accuracy, argmax) outputs of an op, as fake tensors."""
+    z = like.new_empty(() if extras & _tc.EXTRA_Z_LOSS else (0,), dtype=torch.float32)
+    acc_shape = ((n,) if reduction == FCE_REDUCTION_NONE else ()) if (
+        extras & _tc.EXTRA_ACCURACY) else (0,)
+    acc = like.new_empty(acc_shape, dtype=torch.float32)
+    am = like.new_empty((n,) if extras & _tc.EXTRA_ARGMAX else (0,), dtype=torch.int64)
+    return z, acc, am
+
+
+# ---- the training path for 'mean' / 'sum': loss and gradient in ONE pass over the logits
+@torch.library.custom_op("fusedce::ce_forward_grad", mutates_args=())
+def _ce_forward_grad(logits: Tensor, targets: Tensor, class_weights: Optional[Tensor],
+                     ignore_index: int, reduction: int, label_smoothing: float, z_loss: float,
+                     softcap: float, logit_scale: float, shift_seq_len: int, shift: int,
+                     token_scaling: bool, extras: int, check_targets: bool
+                     ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(loss, lse, dloss/dlogits for an upstream gradient of 1, z_loss, accuracy, argmax): one
+    read, one write."""
+    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    loss, lse, zl, acc, am = _tc.ce_forward(
+        logits, targets, _cw(class_weights),
+        _opts(ignore_index, reduction, label_smoothing, z_loss, softcap, logit_scale,
+              shift_seq_len, shift, token_scaling),
+        grad=grad, extras=extras, check_targets=check_targets)
+    return (loss, lse, grad, _or_empty(zl, logits), _or_empty(acc, logits),
+            _or_empty(am, logits, torch.int64))
+
+
+@_ce_forward_grad.register_fake
+def _ce_forward_grad_fake(logits, targets, class_weights, ignore_index, reduction,
+                          label_smoothing, z_loss, softcap, logit_scale, shift_seq_len, shift,
+                          token_scaling, extras, check_targets):
+    n = logits.shape[0]
+    return (logits.new_empty((), dtype=torch.float32),
+            logits.new_empty((n,), dtype=torch.float32),
+            logits.new_empty(logits.shape)) + _fake_extras(logits, n, reduction, extras)
+
+
+@torch.library.custom_op("fusedce::ce_rescale_", mutates_args=("grad",))
+def _ce_rescale_(grad: Tensor, grad_loss: Tensor, logits: Tensor, targets: Tensor, lse: Tensor,
+                 class_weights: Optional[Tensor], ignore_index: int, reduction: int,
+                 label_smoothing: float, z_loss: float, softcap: float, logit_scale: float,
+                 shift_seq_len: int, shift: int, token_scaling: bool) -> None:
+    """fce_backward_rescale: grad (the forward's, for an upstream 1) becomes the gradient for
+    grad_loss, rounded once: nothing when it is 1, an exact in-place scale for ±2^k, else
+    computed again from the logits; decided on the device."""
+    _tc.ce_backward(logits, targets, lse, grad_loss.to(torch.float32).contiguous(),
+                    _cw(class_weights),
+                    _opts(ignore_index, reduction, label_smoothing, z_loss, softcap, logit_scale,
+                          shift_seq_len, shift, token_scaling), rescale=grad)
+
+
+@_ce_rescale_.register_fake
+def _ce_rescale_fake(grad, grad_loss, logits, targets, lse, class_weights, ignore_index,
+                     reduction, label_smoothing, z_loss, softcap, logit_scale, shift_seq_len,
+                     shift, token_scaling):
+    return None
+
+
+@torch.library.custom_op("fusedce::scale_", mutates_args=("grad",))
+def _scale_(grad: Tensor, grad_output: Tensor) -> None:
+    """grad *= grad_output (a scalar) in place on the device; a no-op launch when it is 1."""
+    _tc.scale_(grad, grad_output)
+
+
+@_scale_.register_fake
+def _scale_fake(grad, grad_output):
+    return None
+
+
+def _hand_out_once(ctx) -> None:
+    """A gradient written over the logits (inplace_backward) is scaled in place and handed to
+    autograd, which may keep that very buffer: a second backward through the same graph
+    (retain_graph=True) cannot use it again, so it raises with what to do instead."""
+    if getattr(ctx, "handed_out", False):
+        raise RuntimeError(
+            "fusedce.torch.cross_entropy(inplace_backward=True): the gradient was written over "
+            "the logits in the forward pass and handed to autograd once; a second backward "
+            "through the same graph (retain_graph=True, gradcheck) needs inplace_backward=False.")
+    ctx.handed_out = True
+
+
+_CE_FORWARD_GRAD_INPUTS = 3 + _N_OPTS + 2
+
+
+def _ce_forward_grad_setup(ctx, inputs, output):
+    logits, targets, class_weights = inputs[:3]
+    _, lse, grad, zl, acc, am = output
+    ctx.mark_non_differentiable(lse, grad, zl, acc, am)
+    ctx.set_materialize_grads(False)  # else autograd makes a zero [N, V] "gradient" for grad
+    # the logits are kept (a reference: they are the caller's input) so that an upstream
+    # gradient other than 1 or ±2^k, or a second backward, can recompute exactly
+    ctx.save_for_backward(logits, targets, class_weights, lse)
+    ctx.grad = grad  # not version-tracked: the first backward rescales it in place
+    ctx.options = inputs[3:3 + _N_OPTS]
+
+
+def _ce_forward_grad_backward(ctx, grad_loss, *_unused):
+    nones = (None,) * (_CE_FORWARD_GRAD_INPUTS - 1)
+    if grad_loss is None or not ctx.needs_input_grad[0]:  # (undefined: no gradient flows)
+        return (None,) + nones
+    logits, targets, class_weights, lse = ctx.saved_tensors
+    grad = ctx.grad
+    if grad is not None:  # the first backward: the forward's gradient, made the right one
+        ctx.grad = None
+        _ce_rescale_(grad, grad_loss, logits, targets, lse, class_weights, *ctx.options)
+    else:  # handed out already (retain_graph): computed again
+        grad = _ce_backward(grad_loss, logits, targets, lse, class_weights, *ctx.options)
+    return (grad,) + nones
+
+
+_ce_forward_grad.register_autograd(_ce_forward_grad_backward, setup_context=_ce_forward_grad_setup)
+
+
+def _non_differentiable(ctx, *tensors) -> None:
+    ctx.mark_non_differentiable(*(t for t in tensors if t is not None))
+
+
+class _CrossEntropyOnePass(torch.autograd.Function):
+    """The same one-pass training path as fusedce::ce_forward_grad + ce_rescale_, as a plain
+    autograd.Function calling the C library directly: what eager mode runs (the custom ops'
+    dispatch costs tens of µs a call; torch.compile traces the custom ops instead).
+    Returns (loss, lse, z_loss, accuracy, argmax), None for the extras not asked for."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, class_weights, opts, extras, check_targets):
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        cw = _cw(class_weights)
+        loss, lse, zl, acc, am = _tc.ce_forward(logits, targets, cw, opts, grad=grad,
+                                                extras=extras, check_targets=check_targets)
+        ctx.save_for_backward(logits, targets, cw, lse)
+        ctx.grad, ctx.opts = grad, opts
+        ctx.set_materialize_grads(False)
+        _non_differentiable(ctx, lse, zl, acc, am)
+        return loss, lse, zl, acc, am
+
+    @staticmethod
+    def backward(ctx, grad_loss, *_unused):
+        if grad_loss is None:
+            return (None,) * 6
+        logits, targets, cw, lse = ctx.saved_tensors
+        up = grad_loss.to(torch.float32).contiguous()
+        if ctx.grad is not None:  # the first backward: fce_backward_rescale, in place
+            grad, ctx.grad = ctx.grad, None
+            _tc.ce_backward(logits, targets, lse, up, cw, ctx.opts, rescale=grad)
+        else:  # a second backward through the graph: computed again
+            grad = _tc.ce_backward(logits, targets, lse, up, cw, ctx.opts)
+        return (grad,) + (None,) * 5
+
+
+def _compiling() -> bool:
+    fn = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    return bool(fn()) if fn is not None else False
+
+
+class _CrossEntropyInPlace(torch.autograd.Function):
+    """inplace_backward=True: the one pass writes the gradient over the logits themselves (a
+    plain autograd.Function, as Liger's and Quack's: torch.compile breaks the graph here).
+    Returns (loss, lse or None, z_loss, accuracy, argmax)."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, class_weights, opts, extras, check_targets, want_lse):
+        loss, lse, zl, acc, am = _tc.ce_forward(logits, targets, _cw(class_weights), opts,
+                                                grad=logits, want_lse=want_lse, extras=extras,
+                                                check_targets=check_targets)
+        ctx.save_for_backward(logits)
+        ctx.set_materialize_grads(False)
+        _non_differentiable(ctx, lse, zl, acc, am)
+        return loss, lse, zl, acc, am
+
+    @staticmethod
+    def backward(ctx, grad_loss, *_unused):
+        if grad_loss is None:
+            return (None,) * 7
+        _hand_out_once(ctx)
+        (grad,) = ctx.saved_tensors
+        _scale_(grad, grad_loss)
+        return (grad,) + (None,) * 6
+
+
+# ---- reduction 'none' (and no gradient needed): the loss, lse saved, fce_backward later
+@torch.library.custom_op("fusedce::ce_forward", mutates_args=())
+def _ce_forward(logits: Tensor, targets: Tensor, class_weights: Optional[Tensor],
+                ignore_index: int, reduction: int, label_smoothing: float, z_loss: float,
+                softcap: float, logit_scale: float, shift_seq_len: int, shift: int,
+                token_scaling: bool, extras: int, check_targets: bool
+                ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(loss, lse, z_loss, accuracy, argmax)."""
+    loss, lse, zl, acc, am = _tc.ce_forward(
+        logits, targets, _cw(class_weights),
+        _opts(ignore_index, reduction, label_smoothing, z_loss, softcap, logit_scale,
+              shift_seq_len, shift, token_scaling),
+        extras=extras, check_targets=check_targets)
+    return (loss, lse, _or_empty(zl, logits), _or_empty(acc, logits),
+            _or_empty(am, logits, torch.int64))
+
+
+@_ce_forward.register_fake
+def _ce_forward_fake(logits, targets, class_weights, ignore_index, reduction, label_smoothing,
+                     z_loss, softcap, logit_scale, shift_seq_len, shift, token_scaling, extras,
+                     check_targets):
+    n = logits.shape[0]
+    loss = logits.new_empty((n,) if reduction == FCE_REDUCTION_NONE else (), dtype=torch.float32)
+    return (loss, logits.new_empty((n,), dtype=torch.float32)) + _fake_extras(
+        logits, n, reduction, extras)
+
+
+@torch.library.custom_op("fusedce::ce_backward", mutates_args=())
+def _ce_backward(grad_loss: Tensor, logits: Tensor, targets: Tensor, lse: Tensor,
+                 class_weights: Optional[Tensor], ignore_index: int, reduction: int,
+                 label_smoothing: float, z_loss: float, softcap: float, logit_scale: float,
+                 shift_seq_len: int, shift: int, token_scaling: bool) -> Tensor:
+    return _tc.ce_backward(logits, targets, lse, grad_loss.to(torch.float32).contiguous(),
+                           _cw(class_weights),
+                           _opts(ignore_index, reduction, label_smoothing, z_loss, softcap,
+                                 logit_scale, shift_seq_len, shift, token_scaling))
+
+
+@_ce_backward.register_fake
+def _ce_backward_fake(grad_loss, logits, targets, lse, class_weights, ignore_index, reduction,
+                      label_smoothing, z_loss, softcap, logit_scale, shift_seq_len, shift,
+                      token_scaling):
+    return logits.new_empty(logits.shape)  # dense [N, V] whatever the logits' row stride
+
+
+def _ce_setup_context(ctx, inputs, output):
+    logits, targets, class_weights = inputs[:3]
+    _, lse, zl, acc, am = output
+    ctx.save_for_backward(logits, targets, class_weights, lse)
+    ctx.options = inputs[3:3 + _N_OPTS]
+    ctx.mark_non_differentiable(lse, zl, acc, am)
+    ctx.set_materialize_grads(False)
+
+
+def _ce_autograd_backward(ctx, grad_loss, *_unused):
+    nones = (None,) * (_CE_FORWARD_GRAD_INPUTS - 1)
+    if grad_loss is None:
+        return (None,) + nones
+    logits, targets, class_weights, lse = ctx.saved_tensors
+    grad_logits = None
+    if ctx.needs_input_grad[0]:
+        grad_logits = _ce_backward(grad_loss, logits, targets, lse, class_weights, *ctx.options)
+    return (grad_logits,) + nones
+
+
+_ce_forward.register_autograd(_ce_autograd_backward, setup_context=_ce_setup_context)
+
+
+# ========================================================= linear_ce op (fused) ====
+@torch.library.custom_op("fusedce::linear_ce", mutates_args=())
+def _linear_ce(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor,
+               class_weights: Optional[Tensor], grad_output: Optional[Tensor],
+               ignore_index: int, reduction: int, label_smoothing: float, z_loss: float,
+               softcap: float, logit_scale: float, shift_seq_len: int, shift: int,
+               token_scaling: bool, compute_dtype: int, workspace_bytes: int, need_hidden: bool,
+               need_weight: bool, need_bias: bool, extras: int, check_targets: bool
+               ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """loss, lse, the gradients asked for (empty [0] tensors for the others), scaled by
+    grad_output (None = 1), and the extras asked for (z_loss, accuracy, argmax; empty [0] for
+    the others). Inputs are cast to compute_dtype (an fce_dtype code) inside; the workspace is
+    at most workspace_bytes (never below the library's minimum)."""
+    cdt = _TORCH_OF_CODE[compute_dtype]
+    h = hidden.to(cdt)
+    if h.stride(-1) != 1:
+        h = h.contiguous()
+    w = weight.to(cdt).contiguous()
+    b = bias.to(cdt).contiguous() if bias is not None else None
+    # A float32 weight computed in a lower precision gets its gradient in float32 directly: the
+    # caller's own float32 buffer is then the library's accumulator (no extra memory). A 16-bit
+    # weight gets a 16-bit gradient, never a float32 copy of it.
+    fp32_grads = weight.dtype == torch.float32 and cdt != torch.float32
+    g = grad_output.to(torch.float32).contiguous() if grad_output is not None else None
+    loss, lse, gh, gw, gb, zl, acc, am = _tc.linear_ce(
+        h, w, b, targets.contiguous(), _cw(class_weights), g,
+        _opts(ignore_index, reduction, label_smoothing, z_loss, softcap, logit_scale,
+              shift_seq_len, shift, token_scaling),
+        grad_weight_fp32=fp32_grads, need=(need_hidden, need_weight, need_bias),
+        budget=int(workspace_bytes), extras=extras, check_targets=check_targets)
+    empty = hidden.new_empty((0,))
+    gh = gh.to(hidden.dtype) if gh is not None else empty
+    gw = gw.to(weight.dtype) if gw is not None else weight.new_empty((0,))
+    gb = gb.to(weight.dtype) if gb is not None else weight.new_empty((0,))
+    return (loss, lse, gh, gw, gb, _or_empty(zl, hidden), _or_empty(acc, hidden),
+            _or_empty(am, hidden, torch.int64))
+
+
+@_linear_ce.register_fake
+def _linear_ce_fake(hidden, weight, bias, targets, class_weights, grad_output, ignore_index,
+                    reduction, label_smoothing, z_loss, softcap, logit_scale, shift_seq_len,
+                    shift, token_scaling, compute_dtype, workspace_bytes, need_hidden,
+                    need_weight, need_bias, extras, check_targets):
+    n = hidden.shape[0]
+    loss = hidden.new_empty((n,) if reduction == FCE_REDUCTION_NONE else (), dtype=torch.float32)
+    lse = hidden.new_empty((n,), dtype=torch.float32)
+    gh = hidden.new_empty(hidden.shape) if need_hidden else hidden.new_empty((0,))
+    gw = weight.new_empty(weight.shape) if need_weight else weight.new_empty((0,))
+    gb = (bias.new_empty(bias.shape, dtype=weight.dtype) if (need_bias and bias is not None)
+          else weight.new_empty((0,)))
+    return (loss, lse, gh, gw, gb) + _fake_extras(hidden, n, reduction, extras)
+
+
+_LINEAR_CE_INPUTS = 6 + _N_OPTS + 7
+
+
+def _linear_ce_setup_context(ctx, inputs, output):
+    hidden, weight, bias, targets, class_weights, grad_output = inputs[:6]
+    rest = inputs[6:]
+    reduction = rest[1]
+    # rest: the options (_N_OPTS), compute_dtype, workspace_bytes, need_hidden, need_weight,
+    # need_bias, extras, check_targets
+    need_hidden, need_weight, need_bias = rest[_N_OPTS + 2:_N_OPTS + 5]
+    _, lse, gh, gw, gb, zl, acc, am = output
+    ctx.mark_non_differentiable(lse, gh, gw, gb, zl, acc, am)
+    # no zero "gradients" for the outputs autograd does not differentiate (they would be as
+    # large as the gradients themselves)
+    ctx.set_materialize_grads(False)
+    # Gradients computed in the forward with an upstream gradient of 1 are scaled in place by
+    # the scalar upstream gradient later; otherwise (reduction 'none', or the op called with a
+    # grad_output) the backward recomputes them with the real upstream gradient.
+    ctx.grad_in_forward = (bool(need_hidden or need_weight or need_bias)
+                           and reduction != FCE_REDUCTION_NONE and grad_output is None)
+    ctx.computed = (bool(need_hidden), bool(need_weight), bool(need_bias and bias is not None))
+    ctx.has_bias = bias is not None
+    ctx.options = tuple(rest[:_N_OPTS + 2])  # the options, compute_dtype, workspace_bytes
+    # The inputs are kept (they are alive anyway: the weight is a parameter, hidden [N, D] is
+    # small) so that a second backward through the same graph can recompute the gradients.
+    # The gradients are kept as tensors without version tracking (the backward scales them in
+    # place and hands them out).
+    ctx.grads = (gh, gw, gb)
+    ctx.save_for_backward(hidden, weight, bias, targets, class_weights)
+
+
+def _linear_ce_autograd_backward(ctx, grad_loss, *_unused):
+    nones = (None,) * (_LINEAR_CE_INPUTS - 3)
+    if grad_loss is None:
+        return (None,) * 3 + nones
+    need = (bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1]),
+            bool(ctx.needs_input_grad[2]) and ctx.has_bias)
+    hidden, weight, bias, targets, class_weights = ctx.saved_tensors
+    computed = ctx.grads is not None
+    if (ctx.grad_in_forward and computed and
+            all(c or not n for c, n in zip(ctx.computed, need))):
+        # the first backward: scale the forward's gradients in place (free for an upstream 1)
+        out = [g if n else None for g, n in zip(ctx.grads, need)]
+        for g in out:
+            if g is not None:
+                _scale_(g, grad_loss)
+        ctx.grads = None  # handed out: a later backward recomputes
+    else:  # recompute with the real upstream gradient (per row for reduction 'none')
+        _, _, gh, gw, gb, _, _, _ = _linear_ce(hidden, weight, bias, targets, class_weights,
+                                               grad_loss, *ctx.options, *need, 0, False)
+        out = [g if n else None for g, n in zip((gh, gw, gb), need)]
+    return tuple(out) + nones
+
+
+_linear_ce.register_autograd(_linear_ce_autograd_backward, setup_context=_linear_ce_setup_context)

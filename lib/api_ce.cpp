@@ -1,0 +1,154 @@
+// api_ce.cpp — the C ABI of the cross-entropy over given logits: fce_forward, fce_backward,
+// fce_backward_rescale and their workspace queries. Every argument is checked (validate.h) and
+// named when wrong before anything is written; then the problem goes to a backend.
+#include "validate.h"
+
+namespace {
+
+using fce::fail;
+using namespace fce::abi;
+
+size_t ce_workspace(const fce_options& o, const fce::CeOptions& opt, int64_t rows, int64_t vocab,
+                    bool backward) {
+  return o.backend == FCE_BACKEND_CPU ? fce::cpu_ce_workspace_size(opt, rows, vocab, backward)
+                                      : fce::cuda_ce_workspace_size(opt, rows, vocab, backward);
+}
+
+fce_status ce_workspace_query(const char* fn, const fce_options* options, int64_t rows,
+                              int64_t vocab, bool backward, size_t* bytes) {
+  fce_options o;
+  FCE_TRY(begin_call(fn, options, &o));
+  fce::CeOptions opt;
+  FCE_TRY(check_options(fn, &o, rows, vocab, &opt));
+  FCE_TRY(check_size_output(fn, bytes));
+  *bytes = ce_workspace(o, opt, rows, vocab, backward);
+  return FCE_SUCCESS;
+}
+
+// Shared by fce_forward (mode kForward), fce_backward and fce_backward_rescale (lse_in set,
+// loss/lse/z_loss NULL, options->argmax and ->accuracy ignored), once each entry point has
+// checked its own required pointers.
+fce_status ce_call(const char* fn, fce::CeMode mode, const fce_options* options, int64_t rows,
+                   int64_t vocab, const void* logits, const void* targets, float* loss,
+                   float* lse, float* z_loss, void* grad, const float* grad_output,
+                   const float* lse_in, uint32_t* error_flags, void* workspace,
+                   size_t workspace_bytes, void* stream) {
+  const bool forward = mode == fce::CeMode::kForward;
+  fce_options local;
+  FCE_TRY(begin_call(fn, options, &local));
+  const fce_options* o = &local;
+  fce::CeProblem p{};
+  FCE_TRY(check_options(fn, o, rows, vocab, &p.opt));
+  if (mode == fce::CeMode::kRescale && o->reduction == FCE_REDUCTION_NONE)
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "%s: options->reduction is FCE_REDUCTION_NONE: a per-row upstream gradient "
+                "needs fce_backward", fn);
+  FCE_TRY(check_required(fn, {{"logits", logits}, {"targets", targets}}));
+  FCE_TRY(check_stride(fn, "options->row_stride", o->row_stride, vocab, &p.row_stride));
+  FCE_TRY(
+      check_stride(fn, "options->grad_row_stride", o->grad_row_stride, vocab, &p.grad_row_stride));
+  const Entries e(*o, rows);
+  const int64_t logits_bytes = span_bytes(rows, vocab, p.row_stride, e.esize);
+  const int64_t grad_bytes = grad ? span_bytes(rows, vocab, p.grad_row_stride, e.esize) : 0;
+  if (logits_bytes < 0 || grad_bytes < 0 || rows > kMaxBytes / 8)
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "%s: rows (%lld) x row stride overflows a 64-bit byte offset", fn,
+                (long long)rows);
+  const fce::Arg args[] = {
+      {"logits", logits, static_cast<uint64_t>(logits_bytes), e.esize, false},
+      e.targets(targets),
+      e.class_weights(vocab),
+      e.grad_output(grad_output),
+      e.lse(lse_in, false),
+      e.loss(loss),
+      e.lse(lse, true),
+      scalar_output("z_loss", z_loss),
+      {"grad_logits", grad, static_cast<uint64_t>(grad_bytes), e.esize, true},
+      scalar_output("error_flags", error_flags),
+      workspace_arg(workspace, workspace_bytes),
+      e.argmax(forward),  // the forward's optional outputs; never written by the backward calls
+      e.accuracy(forward),
+  };
+  // grad_logits may be logits itself (same start, same stride); any other overlap is an error,
+  // an output inside the logits of an in-place call included.
+  const InPlace in_place{p.row_stride, p.grad_row_stride};
+  FCE_TRY(check_args(fn, args, &in_place));
+  FCE_TRY(check_workspace(fn, ce_workspace(*o, p.opt, rows, vocab, !forward), workspace,
+                          workspace_bytes));
+  p.fn = fn;
+  p.mode = mode;
+  p.rows = rows;
+  p.vocab = vocab;
+  p.logits = logits;
+  p.targets = targets;
+  if (forward) set_loss_outputs(&p, *o, loss, lse, z_loss);  // the backward calls: all NULL
+  p.grad = grad;
+  p.grad_output = grad_output;
+  p.lse_in = lse_in;
+  p.error_flags = error_flags;
+  set_workspace(&p, workspace, workspace_bytes, stream);
+  return dispatch(*o, args, p, fce::cpu_ce, fce::cuda_ce);
+}
+
+}  // namespace
+
+extern "C" {
+
+FCE_API fce_status fce_forward_workspace_size(const fce_options* options, int64_t rows,
+                                              int64_t vocab, size_t* workspace_bytes) {
+  return ce_workspace_query("fce_forward_workspace_size", options, rows, vocab, false,
+                            workspace_bytes);
+}
+
+FCE_API fce_status fce_backward_workspace_size(const fce_options* options, int64_t rows,
+                                               int64_t vocab, size_t* workspace_bytes) {
+  return ce_workspace_query("fce_backward_workspace_size", options, rows, vocab, true,
+                            workspace_bytes);
+}
+
+FCE_API fce_status fce_forward(const fce_options* options, int64_t rows, int64_t vocab,
+                               const void* logits, const void* targets, float* loss, float* lse,
+                               float* z_loss, void* grad_logits, const float* grad_output,
+                               uint32_t* error_flags, void* workspace, size_t workspace_bytes,
+                               void* stream) {
+  const char* fn = "fce_forward";
+  fce::clear_error();
+  FCE_TRY(check_required(fn, {{"loss", loss}}));
+  return ce_call(fn, fce::CeMode::kForward, options, rows, vocab, logits, targets, loss, lse,
+                 z_loss, grad_logits, grad_output, nullptr, error_flags, workspace,
+                 workspace_bytes, stream);
+}
+
+FCE_API fce_status fce_backward(const fce_options* options, int64_t rows, int64_t vocab,
+                                const void* logits, const void* targets, const float* lse,
+                                const float* grad_output, void* grad_logits,
+                                uint32_t* error_flags, void* workspace, size_t workspace_bytes,
+                                void* stream) {
+  const char* fn = "fce_backward";
+  fce::clear_error();
+  FCE_TRY(check_required(fn, {{"lse", lse}, {"grad_logits", grad_logits}}));
+  return ce_call(fn, fce::CeMode::kBackward, options, rows, vocab, logits, targets, nullptr,
+                 nullptr, nullptr, grad_logits, grad_output, lse, error_flags, workspace,
+                 workspace_bytes, stream);
+}
+
+FCE_API fce_status fce_backward_rescale(const fce_options* options, int64_t rows, int64_t vocab,
+                                        const void* logits, const void* targets,
+                                        const float* lse, const float* grad_output,
+                                        void* grad_logits, uint32_t* error_flags,
+                                        void* workspace, size_t workspace_bytes, void* stream) {
+  const char* fn = "fce_backward_rescale";
+  fce::clear_error();
+  FCE_TRY(check_required(fn, {{"lse", lse}, {"grad_logits", grad_logits}}));
+  if (!grad_output)
+    return fail(FCE_ERROR_NULL_POINTER, "%s: grad_output is NULL (the upstream scalar)", fn);
+  if (grad_logits == logits)
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "%s: grad_logits is logits: a gradient written over the logits cannot be "
+                "recomputed; scale it with fce_scale_gradient", fn);
+  return ce_call(fn, fce::CeMode::kRescale, options, rows, vocab, logits, targets, nullptr,
+                 nullptr, nullptr, grad_logits, grad_output, lse, error_flags, workspace,
+                 workspace_bytes, stream);
+}
+
+}  // extern "C"

@@ -1,0 +1,115 @@
+// api_linear.cpp — the C ABI of the fused linear + cross-entropy: fce_linear_ce and its
+// workspace query. Every argument is checked (validate.h) and named when wrong before anything
+// is written; then the problem goes to a backend.
+#include "validate.h"
+
+namespace {
+
+using fce::fail;
+using namespace fce::abi;
+
+void linear_workspace(const fce_options& o, const fce::CeOptions& opt, int64_t rows,
+                      int64_t hidden, int64_t vocab, bool with_grad, size_t* min_bytes,
+                      size_t* optimal_bytes) {
+  const bool fp32 = o.grad_weight_fp32 != 0;
+  if (o.backend == FCE_BACKEND_CPU)
+    fce::cpu_linear_ce_workspace_size(opt, rows, hidden, vocab, with_grad, fp32, min_bytes,
+                                      optimal_bytes);
+  else
+    fce::cuda_linear_ce_workspace_size(opt, rows, hidden, vocab, with_grad, fp32, min_bytes,
+                                       optimal_bytes);
+}
+
+}  // namespace
+
+extern "C" {
+
+FCE_API fce_status fce_linear_ce_workspace_size(const fce_options* options, int64_t rows,
+                                                int64_t hidden, int64_t vocab, int with_grad,
+                                                size_t* min_bytes, size_t* optimal_bytes) {
+  const char* fn = "fce_linear_ce_workspace_size";
+  fce_options o;
+  FCE_TRY(begin_call(fn, options, &o));
+  fce::CeOptions opt;
+  FCE_TRY(check_options(fn, &o, rows, vocab, &opt));
+  FCE_TRY(check_hidden(fn, hidden));
+  FCE_TRY(check_size_outputs(fn, min_bytes, optimal_bytes));
+  size_t lo = 0, hi = 0;
+  linear_workspace(o, opt, rows, hidden, vocab, with_grad != 0, &lo, &hi);
+  write_sizes(min_bytes, optimal_bytes, lo, hi);
+  return FCE_SUCCESS;
+}
+
+FCE_API fce_status fce_linear_ce(const fce_options* options, int64_t rows, int64_t hidden,
+                                 int64_t vocab, const void* hidden_states, const void* weight,
+                                 const void* bias, const void* targets, float* loss, float* lse,
+                                 float* z_loss, void* grad_hidden, void* grad_weight,
+                                 void* grad_bias, const float* grad_output, uint32_t* error_flags,
+                                 void* workspace, size_t workspace_bytes, void* stream) {
+  const char* fn = "fce_linear_ce";
+  fce_options local;
+  FCE_TRY(begin_call(fn, options, &local));
+  const fce_options* o = &local;
+  fce::LinearCeProblem p{};
+  FCE_TRY(check_options(fn, o, rows, vocab, &p.opt));
+  FCE_TRY(check_hidden(fn, hidden));
+  FCE_TRY(check_required(fn, {{"hidden_states", hidden_states},
+                              {"weight", weight},
+                              {"targets", targets},
+                              {"loss", loss}}));
+  if (grad_bias && !bias)
+    return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: grad_bias is given but bias is NULL", fn);
+  FCE_TRY(check_stride(fn, "options->hidden_row_stride", o->hidden_row_stride, hidden,
+                       &p.hidden_row_stride));
+  // One row has no "next row": its stride is never used, whatever it is (the header allows any
+  // stride >= hidden), so the backends see the dense value (BLAS and cuBLASLt take int ones).
+  if (rows == 1) p.hidden_row_stride = hidden;
+  const Entries e(*o, rows);
+  const size_t gw_size = o->grad_weight_fp32 ? 4 : e.esize;
+  const int64_t h_bytes = span_bytes(rows, hidden, p.hidden_row_stride, e.esize);
+  const int64_t w_bytes = span_bytes(vocab, hidden, hidden, 4);  // largest: f32 grad_weight
+  const int64_t gh_bytes = span_bytes(rows, hidden, hidden, e.esize);
+  if (h_bytes < 0 || w_bytes < 0 || gh_bytes < 0 || rows > kMaxBytes / 8)
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "%s: the sizes (rows %lld, hidden %lld, vocab %lld) overflow a 64-bit byte "
+                "offset",
+                fn, (long long)rows, (long long)hidden, (long long)vocab);
+  const uint64_t vd = static_cast<uint64_t>(vocab) * static_cast<uint64_t>(hidden);
+  const uint64_t v = static_cast<uint64_t>(vocab);
+  const fce::Arg args[] = {
+      {"hidden_states", hidden_states, static_cast<uint64_t>(h_bytes), e.esize, false},
+      {"weight", weight, vd * e.esize, e.esize, false},
+      {"bias", bias, v * e.esize, e.esize, false},
+      e.targets(targets),
+      e.class_weights(vocab),
+      e.grad_output(grad_output),
+      e.loss(loss),
+      e.lse(lse, true),
+      scalar_output("z_loss", z_loss),
+      {"grad_hidden", grad_hidden, static_cast<uint64_t>(gh_bytes), e.esize, true},
+      {"grad_weight", grad_weight, vd * gw_size, gw_size, true},
+      {"grad_bias", grad_bias, v * gw_size, gw_size, true},
+      scalar_output("error_flags", error_flags),
+      workspace_arg(workspace, workspace_bytes),
+      e.argmax(),
+      e.accuracy(),
+  };
+  FCE_TRY(check_args(fn, args));
+  const bool with_grad = grad_hidden || grad_weight || grad_bias;
+  size_t min_bytes = 0, optimal_bytes = 0;
+  linear_workspace(*o, p.opt, rows, hidden, vocab, with_grad, &min_bytes, &optimal_bytes);
+  FCE_TRY(check_workspace(fn, min_bytes, workspace, workspace_bytes));
+  p.fn = fn;
+  p.rows = rows;
+  p.hidden = hidden;
+  p.vocab = vocab;
+  set_linear_inputs(&p, hidden_states, weight, bias, targets);
+  set_loss_outputs(&p, *o, loss, lse, z_loss);
+  set_linear_grads(&p, *o, grad_hidden, grad_weight, grad_bias);
+  p.grad_output = grad_output;
+  p.error_flags = error_flags;
+  set_workspace(&p, workspace, workspace_bytes, stream);
+  return dispatch(*o, args, p, fce::cpu_linear_ce, fce::cuda_linear_ce);
+}
+
+}  // extern "C"

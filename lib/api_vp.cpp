@@ -1,0 +1,208 @@
+// api_vp.cpp — the C ABI of the vocabulary-parallel cross-entropy over given logits shards:
+// fce_vp_stats (phase 1), fce_vp_loss and fce_vp_backward (phase 3) and their workspace queries
+// (docs/semantics.md rule 16). Every argument is checked (validate.h) and named when wrong before
+// anything is written; then the problem goes to a backend.
+#include "validate.h"
+
+namespace {
+
+using fce::fail;
+using namespace fce::abi;
+
+// The backends' workspace of fce_vp_loss (backward false; vocab_local 0: not an argument) and
+// fce_vp_backward.
+size_t vp_workspace(const fce_options& o, const fce::CeOptions& opt, int64_t ranks, int64_t rows,
+                    int64_t vocab_total, int64_t vocab_local, bool backward) {
+  return o.backend == FCE_BACKEND_CPU
+             ? fce::cpu_vp_workspace_size(opt, ranks, rows, vocab_total, vocab_local, backward)
+             : fce::cuda_vp_workspace_size(opt, ranks, rows, vocab_total, vocab_local, backward);
+}
+
+// fce_vp_loss_workspace_size (vocab_local 0: no such argument) and
+// fce_vp_backward_workspace_size.
+fce_status vp_workspace_query(const char* fn, const fce_options* options, int64_t ranks,
+                              int64_t rows, int64_t vocab_total, int64_t vocab_local,
+                              bool backward, size_t* bytes) {
+  fce_options o;
+  FCE_TRY(begin_call(fn, options, &o));
+  if (backward)
+    FCE_TRY(check_vp_vocab(fn, vocab_total, 0, vocab_local, false));
+  else
+    FCE_TRY(check_vocab_total(fn, vocab_total));
+  fce::CeOptions opt;
+  FCE_TRY(check_options(fn, &o, rows, vocab_total, &opt));
+  FCE_TRY(check_vp_rows(fn, rows, &ranks));
+  FCE_TRY(check_size_output(fn, bytes));
+  *bytes = vp_workspace(o, opt, ranks, rows, vocab_total, vocab_local, backward);
+  return FCE_SUCCESS;
+}
+
+// The rows of a logits shard [rows, vocab_local] (options->row_stride apart), or of its
+// gradient: *bytes, or an error when they overflow a 64-bit byte offset.
+fce_status shard_bytes(const char* fn, int64_t rows, int64_t vocab_local, int64_t stride,
+                       size_t esize, uint64_t* bytes) {
+  const int64_t b = span_bytes(rows, vocab_local, stride, esize);
+  if (b < 0)
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "%s: rows (%lld) x row stride overflows a 64-bit byte offset", fn,
+                (long long)rows);
+  *bytes = static_cast<uint64_t>(b);
+  return FCE_SUCCESS;
+}
+
+}  // namespace
+
+extern "C" {
+
+FCE_API fce_status fce_vp_stats(const fce_options* options, int64_t rows, int64_t vocab_total,
+                                int64_t vocab_start, int64_t vocab_local, const void* logits,
+                                const void* targets, float* stats, void* stream) {
+  const char* fn = "fce_vp_stats";
+  fce_options local;
+  FCE_TRY(begin_call(fn, options, &local));
+  const fce_options* o = &local;
+  fce::VpStatsProblem p{};
+  FCE_TRY(check_vp_vocab(fn, vocab_total, vocab_start, vocab_local, true));
+  FCE_TRY(check_options(fn, o, rows, vocab_total, &p.opt));
+  FCE_TRY(check_vp_rows(fn, rows, nullptr));
+  FCE_TRY(check_required(fn, {{"logits", logits}, {"targets", targets}, {"stats", stats}}));
+  FCE_TRY(check_stride(fn, "options->row_stride", o->row_stride, vocab_local, &p.row_stride,
+                       "vocab_local"));
+  const Entries e(*o, rows);
+  uint64_t logits_bytes = 0;
+  FCE_TRY(shard_bytes(fn, rows, vocab_local, p.row_stride, e.esize, &logits_bytes));
+  const fce::Arg args[] = {
+      {"logits", logits, logits_bytes, e.esize, false},
+      e.targets(targets),
+      e.class_weights(vocab_total),
+      e.stats(stats),
+  };
+  FCE_TRY(check_args(fn, args));
+  p.fn = fn;
+  p.rows = rows;
+  p.vocab_total = vocab_total;
+  p.vocab_start = vocab_start;
+  p.vocab_local = vocab_local;
+  p.logits = logits;
+  p.targets = targets;
+  p.stats = stats;
+  p.stream = stream;
+  return dispatch(*o, args, p, fce::cpu_vp_stats, fce::cuda_vp_stats);
+}
+
+FCE_API fce_status fce_vp_loss_workspace_size(const fce_options* options, int64_t ranks,
+                                              int64_t rows, int64_t vocab_total,
+                                              size_t* workspace_bytes) {
+  return vp_workspace_query("fce_vp_loss_workspace_size", options, ranks, rows, vocab_total, 0,
+                            false, workspace_bytes);
+}
+
+FCE_API fce_status fce_vp_loss(const fce_options* options, int64_t ranks, int64_t rows,
+                               int64_t vocab_total, const void* targets,
+                               const float* gathered_stats, float* loss, float* lse,
+                               float* z_loss, uint32_t* error_flags, void* workspace,
+                               size_t workspace_bytes, void* stream) {
+  const char* fn = "fce_vp_loss";
+  fce_options local;
+  FCE_TRY(begin_call(fn, options, &local));
+  const fce_options* o = &local;
+  fce::VpProblem p{};
+  FCE_TRY(check_vocab_total(fn, vocab_total));
+  FCE_TRY(check_options(fn, o, rows, vocab_total, &p.opt));
+  FCE_TRY(check_vp_rows(fn, rows, &ranks));
+  FCE_TRY(check_required(
+      fn, {{"targets", targets}, {"gathered_stats", gathered_stats}, {"loss", loss}}));
+  const Entries e(*o, rows);
+  const fce::Arg args[] = {
+      e.targets(targets),
+      e.class_weights(vocab_total),
+      e.gathered_stats(gathered_stats, ranks),
+      e.loss(loss),
+      e.lse(lse, true),
+      scalar_output("z_loss", z_loss),
+      scalar_output("error_flags", error_flags),
+      workspace_arg(workspace, workspace_bytes),
+      e.argmax(),
+      e.accuracy(),
+  };
+  FCE_TRY(check_args(fn, args));
+  FCE_TRY(check_workspace(fn, vp_workspace(*o, p.opt, ranks, rows, vocab_total, 0, false),
+                          workspace, workspace_bytes));
+  p.fn = fn;
+  p.backward = false;
+  p.ranks = ranks;
+  p.rows = rows;
+  p.vocab_total = vocab_total;
+  p.targets = targets;
+  p.gathered = gathered_stats;
+  set_loss_outputs(&p, *o, loss, lse, z_loss);
+  p.error_flags = error_flags;
+  set_workspace(&p, workspace, workspace_bytes, stream);
+  return dispatch(*o, args, p, fce::cpu_vp, fce::cuda_vp);
+}
+
+FCE_API fce_status fce_vp_backward_workspace_size(const fce_options* options, int64_t ranks,
+                                                  int64_t rows, int64_t vocab_total,
+                                                  int64_t vocab_local, size_t* workspace_bytes) {
+  return vp_workspace_query("fce_vp_backward_workspace_size", options, ranks, rows, vocab_total,
+                            vocab_local, true, workspace_bytes);
+}
+
+FCE_API fce_status fce_vp_backward(const fce_options* options, int64_t ranks, int64_t rows,
+                                   int64_t vocab_total, int64_t vocab_start, int64_t vocab_local,
+                                   const void* logits, const void* targets,
+                                   const float* gathered_stats, const float* grad_output,
+                                   void* grad_logits, uint32_t* error_flags, void* workspace,
+                                   size_t workspace_bytes, void* stream) {
+  const char* fn = "fce_vp_backward";
+  fce_options local;
+  FCE_TRY(begin_call(fn, options, &local));
+  const fce_options* o = &local;
+  fce::VpProblem p{};
+  FCE_TRY(check_vp_vocab(fn, vocab_total, vocab_start, vocab_local, true));
+  FCE_TRY(check_options(fn, o, rows, vocab_total, &p.opt));
+  FCE_TRY(check_vp_rows(fn, rows, &ranks));
+  FCE_TRY(check_required(fn, {{"logits", logits},
+                              {"targets", targets},
+                              {"gathered_stats", gathered_stats},
+                              {"grad_logits", grad_logits}}));
+  FCE_TRY(check_stride(fn, "options->row_stride", o->row_stride, vocab_local, &p.row_stride,
+                       "vocab_local"));
+  FCE_TRY(check_stride(fn, "options->grad_row_stride", o->grad_row_stride, vocab_local,
+                       &p.grad_row_stride, "vocab_local"));
+  const Entries e(*o, rows);
+  uint64_t logits_bytes = 0, grad_bytes = 0;
+  FCE_TRY(shard_bytes(fn, rows, vocab_local, p.row_stride, e.esize, &logits_bytes));
+  FCE_TRY(shard_bytes(fn, rows, vocab_local, p.grad_row_stride, e.esize, &grad_bytes));
+  const fce::Arg args[] = {
+      {"logits", logits, logits_bytes, e.esize, false},
+      e.targets(targets),
+      e.class_weights(vocab_total),
+      e.gathered_stats(gathered_stats, ranks),
+      e.grad_output(grad_output),
+      {"grad_logits", grad_logits, grad_bytes, e.esize, true},
+      scalar_output("error_flags", error_flags),
+      workspace_arg(workspace, workspace_bytes),
+  };
+  const InPlace in_place{p.row_stride, p.grad_row_stride};
+  FCE_TRY(check_args(fn, args, &in_place));
+  FCE_TRY(check_workspace(fn, vp_workspace(*o, p.opt, ranks, rows, vocab_total, vocab_local, true),
+                          workspace, workspace_bytes));
+  p.fn = fn;
+  p.backward = true;
+  p.ranks = ranks;
+  p.rows = rows;
+  p.vocab_total = vocab_total;
+  p.vocab_start = vocab_start;
+  p.vocab_local = vocab_local;
+  p.targets = targets;
+  p.gathered = gathered_stats;
+  p.logits = logits;
+  p.grad_output = grad_output;
+  p.grad = grad_logits;
+  p.error_flags = error_flags;
+  set_workspace(&p, workspace, workspace_bytes, stream);
+  return dispatch(*o, args, p, fce::cpu_vp, fce::cuda_vp);
+}
+
+}  // extern "C"

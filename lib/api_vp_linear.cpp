@@ -1,0 +1,226 @@
+// api_vp_linear.cpp — the C ABI of the vocabulary-parallel fused linear + cross-entropy over
+// weight shards: fce_vp_linear_stats (phase 1), fce_vp_linear_backward (phase 3) and their
+// workspace queries (docs/semantics.md rule 16). Every argument is checked (validate.h) and named when
+// wrong before anything is written; then the problem goes to a backend.
+#include "validate.h"
+
+namespace {
+
+using fce::fail;
+using namespace fce::abi;
+
+// The backends' workspace of fce_vp_linear_stats (backward false: the query knows neither ranks
+// nor vocab_total, so they are passed as 1 and vocab_local, by the query and by the call alike;
+// grad_hidden_dtype FCE_FLOAT32, unused) and fce_vp_linear_backward.
+void vp_linear_workspace(const fce_options& o, const fce::CeOptions& opt, int64_t ranks,
+                         int64_t rows, int64_t hidden, int64_t vocab_total, int64_t vocab_local,
+                         bool backward, int32_t grad_hidden_dtype, size_t* min_bytes,
+                         size_t* optimal_bytes) {
+  const bool fp32 = o.grad_weight_fp32 != 0;
+  if (o.backend == FCE_BACKEND_CPU)
+    fce::cpu_vp_linear_workspace_size(opt, ranks, rows, hidden, vocab_total, vocab_local,
+                                      backward, grad_hidden_dtype, fp32, min_bytes,
+                                      optimal_bytes);
+  else
+    fce::cuda_vp_linear_workspace_size(opt, ranks, rows, hidden, vocab_total, vocab_local,
+                                       backward, grad_hidden_dtype, fp32, min_bytes,
+                                       optimal_bytes);
+}
+
+// The sizes and options both calls check first (ranks NULL: fce_vp_linear_stats, one rank), and
+// those fields of p.
+fce_status check_sizes(const char* fn, const fce_options& o, const int64_t* ranks, int64_t rows,
+                       int64_t hidden, int64_t vocab_total, int64_t vocab_start,
+                       int64_t vocab_local, fce::VpLinearProblem* p) {
+  FCE_TRY(check_vp_vocab(fn, vocab_total, vocab_start, vocab_local, true));
+  FCE_TRY(check_options(fn, &o, rows, vocab_total, &p->opt));
+  FCE_TRY(check_hidden(fn, hidden));
+  FCE_TRY(check_vp_rows(fn, rows, ranks));
+  p->fn = fn;
+  p->ranks = ranks ? *ranks : 1;
+  p->rows = rows;
+  p->hidden = hidden;
+  p->vocab_total = vocab_total;
+  p->vocab_start = vocab_start;
+  p->vocab_local = vocab_local;
+  return FCE_SUCCESS;
+}
+
+// options->hidden_row_stride into p (one row has no stride, as for fce_linear_ce), and the bytes
+// of hidden_states: *h_bytes; the bytes of [vocab_local, hidden] and [rows, hidden] of elem bytes
+// each (the largest buffers of those shapes the call has) must fit a 64-bit byte offset too.
+fce_status check_hidden_spans(const char* fn, const fce_options& o, size_t elem,
+                              fce::VpLinearProblem* p, uint64_t* h_bytes) {
+  FCE_TRY(check_stride(fn, "options->hidden_row_stride", o.hidden_row_stride, p->hidden,
+                       &p->hidden_row_stride));
+  if (p->rows == 1) p->hidden_row_stride = p->hidden;
+  const int64_t h = span_bytes(p->rows, p->hidden, p->hidden_row_stride, fce::dtype_size(o.dtype));
+  const int64_t w = span_bytes(p->vocab_local, p->hidden, p->hidden, elem);
+  const int64_t nd = span_bytes(p->rows, p->hidden, p->hidden, elem);
+  if (h < 0 || w < 0 || nd < 0)
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "%s: the sizes (rows %lld, hidden %lld, vocab_local %lld) overflow a 64-bit byte "
+                "offset",
+                fn, (long long)p->rows, (long long)p->hidden, (long long)p->vocab_local);
+  *h_bytes = static_cast<uint64_t>(h);
+  return FCE_SUCCESS;
+}
+
+}  // namespace
+
+extern "C" {
+
+FCE_API fce_status fce_vp_linear_stats_workspace_size(const fce_options* options, int64_t rows,
+                                                      int64_t hidden, int64_t vocab_local,
+                                                      size_t* min_bytes, size_t* optimal_bytes) {
+  const char* fn = "fce_vp_linear_stats_workspace_size";
+  fce_options o;
+  FCE_TRY(begin_call(fn, options, &o));
+  if (vocab_local < 1 || vocab_local > kMaxVocab)
+    return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: vocab_local (%lld) must be in [1, 2^31-1]", fn,
+                (long long)vocab_local);
+  fce::CeOptions opt;
+  FCE_TRY(check_options(fn, &o, rows, vocab_local, &opt));
+  FCE_TRY(check_hidden(fn, hidden));
+  FCE_TRY(check_vp_rows(fn, rows, nullptr));
+  FCE_TRY(check_size_outputs(fn, min_bytes, optimal_bytes));
+  size_t lo = 0, hi = 0;
+  vp_linear_workspace(o, opt, 1, rows, hidden, vocab_local, vocab_local, false, FCE_FLOAT32, &lo,
+                      &hi);
+  write_sizes(min_bytes, optimal_bytes, lo, hi);
+  return FCE_SUCCESS;
+}
+
+FCE_API fce_status fce_vp_linear_stats(const fce_options* options, int64_t rows, int64_t hidden,
+                                       int64_t vocab_total, int64_t vocab_start,
+                                       int64_t vocab_local, const void* hidden_states,
+                                       const void* weight, const void* bias, const void* targets,
+                                       float* stats, void* workspace, size_t workspace_bytes,
+                                       void* stream) {
+  const char* fn = "fce_vp_linear_stats";
+  fce_options local;
+  FCE_TRY(begin_call(fn, options, &local));
+  const fce_options* o = &local;
+  fce::VpLinearProblem p{};
+  FCE_TRY(check_sizes(fn, *o, nullptr, rows, hidden, vocab_total, vocab_start, vocab_local, &p));
+  FCE_TRY(check_required(fn, {{"hidden_states", hidden_states},
+                              {"weight", weight},
+                              {"targets", targets},
+                              {"stats", stats}}));
+  const Entries e(*o, rows);
+  uint64_t h_bytes = 0;
+  FCE_TRY(check_hidden_spans(fn, *o, e.esize, &p, &h_bytes));
+  const uint64_t vd = static_cast<uint64_t>(vocab_local) * static_cast<uint64_t>(hidden);
+  const fce::Arg args[] = {
+      {"hidden_states", hidden_states, h_bytes, e.esize, false},
+      {"weight", weight, vd * e.esize, e.esize, false},
+      {"bias", bias, static_cast<uint64_t>(vocab_local) * e.esize, e.esize, false},
+      e.targets(targets),
+      e.class_weights(vocab_total),
+      e.stats(stats),
+      workspace_arg(workspace, workspace_bytes),
+  };
+  FCE_TRY(check_args(fn, args));
+  size_t min_bytes = 0, optimal_bytes = 0;
+  vp_linear_workspace(*o, p.opt, 1, rows, hidden, vocab_local, vocab_local, false, FCE_FLOAT32,
+                      &min_bytes, &optimal_bytes);
+  FCE_TRY(check_workspace(fn, min_bytes, workspace, workspace_bytes));
+  p.backward = false;
+  set_linear_inputs(&p, hidden_states, weight, bias, targets);
+  p.stats = stats;
+  p.grad_hidden_dtype = FCE_FLOAT32;
+  set_workspace(&p, workspace, workspace_bytes, stream);
+  return dispatch(*o, args, p, fce::cpu_vp_linear, fce::cuda_vp_linear);
+}
+
+FCE_API fce_status fce_vp_linear_backward_workspace_size(const fce_options* options,
+                                                         int64_t ranks, int64_t rows,
+                                                         int64_t hidden, int64_t vocab_total,
+                                                         int64_t vocab_local,
+                                                         int32_t grad_hidden_dtype,
+                                                         size_t* min_bytes,
+                                                         size_t* optimal_bytes) {
+  const char* fn = "fce_vp_linear_backward_workspace_size";
+  fce_options o;
+  FCE_TRY(begin_call(fn, options, &o));
+  FCE_TRY(check_vp_vocab(fn, vocab_total, 0, vocab_local, false));
+  fce::CeOptions opt;
+  FCE_TRY(check_options(fn, &o, rows, vocab_total, &opt));
+  FCE_TRY(check_hidden(fn, hidden));
+  FCE_TRY(check_vp_rows(fn, rows, &ranks));
+  FCE_TRY(check_grad_hidden_dtype(fn, grad_hidden_dtype, o.dtype));
+  FCE_TRY(check_size_outputs(fn, min_bytes, optimal_bytes));
+  size_t lo = 0, hi = 0;
+  vp_linear_workspace(o, opt, ranks, rows, hidden, vocab_total, vocab_local, true,
+                      grad_hidden_dtype, &lo, &hi);
+  write_sizes(min_bytes, optimal_bytes, lo, hi);
+  return FCE_SUCCESS;
+}
+
+FCE_API fce_status fce_vp_linear_backward(const fce_options* options, int64_t ranks, int64_t rows,
+                                          int64_t hidden, int64_t vocab_total,
+                                          int64_t vocab_start, int64_t vocab_local,
+                                          const void* hidden_states, const void* weight,
+                                          const void* bias, const void* targets,
+                                          const float* gathered_stats, const float* grad_output,
+                                          void* grad_hidden, int32_t grad_hidden_dtype,
+                                          void* grad_weight, void* grad_bias,
+                                          uint32_t* error_flags, void* workspace,
+                                          size_t workspace_bytes, void* stream) {
+  const char* fn = "fce_vp_linear_backward";
+  fce_options local;
+  FCE_TRY(begin_call(fn, options, &local));
+  const fce_options* o = &local;
+  fce::VpLinearProblem p{};
+  FCE_TRY(check_sizes(fn, *o, &ranks, rows, hidden, vocab_total, vocab_start, vocab_local, &p));
+  FCE_TRY(check_grad_hidden_dtype(fn, grad_hidden_dtype, o->dtype));
+  FCE_TRY(check_required(fn, {{"hidden_states", hidden_states},
+                              {"weight", weight},
+                              {"targets", targets},
+                              {"gathered_stats", gathered_stats}}));
+  if (!grad_hidden && !grad_weight && !grad_bias)
+    return fail(FCE_ERROR_NULL_POINTER,
+                "%s: grad_hidden, grad_weight and grad_bias are all NULL: at least one gradient "
+                "is needed",
+                fn);
+  if (grad_bias && !bias)
+    return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: grad_bias is given but bias is NULL", fn);
+  uint64_t h_bytes = 0;
+  FCE_TRY(check_hidden_spans(fn, *o, 4, &p, &h_bytes));  // largest: float32 gradients
+  const Entries e(*o, rows);
+  const size_t gw_size = o->grad_weight_fp32 ? 4 : e.esize;
+  const size_t gh_size = fce::dtype_size(grad_hidden_dtype);
+  const uint64_t vd = static_cast<uint64_t>(vocab_local) * static_cast<uint64_t>(hidden);
+  const uint64_t nd = static_cast<uint64_t>(rows) * static_cast<uint64_t>(hidden);
+  const uint64_t v = static_cast<uint64_t>(vocab_local);
+  const fce::Arg args[] = {
+      {"hidden_states", hidden_states, h_bytes, e.esize, false},
+      {"weight", weight, vd * e.esize, e.esize, false},
+      {"bias", bias, v * e.esize, e.esize, false},
+      e.targets(targets),
+      e.class_weights(vocab_total),
+      e.gathered_stats(gathered_stats, ranks),
+      e.grad_output(grad_output),
+      {"grad_hidden", grad_hidden, nd * gh_size, gh_size, true},
+      {"grad_weight", grad_weight, vd * gw_size, gw_size, true},
+      {"grad_bias", grad_bias, v * gw_size, gw_size, true},
+      scalar_output("error_flags", error_flags),
+      workspace_arg(workspace, workspace_bytes),
+  };
+  FCE_TRY(check_args(fn, args));
+  size_t min_bytes = 0, optimal_bytes = 0;
+  vp_linear_workspace(*o, p.opt, ranks, rows, hidden, vocab_total, vocab_local, true,
+                      grad_hidden_dtype, &min_bytes, &optimal_bytes);
+  FCE_TRY(check_workspace(fn, min_bytes, workspace, workspace_bytes));
+  p.backward = true;
+  set_linear_inputs(&p, hidden_states, weight, bias, targets);
+  p.gathered = gathered_stats;
+  p.grad_output = grad_output;
+  set_linear_grads(&p, *o, grad_hidden, grad_weight, grad_bias);
+  p.grad_hidden_dtype = grad_hidden_dtype;
+  p.error_flags = error_flags;
+  set_workspace(&p, workspace, workspace_bytes, stream);
+  return dispatch(*o, args, p, fce::cpu_vp_linear, fce::cuda_vp_linear);
+}
+
+}  // extern "C"

@@ -1,0 +1,155 @@
+// ce_geometry.cuh — the shapes of the cross-entropy row kernels (ce_kernels.cu): their block
+// sizes, how the register path splits a row over the CTAs of a cluster, and the host-side choice
+// of a path (ce_path.cu). The index arithmetic below is compiled for both sides on purpose: the
+// kernels run it, and the host self-test ce_rows_selftest (ce_path.cu; the ctest target
+// CudaCeRowsSelftest, no GPU needed) checks the very same functions: every element of a row
+// owned exactly once, every 16-byte access aligned and inside its row.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cstdint>
+
+#include "internal.h"
+
+namespace fce {
+namespace cuda {
+
+// ---------------------------------------------------------------- configuration ----
+constexpr int kRegThreads = 512;      // most threads of a register-path CTA
+constexpr int kRegVpt = 8;            // 16-byte vectors per thread (32 registers of the row)
+constexpr int kRegVecsPerCta = kRegThreads * kRegVpt;  // 4096 vectors = 64 KB
+constexpr int kMaxCluster = 8;        // portable cluster size limit
+constexpr int64_t kRegMaxVocab = int64_t(kRegVecsPerCta) * kMaxCluster * 8;  // loose bound
+constexpr int kTwoPassThreads = 1024;
+constexpr int kBackwardThreads = 512;
+constexpr int kStreamUnroll = 4;      // vectors in flight per thread in the streaming kernels
+constexpr int kReduceThreads = 1024;  // denominators / finalize (one block)
+constexpr int64_t kMaxRowsPerLaunch = int64_t(1) << 27;  // × 8 CTAs stays below 2^31 blocks
+static_assert(kRegVecsPerCta * 16 == 64 * 1024, "a register-path CTA holds 64 KB of its row");
+static_assert(kRegMaxVocab < (int64_t(1) << 30), "register path indexes elements with int32");
+static_assert(kRegThreads % 32 == 0 && kTwoPassThreads % 32 == 0 && kBackwardThreads % 32 == 0,
+              "block sizes are whole warps");
+static_assert(kRegThreads <= 1024 && kTwoPassThreads <= 1024 && kReduceThreads <= 1024,
+              "at most 32 warps: one warp folds the per-warp partials");
+static_assert(kMaxRowsPerLaunch * kMaxCluster <= int64_t(INT32_MAX), "grid.x limit");
+static_assert(kMaxCluster <= 32, "one warp reads the cluster's partials");
+
+// ------------------------------------------------------------ vectors of a row ----
+// Vector v of a row has elements [j0, j0 + E); "full" = all of them inside [0, V). I is the
+// index type (int in the register path, int64_t in the streaming kernels).
+template <class I, int E> __host__ __device__ __forceinline__ bool is_full(I j0, int V) {
+  return j0 >= 0 && j0 <= I(V) - E;
+}
+
+// The gradient row may take vector stores iff (gradient row address − lead·e_g) is a multiple
+// of E·e_g: then gradient vector v starts exactly where logits vector v does, in elements.
+__host__ __device__ __forceinline__ bool grad_vec_ok(uintptr_t grow, int lead, int E, int gb) {
+  const uintptr_t vb = uintptr_t(E) * uintptr_t(gb);
+  return ((grow - uintptr_t(lead) * uintptr_t(gb)) % vb) == 0;
+}
+
+// ---------------------------------------------------- the register path's split ----
+// The register path's split of one row. Row elements are addressed through 16-byte vectors of
+// E = 16/e elements: vector v holds elements [v·E − lead, v·E − lead + E), lead = (row address
+// mod 16)/e, so vector 0 may start before the row and the last may end after it (only their
+// in-row elements are touched). CTA `rank` of k = 2^lg holds vectors [rank·per, vend); thread
+// tid of nt holds vectors v0 + i·nt (slots i < kRegVpt) that are < vend. Used by the kernel and
+// by the host self-test (ce_rows_selftest), so both check the same arithmetic.
+struct RegSlice {
+  int lead;   // elements of the row's first vector that precede the row
+  int nvec;   // vectors covering the row
+  int per;    // vectors per CTA (the last CTAs may have fewer, or none)
+  int v0;     // this thread's first vector
+  int vend;   // past this CTA's last vector
+  int j00;    // element index of vector v0's first element (< 0: the row's partial first vector)
+  int jstep;  // element distance between slots, nt·E
+};
+__host__ __device__ __forceinline__ RegSlice reg_slice(uintptr_t row_addr, int elem_bytes, int V,
+                                                       int lg, int rank, int tid, int nt) {
+  const int E = 16 / elem_bytes;
+  RegSlice g;
+  g.lead = static_cast<int>((row_addr & 15) / static_cast<uintptr_t>(elem_bytes));
+  g.nvec = (g.lead + V + E - 1) / E;
+  g.per = (g.nvec + (1 << lg) - 1) >> lg;
+  g.v0 = rank * g.per + tid;
+  g.vend = (rank + 1) * g.per < g.nvec ? (rank + 1) * g.per : g.nvec;
+  g.j00 = g.v0 * E - g.lead;
+  g.jstep = nt * E;
+  return g;
+}
+
+// log2 of a cluster size k ∈ {1, 2, 4, 8} (KParams::cluster_log2, the occupancy cache's index).
+__host__ __device__ __forceinline__ int cluster_log2(int k) {
+  return k == 1 ? 0 : k == 2 ? 1 : k == 4 ? 2 : 3;
+}
+
+// ====================================================== host side (ce_path.cu) ====
+// The register path's shape for rows of `vocab` elements of elem_bytes whose starts have at most
+// lead_max elements before them in their 16-byte vector: the smallest cluster size k ≥ min_k,
+// ≤ max_k whose slices fit a CTA, and the threads per CTA. False when none fits. The checks at
+// the end are the kernel's coverage invariant: every vector of every row has a (rank, thread,
+// slot), i.e. threads·kRegVpt ≥ ⌈nvec/k⌉ for the largest nvec of any row.
+struct RegConfig {
+  int k;
+  int threads;
+};
+bool reg_config(int64_t vocab, int elem_bytes, int lead_max, int max_k, int min_k, RegConfig* c);
+
+// Threads of a streaming CTA: enough for kStreamUnroll vectors each on the longest row, ≤ cap.
+int64_t stream_threads(int64_t vocab, int E, int cap);
+
+// The launch of `grid` CTAs of `threads` threads in clusters of k CTAs along x, on stream s:
+// *cfg points at *attr (its one attribute, the cluster shape), which must outlive the launch
+// or query that uses cfg. The register-path launch and the occupancy query both use it.
+inline void make_cluster_launch(unsigned grid, unsigned threads, int k, cudaStream_t s,
+                                cudaLaunchConfig_t* cfg, cudaLaunchAttribute* attr) {
+  *cfg = cudaLaunchConfig_t{};
+  cfg->gridDim = dim3(grid);
+  cfg->blockDim = dim3(threads);
+  cfg->dynamicSmemBytes = 0;
+  cfg->stream = s;
+  *attr = cudaLaunchAttribute{};
+  attr->id = cudaLaunchAttributeClusterDimension;
+  attr->val.clusterDim.x = static_cast<unsigned>(k);
+  attr->val.clusterDim.y = 1;
+  attr->val.clusterDim.z = 1;
+  cfg->attrs = attr;
+  cfg->numAttrs = 1;
+}
+
+// Which kernel runs the rows of one launch_ce_rows call, decided once per call on the host.
+enum class RowsPath {
+  kBackward,   // ce_rows_stream_kernel<…, BWD = true>: lse_in / stats_in given
+  kRegisters,  // ce_rows_regs_kernel in clusters of RowsChoice::rc.k CTAs of rc.threads
+  kTwoPass,    // ce_rows_stream_kernel<…, BWD = false>
+};
+struct RowsQuery {
+  bool backward;            // lse_in or stats_in given
+  bool with_grad;           // a gradient is written
+  int64_t vocab;            // elements of a row
+  int elem_bytes;           // of the logits
+  bool aligned_rows;        // every row of the logits starts 16-byte aligned
+  int slot;                 // (dtype pair) · 3 + mode: the occupancy cache's cell of the kernel
+  const void* regs_kernel;  // ce_rows_regs_kernel<TZ, TG, mode>, for the occupancy query
+};
+struct RowsChoice {
+  RowsPath path;
+  RegConfig rc;             // kRegisters: the cluster size and the threads per CTA
+};
+// The path of docs/semantics.md's promises (ce_kernels.cu's header): the backward kernel for a backward;
+// else the register path when the row fits a cluster that can be resident on this device (and
+// the FCE_CUDA_CE_PATH / FCE_CUDA_CE_CLUSTER overrides allow it), otherwise the two-pass
+// kernel. Host-side queries only, answered once per (device, kernel, cluster size) and
+// remembered. FCE_ERROR_CUDA naming fn when there is no usable device.
+fce_status choose_rows_path(const char* fn, const RowsQuery& q, RowsChoice* out);
+
+#if defined(FCE_CE_SELFTEST)
+// Host-only check of the register path's index arithmetic (ce_path.cu); returns the number of
+// failures, each printed. Built only with -DFCE_CE_SELFTEST (tests/CMakeLists.txt); needs no GPU.
+int ce_rows_selftest();
+#endif
+
+}  // namespace cuda
+}  // namespace fce

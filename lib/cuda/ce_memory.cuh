@@ -1,0 +1,168 @@
+// ce_memory.cuh — how the cross-entropy row kernels (ce_kernels.cu) read and write a row: dtype
+// traits, element conversions, and 16-byte vector loads and stores that never touch a byte
+// outside [row, row + V) (the ≤ 2 partial vectors of a row go element by element). The vector
+// split itself (is_full, grad_vec_ok on addresses) is in ce_geometry.cuh, shared with the host.
+//
+// Everything here is in an anonymous namespace, as it was when the row kernels were one file:
+// each kernel translation unit gets its own internal copy, so the compiler sees (and inlines)
+// exactly the program it always did. Include it only from the row kernels' .cu files.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "cuda/ce_geometry.cuh"
+
+namespace fce {
+namespace cuda {
+namespace {
+
+// ------------------------------------------------------------------ dtype traits ----
+template <class T> struct Ty;
+template <> struct Ty<float> { static constexpr int kBytes = 4; };
+template <> struct Ty<__half> { static constexpr int kBytes = 2; };
+template <> struct Ty<__nv_bfloat16> { static constexpr int kBytes = 2; };
+// Elements of TZ per 16-byte vector.
+template <class TZ> constexpr int vec_elems() { return 16 / Ty<TZ>::kBytes; }
+
+// Raw element bits (low bits of a word) -> float.
+template <class T> __device__ __forceinline__ float raw_to_float(uint32_t raw);
+template <> __device__ __forceinline__ float raw_to_float<float>(uint32_t raw) {
+  return __uint_as_float(raw);
+}
+template <> __device__ __forceinline__ float raw_to_float<__nv_bfloat16>(uint32_t raw) {
+  return __uint_as_float(raw << 16);
+}
+template <> __device__ __forceinline__ float raw_to_float<__half>(uint32_t raw) {
+  __half_raw h;
+  h.x = static_cast<unsigned short>(raw);
+  return __half2float(__half(h));
+}
+
+// One element <-> float (round to nearest even), for element-wise loops.
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <class T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+// Two floats -> a packed pair of 16-bit values (round to nearest even), lo in the low half.
+template <class T> __device__ __forceinline__ uint32_t pack2(float lo, float hi);
+template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  uint32_t r;
+  memcpy(&r, &v, 4);
+  return r;
+}
+template <> __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
+  __half2 v = __floats2half2_rn(lo, hi);
+  uint32_t r;
+  memcpy(&r, &v, 4);
+  return r;
+}
+
+// A 16-byte vector of TZ -> E floats.
+template <class TZ>
+__device__ __forceinline__ void unpack(const uint4& v, float (&f)[vec_elems<TZ>()]) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  if constexpr (Ty<TZ>::kBytes == 4) {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) f[q] = __uint_as_float(w[q]);
+  } else {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      f[2 * q] = raw_to_float<TZ>(w[q] & 0xffffu);
+      f[2 * q + 1] = raw_to_float<TZ>(w[q] >> 16);
+    }
+  }
+}
+
+// ------------------------------------------------------------- memory accesses ----
+// (is_full, whether a vector lies inside its row, is in ce_geometry.cuh.)
+
+enum CacheOp : int { kStreaming = 0, kKeepInL2 = 1 };
+
+template <int OP> __device__ __forceinline__ uint4 ld_vec(const uint4* p) {
+  if constexpr (OP == kStreaming) return __ldcs(p);  // evict-first: read once
+  else return __ldcg(p);                              // L2 only: pass 2 rereads it
+}
+template <class TZ> __device__ __forceinline__ uint32_t ld_elem(const char* p) {
+  if constexpr (Ty<TZ>::kBytes == 4) return __ldcg(reinterpret_cast<const unsigned int*>(p));
+  else return __ldcg(reinterpret_cast<const unsigned short*>(p));
+}
+
+// Loads vector [j0, j0 + E) of a row: one 16-byte load when full, else its in-row elements one
+// by one (the others 0): never a byte outside the row.
+template <class TZ, int OP, class I>
+__device__ __forceinline__ uint4 load_vector(const char* zrow, I j0, bool full, int V) {
+  constexpr int E = vec_elems<TZ>();
+  constexpr int eb = Ty<TZ>::kBytes;
+  if (full) return ld_vec<OP>(reinterpret_cast<const uint4*>(zrow + j0 * eb));
+  uint32_t w[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+  for (int q = 0; q < E; ++q) {
+    const I j = j0 + q;
+    if (j >= 0 && j < V) {
+      const uint32_t raw = ld_elem<TZ>(zrow + j * eb);
+      if constexpr (eb == 4) w[q] = raw;
+      else w[q >> 1] |= raw << (16 * (q & 1));
+    }
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// Stores the E gradient values of vector [j0, j0 + E): one vector store when the vector is full
+// and the gradient row is aligned like the logits row (vec_ok), else its in-row elements one by
+// one with the same rounding.
+template <class TG, int E, class I>
+__device__ __forceinline__ void store_grad(char* grow, I j0, bool full, bool vec_ok, int V,
+                                           const float (&g)[E]) {
+  constexpr int gb = Ty<TG>::kBytes;
+  if (full && vec_ok) {
+    char* dst = grow + j0 * gb;
+    if constexpr (gb == 4) {
+      static_assert(E == 4, "a float32 gradient comes from float32 logits");
+      __stcs(reinterpret_cast<uint4*>(dst), make_uint4(__float_as_uint(g[0]), __float_as_uint(g[1]),
+                                                       __float_as_uint(g[2]), __float_as_uint(g[3])));
+    } else if constexpr (E == 8) {
+      __stcs(reinterpret_cast<uint4*>(dst), make_uint4(pack2<TG>(g[0], g[1]), pack2<TG>(g[2], g[3]),
+                                                       pack2<TG>(g[4], g[5]), pack2<TG>(g[6], g[7])));
+    } else {
+      static_assert(E == 4, "16-bit gradient of float32 logits: 8-byte vectors");
+      __stcs(reinterpret_cast<uint2*>(dst), make_uint2(pack2<TG>(g[0], g[1]), pack2<TG>(g[2], g[3])));
+    }
+    return;
+  }
+#pragma unroll
+  for (int q = 0; q < E; ++q) {
+    const I j = j0 + q;
+    if (j >= 0 && j < V) {
+      char* dst = grow + j * gb;
+      if constexpr (gb == 4) {
+        __stcs(reinterpret_cast<float*>(dst), g[q]);
+      } else {
+        __stcs(reinterpret_cast<unsigned short*>(dst),
+               static_cast<unsigned short>(pack2<TG>(g[q], 0.f) & 0xffffu));
+      }
+    }
+  }
+}
+
+// Whether this gradient row takes vector stores (grad_vec_ok on addresses: ce_geometry.cuh).
+template <class TZ, class TG>
+__device__ __forceinline__ bool grad_vec_ok(const char* grow, int lead) {
+  return fce::cuda::grad_vec_ok(reinterpret_cast<uintptr_t>(grow), lead, vec_elems<TZ>(),
+                                Ty<TG>::kBytes);
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace fce

@@ -1,0 +1,248 @@
+// ce_path.cu — the host side of the cross-entropy row kernels (ce_kernels.cu): which kernel
+// runs a launch_ce_rows call, and in what shape (ce_geometry.cuh declares it all). Why a path
+// is chosen is ce_kernels.cu's header; this file is the how:
+//   * the register path's shape (reg_config): the smallest cluster whose CTAs hold a row's
+//     slices, whole warps, every vector covered;
+//   * whether that cluster can be resident on the current device (cluster_fits): a host-side
+//     occupancy query, once per (device, kernel, cluster size), remembered in a lock-free table;
+//   * the measurement overrides FCE_CUDA_CE_PATH and FCE_CUDA_CE_CLUSTER, read once.
+// No device memory, no synchronisation, nothing enqueued: a graph capture around a call only
+// ever sees the kernels. With -DFCE_CE_SELFTEST the file also holds ce_rows_selftest(), the
+// host check of the register path's index arithmetic (the ctest target CudaCeRowsSelftest
+// compiles this file alone with it and runs it, no GPU needed).
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "cuda/ce_geometry.cuh"
+
+namespace fce {
+namespace cuda {
+namespace {
+
+// Tuning and measurement overrides, read once: FCE_CUDA_CE_PATH = auto | regs | twopass
+// (forward only), FCE_CUDA_CE_CLUSTER = the smallest cluster size to use (1, 2, 4, 8).
+struct Overrides {
+  int path = 0;  // 0 auto, 1 regs (same as auto when the row fits), 2 twopass
+  int min_cluster = 1;
+};
+const Overrides& overrides() {
+  static const Overrides o = [] {
+    Overrides r;
+    if (const char* s = getenv("FCE_CUDA_CE_PATH")) {
+      if (!strcmp(s, "regs")) r.path = 1;
+      else if (!strcmp(s, "twopass")) r.path = 2;
+    }
+    if (const char* s = getenv("FCE_CUDA_CE_CLUSTER")) {
+      const int k = atoi(s);
+      if (k == 1 || k == 2 || k == 4 || k == 8) r.min_cluster = k;
+    }
+    return r;
+  }();
+  return o;
+}
+
+struct DeviceInfo {
+  int device = 0;
+  int major = 0;
+};
+fce_status device_info(const char* fn, DeviceInfo* d) {
+  cudaError_t e = cudaGetDevice(&d->device);
+  if (e == cudaSuccess)
+    e = cudaDeviceGetAttribute(&d->major, cudaDevAttrComputeCapabilityMajor, d->device);
+  if (e != cudaSuccess)
+    return fail(FCE_ERROR_CUDA, "%s: no usable CUDA device: %s", fn, cudaGetErrorString(e));
+  return FCE_SUCCESS;
+}
+
+// Whether clusters of k CTAs of 512 threads (the largest block) of `kernel` can be resident;
+// asked once per (device, kernel, k) and remembered. Also false when the kernel's code was not
+// compiled for sm_90+ (e.g. compute_80 PTX JIT-compiled on a Hopper): that code has no cluster
+// exchange, and k > 1 would give each CTA its slice's lse only.
+constexpr int kMaxDevices = 64;
+constexpr int kKernelSlots = 16;  // 5 dtype pairs × 3 modes
+std::atomic<signed char> g_cluster_fits[kMaxDevices][kKernelSlots][4];  // 0 unknown, 1 yes, −1 no
+
+bool cluster_fits(const DeviceInfo& dev, const void* kernel, int slot, int k) {
+  if (k == 1) return true;
+  if (dev.major < 9) return false;
+  const int ki = cluster_log2(k);
+  std::atomic<signed char>* cell = nullptr;
+  if (dev.device >= 0 && dev.device < kMaxDevices && slot >= 0 && slot < kKernelSlots) {
+    cell = &g_cluster_fits[dev.device][slot][ki];
+    const signed char v = cell->load(std::memory_order_relaxed);
+    if (v != 0) return v > 0;
+  }
+  cudaFuncAttributes fa{};
+  if (cudaFuncGetAttributes(&fa, kernel) != cudaSuccess || fa.ptxVersion < 90) {
+    (void)cudaGetLastError();
+    if (cell) cell->store(-1, std::memory_order_relaxed);
+    return false;
+  }
+  cudaLaunchConfig_t cfg;
+  cudaLaunchAttribute attr;
+  make_cluster_launch(static_cast<unsigned>(k) * 16u, kRegThreads, k, nullptr, &cfg, &attr);
+  int clusters = 0;
+  const cudaError_t e = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg);
+  if (e != cudaSuccess) (void)cudaGetLastError();  // a failed query only means "don't use it"
+  const bool ok = e == cudaSuccess && clusters > 0;
+  if (cell) cell->store(ok ? 1 : -1, std::memory_order_relaxed);
+  return ok;
+}
+
+}  // namespace
+
+bool reg_config(int64_t vocab, int elem_bytes, int lead_max, int max_k, int min_k, RegConfig* c) {
+  if (vocab < 1 || vocab > kRegMaxVocab) return false;
+  const int64_t E = 16 / elem_bytes;
+  const int64_t nvec_max = (lead_max + vocab + E - 1) / E;
+  for (int k = 1; k <= max_k; k *= 2) {
+    if (k < min_k) continue;
+    const int64_t per = (nvec_max + k - 1) / k;
+    if (per > kRegVecsPerCta) continue;
+    int64_t threads = (per + kRegVpt - 1) / kRegVpt;
+    threads = (threads + 31) / 32 * 32;
+    if (threads > kRegThreads || threads * kRegVpt < per || threads * kRegVpt * k < nvec_max)
+      return false;  // cannot happen: the invariant the kernel relies on
+    c->k = k;
+    c->threads = static_cast<int>(threads);
+    return true;
+  }
+  return false;
+}
+
+int64_t stream_threads(int64_t vocab, int E, int cap) {
+  const int64_t nvec_max = (E - 1 + vocab + E - 1) / E;
+  const int64_t t = (nvec_max + kStreamUnroll - 1) / kStreamUnroll;
+  return t < cap ? (t + 31) / 32 * 32 : cap;
+}
+
+fce_status choose_rows_path(const char* fn, const RowsQuery& q, RowsChoice* out) {
+  DeviceInfo dev;
+  FCE_TRY(device_info(fn, &dev));
+  out->path = q.backward ? RowsPath::kBackward : RowsPath::kTwoPass;
+  out->rc = RegConfig{1, kRegThreads};
+  // Forward without a gradient reads each row once whatever the path; on rows of 128 KB or
+  // more the streaming kernel (many loads in flight, no register-resident slice to drain)
+  // measured faster on an H100 (bench/NOTES.md: 16384×128256 bf16 1.50 ms against 1.76 ms),
+  // on shorter rows the register path (32768×32000 bf16 0.76 ms against 1.02 ms).
+  const bool long_forward_only = !q.with_grad && q.vocab * q.elem_bytes >= (int64_t{128} << 10);
+  const bool prefer_stream = overrides().path == 2 || (long_forward_only && overrides().path != 1);
+  if (!q.backward && !prefer_stream) {
+    const int lead_max = q.aligned_rows ? 0 : 16 / q.elem_bytes - 1;
+    const int max_k = dev.major >= 9 ? kMaxCluster : 1;
+    int min_k = overrides().min_cluster;
+    RegConfig rc{1, kRegThreads};
+    while (min_k > 1 && !reg_config(q.vocab, q.elem_bytes, lead_max, max_k, min_k, &rc)) min_k /= 2;
+    if (reg_config(q.vocab, q.elem_bytes, lead_max, max_k, min_k, &rc) &&
+        cluster_fits(dev, q.regs_kernel, q.slot, rc.k)) {
+      out->path = RowsPath::kRegisters;
+      out->rc = rc;
+    }
+  }
+  return FCE_SUCCESS;
+}
+
+#if defined(FCE_CE_SELFTEST)
+// Host self-test of the register path's geometry, on the very functions the kernel uses
+// (reg_config, reg_slice, is_full, grad_vec_ok): for many V, element sizes, row alignments and
+// cluster sizes, every element of a row is owned by exactly one (rank, thread, slot); every full
+// vector is 16-byte aligned and inside the row; partial vectors are the row's first or last; the
+// gradient's vector stores are aligned whenever grad_vec_ok allows them, and allowed in place.
+// Returns the number of failures (each printed). No GPU needed.
+int ce_rows_selftest() {
+  int failures = 0;
+  auto fail_at = [&](const char* what, int64_t V, int eb, int lead, int k, int nt) {
+    if (failures++ < 20)
+      fprintf(stderr, "ce_rows_selftest: %s (V %lld, e %d, lead %d, k %d, threads %d)\n", what,
+              static_cast<long long>(V), eb, lead, k, nt);
+  };
+  const int64_t vocabs[] = {1,     2,     3,     5,     7,     8,      9,      15,     16,
+                            17,    31,    33,    100,   255,   1000,   4095,   4096,   4097,
+                            8191,  16383, 16384, 16385, 32000, 32767,  32768,  32769,  50257,
+                            65535, 65536, 65537, 100000, 128256, 131071, 131072, 131073,
+                            151936, 200003, 256000, 262136, 262143, 262144, 262145, 300000};
+  std::vector<unsigned char> seen;
+  for (int eb : {2, 4}) {
+    const int E = 16 / eb;
+    for (int64_t V : vocabs) {
+      for (int aligned = 0; aligned < 2; ++aligned) {
+        for (int max_k : {1, kMaxCluster}) {
+          for (int min_k : {1, 2, 4, 8}) {
+            RegConfig rc{};
+            if (!reg_config(V, eb, aligned ? 0 : E - 1, max_k, min_k, &rc)) {
+              // must only fail when even max_k CTAs of 64 KB cannot hold the row
+              const int64_t nvec_max = ((aligned ? 0 : E - 1) + V + E - 1) / E;
+              if (min_k <= max_k && nvec_max <= int64_t(kRegVecsPerCta) * max_k)
+                fail_at("reg_config refused a row that fits", V, eb, 0, max_k, 0);
+              continue;
+            }
+            if (rc.k < min_k || rc.k > max_k || (rc.k & (rc.k - 1)) || rc.threads % 32 ||
+                rc.threads < 32 || rc.threads > kRegThreads)
+              fail_at("reg_config returned a bad shape", V, eb, 0, rc.k, rc.threads);
+            const int lg = cluster_log2(rc.k);
+            for (int lead = 0; lead < (aligned ? 1 : E); ++lead) {
+              const uintptr_t row_addr = uintptr_t(0x10000) + uintptr_t(lead) * eb;
+              seen.assign(size_t(V), 0);
+              for (int rank = 0; rank < rc.k; ++rank) {
+                for (int tid = 0; tid < rc.threads; ++tid) {
+                  const RegSlice g = reg_slice(row_addr, eb, int(V), lg, rank, tid, rc.threads);
+                  if (g.lead != lead) fail_at("lead", V, eb, lead, rc.k, rc.threads);
+                  for (int i = 0; i < kRegVpt; ++i) {
+                    const int v = g.v0 + i * rc.threads;
+                    if (v >= g.vend) continue;
+                    const int j0 = g.j00 + i * g.jstep;
+                    if (j0 != v * E - lead) fail_at("slot element index", V, eb, lead, rc.k, rc.threads);
+                    const bool f = E == 8 ? is_full<int, 8>(j0, int(V)) : is_full<int, 4>(j0, int(V));
+                    if (f && ((row_addr + uintptr_t(int64_t(j0) * eb)) % 16 != 0 || j0 < 0 || j0 + E > V))
+                      fail_at("full vector misplaced", V, eb, lead, rc.k, rc.threads);
+                    if (!f && v != 0 && v != g.nvec - 1)
+                      fail_at("partial vector inside the row", V, eb, lead, rc.k, rc.threads);
+                    for (int q = 0; q < E; ++q) {
+                      const int64_t j = int64_t(j0) + q;
+                      if (j >= 0 && j < V) seen[size_t(j)]++;
+                    }
+                  }
+                }
+              }
+              for (int64_t j = 0; j < V; ++j)
+                if (seen[size_t(j)] != 1) {
+                  fail_at(seen[size_t(j)] ? "element owned twice" : "element not owned", V, eb,
+                          lead, rc.k, rc.threads);
+                  break;
+                }
+            }
+          }
+        }
+      }
+    }
+  }
+  // Gradient stores: (logits E, gradient element bytes) pairs of the supported dtype pairs.
+  const int pairs[][2] = {{4, 4}, {8, 2}, {4, 2}};
+  for (const auto& pr : pairs) {
+    const int E = pr[0], gb = pr[1], zb = 16 / E;
+    for (int lead = 0; lead < E; ++lead) {
+      const uintptr_t zrow = uintptr_t(0x20000) + uintptr_t(lead) * zb;
+      if (zb == gb && !grad_vec_ok(zrow, lead, E, gb))
+        fail_at("in-place gradient refused vector stores", 0, gb, lead, 0, 0);
+      for (uintptr_t off = 0; off < 32; off += uintptr_t(gb)) {
+        const uintptr_t grow = uintptr_t(0x40000) + off;
+        if (!grad_vec_ok(grow, lead, E, gb)) continue;
+        for (int v = 1; v < 6; ++v) {
+          const int64_t j0 = int64_t(v) * E - lead;
+          if ((grow + uintptr_t(j0 * gb)) % uintptr_t(E * gb) != 0)
+            fail_at("misaligned gradient vector store", 0, gb, lead, 0, int(off));
+        }
+      }
+    }
+  }
+  return failures;
+}
+#endif
+}  // namespace cuda
+}  // namespace fce

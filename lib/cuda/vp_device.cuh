@@ -1,0 +1,290 @@
+// vp_device.cuh — the device helpers of the vocabulary-parallel kernels (vp_kernels.cu): the
+// dtype traits and 16-byte row reads (the same vector split as ce_memory.cuh's), the row
+// classification and the logit transform of docs/semantics.md rules 1-3 and docs/semantics.md steps 1-2 (as
+// ce_device.cuh's), and phase 1's per-thread statistics of a row (Acc: maximum, Σexp, the
+// argmax, the label-smoothing sums relative to the running maximum) with their fixed-order
+// warp / CTA tree.
+//
+// In an anonymous namespace, as when the kernels and these helpers were one file: each kernel
+// translation unit compiles its own internal copy (the compiler sees exactly the program it
+// always did). Include it only from vp_kernels.cu.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cstdint>
+
+#include "internal.h"
+
+namespace fce {
+namespace cuda {
+namespace {
+
+// ---------------------------------------------------------------- configuration ----
+constexpr int kStatsThreads = 512;     // most threads of a phase-1 CTA (one row)
+constexpr int kStatsUnroll = 4;        // vectors in flight per thread (plain / softcap)
+constexpr int kCombineThreads = 256;
+constexpr int kWeightThreads = 1024;
+constexpr int64_t kMaxRowsPerLaunch = int64_t(1) << 30;  // grid.x
+constexpr float kLog2e = 1.4426950408889634f;
+
+enum RowKind : int { kIgnored = 0, kValid = 1, kInvalid = 2 };
+// kPlain: no softcap, no label smoothing; kCap: softcap; kGeneral: both decided at run time.
+enum Mode : int { kPlain = 0, kCap = 1, kGeneral = 2 };
+
+// ------------------------------------------------------------------ dtype traits ----
+template <class T> struct Ty;
+template <> struct Ty<float> { static constexpr int kBytes = 4; };
+template <> struct Ty<__half> { static constexpr int kBytes = 2; };
+template <> struct Ty<__nv_bfloat16> { static constexpr int kBytes = 2; };
+template <class TZ> constexpr int vec_elems() { return 16 / Ty<TZ>::kBytes; }
+
+template <class T> __device__ __forceinline__ float raw_to_float(uint32_t raw);
+template <> __device__ __forceinline__ float raw_to_float<float>(uint32_t raw) {
+  return __uint_as_float(raw);
+}
+template <> __device__ __forceinline__ float raw_to_float<__nv_bfloat16>(uint32_t raw) {
+  return __uint_as_float(raw << 16);
+}
+template <> __device__ __forceinline__ float raw_to_float<__half>(uint32_t raw) {
+  __half_raw h;
+  h.x = static_cast<unsigned short>(raw);
+  return __half2float(__half(h));
+}
+
+template <class TZ>
+__device__ __forceinline__ void unpack(const uint4& v, float (&f)[vec_elems<TZ>()]) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  if constexpr (Ty<TZ>::kBytes == 4) {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) f[q] = __uint_as_float(w[q]);
+  } else {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      f[2 * q] = raw_to_float<TZ>(w[q] & 0xffffu);
+      f[2 * q + 1] = raw_to_float<TZ>(w[q] >> 16);
+    }
+  }
+}
+
+template <class TZ> __device__ __forceinline__ uint32_t ld_elem(const char* p) {
+  if constexpr (Ty<TZ>::kBytes == 4) return __ldcg(reinterpret_cast<const unsigned int*>(p));
+  else return __ldcg(reinterpret_cast<const unsigned short*>(p));
+}
+
+// Vector [j0, j0 + E) of a row: one 16-byte load when it lies inside the row (`full`), else its
+// in-row elements one by one (the others 0). STREAM: evict-first (the row is read once).
+template <class TZ, bool STREAM>
+__device__ __forceinline__ uint4 load_vector(const char* zrow, int64_t j0, bool full, int V) {
+  constexpr int E = vec_elems<TZ>();
+  constexpr int eb = Ty<TZ>::kBytes;
+  if (full) {
+    const uint4* p = reinterpret_cast<const uint4*>(zrow + j0 * eb);
+    return STREAM ? __ldcs(p) : __ldcg(p);
+  }
+  uint32_t w[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+  for (int q = 0; q < E; ++q) {
+    const int64_t j = j0 + q;
+    if (j >= 0 && j < V) {
+      const uint32_t raw = ld_elem<TZ>(zrow + j * eb);
+      if constexpr (eb == 4) w[q] = raw;
+      else w[q >> 1] |= raw << (16 * (q & 1));
+    }
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+template <int E> __device__ __forceinline__ bool is_full(int64_t j0, int V) {
+  return j0 >= 0 && j0 <= int64_t(V) - E;
+}
+
+__device__ __forceinline__ float ex2(float x) {  // 2^x (results below 2^-126 flush to 0)
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+__device__ __forceinline__ float pos_inf() { return __int_as_float(0x7f800000); }
+__device__ __forceinline__ float qnan() { return __int_as_float(0x7fffffff); }
+
+// Everything a phase-1 CTA needs, resolved on the host.
+struct SParams {
+  const char* logits;          // row row_begin
+  int64_t z_row_bytes;
+  int64_t row_begin;           // global index of logits' first row
+  float* stats;                // [rows, FCE_VP_STATS], global rows
+  const void* targets;
+  const float* class_weights;  // the whole vocabulary's, or nullptr
+  int64_t ignore_index;
+  int64_t shift_T, shift_k;    // shift_T = 0: no shift
+  int64_t vocab_start;
+  int vocab;                   // vocab_local: elements of a row
+  int vocab_total;
+  int targets_int64;
+  int smooth;                  // label smoothing ε > 0 (u_r)
+  int cap;
+  int write_weight;            // kVpWeight = vocab (no class weights); else already written
+  float scale, softcap, s_over_c;
+};
+
+// Row classification, docs/semantics.md rules 1-3 (the same as ce_device.cuh's classify_row).
+template <class P>
+__device__ __forceinline__ int classify_row(const P& p, int64_t row, int64_t* y_out) {
+  int64_t ti = row;
+  *y_out = 0;
+  if (p.shift_T > 0) {
+    if (row % p.shift_T >= p.shift_T - p.shift_k) return kIgnored;
+    ti = row + p.shift_k;
+  }
+  const int64_t y = p.targets_int64 ? static_cast<const int64_t*>(p.targets)[ti]
+                                    : static_cast<int64_t>(static_cast<const int32_t*>(p.targets)[ti]);
+  *y_out = y;
+  if (y == p.ignore_index) return kIgnored;
+  if (y < 0 || y >= p.vocab_total) return kInvalid;
+  return kValid;
+}
+
+// a = s·z, or a = c·tanh(s·z/c) (docs/semantics.md steps 1-2), as ce_device.cuh's xform.
+template <int MODE> __device__ __forceinline__ float xform(float z, const SParams& p) {
+  if (MODE == kCap || (MODE == kGeneral && p.cap)) return __fmul_rn(p.softcap, tanhf(__fmul_rn(z, p.s_over_c)));
+  return __fmul_rn(z, p.scale);
+}
+
+// A thread's (or a tree node's) partial statistics of a row: maximum m, Σ exp(a − m), the first
+// index of the maximum (−1: none above −inf yet), and for label smoothing u = Σ ω (m − a) and
+// w = Σ ω over its finite elements, ninf = Σ ω·∞ over its −inf elements.
+struct Acc {
+  float m, s;
+  double u, w;
+  float ninf;
+  int am;
+};
+__device__ __forceinline__ Acc acc_identity() { return Acc{neg_inf(), 0.f, 0.0, 0.0, 0.f, -1}; }
+
+// u relative to m moved to relative to mn ≥ m: + w·(mn − m) (nothing while m = −inf: then no
+// finite element has been seen, w = 0).
+__device__ __forceinline__ double rebase(double u, double w, float m, float mn) {
+  return (m != mn && m > neg_inf()) ? __dadd_rn(u, __dmul_rn(w, __dsub_rn(double(mn), double(m)))) : u;
+}
+
+// Folds y into x (x holds the lower element indices when it comes first in the tree: the
+// argmax takes the smaller index among equal maxima either way).
+template <bool SMOOTH> __device__ __forceinline__ void merge(Acc& x, const Acc& y) {
+  const float mn = fmaxf(x.m, y.m);
+  const float s1 = x.m == mn ? x.s : __fmul_rn(x.s, ex2(__fmul_rn(__fsub_rn(x.m, mn), kLog2e)));
+  const float s2 = y.m == mn ? y.s : __fmul_rn(y.s, ex2(__fmul_rn(__fsub_rn(y.m, mn), kLog2e)));
+  const int ax = (x.am >= 0 && x.m == mn) ? x.am : INT_MAX;
+  const int ay = (y.am >= 0 && y.m == mn) ? y.am : INT_MAX;
+  const int am = ax < ay ? ax : ay;
+  if (SMOOTH) {
+    x.u = __dadd_rn(rebase(x.u, x.w, x.m, mn), rebase(y.u, y.w, y.m, mn));
+    x.w = __dadd_rn(x.w, y.w);
+    x.ninf = __fadd_rn(x.ninf, y.ninf);
+  }
+  x.m = mn;
+  x.s = __fadd_rn(s1, s2);
+  x.am = am == INT_MAX ? -1 : am;
+}
+
+__device__ __forceinline__ Acc shfl_down_acc(const Acc& x, int o) {
+  Acc y;
+  y.m = __shfl_down_sync(0xffffffffu, x.m, o);
+  y.s = __shfl_down_sync(0xffffffffu, x.s, o);
+  y.u = __shfl_down_sync(0xffffffffu, x.u, o);
+  y.w = __shfl_down_sync(0xffffffffu, x.w, o);
+  y.ninf = __shfl_down_sync(0xffffffffu, x.ninf, o);
+  y.am = __shfl_down_sync(0xffffffffu, x.am, o);
+  return y;
+}
+
+// Fixed-order CTA tree; thread 0 returns the CTA's total.
+template <bool SMOOTH> __device__ __forceinline__ Acc block_reduce(Acc x, Acc* s_warp) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const Acc y = shfl_down_acc(x, o);
+    if (lane < o) merge<SMOOTH>(x, y);
+  }
+  if (lane == 0) s_warp[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    x = lane < nwarps ? s_warp[lane] : acc_identity();
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const Acc y = shfl_down_acc(x, o);
+      if (lane < o) merge<SMOOTH>(x, y);
+    }
+  }
+  return x;
+}
+
+// One vector of the row into a thread's partial (elements outside the row are −inf for the
+// maximum and Σexp, and skipped by the smoothing sums).
+template <class TZ, int MODE>
+__device__ __forceinline__ void stats_vector(const uint4& raw, int64_t j0, bool full,
+                                             const SParams& p, Acc& acc) {
+  constexpr int E = vec_elems<TZ>();
+  constexpr bool kSmoothMode = MODE == kGeneral;
+  float a[E];
+  unpack<TZ>(raw, a);
+#pragma unroll
+  for (int q = 0; q < E; ++q) a[q] = xform<MODE>(a[q], p);
+  if (!full) {
+#pragma unroll
+    for (int q = 0; q < E; ++q)
+      if (j0 + q < 0 || j0 + q >= p.vocab) a[q] = neg_inf();
+  }
+  float vm = a[0];
+#pragma unroll
+  for (int q = 1; q < E; ++q) vm = fmaxf(vm, a[q]);  // NaN-free (fmaxf drops NaN)
+  if (vm > acc.m) {  // a new running maximum: its first index (indices only grow per thread)
+    int q0 = E - 1;
+#pragma unroll
+    for (int q = E - 1; q >= 0; --q) q0 = a[q] == vm ? q : q0;
+    acc.am = static_cast<int>(j0) + q0;
+  }
+  const float mn = fmaxf(acc.m, vm);
+  if (kSmoothMode && p.smooth) acc.u = rebase(acc.u, acc.w, acc.m, mn);
+  acc.s = acc.m == mn ? acc.s : __fmul_rn(acc.s, ex2(__fmul_rn(__fsub_rn(acc.m, mn), kLog2e)));
+  acc.m = mn;
+  if (mn != pos_inf()) {
+    const float ms = mn == neg_inf() ? 0.f : mn;  // all −inf so far: every term is exp(−inf) = 0
+#pragma unroll
+    for (int q = 0; q < E; ++q) acc.s = __fadd_rn(acc.s, ex2(__fmul_rn(__fsub_rn(a[q], ms), kLog2e)));
+  } else {
+    // a +inf maximum: each +inf counts exp(0) = 1, finite and −inf entries 0, a NaN NaN (as the
+    // CPU reference and ce_row.h); rare rows only
+#pragma unroll
+    for (int q = 0; q < E; ++q)
+      acc.s = __fadd_rn(acc.s, a[q] == mn ? 1.f : ex2(__fmul_rn(__fsub_rn(a[q], mn), kLog2e)));
+  }
+  if (kSmoothMode && p.smooth) {
+    // Σ ω (mn − a) over the vector's finite elements (each term ≥ 0), Σ ω of them, and ω·∞ for
+    // its −inf elements; +inf and NaN elements make u NaN or 0 at the end (rule 16)
+    float vs = 0.f, vw = 0.f, vinf = 0.f;
+#pragma unroll
+    for (int q = 0; q < E; ++q) {
+      const int64_t j = j0 + q;
+      if (full || (j >= 0 && j < p.vocab)) {
+        const float wq = p.class_weights ? __ldg(p.class_weights + p.vocab_start + j) : 1.f;
+        if (fabsf(a[q]) < pos_inf()) {
+          vs = __fmaf_rn(wq, __fsub_rn(mn, a[q]), vs);
+          vw = __fadd_rn(vw, wq);
+        } else if (a[q] == neg_inf()) {
+          vinf = __fadd_rn(vinf, __fmul_rn(wq, pos_inf()));
+        }
+      }
+    }
+    acc.u = __dadd_rn(acc.u, static_cast<double>(vs));
+    acc.w = __dadd_rn(acc.w, static_cast<double>(vw));
+    acc.ninf = __fadd_rn(acc.ninf, vinf);
+  }
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace fce

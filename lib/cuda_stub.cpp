@@ -1,0 +1,36 @@
+// cuda_stub.cpp — the CUDA backend's entry points in a build without CUDA (FCE_WITH_CUDA=OFF):
+// the ABI layer reports FCE_ERROR_BACKEND_UNAVAILABLE before reaching them. Not globbed with
+// the other lib/*.cpp: CMakeLists.txt adds it when CUDA is off (lib/cuda/ otherwise).
+#include "internal.h"
+
+namespace fce {
+namespace {
+fce_status unavailable(const char* fn) {
+  return fail(FCE_ERROR_BACKEND_UNAVAILABLE, "%s: this build has no CUDA backend", fn);
+}
+}  // namespace
+
+bool cuda_available() { return false; }
+fce_status cuda_check_pointers(const char* fn, const Arg*, int) { return unavailable(fn); }
+size_t cuda_ce_workspace_size(const CeOptions&, int64_t, int64_t, bool) { return 0; }
+fce_status cuda_ce(const CeProblem& p) { return unavailable(p.fn); }
+void cuda_linear_ce_workspace_size(const CeOptions&, int64_t, int64_t, int64_t, bool, bool,
+                                   size_t* min_bytes, size_t* optimal_bytes) {
+  *min_bytes = *optimal_bytes = 0;
+}
+fce_status cuda_linear_ce(const LinearCeProblem& p) { return unavailable(p.fn); }
+fce_status cuda_scale_gradient(int, int64_t, void*, const float*, void*) {
+  return unavailable("fce_scale_gradient");
+}
+fce_status cuda_vp_stats(const VpStatsProblem& p) { return unavailable(p.fn); }
+size_t cuda_vp_workspace_size(const CeOptions&, int64_t, int64_t, int64_t, int64_t, bool) {
+  return 0;
+}
+fce_status cuda_vp(const VpProblem& p) { return unavailable(p.fn); }
+void cuda_vp_linear_workspace_size(const CeOptions&, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                   bool, int, bool, size_t* min_bytes, size_t* optimal_bytes) {
+  if (min_bytes) *min_bytes = 0;
+  if (optimal_bytes) *optimal_bytes = 0;
+}
+fce_status cuda_vp_linear(const VpLinearProblem& p) { return unavailable(p.fn); }
+}  // namespace fce

@@ -1,0 +1,296 @@
+// validate.cpp — the ABI layer's argument checks (validate.h).
+#include "validate.h"
+
+#include <cmath>
+#include <cstring>
+
+namespace fce {
+namespace abi {
+
+namespace {
+
+// struct_size must be the size of some version's struct.
+fce_status read_options(const char* fn, const fce_options* o, fce_options* local) {
+  static_assert(sizeof(fce_options) == FCE_OPTIONS_SIZE_V0_3, "fce_options changed size");
+  if (!o) return fail(FCE_ERROR_NULL_POINTER, "%s: options is NULL", fn);
+  const size_t size = o->struct_size;
+  if (size < FCE_OPTIONS_SIZE_V0_1)
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "%s: options->struct_size (%zu) is smaller than the smallest fce_options (%d): "
+                "initialise it with FCE_OPTIONS_INIT or fce_options_default()",
+                fn, size, FCE_OPTIONS_SIZE_V0_1);
+  if (size > sizeof(fce_options))
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "%s: options->struct_size (%zu) is larger than this library's fce_options "
+                "(%zu): the caller's header is newer than the library (version %u)",
+                fn, size, sizeof(fce_options), (unsigned)FCE_VERSION_NUMBER);
+  if (size != FCE_OPTIONS_SIZE_V0_1 && size != FCE_OPTIONS_SIZE_V0_3)
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "%s: options->struct_size (%zu) is the size of no version's fce_options "
+                "(%d for 0.1 and 0.2, %d for 0.3)",
+                fn, size, FCE_OPTIONS_SIZE_V0_1, FCE_OPTIONS_SIZE_V0_3);
+  const fce_options defaults = FCE_OPTIONS_INIT;
+  *local = defaults;
+  std::memcpy(local, o, size);
+  return FCE_SUCCESS;
+}
+
+bool overlaps(const Arg& a, const Arg& b) {
+  if (!a.ptr || !b.ptr || a.bytes == 0 || b.bytes == 0) return false;
+  const uintptr_t a0 = reinterpret_cast<uintptr_t>(a.ptr), b0 = reinterpret_cast<uintptr_t>(b.ptr);
+  return a0 < b0 + b.bytes && b0 < a0 + a.bytes;
+}
+
+// The position of the entry called name, -1 if there is none.
+int position(ArgTable args, const char* name) {
+  for (int i = 0; i < args.count; ++i)
+    if (std::strcmp(args.arg[i].name, name) == 0) return i;
+  return -1;
+}
+
+}  // namespace
+
+fce_status begin_call(const char* fn, const fce_options* options, fce_options* local) {
+  clear_error();
+  return read_options(fn, options, local);
+}
+
+fce_status check_options(const char* fn, const fce_options* o, int64_t rows, int64_t vocab,
+                         CeOptions* out) {
+  if (o->reserved0 != 0)
+    return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: options->reserved0 (%d) must be 0", fn,
+                o->reserved0);
+  if (o->reserved1 != 0)
+    return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: options->reserved1 (%d) must be 0", fn,
+                o->reserved1);
+  if (o->backend != FCE_BACKEND_CUDA && o->backend != FCE_BACKEND_CPU)
+    return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: options->backend (%d) is not an fce_backend", fn,
+                o->backend);
+  if (o->dtype != FCE_FLOAT32 && o->dtype != FCE_FLOAT16 && o->dtype != FCE_BFLOAT16)
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "%s: options->dtype (%d) must be FCE_FLOAT32, FCE_FLOAT16 or FCE_BFLOAT16", fn,
+                o->dtype);
+  if (o->target_dtype != FCE_INT32 && o->target_dtype != FCE_INT64)
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "%s: options->target_dtype (%d) must be FCE_INT32 or FCE_INT64", fn,
+                o->target_dtype);
+  if (o->reduction != FCE_REDUCTION_MEAN && o->reduction != FCE_REDUCTION_SUM &&
+      o->reduction != FCE_REDUCTION_NONE)
+    return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: options->reduction (%d) is not an fce_reduction",
+                fn, o->reduction);
+  if (!(o->label_smoothing >= 0.0f && o->label_smoothing < 1.0f))
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "%s: options->label_smoothing (%g) must be in [0, 1)", fn,
+                (double)o->label_smoothing);
+  if (!(o->z_loss_scale >= 0.0f) || !std::isfinite(o->z_loss_scale))
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "%s: options->z_loss_scale (%g) must be finite and >= 0", fn,
+                (double)o->z_loss_scale);
+  if (!(o->softcap >= 0.0f) || !std::isfinite(o->softcap))
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "%s: options->softcap (%g) must be finite and >= 0 (0 = off)", fn,
+                (double)o->softcap);
+  if (!std::isfinite(o->logit_scale) || o->logit_scale == 0.0f)
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "%s: options->logit_scale (%g) must be finite and non-zero", fn,
+                (double)o->logit_scale);
+  if (rows < 1)
+    return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: rows (%lld) must be >= 1", fn, (long long)rows);
+  if (vocab < 1 || vocab > kMaxVocab)
+    return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: vocab (%lld) must be in [1, 2^31-1]", fn,
+                (long long)vocab);
+  if (o->shift_seq_len < 0)
+    return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: options->shift_seq_len (%lld) must be >= 0", fn,
+                (long long)o->shift_seq_len);
+  if (o->shift_seq_len > 0 && rows % o->shift_seq_len != 0)
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "%s: rows (%lld) is not a multiple of options->shift_seq_len (%lld)", fn,
+                (long long)rows, (long long)o->shift_seq_len);
+  if (o->shift < 0)
+    return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: options->shift (%lld) must be >= 0", fn,
+                (long long)o->shift);
+  if (o->shift != 0 && o->shift_seq_len == 0)
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "%s: options->shift (%lld) needs options->shift_seq_len > 0 (it is 0: no shift)",
+                fn, (long long)o->shift);
+  // Here, not in the argument tables' check: the workspace queries take class weights too.
+  FCE_TRY(check_alignment(fn, "options->class_weights", o->class_weights, 4));
+  if (o->backend == FCE_BACKEND_CUDA && !cuda_available())
+    return fail(FCE_ERROR_BACKEND_UNAVAILABLE,
+                "%s: options->backend is FCE_BACKEND_CUDA but %s", fn,
+#if defined(FCE_WITH_CUDA)
+                "no CUDA device is visible"
+#else
+                "this build has no CUDA backend"
+#endif
+    );
+  out->dtype = o->dtype;
+  out->targets_int64 = o->target_dtype == FCE_INT64;
+  out->reduction = o->reduction;
+  out->ignore_index = o->ignore_index;
+  out->label_smoothing = o->label_smoothing;
+  out->z_loss_scale = o->z_loss_scale;
+  out->softcap = o->softcap;
+  out->logit_scale = o->logit_scale;
+  out->class_weights = o->class_weights;
+  out->shift_seq_len = o->shift_seq_len;
+  // docs/semantics.md rule 1: k = options->shift, 0 meaning 1, with a shift; 0 without.
+  out->shift = o->shift_seq_len > 0 ? (o->shift > 0 ? o->shift : 1) : 0;
+  out->token_scaling = o->token_scaling != 0;
+  return FCE_SUCCESS;
+}
+
+fce_status check_stride(const char* fn, const char* name, int64_t stride, int64_t cols,
+                        int64_t* resolved, const char* cols_name) {
+  if (stride == 0) stride = cols;
+  if (!cols_name) cols_name = std::strstr(name, "hidden") ? "hidden" : "vocab";
+  if (stride < cols)
+    return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: %s (%lld) is less than %s (%lld)", fn, name,
+                (long long)stride, cols_name, (long long)cols);
+  *resolved = stride;
+  return FCE_SUCCESS;
+}
+
+int64_t span_bytes(int64_t rows, int64_t cols, int64_t stride, size_t elem) {
+  if (rows <= 0 || cols <= 0) return 0;
+  const int64_t max_elems = kMaxBytes / static_cast<int64_t>(elem);
+  if (stride > 0 && rows - 1 > (max_elems - cols) / stride) return -1;
+  return ((rows - 1) * stride + cols) * static_cast<int64_t>(elem);
+}
+
+fce_status check_hidden(const char* fn, int64_t hidden) {
+  if (hidden < 1 || hidden > kMaxVocab)
+    return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: hidden (%lld) must be in [1, 2^31-1]", fn,
+                (long long)hidden);
+  return FCE_SUCCESS;
+}
+
+// ---- vocabulary-parallel ----
+
+fce_status check_vp_vocab(const char* fn, int64_t vocab_total, int64_t vocab_start,
+                          int64_t vocab_local, bool has_start) {
+  if (vocab_total < 1 || vocab_total > kMaxVocab)
+    return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: vocab_total (%lld) must be in [1, 2^31-1]", fn,
+                (long long)vocab_total);
+  if (vocab_local < 1)
+    return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: vocab_local (%lld) must be >= 1", fn,
+                (long long)vocab_local);
+  if (!has_start) {
+    if (vocab_local > vocab_total)
+      return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: vocab_local (%lld) exceeds vocab_total (%lld)",
+                  fn, (long long)vocab_local, (long long)vocab_total);
+    return FCE_SUCCESS;
+  }
+  if (vocab_start < 0)
+    return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: vocab_start (%lld) must be >= 0", fn,
+                (long long)vocab_start);
+  if (vocab_start > vocab_total - vocab_local)
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "%s: vocab_start (%lld) + vocab_local (%lld) exceeds vocab_total (%lld)", fn,
+                (long long)vocab_start, (long long)vocab_local, (long long)vocab_total);
+  return FCE_SUCCESS;
+}
+
+fce_status check_vp_rows(const char* fn, int64_t rows, const int64_t* ranks_arg) {
+  if (rows > kMaxBytes / kStatsBytes)
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "%s: rows (%lld) x FCE_VP_STATS overflows a 64-bit byte offset", fn,
+                (long long)rows);
+  if (!ranks_arg) return FCE_SUCCESS;
+  const int64_t ranks = *ranks_arg;
+  if (ranks < 1)
+    return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: ranks (%lld) must be >= 1", fn,
+                (long long)ranks);
+  if (ranks > kMaxBytes / kStatsBytes / rows)
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "%s: ranks (%lld) x rows (%lld) x FCE_VP_STATS overflows a 64-bit byte offset", fn,
+                (long long)ranks, (long long)rows);
+  return FCE_SUCCESS;
+}
+
+fce_status check_grad_hidden_dtype(const char* fn, int32_t grad_hidden_dtype, int32_t dtype) {
+  if (grad_hidden_dtype != FCE_FLOAT32 && grad_hidden_dtype != dtype)
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "%s: grad_hidden_dtype (%d) must be FCE_FLOAT32 or options->dtype (%d)", fn,
+                grad_hidden_dtype, dtype);
+  return FCE_SUCCESS;
+}
+
+// ---- pointers and argument tables ----
+
+fce_status check_alignment(const char* fn, const char* name, const void* p, size_t align) {
+  if (p && reinterpret_cast<uintptr_t>(p) % align != 0)
+    return fail(FCE_ERROR_MISALIGNED, "%s: %s (%p) is not aligned to %zu bytes", fn, name, p,
+                align);
+  return FCE_SUCCESS;
+}
+
+fce_status check_required(const char* fn, std::initializer_list<Required> pointers) {
+  for (const Required& r : pointers)
+    if (!r.ptr) return fail(FCE_ERROR_NULL_POINTER, "%s: %s is NULL", fn, r.name);
+  return FCE_SUCCESS;
+}
+
+fce_status check_args(const char* fn, ArgTable args, const InPlace* in_place) {
+  const Arg* r = args.arg;
+  for (int i = 0; i < args.count; ++i)
+    FCE_TRY(check_alignment(fn, r[i].name, r[i].ptr, r[i].align));
+  // a, b: the positions of logits and grad_logits when the call writes one over the other
+  int a = in_place ? position(args, "logits") : -1;
+  int b = in_place ? position(args, "grad_logits") : -1;
+  if (a < 0 || b < 0 || !r[a].ptr || r[a].ptr != r[b].ptr) a = b = -1;
+  if (a >= 0 && in_place->grad_row_stride != in_place->row_stride)
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "%s: grad_logits is logits (in place) but options->grad_row_stride (%lld) != "
+                "options->row_stride (%lld)",
+                fn, (long long)in_place->grad_row_stride, (long long)in_place->row_stride);
+  for (int i = 0; i < args.count; ++i) {
+    for (int j = i + 1; j < args.count; ++j) {
+      if (!(r[i].output || r[j].output)) continue;
+      if (!overlaps(r[i], r[j])) continue;
+      if ((i == a && j == b) || (i == b && j == a)) continue;
+      const bool with_in_place = a >= 0 && (i == a || i == b || j == a || j == b);
+      return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: %s overlaps %s%s", fn, r[i].name, r[j].name,
+                  with_in_place ? " (grad_logits is logits, in place: no other buffer may overlap "
+                                  "them)"
+                                : "");
+    }
+  }
+  return FCE_SUCCESS;
+}
+
+fce_status check_workspace(const char* fn, size_t need, const void* workspace, size_t bytes) {
+  if (bytes < need)
+    return fail(FCE_ERROR_WORKSPACE_TOO_SMALL,
+                "%s: workspace_bytes (%zu) is less than the %zu bytes the workspace query "
+                "returned",
+                fn, bytes, need);
+  if (need > 0 && !workspace)
+    return fail(FCE_ERROR_NULL_POINTER, "%s: workspace is NULL but %zu bytes are needed", fn,
+                need);
+  return check_alignment(fn, "workspace", workspace, 16);
+}
+
+Entries::Entries(const fce_options& options, int64_t rows_)
+    : o(options),
+      rows(rows_),
+      esize(dtype_size(options.dtype)),
+      tsize(dtype_size(options.target_dtype)),
+      per_row(options.reduction == FCE_REDUCTION_NONE) {}
+
+// ---- workspace queries ----
+
+fce_status check_size_output(const char* fn, const size_t* bytes) {
+  if (!bytes) return fail(FCE_ERROR_NULL_POINTER, "%s: workspace_bytes is NULL", fn);
+  return check_alignment(fn, "workspace_bytes", bytes, alignof(size_t));
+}
+
+fce_status check_size_outputs(const char* fn, const size_t* min_bytes,
+                              const size_t* optimal_bytes) {
+  if (!min_bytes) return fail(FCE_ERROR_NULL_POINTER, "%s: min_bytes is NULL", fn);
+  FCE_TRY(check_alignment(fn, "min_bytes", min_bytes, alignof(size_t)));
+  return check_alignment(fn, "optimal_bytes", optimal_bytes, alignof(size_t));
+}
+
+}  // namespace abi
+}  // namespace fce

@@ -1,0 +1,215 @@
+// validate.h — the argument checks of the ABI layer (lib/api*.cpp), shared by every entry point:
+// the options, sizes and strides, and each call's argument table (lib/internal.h's Arg: every
+// buffer of the call listed once), which drives the alignment check, the overlap check and, for
+// the CUDA backend, the device-pointer check made once before dispatching. Every check names
+// the public function (fn) and the argument; nothing here writes to a caller's buffer.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+#include <limits>
+
+#include "internal.h"
+
+namespace fce {
+
+void clear_error();  // lib/status.cpp: fce_last_error() is "" until the next fail()
+
+namespace abi {
+
+constexpr int64_t kMaxVocab = std::numeric_limits<int32_t>::max();
+constexpr int64_t kMaxBytes = std::numeric_limits<int64_t>::max() / 2;
+constexpr int64_t kStatsBytes = FCE_VP_STATS * 4;  // one row of a shard's statistics
+
+// ---- options and sizes ----
+
+// Starts a call: clears the last error and copies the caller's options into *local (the
+// defaults, overwritten by the struct_size bytes the caller's struct has: a 0.1/0.2 caller gets
+// the defaults of the fields appended in 0.3; nothing past the caller's struct is read).
+fce_status begin_call(const char* fn, const fce_options* options, fce_options* local);
+
+// The options (a local copy from begin_call) and the sizes every call shares; fills *out.
+fce_status check_options(const char* fn, const fce_options* o, int64_t rows, int64_t vocab,
+                         CeOptions* out);
+
+// A stride option (0 = cols) into *resolved; it must be >= cols. cols_name: what the row's
+// columns are called in the message (default: "hidden" for the hidden states' stride, else
+// "vocab").
+fce_status check_stride(const char* fn, const char* name, int64_t stride, int64_t cols,
+                        int64_t* resolved, const char* cols_name = nullptr);
+
+// Bytes spanned by `rows` rows of `cols` elements, `stride` apart; -1 if it overflows.
+int64_t span_bytes(int64_t rows, int64_t cols, int64_t stride, size_t elem);
+
+fce_status check_hidden(const char* fn, int64_t hidden);
+
+// ---- vocabulary-parallel sizes (fce_vp_*) ----
+
+// vocab_total in [1, 2^31-1], 1 <= vocab_local, and, with a vocab_start (has_start),
+// 0 <= vocab_start and vocab_start + vocab_local <= vocab_total; else vocab_local <= vocab_total.
+fce_status check_vp_vocab(const char* fn, int64_t vocab_total, int64_t vocab_start,
+                          int64_t vocab_local, bool has_start);
+inline fce_status check_vocab_total(const char* fn, int64_t vocab_total) {
+  return check_vp_vocab(fn, vocab_total, 0, 1, false);
+}
+// rows (checked >= 1 by check_options) of stats fit a 64-bit byte offset, and, when the call
+// has a ranks argument (ranks not NULL), ranks >= 1 of them do (gathered_stats [ranks, rows,
+// FCE_VP_STATS]).
+fce_status check_vp_rows(const char* fn, int64_t rows, const int64_t* ranks);
+// grad_hidden_dtype of fce_vp_linear_backward: FCE_FLOAT32 or options->dtype.
+fce_status check_grad_hidden_dtype(const char* fn, int32_t grad_hidden_dtype, int32_t dtype);
+
+// ---- pointers ----
+
+fce_status check_alignment(const char* fn, const char* name, const void* p, size_t align);
+
+// The pointers a call requires, in the order given: the first NULL one is FCE_ERROR_NULL_POINTER
+// ("fn: name is NULL").
+struct Required {
+  const char* name;
+  const void* ptr;
+};
+fce_status check_required(const char* fn, std::initializer_list<Required> pointers);
+
+// A call's argument table: every buffer of the call once, in the order its overlap messages name
+// them ("fn: <earlier> overlaps <later>"), absent optional ones with a null ptr.
+struct ArgTable {
+  const Arg* arg;
+  int count;
+  template <size_t N>
+  ArgTable(const Arg (&table)[N]) : arg(table), count(static_cast<int>(N)) {}  // NOLINT
+};
+
+// grad_logits written over logits (in place), where the header allows it (fce_forward,
+// fce_backward, fce_vp_backward): the strides of the two.
+struct InPlace {
+  int64_t row_stride, grad_row_stride;
+};
+
+// The checks an argument table drives, in this order: every present entry aligned to its align
+// (FCE_ERROR_MISALIGNED: the first one in the table that is not); with in_place, an entry
+// "grad_logits" that is the entry "logits" needs grad_row_stride == row_stride; every output
+// disjoint from every other entry (FCE_ERROR_INVALID_ARGUMENT naming the first pair in table
+// order), except grad_logits and logits when they are the same buffer, in place. The exception
+// is by entry, not by address: another output that starts at the logits' address (loss, lse,
+// ... while grad_logits == logits) is an overlap like any other.
+fce_status check_args(const char* fn, ArgTable args, const InPlace* in_place = nullptr);
+
+// workspace_bytes >= need (what the backend's query returns for the call), the workspace not
+// NULL when need > 0, and aligned to 16 bytes, in that order (after the overlaps).
+fce_status check_workspace(const char* fn, size_t need, const void* workspace, size_t bytes);
+
+// The CUDA backend's check of the table, made once per call before dispatching to it: every
+// present entry must be memory the current device can dereference (the CPU backend has none).
+inline fce_status check_device_pointers(const char* fn, ArgTable args) {
+  return cuda_check_pointers(fn, args.arg, args.count);
+}
+
+// The problem, every argument checked, to cpu(p) or, after check_device_pointers, cuda(p).
+template <class Problem>
+fce_status dispatch(const fce_options& o, ArgTable args, const Problem& p,
+                    fce_status (*cpu)(const Problem&), fce_status (*cuda)(const Problem&)) {
+  if (o.backend == FCE_BACKEND_CPU) return cpu(p);
+  FCE_TRY(check_device_pointers(p.fn, args));
+  return cuda(p);
+}
+
+// ---- the fields several problem structs (lib/internal.h) share, filled the same way ----
+
+// hidden_states, weight, bias, targets (LinearCeProblem, VpLinearProblem).
+template <class Problem>
+void set_linear_inputs(Problem* p, const void* hidden_states, const void* weight,
+                       const void* bias, const void* targets) {
+  p->hidden_states = hidden_states;
+  p->weight = weight;
+  p->bias = bias;
+  p->targets = targets;
+}
+// The loss outputs, options->argmax and ->accuracy included (CeProblem of fce_forward,
+// LinearCeProblem, VpProblem of fce_vp_loss).
+template <class Problem>
+void set_loss_outputs(Problem* p, const fce_options& o, float* loss, float* lse, float* z_loss) {
+  p->loss = loss;
+  p->lse = lse;
+  p->z_loss = z_loss;
+  p->argmax = o.argmax;
+  p->accuracy = o.accuracy;
+}
+// The gradients of the linear layer, with options->grad_weight_fp32 and ->accumulate
+// (LinearCeProblem, VpLinearProblem of fce_vp_linear_backward).
+template <class Problem>
+void set_linear_grads(Problem* p, const fce_options& o, void* grad_hidden, void* grad_weight,
+                      void* grad_bias) {
+  p->grad_hidden = grad_hidden;
+  p->grad_weight = grad_weight;
+  p->grad_bias = grad_bias;
+  p->grad_weight_fp32 = o.grad_weight_fp32 != 0;
+  p->accumulate = o.accumulate != 0;
+}
+// The workspace and the stream (every problem struct but VpStatsProblem).
+template <class Problem>
+void set_workspace(Problem* p, void* workspace, size_t workspace_bytes, void* stream) {
+  p->workspace = workspace;
+  p->workspace_bytes = workspace_bytes;
+  p->stream = stream;
+}
+
+// ---- the entries most tables share, sized from the options and the rows of the call ----
+struct Entries {
+  const fce_options& o;
+  int64_t rows;
+  size_t esize;  // options->dtype
+  size_t tsize;  // options->target_dtype
+  bool per_row;  // FCE_REDUCTION_NONE: loss, grad_output and accuracy have one value per row
+
+  Entries(const fce_options& options, int64_t rows_);
+  uint64_t row_floats() const { return static_cast<uint64_t>(rows) * 4; }
+  uint64_t reduced_floats() const { return per_row ? row_floats() : 4; }
+
+  Arg targets(const void* p) const {
+    return {"targets", p, static_cast<uint64_t>(rows) * tsize, tsize, false};
+  }
+  Arg class_weights(int64_t vocab) const {
+    return {"options->class_weights", o.class_weights, static_cast<uint64_t>(vocab) * 4, 4, false};
+  }
+  Arg grad_output(const float* p) const { return {"grad_output", p, reduced_floats(), 4, false}; }
+  Arg loss(const float* p) const { return {"loss", p, reduced_floats(), 4, true}; }
+  Arg lse(const float* p, bool output) const { return {"lse", p, row_floats(), 4, output}; }
+  // options->argmax and ->accuracy of a call that writes them (present false: absent, as for the
+  // backward calls, which accept the forward's options and never write them)
+  Arg argmax(bool present = true) const {
+    return {"options->argmax", present ? o.argmax : nullptr, static_cast<uint64_t>(rows) * 8, 8,
+            true};
+  }
+  Arg accuracy(bool present = true) const {
+    return {"options->accuracy", present ? o.accuracy : nullptr, reduced_floats(), 4, true};
+  }
+  Arg gathered_stats(const float* p, int64_t ranks) const {
+    return {"gathered_stats", p,
+            static_cast<uint64_t>(ranks) * static_cast<uint64_t>(rows) * kStatsBytes, 16, false};
+  }
+  Arg stats(const float* p) const {
+    return {"stats", p, static_cast<uint64_t>(rows) * kStatsBytes, 16, true};
+  }
+};
+
+// One float32 written (z_loss) or one uint32 ORed into (error_flags).
+inline Arg scalar_output(const char* name, const void* p) { return {name, p, 4, 4, true}; }
+// The workspace's 16-byte alignment is checked with its size (check_workspace, after the
+// overlaps), not by check_alignment: align 1 here.
+inline Arg workspace_arg(const void* p, size_t bytes) { return {"workspace", p, bytes, 1, true}; }
+
+// ---- workspace queries ----
+
+// A query's size_t outputs: *bytes (required) / *min_bytes (required) and *optimal_bytes.
+fce_status check_size_output(const char* fn, const size_t* bytes);
+fce_status check_size_outputs(const char* fn, const size_t* min_bytes,
+                              const size_t* optimal_bytes);
+inline void write_sizes(size_t* min_bytes, size_t* optimal_bytes, size_t lo, size_t hi) {
+  *min_bytes = lo;
+  if (optimal_bytes) *optimal_bytes = hi;
+}
+
+}  // namespace abi
+}  // namespace fce
