@@ -26,8 +26,6 @@ namespace {
 
 constexpr float kLog2e = 1.4426950408889634f;
 
-enum RowKind : int { kIgnored = 0, kValid = 1, kInvalid = 2 };
-
 // The feature set a kernel is compiled for. kPlain: no softcap and no label smoothing (class
 // weights, z-loss and scale are per-row scalars, always allowed). kCap: softcap. kGeneral:
 // softcap and label smoothing decided at run time (smoothing needs Σω·a and ω_j per element).
@@ -271,20 +269,7 @@ struct RowInfo {
   float omega;  // Ω (label smoothing)
 };
 
-__device__ __forceinline__ int classify_row(const KParams& p, int64_t row, int64_t* y_out) {
-  int64_t ti = row;
-  *y_out = 0;
-  if (p.shift_T > 0) {
-    if (row % p.shift_T >= p.shift_T - p.shift_k) return kIgnored;  // never read past the sequence
-    ti = row + p.shift_k;
-  }
-  const int64_t y = p.targets_int64 ? static_cast<const int64_t*>(p.targets)[ti]
-                                    : static_cast<int64_t>(static_cast<const int32_t*>(p.targets)[ti]);
-  *y_out = y;
-  if (y == p.ignore_index) return kIgnored;
-  if (y < 0 || y >= p.vocab_total) return kInvalid;
-  return kValid;
-}
+// (classify_row, rules 1-3: ce_memory.cuh)
 
 template <class TZ, int MODE>
 __device__ RowInfo load_row_info(const KParams& p, int64_t row, const char* zrow, bool need_ay) {

@@ -163,6 +163,28 @@ __device__ __forceinline__ bool grad_vec_ok(const char* grow, int lead) {
                                 Ty<TG>::kBytes);
 }
 
+// ---------------------------------------------------------- the row's target ----
+enum RowKind : int { kIgnored = 0, kValid = 1, kInvalid = 2 };
+
+// docs/semantics.md rules 1-3: the class row `row` is scored against (*y_out), or why it is not.
+// P: any kernel parameter block with shift_T, shift_k, targets, targets_int64, ignore_index and
+// vocab_total (the CE kernels' KParams, the vocabulary-parallel kernels' SParams and CParams).
+template <class P>
+__device__ __forceinline__ int classify_row(const P& p, int64_t row, int64_t* y_out) {
+  int64_t ti = row;
+  *y_out = 0;
+  if (p.shift_T > 0) {
+    if (row % p.shift_T >= p.shift_T - p.shift_k) return kIgnored;  // never read past the sequence
+    ti = row + p.shift_k;
+  }
+  const int64_t y = p.targets_int64 ? static_cast<const int64_t*>(p.targets)[ti]
+                                    : static_cast<int64_t>(static_cast<const int32_t*>(p.targets)[ti]);
+  *y_out = y;
+  if (y == p.ignore_index) return kIgnored;
+  if (y < 0 || y >= p.vocab_total) return kInvalid;
+  return kValid;
+}
+
 }  // namespace
 }  // namespace cuda
 }  // namespace fce

@@ -1,5 +1,5 @@
 // vp_device.cuh — the device helpers of the vocabulary-parallel kernels (vp_kernels.cu): the
-// dtype traits and 16-byte row reads (the same vector split as ce_memory.cuh's), the row
+// dtype traits and 16-byte row reads of ce_memory.cuh, the row
 // classification and the logit transform of docs/semantics.md rules 1-3 and docs/semantics.md steps 1-2 (as
 // ce_device.cuh's), and phase 1's per-thread statistics of a row (Acc: maximum, Σexp, the
 // argmax, the label-smoothing sums relative to the running maximum) with their fixed-order
@@ -17,6 +17,7 @@
 #include <climits>
 #include <cstdint>
 
+#include "cuda/ce_memory.cuh"
 #include "internal.h"
 
 namespace fce {
@@ -28,79 +29,13 @@ constexpr int kStatsThreads = 512;     // most threads of a phase-1 CTA (one row
 constexpr int kStatsUnroll = 4;        // vectors in flight per thread (plain / softcap)
 constexpr int kCombineThreads = 256;
 constexpr int kWeightThreads = 1024;
-constexpr int64_t kMaxRowsPerLaunch = int64_t(1) << 30;  // grid.x
 constexpr float kLog2e = 1.4426950408889634f;
 
-enum RowKind : int { kIgnored = 0, kValid = 1, kInvalid = 2 };
 // kPlain: no softcap, no label smoothing; kCap: softcap; kGeneral: both decided at run time.
 enum Mode : int { kPlain = 0, kCap = 1, kGeneral = 2 };
 
-// ------------------------------------------------------------------ dtype traits ----
-template <class T> struct Ty;
-template <> struct Ty<float> { static constexpr int kBytes = 4; };
-template <> struct Ty<__half> { static constexpr int kBytes = 2; };
-template <> struct Ty<__nv_bfloat16> { static constexpr int kBytes = 2; };
-template <class TZ> constexpr int vec_elems() { return 16 / Ty<TZ>::kBytes; }
-
-template <class T> __device__ __forceinline__ float raw_to_float(uint32_t raw);
-template <> __device__ __forceinline__ float raw_to_float<float>(uint32_t raw) {
-  return __uint_as_float(raw);
-}
-template <> __device__ __forceinline__ float raw_to_float<__nv_bfloat16>(uint32_t raw) {
-  return __uint_as_float(raw << 16);
-}
-template <> __device__ __forceinline__ float raw_to_float<__half>(uint32_t raw) {
-  __half_raw h;
-  h.x = static_cast<unsigned short>(raw);
-  return __half2float(__half(h));
-}
-
-template <class TZ>
-__device__ __forceinline__ void unpack(const uint4& v, float (&f)[vec_elems<TZ>()]) {
-  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-  if constexpr (Ty<TZ>::kBytes == 4) {
-#pragma unroll
-    for (int q = 0; q < 4; ++q) f[q] = __uint_as_float(w[q]);
-  } else {
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      f[2 * q] = raw_to_float<TZ>(w[q] & 0xffffu);
-      f[2 * q + 1] = raw_to_float<TZ>(w[q] >> 16);
-    }
-  }
-}
-
-template <class TZ> __device__ __forceinline__ uint32_t ld_elem(const char* p) {
-  if constexpr (Ty<TZ>::kBytes == 4) return __ldcg(reinterpret_cast<const unsigned int*>(p));
-  else return __ldcg(reinterpret_cast<const unsigned short*>(p));
-}
-
-// Vector [j0, j0 + E) of a row: one 16-byte load when it lies inside the row (`full`), else its
-// in-row elements one by one (the others 0). STREAM: evict-first (the row is read once).
-template <class TZ, bool STREAM>
-__device__ __forceinline__ uint4 load_vector(const char* zrow, int64_t j0, bool full, int V) {
-  constexpr int E = vec_elems<TZ>();
-  constexpr int eb = Ty<TZ>::kBytes;
-  if (full) {
-    const uint4* p = reinterpret_cast<const uint4*>(zrow + j0 * eb);
-    return STREAM ? __ldcs(p) : __ldcg(p);
-  }
-  uint32_t w[4] = {0u, 0u, 0u, 0u};
-#pragma unroll
-  for (int q = 0; q < E; ++q) {
-    const int64_t j = j0 + q;
-    if (j >= 0 && j < V) {
-      const uint32_t raw = ld_elem<TZ>(zrow + j * eb);
-      if constexpr (eb == 4) w[q] = raw;
-      else w[q >> 1] |= raw << (16 * (q & 1));
-    }
-  }
-  return make_uint4(w[0], w[1], w[2], w[3]);
-}
-
-template <int E> __device__ __forceinline__ bool is_full(int64_t j0, int V) {
-  return j0 >= 0 && j0 <= int64_t(V) - E;
-}
+// The dtype traits and the 16-byte row reads (Ty, vec_elems, raw_to_float, unpack, ld_elem,
+// load_vector, is_full) are ce_memory.cuh's / ce_geometry.cuh's, the CE kernels' own.
 
 __device__ __forceinline__ float ex2(float x) {  // 2^x (results below 2^-126 flush to 0)
   float y;
@@ -131,22 +66,7 @@ struct SParams {
   float scale, softcap, s_over_c;
 };
 
-// Row classification, docs/semantics.md rules 1-3 (the same as ce_device.cuh's classify_row).
-template <class P>
-__device__ __forceinline__ int classify_row(const P& p, int64_t row, int64_t* y_out) {
-  int64_t ti = row;
-  *y_out = 0;
-  if (p.shift_T > 0) {
-    if (row % p.shift_T >= p.shift_T - p.shift_k) return kIgnored;
-    ti = row + p.shift_k;
-  }
-  const int64_t y = p.targets_int64 ? static_cast<const int64_t*>(p.targets)[ti]
-                                    : static_cast<int64_t>(static_cast<const int32_t*>(p.targets)[ti]);
-  *y_out = y;
-  if (y == p.ignore_index) return kIgnored;
-  if (y < 0 || y >= p.vocab_total) return kInvalid;
-  return kValid;
-}
+// (classify_row, rules 1-3, and RowKind: ce_memory.cuh, shared with the CE kernels)
 
 // a = s·z, or a = c·tanh(s·z/c) (docs/semantics.md steps 1-2), as ce_device.cuh's xform.
 template <int MODE> __device__ __forceinline__ float xform(float z, const SParams& p) {

@@ -82,13 +82,13 @@ __global__ void __launch_bounds__(kStatsThreads, 2) vp_stats_kernel(const SParam
       const int64_t v = base + int64_t(u) * nt;
       const int64_t j0 = v * E - lead;
       buf[u] = make_uint4(0u, 0u, 0u, 0u);
-      if (v < nvec) buf[u] = load_vector<TZ, true>(zrow, j0, is_full<E>(j0, V), V);
+      if (v < nvec) buf[u] = load_vector<TZ, kStreaming, int64_t>(zrow, j0, is_full<int64_t, E>(j0, V), V);
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int64_t v = base + int64_t(u) * nt;
       const int64_t j0 = v * E - lead;
-      if (v < nvec) stats_vector<TZ, MODE>(buf[u], j0, is_full<E>(j0, V), p, acc);
+      if (v < nvec) stats_vector<TZ, MODE>(buf[u], j0, is_full<int64_t, E>(j0, V), p, acc);
     }
   }
   const Acc blk = block_reduce<SMOOTH>(acc, s_warp);
@@ -101,9 +101,9 @@ __global__ void __launch_bounds__(kStatsThreads, 2) vp_stats_kernel(const SParam
   if (isnan(fin.s)) {
     for (int64_t v = tid; v < nvec; v += nt) {
       const int64_t j0 = v * E - lead;
-      const bool full = is_full<E>(j0, V);
+      const bool full = is_full<int64_t, E>(j0, V);
       float a[E];
-      unpack<TZ>(load_vector<TZ, false>(zrow, j0, full, V), a);
+      unpack<TZ>(load_vector<TZ, kKeepInL2, int64_t>(zrow, j0, full, V), a);
 #pragma unroll
       for (int q = 0; q < E; ++q) {
         const int64_t j = j0 + q;
