@@ -286,8 +286,8 @@ class _VocabParallelCE(torch.autograd.Function):
         ctx.save_for_backward(logits, targets, cw, gathered)
         ctx.layout, ctx.opts, ctx.inplace = layout, opts, inplace
         ctx.set_materialize_grads(False)
-        _to._non_differentiable(ctx, lse, zl, acc, am)
-        return loss, lse, zl, acc, am
+        _to._non_differentiable(ctx, lse, zl, acc, am, gathered)
+        return loss, lse, zl, acc, am, gathered
 
     @staticmethod
     def backward(ctx, grad_loss, *_unused):
@@ -349,15 +349,17 @@ def _targets(target: Tensor, n: int, what: str, device) -> Tensor:
     return tgt
 
 
-def _shard_target_logit(values_of_local, y: Tensor, vs: int, vl: int, group, size: int):
-    """The target logit a_y of each row, held by one shard: summed over the group (one
-    all-reduce; only for per-row z-loss with token scaling)."""
-    local = y - vs
-    inside = (local >= 0) & (local < vl)
-    a = values_of_local(local.clamp(0, vl - 1)).float()
-    a = torch.where(inside, a, torch.zeros_like(a))
-    _all_reduce_sum(a, group, size)
-    return a
+def _z_rows_from_stats(lse: Tensor, tgt: Tensor, vt: int, opts: tuple, gathered: Tensor,
+                       size: int):
+    """Per-row z-loss for reduction 'none' (_torch_args._z_loss_rows), with token scaling's p_y
+    from the target logit the gathered statistics already hold: each rank's t_r (docs/semantics.md
+    rule 16; scaled and capped; 0 where the shard does not hold the target) summed over the ranks
+    — exact, one term is not 0 — so no logit is recomputed and no collective is made."""
+    n = lse.shape[0]
+    a_y = gathered.view(size, n, VP_STATS)[:, :, 2].sum(0)
+    # a_y is already a = c·tanh(s·z/c): the transform of _z_loss_rows must be the identity
+    plain = opts[:4] + (0.0, 1.0) + opts[6:]
+    return _ta._z_loss_rows(lse, tgt, vt, plain, lambda y: a_y)
 
 
 @_eager_only
@@ -421,21 +423,15 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: Tensor, target: Tensor,
     want_lse = bool(mask & 8) or (bool(mask & 1) and red == _lib.FCE_REDUCTION_NONE)
     layout = (group, size, vs, vt)
     if torch.is_grad_enabled() and logits.requires_grad:
-        loss, lse, zl, acc, am = _VocabParallelCE.apply(
+        loss, lse, zl, acc, am, gathered = _VocabParallelCE.apply(
             logits, tgt, cw, layout, opts, extras, bool(check_targets), want_lse,
             bool(inplace_backward))
     else:
-        (loss, lse, zl, acc, am), _ = _ce_forward(logits, tgt, cw, layout, opts, extras,
-                                                  bool(check_targets), want_lse,
-                                                  _tc._stream(logits))
-
-    def target_logit(y):
-        return _shard_target_logit(
-            lambda j: logits.detach().gather(1, j.unsqueeze(1)).squeeze(1), y, vs, vl, group,
-            size)
-
+        (loss, lse, zl, acc, am), gathered = _ce_forward(logits, tgt, cw, layout, opts, extras,
+                                                         bool(check_targets), want_lse,
+                                                         _tc._stream(logits))
     return _ta._finish(mask, red, tuple(target.shape), loss, lse, zl, acc, am,
-                       lambda: _ta._z_loss_rows(lse, tgt, vt, opts, target_logit))
+                       lambda: _z_rows_from_stats(lse, tgt, vt, opts, gathered, size))
 
 
 # ===================================================== fused linear + CE, sharded ====
@@ -488,8 +484,8 @@ class _VocabParallelLinearCE(torch.autograd.Function):
         ctx.layout, ctx.opts, ctx.cdt, ctx.budget = layout, opts, cdt, budget
         ctx.reduce_grad_hidden = reduce_grad_hidden
         ctx.set_materialize_grads(False)
-        _to._non_differentiable(ctx, lse, zl, acc, am)
-        return loss, lse, zl, acc, am
+        _to._non_differentiable(ctx, lse, zl, acc, am, gathered)
+        return loss, lse, zl, acc, am, gathered
 
     @staticmethod
     def backward(ctx, grad_loss, *_unused):
@@ -628,22 +624,12 @@ def vocab_parallel_linear_cross_entropy(hidden: Tensor, weight_shard: Tensor, ta
         h2.requires_grad or weight_shard.requires_grad
         or (bias is not None and bias.requires_grad))
     if grad_on:
-        loss, lse, zl, acc, am = _VocabParallelLinearCE.apply(
+        loss, lse, zl, acc, am, gathered = _VocabParallelLinearCE.apply(
             h2, weight_shard, bias, tgt, cw, layout, opts, cdt, budget, extras,
             bool(check_targets), want_lse, bool(reduce_grad_hidden))
     else:
-        (loss, lse, zl, acc, am), _ = _linear_forward(
+        (loss, lse, zl, acc, am), gathered = _linear_forward(
             h2, weight_shard, bias, tgt, cw, layout, opts, cdt, budget, extras,
             bool(check_targets), want_lse, _tc._stream(h2))
-
-    def target_logit(y):
-        def local_logit(j):
-            hh = h2.detach().to(cdt).float()
-            a = (hh * weight_shard.detach().to(cdt)[j].float()).sum(-1)
-            if bias is not None:
-                a = a + bias.detach().to(cdt)[j].float()
-            return a
-        return _shard_target_logit(local_logit, y, vs, vl, group, size)
-
     return _ta._finish(mask, red, tuple(target.shape), loss, lse, zl, acc, am,
-                       lambda: _ta._z_loss_rows(lse, tgt, vt, opts, target_logit))
+                       lambda: _z_rows_from_stats(lse, tgt, vt, opts, gathered, size))

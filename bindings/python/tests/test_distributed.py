@@ -542,12 +542,21 @@ def _cases_misc(group, grank, gsize):
         assert torch.equal(vpce(local, y, 0.0, group), a)
     finally:
         td._GATHER_FALLBACK.discard(backend)
-    # per-row z-loss with token scaling: the target logit comes from its shard (an all-reduce)
+    # per-row z-loss with token scaling: the target logit comes from the gathered statistics
     kw = dict(reduction="none", z_loss=1e-2, use_token_scaling=True, return_z_loss=True)
     out = vpce(local, y, 0.0, group, **kw)
     ref = cross_entropy(z, y, **kw)
     _assert_close(out.z_loss, ref.z_loss, torch.float32, "z_loss rows, token scaling")
     _assert_close(out.loss, ref.loss, torch.float32, "loss, token scaling")
+    # the same for the linear form (its target logits: those the library made, gathered)
+    from fusedce.torch import linear_cross_entropy
+    h = torch.randn(6, 16, generator=gen).to(DEV)
+    w = (torch.randn(vocab, 16, generator=gen) / 4).to(DEV)
+    out = distributed.vocab_parallel_linear_cross_entropy(
+        h, w[grank * 8:(grank + 1) * 8], y, group=group, **kw)
+    ref = linear_cross_entropy(h, w, y, **kw)
+    _assert_close(out.z_loss, ref.z_loss, torch.float32, "linear z_loss rows, token scaling")
+    _assert_close(out.loss, ref.loss, torch.float32, "linear loss, token scaling")
     # no grad: the loss only
     with torch.no_grad():
         c = vpce(local.clone().requires_grad_(), y, group=group)
