@@ -13,8 +13,8 @@ from typing import Optional
 
 import numpy as np
 
-from ._args import _check_same_device, _vector, _writable
-from ._arrays import _NP_BF16, _Arr, _describe, _need_dtype
+from ._args import _check_same_device, _matrix, _vector, _writable
+from ._arrays import _NP_BF16, _Arr, _describe, _float_code, _need_dtype
 from ._lib import FCE_REDUCTION_NONE
 
 # ------------------------------------------------------------------ memory budget ----
@@ -244,3 +244,37 @@ def _argmax_accuracy(argmax, return_argmax, accuracy, return_accuracy, alloc: _A
 def _ptr(a: Optional[_Arr]):
     return a.ptr if a is not None else 0
 
+
+
+def _linear_grads(alloc, h, W, b, grads, grad_hidden, grad_weight, grad_bias, *, rows, dim,
+                  vocab, gh_dtype, gh_like, gh_what, grad_weight_fp32, wdtype, accumulate,
+                  vocab_name):
+    """The gradient outputs of a fused linear + CE call (fce_linear_ce, fce_vp_linear_backward):
+    the caller's, checked, or allocated for the names in `grads` ("hidden", "weight", "bias").
+    grad_hidden [rows, dim] of gh_dtype; grad_weight [vocab, dim] and grad_bias [vocab] of wdtype
+    (zeroed when accumulating); a new grad_hidden is made like gh_like (or None). Returns the three arrays as given or made, and their _Arr
+    descriptions (None where absent)."""
+    gh_a = gw_a = gb_a = None
+    if grad_hidden is None and "hidden" in grads:
+        grad_hidden = alloc.empty((rows, dim), gh_dtype, "grad_hidden", like=gh_like)
+    if grad_hidden is not None:
+        gh_a = _out(grad_hidden, "grad_hidden", h)
+        _float_code(gh_a, gh_dtype, gh_what)
+        _matrix(gh_a, rows, dim, dense=True, what="[rows, hidden]")
+    if grad_weight is None and "weight" in grads:
+        grad_weight = alloc.empty((vocab, dim), wdtype, "grad_weight", zero=accumulate,
+                                  like=None if grad_weight_fp32 else W)
+    if grad_weight is not None:
+        gw_a = _out(grad_weight, "grad_weight", h)
+        _float_code(gw_a, wdtype, "float32 (grad_weight_fp32)" if grad_weight_fp32
+                    else "the weight's dtype")
+        _matrix(gw_a, vocab, dim, dense=True, what=f"[{vocab_name}, hidden]")
+    if grad_bias is None and "bias" in grads:
+        grad_bias = alloc.empty((vocab,), wdtype, "grad_bias", zero=accumulate,
+                                like=None if grad_weight_fp32 else b)
+    if grad_bias is not None:  # (without a bias: the library refuses it)
+        gb_a = _out(grad_bias, "grad_bias", h)
+        _float_code(gb_a, wdtype, "float32 (grad_weight_fp32)" if grad_weight_fp32
+                    else "the bias' dtype")
+        _vector(gb_a, vocab, f"[{vocab_name}]")
+    return (grad_hidden, grad_weight, grad_bias), (gh_a, gw_a, gb_a)

@@ -53,7 +53,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import _lib
-from ._alloc import (_Alloc, _argmax_accuracy, _class_weights, _error_flags,  # noqa: F401
+from ._alloc import (_Alloc, _argmax_accuracy, _class_weights, _error_flags, _linear_grads,  # noqa: F401
                      _grad_output, _out, _ptr, _user_workspace, _workspace)
 from ._args import (REDUCTIONS, _backend_code, _build_options, _check_backend_kw,  # noqa: F401
                     _check_same_device, _check_stride_kw, _float_option, _grad_set,
@@ -460,29 +460,11 @@ def linear_ce(hidden, weight, targets, bias=None, *, reduction="mean", ignore_in
         argmax, am_a, accuracy, acc_a = _argmax_accuracy(argmax, return_argmax, accuracy,
                                                          return_accuracy, alloc, h, rows, red)
 
-        gh_a = gw_a = gb_a = None
-        if grad_hidden is None and "hidden" in grads:
-            grad_hidden = alloc.empty((rows, dim), dname, "grad_hidden", like=h)
-        if grad_hidden is not None:
-            gh_a = _out(grad_hidden, "grad_hidden", h)
-            _float_code(gh_a, dname, "the hidden states' dtype")
-            _matrix(gh_a, rows, dim, dense=True, what="[rows, hidden]")
-        if grad_weight is None and "weight" in grads:
-            grad_weight = alloc.empty((vocab, dim), gdtype, "grad_weight", zero=accumulate,
-                                      like=None if grad_weight_fp32 else W)
-        if grad_weight is not None:
-            gw_a = _out(grad_weight, "grad_weight", h)
-            _float_code(gw_a, gdtype, "float32 (grad_weight_fp32)" if grad_weight_fp32
-                        else "the weight's dtype")
-            _matrix(gw_a, vocab, dim, dense=True, what="[vocab, hidden]")
-        if grad_bias is None and "bias" in grads:
-            grad_bias = alloc.empty((vocab,), gdtype, "grad_bias", zero=accumulate,
-                                    like=None if grad_weight_fp32 else b)
-        if grad_bias is not None:  # (without a bias: the library refuses it)
-            gb_a = _out(grad_bias, "grad_bias", h)
-            _float_code(gb_a, gdtype, "float32 (grad_weight_fp32)" if grad_weight_fp32
-                        else "the bias' dtype")
-            _vector(gb_a, vocab, "[vocab]")
+        (grad_hidden, grad_weight, grad_bias), (gh_a, gw_a, gb_a) = _linear_grads(
+            alloc, h, W, b, grads, grad_hidden, grad_weight, grad_bias, rows=rows, dim=dim,
+            vocab=vocab, gh_dtype=dname, gh_like=h, gh_what="the hidden states' dtype",
+            grad_weight_fp32=grad_weight_fp32, wdtype=gdtype, accumulate=accumulate,
+            vocab_name="vocab")
         with_grad = any(a is not None for a in (gh_a, gw_a, gb_a))
         go_ptr, go_keep = (_grad_output(grad_output, alloc, h, rows, red == FCE_REDUCTION_NONE)
                            if with_grad else (0, None))

@@ -37,8 +37,8 @@ import numpy as np
 
 from . import _lib
 from ._lib import FCE_REDUCTION_NONE, FCE_VP_STATS
-from ._alloc import (_Alloc, _argmax_accuracy, _class_weights, _error_flags, _grad_output, _out,
-                     _ptr, _user_workspace, _workspace)
+from ._alloc import (_Alloc, _argmax_accuracy, _class_weights, _error_flags, _grad_output,
+                     _linear_grads, _out, _ptr, _user_workspace, _workspace)
 from ._args import (_backend_code, _build_options, _check_backend_kw, _check_same_device,
                     _check_stride_kw, _grad_set, _int_option, _matrix, _reduction_code,
                     _targets_code, _vector, _writable)
@@ -433,30 +433,11 @@ def vp_linear_backward(hidden, weight, targets, gathered_stats, bias=None, grad_
     call_stream = _call_stream(s_explicit, [h, W, y, g, b, w]) if h.is_cuda else 0
     alloc = _Alloc(h, call_stream)
     with _device_of(h):
-        gh_a = gw_a = gb_a = None
-        if grad_hidden is None and "hidden" in grads:
-            grad_hidden = alloc.empty((rows, dim), gh_name, "grad_hidden",
-                                      like=h if gh_name == dname else None)
-        if grad_hidden is not None:
-            gh_a = _out(grad_hidden, "grad_hidden", h)
-            _float_code(gh_a, gh_name, "grad_hidden_dtype")
-            _matrix(gh_a, rows, dim, dense=True, what="[rows, hidden]")
-        if grad_weight is None and "weight" in grads:
-            grad_weight = alloc.empty((vl, dim), gdtype, "grad_weight", zero=accumulate,
-                                      like=None if grad_weight_fp32 else W)
-        if grad_weight is not None:
-            gw_a = _out(grad_weight, "grad_weight", h)
-            _float_code(gw_a, gdtype, "float32 (grad_weight_fp32)" if grad_weight_fp32
-                        else "the weight's dtype")
-            _matrix(gw_a, vl, dim, dense=True, what="[vocab_local, hidden]")
-        if grad_bias is None and "bias" in grads:
-            grad_bias = alloc.empty((vl,), gdtype, "grad_bias", zero=accumulate,
-                                    like=None if grad_weight_fp32 else b)
-        if grad_bias is not None:  # (without a bias: the library refuses it)
-            gb_a = _out(grad_bias, "grad_bias", h)
-            _float_code(gb_a, gdtype, "float32 (grad_weight_fp32)" if grad_weight_fp32
-                        else "the bias' dtype")
-            _vector(gb_a, vl, "[vocab_local]")
+        (grad_hidden, grad_weight, grad_bias), (gh_a, gw_a, gb_a) = _linear_grads(
+            alloc, h, W, b, grads, grad_hidden, grad_weight, grad_bias, rows=rows, dim=dim,
+            vocab=vl, gh_dtype=gh_name, gh_like=h if gh_name == dname else None,
+            gh_what="grad_hidden_dtype", grad_weight_fp32=grad_weight_fp32, wdtype=gdtype,
+            accumulate=accumulate, vocab_name="vocab_local")
         go_ptr, go_keep = _grad_output(grad_output, alloc, h, rows, red == FCE_REDUCTION_NONE)
         flags_ptr = 0
         if error_flags is not None and error_flags is not False:
