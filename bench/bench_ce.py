@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from common import (DTYPES, _lib, bench_ms, copy_tbps, device_name, options, peak_extra_mib,
                     RESULTS, print_table, ptr, stream, write_results)
 
+MATRIX_V = (32000, 50257, 128256, 151936, 256000)
+MATRIX_N = (1024, 4096, 16384)
 SHAPES = [(16384, 128256, "bf16"), (8192, 256000, "bf16"), (32768, 32000, "bf16"),
           (8192, 151936, "bf16"), (4096, 50257, "bf16"), (8192, 128256, "f32")]
 
@@ -54,8 +56,16 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--shapes", default=None, help="e.g. 16384x128256xbf16,4096x50257xbf16")
     ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--matrix", action="store_true",
+                    help="fusedce alone over the speed-of-light grid (issue 8): V in "
+                         "{32000, 50257, 128256, 151936, 256000} x N in {1024, 4096, 16384} x "
+                         "{bf16, f16}, and float32 at N 4096; writes ce-matrix-<device>.json")
     args = ap.parse_args()
     shapes = SHAPES
+    if args.matrix:
+        args.no_peers = True
+        shapes = [(n, v, dt) for dt in ("bf16", "f16") for v in MATRIX_V for n in MATRIX_N]
+        shapes += [(4096, v, "f32") for v in MATRIX_V]
     if args.shapes:
         shapes = [(int(a), int(b), c) for a, b, c in (s.split("x") for s in args.shapes.split(","))]
     try:
@@ -114,7 +124,7 @@ def main():
         print_table([r for r in records if r["N"] == N and r["V"] == V and r["dtype"] == dt],
                     ["op", "impl", "dtype", "N", "V", "ms", "tbps", "pct_of_copy", "extra_mib"])
         print()
-    name = write_results(records, "ce", [RESULTS, args.out])
+    name = write_results(records, "ce-matrix" if args.matrix else "ce", [RESULTS, args.out])
     print(f"wrote bench/results/{name}")
 
 

@@ -1,7 +1,8 @@
-"""Times fusedce's CE kernels under each path / cluster-size override (FCE_CUDA_CE_PATH,
-FCE_CUDA_CE_CLUSTER are read once per process, so each setting runs in a child process).
-    python3 tune_ce.py                 # the table
-    python3 tune_ce.py --child SHAPES  # one setting (internal)
+"""Times fusedce's CE kernels under each path / cluster-size / prefetch override
+(FCE_CUDA_CE_PATH, FCE_CUDA_CE_CLUSTER, FCE_CUDA_CE_PREFETCH, FCE_CUDA_CE_PERSIST are read once
+per process, so each setting runs in a child process).
+    python3 tune_ce.py [--settings default,pf1,...] [--shapes ...]   # the table
+    python3 tune_ce.py --child SHAPES                                # one setting (internal)
 """
 import argparse
 import json
@@ -10,16 +11,26 @@ import subprocess
 import sys
 
 SHAPES = "16384x128256xbf16,8192x256000xbf16,32768x32000xbf16,8192x151936xbf16,4096x50257xbf16,8192x128256xf32"
-SETTINGS = [("default", {}), ("twopass", {"FCE_CUDA_CE_PATH": "twopass"}),
-            ("k>=2", {"FCE_CUDA_CE_CLUSTER": "2"}), ("k>=4", {"FCE_CUDA_CE_CLUSTER": "4"}),
-            ("k=8", {"FCE_CUDA_CE_CLUSTER": "8"})]
+ALL_SETTINGS = {"default": {}, "twopass": {"FCE_CUDA_CE_PATH": "twopass"},
+                "k>=2": {"FCE_CUDA_CE_CLUSTER": "2"}, "k>=4": {"FCE_CUDA_CE_CLUSTER": "4"},
+                "k=8": {"FCE_CUDA_CE_CLUSTER": "8"},
+                "pf0": {"FCE_CUDA_CE_PREFETCH": "0"}, "pf0.25": {"FCE_CUDA_CE_PREFETCH": "0.25"},
+                "pf0.5": {"FCE_CUDA_CE_PREFETCH": "0.5"}, "pf0.75": {"FCE_CUDA_CE_PREFETCH": "0.75"},
+                "pf1": {"FCE_CUDA_CE_PREFETCH": "1"}, "pf2": {"FCE_CUDA_CE_PREFETCH": "2"},
+                "xmbar0": {"FCE_CUDA_CE_XMBAR": "0"}, "pdl0": {"FCE_CUDA_CE_PDL": "0"},
+                "persist": {"FCE_CUDA_CE_PERSIST": "1", "FCE_CUDA_CE_PREFETCH": "0"},
+                "persist+pf": {"FCE_CUDA_CE_PERSIST": "1", "FCE_CUDA_CE_PREFETCH": "1"}}
+SETTINGS = "default,twopass,k>=2,k>=4,k=8"
+# FUSEDCE_LIBRARY_B=path: also time that library (setting "libB", defaults otherwise) for an A/B
+# of two builds in one run
 
 
 def child(shapes):
     import torch
     from bench_ce import fusedce_fns
     from common import DTYPES, bench_ms
-    out = {}
+    from common import copy_tbps
+    out = {"copy_tbps": copy_tbps(4 << 30)}
     for s in shapes.split(","):
         N, V, dt = s.split("x")
         N, V = int(N), int(V)
@@ -42,22 +53,36 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--child", default=None)
     ap.add_argument("--shapes", default=SHAPES)
+    ap.add_argument("--settings", default=SETTINGS, help="comma list of " + ",".join(ALL_SETTINGS))
     args = ap.parse_args()
     if args.child:
         return child(args.child)
     rows = {}
-    for name, env in SETTINGS:
+    names = args.settings.split(",")
+    if os.environ.get("FUSEDCE_LIBRARY_B"):
+        ALL_SETTINGS["libB"] = {"FUSEDCE_LIBRARY": os.environ["FUSEDCE_LIBRARY_B"]}
+        names.append("libB")
+    for name in names:
+        env = ALL_SETTINGS[name]
         r = subprocess.run([sys.executable, __file__, "--child", args.shapes], capture_output=True,
                            text=True, env={**os.environ, **env})
         if r.returncode != 0:
             print(name, "failed:", r.stderr[-2000:])
             continue
         rows[name] = json.loads(r.stdout.strip().splitlines()[-1])
-    print("fwd ms / fwd+grad ms per setting; * = gradient bits differ from the default's")
-    print("shape".ljust(20) + "".join(n.ljust(18) for n in rows))
+    print("fwd ms / fwd+grad ms (fwd+grad % of copy) per setting; * = gradient bits differ from the default's")
+    print("shape".ljust(20) + "".join(n.ljust(26) for n in rows))
     for s in args.shapes.split(","):
         ref = rows["default"][s][2] if "default" in rows else None
-        print(s.ljust(20) + "".join((f"{rows[n][s][0]:.3f}/{rows[n][s][1]:.3f}" + ("*" if ref is not None and rows[n][s][2] != ref else "")).ljust(18) for n in rows))
+        N, V, dt = s.split("x")
+        nbytes = 2 * int(N) * int(V) * (4 if dt == "f32" else 2)
+
+        def cell(n):
+            fw, fg, bits = rows[n][s]
+            pct = 100 * nbytes / (rows[n]["copy_tbps"] * 1e12) / (fg * 1e-3)
+            return (f"{fw:.3f}/{fg:.3f} ({pct:.1f})" + ("*" if ref is not None and bits != ref else "")).ljust(26)
+        print(s.ljust(20) + "".join(cell(n) for n in rows))
+    print(json.dumps(rows))
 
 
 if __name__ == "__main__":

@@ -110,8 +110,9 @@ fce_status cuda_ce(const CeProblem& p) {
   cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
 
   // ---- 1. denominators (all rows, before any row needs k = g / D)
-  if (fce_status st =
-          cuda::launch_ce_denominators(fn, opt, p.rows, p.vocab, p.targets, denoms, stream))
+  // (fce_backward_rescale: nothing when the upstream gradient reads 1, as the rows then do)
+  if (fce_status st = cuda::launch_ce_denominators(fn, opt, p.rows, p.vocab, p.targets, denoms,
+                                                   stream, rescale ? p.grad_output : nullptr))
     return st;
 
   // ---- 2. the rows
@@ -139,6 +140,7 @@ fce_status cuda_ce(const CeProblem& p) {
   a.row_correct = row_correct;
   a.error_flags = p.error_flags;
   a.rescale = rescale;
+  a.after_denominators = true;
   if (fce_status st = cuda::launch_ce_rows(a, stream)) return st;
 
   // ---- 3. the reduced loss, z-loss and accuracy (forward); for none the rows are the outputs
@@ -146,7 +148,8 @@ fce_status cuda_ce(const CeProblem& p) {
     float* loss_out = none ? nullptr : p.loss;
     float* acc_out = none ? nullptr : p.accuracy;
     if (fce_status st = cuda::launch_ce_finalize(fn, opt, p.rows, row_loss, row_zloss, row_correct,
-                                                 denoms, loss_out, p.z_loss, acc_out, stream))
+                                                 denoms, loss_out, p.z_loss, acc_out, stream,
+                                                 /*pdl=*/true))
       return st;
   }
   return FCE_SUCCESS;

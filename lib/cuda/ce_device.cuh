@@ -59,6 +59,11 @@ struct KParams {
   int64_t col_begin;    // global class of the buffers' first column (backward slices; else 0)
   int rescale;          // backward: fce_backward_rescale (see ce_rows.cuh)
   int cluster_log2;     // log2 of the CTAs per row (register path; k = 1, 2, 4, 8)
+  int64_t rows_in_launch;  // register path: the rows of this launch
+  int64_t prefetch_rows;   // register path: > 0 = prefetch the slice of the row this far ahead
+  int pdl;                 // launched as a programmatic dependent of the denominators kernel
+  int xmbar_ok;            // register path: clusters exchange through st.async + mbarrier
+                           // (the cluster-barrier exchange otherwise; FCE_CUDA_CE_XMBAR=0)
   int targets_int64;
   int reduction;
   int smooth;           // label smoothing ε > 0
@@ -79,6 +84,25 @@ template <int MODE> __device__ __forceinline__ bool use_cap(const KParams& p) {
 }
 template <int MODE> __device__ __forceinline__ bool use_smooth(const KParams& p) {
   return MODE == kGeneral && p.smooth;
+}
+
+// ------------------------------------------------- programmatic dependent launch ----
+// fce_forward / fce_backward launch the row kernels and the finalize as programmatic
+// dependents (sm_90, KParams::pdl / launch_ce_finalize): a dependent grid may start before the
+// grid ahead of it ends, as soon as every CTA of that grid has started (pdl_trigger). It must
+// wait (pdl_wait) before it reads what that grid wrote: the row kernels before the denominators
+// (load_row_info, thread 0), the finalize before the row values. Everything else they read
+// (logits, targets, weights, the upstream gradient) comes from before the denominators kernel,
+// which starts only when the caller's earlier work is complete. No-ops before sm_90.
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
 }
 
 // ------------------------------------------------------------------- the math ----
@@ -134,17 +158,16 @@ template <bool SW> __device__ __forceinline__ void warp_reduce(Partial& x) {
   }
 }
 
-// CTA-wide reduce; every lane of warp 0 returns the CTA's partial (other warps: don't care).
-template <bool SW> __device__ __forceinline__ Partial block_reduce(Partial x, Partial* s_warp) {
+// CTA-wide reduce that every warp finishes itself (the same tree, so the same bits in every
+// lane of every warp): no second barrier to broadcast the result.
+template <bool SW> __device__ __forceinline__ Partial block_reduce_all(Partial x, Partial* s_warp) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   warp_reduce<SW>(x);
   if (lane == 0) s_warp[warp] = x;
   __syncthreads();
   Partial r = partial_identity();
-  if (warp == 0) {
-    if (lane < nwarps) r = s_warp[lane];
-    warp_reduce<SW>(r);
-  }
+  if (lane < nwarps) r = s_warp[lane];
+  warp_reduce<SW>(r);
   return r;
 }
 
@@ -273,6 +296,7 @@ struct RowInfo {
 
 template <class TZ, int MODE>
 __device__ RowInfo load_row_info(const KParams& p, int64_t row, const char* zrow, bool need_ay) {
+  if (p.pdl) pdl_wait();  // p.denoms is the denominators kernel's (see pdl_trigger)
   RowInfo r;
   r.kind = classify_row(p, row, &r.y);
   r.wy = 0.f;
@@ -314,9 +338,14 @@ struct RowVals {
 __device__ __forceinline__ float row_lse(const Partial& f) {
   return f.m == -neg_inf() ? f.m : __fadd_rn(f.m, logf(f.s));
 }
-// p_j = exp((a_j − m) − ls): m and ls apart (rule 9), never through the rounded lse.
+// p_j = exp((a_j − m) − ls): m and ls apart (rule 9), never through the rounded lse. As
+// 2^((a − m)·log2e − ls·log2e) with one fused multiply-add: (a − m) is exact or rounded once,
+// ls·log2e (|ls| ≤ log V) is rounded once per row, so the exponent's error stays within a few
+// 1e-7 of its size, as with ((a − m) − ls)·log2e, for one instruction less per element (the
+// row's ls·log2e is hoisted out of the loops). vp_kernels.cu's token-scaling factor uses the
+// same expression.
 __device__ __forceinline__ float prob(float a, float m, float ls) {
-  return ex2(__fmul_rn(__fsub_rn(__fsub_rn(a, m), ls), kLog2e));
+  return ex2(__fmaf_rn(__fsub_rn(a, m), kLog2e, -__fmul_rn(ls, kLog2e)));
 }
 __device__ __forceinline__ RowVals make_row_vals(const KParams& p, const RowInfo& ri, float m,
                                                  float ls, float lse) {
@@ -373,8 +402,10 @@ __device__ void write_row_outputs(const KParams& p, int64_t row, const RowInfo& 
 //   ∂z_j = ks · (A·p_j − B·ω_j − [j = y]·Y) (· (1 − t_j²) with softcap), where
 //   Y = (1−ε)ω_y,  As = (ε/V)Ω,  Az = 2λ·lse·ρ,  A = Y + As + Az,  B = ε/V,  ks = k·t·s,
 // ρ = k_z / k (D / n for mean, 1 otherwise) puts the z-loss term's own upstream scale inside.
-// The upstream scale multiplies last, so that a gradient written for g = 1 and scaled by a power
-// of two equals the one written for that g bit for bit, signed zeros included (rule 14). When
+// The upstream scale multiplies last (without label smoothing the non-target elements are
+// p_j·(A·ks): A·ks then scales exactly with ks), so that a gradient written for g = 1 and scaled
+// by a power of two equals the one written for that g bit for bit, signed zeros included
+// (rule 14). When
 // D = 0 < n (mean, every target weighted 0: k = 0, k_z ≠ 0) only the z-loss term is left:
 // A = Az = 2λ·lse, ks = k_z·t·s.
 // The target element is computed as Y*(p_y - 1) + (p_y*As - B*w_y) + p_y*Az: when p_y is near
@@ -382,6 +413,7 @@ __device__ void write_row_outputs(const KParams& p, int64_t row, const RowInfo& 
 // there (Sterbenz), and As - B*w_y cancels exactly where it should (V = 1, or w_y = Omega).
 struct RowGrad {
   float m, ls, A, As, Az, B, Y, ks;
+  float Aks;  // A·ks: without label smoothing (B = 0) an element is p_j·(A·ks)
 };
 template <int MODE>
 __device__ __forceinline__ RowGrad make_row_grad(const KParams& p, const RowInfo& ri, const RowVals& v) {
@@ -403,24 +435,73 @@ __device__ __forceinline__ RowGrad make_row_grad(const KParams& p, const RowInfo
     g.ks = __fmul_rn(__fmul_rn(ri.kz, v.t), p.scale);
   }
   g.A = __fadd_rn(__fadd_rn(g.Y, g.As), g.Az);
+  g.Aks = __fmul_rn(g.A, g.ks);
   return g;
 }
 
-// The gradient of one vector of a valid row: THE one place a gradient element is computed
-// (forward, two-pass and backward all call it, in every mode); rule 12 rests on it.
+// The target's column within a row's buffer, once per row: y − col_begin when inside
+// [0, vocab), else −2·E, which no vector's [j0, j0 + E) can contain (j0 ≥ −(E − 1)).
+template <class I, int E>
+__device__ __forceinline__ I local_target(const KParams& p, int64_t y) {
+  const int64_t yl = y - p.col_begin;
+  return (yl >= 0 && yl < p.vocab) ? static_cast<I>(yl) : static_cast<I>(-2 * E);
+}
+
+// THE one place a gradient element of a valid row is computed (docs/semantics.md rule 9): the
+// forward, two-pass and backward kernels, in every mode and on every path, call these two, so
+// that they write the same bits (rules 12, 14). pr = p_j, b = B·ω_j, t = tanh of softcap.
+template <int MODE>
+__device__ __forceinline__ float grad_elem(const KParams& p, const RowGrad& rg, float pr, float b,
+                                           float t) {
+  float gq = MODE == kGeneral ? __fmul_rn(__fmaf_rn(pr, rg.A, -b), rg.ks)
+                              : __fmul_rn(pr, rg.Aks);  // B = 0 without label smoothing
+  if (use_cap<MODE>(p)) gq = __fmul_rn(gq, __fmaf_rn(-t, t, 1.f));
+  return gq;
+}
+template <int MODE>
+__device__ __forceinline__ float grad_target(const KParams& p, const RowGrad& rg, float pr, float b,
+                                             float t) {
+  const float da =
+      __fmaf_rn(rg.Y, __fsub_rn(pr, 1.f), __fmaf_rn(pr, rg.Az, __fmaf_rn(pr, rg.As, -b)));
+  float gy = __fmul_rn(da, rg.ks);
+  if (use_cap<MODE>(p)) gy = __fmul_rn(gy, __fmaf_rn(-t, t, 1.f));
+  return gy;
+}
+
+// The target element's gradient, from its logit z, stored at column yl (the row's
+// local_target, inside the row): after the vector that holds it was stored with the
+// non-target form, by the same thread (same address, later in program order: it stays).
+template <class TG, int MODE>
+__device__ __forceinline__ void store_target(const KParams& p, const RowGrad& rg, float z,
+                                             int64_t yl, char* grow) {
+  float t;
+  const float a = xform<MODE>(z, p, t);
+  const float pr = prob(a, rg.m, rg.ls);
+  const bool weighted = use_smooth<MODE>(p) && p.class_weights != nullptr;
+  const float b = weighted ? __fmul_rn(rg.B, __ldg(p.class_weights + p.col_begin + yl)) : rg.B;
+  const float gy = grad_target<MODE>(p, rg, pr, b, t);
+  char* dst = grow + yl * Ty<TG>::kBytes;
+  if constexpr (Ty<TG>::kBytes == 4) {
+    __stcs(reinterpret_cast<float*>(dst), gy);
+  } else {
+    __stcs(reinterpret_cast<unsigned short*>(dst),
+           static_cast<unsigned short>(pack2<TG>(gy, 0.f) & 0xffffu));
+  }
+}
+
+// The gradient of one vector of a valid row. yl: the row's local_target.
 template <class TZ, class TG, int MODE, class I>
 __device__ __forceinline__ void grad_vector(const uint4& raw, I j0, bool full, bool vec_ok,
-                                            const KParams& p, const RowGrad& rg, int64_t y,
+                                            const KParams& p, const RowGrad& rg, I yl,
                                             char* grow) {
   constexpr int E = vec_elems<TZ>();
   float g[E];
   unpack<TZ>(raw, g);
-  // the target within this vector: inside the buffer's columns only (a column slice's partial
-  // end vectors cover classes of the neighbouring slices, and a row's first partial vector
-  // starts before the row)
-  const int64_t yl = y - p.col_begin;
-  const int64_t dyl = yl - static_cast<int64_t>(j0);
-  const int dy = (yl >= 0 && yl < p.vocab && dyl >= 0 && dyl < E) ? static_cast<int>(dyl) : -1;
+  // the target within this vector: inside the buffer's columns only (local_target: a column
+  // slice's partial end vectors cover classes of the neighbouring slices, and a row's first
+  // partial vector starts before the row)
+  const I dyl = yl - j0;
+  const int dy = (dyl >= 0 && dyl < E) ? static_cast<int>(dyl) : -1;
   const bool weighted = use_smooth<MODE>(p) && p.class_weights != nullptr;
   // 16-bit logits: the target element (at most one per row) is computed after the loop and
   // stored over the vector's value, instead of a per-element `q == dy` test (a compare and a
@@ -443,31 +524,11 @@ __device__ __forceinline__ void grad_vector(const uint4& raw, I j0, bool full, b
       b = 0.f;
       if (full || (j >= 0 && j < p.vocab)) b = __fmul_rn(rg.B, __ldg(p.class_weights + p.col_begin + j));
     }
-    float da = __fmaf_rn(pr, rg.A, -b);
-    if (!kTargetAfter && q == dy)
-      da = __fmaf_rn(rg.Y, __fsub_rn(pr, 1.f), __fmaf_rn(pr, rg.Az, __fmaf_rn(pr, rg.As, -b)));
-    float gq = __fmul_rn(da, rg.ks);
-    if (use_cap<MODE>(p)) gq = __fmul_rn(gq, __fmaf_rn(-t, t, 1.f));
-    g[q] = gq;
+    g[q] = (!kTargetAfter && q == dy) ? grad_target<MODE>(p, rg, pr, b, t)
+                                      : grad_elem<MODE>(p, rg, pr, b, t);
   }
   store_grad<TG, E>(grow, j0, full, vec_ok, p.vocab, g);
-  if (kTargetAfter && dy >= 0) {  // same thread, same address, later in program order: it stays
-    float t;
-    const float a = xform<MODE>(zy, p, t);
-    const float pr = prob(a, rg.m, rg.ls);
-    const float b = weighted ? __fmul_rn(rg.B, __ldg(p.class_weights + y)) : rg.B;
-    const float da =
-        __fmaf_rn(rg.Y, __fsub_rn(pr, 1.f), __fmaf_rn(pr, rg.Az, __fmaf_rn(pr, rg.As, -b)));
-    float gy = __fmul_rn(da, rg.ks);
-    if (use_cap<MODE>(p)) gy = __fmul_rn(gy, __fmaf_rn(-t, t, 1.f));
-    char* dst = grow + (y - p.col_begin) * Ty<TG>::kBytes;
-    if constexpr (Ty<TG>::kBytes == 4) {
-      __stcs(reinterpret_cast<float*>(dst), gy);
-    } else {
-      __stcs(reinterpret_cast<unsigned short*>(dst),
-             static_cast<unsigned short>(pack2<TG>(gy, 0.f) & 0xffffu));
-    }
-  }
+  if (kTargetAfter && dy >= 0) store_target<TG, MODE>(p, rg, zy, int64_t(yl), grow);
 }
 
 // Ignored rows: 0; invalid rows: NaN (docs/semantics.md rules 2, 3).
@@ -481,6 +542,44 @@ __device__ __forceinline__ void fill_vector(I j0, bool full, bool vec_ok, int V,
 }
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// The register path's exchange of the k partials of a row without a cluster barrier: every CTA
+// stores its partial into slot `rank` of every CTA of the cluster (itself included) with
+// st.async, which completes a transaction on that CTA's mbarrier; each CTA waits on its own
+// mbarrier for k·16 bytes. No fence or barrier on the way (the transaction completion orders
+// the stores before the wait returns); the mbarrier is initialised once, before a cluster
+// barrier that its first remote store waits for (mbar_init / cluster_arrive_relaxed at the
+// start, cluster_wait before the first exchange).
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbar_init(uint64_t* bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+// This CTA's arrival on its own mbarrier, expecting `bytes` of remote stores in this phase.
+__device__ __forceinline__ void mbar_expect(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)),
+               "r"(bytes) : "memory");
+}
+// 16 bytes (a Partial) into `slot` of CTA `rank` of the cluster, completing on its `bar`.
+__device__ __forceinline__ void st_async_partial(const Partial& v, const Partial* slot,
+                                                 const uint64_t* bar, int rank) {
+  uint32_t rslot, rbar;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(rslot) : "r"(smem_addr(slot)), "r"(rank));
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(rbar) : "r"(smem_addr(bar)), "r"(rank));
+  const uint64_t sw = static_cast<uint64_t>(__double_as_longlong(v.sw));
+  asm volatile(
+      "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];"
+      ::"r"(rslot), "r"(__float_as_uint(v.m)), "r"(__float_as_uint(v.s)), "r"(uint32_t(sw)),
+      "r"(uint32_t(sw >> 32)), "r"(rbar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n .reg .pred done;\n"
+      "WAIT_%=:\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
+      " @!done bra WAIT_%=;\n}\n" ::"r"(smem_addr(bar)), "r"(parity) : "memory");
+}
+
 // Release/acquire: the CTA's partial (shared memory) becomes visible to the cluster.
 __device__ __forceinline__ void cluster_sync_release_acquire() {
   asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");

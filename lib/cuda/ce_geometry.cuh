@@ -27,6 +27,9 @@ constexpr int kBackwardThreads = 512;
 constexpr int kStreamUnroll = 4;      // vectors in flight per thread in the streaming kernels
 constexpr int kReduceThreads = 1024;  // denominators / finalize (one block)
 constexpr int64_t kMaxRowsPerLaunch = int64_t(1) << 27;  // × 8 CTAs stays below 2^31 blocks
+// The register path's L2 prefetch distance, in waves of resident rows (FCE_CUDA_CE_PREFETCH
+// overrides it; 0 = none): each CTA asks the L2 for its slice of the row that far ahead.
+constexpr float kDefaultPrefetchWaves = 0.25f;
 static_assert(kRegVecsPerCta * 16 == 64 * 1024, "a register-path CTA holds 64 KB of its row");
 static_assert(kRegMaxVocab < (int64_t(1) << 30), "register path indexes elements with int32");
 static_assert(kRegThreads % 32 == 0 && kTwoPassThreads % 32 == 0 && kBackwardThreads % 32 == 0,
@@ -119,6 +122,34 @@ inline void make_cluster_launch(unsigned grid, unsigned threads, int k, cudaStre
   cfg->numAttrs = 1;
 }
 
+// The launch of `grid` CTAs of `threads` on stream s, in clusters of k CTAs along x when k > 1,
+// as a programmatic dependent of the grid before it when pdl (see ce_device.cuh, pdl_trigger):
+// *cfg points at attrs (room for 2), which must outlive the launch.
+inline void make_launch(unsigned grid, unsigned threads, int k, bool pdl, cudaStream_t s,
+                        cudaLaunchConfig_t* cfg, cudaLaunchAttribute* attrs) {
+  if (k > 1) {
+    make_cluster_launch(grid, threads, k, s, cfg, attrs);
+  } else {
+    *cfg = cudaLaunchConfig_t{};
+    cfg->gridDim = dim3(grid);
+    cfg->blockDim = dim3(threads);
+    cfg->stream = s;
+    cfg->attrs = attrs;
+    cfg->numAttrs = 0;
+  }
+  if (pdl) {
+    cudaLaunchAttribute& a = attrs[cfg->numAttrs];
+    a = cudaLaunchAttribute{};
+    a.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    a.val.programmaticStreamSerializationAllowed = 1;
+    cfg->numAttrs += 1;
+  }
+}
+
+// Whether the current device takes programmatic dependent launches (sm_90+), asked once per
+// device (ce_path.cu).
+bool pdl_supported();
+
 // Which kernel runs the rows of one launch_ce_rows call, decided once per call on the host.
 enum class RowsPath {
   kBackward,   // ce_rows_stream_kernel<…, BWD = true>: lse_in / stats_in given
@@ -131,12 +162,18 @@ struct RowsQuery {
   int64_t vocab;            // elements of a row
   int elem_bytes;           // of the logits
   bool aligned_rows;        // every row of the logits starts 16-byte aligned
+  bool rescale;             // fce_backward_rescale (the register path then runs persistent)
   int slot;                 // (dtype pair) · 3 + mode: the occupancy cache's cell of the kernel
-  const void* regs_kernel;  // ce_rows_regs_kernel<TZ, TG, mode>, for the occupancy query
+  const void* regs_kernel;       // ce_rows_regs_kernel<TZ, TG, mode, false>, for occupancy queries
+  const void* regs_loop_kernel;  // ce_rows_regs_kernel<TZ, TG, mode, true>
 };
 struct RowsChoice {
   RowsPath path;
   RegConfig rc;             // kRegisters: the cluster size and the threads per CTA
+  bool persistent;          // kRegisters: the LOOP kernel over at most wave_rows clusters
+  int64_t wave_rows;        // kRegisters: rows (clusters) resident at once on this device
+  int64_t prefetch_rows;    // kRegisters: KParams::prefetch_rows (0 = no prefetch)
+  bool xmbar;               // kRegisters: KParams::xmbar_ok
 };
 // The path of docs/semantics.md's promises (ce_kernels.cu's header): the backward kernel for a backward;
 // else the register path when the row fits a cluster that can be resident on this device (and

@@ -9,15 +9,22 @@
 //     k ∈ {1,2,4,8} CTAs (k = 1 only on sm_80), each CTA holding its ≤ 64 KB slice IN REGISTERS
 //     as 16-byte vectors (≤ 512 threads × 8 uint4 = 32 registers). A thread issues all 8 of its
 //     loads before the first use (64 KB in flight per CTA). Per thread an online (max, Σexp)
-//     over its vectors (exp2 of scaled differences), a warp/CTA tree, then the CTAs of the
-//     cluster read each other's (max, Σexp[, Σω·a]) through distributed shared memory and every
-//     CTA folds them in rank order, so all agree bit for bit on the lse. The gradient is then
+//     over its vectors (exp2 of scaled differences), a warp/CTA tree that every warp finishes
+//     itself (no broadcast barrier), then each CTA stores its (max, Σexp[, Σω·a]) into every
+//     CTA of the cluster with st.async, which completes on that CTA's mbarrier, and every warp
+//     folds the k partials in rank order, so all agree bit for bit on the lse. No cluster
+//     barrier sits on that path: the release a cluster barrier needs (barrier.cluster.arrive.
+//     release) compiles to a GPU-wide memory barrier in every warp, which ncu found was the
+//     largest stall of the kernel (bench/NOTES.md, "Issue 8"); with the argmax outputs, and in
+//     the persistent variant, the exchange keeps the cluster barriers. The gradient is then
 //     computed from the registers and stored with 16-byte stores. ≤ 64 registers per thread
 //     (launch bounds 512 × 2) keep two CTAs per SM: one CTA's loads overlap the other's math
 //     and stores. The block is cut to the row (threads = ⌈slice / 8⌉ rounded up to a warp), and
 //     k is the smallest size whose slices fit, so a CTA is nearly full. Three compiled modes per
 //     dtype pair (plain, softcap, general = label smoothing) keep the hot ones lean; the general
-//     mode needs ~75-88 registers and runs one CTA per SM rather than spill.
+//     mode needs ~75-88 registers and runs one CTA per SM rather than spill. Each CTA first asks
+//     the L2 for its slice of the row a quarter of a wave ahead (one bulk prefetch,
+//     kDefaultPrefetchWaves), so DRAM keeps reading while CTAs reduce, exchange and store.
 //   * Two-pass path (ce_rows_stream_kernel<…, BWD = false>), any V (rows past 512 KB, sm_80 rows
 //     past 64 KB, or no cluster fits): one 1024-thread CTA per row, one CTA per SM, so only
 //     #SMs rows (≈ 33 MB at 250 KB) are in flight and the second read mostly hits the 50 MB L2.
@@ -36,6 +43,9 @@
 //   * Forward and backward write the same gradient bits: both compute every element in
 //     grad_vector() from the same float lse and the same row constants (make_row_grad), with
 //     explicit _rn intrinsics so no FMA contraction can differ between kernels or modes.
+//   * fce_forward / fce_backward launch the row kernel as a programmatic dependent of the
+//     denominators kernel and the finalize as one of the row kernel (sm_90): each may start
+//     early and waits (griddepcontrol.wait) before it reads the other's output (ce_device.cuh).
 //   * No float atomics: per-row values go to row_loss / row_zloss; ce_finalize_kernel sums
 //     them in a fixed order (one block, double accumulation): deterministic run to run.
 //   * 64-bit row offsets (row · stride · e in int64); 32-bit element indices only where V is
@@ -75,38 +85,71 @@ namespace {
 // Two CTAs per SM (≤ 64 registers) for the plain and softcap modes; the general mode (label
 // smoothing: ω_j loads and a double sum per vector) needs more registers than 64 − 32 and runs
 // one CTA per SM instead of spilling.
+// The shared memory of a register-path CTA (one row at a time).
+struct RegShared {
+  Partial warp[32];
+  Partial fin;  // the row's (the barrier exchange)
+  RowInfo info;
+  uint64_t wmin[32];
+  uint32_t cand[kRegThreads];  // each thread's argmax candidate
+  Partial part;                // this CTA's, read by the cluster (the barrier exchange)
+  uint64_t best_part;
+  alignas(16) Partial slots[kMaxCluster];  // the cluster's partials (the mbarrier exchange)
+  uint64_t mbar;
+};
+
+// Asks the L2 to fetch this CTA's slice of row lrow (of this launch) now: the full 16-byte
+// vectors of [rank·per, vend) of that row, one bulk prefetch (sm_90; a no-op elsewhere).
+// Nothing is read into the SM and nothing outside the row is touched; a later CTA's loads of
+// that slice then find it in L2 instead of waiting for DRAM.
+template <class TZ>
+__device__ __forceinline__ void prefetch_slice(const KParams& p, int64_t lrow, int lg, int rank) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int eb = Ty<TZ>::kBytes;
+  const char* zrow = p.logits + lrow * p.z_row_bytes;
+  const RegSlice g = reg_slice(reinterpret_cast<uintptr_t>(zrow), eb, p.vocab, lg, rank, 0, 1);
+  const int first_full = g.lead ? 1 : 0;
+  const int last_full = (g.nvec * vec_elems<TZ>() - g.lead > p.vocab) ? g.nvec - 1 : g.nvec;
+  const int v0 = g.v0 > first_full ? g.v0 : first_full;
+  const int v1 = g.vend < last_full ? g.vend : last_full;
+  if (v1 <= v0) return;
+  const char* base = zrow - g.lead * eb + int64_t(v0) * 16;
+  const uint32_t bytes = static_cast<uint32_t>(v1 - v0) * 16u;
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(base), "r"(bytes) : "memory");
+#else
+  (void)p, (void)lrow, (void)lg, (void)rank;
+#endif
+}
+
+// One row (lrow, of this launch) by one CTA of its cluster: the body of ce_rows_regs_kernel.
+// xmbar: the cluster's partials are exchanged through st.async and this CTA's mbarrier (one
+// row per CTA, no argmax: ce_rows_regs_kernel set it up), else through cluster barriers.
 template <class TZ, class TG, int MODE>
-__global__ void __launch_bounds__(kRegThreads, MODE == kGeneral ? 1 : 2)
-    ce_rows_regs_kernel(const KParams p) {
+__device__ __forceinline__ void regs_row(const KParams& p, int64_t lrow, int64_t next_lrow,
+                                         bool xmbar, RegShared& sh) {
   constexpr int E = vec_elems<TZ>();
   constexpr int eb = Ty<TZ>::kBytes;
   constexpr bool SW = MODE == kGeneral;
-  __shared__ Partial s_warp[32];
-  __shared__ Partial s_final;  // the row's
-  __shared__ RowInfo s_info;
-  __shared__ uint64_t s_wmin[32];
-  __shared__ uint32_t s_cand[kRegThreads];  // each thread's argmax candidate
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  __shared__ Partial s_part;   // this CTA's, read by the cluster
-  __shared__ uint64_t s_best_part;
-#endif
+  Partial* s_warp = sh.warp;
+  uint64_t* s_wmin = sh.wmin;
+  uint32_t* s_cand = sh.cand;
+  RowInfo& s_info = sh.info;
 
   const int lg = p.cluster_log2;
   const int k = 1 << lg;
-  const int64_t lrow = blockIdx.x >> lg;
   const int rank = static_cast<int>(blockIdx.x & static_cast<unsigned>(k - 1));
   const int64_t row = p.row_begin + lrow;
   const char* zrow = p.logits + lrow * p.z_row_bytes;
   const int V = p.vocab;
-  const int tid = threadIdx.x, nt = blockDim.x;
+  const int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31;
   const RegSlice g = reg_slice(reinterpret_cast<uintptr_t>(zrow), eb, V, lg, rank, tid, nt);
   const int lead = g.lead, v0 = g.v0, vend = g.vend, j00 = g.j00, jstep = g.jstep;
   if (p.rescale) {  // fce_backward_rescale: every CTA of the cluster decides the same way
     const int64_t per = (int64_t(V) + k - 1) / k, c0 = rank * per, c1 = c0 + per < V ? c0 + per : V;
     if (rescale_prologue<TG>(p, row, p.grad + lrow * p.g_row_bytes, c0, c1)) return;
   }
+  if (tid == 0 && next_lrow < p.rows_in_launch) prefetch_slice<TZ>(p, next_lrow, lg, rank);
   const bool want_argmax = p.argmax_out != nullptr || p.row_correct != nullptr;
-
   // ---- all loads of the slice in flight at once
   uint4 buf[kRegVpt];
 #pragma unroll
@@ -127,39 +170,60 @@ __global__ void __launch_bounds__(kRegThreads, MODE == kGeneral ? 1 : 2)
     if (v0 + i * nt < vend)
       online_vector<TZ, MODE>(buf[i], j0, is_full<int, E>(j0, V), p, c, acc, want_argmax, am);
   }
-  const Partial blk = block_reduce<SW>(acc, s_warp);
+  // every warp ends with the CTA's partial (and, after the barrier inside, s_info is there)
+  const Partial blk = block_reduce_all<SW>(acc, s_warp);
 
   // ---- the row's partial: this CTA's, or the cluster's folded in rank order
+  Partial fin = blk;
+  bool bar_pending = false;  // a cluster barrier arrival to wait for before exit
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   if (k > 1) {
-    if (tid == 0) s_part = blk;
-    cluster_sync_release_acquire();
-    if (tid < 32) {
+    if (xmbar) {
+      cluster_wait();  // every CTA's mbarrier is initialised (ce_rows_regs_kernel)
+      if (tid == 0) mbar_expect(&sh.mbar, static_cast<uint32_t>(k * sizeof(Partial)));
+      if (tid < k) st_async_partial(blk, &sh.slots[rank], &sh.mbar, tid);
+      mbar_wait(&sh.mbar, 0);
+      // every warp folds the k partials in rank order (lane r holds rank r's): the same bits
       Partial mine = partial_identity();
-      if (tid < k) mine = *cooperative_groups::this_cluster().map_shared_rank(&s_part, tid);
+      if (lane < k) mine = sh.slots[lane];
       Partial f = partial_identity();
       for (int r = 0; r < k; ++r)
         combine<SW>(f, __shfl_sync(0xffffffffu, mine.m, r), __shfl_sync(0xffffffffu, mine.s, r),
                     SW ? __shfl_sync(0xffffffffu, mine.sw, r) : 0.0);
-      if (tid == 0) s_final = f;
+      fin = f;
+    } else {
+      if (tid == 0) sh.part = blk;
+      cluster_sync_release_acquire();
+      if (tid < 32) {
+        Partial mine = partial_identity();
+        if (tid < k) mine = *cooperative_groups::this_cluster().map_shared_rank(&sh.part, tid);
+        Partial f = partial_identity();
+        for (int r = 0; r < k; ++r)
+          combine<SW>(f, __shfl_sync(0xffffffffu, mine.m, r), __shfl_sync(0xffffffffu, mine.s, r),
+                      SW ? __shfl_sync(0xffffffffu, mine.sw, r) : 0.0);
+        if (tid == 0) sh.fin = f;
+      }
+      // waited for before exit (or the next row): nobody reads the part of an exited CTA (with
+      // the argmax, the exchange below does that)
+      if (!want_argmax) {
+        cluster_arrive_relaxed();
+        bar_pending = true;
+      }
+      __syncthreads();
+      fin = sh.fin;
     }
-    // waited for before exit: nobody reads s_part of an exited CTA (with the argmax, the
-    // exchange below does that)
-    if (!want_argmax) cluster_arrive_relaxed();
-  } else
-#endif
-  {
-    // k > 1 never reaches code built without clusters (the host checks the kernel's PTX
-    // version); were it to, the row would be NaN rather than silently wrong.
-    if (tid == 0) s_final = k == 1 ? blk : Partial{qnan(), qnan(), 0.0};
   }
-  __syncthreads();
-  const Partial fin = s_final;
+#endif
+  // k > 1 never reaches code built without clusters (the host checks the kernel's PTX version);
+  // were it to, the row would be NaN rather than silently wrong.
+#if !(defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900)
+  if (k > 1) fin = Partial{qnan(), qnan(), 0.0};
+#endif
   const RowInfo ri = s_info;
   const RowVals vals = row_vals(p, ri, fin);
   if (rank == 0 && tid == 0) write_row_outputs<MODE>(p, row, ri, fin, vals, c);
   // the argmax comes after the gradient: this thread's candidate waits in shared memory (no
-  // register held through the gradient), the row's statistics are read again from s_final
+  // register held through the gradient)
   if (want_argmax) s_cand[tid] = (am >= 0 && acc.m == fin.m) ? static_cast<uint32_t>(am) : 0xffffffffu;
 
   // ---- phase 2: the gradient, from the registers
@@ -168,11 +232,12 @@ __global__ void __launch_bounds__(kRegThreads, MODE == kGeneral ? 1 : 2)
     const bool vec_ok = grad_vec_ok<TZ, TG>(grow, lead);
     if (ri.kind == kValid) {
       const RowGrad rg = make_row_grad<MODE>(p, ri, vals);
+      const int yl = local_target<int, E>(p, ri.y);
 #pragma unroll
       for (int i = 0; i < kRegVpt; ++i) {
         const int j0 = j00 + i * jstep;
         if (v0 + i * nt < vend)
-          grad_vector<TZ, TG, MODE>(buf[i], j0, is_full<int, E>(j0, V), vec_ok, p, rg, ri.y, grow);
+          grad_vector<TZ, TG, MODE>(buf[i], j0, is_full<int, E>(j0, V), vec_ok, p, rg, yl, grow);
       }
     } else {
       const float value = ri.kind == kInvalid ? qnan() : 0.f;
@@ -187,33 +252,72 @@ __global__ void __launch_bounds__(kRegThreads, MODE == kGeneral ? 1 : 2)
   if (want_argmax) {
     const uint32_t cand = s_cand[tid];
     uint64_t best = cand == 0xffffffffu ? kNoArgmax : ((uint64_t(1) << 32) | cand);
-    const float row_max = s_final.m;
-    if (isnan(s_final.s)) {  // a NaN or +inf in the row: scan the elements (the argmax note above)
+    if (isnan(fin.s)) {  // a NaN or +inf in the row: scan the elements (the argmax note above)
       best = kNoArgmax;
 #pragma unroll
       for (int i = 0; i < kRegVpt; ++i) {
         const int j0 = j00 + i * jstep;
-        if (v0 + i * nt < vend) argmax_vector<TZ, MODE>(buf[i], j0, is_full<int, E>(j0, V), p, row_max, best);
+        if (v0 + i * nt < vend) argmax_vector<TZ, MODE>(buf[i], j0, is_full<int, E>(j0, V), p, fin.m, best);
       }
     }
     best = block_min_u64(best, s_wmin);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if (k > 1) {
-      if (tid == 0) s_best_part = best;
+      if (tid == 0) sh.best_part = best;
       cluster_sync_release_acquire();
       if (tid < 32) {
         uint64_t mine = kNoArgmax;
-        if (tid < k) mine = *cooperative_groups::this_cluster().map_shared_rank(&s_best_part, tid);
+        if (tid < k) mine = *cooperative_groups::this_cluster().map_shared_rank(&sh.best_part, tid);
         best = warp_min_u64(mine);
       }
       cluster_arrive_relaxed();  // waited for before exit
+      bar_pending = true;
     }
 #endif
     if (rank == 0 && tid == 0) write_argmax_outputs(p, row, ri, best);
   }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (k > 1) cluster_wait();
+  if (bar_pending) cluster_wait();
 #endif
+}
+
+// grid.x = (rows of the grid) × k. LOOP = false: one row per cluster, the grid covers the
+// launch's rows; without the argmax outputs the cluster's partials go through st.async and an
+// mbarrier (initialised here, then a relaxed cluster arrival that regs_row waits for before the
+// first remote store). LOOP = true (persistent: fce_backward_rescale, whose CTAs usually have
+// nothing to do, and the FCE_CUDA_CE_PERSIST measurement): at most a wave of clusters, cluster
+// c takes rows c, c + G, c + 2G, … (G = the grid's rows), exchanging through cluster barriers;
+// every CTA of a cluster walks the same rows, so the barriers pair up. p.prefetch_rows > 0:
+// each CTA first asks the L2 for its slice of the row that distance ahead (the next row of its
+// own loop when LOOP).
+template <class TZ, class TG, int MODE, bool LOOP>
+__global__ void __launch_bounds__(kRegThreads, MODE == kGeneral ? 1 : 2)
+    ce_rows_regs_kernel(const KParams p) {
+  pdl_trigger();  // the finalize may start once every CTA has (it waits for our values)
+  __shared__ RegShared sh;
+  const int lg = p.cluster_log2;
+  const int64_t first = blockIdx.x >> lg;
+  if constexpr (!LOOP) {
+    const int64_t next = p.prefetch_rows > 0 ? first + p.prefetch_rows : INT64_MAX;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    const bool want_argmax = p.argmax_out != nullptr || p.row_correct != nullptr;
+    const bool xmbar = p.xmbar_ok && lg > 0 && !want_argmax && !p.rescale;
+    if (xmbar) {
+      if (threadIdx.x == 0) mbar_init(&sh.mbar);
+      cluster_arrive_relaxed();
+    }
+#else
+    const bool xmbar = false;
+#endif
+    regs_row<TZ, TG, MODE>(p, first, next, xmbar, sh);
+  } else {
+    if (p.rescale && *p.grad_output == 1.f) return;  // the usual case: nothing to do anywhere
+    const int64_t stride = gridDim.x >> lg;
+    for (int64_t lrow = first; lrow < p.rows_in_launch; lrow += stride) {
+      regs_row<TZ, TG, MODE>(p, lrow, p.prefetch_rows > 0 ? lrow + stride : INT64_MAX, false, sh);
+      __syncthreads();  // the next row reuses the shared scalars
+    }
+  }
 }
 
 // ====================================================== streaming kernels ====
@@ -246,7 +350,7 @@ __device__ __forceinline__ Partial stream_reduce(const KParams& p, const char* z
     }
   }
   mine = acc;
-  const Partial blk = block_reduce<SW>(acc, s_warp);
+  const Partial blk = block_reduce_all<SW>(acc, s_warp);
   if (threadIdx.x == 0) *s_final = blk;
   __syncthreads();
   return *s_final;
@@ -260,6 +364,7 @@ constexpr float kRescueLse = 1024.f;
 template <class TZ, class TG, int MODE, bool BWD>
 __global__ void __launch_bounds__(BWD ? kBackwardThreads : kTwoPassThreads, BWD ? 2 : 1)
     ce_rows_stream_kernel(const KParams p) {
+  pdl_trigger();  // the finalize may start once every CTA has (it waits for our values)
   constexpr int E = vec_elems<TZ>();
   constexpr int eb = Ty<TZ>::kBytes;
   // (the general two-pass kernel keeps 2 vectors in flight: 4 does not fit 64 registers on sm_80)
@@ -330,6 +435,7 @@ __global__ void __launch_bounds__(BWD ? kBackwardThreads : kTwoPassThreads, BWD 
   if (grad_pass) {
     const bool vec_ok = grad_vec_ok<TZ, TG>(grow, lead);
     const RowGrad rg = make_row_grad<MODE>(p, ri, vals);
+    const int64_t yl = local_target<int64_t, E>(p, ri.y);
     const int nchunks = (nvec + step - 1) / step;
     for (int ch = 0; ch < nchunks; ++ch) {
       // the forward's second read runs backwards: its last-read vectors are likeliest in L2
@@ -347,7 +453,7 @@ __global__ void __launch_bounds__(BWD ? kBackwardThreads : kTwoPassThreads, BWD 
         const int v = base + u * nt;
         const int64_t j0 = int64_t(v) * E - lead;
         if (v < nvec)
-          grad_vector<TZ, TG, MODE>(buf[u], j0, is_full<int64_t, E>(j0, V), vec_ok, p, rg, ri.y, grow);
+          grad_vector<TZ, TG, MODE>(buf[u], j0, is_full<int64_t, E>(j0, V), vec_ok, p, rg, yl, grow);
       }
     }
   } else if (grow) {
@@ -370,27 +476,44 @@ template <class K> const void* kernel_address(K* kernel) {
   return reinterpret_cast<const void*>(kernel);
 }
 
-template <class TZ, class TG, int MODE>
-fce_status launch_forward_regs(const char* fn, const KParams& q, const RegConfig& rc, int64_t n,
-                               cudaStream_t s) {
-  auto kernel = ce_rows_regs_kernel<TZ, TG, MODE>;
-  if (rc.k == 1) {
-    kernel<<<static_cast<unsigned>(n), static_cast<unsigned>(rc.threads), 0, s>>>(q);
-    return launch_check(fn, "ce_rows_regs_kernel");
-  }
+// One launch of a row kernel: `grid` CTAs of `threads`, in clusters of k when k > 1, as a
+// programmatic dependent of the kernel before it when q.pdl.
+template <class K>
+fce_status launch_rows_kernel(const char* fn, const char* what, K* kernel, int64_t grid,
+                              int threads, int k, const KParams& q, cudaStream_t s) {
   cudaLaunchConfig_t cfg;
-  cudaLaunchAttribute attr;
-  make_cluster_launch(static_cast<unsigned>(n * rc.k), static_cast<unsigned>(rc.threads), rc.k, s,
-                      &cfg, &attr);
+  cudaLaunchAttribute attrs[2];
+  make_launch(static_cast<unsigned>(grid), static_cast<unsigned>(threads), k, q.pdl != 0, s, &cfg,
+              attrs);
   const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, q);
   if (e != cudaSuccess) {
     (void)cudaGetLastError();
     return fail(FCE_ERROR_CUDA,
-                "%s: the CUDA kernel launch failed (ce_rows_regs_kernel, clusters of %d × %d "
-                "threads): %s",
-                fn, rc.k, rc.threads, cudaGetErrorString(e));
+                "%s: the CUDA kernel launch failed (%s, clusters of %d × %d threads): %s", fn,
+                what, k, threads, cudaGetErrorString(e));
   }
-  return launch_check(fn, "ce_rows_regs_kernel");
+  return launch_check(fn, what);
+}
+
+template <class TZ, class TG, int MODE, bool LOOP>
+fce_status launch_forward_regs(const char* fn, const KParams& q, const RegConfig& rc,
+                               int64_t grid_rows, cudaStream_t s) {
+  return launch_rows_kernel(fn, "ce_rows_regs_kernel", ce_rows_regs_kernel<TZ, TG, MODE, LOOP>,
+                            grid_rows * rc.k, rc.threads, rc.k, q, s);
+}
+
+template <class TZ, class TG, bool LOOP>
+fce_status launch_regs_mode(const char* fn, int mode, const KParams& q, const RegConfig& rc,
+                            int64_t grid_rows, cudaStream_t s) {
+  return mode == kPlain ? launch_forward_regs<TZ, TG, kPlain, LOOP>(fn, q, rc, grid_rows, s)
+       : mode == kCap   ? launch_forward_regs<TZ, TG, kCap, LOOP>(fn, q, rc, grid_rows, s)
+                        : launch_forward_regs<TZ, TG, kGeneral, LOOP>(fn, q, rc, grid_rows, s);
+}
+
+template <class TZ, class TG, bool LOOP> const void* regs_kernel(int mode) {
+  return mode == kPlain ? kernel_address(ce_rows_regs_kernel<TZ, TG, kPlain, LOOP>)
+       : mode == kCap   ? kernel_address(ce_rows_regs_kernel<TZ, TG, kCap, LOOP>)
+                        : kernel_address(ce_rows_regs_kernel<TZ, TG, kGeneral, LOOP>);
 }
 
 template <class TZ, class TG>
@@ -407,40 +530,48 @@ fce_status launch_rows_typed(const CeRowsArgs& a, KParams p, int pair, cudaStrea
   rq.vocab = a.vocab;
   rq.elem_bytes = Ty<TZ>::kBytes;
   rq.aligned_rows = (reinterpret_cast<uintptr_t>(a.logits) & 15) == 0 && (p.z_row_bytes & 15) == 0;
+  rq.rescale = p.rescale != 0;
   rq.slot = pair * 3 + mode;
-  rq.regs_kernel = mode == kPlain ? kernel_address(ce_rows_regs_kernel<TZ, TG, kPlain>)
-                 : mode == kCap   ? kernel_address(ce_rows_regs_kernel<TZ, TG, kCap>)
-                                  : kernel_address(ce_rows_regs_kernel<TZ, TG, kGeneral>);
+  rq.regs_kernel = regs_kernel<TZ, TG, false>(mode);
+  rq.regs_loop_kernel = regs_kernel<TZ, TG, true>(mode);
   RowsChoice choice;
   FCE_TRY(choose_rows_path(a.fn, rq, &choice));
   const RegConfig& rc = choice.rc;
 
+  // the first launch is a programmatic dependent of the denominators kernel (later ones, of
+  // more than kMaxRowsPerLaunch rows, are ordinary launches)
+  p.pdl = a.after_denominators && pdl_supported() ? 1 : 0;
   for (int64_t r0 = 0; r0 < a.row_count; r0 += kMaxRowsPerLaunch) {
     const int64_t n = a.row_count - r0 < kMaxRowsPerLaunch ? a.row_count - r0 : kMaxRowsPerLaunch;
     KParams q = p;
+    q.pdl = r0 == 0 ? p.pdl : 0;
     q.row_begin = a.row_begin + r0;
     q.logits = static_cast<const char*>(a.logits) + r0 * p.z_row_bytes;
     q.grad = a.grad ? static_cast<char*>(a.grad) + r0 * p.g_row_bytes : nullptr;
     fce_status st = FCE_SUCCESS;
     if (choice.path == RowsPath::kBackward) {
       const unsigned threads = static_cast<unsigned>(stream_threads(a.vocab, E, kBackwardThreads));
-      if (mode == kPlain)
-        ce_rows_stream_kernel<TZ, TG, kPlain, true><<<static_cast<unsigned>(n), threads, 0, s>>>(q);
-      else
-        ce_rows_stream_kernel<TZ, TG, kGeneral, true><<<static_cast<unsigned>(n), threads, 0, s>>>(q);
-      st = launch_check(a.fn, "ce_rows_stream_kernel, backward");
+      st = launch_rows_kernel(a.fn, "ce_rows_stream_kernel, backward",
+                              mode == kPlain ? ce_rows_stream_kernel<TZ, TG, kPlain, true>
+                                             : ce_rows_stream_kernel<TZ, TG, kGeneral, true>,
+                              n, static_cast<int>(threads), 1, q, s);
     } else if (choice.path == RowsPath::kRegisters) {
       q.cluster_log2 = cluster_log2(rc.k);
-      st = mode == kPlain ? launch_forward_regs<TZ, TG, kPlain>(a.fn, q, rc, n, s)
-         : mode == kCap   ? launch_forward_regs<TZ, TG, kCap>(a.fn, q, rc, n, s)
-                          : launch_forward_regs<TZ, TG, kGeneral>(a.fn, q, rc, n, s);
+      q.rows_in_launch = n;
+      q.prefetch_rows = choice.prefetch_rows;
+      q.xmbar_ok = choice.xmbar ? 1 : 0;
+      if (choice.persistent) {
+        const int64_t grid_rows = n < choice.wave_rows ? n : choice.wave_rows;
+        st = launch_regs_mode<TZ, TG, true>(a.fn, mode, q, rc, grid_rows, s);
+      } else {
+        st = launch_regs_mode<TZ, TG, false>(a.fn, mode, q, rc, n, s);
+      }
     } else {
       const unsigned threads = static_cast<unsigned>(stream_threads(a.vocab, E, kTwoPassThreads));
-      if (mode == kPlain)
-        ce_rows_stream_kernel<TZ, TG, kPlain, false><<<static_cast<unsigned>(n), threads, 0, s>>>(q);
-      else
-        ce_rows_stream_kernel<TZ, TG, kGeneral, false><<<static_cast<unsigned>(n), threads, 0, s>>>(q);
-      st = launch_check(a.fn, "ce_rows_stream_kernel, two-pass forward");
+      st = launch_rows_kernel(a.fn, "ce_rows_stream_kernel, two-pass forward",
+                              mode == kPlain ? ce_rows_stream_kernel<TZ, TG, kPlain, false>
+                                             : ce_rows_stream_kernel<TZ, TG, kGeneral, false>,
+                              n, static_cast<int>(threads), 1, q, s);
     }
     if (st != FCE_SUCCESS) return st;
   }

@@ -26,10 +26,18 @@ namespace cuda {
 namespace {
 
 // Tuning and measurement overrides, read once: FCE_CUDA_CE_PATH = auto | regs | twopass
-// (forward only), FCE_CUDA_CE_CLUSTER = the smallest cluster size to use (1, 2, 4, 8).
+// (forward only), FCE_CUDA_CE_CLUSTER = the smallest cluster size to use (1, 2, 4, 8),
+// FCE_CUDA_CE_PREFETCH = the register path's L2 prefetch distance in waves of resident rows
+// (0 = none), FCE_CUDA_CE_PERSIST = 1: the forward's register path runs persistent too,
+// FCE_CUDA_CE_XMBAR = 0: cluster barriers for the exchange, FCE_CUDA_CE_PDL = 0: no programmatic
+// dependent launches.
 struct Overrides {
   int path = 0;  // 0 auto, 1 regs (same as auto when the row fits), 2 twopass
   int min_cluster = 1;
+  float prefetch_waves = kDefaultPrefetchWaves;
+  int persist = 0;
+  int xmbar = 1;  // FCE_CUDA_CE_XMBAR=0: clusters exchange through cluster barriers only
+  int pdl = 1;    // FCE_CUDA_CE_PDL=0: no programmatic dependent launches
 };
 const Overrides& overrides() {
   static const Overrides o = [] {
@@ -42,6 +50,13 @@ const Overrides& overrides() {
       const int k = atoi(s);
       if (k == 1 || k == 2 || k == 4 || k == 8) r.min_cluster = k;
     }
+    if (const char* s = getenv("FCE_CUDA_CE_PREFETCH")) {
+      const float w = static_cast<float>(atof(s));
+      if (w >= 0.f && w <= 16.f) r.prefetch_waves = w;
+    }
+    if (const char* s = getenv("FCE_CUDA_CE_PERSIST")) r.persist = atoi(s) == 1;
+    if (const char* s = getenv("FCE_CUDA_CE_XMBAR")) r.xmbar = atoi(s) != 0;
+    if (const char* s = getenv("FCE_CUDA_CE_PDL")) r.pdl = atoi(s) != 0;
     return r;
   }();
   return o;
@@ -95,7 +110,58 @@ bool cluster_fits(const DeviceInfo& dev, const void* kernel, int slot, int k) {
   return ok;
 }
 
+// Rows (clusters of k CTAs of `threads`) of `kernel` resident at once on the device: asked once
+// per (device, kernel, k, threads) and remembered (the last threads asked per cell). 0 when the
+// query fails.
+std::atomic<int64_t> g_wave[kMaxDevices][kKernelSlots][2][4];  // (threads << 32) | rows; 0 unknown
+
+int64_t wave_rows(const DeviceInfo& dev, const void* kernel, int slot, bool loop, int k,
+                  int threads) {
+  const int ki = cluster_log2(k);
+  std::atomic<int64_t>* cell = nullptr;
+  if (dev.device >= 0 && dev.device < kMaxDevices && slot >= 0 && slot < kKernelSlots) {
+    cell = &g_wave[dev.device][slot][loop ? 1 : 0][ki];
+    const int64_t v = cell->load(std::memory_order_relaxed);
+    if (v != 0 && (v >> 32) == threads) return v & 0xffffffff;
+  }
+  int64_t rows = 0;
+  if (k == 1) {
+    int per_sm = 0, sms = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0) == cudaSuccess &&
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev.device) == cudaSuccess)
+      rows = int64_t(per_sm) * sms;
+  } else {
+    cudaLaunchConfig_t cfg;
+    cudaLaunchAttribute attr;
+    make_cluster_launch(static_cast<unsigned>(k) * 16u, static_cast<unsigned>(threads), k, nullptr,
+                        &cfg, &attr);
+    int clusters = 0;
+    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) == cudaSuccess) rows = clusters;
+  }
+  (void)cudaGetLastError();  // a failed query only means "no wave known"
+  if (rows < 0 || rows > 0xffffffff) rows = 0;
+  if (cell && rows > 0) cell->store((int64_t(threads) << 32) | rows, std::memory_order_relaxed);
+  return rows;
+}
+
+std::atomic<signed char> g_pdl[kMaxDevices];  // 0 unknown, 1 yes, −1 no
+
 }  // namespace
+
+bool pdl_supported() {
+  if (!overrides().pdl) return false;
+  DeviceInfo dev;
+  if (device_info("pdl_supported", &dev) != FCE_SUCCESS) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  if (dev.device >= 0 && dev.device < kMaxDevices) {
+    const signed char v = g_pdl[dev.device].load(std::memory_order_relaxed);
+    if (v != 0) return v > 0;
+    g_pdl[dev.device].store(dev.major >= 9 ? 1 : -1, std::memory_order_relaxed);
+  }
+  return dev.major >= 9;
+}
 
 bool reg_config(int64_t vocab, int elem_bytes, int lead_max, int max_k, int min_k, RegConfig* c) {
   if (vocab < 1 || vocab > kRegMaxVocab) return false;
@@ -127,6 +193,10 @@ fce_status choose_rows_path(const char* fn, const RowsQuery& q, RowsChoice* out)
   FCE_TRY(device_info(fn, &dev));
   out->path = q.backward ? RowsPath::kBackward : RowsPath::kTwoPass;
   out->rc = RegConfig{1, kRegThreads};
+  out->persistent = false;
+  out->wave_rows = 0;
+  out->prefetch_rows = 0;
+  out->xmbar = overrides().xmbar != 0;
   // Forward without a gradient reads each row once whatever the path; on rows of 128 KB or
   // more the streaming kernel (many loads in flight, no register-resident slice to drain)
   // measured faster on an H100 (bench/NOTES.md: 16384×128256 bf16 1.50 ms against 1.76 ms),
@@ -143,6 +213,21 @@ fce_status choose_rows_path(const char* fn, const RowsQuery& q, RowsChoice* out)
         cluster_fits(dev, q.regs_kernel, q.slot, rc.k)) {
       out->path = RowsPath::kRegisters;
       out->rc = rc;
+      // fce_backward_rescale runs persistent: its CTAs usually only read the upstream 1 and
+      // exit, and a grid of one CTA cluster per row costs more in launches than the call is
+      // worth (bench/NOTES.md, "Issue 8")
+      out->persistent = q.rescale || overrides().persist;
+      out->wave_rows = wave_rows(dev, out->persistent ? q.regs_loop_kernel : q.regs_kernel, q.slot,
+                                 out->persistent, rc.k, rc.threads);
+      if (out->wave_rows < 1) {
+        out->persistent = false;  // no wave known: one cluster per row, no prefetch
+        out->wave_rows = 0;
+      }
+      const float w = overrides().prefetch_waves;
+      if (!q.rescale && w > 0.f && out->wave_rows > 0) {
+        const int64_t d = static_cast<int64_t>(w * static_cast<float>(out->wave_rows) + 0.5f);
+        out->prefetch_rows = out->persistent ? 1 : (d > 0 ? d : 1);  // LOOP: its own next row
+      }
     }
   }
   return FCE_SUCCESS;

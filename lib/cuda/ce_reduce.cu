@@ -43,7 +43,10 @@ __device__ __forceinline__ void block_sum3(double (&v)[3], double (*s)[3]) {
 // t: rows t, t + nt, …; then the fixed tree): deterministic.
 __global__ void __launch_bounds__(kReduceThreads) ce_denominators_kernel(const KParams p,
                                                                           int64_t rows,
-                                                                          CeDenoms* out) {
+                                                                          CeDenoms* out,
+                                                                          const float* skip_if_one) {
+  pdl_trigger();  // the row kernel may start now; it waits before reading *out
+  if (skip_if_one && *skip_if_one == 1.f) return;
   constexpr int U = 8;
   __shared__ double s[32][3];
   const int64_t nt = blockDim.x;
@@ -97,6 +100,7 @@ __global__ void __launch_bounds__(kReduceThreads) ce_denominators_kernel(const K
 __global__ void __launch_bounds__(kReduceThreads) ce_finalize_kernel(
     int64_t rows, int reduction, const float* row_loss, const float* row_zloss,
     const float* row_correct, const CeDenoms* d, float* loss, float* z_loss, float* accuracy) {
+  pdl_wait();  // the row kernel's values (a no-op when not launched as its dependent)
   constexpr int U = 8;
   __shared__ double s[32][3];
   const int64_t nt = blockDim.x;
@@ -136,27 +140,36 @@ __global__ void __launch_bounds__(kReduceThreads) ce_finalize_kernel(
 // ================================================================ interface ====
 fce_status launch_ce_denominators(const char* fn, const CeOptions& opt, int64_t rows,
                                   int64_t vocab, const void* targets, CeDenoms* out,
-                                  cudaStream_t s) {
+                                  cudaStream_t s, const float* skip_if_one) {
   if (rows < 0 || vocab < 1 || vocab > INT32_MAX || (rows > 0 && !targets) || !out)
     return fail(FCE_ERROR_INTERNAL,
                 "%s: launch_ce_denominators: bad arguments (rows %lld, vocab %lld)", fn,
                 static_cast<long long>(rows), static_cast<long long>(vocab));
   KParams p = make_params(opt, vocab);
   p.targets = targets;
-  ce_denominators_kernel<<<1, kReduceThreads, 0, s>>>(p, rows, out);
+  ce_denominators_kernel<<<1, kReduceThreads, 0, s>>>(p, rows, out, skip_if_one);
   return launch_check(fn, "ce_denominators_kernel");
 }
 
 fce_status launch_ce_finalize(const char* fn, const CeOptions& opt, int64_t rows,
                               const float* row_loss, const float* row_zloss,
                               const float* row_correct, const CeDenoms* d, float* loss,
-                              float* z_loss, float* accuracy, cudaStream_t s) {
+                              float* z_loss, float* accuracy, cudaStream_t s, bool pdl) {
   if (!loss && !z_loss && !accuracy) return FCE_SUCCESS;
   if (rows < 0 || (loss && !row_loss) || (accuracy && !row_correct) || !d ||
       (loss && opt.z_loss_scale != 0.f && !row_zloss))
     return fail(FCE_ERROR_INTERNAL, "%s: launch_ce_finalize: bad arguments", fn);
-  ce_finalize_kernel<<<1, kReduceThreads, 0, s>>>(rows, opt.reduction, row_loss, row_zloss,
-                                                   row_correct, d, loss, z_loss, accuracy);
+  cudaLaunchConfig_t cfg;
+  cudaLaunchAttribute attrs[2];
+  make_launch(1, kReduceThreads, 1, pdl && pdl_supported(), s, &cfg, attrs);
+  const cudaError_t e = cudaLaunchKernelEx(&cfg, ce_finalize_kernel, rows, opt.reduction,
+                                           row_loss, row_zloss, row_correct, d, loss, z_loss,
+                                           accuracy);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return fail(FCE_ERROR_CUDA, "%s: the CUDA kernel launch failed (ce_finalize_kernel): %s", fn,
+                cudaGetErrorString(e));
+  }
   return launch_check(fn, "ce_finalize_kernel");
 }
 

@@ -36,9 +36,11 @@ struct CeRowStats {
 // D (docs/semantics.md rule 4) and Omega = sum of class weights (or vocab), deterministic, all rows.
 // launch_ce_rows reads D for reduction mean (to form k = g / D) and Omega for label smoothing
 // with class weights; launch_ce_finalize reads D for mean. Call it before them, always.
+// skip_if_one (fce_backward_rescale's grad_output, else nullptr): nothing is computed when it
+// reads exactly 1 on the device (the row kernels then read no denominators either).
 fce_status launch_ce_denominators(const char* fn, const CeOptions& opt, int64_t rows,
                                   int64_t vocab, const void* targets, CeDenoms* out,
-                                  cudaStream_t s);
+                                  cudaStream_t s, const float* skip_if_one = nullptr);
 
 struct CeRowsArgs {
   const char* fn;                // the public function, for messages ("fce_forward", ...)
@@ -77,6 +79,9 @@ struct CeRowsArgs {
   // gradient for an upstream 1; the kernel reads *grad_output on the device: 1 → returns, 0 or
   // ±2^k → scales the valid rows of grad in place, else the forward's gradient computation.
   bool rescale;
+  // The row kernel follows launch_ce_denominators directly on the stream (fce_forward /
+  // fce_backward): launched as its programmatic dependent on sm_90 (ce_device.cuh, pdl_trigger).
+  bool after_denominators;
 };
 // Supported (logits_dtype, grad_dtype): (f32, f32), (f16, f16), (bf16, bf16), (f32, f16),
 // (f32, bf16); without a gradient any logits dtype. Backward (lse_in or stats_in) needs grad and
@@ -89,10 +94,12 @@ fce_status launch_ce_rows(const CeRowsArgs& a, cudaStream_t s);
 // row_correct. For reduction none the caller passes loss = nullptr and accuracy = nullptr (the
 // rows are the outputs) and this only makes z_loss. row_zloss = nullptr means λ = 0. Nothing to
 // do when loss, z_loss and accuracy are all null.
+// pdl: launched as a programmatic dependent of the row kernel before it (sm_90; it waits for
+// that kernel's values before reading them).
 fce_status launch_ce_finalize(const char* fn, const CeOptions& opt, int64_t rows,
                               const float* row_loss, const float* row_zloss,
                               const float* row_correct, const CeDenoms* d, float* loss,
-                              float* z_loss, float* accuracy, cudaStream_t s);
+                              float* z_loss, float* accuracy, cudaStream_t s, bool pdl = false);
 
 }  // namespace cuda
 }  // namespace fce
