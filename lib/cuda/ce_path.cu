@@ -223,8 +223,10 @@ fce_status choose_rows_path(const char* fn, const RowsQuery& q, RowsChoice* out)
         out->persistent = false;  // no wave known: one cluster per row, no prefetch
         out->wave_rows = 0;
       }
+      // (only with a gradient: forward-only CTAs hold their slice for less time, and measured
+      // 2-6 % slower with the prefetch on short rows: bench/results/tune-issue8-*.log, runs 1, 7)
       const float w = overrides().prefetch_waves;
-      if (!q.rescale && w > 0.f && out->wave_rows > 0) {
+      if (!q.rescale && q.with_grad && w > 0.f && out->wave_rows > 0) {
         const int64_t d = static_cast<int64_t>(w * static_cast<float>(out->wave_rows) + 0.5f);
         out->prefetch_rows = out->persistent ? 1 : (d > 0 ? d : 1);  // LOOP: its own next row
       }
