@@ -116,22 +116,9 @@ fce_status cuda_ce(const CeProblem& p) {
     return st;
 
   // ---- 2. the rows
-  cuda::CeRowsArgs a{};
-  a.fn = fn;
-  a.opt = opt;
-  a.vocab = p.vocab;
-  a.total_rows = p.rows;
-  a.row_begin = 0;
-  a.row_count = p.rows;
-  a.logits = p.logits;
-  a.logits_dtype = opt.dtype;
-  a.row_stride = p.row_stride;
-  a.grad = p.grad;
-  a.grad_dtype = opt.dtype;
-  a.grad_row_stride = p.grad_row_stride;
-  a.targets = p.targets;
-  a.denoms = denoms;
-  a.grad_output = p.grad_output;
+  cuda::CeRowsArgs a =
+      cuda::all_rows_args(fn, opt, p.rows, p.vocab, p.logits, p.row_stride, p.grad,
+                          p.grad_row_stride, p.targets, denoms, p.grad_output);
   a.lse_in = backward ? p.lse_in : nullptr;
   a.row_loss = row_loss;
   a.row_zloss = row_zloss;

@@ -24,12 +24,8 @@ namespace fce {
 namespace cuda {
 namespace {
 
-constexpr float kLog2e = 1.4426950408889634f;
-
-// The feature set a kernel is compiled for. kPlain: no softcap and no label smoothing (class
-// weights, z-loss and scale are per-row scalars, always allowed). kCap: softcap. kGeneral:
-// softcap and label smoothing decided at run time (smoothing needs Σω·a and ω_j per element).
-enum Mode : int { kPlain = 0, kCap = 1, kGeneral = 2 };
+// (Mode, kLog2e, ex2, neg_inf, qnan and prob: ce_memory.cuh, shared with the
+// vocabulary-parallel kernels.)
 
 // Everything a row kernel needs, resolved on the host (make_params) in the same way for forward
 // and backward, so that both compute the same gradient bits.
@@ -106,14 +102,6 @@ __device__ __forceinline__ void pdl_wait() {
 }
 
 // ------------------------------------------------------------------- the math ----
-__device__ __forceinline__ float ex2(float x) {  // 2^x (results below 2^-126 flush to 0)
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
-__device__ __forceinline__ float qnan() { return __int_as_float(0x7fffffff); }
-
 // docs/semantics.md steps 1-2: a = s·z, or a = c·tanh(s·z/c) with t = tanh(s·z/c) kept for the factor 1 − t².
 template <int MODE>
 __device__ __forceinline__ float xform(float z, const KParams& p, float& t) {
@@ -337,15 +325,6 @@ struct RowVals {
 };
 __device__ __forceinline__ float row_lse(const Partial& f) {
   return f.m == -neg_inf() ? f.m : __fadd_rn(f.m, logf(f.s));
-}
-// p_j = exp((a_j − m) − ls): m and ls apart (rule 9), never through the rounded lse. As
-// 2^((a − m)·log2e − ls·log2e) with one fused multiply-add: (a − m) is exact or rounded once,
-// ls·log2e (|ls| ≤ log V) is rounded once per row, so the exponent's error stays within a few
-// 1e-7 of its size, as with ((a − m) − ls)·log2e, for one instruction less per element (the
-// row's ls·log2e is hoisted out of the loops). vp_kernels.cu's token-scaling factor uses the
-// same expression.
-__device__ __forceinline__ float prob(float a, float m, float ls) {
-  return ex2(__fmaf_rn(__fsub_rn(a, m), kLog2e, -__fmul_rn(ls, kLog2e)));
 }
 __device__ __forceinline__ RowVals make_row_vals(const KParams& p, const RowInfo& ri, float m,
                                                  float ls, float lse) {

@@ -1,4 +1,5 @@
-// ce_memory.cuh — how the cross-entropy row kernels (ce_kernels.cu) read and write a row: dtype
+// ce_memory.cuh — how the cross-entropy row kernels (ce_kernels.cu) read and write a row (and the
+// few math helpers every CE and vocabulary-parallel kernel shares: Mode, ex2, prob): dtype
 // traits, element conversions, and 16-byte vector loads and stores that never touch a byte
 // outside [row, row + V) (the ≤ 2 partial vectors of a row go element by element). The vector
 // split itself (is_full, grad_vec_ok on addresses) is in ce_geometry.cuh, shared with the host.
@@ -20,6 +21,34 @@
 namespace fce {
 namespace cuda {
 namespace {
+
+// ------------------------------------------------------------- the shared math ----
+// The feature set a kernel is compiled for (the CE and the vocabulary-parallel kernels alike).
+// kPlain: no softcap and no label smoothing (class weights, z-loss and scale are per-row
+// scalars, always allowed). kCap: softcap. kGeneral: softcap and label smoothing decided at
+// run time (smoothing needs Σω·a and ω_j per element).
+enum Mode : int { kPlain = 0, kCap = 1, kGeneral = 2 };
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+__device__ __forceinline__ float ex2(float x) {  // 2^x (results below 2^-126 flush to 0)
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+__device__ __forceinline__ float pos_inf() { return __int_as_float(0x7f800000); }
+__device__ __forceinline__ float qnan() { return __int_as_float(0x7fffffff); }
+
+// p_j = exp((a_j − m) − ls): m and ls apart (docs/semantics.md rule 9), never through the
+// rounded lse. As 2^((a − m)·log2e − ls·log2e) with one fused multiply-add: (a − m) is exact or
+// rounded once, ls·log2e (|ls| ≤ log V) is rounded once per row, so the exponent's error stays
+// within a few 1e-7 of its size, as with ((a − m) − ls)·log2e, for one instruction less per
+// element (the row's ls·log2e is hoisted out of the loops). Every kernel that needs p (the CE
+// gradient, token scaling, the vocabulary-parallel combine) calls this one.
+__device__ __forceinline__ float prob(float a, float m, float ls) {
+  return ex2(__fmaf_rn(__fsub_rn(a, m), kLog2e, -__fmul_rn(ls, kLog2e)));
+}
 
 // ------------------------------------------------------------------ dtype traits ----
 template <class T> struct Ty;

@@ -150,17 +150,23 @@ std::atomic<signed char> g_pdl[kMaxDevices];  // 0 unknown, 1 yes, −1 no
 
 bool pdl_supported() {
   if (!overrides().pdl) return false;
-  DeviceInfo dev;
-  if (device_info("pdl_supported", &dev) != FCE_SUCCESS) {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
     (void)cudaGetLastError();
     return false;
   }
-  if (dev.device >= 0 && dev.device < kMaxDevices) {
-    const signed char v = g_pdl[dev.device].load(std::memory_order_relaxed);
+  const bool cached = device >= 0 && device < kMaxDevices;
+  if (cached) {
+    const signed char v = g_pdl[device].load(std::memory_order_relaxed);
     if (v != 0) return v > 0;
-    g_pdl[dev.device].store(dev.major >= 9 ? 1 : -1, std::memory_order_relaxed);
   }
-  return dev.major >= 9;
+  int major = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  if (cached) g_pdl[device].store(major >= 9 ? 1 : -1, std::memory_order_relaxed);
+  return major >= 9;
 }
 
 bool reg_config(int64_t vocab, int elem_bytes, int lead_max, int max_k, int min_k, RegConfig* c) {

@@ -83,6 +83,32 @@ struct CeRowsArgs {
   // fce_backward): launched as its programmatic dependent on sm_90 (ce_device.cuh, pdl_trigger).
   bool after_denominators;
 };
+// A launch over all `rows` rows of a [rows, vocab] problem whose logits and gradient are
+// opt.dtype (fce_forward / fce_backward / fce_backward_rescale, fce_vp_backward); the caller
+// sets what else it needs (outputs, lse_in / stats_in, a column slice, rescale, ...).
+inline CeRowsArgs all_rows_args(const char* fn, const CeOptions& opt, int64_t rows, int64_t vocab,
+                                const void* logits, int64_t row_stride, void* grad,
+                                int64_t grad_row_stride, const void* targets,
+                                const CeDenoms* denoms, const float* grad_output) {
+  CeRowsArgs a{};
+  a.fn = fn;
+  a.opt = opt;
+  a.vocab = vocab;
+  a.total_rows = rows;
+  a.row_begin = 0;
+  a.row_count = rows;
+  a.logits = logits;
+  a.logits_dtype = opt.dtype;
+  a.row_stride = row_stride;
+  a.grad = grad;
+  a.grad_dtype = opt.dtype;
+  a.grad_row_stride = grad_row_stride;
+  a.targets = targets;
+  a.denoms = denoms;
+  a.grad_output = grad_output;
+  return a;
+}
+
 // Supported (logits_dtype, grad_dtype): (f32, f32), (f16, f16), (bf16, bf16), (f32, f16),
 // (f32, bf16); without a gradient any logits dtype. Backward (lse_in or stats_in) needs grad and
 // writes only the gradient (and error_flags). Rows shorter than 512 KB (64 KB on sm_80) take the

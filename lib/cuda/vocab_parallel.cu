@@ -166,24 +166,11 @@ fce_status cuda_vp(const VpProblem& p) {
   FCE_TRY(cuda::launch_vp_combine(c, stream));
 
   // ---- 3. the shard's gradient: the backward row kernel on a column slice of the vocabulary
-  cuda::CeRowsArgs a{};
-  a.fn = fn;
-  a.opt = opt;
-  a.vocab = p.vocab_local;
+  cuda::CeRowsArgs a =
+      cuda::all_rows_args(fn, opt, p.rows, p.vocab_local, p.logits, p.row_stride, p.grad,
+                          p.grad_row_stride, p.targets, denoms, p.grad_output);
   a.vocab_total = p.vocab_total;
   a.col_begin = p.vocab_start;
-  a.total_rows = p.rows;
-  a.row_begin = 0;
-  a.row_count = p.rows;
-  a.logits = p.logits;
-  a.logits_dtype = opt.dtype;
-  a.row_stride = p.row_stride;
-  a.grad = p.grad;
-  a.grad_dtype = opt.dtype;
-  a.grad_row_stride = p.grad_row_stride;
-  a.targets = p.targets;
-  a.denoms = denoms;
-  a.grad_output = p.grad_output;
   a.stats_in = stats;
   a.error_flags = p.error_flags;
   FCE_TRY(cuda::launch_ce_rows(a, stream));

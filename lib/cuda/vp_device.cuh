@@ -29,22 +29,10 @@ constexpr int kStatsThreads = 512;     // most threads of a phase-1 CTA (one row
 constexpr int kStatsUnroll = 4;        // vectors in flight per thread (plain / softcap)
 constexpr int kCombineThreads = 256;
 constexpr int kWeightThreads = 1024;
-constexpr float kLog2e = 1.4426950408889634f;
-
-// kPlain: no softcap, no label smoothing; kCap: softcap; kGeneral: both decided at run time.
-enum Mode : int { kPlain = 0, kCap = 1, kGeneral = 2 };
 
 // The dtype traits and the 16-byte row reads (Ty, vec_elems, raw_to_float, unpack, ld_elem,
-// load_vector, is_full) are ce_memory.cuh's / ce_geometry.cuh's, the CE kernels' own.
-
-__device__ __forceinline__ float ex2(float x) {  // 2^x (results below 2^-126 flush to 0)
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
-__device__ __forceinline__ float pos_inf() { return __int_as_float(0x7f800000); }
-__device__ __forceinline__ float qnan() { return __int_as_float(0x7fffffff); }
+// load_vector, is_full), Mode, kLog2e, ex2, the infinities, qnan and prob are ce_memory.cuh's /
+// ce_geometry.cuh's, the CE kernels' own.
 
 // Everything a phase-1 CTA needs, resolved on the host.
 struct SParams {

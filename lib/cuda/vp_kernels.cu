@@ -265,8 +265,7 @@ __global__ void __launch_bounds__(kCombineThreads) vp_combine_kernel(const CPara
         sum_local != p.vocab_total || duplicate || (kind == kValid && H != 1.f);
     const float wy = kind == kValid ? (p.class_weights ? p.class_weights[y] : 1.f) : 0.f;
     const float ts = (p.token_scaling && kind == kValid)
-                         ? ex2(__fmaf_rn(__fsub_rn(T, M), kLog2e, -__fmul_rn(ls, kLog2e)))
-                         : 1.f;  // ce_device.cuh's prob(T, M, ls), the same bits
+                         ? prob(T, M, ls) : 1.f;
     if (inconsistent) {
       lse = qnan();
       flags |= FCE_FLAG_SHARDS_INCONSISTENT;
