@@ -17,12 +17,13 @@ ALL_SETTINGS = {"default": {}, "twopass": {"FCE_CUDA_CE_PATH": "twopass"},
                 "pf0": {"FCE_CUDA_CE_PREFETCH": "0"}, "pf0.25": {"FCE_CUDA_CE_PREFETCH": "0.25"},
                 "pf0.5": {"FCE_CUDA_CE_PREFETCH": "0.5"}, "pf0.75": {"FCE_CUDA_CE_PREFETCH": "0.75"},
                 "pf1": {"FCE_CUDA_CE_PREFETCH": "1"}, "pf2": {"FCE_CUDA_CE_PREFETCH": "2"},
-                "xmbar0": {"FCE_CUDA_CE_XMBAR": "0"}, "pdl0": {"FCE_CUDA_CE_PDL": "0"},
+                "xmbar0": {"FCE_CUDA_CE_XMBAR": "0"}, "bulk0": {"FCE_CUDA_CE_BULK": "0"},
+                "bulk2": {"FCE_CUDA_CE_BULK": "2"}, "pdl0": {"FCE_CUDA_CE_PDL": "0"},
                 "persist": {"FCE_CUDA_CE_PERSIST": "1", "FCE_CUDA_CE_PREFETCH": "0"},
                 "persist+pf": {"FCE_CUDA_CE_PERSIST": "1", "FCE_CUDA_CE_PREFETCH": "1"}}
 SETTINGS = "default,twopass,k>=2,k>=4,k=8"
-# FUSEDCE_LIBRARY_B=path: also time that library (setting "libB", defaults otherwise) for an A/B
-# of two builds in one run
+# FUSEDCE_LIBRARY_B=path[:path...]: also time those libraries (settings "libB", "libC", ...,
+# defaults otherwise) for an A/B of builds in one run
 
 
 def child(shapes):
@@ -59,9 +60,10 @@ def main():
         return child(args.child)
     rows = {}
     names = args.settings.split(",")
-    if os.environ.get("FUSEDCE_LIBRARY_B"):
-        ALL_SETTINGS["libB"] = {"FUSEDCE_LIBRARY": os.environ["FUSEDCE_LIBRARY_B"]}
-        names.append("libB")
+    # FUSEDCE_LIBRARY_B=path[:path...]: also time those builds (settings libB, libC, ...)
+    for i, path in enumerate(filter(None, os.environ.get("FUSEDCE_LIBRARY_B", "").split(":"))):
+        ALL_SETTINGS["lib" + "BCDEFG"[i]] = {"FUSEDCE_LIBRARY": path}
+        names.append("lib" + "BCDEFG"[i])
     for name in names:
         env = ALL_SETTINGS[name]
         r = subprocess.run([sys.executable, __file__, "--child", args.shapes], capture_output=True,
@@ -70,8 +72,8 @@ def main():
             print(name, "failed:", r.stderr[-2000:])
             continue
         rows[name] = json.loads(r.stdout.strip().splitlines()[-1])
-    print("fwd ms / fwd+grad ms (fwd+grad % of copy) per setting; * = gradient bits differ from the default's")
-    print("shape".ljust(20) + "".join(n.ljust(26) for n in rows))
+    print("fwd ms / fwd+grad ms (fwd % / fwd+grad % of copy) per setting; * = gradient bits differ from the default's")
+    print("shape".ljust(20) + "".join(n.ljust(30) for n in rows))
     for s in args.shapes.split(","):
         ref = rows["default"][s][2] if "default" in rows else None
         N, V, dt = s.split("x")
@@ -80,7 +82,8 @@ def main():
         def cell(n):
             fw, fg, bits = rows[n][s]
             pct = 100 * nbytes / (rows[n]["copy_tbps"] * 1e12) / (fg * 1e-3)
-            return (f"{fw:.3f}/{fg:.3f} ({pct:.1f})" + ("*" if ref is not None and bits != ref else "")).ljust(26)
+            pf = 100 * nbytes / 2 / (rows[n]["copy_tbps"] * 1e12) / (fw * 1e-3)
+            return (f"{fw:.3f}/{fg:.3f} ({pf:.1f}/{pct:.1f})" + ("*" if ref is not None and bits != ref else "")).ljust(30)
         print(s.ljust(20) + "".join(cell(n) for n in rows))
     print(json.dumps(rows))
 

@@ -30,6 +30,16 @@ constexpr int64_t kMaxRowsPerLaunch = int64_t(1) << 27;  // × 8 CTAs stays belo
 // The register path's L2 prefetch distance, in waves of resident rows (FCE_CUDA_CE_PREFETCH
 // overrides it; 0 = none): each CTA asks the L2 for its slice of the row that far ahead.
 constexpr float kDefaultPrefetchWaves = 0.25f;
+// The forward-only bulk-copy kernel of sm_90 (ce_bulk.cuh): one CTA per SM of a producer warp,
+// kBulkConsumerWarps consumer warps and a finisher warp, a ring of kBulkStages chunks of kBulkChunkBytes in
+// shared memory (64 KB × 3 measured best on an H100 among 16×12, 32×6, 40×5, 48×4 and 64×3:
+// fewer, larger copies; bench/NOTES.md); rows shorter than kBulkMinRowBytes keep the register
+// path.
+constexpr int kBulkConsumerWarps = 8;
+constexpr int kBulkChunkBytes = 64 << 10;
+constexpr int kBulkStages = 3;
+constexpr int64_t kBulkMinRowBytes = 16 << 10;
+constexpr int kBulkThreadsHost = 32 * (2 + kBulkConsumerWarps);  // (ce_bulk.cuh: kBulkThreads)
 static_assert(kRegVecsPerCta * 16 == 64 * 1024, "a register-path CTA holds 64 KB of its row");
 static_assert(kRegMaxVocab < (int64_t(1) << 30), "register path indexes elements with int32");
 static_assert(kRegThreads % 32 == 0 && kTwoPassThreads % 32 == 0 && kBackwardThreads % 32 == 0,
@@ -155,6 +165,7 @@ enum class RowsPath {
   kBackward,   // ce_rows_stream_kernel<…, BWD = true>: lse_in / stats_in given
   kRegisters,  // ce_rows_regs_kernel in clusters of RowsChoice::rc.k CTAs of rc.threads
   kTwoPass,    // ce_rows_stream_kernel<…, BWD = false>
+  kBulk,       // ce_rows_bulk_kernel (forward only, sm_90), RowsChoice::wave_rows CTAs at most
 };
 struct RowsQuery {
   bool backward;            // lse_in or stats_in given
@@ -166,12 +177,14 @@ struct RowsQuery {
   int slot;                 // (dtype pair) · 3 + mode: the occupancy cache's cell of the kernel
   const void* regs_kernel;       // ce_rows_regs_kernel<TZ, TG, mode, false>, for occupancy queries
   const void* regs_loop_kernel;  // ce_rows_regs_kernel<TZ, TG, mode, true>
+  const void* bulk_kernel;       // ce_rows_bulk_kernel<TZ, mode> (forward only), or nullptr
 };
 struct RowsChoice {
   RowsPath path;
   RegConfig rc;             // kRegisters: the cluster size and the threads per CTA
   bool persistent;          // kRegisters: the LOOP kernel over at most wave_rows clusters
-  int64_t wave_rows;        // kRegisters: rows (clusters) resident at once on this device
+  int64_t wave_rows;        // kRegisters: rows (clusters) resident at once on this device;
+                            // kBulk: the CTAs of the grid (one per SM)
   int64_t prefetch_rows;    // kRegisters: KParams::prefetch_rows (0 = no prefetch)
   bool xmbar;               // kRegisters: KParams::xmbar_ok
 };

@@ -33,6 +33,11 @@
 //   * Backward (ce_rows_stream_kernel<…, BWD = true>): the saved lse makes every element
 //     independent: one streaming pass with per-row constants; ignored and invalid rows are
 //     written without being read.
+//   * Forward without a gradient on sm_90, rows of 16 KB or more (ce_rows_bulk_kernel,
+//     ce_bulk.cuh): a pure read stream; one persistent CTA per SM keeps three 64 KB bulk copies
+//     of its rows in flight through a shared-memory ring (a producer warp, 8 consumer warps, a
+//     finisher warp for the row ends), 90-101 % of copy from N = 16384 where the register and
+//     two-pass kernels gave 63-93 % (bench/NOTES.md, "Issue 8").
 // Correctness rules kept by construction:
 //   * Row starts need not be 16-byte aligned (odd V, any stride): vector v of a row covers
 //     elements [v·E − lead, v·E − lead + E), lead = (row address mod 16) / e. Vectors inside
@@ -66,6 +71,7 @@
 
 #include <cstdint>
 
+#include "cuda/ce_bulk.cuh"
 #include "cuda/ce_device.cuh"
 #include "cuda/ce_geometry.cuh"
 #include "cuda/ce_rows.cuh"
@@ -476,15 +482,17 @@ template <class K> const void* kernel_address(K* kernel) {
   return reinterpret_cast<const void*>(kernel);
 }
 
-// One launch of a row kernel: `grid` CTAs of `threads`, in clusters of k when k > 1, as a
-// programmatic dependent of the kernel before it when q.pdl.
+// One launch of a row kernel: `grid` CTAs of `threads` (and `smem` bytes of dynamic shared
+// memory), in clusters of k when k > 1, as a programmatic dependent of the kernel before it when
+// q.pdl.
 template <class K>
 fce_status launch_rows_kernel(const char* fn, const char* what, K* kernel, int64_t grid,
-                              int threads, int k, const KParams& q, cudaStream_t s) {
+                              int threads, int k, const KParams& q, cudaStream_t s, int smem = 0) {
   cudaLaunchConfig_t cfg;
   cudaLaunchAttribute attrs[2];
   make_launch(static_cast<unsigned>(grid), static_cast<unsigned>(threads), k, q.pdl != 0, s, &cfg,
               attrs);
+  cfg.dynamicSmemBytes = static_cast<size_t>(smem);
   const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, q);
   if (e != cudaSuccess) {
     (void)cudaGetLastError();
@@ -516,6 +524,12 @@ template <class TZ, class TG, bool LOOP> const void* regs_kernel(int mode) {
                         : kernel_address(ce_rows_regs_kernel<TZ, TG, kGeneral, LOOP>);
 }
 
+template <class TZ> const void* bulk_kernel(int mode) {
+  return mode == kPlain ? kernel_address(ce_rows_bulk_kernel<TZ, kPlain>)
+       : mode == kCap   ? kernel_address(ce_rows_bulk_kernel<TZ, kCap>)
+                        : kernel_address(ce_rows_bulk_kernel<TZ, kGeneral>);
+}
+
 template <class TZ, class TG>
 fce_status launch_rows_typed(const CeRowsArgs& a, KParams p, int pair, cudaStream_t s) {
   constexpr int E = vec_elems<TZ>();
@@ -534,6 +548,7 @@ fce_status launch_rows_typed(const CeRowsArgs& a, KParams p, int pair, cudaStrea
   rq.slot = pair * 3 + mode;
   rq.regs_kernel = regs_kernel<TZ, TG, false>(mode);
   rq.regs_loop_kernel = regs_kernel<TZ, TG, true>(mode);
+  rq.bulk_kernel = a.grad ? nullptr : bulk_kernel<TZ>(mode);
   RowsChoice choice;
   FCE_TRY(choose_rows_path(a.fn, rq, &choice));
   const RegConfig& rc = choice.rc;
@@ -555,6 +570,14 @@ fce_status launch_rows_typed(const CeRowsArgs& a, KParams p, int pair, cudaStrea
                               mode == kPlain ? ce_rows_stream_kernel<TZ, TG, kPlain, true>
                                              : ce_rows_stream_kernel<TZ, TG, kGeneral, true>,
                               n, static_cast<int>(threads), 1, q, s);
+    } else if (choice.path == RowsPath::kBulk) {
+      q.rows_in_launch = n;
+      const int64_t grid = n < choice.wave_rows ? n : choice.wave_rows;
+      st = launch_rows_kernel(a.fn, "ce_rows_bulk_kernel",
+                              mode == kPlain ? ce_rows_bulk_kernel<TZ, kPlain>
+                              : mode == kCap ? ce_rows_bulk_kernel<TZ, kCap>
+                                             : ce_rows_bulk_kernel<TZ, kGeneral>,
+                              grid, kBulkThreads, 1, q, s, kBulkStages * kBulkChunkBytes);
     } else if (choice.path == RowsPath::kRegisters) {
       q.cluster_log2 = cluster_log2(rc.k);
       q.rows_in_launch = n;

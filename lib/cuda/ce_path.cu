@@ -30,7 +30,8 @@ namespace {
 // FCE_CUDA_CE_PREFETCH = the register path's L2 prefetch distance in waves of resident rows
 // (0 = none), FCE_CUDA_CE_PERSIST = 1: the forward's register path runs persistent too,
 // FCE_CUDA_CE_XMBAR = 0: cluster barriers for the exchange, FCE_CUDA_CE_PDL = 0: no programmatic
-// dependent launches.
+// dependent launches, FCE_CUDA_CE_BULK = 0: no forward-only bulk-copy kernel (ce_bulk.cuh), 2: it
+// for rows of any length.
 struct Overrides {
   int path = 0;  // 0 auto, 1 regs (same as auto when the row fits), 2 twopass
   int min_cluster = 1;
@@ -38,6 +39,8 @@ struct Overrides {
   int persist = 0;
   int xmbar = 1;  // FCE_CUDA_CE_XMBAR=0: clusters exchange through cluster barriers only
   int pdl = 1;    // FCE_CUDA_CE_PDL=0: no programmatic dependent launches
+  int bulk = 1;   // FCE_CUDA_CE_BULK=0: forward-only rows keep the register / two-pass kernels;
+                  // 2: the bulk kernel for rows of any length (tests: every shape runs it)
 };
 const Overrides& overrides() {
   static const Overrides o = [] {
@@ -57,6 +60,7 @@ const Overrides& overrides() {
     if (const char* s = getenv("FCE_CUDA_CE_PERSIST")) r.persist = atoi(s) == 1;
     if (const char* s = getenv("FCE_CUDA_CE_XMBAR")) r.xmbar = atoi(s) != 0;
     if (const char* s = getenv("FCE_CUDA_CE_PDL")) r.pdl = atoi(s) != 0;
+    if (const char* s = getenv("FCE_CUDA_CE_BULK")) r.bulk = atoi(s);
     return r;
   }();
   return o;
@@ -146,6 +150,36 @@ int64_t wave_rows(const DeviceInfo& dev, const void* kernel, int slot, bool loop
 
 std::atomic<signed char> g_pdl[kMaxDevices];  // 0 unknown, 1 yes, −1 no
 
+// The CTAs of a bulk-kernel grid on this device (one per SM), or 0 when the kernel cannot run
+// here: not compiled for sm_90 (compute_80 PTX JIT-compiled on a Hopper has an empty body), or
+// its shared memory (the ring, opted in here once per device and kernel) does not fit. Asked
+// once per (device, kernel) and remembered.
+std::atomic<int> g_bulk[kMaxDevices][kKernelSlots];  // 0 unknown, −1 no, else the SM count
+
+int bulk_ctas(const DeviceInfo& dev, const void* kernel, int slot) {
+  if (dev.major < 9 || !kernel) return 0;
+  std::atomic<int>* cell = nullptr;
+  if (dev.device >= 0 && dev.device < kMaxDevices && slot >= 0 && slot < kKernelSlots) {
+    cell = &g_bulk[dev.device][slot];
+    const int v = cell->load(std::memory_order_relaxed);
+    if (v != 0) return v > 0 ? v : 0;
+  }
+  int sms = 0, per_sm = 0;
+  cudaFuncAttributes fa{};
+  const int ring = kBulkStages * kBulkChunkBytes;
+  bool ok = cudaFuncGetAttributes(&fa, kernel) == cudaSuccess && fa.ptxVersion >= 90 &&
+            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ring) ==
+                cudaSuccess &&
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kBulkThreadsHost, ring) ==
+                cudaSuccess &&
+            per_sm >= 1 &&
+            cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev.device) == cudaSuccess &&
+            sms > 0;
+  (void)cudaGetLastError();  // a failed query only means "not here"
+  if (cell) cell->store(ok ? sms : -1, std::memory_order_relaxed);
+  return ok ? sms : 0;
+}
+
 }  // namespace
 
 bool pdl_supported() {
@@ -203,10 +237,22 @@ fce_status choose_rows_path(const char* fn, const RowsQuery& q, RowsChoice* out)
   out->wave_rows = 0;
   out->prefetch_rows = 0;
   out->xmbar = overrides().xmbar != 0;
-  // Forward without a gradient reads each row once whatever the path; on rows of 128 KB or
-  // more the streaming kernel (many loads in flight, no register-resident slice to drain)
-  // measured faster on an H100 (bench/NOTES.md: 16384×128256 bf16 1.50 ms against 1.76 ms),
-  // on shorter rows the register path (32768×32000 bf16 0.76 ms against 1.02 ms).
+  // Forward only on sm_90, rows of 16 KB or more: the bulk-copy kernel (ce_bulk.cuh), which keeps
+  // a ring of chunks in flight on every SM.
+  if (!q.backward && !q.with_grad && !q.rescale && overrides().bulk && overrides().path == 0 &&
+      (q.vocab * q.elem_bytes >= kBulkMinRowBytes || overrides().bulk == 2)) {
+    const int ctas = bulk_ctas(dev, q.bulk_kernel, q.slot);
+    if (ctas > 0) {
+      out->path = RowsPath::kBulk;
+      out->wave_rows = ctas;
+      return FCE_SUCCESS;
+    }
+  }
+  // Forward without a gradient elsewhere (sm_80, short rows, FCE_CUDA_CE_BULK=0) reads each row
+  // once whatever the path; on rows of 128 KB or more the streaming kernel (many loads in
+  // flight, no register-resident slice to drain) measured faster on an H100 (bench/NOTES.md:
+  // 16384×128256 bf16 1.50 ms against 1.76 ms), on shorter rows the register path
+  // (32768×32000 bf16 0.76 ms against 1.02 ms).
   const bool long_forward_only = !q.with_grad && q.vocab * q.elem_bytes >= (int64_t{128} << 10);
   const bool prefer_stream = overrides().path == 2 || (long_forward_only && overrides().path != 1);
   if (!q.backward && !prefer_stream) {

@@ -1,0 +1,356 @@
+// ce_bulk.cuh — the forward-only row kernel of sm_90 (ce_rows_bulk_kernel): a row's loss, lse,
+// z-loss, statistics and argmax without a gradient, with the logits streamed through shared
+// memory by bulk copies (cp.async.bulk, the TMA engine) instead of loaded by the threads.
+//
+// Why. Without a gradient each logit is read once and nothing is written but a few floats per
+// row, so the kernel is a pure read stream and should run at the copy bandwidth. The register
+// path (ce_kernels.cu) loads a CTA's slice, reduces it, exchanges and exits: between the last
+// load of one CTA and the first of the next on that SM no bytes are in flight, which measured
+// 45-88 % of copy on rows up to 128 KB (bench/NOTES.md, "Issue 8"); the two-pass kernel's first
+// pass keeps 64 KB in flight per SM with loads the threads issue, 84-94 % on longer rows. Here a
+// persistent CTA per SM keeps kBulkStages chunks of kBulkChunkBytes in flight all the time:
+//   * warp 0 (the producer) walks the CTA's rows (blockIdx.x, + gridDim.x, …) 32 at a time: its
+//     lanes read each row's target, target logit, smoothing reference and ≤ 2 partial end
+//     vectors (their stalls delay only the copies issued ahead, never the consumers), then
+//     lane 0 copies the rows' whole 16-byte vectors, chunk by chunk, into a ring of stages, each with a "full"
+//     mbarrier completed by the copy's transaction bytes and an "empty" one the consumers
+//     arrive on; the row's facts ride in the stage's BulkStage record;
+//   * warps 1..kBulkConsumerWarps (the consumers) fold each chunk into their online (max, Σexp
+//     [, Σω·a]) partials with online_vector (ce_device.cuh, as every forward kernel), release
+//     the stage, and at a row's last chunk reduce over the consumer warps (a named barrier; two
+//     alternating scratch sets so that no second barrier is needed) and write the row's outputs
+//     (write_row_outputs, write_argmax_outputs: the same code as the other forward kernels).
+// The per-thread order of a row's vectors is increasing (the partial first vector before the
+// chunks, the partial last one after), which the argmax tracking needs. A row with a NaN or
+// +inf (Σexp NaN) scans its elements again from global memory for the argmax, as the other
+// kernels do. Deterministic: the chunking, the thread of each vector and the reduction trees
+// depend only on V and the row's alignment. Graph-capturable: no allocation, no host sync.
+//
+// Chosen by choose_rows_path (ce_path.cu) for a forward without a gradient on sm_90 with rows of
+// at least kBulkMinRowBytes; FCE_CUDA_CE_BULK=0 turns it off (measurement).
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/ce_device.cuh"
+#include "cuda/ce_geometry.cuh"
+
+namespace fce {
+namespace cuda {
+namespace {
+
+constexpr int kBulkThreads = kBulkThreadsHost;
+constexpr int kBulkConsumers = 32 * kBulkConsumerWarps;
+constexpr int kBulkChunkVecs = kBulkChunkBytes / 16;
+static_assert(kBulkChunkBytes % 16 == 0, "bulk copies move whole 16-byte vectors");
+
+// What the producer tells the consumers about a stage: the chunk, and its row's facts.
+struct BulkStage {
+  int64_t lrow;    // row of this launch
+  int v_begin;     // the chunk's first vector (index among the row's vectors)
+  int nv;          // whole vectors in the chunk
+  int lead;        // elements of the row's first vector before the row
+  int flags;       // kFirst | kLast | kHead | kTail | kDone
+  float c;         // smoothing reference (general mode)
+  RowInfo info;
+  uint4 head, tail;  // the row's partial first / last vectors (in-row elements only)
+};
+constexpr int kStFirst = 1, kStLast = 2, kStHead = 4, kStTail = 8, kStDone = 16;
+
+// A finished row's per-thread partials (and argmax candidates), for the finisher warp.
+struct RowEnd {
+  Partial part[kBulkConsumers];
+  int am[kBulkConsumers];
+  RowInfo info;
+  int64_t lrow;
+  float c;
+  int lead;
+};
+
+struct BulkShared {
+  BulkStage st[kBulkStages];
+  BulkStage batch[32];  // the producer warp's next rows
+  RowEnd end[2];        // rows alternate between the two
+  uint64_t full[kBulkStages];
+  uint64_t empty[kBulkStages];
+  uint64_t red_full[2];   // the consumer warps have stored a row's partials
+  uint64_t red_empty[2];  // the finisher has read them
+};
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void bulk_mbar_init(uint64_t* bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+// Waits for the phase of `parity` of a CTA-local mbarrier to complete, the thread suspended
+// (up to a 1 ms hint per try) rather than spinning: the waiting producer and finisher warps
+// take no issue slots from the consumers. (The consumers wait with mbar_wait, no hint.)
+__device__ __forceinline__ void bulk_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t done;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2, %3;\n"
+        " selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done) : "r"(smem_addr(bar)), "r"(parity), "r"(1000000u) : "memory");
+  } while (!done);
+}
+__device__ __forceinline__ void bulk_mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+// `bytes` from global `src` into shared `dst`, completing on `bar` (both 16-byte aligned).
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+      ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
+}
+#endif
+
+// The facts of row lrow (of this launch) a stage carries, and its chunking (nch chunks of the
+// whole vectors [fv0, fv0 + nfull)); the global reads of a row other than its whole vectors.
+template <class TZ, int MODE>
+__device__ __forceinline__ void bulk_row_facts(const KParams& p, int64_t lrow, BulkStage& b) {
+  constexpr int E = vec_elems<TZ>();
+  constexpr int eb = Ty<TZ>::kBytes;
+  const int V = p.vocab;
+  const char* zrow = p.logits + lrow * p.z_row_bytes;
+  b.lrow = lrow;
+  b.flags = 0;
+  b.lead = static_cast<int>((reinterpret_cast<uintptr_t>(zrow) & 15) / eb);
+  const int nvec = (b.lead + V + E - 1) / E;
+  const int fv0 = b.lead ? 1 : 0;
+  const int fv1 = (b.lead + V) / E;  // past the last whole vector
+  b.v_begin = fv0;
+  b.nv = fv1 > fv0 ? fv1 - fv0 : 0;  // here: the row's whole vectors (all chunks)
+  if (b.lead) {
+    b.flags |= kStHead;
+    b.head = load_vector<TZ, kStreaming>(zrow, -b.lead, false, V);
+  }
+  if (fv1 < nvec && fv1 >= fv0) {  // a partial last vector that is not the first one
+    b.flags |= kStTail;
+    b.tail = load_vector<TZ, kStreaming>(zrow, fv1 * E - b.lead, false, V);
+  }
+  b.c = smoothing_reference<TZ, MODE>(p, zrow);
+  b.info = load_row_info<TZ, MODE>(p, p.row_begin + lrow, zrow, true);
+}
+
+// The producer warp: its 32 lanes read the facts of the CTA's next 32 rows at once (into
+// sh.batch; their load latencies overlap instead of adding up row after row), then lane 0
+// copies those rows chunk by chunk into the ring; after the last row a kDone stage.
+template <class TZ, int MODE>
+__device__ __forceinline__ void bulk_produce(const KParams& p, BulkShared& sh, char* ring) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int eb = Ty<TZ>::kBytes;
+  const int lane = threadIdx.x & 31;
+  uint32_t it = 0;  // stages issued (lane 0)
+  // the stage `it` once free: its record, filled by the caller, goes out with its copy
+  auto next_stage = [&]() -> int {
+    const int s = static_cast<int>(it % kBulkStages);
+    if (it >= kBulkStages) bulk_wait(&sh.empty[s], ((it / kBulkStages) - 1) & 1);
+    return s;
+  };
+  for (int64_t base = blockIdx.x; base < p.rows_in_launch; base += int64_t(32) * gridDim.x) {
+    const int64_t mine = base + int64_t(lane) * gridDim.x;
+    if (mine < p.rows_in_launch) bulk_row_facts<TZ, MODE>(p, mine, sh.batch[lane]);
+    __syncwarp();
+    if (lane == 0) {
+      for (int l = 0; l < 32 && base + int64_t(l) * gridDim.x < p.rows_in_launch; ++l) {
+        const BulkStage& b = sh.batch[l];
+        const char* zrow = p.logits + b.lrow * p.z_row_bytes;
+        const int nfull = b.nv;
+        int nch = (nfull + kBulkChunkVecs - 1) / kBulkChunkVecs;
+        if (nch < 1) nch = 1;  // a row inside one or two partial vectors: one empty chunk
+        for (int ch = 0; ch < nch; ++ch) {
+          const int s = next_stage();
+          BulkStage& d = sh.st[s];
+          d = b;
+          d.v_begin = b.v_begin + ch * kBulkChunkVecs;
+          d.nv = nfull - ch * kBulkChunkVecs < kBulkChunkVecs ? nfull - ch * kBulkChunkVecs
+                                                               : kBulkChunkVecs;
+          d.flags = (ch == 0 ? kStFirst | (b.flags & kStHead) : 0) |
+                    (ch == nch - 1 ? kStLast | (b.flags & kStTail) : 0);
+          const uint32_t bytes = static_cast<uint32_t>(d.nv) * 16u;
+          mbar_expect(&sh.full[s], bytes);  // arrives (the stage record is released with it)
+          if (bytes) bulk_copy(ring + size_t(s) * kBulkChunkBytes,
+                               zrow - b.lead * eb + int64_t(d.v_begin) * 16, bytes, &sh.full[s]);
+          ++it;
+        }
+      }
+    }
+    __syncwarp();  // lane 0 has copied the batch's records: sh.batch may be refilled
+  }
+  if (lane == 0) {
+    const int s = next_stage();
+    sh.st[s].flags = kStDone;
+    mbar_expect(&sh.full[s], 0u);
+  }
+#else
+  (void)p, (void)sh, (void)ring;
+#endif
+}
+
+// The consumers (threads 32..): fold the stages, finish each row.
+template <class TZ, int MODE>
+__device__ __forceinline__ void bulk_consume(const KParams& p, BulkShared& sh, const char* ring) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int E = vec_elems<TZ>();
+  constexpr int U = 4;  // vectors read from shared memory before they are folded
+  const int ct = static_cast<int>(threadIdx.x) - 32, lane = ct & 31;
+  const bool want_argmax = p.argmax_out != nullptr || p.row_correct != nullptr;
+  Partial acc = partial_identity();
+  int am = -1;
+  uint32_t nrow = 0;  // rows finished by this CTA
+  for (uint32_t it = 0;; ++it) {
+    const int s = static_cast<int>(it % kBulkStages);
+    mbar_wait(&sh.full[s], (it / kBulkStages) & 1);  // (no suspend hint: measured slower)
+    const BulkStage& b = sh.st[s];
+    const int flags = b.flags;
+    if (flags & kStDone) break;
+    const int lead = b.lead, v_begin = b.v_begin, nv = b.nv;
+    const float c = b.c;
+    if ((flags & kStHead) && ct == 0)  // the row's partial first vector, before the chunks
+      online_vector<TZ, MODE>(b.head, -lead, false, p, c, acc, want_argmax, am);
+    const uint4* sv = reinterpret_cast<const uint4*>(ring + size_t(s) * kBulkChunkBytes);
+    for (int i0 = ct; i0 < nv; i0 += U * kBulkConsumers) {
+      uint4 buf[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int i = i0 + u * kBulkConsumers;
+        buf[u] = i < nv ? sv[i] : make_uint4(0u, 0u, 0u, 0u);
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int i = i0 + u * kBulkConsumers;
+        if (i < nv) online_vector<TZ, MODE>(buf[u], (v_begin + i) * E - lead, true, p, c, acc, want_argmax, am);
+      }
+    }
+    if ((flags & kStTail) && ct == kBulkConsumers - 1) {  // the partial last vector, after them
+      const int j0 = (v_begin + nv) * E - lead;
+      online_vector<TZ, MODE>(b.tail, j0, false, p, c, acc, want_argmax, am);
+    }
+    if (flags & kStLast) {  // the row's end: this thread's partial to the finisher
+      const int slot = nrow & 1;
+      const uint32_t use = nrow >> 1;
+      if (use > 0) bulk_wait(&sh.red_empty[slot], (use - 1) & 1);
+      RowEnd& e = sh.end[slot];
+      e.part[ct] = acc;
+      if (want_argmax) e.am[ct] = am;
+      if (ct == 0) {
+        e.info = b.info;
+        e.lrow = b.lrow;
+        e.c = c;
+        e.lead = lead;
+      }
+      acc = partial_identity();
+      am = -1;
+      ++nrow;
+    }
+    __syncwarp();
+    if (lane == 0) {
+      bulk_mbar_arrive(&sh.empty[s]);  // the stage may be refilled
+      if (flags & kStLast) bulk_mbar_arrive(&sh.red_full[(nrow - 1) & 1]);
+    }
+  }
+#else
+  (void)p, (void)sh, (void)ring;
+#endif
+}
+
+// The finisher warp: each row's kBulkConsumers partials in a fixed order (lane l folds
+// partials 8l … 8l + 7, then the warp tree), its outputs, and the argmax.
+template <class TZ, int MODE>
+__device__ __forceinline__ void bulk_finish(const KParams& p, BulkShared& sh) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int E = vec_elems<TZ>();
+  constexpr bool SW = MODE == kGeneral;
+  constexpr int PER = kBulkConsumers / 32;
+  const int lane = threadIdx.x & 31;
+  const int V = p.vocab;
+  const bool want_argmax = p.argmax_out != nullptr || p.row_correct != nullptr;
+  const int64_t mine = blockIdx.x < p.rows_in_launch
+                           ? (p.rows_in_launch - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
+  for (int64_t k = 0; k < mine; ++k) {
+    const int slot = static_cast<int>(k & 1);
+    bulk_wait(&sh.red_full[slot], static_cast<uint32_t>(k >> 1) & 1);
+    const RowEnd& e = sh.end[slot];
+    Partial f = partial_identity();
+    Partial th[PER];
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      th[i] = e.part[lane * PER + i];
+      combine<SW>(f, th[i].m, th[i].s, th[i].sw);
+    }
+    warp_reduce<SW>(f);
+    const Partial fin = f;
+    uint64_t best = kNoArgmax;
+    if (want_argmax) {
+#pragma unroll
+      for (int i = 0; i < PER; ++i) {
+        const int am = e.am[lane * PER + i];
+        const uint64_t key = (am >= 0 && th[i].m == fin.m)
+                                 ? ((uint64_t(1) << 32) | static_cast<uint32_t>(am)) : kNoArgmax;
+        best = key < best ? key : best;
+      }
+    }
+    const RowInfo ri = e.info;
+    const int64_t lrow = e.lrow;
+    const float c = e.c;
+    const int lead = e.lead;
+    __syncwarp();
+    if (lane == 0) bulk_mbar_arrive(&sh.red_empty[slot]);  // the slot may be refilled
+    const int64_t row = p.row_begin + lrow;
+    const RowVals vals = row_vals(p, ri, fin);
+    if (lane == 0) write_row_outputs<MODE>(p, row, ri, fin, vals, c);
+    if (want_argmax) {
+      if (isnan(fin.s)) {  // a NaN or +inf in the row: scan its elements (ce_device.cuh)
+        best = kNoArgmax;
+        const char* zrow = p.logits + lrow * p.z_row_bytes;
+        const int nvec = (lead + V + E - 1) / E;
+        for (int v = lane; v < nvec; v += 32) {
+          const int j0 = v * E - lead;
+          const uint4 raw = load_vector<TZ, kKeepInL2>(zrow, j0, is_full<int, E>(j0, V), V);
+          argmax_vector<TZ, MODE>(raw, j0, is_full<int, E>(j0, V), p, fin.m, best);
+        }
+      }
+      best = warp_min_u64(best);
+      if (lane == 0) write_argmax_outputs(p, row, ri, best);
+    }
+  }
+#else
+  (void)p, (void)sh;
+#endif
+}
+
+// grid: at most one CTA per SM (kBulkStages · kBulkChunkBytes of dynamic shared memory), each
+// walking rows blockIdx.x, + gridDim.x, … of the launch (p.rows_in_launch).
+template <class TZ, int MODE>
+__global__ void __launch_bounds__(kBulkThreads, 1) ce_rows_bulk_kernel(const KParams p) {
+  pdl_trigger();  // the finalize may start once every CTA has (it waits for our values)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  __shared__ BulkShared sh;
+  extern __shared__ __align__(128) char ring[];
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kBulkStages; ++s) {
+      bulk_mbar_init(&sh.full[s], 1);
+      bulk_mbar_init(&sh.empty[s], kBulkConsumerWarps);
+    }
+    for (int r = 0; r < 2; ++r) {
+      bulk_mbar_init(&sh.red_full[r], kBulkConsumerWarps);
+      bulk_mbar_init(&sh.red_empty[r], 1);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    bulk_produce<TZ, MODE>(p, sh, ring);
+  } else if (threadIdx.x < 32 + kBulkConsumers) {
+    bulk_consume<TZ, MODE>(p, sh, ring);
+  } else {
+    bulk_finish<TZ, MODE>(p, sh);
+  }
+#else
+  (void)p;
+#endif
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace fce
