@@ -18,7 +18,8 @@ ALL_SETTINGS = {"default": {}, "twopass": {"FCE_CUDA_CE_PATH": "twopass"},
                 "pf0.5": {"FCE_CUDA_CE_PREFETCH": "0.5"}, "pf0.75": {"FCE_CUDA_CE_PREFETCH": "0.75"},
                 "pf1": {"FCE_CUDA_CE_PREFETCH": "1"}, "pf2": {"FCE_CUDA_CE_PREFETCH": "2"},
                 "xmbar0": {"FCE_CUDA_CE_XMBAR": "0"}, "bulk0": {"FCE_CUDA_CE_BULK": "0"},
-                "bulk2": {"FCE_CUDA_CE_BULK": "2"}, "pdl0": {"FCE_CUDA_CE_PDL": "0"},
+                "bulk2": {"FCE_CUDA_CE_BULK": "2"}, "bulkgrad": {"FCE_CUDA_CE_BULK_GRAD": "1"},
+                "bulkgrad0": {"FCE_CUDA_CE_BULK_GRAD": "0"}, "pdl0": {"FCE_CUDA_CE_PDL": "0"},
                 "persist": {"FCE_CUDA_CE_PERSIST": "1", "FCE_CUDA_CE_PREFETCH": "0"},
                 "persist+pf": {"FCE_CUDA_CE_PERSIST": "1", "FCE_CUDA_CE_PREFETCH": "1"}}
 SETTINGS = "default,twopass,k>=2,k>=4,k=8"

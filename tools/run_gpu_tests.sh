@@ -42,9 +42,10 @@ suite "linear CE, vocab-sliced plan forced (CUDA)" env FCE_TEST_BACKEND=cuda FCE
   "$BUILD/tests/test_linear_ce"
 suite "tensors past 2^31 elements (CUDA)" env FCE_TEST_BACKEND=cuda FCE_TEST_LARGE=1 \
   "$BUILD/tests/test_ce" --gtest_filter=Ce.CudaLargeOffsets
-# the forward-only bulk-copy kernel (sm_90) on rows of every length, not only those of 16 KB+
-for t in test_ce test_linear_ce test_adversarial; do
-  suite "$t, forward-only bulk kernel on every row (CUDA)" env FCE_TEST_BACKEND=cuda \
+# the bulk-copy kernel (sm_90) on rows of every length, not only those of 16 KB+, and with the
+# gradient (fce_backward_rescale included) wherever a row fits its stage
+for t in test_ce test_linear_ce test_adversarial test_rescale; do
+  suite "$t, bulk kernel on every row (CUDA)" env FCE_TEST_BACKEND=cuda \
     FCE_CUDA_CE_BULK=2 "$BUILD/tests/$t"
 done
 if command -v compute-sanitizer >/dev/null; then
@@ -55,7 +56,7 @@ if command -v compute-sanitizer >/dev/null; then
   for tool in memcheck racecheck; do
     suite "$tool test_ce" env FCE_TEST_BACKEND=cuda compute-sanitizer --tool $tool \
       --error-exitcode 1 "$BUILD/tests/test_ce" --gtest_filter="$ce_filter"
-    suite "$tool test_ce (forward-only bulk kernel on every row)" env FCE_TEST_BACKEND=cuda \
+    suite "$tool test_ce (bulk kernel on every row)" env FCE_TEST_BACKEND=cuda \
       FCE_CUDA_CE_BULK=2 compute-sanitizer --tool $tool --error-exitcode 1 \
       "$BUILD/tests/test_ce" --gtest_filter="$ce_filter"
     suite "$tool test_linear_ce" env FCE_TEST_BACKEND=cuda compute-sanitizer --tool $tool \

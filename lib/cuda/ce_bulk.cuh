@@ -1,6 +1,7 @@
-// ce_bulk.cuh — the forward-only row kernel of sm_90 (ce_rows_bulk_kernel): a row's loss, lse,
-// z-loss, statistics and argmax without a gradient, with the logits streamed through shared
-// memory by bulk copies (cp.async.bulk, the TMA engine) instead of loaded by the threads.
+// ce_bulk.cuh — the bulk-copy row kernel of sm_90 (ce_rows_bulk_kernel): the logits streamed
+// through shared memory by bulk copies (cp.async.bulk, the TMA engine) instead of loaded by the
+// threads. GRAD = false: a row's loss, lse, z-loss, statistics and argmax without a gradient.
+// GRAD = true: the same and the gradient, for rows a register-path CTA cannot hold alone.
 //
 // Why. Without a gradient each logit is read once and nothing is written but a few floats per
 // row, so the kernel is a pure read stream and should run at the copy bandwidth. The register
@@ -8,26 +9,37 @@
 // load of one CTA and the first of the next on that SM no bytes are in flight, which measured
 // 45-88 % of copy on rows up to 128 KB (bench/NOTES.md, "Issue 8"); the two-pass kernel's first
 // pass keeps 64 KB in flight per SM with loads the threads issue, 84-94 % on longer rows. Here a
-// persistent CTA per SM keeps kBulkStages chunks of kBulkChunkBytes in flight all the time:
+// persistent CTA per SM keeps its ring of copies in flight all the time:
 //   * warp 0 (the producer) walks the CTA's rows (blockIdx.x, + gridDim.x, …) 32 at a time: its
 //     lanes read each row's target, target logit, smoothing reference and ≤ 2 partial end
 //     vectors (their stalls delay only the copies issued ahead, never the consumers), then
-//     lane 0 copies the rows' whole 16-byte vectors, chunk by chunk, into a ring of stages, each with a "full"
-//     mbarrier completed by the copy's transaction bytes and an "empty" one the consumers
-//     arrive on; the row's facts ride in the stage's BulkStage record;
+//     lane 0 copies the rows' whole 16-byte vectors, chunk by chunk, into a ring of stages,
+//     each with a "full" mbarrier completed by the copy's transaction bytes and an "empty" one
+//     the consumers arrive on; the row's facts ride in the stage's BulkStage record;
 //   * warps 1..kBulkConsumerWarps (the consumers) fold each chunk into their online (max, Σexp
-//     [, Σω·a]) partials with online_vector (ce_device.cuh, as every forward kernel), release
-//     the stage, and at a row's last chunk reduce over the consumer warps (a named barrier; two
-//     alternating scratch sets so that no second barrier is needed) and write the row's outputs
-//     (write_row_outputs, write_argmax_outputs: the same code as the other forward kernels).
+//     [, Σω·a]) partials with online_vector (ce_device.cuh, as every forward kernel);
+//   * without a gradient (Ring<false>: kBulkStages chunks of kBulkChunkBytes) they release each
+//     stage at once and, at a row's end, hand their per-thread partials to the last warp (the
+//     finisher), which folds them in a fixed order and writes the row's outputs
+//     (write_row_outputs, write_argmax_outputs: the same code as the other forward kernels)
+//     while the consumers go on with the next row;
+//   * with a gradient (Ring<true>: two stages of a whole row, ≤ kBulkRowBytes) they reduce the
+//     row over the consumer warps themselves (a named barrier; every warp folds the same tree),
+//     write the outputs, compute the gradient from shared memory with grad_vector (the one
+//     gradient routine of every kernel) and store it, and only then release the stage (so the
+//     gradient may overwrite the logits in global memory: in place). fce_backward_rescale runs
+//     this same kernel (see ce_rows_bulk_kernel), so it recomputes the forward's very bits.
 // The per-thread order of a row's vectors is increasing (the partial first vector before the
 // chunks, the partial last one after), which the argmax tracking needs. A row with a NaN or
-// +inf (Σexp NaN) scans its elements again from global memory for the argmax, as the other
-// kernels do. Deterministic: the chunking, the thread of each vector and the reduction trees
-// depend only on V and the row's alignment. Graph-capturable: no allocation, no host sync.
+// +inf (Σexp NaN) scans its elements again for the argmax, as the other kernels do (from global
+// memory without a gradient, from the stage with one). Deterministic: the chunking, the thread
+// of each vector and the reduction trees depend only on V and the row's alignment.
+// Graph-capturable: no allocation, no host sync.
 //
-// Chosen by choose_rows_path (ce_path.cu) for a forward without a gradient on sm_90 with rows of
-// at least kBulkMinRowBytes; FCE_CUDA_CE_BULK=0 turns it off (measurement).
+// Chosen by choose_rows_path (ce_path.cu) on sm_90: without a gradient for rows of at least
+// kBulkMinRowBytes, with one for the rows where it measured faster (see there);
+// FCE_CUDA_CE_BULK=0 turns it off, =2 forces it on every row that fits (the tests),
+// FCE_CUDA_CE_BULK_GRAD=0 / 1 the gradient variant (measurement).
 #pragma once
 
 #include <cstdint>
@@ -41,8 +53,16 @@ namespace {
 
 constexpr int kBulkThreads = kBulkThreadsHost;
 constexpr int kBulkConsumers = 32 * kBulkConsumerWarps;
-constexpr int kBulkChunkVecs = kBulkChunkBytes / 16;
-static_assert(kBulkChunkBytes % 16 == 0, "bulk copies move whole 16-byte vectors");
+static_assert(kBulkChunkBytes % 16 == 0 && kBulkRowBytes % 16 == 0,
+              "bulk copies move whole 16-byte vectors");
+// The ring: forward only, kBulkStages chunks of kBulkChunkBytes; with a gradient, two stages
+// of a whole row each (the row stays in shared memory from its reduction to its gradient).
+template <bool GRAD> struct Ring {
+  static constexpr int kStages = GRAD ? 2 : kBulkStages;
+  static constexpr int kBytes = GRAD ? kBulkRowBytes : kBulkChunkBytes;
+  static constexpr int kVecs = kBytes / 16;
+};
+static_assert(Ring<true>::kStages <= kBulkStages, "BulkShared holds kBulkStages stages");
 
 // What the producer tells the consumers about a stage: the chunk, and its row's facts.
 struct BulkStage {
@@ -70,7 +90,9 @@ struct RowEnd {
 struct BulkShared {
   BulkStage st[kBulkStages];
   BulkStage batch[32];  // the producer warp's next rows
-  RowEnd end[2];        // rows alternate between the two
+  RowEnd end[2];        // rows alternate between the two (forward only)
+  Partial warp[2][kBulkConsumerWarps];   // with a gradient: the CTA reduction (alternating)
+  uint64_t wmin[2][kBulkConsumerWarps];  // with a gradient: the argmax
   uint64_t full[kBulkStages];
   uint64_t empty[kBulkStages];
   uint64_t red_full[2];   // the consumer warps have stored a row's partials
@@ -92,6 +114,9 @@ __device__ __forceinline__ void bulk_wait(uint64_t* bar, uint32_t parity) {
         " selp.u32 %0, 1, 0, p;\n}\n"
         : "=r"(done) : "r"(smem_addr(bar)), "r"(parity), "r"(1000000u) : "memory");
   } while (!done);
+}
+__device__ __forceinline__ void consumers_sync() {  // the consumer warps only (barrier 1)
+  asm volatile("bar.sync 1, %0;" ::"r"(kBulkConsumers) : "memory");
 }
 __device__ __forceinline__ void bulk_mbar_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
@@ -135,16 +160,17 @@ __device__ __forceinline__ void bulk_row_facts(const KParams& p, int64_t lrow, B
 // The producer warp: its 32 lanes read the facts of the CTA's next 32 rows at once (into
 // sh.batch; their load latencies overlap instead of adding up row after row), then lane 0
 // copies those rows chunk by chunk into the ring; after the last row a kDone stage.
-template <class TZ, int MODE>
+template <class TZ, int MODE, bool GRAD>
 __device__ __forceinline__ void bulk_produce(const KParams& p, BulkShared& sh, char* ring) {
+  using R = Ring<GRAD>;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int eb = Ty<TZ>::kBytes;
   const int lane = threadIdx.x & 31;
   uint32_t it = 0;  // stages issued (lane 0)
   // the stage `it` once free: its record, filled by the caller, goes out with its copy
   auto next_stage = [&]() -> int {
-    const int s = static_cast<int>(it % kBulkStages);
-    if (it >= kBulkStages) bulk_wait(&sh.empty[s], ((it / kBulkStages) - 1) & 1);
+    const int s = static_cast<int>(it % R::kStages);
+    if (it >= R::kStages) bulk_wait(&sh.empty[s], ((it / R::kStages) - 1) & 1);
     return s;
   };
   for (int64_t base = blockIdx.x; base < p.rows_in_launch; base += int64_t(32) * gridDim.x) {
@@ -155,21 +181,20 @@ __device__ __forceinline__ void bulk_produce(const KParams& p, BulkShared& sh, c
       for (int l = 0; l < 32 && base + int64_t(l) * gridDim.x < p.rows_in_launch; ++l) {
         const BulkStage& b = sh.batch[l];
         const char* zrow = p.logits + b.lrow * p.z_row_bytes;
-        const int nfull = b.nv;
-        int nch = (nfull + kBulkChunkVecs - 1) / kBulkChunkVecs;
+        const int nfull = b.nv;  // (with a gradient the host ensures nfull ≤ R::kVecs)
+        int nch = (nfull + R::kVecs - 1) / R::kVecs;
         if (nch < 1) nch = 1;  // a row inside one or two partial vectors: one empty chunk
         for (int ch = 0; ch < nch; ++ch) {
           const int s = next_stage();
           BulkStage& d = sh.st[s];
           d = b;
-          d.v_begin = b.v_begin + ch * kBulkChunkVecs;
-          d.nv = nfull - ch * kBulkChunkVecs < kBulkChunkVecs ? nfull - ch * kBulkChunkVecs
-                                                               : kBulkChunkVecs;
+          d.v_begin = b.v_begin + ch * R::kVecs;
+          d.nv = nfull - ch * R::kVecs < R::kVecs ? nfull - ch * R::kVecs : R::kVecs;
           d.flags = (ch == 0 ? kStFirst | (b.flags & kStHead) : 0) |
                     (ch == nch - 1 ? kStLast | (b.flags & kStTail) : 0);
           const uint32_t bytes = static_cast<uint32_t>(d.nv) * 16u;
           mbar_expect(&sh.full[s], bytes);  // arrives (the stage record is released with it)
-          if (bytes) bulk_copy(ring + size_t(s) * kBulkChunkBytes,
+          if (bytes) bulk_copy(ring + size_t(s) * R::kBytes,
                                zrow - b.lead * eb + int64_t(d.v_begin) * 16, bytes, &sh.full[s]);
           ++it;
         }
@@ -187,20 +212,42 @@ __device__ __forceinline__ void bulk_produce(const KParams& p, BulkShared& sh, c
 #endif
 }
 
+// Thread ct's share of a stage's nv whole vectors (vectors ct, ct + kBulkConsumers, …, the row's
+// vectors v_begin + i), folded into its partial; U vectors read from shared memory at a time.
+template <class TZ, int MODE>
+__device__ __forceinline__ void fold_stage(const KParams& p, const uint4* sv, int nv, int v_begin,
+                                           int lead, float c, int ct, Partial& acc,
+                                           bool want_argmax, int& am) {
+  constexpr int E = vec_elems<TZ>();
+  constexpr int U = 4;
+  for (int i0 = ct; i0 < nv; i0 += U * kBulkConsumers) {
+    uint4 buf[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int i = i0 + u * kBulkConsumers;
+      buf[u] = i < nv ? sv[i] : make_uint4(0u, 0u, 0u, 0u);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int i = i0 + u * kBulkConsumers;
+      if (i < nv) online_vector<TZ, MODE>(buf[u], (v_begin + i) * E - lead, true, p, c, acc, want_argmax, am);
+    }
+  }
+}
+
 // The consumers (threads 32..): fold the stages, finish each row.
 template <class TZ, int MODE>
 __device__ __forceinline__ void bulk_consume(const KParams& p, BulkShared& sh, const char* ring) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int E = vec_elems<TZ>();
-  constexpr int U = 4;  // vectors read from shared memory before they are folded
   const int ct = static_cast<int>(threadIdx.x) - 32, lane = ct & 31;
   const bool want_argmax = p.argmax_out != nullptr || p.row_correct != nullptr;
   Partial acc = partial_identity();
   int am = -1;
   uint32_t nrow = 0;  // rows finished by this CTA
   for (uint32_t it = 0;; ++it) {
-    const int s = static_cast<int>(it % kBulkStages);
-    mbar_wait(&sh.full[s], (it / kBulkStages) & 1);  // (no suspend hint: measured slower)
+    const int s = static_cast<int>(it % Ring<false>::kStages);
+    mbar_wait(&sh.full[s], (it / Ring<false>::kStages) & 1);  // (no suspend hint: measured slower)
     const BulkStage& b = sh.st[s];
     const int flags = b.flags;
     if (flags & kStDone) break;
@@ -208,20 +255,8 @@ __device__ __forceinline__ void bulk_consume(const KParams& p, BulkShared& sh, c
     const float c = b.c;
     if ((flags & kStHead) && ct == 0)  // the row's partial first vector, before the chunks
       online_vector<TZ, MODE>(b.head, -lead, false, p, c, acc, want_argmax, am);
-    const uint4* sv = reinterpret_cast<const uint4*>(ring + size_t(s) * kBulkChunkBytes);
-    for (int i0 = ct; i0 < nv; i0 += U * kBulkConsumers) {
-      uint4 buf[U];
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int i = i0 + u * kBulkConsumers;
-        buf[u] = i < nv ? sv[i] : make_uint4(0u, 0u, 0u, 0u);
-      }
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int i = i0 + u * kBulkConsumers;
-        if (i < nv) online_vector<TZ, MODE>(buf[u], (v_begin + i) * E - lead, true, p, c, acc, want_argmax, am);
-      }
-    }
+    const uint4* sv = reinterpret_cast<const uint4*>(ring + size_t(s) * Ring<false>::kBytes);
+    fold_stage<TZ, MODE>(p, sv, nv, v_begin, lead, c, ct, acc, want_argmax, am);
     if ((flags & kStTail) && ct == kBulkConsumers - 1) {  // the partial last vector, after them
       const int j0 = (v_begin + nv) * E - lead;
       online_vector<TZ, MODE>(b.tail, j0, false, p, c, acc, want_argmax, am);
@@ -248,6 +283,95 @@ __device__ __forceinline__ void bulk_consume(const KParams& p, BulkShared& sh, c
       bulk_mbar_arrive(&sh.empty[s]);  // the stage may be refilled
       if (flags & kStLast) bulk_mbar_arrive(&sh.red_full[(nrow - 1) & 1]);
     }
+  }
+#else
+  (void)p, (void)sh, (void)ring;
+#endif
+}
+
+// The consumers with a gradient: a stage holds a whole row. Its (max, Σexp) over the consumer
+// warps (every warp finishes the same tree: the same bits everywhere, as block_reduce_all),
+// the outputs, the gradient from shared memory (grad_vector, as every kernel), then the argmax
+// from shared memory, and only then is the stage released (the gradient may be written over
+// the logits in global memory: in place).
+template <class TZ, class TG, int MODE>
+__device__ __forceinline__ void bulk_consume_grad(const KParams& p, BulkShared& sh, const char* ring) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using R = Ring<true>;
+  constexpr int E = vec_elems<TZ>();
+  constexpr bool SW = MODE == kGeneral;
+  const int ct = static_cast<int>(threadIdx.x) - 32, lane = ct & 31, cw = ct >> 5;
+  const int V = p.vocab;
+  const bool want_argmax = p.argmax_out != nullptr || p.row_correct != nullptr;
+  int par = 0;
+  for (uint32_t it = 0;; ++it) {
+    const int s = static_cast<int>(it % R::kStages);
+    mbar_wait(&sh.full[s], (it / R::kStages) & 1);
+    const BulkStage& b = sh.st[s];
+    const int flags = b.flags;
+    if (flags & kStDone) break;
+    const int lead = b.lead, v_begin = b.v_begin, nv = b.nv;
+    const float c = b.c;
+    const bool head = (flags & kStHead) && ct == 0, tail = (flags & kStTail) && ct == kBulkConsumers - 1;
+    const int jt = (v_begin + nv) * E - lead;  // the partial last vector's first element
+    const uint4* sv = reinterpret_cast<const uint4*>(ring + size_t(s) * R::kBytes);
+    Partial acc = partial_identity();
+    int am = -1;
+    if (head) online_vector<TZ, MODE>(b.head, -lead, false, p, c, acc, want_argmax, am);
+    fold_stage<TZ, MODE>(p, sv, nv, v_begin, lead, c, ct, acc, want_argmax, am);
+    if (tail) online_vector<TZ, MODE>(b.tail, jt, false, p, c, acc, want_argmax, am);
+    // ---- the row's partial, every consumer warp folding the 8 warp partials in order
+    Partial x = acc;
+    warp_reduce<SW>(x);
+    if (lane == 0) sh.warp[par][cw] = x;
+    consumers_sync();
+    Partial fin = partial_identity();
+    if (lane < kBulkConsumerWarps) fin = sh.warp[par][lane];
+    warp_reduce<SW>(fin);
+    const RowInfo ri = b.info;
+    const int64_t lrow = b.lrow, row = p.row_begin + lrow;
+    const RowVals vals = row_vals(p, ri, fin);
+    if (ct == 0) write_row_outputs<MODE>(p, row, ri, fin, vals, c);
+    // ---- the gradient, from shared memory
+    char* grow = p.grad + lrow * p.g_row_bytes;
+    const bool vec_ok = grad_vec_ok<TZ, TG>(grow, lead);
+    if (ri.kind == kValid) {
+      const RowGrad rg = make_row_grad<MODE>(p, ri, vals);
+      const int yl = local_target<int, E>(p, ri.y);
+      if (head) grad_vector<TZ, TG, MODE>(b.head, -lead, false, vec_ok, p, rg, yl, grow);
+      for (int i = ct; i < nv; i += kBulkConsumers)
+        grad_vector<TZ, TG, MODE>(sv[i], (v_begin + i) * E - lead, true, vec_ok, p, rg, yl, grow);
+      if (tail) grad_vector<TZ, TG, MODE>(b.tail, jt, false, vec_ok, p, rg, yl, grow);
+    } else {
+      const float value = ri.kind == kInvalid ? qnan() : 0.f;
+      if (head) fill_vector<TG, E>(-lead, false, vec_ok, V, value, grow);
+      for (int i = ct; i < nv; i += kBulkConsumers)
+        fill_vector<TG, E>((v_begin + i) * E - lead, true, vec_ok, V, value, grow);
+      if (tail) fill_vector<TG, E>(jt, false, vec_ok, V, value, grow);
+    }
+    // ---- the argmax, from shared memory (a row with a NaN or +inf: every element again)
+    if (want_argmax) {
+      uint64_t best = (am >= 0 && acc.m == fin.m) ? ((uint64_t(1) << 32) | static_cast<uint32_t>(am))
+                                                  : kNoArgmax;
+      if (isnan(fin.s)) {
+        best = kNoArgmax;
+        if (head) argmax_vector<TZ, MODE>(b.head, -lead, false, p, fin.m, best);
+        for (int i = ct; i < nv; i += kBulkConsumers)
+          argmax_vector<TZ, MODE>(sv[i], (v_begin + i) * E - lead, true, p, fin.m, best);
+        if (tail) argmax_vector<TZ, MODE>(b.tail, jt, false, p, fin.m, best);
+      }
+      best = warp_min_u64(best);
+      if (lane == 0) sh.wmin[par][cw] = best;
+      consumers_sync();
+      if (cw == 0) {
+        uint64_t r = lane < kBulkConsumerWarps ? sh.wmin[par][lane] : kNoArgmax;
+        r = warp_min_u64(r);
+        if (lane == 0) write_argmax_outputs(p, row, ri, r);
+      }
+    }
+    __syncwarp();
+    if (lane == 0) bulk_mbar_arrive(&sh.empty[s]);  // the stage may be refilled
+    par ^= 1;
   }
 #else
   (void)p, (void)sh, (void)ring;
@@ -319,16 +443,27 @@ __device__ __forceinline__ void bulk_finish(const KParams& p, BulkShared& sh) {
 #endif
 }
 
-// grid: at most one CTA per SM (kBulkStages · kBulkChunkBytes of dynamic shared memory), each
-// walking rows blockIdx.x, + gridDim.x, … of the launch (p.rows_in_launch).
-template <class TZ, int MODE>
+// grid: at most one CTA per SM (Ring<GRAD>::kStages · Ring<GRAD>::kBytes of dynamic shared
+// memory), each walking rows blockIdx.x, + gridDim.x, … of the launch (p.rows_in_launch).
+// GRAD: the gradient too (rows of at most kBulkRowBytes of whole vectors), and
+// fce_backward_rescale (p.rescale: nothing for an upstream 1, an exact in-place scaling for 0
+// or ± a power of two, else the forward's gradient again: the same kernel, the same bits).
+template <class TZ, class TG, int MODE, bool GRAD>
 __global__ void __launch_bounds__(kBulkThreads, 1) ce_rows_bulk_kernel(const KParams p) {
   pdl_trigger();  // the finalize may start once every CTA has (it waits for our values)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if constexpr (GRAD) {
+    if (p.rescale) {
+      bool done = true;
+      for (int64_t lrow = blockIdx.x; lrow < p.rows_in_launch && done; lrow += gridDim.x)
+        done = rescale_prologue<TG>(p, p.row_begin + lrow, p.grad + lrow * p.g_row_bytes, 0, p.vocab);
+      if (done) return;  // (g is one value: the first row decides for all)
+    }
+  }
   __shared__ BulkShared sh;
   extern __shared__ __align__(128) char ring[];
   if (threadIdx.x == 0) {
-    for (int s = 0; s < kBulkStages; ++s) {
+    for (int s = 0; s < Ring<GRAD>::kStages; ++s) {
       bulk_mbar_init(&sh.full[s], 1);
       bulk_mbar_init(&sh.empty[s], kBulkConsumerWarps);
     }
@@ -340,10 +475,11 @@ __global__ void __launch_bounds__(kBulkThreads, 1) ce_rows_bulk_kernel(const KPa
   }
   __syncthreads();
   if (threadIdx.x < 32) {
-    bulk_produce<TZ, MODE>(p, sh, ring);
+    bulk_produce<TZ, MODE, GRAD>(p, sh, ring);
   } else if (threadIdx.x < 32 + kBulkConsumers) {
-    bulk_consume<TZ, MODE>(p, sh, ring);
-  } else {
+    if constexpr (GRAD) bulk_consume_grad<TZ, TG, MODE>(p, sh, ring);
+    else bulk_consume<TZ, MODE>(p, sh, ring);
+  } else if constexpr (!GRAD) {
     bulk_finish<TZ, MODE>(p, sh);
   }
 #else

@@ -39,6 +39,10 @@ constexpr int kBulkConsumerWarps = 8;
 constexpr int kBulkChunkBytes = 64 << 10;
 constexpr int kBulkStages = 3;
 constexpr int64_t kBulkMinRowBytes = 16 << 10;
+// With a gradient: two stages of a whole row each, rows of at most kBulkRowBytes of whole
+// 16-byte vectors (V = 50257 bf16 is 100.5 KB).
+constexpr int kBulkRowBytes = 104 << 10;
+constexpr int bulk_ring_bytes(bool grad) { return grad ? 2 * kBulkRowBytes : kBulkStages * kBulkChunkBytes; }
 constexpr int kBulkThreadsHost = 32 * (2 + kBulkConsumerWarps);  // (ce_bulk.cuh: kBulkThreads)
 static_assert(kRegVecsPerCta * 16 == 64 * 1024, "a register-path CTA holds 64 KB of its row");
 static_assert(kRegMaxVocab < (int64_t(1) << 30), "register path indexes elements with int32");
@@ -177,7 +181,7 @@ struct RowsQuery {
   int slot;                 // (dtype pair) · 3 + mode: the occupancy cache's cell of the kernel
   const void* regs_kernel;       // ce_rows_regs_kernel<TZ, TG, mode, false>, for occupancy queries
   const void* regs_loop_kernel;  // ce_rows_regs_kernel<TZ, TG, mode, true>
-  const void* bulk_kernel;       // ce_rows_bulk_kernel<TZ, mode> (forward only), or nullptr
+  const void* bulk_kernel;       // ce_rows_bulk_kernel<TZ, TG, mode, with_grad>, or nullptr
 };
 struct RowsChoice {
   RowsPath path;

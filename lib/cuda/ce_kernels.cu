@@ -36,8 +36,11 @@
 //   * Forward without a gradient on sm_90, rows of 16 KB or more (ce_rows_bulk_kernel,
 //     ce_bulk.cuh): a pure read stream; one persistent CTA per SM keeps three 64 KB bulk copies
 //     of its rows in flight through a shared-memory ring (a producer warp, 8 consumer warps, a
-//     finisher warp for the row ends), 90-101 % of copy from N = 16384 where the register and
-//     two-pass kernels gave 63-93 % (bench/NOTES.md, "Issue 8").
+//     finisher warp for the row ends), 91-101 % of copy at N = 16384 where the register and
+//     two-pass kernels gave 61-95 % (bench/NOTES.md, "Issue 8"). With a gradient the same kernel
+//     holds a whole row per stage (two stages) for rows of 64-104 KB that are unaligned or over
+//     88 KB, where the register path needs a cluster (V = 50257 bf16: 79 → 88 %); then
+//     fce_backward_rescale runs it too.
 // Correctness rules kept by construction:
 //   * Row starts need not be 16-byte aligned (odd V, any stride): vector v of a row covers
 //     elements [v·E − lead, v·E − lead + E), lead = (row address mod 16) / e. Vectors inside
@@ -524,10 +527,10 @@ template <class TZ, class TG, bool LOOP> const void* regs_kernel(int mode) {
                         : kernel_address(ce_rows_regs_kernel<TZ, TG, kGeneral, LOOP>);
 }
 
-template <class TZ> const void* bulk_kernel(int mode) {
-  return mode == kPlain ? kernel_address(ce_rows_bulk_kernel<TZ, kPlain>)
-       : mode == kCap   ? kernel_address(ce_rows_bulk_kernel<TZ, kCap>)
-                        : kernel_address(ce_rows_bulk_kernel<TZ, kGeneral>);
+template <class TZ, class TG, bool GRAD> const void* bulk_kernel(int mode) {
+  return mode == kPlain ? kernel_address(ce_rows_bulk_kernel<TZ, TG, kPlain, GRAD>)
+       : mode == kCap   ? kernel_address(ce_rows_bulk_kernel<TZ, TG, kCap, GRAD>)
+                        : kernel_address(ce_rows_bulk_kernel<TZ, TG, kGeneral, GRAD>);
 }
 
 template <class TZ, class TG>
@@ -548,7 +551,7 @@ fce_status launch_rows_typed(const CeRowsArgs& a, KParams p, int pair, cudaStrea
   rq.slot = pair * 3 + mode;
   rq.regs_kernel = regs_kernel<TZ, TG, false>(mode);
   rq.regs_loop_kernel = regs_kernel<TZ, TG, true>(mode);
-  rq.bulk_kernel = a.grad ? nullptr : bulk_kernel<TZ>(mode);
+  rq.bulk_kernel = a.grad ? bulk_kernel<TZ, TG, true>(mode) : bulk_kernel<TZ, TZ, false>(mode);
   RowsChoice choice;
   FCE_TRY(choose_rows_path(a.fn, rq, &choice));
   const RegConfig& rc = choice.rc;
@@ -573,11 +576,18 @@ fce_status launch_rows_typed(const CeRowsArgs& a, KParams p, int pair, cudaStrea
     } else if (choice.path == RowsPath::kBulk) {
       q.rows_in_launch = n;
       const int64_t grid = n < choice.wave_rows ? n : choice.wave_rows;
-      st = launch_rows_kernel(a.fn, "ce_rows_bulk_kernel",
-                              mode == kPlain ? ce_rows_bulk_kernel<TZ, kPlain>
-                              : mode == kCap ? ce_rows_bulk_kernel<TZ, kCap>
-                                             : ce_rows_bulk_kernel<TZ, kGeneral>,
-                              grid, kBulkThreads, 1, q, s, kBulkStages * kBulkChunkBytes);
+      if (a.grad)
+        st = launch_rows_kernel(a.fn, "ce_rows_bulk_kernel, with the gradient",
+                                mode == kPlain ? ce_rows_bulk_kernel<TZ, TG, kPlain, true>
+                                : mode == kCap ? ce_rows_bulk_kernel<TZ, TG, kCap, true>
+                                               : ce_rows_bulk_kernel<TZ, TG, kGeneral, true>,
+                                grid, kBulkThreads, 1, q, s, bulk_ring_bytes(true));
+      else
+        st = launch_rows_kernel(a.fn, "ce_rows_bulk_kernel",
+                                mode == kPlain ? ce_rows_bulk_kernel<TZ, TZ, kPlain, false>
+                                : mode == kCap ? ce_rows_bulk_kernel<TZ, TZ, kCap, false>
+                                               : ce_rows_bulk_kernel<TZ, TZ, kGeneral, false>,
+                                grid, kBulkThreads, 1, q, s, bulk_ring_bytes(false));
     } else if (choice.path == RowsPath::kRegisters) {
       q.cluster_log2 = cluster_log2(rc.k);
       q.rows_in_launch = n;

@@ -30,8 +30,9 @@ namespace {
 // FCE_CUDA_CE_PREFETCH = the register path's L2 prefetch distance in waves of resident rows
 // (0 = none), FCE_CUDA_CE_PERSIST = 1: the forward's register path runs persistent too,
 // FCE_CUDA_CE_XMBAR = 0: cluster barriers for the exchange, FCE_CUDA_CE_PDL = 0: no programmatic
-// dependent launches, FCE_CUDA_CE_BULK = 0: no forward-only bulk-copy kernel (ce_bulk.cuh), 2: it
-// for rows of any length.
+// dependent launches, FCE_CUDA_CE_BULK = 0: no bulk-copy kernel (ce_bulk.cuh), 2: it for rows of
+// any length (and with a gradient wherever a row fits a stage), FCE_CUDA_CE_BULK_GRAD = 0 / 1:
+// with a gradient never / for every row that fits.
 struct Overrides {
   int path = 0;  // 0 auto, 1 regs (same as auto when the row fits), 2 twopass
   int min_cluster = 1;
@@ -40,7 +41,10 @@ struct Overrides {
   int xmbar = 1;  // FCE_CUDA_CE_XMBAR=0: clusters exchange through cluster barriers only
   int pdl = 1;    // FCE_CUDA_CE_PDL=0: no programmatic dependent launches
   int bulk = 1;   // FCE_CUDA_CE_BULK=0: forward-only rows keep the register / two-pass kernels;
-                  // 2: the bulk kernel for rows of any length (tests: every shape runs it)
+                  // 2: the bulk kernel for rows of any length, with a gradient too where the
+                  // row fits a stage (tests: every shape runs it)
+  int bulk_grad = -1;  // FCE_CUDA_CE_BULK_GRAD: −1 (unset) the measured choice, 0 never, 1 always
+                       // (with a gradient, rows that fit a stage)
 };
 const Overrides& overrides() {
   static const Overrides o = [] {
@@ -61,6 +65,7 @@ const Overrides& overrides() {
     if (const char* s = getenv("FCE_CUDA_CE_XMBAR")) r.xmbar = atoi(s) != 0;
     if (const char* s = getenv("FCE_CUDA_CE_PDL")) r.pdl = atoi(s) != 0;
     if (const char* s = getenv("FCE_CUDA_CE_BULK")) r.bulk = atoi(s);
+    if (const char* s = getenv("FCE_CUDA_CE_BULK_GRAD")) r.bulk_grad = atoi(s) != 0 ? 1 : 0;
     return r;
   }();
   return o;
@@ -154,19 +159,19 @@ std::atomic<signed char> g_pdl[kMaxDevices];  // 0 unknown, 1 yes, −1 no
 // here: not compiled for sm_90 (compute_80 PTX JIT-compiled on a Hopper has an empty body), or
 // its shared memory (the ring, opted in here once per device and kernel) does not fit. Asked
 // once per (device, kernel) and remembered.
-std::atomic<int> g_bulk[kMaxDevices][kKernelSlots];  // 0 unknown, −1 no, else the SM count
+std::atomic<int> g_bulk[kMaxDevices][kKernelSlots][2];  // 0 unknown, −1 no, else the SM count
 
-int bulk_ctas(const DeviceInfo& dev, const void* kernel, int slot) {
+int bulk_ctas(const DeviceInfo& dev, const void* kernel, int slot, bool grad) {
   if (dev.major < 9 || !kernel) return 0;
   std::atomic<int>* cell = nullptr;
   if (dev.device >= 0 && dev.device < kMaxDevices && slot >= 0 && slot < kKernelSlots) {
-    cell = &g_bulk[dev.device][slot];
+    cell = &g_bulk[dev.device][slot][grad ? 1 : 0];
     const int v = cell->load(std::memory_order_relaxed);
     if (v != 0) return v > 0 ? v : 0;
   }
   int sms = 0, per_sm = 0;
   cudaFuncAttributes fa{};
-  const int ring = kBulkStages * kBulkChunkBytes;
+  const int ring = bulk_ring_bytes(grad);
   bool ok = cudaFuncGetAttributes(&fa, kernel) == cudaSuccess && fa.ptxVersion >= 90 &&
             cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ring) ==
                 cudaSuccess &&
@@ -238,10 +243,23 @@ fce_status choose_rows_path(const char* fn, const RowsQuery& q, RowsChoice* out)
   out->prefetch_rows = 0;
   out->xmbar = overrides().xmbar != 0;
   // Forward only on sm_90, rows of 16 KB or more: the bulk-copy kernel (ce_bulk.cuh), which keeps
-  // a ring of chunks in flight on every SM.
-  if (!q.backward && !q.with_grad && !q.rescale && overrides().bulk && overrides().path == 0 &&
+  // a ring of chunks in flight on every SM. With a gradient (and then for fce_backward_rescale
+  // too, so that it recomputes the very bits the forward wrote) for rows whose whole vectors
+  // fit one stage, that the register path would split over a cluster (over 64 KB), and that
+  // are either not 16-byte aligned or over 88 KB: measured faster there (V = 50257 bf16, rows
+  // unaligned: 79 → 88 % of copy; float32 rows of 98 KB: 85 → 88 %), not on aligned rows of
+  // 70-78 KB (−2 to +1 point) or on rows one register-path CTA holds (32000 bf16: 97 → 94 %;
+  // bench/NOTES.md). FCE_CUDA_CE_BULK_GRAD=0 / 1: never / for every row that fits (16 KB+).
+  const int64_t row_bytes = q.vocab * q.elem_bytes;
+  const bool grad_fits = row_bytes + 16 <= kBulkRowBytes;
+  const bool grad_wins =
+      overrides().bulk_grad == 1 ||
+      (overrides().bulk_grad < 0 && row_bytes > int64_t{kRegVecsPerCta} * 16 &&
+       (!q.aligned_rows || row_bytes > int64_t{88} << 10));
+  const bool bulk_grad = (grad_wins || overrides().bulk == 2) && grad_fits;
+  if (!q.backward && (!q.with_grad || bulk_grad) && overrides().bulk && overrides().path == 0 &&
       (q.vocab * q.elem_bytes >= kBulkMinRowBytes || overrides().bulk == 2)) {
-    const int ctas = bulk_ctas(dev, q.bulk_kernel, q.slot);
+    const int ctas = bulk_ctas(dev, q.bulk_kernel, q.slot, q.with_grad);
     if (ctas > 0) {
       out->path = RowsPath::kBulk;
       out->wave_rows = ctas;

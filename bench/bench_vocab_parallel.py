@@ -1,0 +1,282 @@
+"""Vocabulary-parallel linear CE over P GPUs, one process per GPU on NCCL (issue 12): time and
+parallel efficiency against the same problem on one GPU, with a Megatron-style torch peer, and
+a correctness check of every configuration against the unsharded call.
+
+Per shape (N, D, V; bf16; default the issue's 16384x4096x128256 and 16384x4096x256000):
+  * t1: fusedce.torch.linear_cross_entropy(h, W, y) loss + backward on ONE GPU (rank 0, the
+    other ranks idle at a barrier), the torch layer's default 1 GiB budget;
+  * tP: fusedce.torch.distributed.vocab_parallel_linear_cross_entropy(h, W_r, y) loss +
+    backward on every rank at once (W_r: rank r's V/P rows; the statistics all-gather and the
+    float32 ∂h all-reduce included), each iteration's time the slowest rank's;
+  * megatron: the same sharded step as Megatron-LM writes it in torch: logits_r = h·W_rᵀ (bf16,
+    cuBLAS) made float32, the max / target-logit / Σexp all-reduces and a float32 softmax kept
+    for the backward (its _VocabParallelCrossEntropy), ∂h all-reduced in the linear's backward;
+  * efficiency = t1 / (P · tP) (the issue's target: ≥ 0.90).
+Correctness (before the timings, every rank): the loss equals the unsharded one within float32
+rounding, ∂h and the rank's slice of ∂W within the dtype's rounding (max |diff| / max |ref|).
+
+Timing: CUDA events, a barrier before each iteration, warm-up 2, median of --iters; the ms of an
+iteration is the maximum over ranks (all_reduce MAX). Memory: torch.cuda.max_memory_allocated
+beyond the inputs and gradients, per rank.
+
+    python3 bench/bench_vocab_parallel.py [--gpus 2] [--shapes 16384x4096x128256,...] [--out DIR]
+    python3 bench/bench_vocab_parallel.py --backend gloo --gpus 2 --shapes 64x32x1000 --iters 2
+        (the same on CPU processes and the library's CPU backend: a smoke test of the script)
+Writes bench/results/vocab-parallel-<device>x<P>.json (and DIR/). NCCL's NVLink multicast stays
+off (NCCL_NVLS_ENABLE=0), as the device notes require.
+"""
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "bindings", "python"))
+RESULTS = os.path.join(HERE, "results")
+SHAPES = "16384x4096x128256,16384x4096x256000"
+
+
+# ---------------------------------------------------------------- the Megatron peer ----
+class _CopyToTP(torch.autograd.Function):
+    """Megatron's copy_to_tensor_model_parallel_region: identity forward, all-reduce backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous()
+        dist.all_reduce(g, group=ctx.group)
+        return g, None
+
+
+class _MegatronVocabParallelCE(torch.autograd.Function):
+    """Megatron-LM's _VocabParallelCrossEntropy (tensor_parallel/cross_entropy.py), written out:
+    three all-reduces and a float32 softmax [N, V/P] saved for the backward."""
+
+    @staticmethod
+    def forward(ctx, logits, target, vstart, group):
+        logits_max = logits.max(dim=-1)[0]
+        dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
+        logits = logits - logits_max.unsqueeze(-1)
+        vl = logits.shape[-1]
+        mask = (target < vstart) | (target >= vstart + vl)
+        masked = (target - vstart).masked_fill(mask, 0)
+        rows = torch.arange(logits.shape[0], device=logits.device)
+        predicted = logits[rows, masked].masked_fill(mask, 0.0)
+        dist.all_reduce(predicted, group=group)
+        exp_logits = logits.exp_()
+        sum_exp = exp_logits.sum(dim=-1)
+        dist.all_reduce(sum_exp, group=group)
+        loss = torch.log(sum_exp) - predicted
+        exp_logits.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(exp_logits, mask, masked)
+        return loss
+
+    @staticmethod
+    def backward(ctx, g):
+        softmax, mask, masked = ctx.saved_tensors
+        grad = softmax
+        rows = torch.arange(grad.shape[0], device=grad.device)
+        grad[rows, masked] -= 1.0 - mask.float()
+        grad.mul_(g.unsqueeze(-1))
+        return grad, None, None, None
+
+
+def megatron_step(h, w_r, y, vstart, group):
+    x = _CopyToTP.apply(h, group)
+    logits = F.linear(x, w_r).float()
+    return _MegatronVocabParallelCE.apply(logits, y, vstart, group).mean()
+
+
+# ------------------------------------------------------------------------ the ranks ----
+def _time(step, dev, iters, group):
+    """Median over iterations of the slowest rank's ms (a barrier before each)."""
+    out = []
+    for i in range(2 + iters):
+        dist.barrier(group=group)
+        if dev.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            step()
+            b.record()
+            torch.cuda.synchronize()
+            ms = a.elapsed_time(b)
+        else:
+            t0 = datetime.datetime.now()
+            step()
+            ms = (datetime.datetime.now() - t0).total_seconds() * 1e3
+        t = torch.tensor([ms], dtype=torch.float64, device=dev)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        if i >= 2:
+            out.append(float(t.item()))
+    return statistics.median(out)
+
+
+def _peak_extra_mib(step, dev, base):
+    if dev.type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats(dev)
+    step()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated(dev) - base) / 2**20
+
+
+def _rel(a, b):
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
+
+
+def _worker(rank, world, backend, init_file, shapes, iters, result_file):
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        dev = torch.device("cuda", rank)
+    else:
+        dev = torch.device("cpu")
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=600))
+    group = dist.group.WORLD
+    import fusedce.torch as ft
+    from fusedce.torch.distributed import vocab_parallel_linear_cross_entropy
+    dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    records = []
+    for N, D, V in shapes:
+        assert V % world == 0, f"V = {V} must split evenly over {world} ranks"
+        vl = V // world
+        g = torch.Generator(device=dev).manual_seed(1234)  # the same tensors on every rank
+        h = (torch.randn(N, D, device=dev, generator=g) * 0.5).to(dt)
+        W = (torch.randn(V, D, device=dev, generator=g) * 0.02).to(dt)
+        y = torch.randint(0, V, (N,), device=dev, generator=g)
+        W_r = W[rank * vl:(rank + 1) * vl].clone()
+        hl = h.clone().requires_grad_()
+        Wl = W.clone().requires_grad_()
+        Wrl = W_r.clone().requires_grad_()
+
+        def unsharded():
+            hl.grad = None
+            Wl.grad = None
+            loss = ft.linear_cross_entropy(hl, Wl, y)
+            loss.backward()
+            return loss
+
+        def sharded():
+            hl.grad = None
+            Wrl.grad = None
+            loss = vocab_parallel_linear_cross_entropy(hl, Wrl, y, group=group)
+            loss.backward()
+            return loss
+
+        def megatron():
+            hl.grad = None
+            Wrl.grad = None
+            loss = megatron_step(hl, Wrl, y, rank * vl, group)
+            loss.backward()
+            return loss
+
+        # correctness, every rank against its own unsharded call
+        ref_loss = unsharded().detach()
+        ref_dh, ref_dw = hl.grad.clone(), Wl.grad[rank * vl:(rank + 1) * vl].clone()
+        errs = {}
+        for name, fn in (("fusedce-vp", sharded), ("megatron-torch", megatron)):
+            loss = fn().detach()
+            e = torch.tensor([abs(float(loss) - float(ref_loss)) / abs(float(ref_loss)),
+                              _rel(hl.grad, ref_dh), _rel(Wrl.grad, ref_dw)],
+                             dtype=torch.float64, device=dev)
+            dist.all_reduce(e, op=dist.ReduceOp.MAX, group=group)
+            # within float32 rounding for the loss, the dtype's for the gradients
+            tol = 2.0 ** -7 if dt == torch.bfloat16 else 1e-5
+            errs[name] = {"loss_rel": e[0].item(), "grad_hidden_rel": e[1].item(),
+                          "grad_weight_rel": e[2].item(),
+                          "ok": bool(e[0].item() <= 1e-5 and e[1].item() <= tol and e[2].item() <= tol)}
+        del ref_dh, ref_dw
+        Wl.grad = None
+        hl.grad = None
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        # t1: one GPU alone (rank 0), the others wait
+        t1 = None
+        if rank == 0:
+            sub = dist.new_group([0]) if world > 1 else group
+        else:
+            dist.new_group([0])
+        if rank == 0:
+            t1 = _time(unsharded, dev, iters, sub)
+        dist.barrier(group=group)
+        del Wl
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+            base = torch.cuda.memory_allocated(dev)
+        else:
+            base = 0
+        tp = _time(sharded, dev, iters, group)
+        mem_vp = _peak_extra_mib(sharded, dev, base)
+        tm = _time(megatron, dev, iters, group)
+        mem_meg = _peak_extra_mib(megatron, dev, base)
+        if rank == 0:
+            rec = {"N": N, "D": D, "V": V, "dtype": str(dt).replace("torch.", ""),
+                   "ranks": world, "t1_ms": t1, "fusedce_vp_ms": tp, "megatron_torch_ms": tm,
+                   "efficiency": t1 / (world * tp), "megatron_efficiency": t1 / (world * tm),
+                   "extra_mib_rank0": {"fusedce-vp": mem_vp, "megatron-torch": mem_meg},
+                   "check": errs}
+            records.append(rec)
+            print(json.dumps(rec), flush=True)
+        del h, W, y, W_r, hl, Wrl
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    if rank == 0:
+        with open(result_file, "w") as f:
+            json.dump(records, f)
+    dist.barrier(group=group)
+    dist.destroy_process_group()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gpus", type=int, default=2, help="ranks (one GPU each with nccl)")
+    ap.add_argument("--backend", default="nccl", choices=["nccl", "gloo"])
+    ap.add_argument("--shapes", default=SHAPES)
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.backend == "nccl" and torch.cuda.device_count() < args.gpus:
+        sys.exit(f"needs {args.gpus} CUDA devices, found {torch.cuda.device_count()}")
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        result_file = os.path.join(tmp, "records.json")
+        mp.start_processes(_worker, args=(args.gpus, args.backend, os.path.join(tmp, "store"),
+                                          shapes, args.iters, result_file),
+                           nprocs=args.gpus, join=True, start_method="spawn")
+        with open(result_file) as f:
+            records = json.load(f)
+    device = (torch.cuda.get_device_name(0).replace(" ", "-") if args.backend == "nccl"
+              else "cpu")
+    out = {"device": device, "ranks": args.gpus, "backend": args.backend,
+           "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"), "records": records}
+    name = f"vocab-parallel-{device}x{args.gpus}.json"
+    for d in (RESULTS if args.backend == "nccl" else None, args.out):
+        if d:
+            os.makedirs(d, exist_ok=True)
+            with open(os.path.join(d, name), "w") as f:
+                json.dump(out, f, indent=1)
+    for r in records:
+        print(f"{r['N']}x{r['D']}x{r['V']}: 1 GPU {r['t1_ms']:.2f} ms, {args.gpus} ranks "
+              f"{r['fusedce_vp_ms']:.2f} ms (efficiency {r['efficiency']:.3f}), megatron-torch "
+              f"{r['megatron_torch_ms']:.2f} ms ({r['megatron_efficiency']:.3f}); check "
+              + ", ".join(f"{k} {'ok' if v['ok'] else 'FAILED ' + str(v)}" for k, v in r["check"].items()))
+    if not all(v["ok"] for r in records for v in r["check"].values()):
+        sys.exit("a sharded result differs from the unsharded call beyond rounding")
+
+
+if __name__ == "__main__":
+    main()
