@@ -36,8 +36,9 @@
 // of each vector and the reduction trees depend only on V and the row's alignment.
 // Graph-capturable: no allocation, no host sync.
 //
-// Chosen by choose_rows_path (ce_path.cu) on sm_90: without a gradient for rows of at least
-// kBulkMinRowBytes, with one for the rows where it measured faster (see there);
+// Chosen by choose_rows_path (ce_path.cu) on sm_90 for V ≤ 2^30 (element indices are int):
+// without a gradient for rows of at least kBulkMinRowBytes, with one for the rows where it
+// measured faster (see there);
 // FCE_CUDA_CE_BULK=0 turns it off, =2 forces it on every row that fits (the tests),
 // FCE_CUDA_CE_BULK_GRAD=0 / 1 the gradient variant (measurement).
 #pragma once

@@ -257,7 +257,9 @@ fce_status choose_rows_path(const char* fn, const RowsQuery& q, RowsChoice* out)
       (overrides().bulk_grad < 0 && row_bytes > int64_t{kRegVecsPerCta} * 16 &&
        (!q.aligned_rows || row_bytes > int64_t{88} << 10));
   const bool bulk_grad = (grad_wins || overrides().bulk == 2) && grad_fits;
+  // (V ≤ 2^30: the kernel indexes a row's elements with int, j0 + E past the row's end)
   if (!q.backward && (!q.with_grad || bulk_grad) && overrides().bulk && overrides().path == 0 &&
+      q.vocab <= (int64_t{1} << 30) &&
       (q.vocab * q.elem_bytes >= kBulkMinRowBytes || overrides().bulk == 2)) {
     const int ctas = bulk_ctas(dev, q.bulk_kernel, q.slot, q.with_grad);
     if (ctas > 0) {
