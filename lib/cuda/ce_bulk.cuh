@@ -52,7 +52,6 @@ namespace fce {
 namespace cuda {
 namespace {
 
-constexpr int kBulkThreads = kBulkThreadsHost;
 constexpr int kBulkConsumers = 32 * kBulkConsumerWarps;
 static_assert(kBulkChunkBytes % 16 == 0 && kBulkRowBytes % 16 == 0,
               "bulk copies move whole 16-byte vectors");

@@ -43,7 +43,7 @@ constexpr int64_t kBulkMinRowBytes = 16 << 10;
 // 16-byte vectors (V = 50257 bf16 is 100.5 KB).
 constexpr int kBulkRowBytes = 104 << 10;
 constexpr int bulk_ring_bytes(bool grad) { return grad ? 2 * kBulkRowBytes : kBulkStages * kBulkChunkBytes; }
-constexpr int kBulkThreadsHost = 32 * (2 + kBulkConsumerWarps);  // (ce_bulk.cuh: kBulkThreads)
+constexpr int kBulkThreads = 32 * (2 + kBulkConsumerWarps);  // producer, consumers, finisher
 static_assert(kRegVecsPerCta * 16 == 64 * 1024, "a register-path CTA holds 64 KB of its row");
 static_assert(kRegMaxVocab < (int64_t(1) << 30), "register path indexes elements with int32");
 static_assert(kRegThreads % 32 == 0 && kTwoPassThreads % 32 == 0 && kBackwardThreads % 32 == 0,

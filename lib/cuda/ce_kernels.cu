@@ -527,10 +527,11 @@ template <class TZ, class TG, bool LOOP> const void* regs_kernel(int mode) {
                         : kernel_address(ce_rows_regs_kernel<TZ, TG, kGeneral, LOOP>);
 }
 
-template <class TZ, class TG, bool GRAD> const void* bulk_kernel(int mode) {
-  return mode == kPlain ? kernel_address(ce_rows_bulk_kernel<TZ, TG, kPlain, GRAD>)
-       : mode == kCap   ? kernel_address(ce_rows_bulk_kernel<TZ, TG, kCap, GRAD>)
-                        : kernel_address(ce_rows_bulk_kernel<TZ, TG, kGeneral, GRAD>);
+// The bulk kernel of a mode (GRAD: with the gradient; without one TG is TZ).
+template <class TZ, class TG, bool GRAD> auto bulk_kernel(int mode) {
+  return mode == kPlain ? ce_rows_bulk_kernel<TZ, TG, kPlain, GRAD>
+       : mode == kCap   ? ce_rows_bulk_kernel<TZ, TG, kCap, GRAD>
+                        : ce_rows_bulk_kernel<TZ, TG, kGeneral, GRAD>;
 }
 
 template <class TZ, class TG>
@@ -551,7 +552,8 @@ fce_status launch_rows_typed(const CeRowsArgs& a, KParams p, int pair, cudaStrea
   rq.slot = pair * 3 + mode;
   rq.regs_kernel = regs_kernel<TZ, TG, false>(mode);
   rq.regs_loop_kernel = regs_kernel<TZ, TG, true>(mode);
-  rq.bulk_kernel = a.grad ? bulk_kernel<TZ, TG, true>(mode) : bulk_kernel<TZ, TZ, false>(mode);
+  rq.bulk_kernel = a.grad ? kernel_address(bulk_kernel<TZ, TG, true>(mode))
+                          : kernel_address(bulk_kernel<TZ, TZ, false>(mode));
   RowsChoice choice;
   FCE_TRY(choose_rows_path(a.fn, rq, &choice));
   const RegConfig& rc = choice.rc;
@@ -576,18 +578,12 @@ fce_status launch_rows_typed(const CeRowsArgs& a, KParams p, int pair, cudaStrea
     } else if (choice.path == RowsPath::kBulk) {
       q.rows_in_launch = n;
       const int64_t grid = n < choice.wave_rows ? n : choice.wave_rows;
-      if (a.grad)
-        st = launch_rows_kernel(a.fn, "ce_rows_bulk_kernel, with the gradient",
-                                mode == kPlain ? ce_rows_bulk_kernel<TZ, TG, kPlain, true>
-                                : mode == kCap ? ce_rows_bulk_kernel<TZ, TG, kCap, true>
-                                               : ce_rows_bulk_kernel<TZ, TG, kGeneral, true>,
-                                grid, kBulkThreads, 1, q, s, bulk_ring_bytes(true));
-      else
-        st = launch_rows_kernel(a.fn, "ce_rows_bulk_kernel",
-                                mode == kPlain ? ce_rows_bulk_kernel<TZ, TZ, kPlain, false>
-                                : mode == kCap ? ce_rows_bulk_kernel<TZ, TZ, kCap, false>
-                                               : ce_rows_bulk_kernel<TZ, TZ, kGeneral, false>,
-                                grid, kBulkThreads, 1, q, s, bulk_ring_bytes(false));
+      st = a.grad ? launch_rows_kernel(a.fn, "ce_rows_bulk_kernel, with the gradient",
+                                       bulk_kernel<TZ, TG, true>(mode), grid, kBulkThreads, 1, q,
+                                       s, bulk_ring_bytes(true))
+                  : launch_rows_kernel(a.fn, "ce_rows_bulk_kernel",
+                                       bulk_kernel<TZ, TZ, false>(mode), grid, kBulkThreads, 1, q,
+                                       s, bulk_ring_bytes(false));
     } else if (choice.path == RowsPath::kRegisters) {
       q.cluster_log2 = cluster_log2(rc.k);
       q.rows_in_launch = n;

@@ -175,7 +175,7 @@ int bulk_ctas(const DeviceInfo& dev, const void* kernel, int slot, bool grad) {
   bool ok = cudaFuncGetAttributes(&fa, kernel) == cudaSuccess && fa.ptxVersion >= 90 &&
             cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ring) ==
                 cudaSuccess &&
-            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kBulkThreadsHost, ring) ==
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kBulkThreads, ring) ==
                 cudaSuccess &&
             per_sm >= 1 &&
             cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev.device) == cudaSuccess &&
@@ -260,7 +260,7 @@ fce_status choose_rows_path(const char* fn, const RowsQuery& q, RowsChoice* out)
   // (V ≤ 2^30: the kernel indexes a row's elements with int, j0 + E past the row's end)
   if (!q.backward && (!q.with_grad || bulk_grad) && overrides().bulk && overrides().path == 0 &&
       q.vocab <= (int64_t{1} << 30) &&
-      (q.vocab * q.elem_bytes >= kBulkMinRowBytes || overrides().bulk == 2)) {
+      (row_bytes >= kBulkMinRowBytes || overrides().bulk == 2)) {
     const int ctas = bulk_ctas(dev, q.bulk_kernel, q.slot, q.with_grad);
     if (ctas > 0) {
       out->path = RowsPath::kBulk;
