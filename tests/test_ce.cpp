@@ -594,6 +594,45 @@ TEST_F(Ce, BiggerShapes) {
   }
 }
 
+// Long rows: float32 rows of 512 KB to 1 MB (on sm_90 a cluster of 16 CTAs holds each; the
+// other backends and devices take their usual paths) and 16-bit rows past 512 KB, aligned and
+// not, with and without every option the register path treats apart (smoothing and weights:
+// its general mode; the argmax: the barrier exchange; in place; a padded stride).
+TEST_F(Ce, LongRows) {
+  struct Shape {
+    int dtype;
+    int64_t V;
+  };
+  for (Shape sh : {Shape{FCE_FLOAT32, 151936}, Shape{FCE_FLOAT32, 200003},
+                   Shape{FCE_FLOAT32, 262144}, Shape{FCE_FLOAT32, 262145},
+                   Shape{FCE_BFLOAT16, 300001}}) {
+    CeCase c;
+    c.name = "long_rows";
+    c.dtype = sh.dtype;
+    c.N = 5;
+    c.V = sh.V;
+    c.ignore_frac = 0.2;
+    c.std_hi = 8;
+    run_case(c);
+    c.name = "long_rows_options";
+    c.weights = true;
+    c.eps = 0.1f;
+    c.lambda = 1e-4f;
+    c.argmax = c.accuracy = true;
+    c.row_pad = 3;
+    c.reduction = FCE_REDUCTION_NONE;
+    run_case(c);
+    c.name = "long_rows_inplace";
+    c.weights = false;
+    c.eps = 0;
+    c.argmax = c.accuracy = false;
+    c.row_pad = 0;
+    c.inplace = true;
+    c.reduction = FCE_REDUCTION_SUM;
+    run_case(c);
+  }
+}
+
 // Rows built to be hard: +-1e4 (well separated), -inf entries, constant rows, one huge
 // outlier; targets never on a -inf entry (its loss would be +inf).
 void extreme_edit(const CeCase& c, std::vector<double>& z, std::vector<int64_t>& y) {

@@ -49,9 +49,10 @@ for t in test_ce test_linear_ce test_adversarial test_rescale; do
     FCE_CUDA_CE_BULK=2 "$BUILD/tests/$t"
 done
 if command -v compute-sanitizer >/dev/null; then
-  # A subset that reaches every kernel path: one CTA, clusters (V = 50257, odd and unaligned),
-  # strided, in place, shift, every option, out-of-range targets; and the linear plan.
-  ce_filter='Ce.SingleRow:Ce.OddVocabularies:Ce.BiggerShapes:Ce.OutOfRangeTargets*:*bf16_mean_everything*:*f32_none_strided*:*f16_sum_inplace_strided*'
+  # A subset that reaches every kernel path: one CTA, clusters (V = 50257, odd and unaligned;
+  # float32 rows of 512 KB-1 MB: clusters of 16), strided, in place, shift, every option,
+  # out-of-range targets; and the linear plan.
+  ce_filter='Ce.SingleRow:Ce.OddVocabularies:Ce.BiggerShapes:Ce.LongRows:Ce.OutOfRangeTargets*:*bf16_mean_everything*:*f32_none_strided*:*f16_sum_inplace_strided*'
   lin_filter='Linear.OddShapes:Linear.OutOfRangeTargets:*bf16_mean_plain*:*f32_sum_accumulate*:*bf16_none_everything*'
   for tool in memcheck racecheck; do
     suite "$tool test_ce" env FCE_TEST_BACKEND=cuda compute-sanitizer --tool $tool \

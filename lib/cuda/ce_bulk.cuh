@@ -58,11 +58,11 @@ static_assert(kBulkChunkBytes % 16 == 0 && kBulkRowBytes % 16 == 0,
 // The ring: forward only, kBulkStages chunks of kBulkChunkBytes; with a gradient, two stages
 // of a whole row each (the row stays in shared memory from its reduction to its gradient).
 template <bool GRAD> struct Ring {
-  static constexpr int kStages = GRAD ? 2 : kBulkStages;
+  static constexpr int kStages = GRAD ? kBulkGradStages : kBulkStages;
   static constexpr int kBytes = GRAD ? kBulkRowBytes : kBulkChunkBytes;
   static constexpr int kVecs = kBytes / 16;
 };
-static_assert(Ring<true>::kStages <= kBulkStages, "BulkShared holds kBulkStages stages");
+constexpr int kBulkMaxStages = kBulkStages > kBulkGradStages ? kBulkStages : kBulkGradStages;
 
 // What the producer tells the consumers about a stage: the chunk, and its row's facts.
 struct BulkStage {
@@ -87,14 +87,17 @@ struct RowEnd {
   int lead;
 };
 
+// Forward only: rows alternate between two RowEnd slots (with a gradient there are none).
+template <bool GRAD> struct BulkEnds { RowEnd end[2]; };
+template <> struct BulkEnds<true> {};
+
 struct BulkShared {
-  BulkStage st[kBulkStages];
+  BulkStage st[kBulkMaxStages];
   BulkStage batch[32];  // the producer warp's next rows
-  RowEnd end[2];        // rows alternate between the two (forward only)
   Partial warp[2][kBulkConsumerWarps];   // with a gradient: the CTA reduction (alternating)
   uint64_t wmin[2][kBulkConsumerWarps];  // with a gradient: the argmax
-  uint64_t full[kBulkStages];
-  uint64_t empty[kBulkStages];
+  uint64_t full[kBulkMaxStages];
+  uint64_t empty[kBulkMaxStages];
   uint64_t red_full[2];   // the consumer warps have stored a row's partials
   uint64_t red_empty[2];  // the finisher has read them
 };
@@ -237,7 +240,8 @@ __device__ __forceinline__ void fold_stage(const KParams& p, const uint4* sv, in
 
 // The consumers (threads 32..): fold the stages, finish each row.
 template <class TZ, int MODE>
-__device__ __forceinline__ void bulk_consume(const KParams& p, BulkShared& sh, const char* ring) {
+__device__ __forceinline__ void bulk_consume(const KParams& p, BulkShared& sh, RowEnd* ends,
+                                             const char* ring) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int E = vec_elems<TZ>();
   const int ct = static_cast<int>(threadIdx.x) - 32, lane = ct & 31;
@@ -265,7 +269,7 @@ __device__ __forceinline__ void bulk_consume(const KParams& p, BulkShared& sh, c
       const int slot = nrow & 1;
       const uint32_t use = nrow >> 1;
       if (use > 0) bulk_wait(&sh.red_empty[slot], (use - 1) & 1);
-      RowEnd& e = sh.end[slot];
+      RowEnd& e = ends[slot];
       e.part[ct] = acc;
       if (want_argmax) e.am[ct] = am;
       if (ct == 0) {
@@ -285,7 +289,7 @@ __device__ __forceinline__ void bulk_consume(const KParams& p, BulkShared& sh, c
     }
   }
 #else
-  (void)p, (void)sh, (void)ring;
+  (void)p, (void)sh, (void)ends, (void)ring;
 #endif
 }
 
@@ -381,7 +385,7 @@ __device__ __forceinline__ void bulk_consume_grad(const KParams& p, BulkShared& 
 // The finisher warp: each row's kBulkConsumers partials in a fixed order (lane l folds
 // partials 8l … 8l + 7, then the warp tree), its outputs, and the argmax.
 template <class TZ, int MODE>
-__device__ __forceinline__ void bulk_finish(const KParams& p, BulkShared& sh) {
+__device__ __forceinline__ void bulk_finish(const KParams& p, BulkShared& sh, const RowEnd* ends) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int E = vec_elems<TZ>();
   constexpr bool SW = MODE == kGeneral;
@@ -394,7 +398,7 @@ __device__ __forceinline__ void bulk_finish(const KParams& p, BulkShared& sh) {
   for (int64_t k = 0; k < mine; ++k) {
     const int slot = static_cast<int>(k & 1);
     bulk_wait(&sh.red_full[slot], static_cast<uint32_t>(k >> 1) & 1);
-    const RowEnd& e = sh.end[slot];
+    const RowEnd& e = ends[slot];
     Partial f = partial_identity();
     Partial th[PER];
 #pragma unroll
@@ -439,7 +443,7 @@ __device__ __forceinline__ void bulk_finish(const KParams& p, BulkShared& sh) {
     }
   }
 #else
-  (void)p, (void)sh;
+  (void)p, (void)sh, (void)ends;
 #endif
 }
 
@@ -461,6 +465,7 @@ __global__ void __launch_bounds__(kBulkThreads, 1) ce_rows_bulk_kernel(const KPa
     }
   }
   __shared__ BulkShared sh;
+  __shared__ BulkEnds<GRAD> ends;
   extern __shared__ __align__(128) char ring[];
   if (threadIdx.x == 0) {
     for (int s = 0; s < Ring<GRAD>::kStages; ++s) {
@@ -478,9 +483,9 @@ __global__ void __launch_bounds__(kBulkThreads, 1) ce_rows_bulk_kernel(const KPa
     bulk_produce<TZ, MODE, GRAD>(p, sh, ring);
   } else if (threadIdx.x < 32 + kBulkConsumers) {
     if constexpr (GRAD) bulk_consume_grad<TZ, TG, MODE>(p, sh, ring);
-    else bulk_consume<TZ, MODE>(p, sh, ring);
+    else bulk_consume<TZ, MODE>(p, sh, ends.end, ring);
   } else if constexpr (!GRAD) {
-    bulk_finish<TZ, MODE>(p, sh);
+    bulk_finish<TZ, MODE>(p, sh, ends.end);
   }
 #else
   (void)p;

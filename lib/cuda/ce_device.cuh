@@ -54,7 +54,7 @@ struct KParams {
   int vocab_total;      // V of the problem (targets, ε/V, Ω); = vocab unless a slice
   int64_t col_begin;    // global class of the buffers' first column (backward slices; else 0)
   int rescale;          // backward: fce_backward_rescale (see ce_rows.cuh)
-  int cluster_log2;     // log2 of the CTAs per row (register path; k = 1, 2, 4, 8)
+  int cluster_log2;     // log2 of the CTAs per row (register path; k = 1, 2, 4, 8, 16)
   int64_t rows_in_launch;  // register path: the rows of this launch
   int64_t prefetch_rows;   // register path: > 0 = prefetch the slice of the row this far ahead
   int pdl;                 // launched as a programmatic dependent of the denominators kernel

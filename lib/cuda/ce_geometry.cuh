@@ -20,13 +20,16 @@ namespace cuda {
 constexpr int kRegThreads = 512;      // most threads of a register-path CTA
 constexpr int kRegVpt = 8;            // 16-byte vectors per thread (32 registers of the row)
 constexpr int kRegVecsPerCta = kRegThreads * kRegVpt;  // 4096 vectors = 64 KB
-constexpr int kMaxCluster = 8;        // portable cluster size limit
+// Clusters of up to 16 CTAs: 8 is the portable limit, 16 the "non-portable" size sm_90 allows
+// for a kernel that opts in (allow_cluster, ce_path.cu): float32 rows of 512 KB to 1 MB stay in
+// registers instead of taking the two-pass kernel (bench/NOTES.md, "Issue 8, session 4").
+constexpr int kMaxCluster = 16;
 constexpr int64_t kRegMaxVocab = int64_t(kRegVecsPerCta) * kMaxCluster * 8;  // loose bound
 constexpr int kTwoPassThreads = 1024;
 constexpr int kBackwardThreads = 512;
 constexpr int kStreamUnroll = 4;      // vectors in flight per thread in the streaming kernels
 constexpr int kReduceThreads = 1024;  // denominators / finalize (one block)
-constexpr int64_t kMaxRowsPerLaunch = int64_t(1) << 27;  // × 8 CTAs stays below 2^31 blocks
+constexpr int64_t kMaxRowsPerLaunch = int64_t(1) << 26;  // × 16 CTAs stays below 2^31 blocks
 // The register path's L2 prefetch distance, in waves of resident rows (FCE_CUDA_CE_PREFETCH
 // overrides it; 0 = none): each CTA asks the L2 for its slice of the row that far ahead.
 constexpr float kDefaultPrefetchWaves = 0.25f;
@@ -35,14 +38,26 @@ constexpr float kDefaultPrefetchWaves = 0.25f;
 // shared memory (64 KB × 3 measured best on an H100 among 16×12, 32×6, 40×5, 48×4 and 64×3:
 // fewer, larger copies; bench/NOTES.md); rows shorter than kBulkMinRowBytes keep the register
 // path.
-constexpr int kBulkConsumerWarps = 8;
+#ifndef FCE_BULK_CONSUMER_WARPS  // (a compile-time knob for measurement)
+#define FCE_BULK_CONSUMER_WARPS 8
+#endif
+constexpr int kBulkConsumerWarps = FCE_BULK_CONSUMER_WARPS;
 constexpr int kBulkChunkBytes = 64 << 10;
 constexpr int kBulkStages = 3;
 constexpr int64_t kBulkMinRowBytes = 16 << 10;
 // With a gradient: two stages of a whole row each, rows of at most kBulkRowBytes of whole
 // 16-byte vectors (V = 50257 bf16 is 100.5 KB).
-constexpr int kBulkRowBytes = 104 << 10;
-constexpr int bulk_ring_bytes(bool grad) { return grad ? 2 * kBulkRowBytes : kBulkStages * kBulkChunkBytes; }
+#ifndef FCE_BULK_GRAD_STAGES  // (compile-time knobs for measurement)
+#define FCE_BULK_GRAD_STAGES 2
+#endif
+#ifndef FCE_BULK_ROW_KB
+#define FCE_BULK_ROW_KB 104
+#endif
+constexpr int kBulkGradStages = FCE_BULK_GRAD_STAGES;
+constexpr int kBulkRowBytes = FCE_BULK_ROW_KB << 10;
+constexpr int bulk_ring_bytes(bool grad) {
+  return grad ? kBulkGradStages * kBulkRowBytes : kBulkStages * kBulkChunkBytes;
+}
 constexpr int kBulkThreads = 32 * (2 + kBulkConsumerWarps);  // producer, consumers, finisher
 static_assert(kRegVecsPerCta * 16 == 64 * 1024, "a register-path CTA holds 64 KB of its row");
 static_assert(kRegMaxVocab < (int64_t(1) << 30), "register path indexes elements with int32");
@@ -97,9 +112,11 @@ __host__ __device__ __forceinline__ RegSlice reg_slice(uintptr_t row_addr, int e
   return g;
 }
 
-// log2 of a cluster size k ∈ {1, 2, 4, 8} (KParams::cluster_log2, the occupancy cache's index).
+// log2 of a cluster size k ∈ {1, 2, 4, 8, 16} (KParams::cluster_log2, the occupancy caches'
+// index).
+constexpr int kClusterSizes = 5;
 __host__ __device__ __forceinline__ int cluster_log2(int k) {
-  return k == 1 ? 0 : k == 2 ? 1 : k == 4 ? 2 : 3;
+  return k == 1 ? 0 : k == 2 ? 1 : k == 4 ? 2 : k == 8 ? 3 : 4;
 }
 
 // ====================================================== host side (ce_path.cu) ====

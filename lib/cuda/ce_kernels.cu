@@ -5,8 +5,9 @@
 // Why it is fast. The op is memory bound (forward + gradient moves 2·N·V·e bytes for ~20 flops
 // per element), so the goal is to touch each logit exactly once. A row is 250-500 KB, more than
 // one SM's shared memory, so:
-//   * Register path (ce_rows_regs_kernel), rows up to 512 KB: a row is split over a cluster of
-//     k ∈ {1,2,4,8} CTAs (k = 1 only on sm_80), each CTA holding its ≤ 64 KB slice IN REGISTERS
+//   * Register path (ce_rows_regs_kernel), rows up to 1 MB: a row is split over a cluster of
+//     k ∈ {1,2,4,8,16} CTAs (k = 1 only on sm_80; 16 is a non-portable size that sm_90 allows),
+//     each CTA holding its ≤ 64 KB slice IN REGISTERS
 //     as 16-byte vectors (≤ 512 threads × 8 uint4 = 32 registers). A thread issues all 8 of its
 //     loads before the first use (64 KB in flight per CTA). Per thread an online (max, Σexp)
 //     over its vectors (exp2 of scaled differences), a warp/CTA tree that every warp finishes
@@ -25,7 +26,7 @@
 //     mode needs ~75-88 registers and runs one CTA per SM rather than spill. Each CTA first asks
 //     the L2 for its slice of the row a quarter of a wave ahead (one bulk prefetch,
 //     kDefaultPrefetchWaves), so DRAM keeps reading while CTAs reduce, exchange and store.
-//   * Two-pass path (ce_rows_stream_kernel<…, BWD = false>), any V (rows past 512 KB, sm_80 rows
+//   * Two-pass path (ce_rows_stream_kernel<…, BWD = false>), any V (rows past 1 MB, sm_80 rows
 //     past 64 KB, or no cluster fits): one 1024-thread CTA per row, one CTA per SM, so only
 //     #SMs rows (≈ 33 MB at 250 KB) are in flight and the second read mostly hits the 50 MB L2.
 //     Pass 1: online (max, Σexp) with L2-keeping loads; pass 2 rereads the row BACKWARDS (the
@@ -57,7 +58,7 @@
 //   * No float atomics: per-row values go to row_loss / row_zloss; ce_finalize_kernel sums
 //     them in a fixed order (one block, double accumulation): deterministic run to run.
 //   * 64-bit row offsets (row · stride · e in int64); 32-bit element indices only where V is
-//     known to be < 2^19 (register path).
+//     known to be ≤ 2^19 (register path).
 //   * The register path's index arithmetic (reg_config, reg_slice, is_full, grad_vec_ok) is
 //     shared with a host self-test, ce_rows_selftest() (ce_path.cu; the ctest target
 //     CudaCeRowsSelftest runs it without a GPU): every element owned exactly once, every 16-byte

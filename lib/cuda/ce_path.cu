@@ -26,7 +26,7 @@ namespace cuda {
 namespace {
 
 // Tuning and measurement overrides, read once: FCE_CUDA_CE_PATH = auto | regs | twopass
-// (forward only), FCE_CUDA_CE_CLUSTER = the smallest cluster size to use (1, 2, 4, 8),
+// (forward only), FCE_CUDA_CE_CLUSTER = the smallest cluster size to use (1, 2, 4, 8, 16),
 // FCE_CUDA_CE_PREFETCH = the register path's L2 prefetch distance in waves of resident rows
 // (0 = none), FCE_CUDA_CE_PERSIST = 1: the forward's register path runs persistent too,
 // FCE_CUDA_CE_XMBAR = 0: cluster barriers for the exchange, FCE_CUDA_CE_PDL = 0: no programmatic
@@ -55,7 +55,7 @@ const Overrides& overrides() {
     }
     if (const char* s = getenv("FCE_CUDA_CE_CLUSTER")) {
       const int k = atoi(s);
-      if (k == 1 || k == 2 || k == 4 || k == 8) r.min_cluster = k;
+      if (k == 1 || k == 2 || k == 4 || k == 8 || k == 16) r.min_cluster = k;
     }
     if (const char* s = getenv("FCE_CUDA_CE_PREFETCH")) {
       const float w = static_cast<float>(atof(s));
@@ -90,7 +90,17 @@ fce_status device_info(const char* fn, DeviceInfo* d) {
 // exchange, and k > 1 would give each CTA its slice's lse only.
 constexpr int kMaxDevices = 64;
 constexpr int kKernelSlots = 16;  // 5 dtype pairs × 3 modes
-std::atomic<signed char> g_cluster_fits[kMaxDevices][kKernelSlots][4];  // 0 unknown, 1 yes, −1 no
+std::atomic<signed char> g_cluster_fits[kMaxDevices][kKernelSlots][kClusterSizes];  // 0 unknown, 1 yes, −1 no
+
+// Clusters of more than 8 CTAs are non-portable: the kernel opts in (a function attribute, set
+// for the process) before any query or launch with one. False when the device refuses.
+bool allow_cluster(const void* kernel, int k) {
+  if (k <= 8) return true;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess)
+    return true;
+  (void)cudaGetLastError();
+  return false;
+}
 
 bool cluster_fits(const DeviceInfo& dev, const void* kernel, int slot, int k) {
   if (k == 1) return true;
@@ -103,7 +113,8 @@ bool cluster_fits(const DeviceInfo& dev, const void* kernel, int slot, int k) {
     if (v != 0) return v > 0;
   }
   cudaFuncAttributes fa{};
-  if (cudaFuncGetAttributes(&fa, kernel) != cudaSuccess || fa.ptxVersion < 90) {
+  if (cudaFuncGetAttributes(&fa, kernel) != cudaSuccess || fa.ptxVersion < 90 ||
+      !allow_cluster(kernel, k)) {
     (void)cudaGetLastError();
     if (cell) cell->store(-1, std::memory_order_relaxed);
     return false;
@@ -122,7 +133,7 @@ bool cluster_fits(const DeviceInfo& dev, const void* kernel, int slot, int k) {
 // Rows (clusters of k CTAs of `threads`) of `kernel` resident at once on the device: asked once
 // per (device, kernel, k, threads) and remembered (the last threads asked per cell). 0 when the
 // query fails.
-std::atomic<int64_t> g_wave[kMaxDevices][kKernelSlots][2][4];  // (threads << 32) | rows; 0 unknown
+std::atomic<int64_t> g_wave[kMaxDevices][kKernelSlots][2][kClusterSizes];  // (threads << 32) | rows; 0 unknown
 
 int64_t wave_rows(const DeviceInfo& dev, const void* kernel, int slot, bool loop, int k,
                   int threads) {
@@ -145,7 +156,9 @@ int64_t wave_rows(const DeviceInfo& dev, const void* kernel, int slot, bool loop
     make_cluster_launch(static_cast<unsigned>(k) * 16u, static_cast<unsigned>(threads), k, nullptr,
                         &cfg, &attr);
     int clusters = 0;
-    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) == cudaSuccess) rows = clusters;
+    if (allow_cluster(kernel, k) &&
+        cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) == cudaSuccess)
+      rows = clusters;
   }
   (void)cudaGetLastError();  // a failed query only means "no wave known"
   if (rows < 0 || rows > 0xffffffff) rows = 0;
@@ -325,14 +338,15 @@ int ce_rows_selftest() {
                             17,    31,    33,    100,   255,   1000,   4095,   4096,   4097,
                             8191,  16383, 16384, 16385, 32000, 32767,  32768,  32769,  50257,
                             65535, 65536, 65537, 100000, 128256, 131071, 131072, 131073,
-                            151936, 200003, 256000, 262136, 262143, 262144, 262145, 300000};
+                            151936, 200003, 256000, 262136, 262143, 262144, 262145, 300000,
+                            400003};
   std::vector<unsigned char> seen;
   for (int eb : {2, 4}) {
     const int E = 16 / eb;
     for (int64_t V : vocabs) {
       for (int aligned = 0; aligned < 2; ++aligned) {
         for (int max_k : {1, kMaxCluster}) {
-          for (int min_k : {1, 2, 4, 8}) {
+          for (int min_k : {1, 2, 4, 8, 16}) {
             RegConfig rc{};
             if (!reg_config(V, eb, aligned ? 0 : E - 1, max_k, min_k, &rc)) {
               // must only fail when even max_k CTAs of 64 KB cannot hold the row

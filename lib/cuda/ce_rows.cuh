@@ -111,7 +111,7 @@ inline CeRowsArgs all_rows_args(const char* fn, const CeOptions& opt, int64_t ro
 
 // Supported (logits_dtype, grad_dtype): (f32, f32), (f16, f16), (bf16, bf16), (f32, f16),
 // (f32, bf16); without a gradient any logits dtype. Backward (lse_in or stats_in) needs grad and
-// writes only the gradient (and error_flags). Rows shorter than 512 KB (64 KB on sm_80) take the
+// writes only the gradient (and error_flags). Rows of at most 1 MB (64 KB on sm_80) take the
 // register / cluster path, longer ones the two-pass path (see ce_kernels.cu).
 fce_status launch_ce_rows(const CeRowsArgs& a, cudaStream_t s);
 
