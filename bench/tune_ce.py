@@ -14,6 +14,7 @@ SHAPES = "16384x128256xbf16,8192x256000xbf16,32768x32000xbf16,8192x151936xbf16,4
 ALL_SETTINGS = {"default": {}, "twopass": {"FCE_CUDA_CE_PATH": "twopass"},
                 "k>=2": {"FCE_CUDA_CE_CLUSTER": "2"}, "k>=4": {"FCE_CUDA_CE_CLUSTER": "4"},
                 "k=8": {"FCE_CUDA_CE_CLUSTER": "8"}, "k=16": {"FCE_CUDA_CE_CLUSTER": "16"},
+                "kpow2": {"FCE_CUDA_CE_KRULE": "pow2"},
                 "pf0": {"FCE_CUDA_CE_PREFETCH": "0"}, "pf0.25": {"FCE_CUDA_CE_PREFETCH": "0.25"},
                 "pf0.5": {"FCE_CUDA_CE_PREFETCH": "0.5"}, "pf0.75": {"FCE_CUDA_CE_PREFETCH": "0.75"},
                 "pf1": {"FCE_CUDA_CE_PREFETCH": "1"}, "pf2": {"FCE_CUDA_CE_PREFETCH": "2"},

@@ -54,7 +54,7 @@ struct KParams {
   int vocab_total;      // V of the problem (targets, ε/V, Ω); = vocab unless a slice
   int64_t col_begin;    // global class of the buffers' first column (backward slices; else 0)
   int rescale;          // backward: fce_backward_rescale (see ce_rows.cuh)
-  int cluster_log2;     // log2 of the CTAs per row (register path; k = 1, 2, 4, 8, 16)
+  int cluster;          // CTAs per row (register path; 1 to kMaxCluster)
   int64_t rows_in_launch;  // register path: the rows of this launch
   int64_t prefetch_rows;   // register path: > 0 = prefetch the slice of the row this far ahead
   int pdl;                 // launched as a programmatic dependent of the denominators kernel
@@ -607,7 +607,7 @@ inline KParams make_params(const CeOptions& opt, int64_t vocab) {
   p.vocab = static_cast<int>(vocab);
   p.vocab_total = static_cast<int>(vocab);
   p.col_begin = 0;
-  p.cluster_log2 = 0;
+  p.cluster = 1;
   p.targets_int64 = opt.targets_int64 ? 1 : 0;
   p.reduction = opt.reduction;
   p.smooth = opt.label_smoothing > 0.f ? 1 : 0;

@@ -20,15 +20,21 @@ namespace cuda {
 constexpr int kRegThreads = 512;      // most threads of a register-path CTA
 constexpr int kRegVpt = 8;            // 16-byte vectors per thread (32 registers of the row)
 constexpr int kRegVecsPerCta = kRegThreads * kRegVpt;  // 4096 vectors = 64 KB
-// Clusters of up to 16 CTAs: 8 is the portable limit, 16 the "non-portable" size sm_90 allows
-// for a kernel that opts in (allow_cluster, ce_path.cu): float32 rows of 512 KB to 1 MB stay in
-// registers instead of taking the two-pass kernel (bench/NOTES.md, "Issue 8, session 4").
+// Clusters of any size up to 16 CTAs: 8 is the portable limit, up to 16 a "non-portable" size
+// sm_90 allows for a kernel that opts in (allow_cluster, ce_path.cu): float32 rows of 512 KB to
+// 1 MB stay in registers instead of taking the two-pass kernel (bench/NOTES.md, "Issue 8,
+// session 4"). The size need not be a power of two (choose_reg_config).
 constexpr int kMaxCluster = 16;
 constexpr int64_t kRegMaxVocab = int64_t(kRegVecsPerCta) * kMaxCluster * 8;  // loose bound
 constexpr int kTwoPassThreads = 1024;
 constexpr int kBackwardThreads = 512;
 constexpr int kStreamUnroll = 4;      // vectors in flight per thread in the streaming kernels
 constexpr int kReduceThreads = 1024;  // denominators / finalize (one block)
+constexpr int kRegFileRegs = 65536;    // registers of an SM (sm_80, sm_90)
+constexpr int kMaxThreadsPerSm = 2048;  // resident threads of an SM (sm_80, sm_90)
+constexpr int kMaxCtasPerSm = 32;       // resident CTAs of an SM (sm_80, sm_90)
+// A register-path CTA counts as nearly full from kRegFullThreads threads (choose_reg_config).
+constexpr int kRegFullThreads = 448;
 constexpr int64_t kMaxRowsPerLaunch = int64_t(1) << 26;  // × 16 CTAs stays below 2^31 blocks
 // The register path's L2 prefetch distance, in waves of resident rows (FCE_CUDA_CE_PREFETCH
 // overrides it; 0 = none): each CTA asks the L2 for its slice of the row that far ahead.
@@ -86,7 +92,7 @@ __host__ __device__ __forceinline__ bool grad_vec_ok(uintptr_t grow, int lead, i
 // The register path's split of one row. Row elements are addressed through 16-byte vectors of
 // E = 16/e elements: vector v holds elements [v·E − lead, v·E − lead + E), lead = (row address
 // mod 16)/e, so vector 0 may start before the row and the last may end after it (only their
-// in-row elements are touched). CTA `rank` of k = 2^lg holds vectors [rank·per, vend); thread
+// in-row elements are touched). CTA `rank` of k holds vectors [rank·per, vend); thread
 // tid of nt holds vectors v0 + i·nt (slots i < kRegVpt) that are < vend. Used by the kernel and
 // by the host self-test (ce_rows_selftest), so both check the same arithmetic.
 struct RegSlice {
@@ -99,12 +105,12 @@ struct RegSlice {
   int jstep;  // element distance between slots, nt·E
 };
 __host__ __device__ __forceinline__ RegSlice reg_slice(uintptr_t row_addr, int elem_bytes, int V,
-                                                       int lg, int rank, int tid, int nt) {
+                                                       int k, int rank, int tid, int nt) {
   const int E = 16 / elem_bytes;
   RegSlice g;
   g.lead = static_cast<int>((row_addr & 15) / static_cast<uintptr_t>(elem_bytes));
   g.nvec = (g.lead + V + E - 1) / E;
-  g.per = (g.nvec + (1 << lg) - 1) >> lg;
+  g.per = (g.nvec + k - 1) / k;
   g.v0 = rank * g.per + tid;
   g.vend = (rank + 1) * g.per < g.nvec ? (rank + 1) * g.per : g.nvec;
   g.j00 = g.v0 * E - g.lead;
@@ -112,24 +118,37 @@ __host__ __device__ __forceinline__ RegSlice reg_slice(uintptr_t row_addr, int e
   return g;
 }
 
-// log2 of a cluster size k ∈ {1, 2, 4, 8, 16} (KParams::cluster_log2, the occupancy caches'
-// index).
-constexpr int kClusterSizes = 5;
-__host__ __device__ __forceinline__ int cluster_log2(int k) {
-  return k == 1 ? 0 : k == 2 ? 1 : k == 4 ? 2 : k == 8 ? 3 : 4;
-}
-
 // ====================================================== host side (ce_path.cu) ====
 // The register path's shape for rows of `vocab` elements of elem_bytes whose starts have at most
-// lead_max elements before them in their 16-byte vector: the smallest cluster size k ≥ min_k,
-// ≤ max_k whose slices fit a CTA, and the threads per CTA. False when none fits. The checks at
-// the end are the kernel's coverage invariant: every vector of every row has a (rank, thread,
-// slot), i.e. threads·kRegVpt ≥ ⌈nvec/k⌉ for the largest nvec of any row.
+// lead_max elements before them in their 16-byte vector, split over a cluster of exactly k CTAs:
+// the threads per CTA (a CTA's slice ⌈nvec/k⌉ in kRegVpt vectors per thread, whole warps).
+// False when a slice does not fit a CTA. The checks at the end are the kernel's coverage
+// invariant: every vector of every row has a (rank, thread, slot), i.e. threads·kRegVpt ≥
+// ⌈nvec/k⌉ for the largest nvec of any row.
 struct RegConfig {
   int k;
   int threads;
 };
-bool reg_config(int64_t vocab, int elem_bytes, int lead_max, int max_k, int min_k, RegConfig* c);
+bool reg_config(int64_t vocab, int elem_bytes, int lead_max, int k, RegConfig* c);
+
+// Row bytes a streaming multiprocessor holds at once in that shape: the slice times the CTAs of
+// `threads` threads of `regs` registers each that fit its register file and thread slots. The
+// register path reads at the copy rate when this is near the register file's half that holds
+// data (128 KB on sm_80/sm_90), and measurably slower below (bench/NOTES.md, "Issue 8, session
+// 4": 100 KB resident ran at 87-89 % of copy, 111 KB at 83 %, 125-128 KB at 92-98 %).
+int64_t reg_resident_bytes(int64_t vocab, int elem_bytes, int lead_max, const RegConfig& c,
+                           int regs);
+
+// The cluster size for the register path: the smallest power of two whose slices fit (at most
+// max_k); for 16-bit rows another size instead where its CTAs have at least kRegFullThreads
+// threads and keep over 5 % more row bytes resident per SM (reg_resident_bytes, CTAs of `regs`
+// registers per thread). Measured on an H100 (bench/NOTES.md, "Issue 8, session 4"): 151936
+// bf16 in 5 CTAs of 480 threads 83 → 88 % of copy, 300001 in 10 CTAs 70 → 75 %; but clusters
+// of small CTAs lost (36000 bf16 in 3 CTAs of 192 threads 90 → 79 %; 50257 in 5 of 160, 79 → 75)
+// and float32 rows did not gain (151936 in 10 CTAs of 480: 80 → 78 %). force_k ≥ 1: that size
+// wherever the slices fit it (FCE_CUDA_CE_CLUSTER); pow2_only: the rule before (measurement).
+bool choose_reg_config(int64_t vocab, int elem_bytes, int lead_max, int max_k, int force_k,
+                       int regs, bool pow2_only, RegConfig* c);
 
 // Threads of a streaming CTA: enough for kStreamUnroll vectors each on the longest row, ≤ cap.
 int64_t stream_threads(int64_t vocab, int E, int cap);

@@ -6,8 +6,8 @@
 // per element), so the goal is to touch each logit exactly once. A row is 250-500 KB, more than
 // one SM's shared memory, so:
 //   * Register path (ce_rows_regs_kernel), rows up to 1 MB: a row is split over a cluster of
-//     k ∈ {1,2,4,8,16} CTAs (k = 1 only on sm_80; 16 is a non-portable size that sm_90 allows),
-//     each CTA holding its ≤ 64 KB slice IN REGISTERS
+//     k ≤ 16 CTAs (k = 1 only on sm_80; over 8 a non-portable size that sm_90 allows), each CTA
+//     holding its ≤ 64 KB slice IN REGISTERS
 //     as 16-byte vectors (≤ 512 threads × 8 uint4 = 32 registers). A thread issues all 8 of its
 //     loads before the first use (64 KB in flight per CTA). Per thread an online (max, Σexp)
 //     over its vectors (exp2 of scaled differences), a warp/CTA tree that every warp finishes
@@ -21,7 +21,10 @@
 //     computed from the registers and stored with 16-byte stores. ≤ 64 registers per thread
 //     (launch bounds 512 × 2) keep two CTAs per SM: one CTA's loads overlap the other's math
 //     and stores. The block is cut to the row (threads = ⌈slice / 8⌉ rounded up to a warp), and
-//     k is the smallest size whose slices fit, so a CTA is nearly full. Three compiled modes per
+//     k is the smallest power of two whose slices fit, so a CTA is nearly full, or for 16-bit
+//     rows another size whose CTAs are fuller (choose_reg_config: 151936 bf16 in 5 CTAs of 480
+//     threads, 2 per SM, holds 118 KB per SM where 8 CTAs of 320 threads, 3 per SM, held 111 KB,
+//     and waits on 5 CTAs in the exchange instead of 8). Three compiled modes per
 //     dtype pair (plain, softcap, general = label smoothing) keep the hot ones lean; the general
 //     mode needs ~75-88 registers and runs one CTA per SM rather than spill. Each CTA first asks
 //     the L2 for its slice of the row a quarter of a wave ahead (one bulk prefetch,
@@ -113,11 +116,11 @@ struct RegShared {
 // Nothing is read into the SM and nothing outside the row is touched; a later CTA's loads of
 // that slice then find it in L2 instead of waiting for DRAM.
 template <class TZ>
-__device__ __forceinline__ void prefetch_slice(const KParams& p, int64_t lrow, int lg, int rank) {
+__device__ __forceinline__ void prefetch_slice(const KParams& p, int64_t lrow, int k, int rank) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int eb = Ty<TZ>::kBytes;
   const char* zrow = p.logits + lrow * p.z_row_bytes;
-  const RegSlice g = reg_slice(reinterpret_cast<uintptr_t>(zrow), eb, p.vocab, lg, rank, 0, 1);
+  const RegSlice g = reg_slice(reinterpret_cast<uintptr_t>(zrow), eb, p.vocab, k, rank, 0, 1);
   const int first_full = g.lead ? 1 : 0;
   const int last_full = (g.nvec * vec_elems<TZ>() - g.lead > p.vocab) ? g.nvec - 1 : g.nvec;
   const int v0 = g.v0 > first_full ? g.v0 : first_full;
@@ -127,7 +130,7 @@ __device__ __forceinline__ void prefetch_slice(const KParams& p, int64_t lrow, i
   const uint32_t bytes = static_cast<uint32_t>(v1 - v0) * 16u;
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(base), "r"(bytes) : "memory");
 #else
-  (void)p, (void)lrow, (void)lg, (void)rank;
+  (void)p, (void)lrow, (void)k, (void)rank;
 #endif
 }
 
@@ -145,20 +148,19 @@ __device__ __forceinline__ void regs_row(const KParams& p, int64_t lrow, int64_t
   uint32_t* s_cand = sh.cand;
   RowInfo& s_info = sh.info;
 
-  const int lg = p.cluster_log2;
-  const int k = 1 << lg;
-  const int rank = static_cast<int>(blockIdx.x & static_cast<unsigned>(k - 1));
+  const int k = p.cluster;
+  const int rank = static_cast<int>(blockIdx.x % static_cast<unsigned>(k));
   const int64_t row = p.row_begin + lrow;
   const char* zrow = p.logits + lrow * p.z_row_bytes;
   const int V = p.vocab;
   const int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31;
-  const RegSlice g = reg_slice(reinterpret_cast<uintptr_t>(zrow), eb, V, lg, rank, tid, nt);
+  const RegSlice g = reg_slice(reinterpret_cast<uintptr_t>(zrow), eb, V, k, rank, tid, nt);
   const int lead = g.lead, v0 = g.v0, vend = g.vend, j00 = g.j00, jstep = g.jstep;
   if (p.rescale) {  // fce_backward_rescale: every CTA of the cluster decides the same way
     const int64_t per = (int64_t(V) + k - 1) / k, c0 = rank * per, c1 = c0 + per < V ? c0 + per : V;
     if (rescale_prologue<TG>(p, row, p.grad + lrow * p.g_row_bytes, c0, c1)) return;
   }
-  if (tid == 0 && next_lrow < p.rows_in_launch) prefetch_slice<TZ>(p, next_lrow, lg, rank);
+  if (tid == 0 && next_lrow < p.rows_in_launch) prefetch_slice<TZ>(p, next_lrow, k, rank);
   const bool want_argmax = p.argmax_out != nullptr || p.row_correct != nullptr;
   // ---- all loads of the slice in flight at once
   uint4 buf[kRegVpt];
@@ -305,13 +307,13 @@ __global__ void __launch_bounds__(kRegThreads, MODE == kGeneral ? 1 : 2)
     ce_rows_regs_kernel(const KParams p) {
   pdl_trigger();  // the finalize may start once every CTA has (it waits for our values)
   __shared__ RegShared sh;
-  const int lg = p.cluster_log2;
-  const int64_t first = blockIdx.x >> lg;
+  const unsigned k = static_cast<unsigned>(p.cluster);
+  const int64_t first = blockIdx.x / k;
   if constexpr (!LOOP) {
     const int64_t next = p.prefetch_rows > 0 ? first + p.prefetch_rows : INT64_MAX;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     const bool want_argmax = p.argmax_out != nullptr || p.row_correct != nullptr;
-    const bool xmbar = p.xmbar_ok && lg > 0 && !want_argmax && !p.rescale;
+    const bool xmbar = p.xmbar_ok && k > 1 && !want_argmax && !p.rescale;
     if (xmbar) {
       if (threadIdx.x == 0) mbar_init(&sh.mbar);
       cluster_arrive_relaxed();
@@ -322,7 +324,7 @@ __global__ void __launch_bounds__(kRegThreads, MODE == kGeneral ? 1 : 2)
     regs_row<TZ, TG, MODE>(p, first, next, xmbar, sh);
   } else {
     if (p.rescale && *p.grad_output == 1.f) return;  // the usual case: nothing to do anywhere
-    const int64_t stride = gridDim.x >> lg;
+    const int64_t stride = gridDim.x / k;
     for (int64_t lrow = first; lrow < p.rows_in_launch; lrow += stride) {
       regs_row<TZ, TG, MODE>(p, lrow, p.prefetch_rows > 0 ? lrow + stride : INT64_MAX, false, sh);
       __syncthreads();  // the next row reuses the shared scalars
@@ -586,7 +588,7 @@ fce_status launch_rows_typed(const CeRowsArgs& a, KParams p, int pair, cudaStrea
                                        bulk_kernel<TZ, TZ, false>(mode), grid, kBulkThreads, 1, q,
                                        s, bulk_ring_bytes(false));
     } else if (choice.path == RowsPath::kRegisters) {
-      q.cluster_log2 = cluster_log2(rc.k);
+      q.cluster = rc.k;
       q.rows_in_launch = n;
       q.prefetch_rows = choice.prefetch_rows;
       q.xmbar_ok = choice.xmbar ? 1 : 0;

@@ -1,8 +1,11 @@
 // ce_path.cu — the host side of the cross-entropy row kernels (ce_kernels.cu): which kernel
 // runs a launch_ce_rows call, and in what shape (ce_geometry.cuh declares it all). Why a path
 // is chosen is ce_kernels.cu's header; this file is the how:
-//   * the register path's shape (reg_config): the smallest cluster whose CTAs hold a row's
-//     slices, whole warps, every vector covered;
+//   * the register path's shape: for each cluster size k (reg_config) the CTAs that hold a row's
+//     slices, whole warps, every vector covered; the smallest power of two that fits, or for
+//     16-bit rows a size whose nearly full CTAs keep more of the rows resident per SM
+//     (choose_reg_config, from the kernel's registers per thread, asked once per device and
+//     kernel);
 //   * whether that cluster can be resident on the current device (cluster_fits): a host-side
 //     occupancy query, once per (device, kernel, cluster size), remembered in a lock-free table;
 //   * the measurement overrides FCE_CUDA_CE_PATH and FCE_CUDA_CE_CLUSTER, read once.
@@ -26,7 +29,9 @@ namespace cuda {
 namespace {
 
 // Tuning and measurement overrides, read once: FCE_CUDA_CE_PATH = auto | regs | twopass
-// (forward only), FCE_CUDA_CE_CLUSTER = the smallest cluster size to use (1, 2, 4, 8, 16),
+// (forward only), FCE_CUDA_CE_CLUSTER = the register path's cluster size (1 to 16) wherever a row's slices fit it,
+// FCE_CUDA_CE_KRULE = pow2: the register path's cluster the smallest power of two that holds the
+// row (the rule before choose_reg_config, for measurement),
 // FCE_CUDA_CE_PREFETCH = the register path's L2 prefetch distance in waves of resident rows
 // (0 = none), FCE_CUDA_CE_PERSIST = 1: the forward's register path runs persistent too,
 // FCE_CUDA_CE_XMBAR = 0: cluster barriers for the exchange, FCE_CUDA_CE_PDL = 0: no programmatic
@@ -35,7 +40,7 @@ namespace {
 // with a gradient never / for every row that fits.
 struct Overrides {
   int path = 0;  // 0 auto, 1 regs (same as auto when the row fits), 2 twopass
-  int min_cluster = 1;
+  int cluster = 0;  // FCE_CUDA_CE_CLUSTER: this size where a row's slices fit it (0: chosen)
   float prefetch_waves = kDefaultPrefetchWaves;
   int persist = 0;
   int xmbar = 1;  // FCE_CUDA_CE_XMBAR=0: clusters exchange through cluster barriers only
@@ -43,6 +48,7 @@ struct Overrides {
   int bulk = 1;   // FCE_CUDA_CE_BULK=0: forward-only rows keep the register / two-pass kernels;
                   // 2: the bulk kernel for rows of any length, with a gradient too where the
                   // row fits a stage (tests: every shape runs it)
+  int krule_pow2 = 0;  // FCE_CUDA_CE_KRULE=pow2
   int bulk_grad = -1;  // FCE_CUDA_CE_BULK_GRAD: −1 (unset) the measured choice, 0 never, 1 always
                        // (with a gradient, rows that fit a stage)
 };
@@ -55,7 +61,7 @@ const Overrides& overrides() {
     }
     if (const char* s = getenv("FCE_CUDA_CE_CLUSTER")) {
       const int k = atoi(s);
-      if (k == 1 || k == 2 || k == 4 || k == 8 || k == 16) r.min_cluster = k;
+      if (k >= 1 && k <= kMaxCluster) r.cluster = k;
     }
     if (const char* s = getenv("FCE_CUDA_CE_PREFETCH")) {
       const float w = static_cast<float>(atof(s));
@@ -65,6 +71,7 @@ const Overrides& overrides() {
     if (const char* s = getenv("FCE_CUDA_CE_XMBAR")) r.xmbar = atoi(s) != 0;
     if (const char* s = getenv("FCE_CUDA_CE_PDL")) r.pdl = atoi(s) != 0;
     if (const char* s = getenv("FCE_CUDA_CE_BULK")) r.bulk = atoi(s);
+    if (const char* s = getenv("FCE_CUDA_CE_KRULE")) r.krule_pow2 = !strcmp(s, "pow2");
     if (const char* s = getenv("FCE_CUDA_CE_BULK_GRAD")) r.bulk_grad = atoi(s) != 0 ? 1 : 0;
     return r;
   }();
@@ -90,7 +97,7 @@ fce_status device_info(const char* fn, DeviceInfo* d) {
 // exchange, and k > 1 would give each CTA its slice's lse only.
 constexpr int kMaxDevices = 64;
 constexpr int kKernelSlots = 16;  // 5 dtype pairs × 3 modes
-std::atomic<signed char> g_cluster_fits[kMaxDevices][kKernelSlots][kClusterSizes];  // 0 unknown, 1 yes, −1 no
+std::atomic<signed char> g_cluster_fits[kMaxDevices][kKernelSlots][kMaxCluster + 1];  // 0 unknown, 1 yes, −1 no
 
 // Clusters of more than 8 CTAs are non-portable: the kernel opts in (a function attribute, set
 // for the process) before any query or launch with one. False when the device refuses.
@@ -104,8 +111,8 @@ bool allow_cluster(const void* kernel, int k) {
 
 bool cluster_fits(const DeviceInfo& dev, const void* kernel, int slot, int k) {
   if (k == 1) return true;
-  if (dev.major < 9) return false;
-  const int ki = cluster_log2(k);
+  if (dev.major < 9 || k < 1 || k > kMaxCluster) return false;
+  const int ki = k;
   std::atomic<signed char>* cell = nullptr;
   if (dev.device >= 0 && dev.device < kMaxDevices && slot >= 0 && slot < kKernelSlots) {
     cell = &g_cluster_fits[dev.device][slot][ki];
@@ -133,13 +140,14 @@ bool cluster_fits(const DeviceInfo& dev, const void* kernel, int slot, int k) {
 // Rows (clusters of k CTAs of `threads`) of `kernel` resident at once on the device: asked once
 // per (device, kernel, k, threads) and remembered (the last threads asked per cell). 0 when the
 // query fails.
-std::atomic<int64_t> g_wave[kMaxDevices][kKernelSlots][2][kClusterSizes];  // (threads << 32) | rows; 0 unknown
+std::atomic<int64_t> g_wave[kMaxDevices][kKernelSlots][2][kMaxCluster + 1];  // (threads << 32) | rows; 0 unknown
 
 int64_t wave_rows(const DeviceInfo& dev, const void* kernel, int slot, bool loop, int k,
                   int threads) {
-  const int ki = cluster_log2(k);
+  const int ki = k;
   std::atomic<int64_t>* cell = nullptr;
-  if (dev.device >= 0 && dev.device < kMaxDevices && slot >= 0 && slot < kKernelSlots) {
+  if (dev.device >= 0 && dev.device < kMaxDevices && slot >= 0 && slot < kKernelSlots && ki >= 1 &&
+      ki <= kMaxCluster) {
     cell = &g_wave[dev.device][slot][loop ? 1 : 0][ki];
     const int64_t v = cell->load(std::memory_order_relaxed);
     if (v != 0 && (v >> 32) == threads) return v & 0xffffffff;
@@ -164,6 +172,24 @@ int64_t wave_rows(const DeviceInfo& dev, const void* kernel, int slot, bool loop
   if (rows < 0 || rows > 0xffffffff) rows = 0;
   if (cell && rows > 0) cell->store((int64_t(threads) << 32) | rows, std::memory_order_relaxed);
   return rows;
+}
+
+// Registers per thread of a register-path kernel (its resident CTAs per SM), asked once per
+// (device, kernel) and remembered; 0 when the query fails (then 64, the launch bound, is assumed).
+std::atomic<int> g_regs[kMaxDevices][kKernelSlots];  // 0 unknown, −1 failed, else the count
+
+int kernel_regs(const DeviceInfo& dev, const void* kernel, int slot) {
+  std::atomic<int>* cell = nullptr;
+  if (dev.device >= 0 && dev.device < kMaxDevices && slot >= 0 && slot < kKernelSlots) {
+    cell = &g_regs[dev.device][slot];
+    const int v = cell->load(std::memory_order_relaxed);
+    if (v != 0) return v > 0 ? v : 0;
+  }
+  cudaFuncAttributes fa{};
+  const bool ok = kernel && cudaFuncGetAttributes(&fa, kernel) == cudaSuccess && fa.numRegs > 0;
+  if (!ok) (void)cudaGetLastError();
+  if (cell) cell->store(ok ? fa.numRegs : -1, std::memory_order_relaxed);
+  return ok ? fa.numRegs : 0;
 }
 
 std::atomic<signed char> g_pdl[kMaxDevices];  // 0 unknown, 1 yes, −1 no
@@ -221,23 +247,59 @@ bool pdl_supported() {
   return major >= 9;
 }
 
-bool reg_config(int64_t vocab, int elem_bytes, int lead_max, int max_k, int min_k, RegConfig* c) {
-  if (vocab < 1 || vocab > kRegMaxVocab) return false;
+bool reg_config(int64_t vocab, int elem_bytes, int lead_max, int k, RegConfig* c) {
+  if (vocab < 1 || vocab > kRegMaxVocab || k < 1 || k > kMaxCluster) return false;
   const int64_t E = 16 / elem_bytes;
   const int64_t nvec_max = (lead_max + vocab + E - 1) / E;
-  for (int k = 1; k <= max_k; k *= 2) {
-    if (k < min_k) continue;
-    const int64_t per = (nvec_max + k - 1) / k;
-    if (per > kRegVecsPerCta) continue;
-    int64_t threads = (per + kRegVpt - 1) / kRegVpt;
-    threads = (threads + 31) / 32 * 32;
-    if (threads > kRegThreads || threads * kRegVpt < per || threads * kRegVpt * k < nvec_max)
-      return false;  // cannot happen: the invariant the kernel relies on
-    c->k = k;
-    c->threads = static_cast<int>(threads);
+  const int64_t per = (nvec_max + k - 1) / k;
+  if (per > kRegVecsPerCta) return false;
+  int64_t threads = (per + kRegVpt - 1) / kRegVpt;
+  threads = (threads + 31) / 32 * 32;
+  if (threads > kRegThreads || threads * kRegVpt < per || threads * kRegVpt * k < nvec_max)
+    return false;  // cannot happen: the invariant the kernel relies on
+  c->k = k;
+  c->threads = static_cast<int>(threads);
+  return true;
+}
+
+int64_t reg_resident_bytes(int64_t vocab, int elem_bytes, int lead_max, const RegConfig& c,
+                           int regs) {
+  const int64_t E = 16 / elem_bytes;
+  const int64_t nvec_max = (lead_max + vocab + E - 1) / E;
+  const int64_t per = (nvec_max + c.k - 1) / c.k;
+  const int64_t r = regs > 0 ? (regs + 7) / 8 * 8 : 64;  // allocated per thread in units of 8
+  int64_t ctas = kRegFileRegs / (r * c.threads);
+  if (ctas > kMaxThreadsPerSm / c.threads) ctas = kMaxThreadsPerSm / c.threads;
+  if (ctas > kMaxCtasPerSm) ctas = kMaxCtasPerSm;
+  return per * 16 * ctas;
+}
+
+bool choose_reg_config(int64_t vocab, int elem_bytes, int lead_max, int max_k, int force_k,
+                       int regs, bool pow2_only, RegConfig* c) {
+  if (max_k > kMaxCluster) max_k = kMaxCluster;
+  if (force_k >= 1 && force_k <= max_k && reg_config(vocab, elem_bytes, lead_max, force_k, c))
     return true;
+  RegConfig base{};
+  bool found = false;
+  for (int k = 1; k <= max_k && !found; k *= 2) found = reg_config(vocab, elem_bytes, lead_max, k, &base);
+  if (!found) return false;
+  *c = base;
+  if (pow2_only || elem_bytes != 2) return true;
+  // 16-bit rows: a cluster of another size whose CTAs are nearly full and keep over 5 % more of
+  // the rows resident per SM
+  const int64_t held0 = reg_resident_bytes(vocab, elem_bytes, lead_max, base, regs);
+  int64_t best = held0 * 21 / 20;
+  for (int k = 3; k <= max_k; ++k) {
+    RegConfig r{};
+    if (!(k & (k - 1)) || !reg_config(vocab, elem_bytes, lead_max, k, &r) || r.threads < kRegFullThreads)
+      continue;
+    const int64_t held = reg_resident_bytes(vocab, elem_bytes, lead_max, r, regs);
+    if (held > best) {
+      best = held;
+      *c = r;
+    }
   }
-  return false;
+  return true;
 }
 
 int64_t stream_threads(int64_t vocab, int E, int cap) {
@@ -291,10 +353,10 @@ fce_status choose_rows_path(const char* fn, const RowsQuery& q, RowsChoice* out)
   if (!q.backward && !prefer_stream) {
     const int lead_max = q.aligned_rows ? 0 : 16 / q.elem_bytes - 1;
     const int max_k = dev.major >= 9 ? kMaxCluster : 1;
-    int min_k = overrides().min_cluster;
+    const int regs = kernel_regs(dev, q.regs_kernel, q.slot);
     RegConfig rc{1, kRegThreads};
-    while (min_k > 1 && !reg_config(q.vocab, q.elem_bytes, lead_max, max_k, min_k, &rc)) min_k /= 2;
-    if (reg_config(q.vocab, q.elem_bytes, lead_max, max_k, min_k, &rc) &&
+    if (choose_reg_config(q.vocab, q.elem_bytes, lead_max, max_k, overrides().cluster, regs,
+                          overrides().krule_pow2 != 0, &rc) &&
         cluster_fits(dev, q.regs_kernel, q.slot, rc.k)) {
       out->path = RowsPath::kRegisters;
       out->rc = rc;
@@ -345,26 +407,44 @@ int ce_rows_selftest() {
     const int E = 16 / eb;
     for (int64_t V : vocabs) {
       for (int aligned = 0; aligned < 2; ++aligned) {
-        for (int max_k : {1, kMaxCluster}) {
-          for (int min_k : {1, 2, 4, 8, 16}) {
+        const int lead_max = aligned ? 0 : E - 1;
+        const int64_t nvec_max = (lead_max + V + E - 1) / E;
+        // the choice: a size ≤ max_k whose shape fits (the forced one where it fits, else a
+        // power of two unless a nearly full 16-bit shape holds more), refused only when none does
+        for (int max_k : {1, 8, kMaxCluster})
+          for (int force_k = 0; force_k <= kMaxCluster; ++force_k)
+            for (bool pow2 : {false, true}) {
+              RegConfig rc{}, again{};
+              const bool any = nvec_max <= int64_t(kRegVecsPerCta) * max_k;
+              const bool forced = force_k >= 1 && force_k <= max_k &&
+                                  nvec_max <= int64_t(kRegVecsPerCta) * force_k;
+              if (!choose_reg_config(V, eb, lead_max, max_k, force_k, 64, pow2, &rc)) {
+                if (any) fail_at("choose_reg_config refused a row that fits", V, eb, 0, max_k, 0);
+                continue;
+              }
+              if (rc.k < 1 || rc.k > max_k || (forced && rc.k != force_k) ||
+                  (!forced && (pow2 || eb != 2) && (rc.k & (rc.k - 1))) ||
+                  (!forced && (rc.k & (rc.k - 1)) && rc.threads < kRegFullThreads) ||
+                  !reg_config(V, eb, lead_max, rc.k, &again) || again.threads != rc.threads)
+                fail_at("choose_reg_config returned a bad shape", V, eb, 0, rc.k, rc.threads);
+            }
+        for (int k = 1; k <= kMaxCluster; ++k) {
+          {
             RegConfig rc{};
-            if (!reg_config(V, eb, aligned ? 0 : E - 1, max_k, min_k, &rc)) {
-              // must only fail when even max_k CTAs of 64 KB cannot hold the row
-              const int64_t nvec_max = ((aligned ? 0 : E - 1) + V + E - 1) / E;
-              if (min_k <= max_k && nvec_max <= int64_t(kRegVecsPerCta) * max_k)
-                fail_at("reg_config refused a row that fits", V, eb, 0, max_k, 0);
+            if (!reg_config(V, eb, lead_max, k, &rc)) {
+              // must only fail when k CTAs of 64 KB cannot hold the row
+              if (nvec_max <= int64_t(kRegVecsPerCta) * k)
+                fail_at("reg_config refused a row that fits", V, eb, 0, k, 0);
               continue;
             }
-            if (rc.k < min_k || rc.k > max_k || (rc.k & (rc.k - 1)) || rc.threads % 32 ||
-                rc.threads < 32 || rc.threads > kRegThreads)
+            if (rc.k != k || rc.threads % 32 || rc.threads < 32 || rc.threads > kRegThreads)
               fail_at("reg_config returned a bad shape", V, eb, 0, rc.k, rc.threads);
-            const int lg = cluster_log2(rc.k);
             for (int lead = 0; lead < (aligned ? 1 : E); ++lead) {
               const uintptr_t row_addr = uintptr_t(0x10000) + uintptr_t(lead) * eb;
               seen.assign(size_t(V), 0);
               for (int rank = 0; rank < rc.k; ++rank) {
                 for (int tid = 0; tid < rc.threads; ++tid) {
-                  const RegSlice g = reg_slice(row_addr, eb, int(V), lg, rank, tid, rc.threads);
+                  const RegSlice g = reg_slice(row_addr, eb, int(V), rc.k, rank, tid, rc.threads);
                   if (g.lead != lead) fail_at("lead", V, eb, lead, rc.k, rc.threads);
                   for (int i = 0; i < kRegVpt; ++i) {
                     const int v = g.v0 + i * rc.threads;
