@@ -31,9 +31,11 @@ suite() {
 }
 # The GoogleTest binaries run directly (not through ctest, whose test lists point into the
 # build machine's CMake installation, so a build carried to another machine cannot use them).
-# FCE_GPU_PART=c: the C suites and the sanitizers only; =python: the rest; default both
+# FCE_GPU_PART=c: the C suites and the sanitizers only (c-suites / c-sanitizers: one of the two);
+# =python: the rest; default all
 PART=${FCE_GPU_PART:-all}
 if [ "$PART" != python ]; then
+if [ "$PART" != c-sanitizers ]; then
 for path in "$BUILD"/tests/test_*; do
   t=$(basename "$path")
   [ -f "$path" ] && [ -x "$path" ] && suite "C ABI $t on CUDA" env FCE_TEST_BACKEND=cuda "$path"
@@ -48,7 +50,10 @@ for t in test_ce test_linear_ce test_adversarial test_rescale; do
   suite "$t, bulk kernel on every row (CUDA)" env FCE_TEST_BACKEND=cuda \
     FCE_CUDA_CE_BULK=2 "$BUILD/tests/$t"
 done
-if command -v compute-sanitizer >/dev/null; then
+fi
+if [ "$PART" = c-suites ]; then
+  :
+elif command -v compute-sanitizer >/dev/null; then
   # A subset that reaches every kernel path: one CTA, clusters (V = 50257, odd and unaligned;
   # float32 rows of 512 KB-1 MB: clusters of 16), strided, in place, shift, every option,
   # out-of-range targets; and the linear plan.
@@ -84,7 +89,7 @@ else
   echo "SKIPPED: compute-sanitizer not on PATH"
 fi
 fi
-if [ "$PART" != c ]; then
+if [ "$PART" = all ] || [ "$PART" = python ]; then
 suite "torch parity (tests/gpu)" python3 -m pytest -q "$ROOT/tests/gpu"
 if [ -f "$ROOT/bindings/python/tests/test_torch.py" ]; then
   suite "Python binding on CUDA (torch, CuPy)" python3 -m pytest -q "$ROOT/bindings/python/tests/test_torch.py"
