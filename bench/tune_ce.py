@@ -23,6 +23,8 @@ ALL_SETTINGS = {"default": {}, "twopass": {"FCE_CUDA_CE_PATH": "twopass"},
                 "bulkgrad0": {"FCE_CUDA_CE_BULK_GRAD": "0"}, "pdl0": {"FCE_CUDA_CE_PDL": "0"},
                 "persist": {"FCE_CUDA_CE_PERSIST": "1", "FCE_CUDA_CE_PREFETCH": "0"},
                 "persist+pf": {"FCE_CUDA_CE_PERSIST": "1", "FCE_CUDA_CE_PREFETCH": "1"}}
+# (FCE_CUDA_CE_CLUSTER=k: that cluster size wherever a row's slices fit it, else the chosen one;
+# the "k>=" names are from when it meant the smallest size to use)
 SETTINGS = "default,twopass,k>=2,k>=4,k=8"
 # FUSEDCE_LIBRARY_B=path[:path...]: also time those libraries (settings "libB", "libC", ...,
 # defaults otherwise) for an A/B of builds in one run

@@ -40,11 +40,13 @@ constexpr int64_t kMaxRowsPerLaunch = int64_t(1) << 26;  // × 16 CTAs stays bel
 // overrides it; 0 = none): each CTA asks the L2 for its slice of the row that far ahead.
 constexpr float kDefaultPrefetchWaves = 0.25f;
 // The forward-only bulk-copy kernel of sm_90 (ce_bulk.cuh): one CTA per SM of a producer warp,
-// kBulkConsumerWarps consumer warps and a finisher warp, a ring of kBulkStages chunks of kBulkChunkBytes in
-// shared memory (64 KB × 3 measured best on an H100 among 16×12, 32×6, 40×5, 48×4 and 64×3:
-// fewer, larger copies; bench/NOTES.md); rows shorter than kBulkMinRowBytes keep the register
-// path.
-#ifndef FCE_BULK_CONSUMER_WARPS  // (a compile-time knob for measurement)
+// kBulkConsumerWarps consumer warps and a finisher warp, a ring of kBulkStages chunks of
+// kBulkChunkBytes in shared memory (64 KB × 3 measured best on an H100 among 16×12, 32×6, 40×5,
+// 48×4 and 64×3: fewer, larger copies; bench/NOTES.md); rows shorter than kBulkMinRowBytes keep
+// the register path. 8 consumer warps measured as fast as 12 or 16, two gradient stages of a
+// whole row as fast as 3 or 4 smaller ones (NOTES, "Issue 8, session 4"); the counts stay
+// compile-time knobs for measurement.
+#ifndef FCE_BULK_CONSUMER_WARPS
 #define FCE_BULK_CONSUMER_WARPS 8
 #endif
 constexpr int kBulkConsumerWarps = FCE_BULK_CONSUMER_WARPS;
@@ -53,7 +55,7 @@ constexpr int kBulkStages = 3;
 constexpr int64_t kBulkMinRowBytes = 16 << 10;
 // With a gradient: two stages of a whole row each, rows of at most kBulkRowBytes of whole
 // 16-byte vectors (V = 50257 bf16 is 100.5 KB).
-#ifndef FCE_BULK_GRAD_STAGES  // (compile-time knobs for measurement)
+#ifndef FCE_BULK_GRAD_STAGES
 #define FCE_BULK_GRAD_STAGES 2
 #endif
 #ifndef FCE_BULK_ROW_KB
@@ -144,9 +146,10 @@ int64_t reg_resident_bytes(int64_t vocab, int elem_bytes, int lead_max, const Re
 // threads and keep over 5 % more row bytes resident per SM (reg_resident_bytes, CTAs of `regs`
 // registers per thread). Measured on an H100 (bench/NOTES.md, "Issue 8, session 4"): 151936
 // bf16 in 5 CTAs of 480 threads 83 → 88 % of copy, 300001 in 10 CTAs 70 → 75 %; but clusters
-// of small CTAs lost (36000 bf16 in 3 CTAs of 192 threads 90 → 79 %; 50257 in 5 of 160, 79 → 75)
-// and float32 rows did not gain (151936 in 10 CTAs of 480: 80 → 78 %). force_k ≥ 1: that size
-// wherever the slices fit it (FCE_CUDA_CE_CLUSTER); pow2_only: the rule before (measurement).
+// of small CTAs lost (36000 bf16 in 3 CTAs of 192 threads 90 → 79 %; 50257 in 5 of 160,
+// 79 → 75) and float32 rows did not gain (151936 in 10 CTAs of 480: 80 → 78 %). force_k ≥ 1:
+// that size wherever the slices fit it (FCE_CUDA_CE_CLUSTER); pow2_only: the rule before
+// (measurement).
 bool choose_reg_config(int64_t vocab, int elem_bytes, int lead_max, int max_k, int force_k,
                        int regs, bool pow2_only, RegConfig* c);
 

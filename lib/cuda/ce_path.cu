@@ -29,9 +29,9 @@ namespace cuda {
 namespace {
 
 // Tuning and measurement overrides, read once: FCE_CUDA_CE_PATH = auto | regs | twopass
-// (forward only), FCE_CUDA_CE_CLUSTER = the register path's cluster size (1 to 16) wherever a row's slices fit it,
-// FCE_CUDA_CE_KRULE = pow2: the register path's cluster the smallest power of two that holds the
-// row (the rule before choose_reg_config, for measurement),
+// (forward only), FCE_CUDA_CE_CLUSTER = the register path's cluster size (1 to 16) wherever a
+// row's slices fit it, FCE_CUDA_CE_KRULE = pow2: the register path's cluster the smallest power
+// of two that holds the row (the rule before choose_reg_config, for measurement),
 // FCE_CUDA_CE_PREFETCH = the register path's L2 prefetch distance in waves of resident rows
 // (0 = none), FCE_CUDA_CE_PERSIST = 1: the forward's register path runs persistent too,
 // FCE_CUDA_CE_XMBAR = 0: cluster barriers for the exchange, FCE_CUDA_CE_PDL = 0: no programmatic
@@ -97,14 +97,16 @@ fce_status device_info(const char* fn, DeviceInfo* d) {
 // exchange, and k > 1 would give each CTA its slice's lse only.
 constexpr int kMaxDevices = 64;
 constexpr int kKernelSlots = 16;  // 5 dtype pairs × 3 modes
-std::atomic<signed char> g_cluster_fits[kMaxDevices][kKernelSlots][kMaxCluster + 1];  // 0 unknown, 1 yes, −1 no
+// 0 unknown, 1 yes, −1 no; indexed by the cluster size
+std::atomic<signed char> g_cluster_fits[kMaxDevices][kKernelSlots][kMaxCluster + 1];
 
 // Clusters of more than 8 CTAs are non-portable: the kernel opts in (a function attribute, set
 // for the process) before any query or launch with one. False when the device refuses.
 bool allow_cluster(const void* kernel, int k) {
   if (k <= 8) return true;
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess)
-    return true;
+  const cudaError_t e =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+  if (e == cudaSuccess) return true;
   (void)cudaGetLastError();
   return false;
 }
@@ -112,10 +114,9 @@ bool allow_cluster(const void* kernel, int k) {
 bool cluster_fits(const DeviceInfo& dev, const void* kernel, int slot, int k) {
   if (k == 1) return true;
   if (dev.major < 9 || k < 1 || k > kMaxCluster) return false;
-  const int ki = k;
   std::atomic<signed char>* cell = nullptr;
   if (dev.device >= 0 && dev.device < kMaxDevices && slot >= 0 && slot < kKernelSlots) {
-    cell = &g_cluster_fits[dev.device][slot][ki];
+    cell = &g_cluster_fits[dev.device][slot][k];
     const signed char v = cell->load(std::memory_order_relaxed);
     if (v != 0) return v > 0;
   }
@@ -140,15 +141,15 @@ bool cluster_fits(const DeviceInfo& dev, const void* kernel, int slot, int k) {
 // Rows (clusters of k CTAs of `threads`) of `kernel` resident at once on the device: asked once
 // per (device, kernel, k, threads) and remembered (the last threads asked per cell). 0 when the
 // query fails.
-std::atomic<int64_t> g_wave[kMaxDevices][kKernelSlots][2][kMaxCluster + 1];  // (threads << 32) | rows; 0 unknown
+// (threads << 32) | rows; 0 unknown; indexed by persistence and the cluster size
+std::atomic<int64_t> g_wave[kMaxDevices][kKernelSlots][2][kMaxCluster + 1];
 
 int64_t wave_rows(const DeviceInfo& dev, const void* kernel, int slot, bool loop, int k,
                   int threads) {
-  const int ki = k;
   std::atomic<int64_t>* cell = nullptr;
-  if (dev.device >= 0 && dev.device < kMaxDevices && slot >= 0 && slot < kKernelSlots && ki >= 1 &&
-      ki <= kMaxCluster) {
-    cell = &g_wave[dev.device][slot][loop ? 1 : 0][ki];
+  if (dev.device >= 0 && dev.device < kMaxDevices && slot >= 0 && slot < kKernelSlots && k >= 1 &&
+      k <= kMaxCluster) {
+    cell = &g_wave[dev.device][slot][loop ? 1 : 0][k];
     const int64_t v = cell->load(std::memory_order_relaxed);
     if (v != 0 && (v >> 32) == threads) return v & 0xffffffff;
   }
@@ -281,7 +282,8 @@ bool choose_reg_config(int64_t vocab, int elem_bytes, int lead_max, int max_k, i
     return true;
   RegConfig base{};
   bool found = false;
-  for (int k = 1; k <= max_k && !found; k *= 2) found = reg_config(vocab, elem_bytes, lead_max, k, &base);
+  for (int k = 1; k <= max_k && !found; k *= 2)
+    found = reg_config(vocab, elem_bytes, lead_max, k, &base);
   if (!found) return false;
   *c = base;
   if (pow2_only || elem_bytes != 2) return true;
@@ -291,7 +293,8 @@ bool choose_reg_config(int64_t vocab, int elem_bytes, int lead_max, int max_k, i
   int64_t best = held0 * 21 / 20;
   for (int k = 3; k <= max_k; ++k) {
     RegConfig r{};
-    if (!(k & (k - 1)) || !reg_config(vocab, elem_bytes, lead_max, k, &r) || r.threads < kRegFullThreads)
+    if (!(k & (k - 1)) || !reg_config(vocab, elem_bytes, lead_max, k, &r) ||
+        r.threads < kRegFullThreads)
       continue;
     const int64_t held = reg_resident_bytes(vocab, elem_bytes, lead_max, r, regs);
     if (held > best) {
