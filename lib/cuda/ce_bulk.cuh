@@ -62,7 +62,7 @@ template <bool GRAD> struct Ring {
   static constexpr int kBytes = GRAD ? kBulkRowBytes : kBulkChunkBytes;
   static constexpr int kVecs = kBytes / 16;
 };
-constexpr int kBulkMaxStages = kBulkStages > kBulkGradStages ? kBulkStages : kBulkGradStages;
+static_assert(Ring<true>::kStages <= kBulkStages, "BulkShared holds kBulkStages stages");
 
 // What the producer tells the consumers about a stage: the chunk, and its row's facts.
 struct BulkStage {
@@ -70,12 +70,12 @@ struct BulkStage {
   int v_begin;     // the chunk's first vector (index among the row's vectors)
   int nv;          // whole vectors in the chunk
   int lead;        // elements of the row's first vector before the row
-  int flags;       // kFirst | kLast | kHead | kTail | kDone
+  int flags;       // kStLast | kStHead | kStTail | kStDone
   float c;         // smoothing reference (general mode)
   RowInfo info;
   uint4 head, tail;  // the row's partial first / last vectors (in-row elements only)
 };
-constexpr int kStFirst = 1, kStLast = 2, kStHead = 4, kStTail = 8, kStDone = 16;
+constexpr int kStLast = 1, kStHead = 2, kStTail = 4, kStDone = 8;
 
 // A finished row's per-thread partials (and argmax candidates), for the finisher warp.
 struct RowEnd {
@@ -92,20 +92,17 @@ template <bool GRAD> struct BulkEnds { RowEnd end[2]; };
 template <> struct BulkEnds<true> {};
 
 struct BulkShared {
-  BulkStage st[kBulkMaxStages];
+  BulkStage st[kBulkStages];
   BulkStage batch[32];  // the producer warp's next rows
   Partial warp[2][kBulkConsumerWarps];   // with a gradient: the CTA reduction (alternating)
   uint64_t wmin[2][kBulkConsumerWarps];  // with a gradient: the argmax
-  uint64_t full[kBulkMaxStages];
-  uint64_t empty[kBulkMaxStages];
+  uint64_t full[kBulkStages];
+  uint64_t empty[kBulkStages];
   uint64_t red_full[2];   // the consumer warps have stored a row's partials
   uint64_t red_empty[2];  // the finisher has read them
 };
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-__device__ __forceinline__ void bulk_mbar_init(uint64_t* bar, unsigned count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
-}
 // Waits for the phase of `parity` of a CTA-local mbarrier to complete, the thread suspended
 // (up to a 1 ms hint per try) rather than spinning: the waiting producer and finisher warps
 // take no issue slots from the consumers. (The consumers wait with mbar_wait, no hint.)
@@ -193,7 +190,7 @@ __device__ __forceinline__ void bulk_produce(const KParams& p, BulkShared& sh, c
           d = b;
           d.v_begin = b.v_begin + ch * R::kVecs;
           d.nv = nfull - ch * R::kVecs < R::kVecs ? nfull - ch * R::kVecs : R::kVecs;
-          d.flags = (ch == 0 ? kStFirst | (b.flags & kStHead) : 0) |
+          d.flags = (ch == 0 ? (b.flags & kStHead) : 0) |
                     (ch == nch - 1 ? kStLast | (b.flags & kStTail) : 0);
           const uint32_t bytes = static_cast<uint32_t>(d.nv) * 16u;
           mbar_expect(&sh.full[s], bytes);  // arrives (the stage record is released with it)
@@ -458,6 +455,7 @@ __global__ void __launch_bounds__(kBulkThreads, 1) ce_rows_bulk_kernel(const KPa
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   if constexpr (GRAD) {
     if (p.rescale) {
+      if (*p.grad_output == 1.f) return;  // the usual case: nothing to do anywhere
       bool done = true;
       for (int64_t lrow = blockIdx.x; lrow < p.rows_in_launch && done; lrow += gridDim.x)
         done = rescale_prologue<TG>(p, p.row_begin + lrow, p.grad + lrow * p.g_row_bytes, 0, p.vocab);
@@ -469,14 +467,14 @@ __global__ void __launch_bounds__(kBulkThreads, 1) ce_rows_bulk_kernel(const KPa
   extern __shared__ __align__(128) char ring[];
   if (threadIdx.x == 0) {
     for (int s = 0; s < Ring<GRAD>::kStages; ++s) {
-      bulk_mbar_init(&sh.full[s], 1);
-      bulk_mbar_init(&sh.empty[s], kBulkConsumerWarps);
+      mbar_init_count(&sh.full[s], 1);
+      mbar_init_count(&sh.empty[s], kBulkConsumerWarps);
     }
     for (int r = 0; r < 2; ++r) {
-      bulk_mbar_init(&sh.red_full[r], kBulkConsumerWarps);
-      bulk_mbar_init(&sh.red_empty[r], 1);
+      mbar_init_count(&sh.red_full[r], kBulkConsumerWarps);
+      mbar_init_count(&sh.red_empty[r], 1);
     }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    mbar_init_fence();
   }
   __syncthreads();
   if (threadIdx.x < 32) {

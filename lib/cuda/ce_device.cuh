@@ -531,9 +531,17 @@ __device__ __forceinline__ void fill_vector(I j0, bool full, bool vec_ok, int V,
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
-__device__ __forceinline__ void mbar_init(uint64_t* bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)) : "memory");
+// An mbarrier of `count` arrivals per phase; mbar_init_fence makes the initialisations visible
+// (to the cluster, and to the bulk-copy engine) before any use.
+__device__ __forceinline__ void mbar_init_count(uint64_t* bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_init_fence() {
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+__device__ __forceinline__ void mbar_init(uint64_t* bar) {
+  mbar_init_count(bar, 1);
+  mbar_init_fence();
 }
 // This CTA's arrival on its own mbarrier, expecting `bytes` of remote stores in this phase.
 __device__ __forceinline__ void mbar_expect(uint64_t* bar, uint32_t bytes) {

@@ -44,25 +44,15 @@ constexpr float kDefaultPrefetchWaves = 0.25f;
 // kBulkChunkBytes in shared memory (64 KB × 3 measured best on an H100 among 16×12, 32×6, 40×5,
 // 48×4 and 64×3: fewer, larger copies; bench/NOTES.md); rows shorter than kBulkMinRowBytes keep
 // the register path. 8 consumer warps measured as fast as 12 or 16, two gradient stages of a
-// whole row as fast as 3 or 4 smaller ones (NOTES, "Issue 8, session 4"); the counts stay
-// compile-time knobs for measurement.
-#ifndef FCE_BULK_CONSUMER_WARPS
-#define FCE_BULK_CONSUMER_WARPS 8
-#endif
-constexpr int kBulkConsumerWarps = FCE_BULK_CONSUMER_WARPS;
+// whole row as fast as 3 or 4 smaller ones (NOTES, "Issue 8, session 4").
+constexpr int kBulkConsumerWarps = 8;
 constexpr int kBulkChunkBytes = 64 << 10;
 constexpr int kBulkStages = 3;
 constexpr int64_t kBulkMinRowBytes = 16 << 10;
 // With a gradient: two stages of a whole row each, rows of at most kBulkRowBytes of whole
 // 16-byte vectors (V = 50257 bf16 is 100.5 KB).
-#ifndef FCE_BULK_GRAD_STAGES
-#define FCE_BULK_GRAD_STAGES 2
-#endif
-#ifndef FCE_BULK_ROW_KB
-#define FCE_BULK_ROW_KB 104
-#endif
-constexpr int kBulkGradStages = FCE_BULK_GRAD_STAGES;
-constexpr int kBulkRowBytes = FCE_BULK_ROW_KB << 10;
+constexpr int kBulkRowBytes = 104 << 10;
+constexpr int kBulkGradStages = 2;
 constexpr int bulk_ring_bytes(bool grad) {
   return grad ? kBulkGradStages * kBulkRowBytes : kBulkStages * kBulkChunkBytes;
 }
@@ -133,23 +123,15 @@ struct RegConfig {
 };
 bool reg_config(int64_t vocab, int elem_bytes, int lead_max, int k, RegConfig* c);
 
-// Row bytes a streaming multiprocessor holds at once in that shape: the slice times the CTAs of
-// `threads` threads of `regs` registers each that fit its register file and thread slots. The
-// register path reads at the copy rate when this is near the register file's half that holds
-// data (128 KB on sm_80/sm_90), and measurably slower below (bench/NOTES.md, "Issue 8, session
-// 4": 100 KB resident ran at 87-89 % of copy, 111 KB at 83 %, 125-128 KB at 92-98 %).
-int64_t reg_resident_bytes(int64_t vocab, int elem_bytes, int lead_max, const RegConfig& c,
-                           int regs);
-
 // The cluster size for the register path: the smallest power of two whose slices fit (at most
 // max_k); for 16-bit rows another size instead where its CTAs have at least kRegFullThreads
-// threads and keep over 5 % more row bytes resident per SM (reg_resident_bytes, CTAs of `regs`
-// registers per thread). Measured on an H100 (bench/NOTES.md, "Issue 8, session 4"): 151936
-// bf16 in 5 CTAs of 480 threads 83 → 88 % of copy, 300001 in 10 CTAs 70 → 75 %; but clusters
-// of small CTAs lost (36000 bf16 in 3 CTAs of 192 threads 90 → 79 %; 50257 in 5 of 160,
-// 79 → 75) and float32 rows did not gain (151936 in 10 CTAs of 480: 80 → 78 %). force_k ≥ 1:
-// that size wherever the slices fit it (FCE_CUDA_CE_CLUSTER); pow2_only: the rule before
-// (measurement).
+// threads and keep over 5 % more row bytes resident per SM (CTAs of `regs` registers per
+// thread; the register file holds at most 128 KB of rows per SM). Measured on an H100
+// (bench/NOTES.md, "Issue 8, session 4"): 151936 bf16 in 5 CTAs of 480 threads 83 → 88 % of
+// copy, 300001 in 10 CTAs 70 → 75 %; but clusters of small CTAs lost (36000 bf16 in 3 CTAs of
+// 192 threads 90 → 79 %; 50257 in 5 of 160, 79 → 75) and float32 rows did not gain (151936 in
+// 10 CTAs of 480: 80 → 78 %). force_k ≥ 1: that size wherever the slices fit it
+// (FCE_CUDA_CE_CLUSTER); pow2_only: the rule before (measurement).
 bool choose_reg_config(int64_t vocab, int elem_bytes, int lead_max, int max_k, int force_k,
                        int regs, bool pow2_only, RegConfig* c);
 

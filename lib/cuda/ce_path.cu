@@ -225,6 +225,23 @@ int bulk_ctas(const DeviceInfo& dev, const void* kernel, int slot, bool grad) {
   return ok ? sms : 0;
 }
 
+// Row bytes a streaming multiprocessor holds at once in that shape: the slice times the CTAs of
+// `threads` threads of `regs` registers each that fit its register file and thread slots. The
+// register path reads at the copy rate when this is near the register file's half that holds
+// data (128 KB on sm_80/sm_90), and measurably slower below (bench/NOTES.md, "Issue 8, session
+// 4": 100 KB resident ran at 87-89 % of copy, 111 KB at 83 %, 125-128 KB at 92-98 %).
+int64_t reg_resident_bytes(int64_t vocab, int elem_bytes, int lead_max, const RegConfig& c,
+                           int regs) {
+  const int64_t E = 16 / elem_bytes;
+  const int64_t nvec_max = (lead_max + vocab + E - 1) / E;
+  const int64_t per = (nvec_max + c.k - 1) / c.k;
+  const int64_t r = regs > 0 ? (regs + 7) / 8 * 8 : 64;  // allocated per thread in units of 8
+  int64_t ctas = kRegFileRegs / (r * c.threads);
+  if (ctas > kMaxThreadsPerSm / c.threads) ctas = kMaxThreadsPerSm / c.threads;
+  if (ctas > kMaxCtasPerSm) ctas = kMaxCtasPerSm;
+  return per * 16 * ctas;
+}
+
 }  // namespace
 
 bool pdl_supported() {
@@ -261,18 +278,6 @@ bool reg_config(int64_t vocab, int elem_bytes, int lead_max, int k, RegConfig* c
   c->k = k;
   c->threads = static_cast<int>(threads);
   return true;
-}
-
-int64_t reg_resident_bytes(int64_t vocab, int elem_bytes, int lead_max, const RegConfig& c,
-                           int regs) {
-  const int64_t E = 16 / elem_bytes;
-  const int64_t nvec_max = (lead_max + vocab + E - 1) / E;
-  const int64_t per = (nvec_max + c.k - 1) / c.k;
-  const int64_t r = regs > 0 ? (regs + 7) / 8 * 8 : 64;  // allocated per thread in units of 8
-  int64_t ctas = kRegFileRegs / (r * c.threads);
-  if (ctas > kMaxThreadsPerSm / c.threads) ctas = kMaxThreadsPerSm / c.threads;
-  if (ctas > kMaxCtasPerSm) ctas = kMaxCtasPerSm;
-  return per * 16 * ctas;
 }
 
 bool choose_reg_config(int64_t vocab, int elem_bytes, int lead_max, int max_k, int force_k,
