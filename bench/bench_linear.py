@@ -1,6 +1,16 @@
 """Fused linear + cross-entropy, forward + all gradients: fusedce against torch eager,
 torch.compile, Liger-Kernel and cut-cross-entropy, and the floor 6*N*D*V / (bf16 rate of a plain
 8192^3 product measured in this run). Writes bench/results/linear-<device>.json.
+
+fusedce rows: "fusedce-1GiB" is the default budget of fusedce.torch.linear_cross_entropy (what
+users get), "fusedce" the optimal workspace the size query returns, the fp32dW rows a float32
+grad_weight. "gemms-unchunked": the three products of 6*N*D*V (logits, dh, dW) at their whole
+shapes through torch.matmul, without any cross-entropy work: the GEMM time of this very problem,
+hot, in this run (what a CE inside the GEMMs could at best reach; the floor's 8192^3 rate is
+taken cold).
+"floor-hot", "…-interleaved": the same three (an 8192^3 product for the rate, fusedce at the
+default budget, the products alone) timed in turns, in one thermal state.
+    python3 bench_linear.py [--shapes 8192x4096x128256xbf16,...] [--no-peers] [--tag NAME]
 """
 import argparse
 import ctypes
@@ -12,8 +22,9 @@ import torch.nn.functional as F
 from common import (DTYPES, _lib, bench_ms, device_name, gemm_tflops, options, peak_extra_mib,
                     RESULTS, print_table, ptr, stream, write_results)
 
+# the shapes of issue 8's targets (bench/NOTES.md); 65536x4096x128256 with --shapes
 SHAPES = [(8192, 4096, 128256, "bf16"), (8192, 2304, 256000, "bf16"), (16384, 4096, 32000, "bf16"),
-          (65536, 4096, 128256, "bf16")]
+          (32768, 4096, 151936, "bf16")]
 
 
 class Fused:
@@ -43,11 +54,27 @@ class Fused:
             "fce_linear_ce")
 
 
+def products(h, W):
+    """The three products of 6*N*D*V at their whole shapes (logits, dh, dW), no CE work; the
+    logits buffer stands in for dZ (same shapes)."""
+    z = torch.empty(h.shape[0], W.shape[0], device="cuda", dtype=h.dtype)
+    dh, dW = torch.empty_like(h), torch.empty_like(W)
+
+    def run():
+        torch.matmul(h, W.t(), out=z)
+        torch.matmul(z, W, out=dh)
+        torch.matmul(z.t(), h, out=dW)
+    return run
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--shapes", default=None, help="e.g. 8192x4096x128256xbf16")
     ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--no-interleave", action="store_true")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--tag", default=None, help="results file linear-<tag>-<device>.json")
     args = ap.parse_args()
     shapes = SHAPES
     if args.shapes:
@@ -93,7 +120,8 @@ def main():
         grads_mib = (N * D + V * D) * h.element_size() / 2 ** 20
         # fusedce variants: (name, workspace bytes or None = optimal, float32 dW). A float32 dW
         # holds V*D*2 bytes more than the dtype's: counted as extra memory.
-        variants = [("fusedce", None, False), ("fusedce-1GiB-fp32dW", 1 << 30, True),
+        variants = [("fusedce-1GiB", 1 << 30, False), ("fusedce", None, False),
+                    ("fusedce-1GiB-fp32dW", 1 << 30, True),
                     ("fusedce-64MiB", 64 << 20, False), ("fusedce-64MiB-fp32dW", 64 << 20, True)]
         for impl, ws, fp32_dw in variants:
             try:
@@ -108,6 +136,46 @@ def main():
                 del f
             except _lib.FusedCEError as e:
                 print(f"  {impl}: {e}")
+            gc.collect()
+            torch.cuda.empty_cache()
+        # the products alone, whole
+        try:
+            gemms = products(h, W)
+            gemms()
+            rec("gemms-unchunked", bench_ms(gemms, warmup=3, rep=20), N * V * h.element_size() / 2 ** 20)
+            del gemms
+        except torch.cuda.OutOfMemoryError:
+            print("  gemms-unchunked: out of memory")
+        gc.collect()
+        torch.cuda.empty_cache()
+        # The same in one thermal state: rounds of (a plain 8192^3 product, fusedce at the default
+        # budget, the products alone) taken in turn, medians. The GEMMs of a long run clock lower
+        # than the short 8192^3 product taken first (bench/NOTES.md, "Issue 8, session 5"):
+        # "floor-hot" is 6*N*D*V at the rate of that product measured between the others.
+        if not args.no_interleave:
+            try:
+                a8 = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+                b8 = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+                gemms = products(h, W)
+                f = Fused(h, W, y, ws_bytes=1 << 30)
+                turns = {"gemm8192": lambda: a8 @ b8, "fusedce-1GiB": f, "gemms-unchunked": gemms}
+                times = {k: [] for k in turns}
+                for _ in range(args.rounds):
+                    for k, fn in turns.items():
+                        times[k].append(bench_ms(fn, warmup=1, rep=5))
+                med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+                hot_rate = 2 * 8192 ** 3 / (med["gemm8192"] * 1e-3) / 1e12
+                hot_floor = flops / (hot_rate * 1e12) * 1e3
+                rec("floor-hot", hot_floor, 0, fm=hot_floor)
+                rec("fusedce-1GiB-interleaved", med["fusedce-1GiB"], f.ws_bytes / 2 ** 20, fm=hot_floor)
+                rec("gemms-unchunked-interleaved", med["gemms-unchunked"], N * V * h.element_size() / 2 ** 20,
+                    fm=hot_floor)
+                print(f"  interleaved ({args.rounds} rounds): 8192^3 {hot_rate:.0f} TFLOP/s, "
+                      f"fusedce-1GiB {med['fusedce-1GiB']:.2f} ms = {med['fusedce-1GiB'] / hot_floor:.3f}x floor-hot, "
+                      f"{med['fusedce-1GiB'] / med['gemms-unchunked']:.3f}x the products alone")
+                del a8, b8, gemms, f
+            except torch.cuda.OutOfMemoryError:
+                print("  interleaved: out of memory")
             gc.collect()
             torch.cuda.empty_cache()
         f = Fused(h, W, y, grad=False)
@@ -137,7 +205,7 @@ def main():
         print_table([r for r in records if (r["N"], r["D"], r["V"]) == (N, D, V)],
                     ["op", "impl", "dtype", "N", "D", "V", "ms", "tflops", "pct_of_floor", "extra_mib"])
         print()
-    name = write_results(records, "linear", [RESULTS, args.out])
+    name = write_results(records, "linear" + (f"-{args.tag}" if args.tag else ""), [RESULTS, args.out])
     print(f"wrote bench/results/{name}")
 
 
