@@ -1,5 +1,5 @@
 // stats_gemm.cu — a measured prototype, not part of the library (bench/NOTES.md, "Issue 8,
-// session 5": correct, but 16-22 % slower at K = 4096 than the same CUTLASS GEMM storing its
+// session 5": correct, but 15-22 % slower at K = 4096 than the same CUTLASS GEMM storing its
 // logits, so the library keeps cuBLASLt + its CE pass). The logits GEMM of sm_90 that keeps no
 // logits: z = h·Wᵀ computed by a CUTLASS warp-specialised TMA GEMM whose epilogue rounds each accumulator to the dtype (as the
 // cuBLASLt path stores it) and folds it into its row's online (max, Σexp relative to the max),
@@ -11,7 +11,8 @@
 // nvidia-cutlass 4.2.0.0). Measurement knobs: FCE_STATS_PINGPONG (128×128 tiles, ping-pong
 // schedule), FCE_STATS_NOEXP (the merge without its exponential: the machinery's own cost),
 // FCE_STATS_OOB=false (no bounds checks: wrong on partial tiles), FCE_STATS_EPI=64 (epilogue
-// subtiles of 128×64), FCE_STATS_BRANCHFREE (the merge with selects and ex2.approx: no branch).
+// subtiles of 128×64), FCE_STATS_BRANCHFREE (the merge with selects and ex2.approx: no branch),
+// FCE_STATS_LEAN (that, and the element path without the identity guards the pairs need).
 //
 // The reduction is CUTLASS's Sm90ColReduction (a per-row reduction over the tile's columns,
 // FinalReduction = false: one partial per tile) with an element type of its own, RowMS = (m, s),
@@ -49,6 +50,20 @@ struct alignas(8) RowMS {
   CUTLASS_HOST_DEVICE constexpr RowMS(float m_, float s_) : m(m_), s(s_) {}
 };
 
+// Two partial pairs (the shuffle and shared-memory steps): either may be the identity.
+template <class T16>
+CUTLASS_HOST_DEVICE RowMS<T16> merge_pairs(RowMS<T16> a, RowMS<T16> b) {
+#if defined(__CUDA_ARCH__)
+  if (b.s == 0.f) return a;
+  if (a.s == 0.f) return b;
+  const float d = b.m - a.m;
+  const float e = exp2f(-fabsf(d) * 1.4426950408889634f);
+  return RowMS<T16>(fmaxf(a.m, b.m), d <= 0.f ? fmaf(b.s, e, a.s) : fmaf(a.s, e, b.s));
+#else
+  return a;
+#endif
+}
+
 template <class T>
 struct MsMerge;
 
@@ -60,7 +75,14 @@ struct MsMerge<RowMS<T16>> {
 #if defined(FCE_STATS_NOEXP)
     a.m = fmaxf(a.m, b.m); a.s += b.s; return a;
 #endif
-#if defined(FCE_STATS_BRANCHFREE)
+#if defined(FCE_STATS_LEAN)
+    // the element path (b = (a logit, 1), from the converter; a a running pair or the identity
+    // (−inf, 0), which this arithmetic takes as it is): selects only, one exponential
+    const float d = b.m - a.m;
+    float e;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(-fabsf(d) * kLog2e));
+    return RowMS<T16>(fmaxf(a.m, b.m), d <= 0.f ? a.s + e : fmaf(a.s, e, 1.f));
+#elif defined(FCE_STATS_BRANCHFREE)
     // selects only: one exponential of −|Δ|, the smaller side scaled by it (NaN on either side:
     // s NaN); an empty side (s = 0: the identity) leaves the other
     const float d = b.m - a.m;
@@ -90,9 +112,13 @@ struct MsMerge<cutlass::Array<RowMS<T16>, N>> {
   CUTLASS_HOST_DEVICE cutlass::Array<RowMS<T16>, N> operator()(
       cutlass::Array<RowMS<T16>, N> const& a, cutlass::Array<RowMS<T16>, N> const& b) const {
     cutlass::Array<RowMS<T16>, N> r;
-    MsMerge<RowMS<T16>> merge;
     CUTLASS_PRAGMA_UNROLL
+#if defined(FCE_STATS_LEAN)
+    for (int i = 0; i < N; ++i) r[i] = merge_pairs(a[i], b[i]);
+#else
+    MsMerge<RowMS<T16>> merge;
     for (int i = 0; i < N; ++i) r[i] = merge(a[i], b[i]);
+#endif
     return r;
   }
 };
