@@ -12,7 +12,9 @@
 // schedule), FCE_STATS_NOEXP (the merge without its exponential: the machinery's own cost),
 // FCE_STATS_OOB=false (no bounds checks: wrong on partial tiles), FCE_STATS_EPI=64 (epilogue
 // subtiles of 128×64), FCE_STATS_BRANCHFREE (the merge with selects and ex2.approx: no branch),
-// FCE_STATS_LEAN (that, and the element path without the identity guards the pairs need).
+// FCE_STATS_LEAN (that, and the element path without the identity guards the pairs need),
+// FCE_STATS_NODE (with LEAN: the node's element loop written out, no bounds test inside
+// interior tiles).
 //
 // The reduction is CUTLASS's Sm90ColReduction (a per-row reduction over the tile's columns,
 // FinalReduction = false: one partial per tile) with an element type of its own, RowMS = (m, s),
@@ -171,6 +173,60 @@ namespace {
 
 using namespace cute;
 
+#if defined(FCE_STATS_NODE)
+// Sm90ColReduction with an element loop of its own (FCE_STATS_NODE): no bounds test inside
+// interior tiles, the rounding and the merge written out (ex2.approx of −|Δ|, selects), the
+// identity (−inf, 0) taken by the arithmetic; the shuffle, shared-memory and store steps are
+// the base's (reduce(), end()).
+template <class Base, class T16>
+struct LeanColStats : Base {
+  using Base::Base;
+
+  template <class CB>
+  struct Callbacks : CB {
+    CUTLASS_DEVICE explicit Callbacks(CB&& cb) : CB(cute::move(cb)) {}
+
+    template <typename ElementAccumulator, typename ElementInput, int FragmentSize>
+    CUTLASS_DEVICE auto visit(cutlass::Array<ElementAccumulator, FragmentSize> const& frg_acc,
+                              int epi_v, int epi_m, int epi_n,
+                              cutlass::Array<ElementInput, FragmentSize> const& frg_input) {
+      auto& [ref_src, tCrCol, tCcCol, gCol_l, cCol, gBuf_nl, sBuf_layout, lane_layout_MN,
+             lane_mn, warp_layout_MN, warp_mn, tile_coord_mnkl, residue_cCol, residue_tCcCol,
+             epi_tile, tiled_copy, thread_idx] = this->args_tuple;
+      Tensor tCrCol_mn = tCrCol(_, _, _, epi_m, epi_n);
+      Tensor tCcCol_mn = tCcCol(_, _, _, epi_m, epi_n);
+      const bool interior =
+          elem_less(cCol(size<0>(cCol) - 1, size<1>(cCol) - 1), residue_cCol);
+      constexpr float kLog2e = 1.4426950408889634f;
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < FragmentSize; ++i) {
+        float x;
+        if constexpr (std::is_same_v<T16, __nv_bfloat16>)
+          x = __bfloat162float(__float2bfloat16_rn(frg_input[i]));
+        else
+          x = __half2float(__float2half_rn(frg_input[i]));
+        if (interior || elem_less(tCcCol_mn(epi_v * FragmentSize + i), residue_tCcCol)) {
+          auto& r = tCrCol_mn(epi_v * FragmentSize + i);
+          const float d = x - r.m;
+          float e;
+          asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(-fabsf(d) * kLog2e));
+          r.s = d <= 0.f ? r.s + e : fmaf(r.s, e, 1.f);
+          r.m = fmaxf(r.m, x);
+        }
+      }
+      return frg_input;
+    }
+  };
+
+  template <bool ReferenceSrc, class... Args>
+  CUTLASS_DEVICE auto get_consumer_store_callbacks(
+      cutlass::epilogue::fusion::ConsumerStoreArgs<Args...> const& args) {
+    auto cb = Base::template get_consumer_store_callbacks<ReferenceSrc>(args);
+    return Callbacks<decltype(cb)>(cute::move(cb));
+  }
+};
+#endif
+
 template <class T16>
 struct Cutlass16;
 template <>
@@ -200,7 +256,12 @@ struct StatsGemm {
       MsMerge, MsMerge, MsMerge, 0, TileShape, MS, MS, cutlass::FloatRoundStyle::round_to_nearest,
       Stride<_1, _0, int64_t>, 128 / cutlass::sizeof_bits<MS>::value, false,
       /*FinalReduction=*/false, /*VisitCheckOOB=*/FCE_STATS_OOB>;
-  using Tree = cutlass::epilogue::fusion::Sm90EVT<Reduce, cutlass::epilogue::fusion::Sm90AccFetch>;
+#if defined(FCE_STATS_NODE)
+  using Node = LeanColStats<Reduce, T16>;
+#else
+  using Node = Reduce;
+#endif
+  using Tree = cutlass::epilogue::fusion::Sm90EVT<Node, cutlass::epilogue::fusion::Sm90AccFetch>;
   // (void D: no destination is stored; the builder still sizes a D layout from the fusion's
   // ElementAux, which a tree without an auxiliary store lacks: named here)
   struct Fusion : Tree {
