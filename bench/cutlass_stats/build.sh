@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the CUTLASS statistics-epilogue prototype (a measurement, not part of the library;
 # bench/NOTES.md "Issue 8, session 5") into build/cutlass_stats/: stats_test (the default
-# configuration) and its variants stats_test_{pingpong,noexp,nooob,epi64,branchfree,lean,node}, and base_gemm. The CUTLASS
+# configuration) and its variants stats_test_{pingpong,noexp,nooob,epi64,branchfree,lean,node,frag}, and base_gemm. The CUTLASS
 # headers come from PyPI's nvidia-cutlass wheel into third_party/ (ignored), or from
 # FCE_CUTLASS_DIR (a folder holding cutlass/cutlass.h). Run the binaries on an sm_90 GPU.
 set -euo pipefail
@@ -43,5 +43,6 @@ variant stats_test_epi64 -DFCE_STATS_EPI=64
 variant stats_test_branchfree -DFCE_STATS_BRANCHFREE
 variant stats_test_lean -DFCE_STATS_LEAN
 variant stats_test_node -DFCE_STATS_NODE -DFCE_STATS_LEAN
+variant stats_test_frag -DFCE_STATS_NODE -DFCE_STATS_LEAN -DFCE_STATS_FRAG
 nvcc "${flags[@]}" -o "$out/base_gemm" "$here/base_gemm.cu"
 echo "built $out/base_gemm"

@@ -14,7 +14,8 @@
 // subtiles of 128×64), FCE_STATS_BRANCHFREE (the merge with selects and ex2.approx: no branch),
 // FCE_STATS_LEAN (that, and the element path without the identity guards the pairs need),
 // FCE_STATS_NODE (with LEAN: the node's element loop written out, no bounds test inside
-// interior tiles).
+// interior tiles), FCE_STATS_FRAG (with NODE: each fragment's row slots folded at once against
+// their new maximum).
 //
 // The reduction is CUTLASS's Sm90ColReduction (a per-row reduction over the tile's columns,
 // FinalReduction = false: one partial per tile) with an element type of its own, RowMS = (m, s),
@@ -198,6 +199,51 @@ struct LeanColStats : Base {
       const bool interior =
           elem_less(cCol(size<0>(cCol) - 1, size<1>(cCol) - 1), residue_cCol);
       constexpr float kLog2e = 1.4426950408889634f;
+#if defined(FCE_STATS_FRAG)
+      // Fragment first: each row slot's elements of this fragment are folded at once against the
+      // slot's new maximum (one exponential and one add per element, one rescale per slot). The
+      // slots are told apart by their register offsets (compile-time once unrolled).
+      float x[FragmentSize];
+      bool ok[FragmentSize];
+      int off[FragmentSize];
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < FragmentSize; ++i) {
+        if constexpr (std::is_same_v<T16, __nv_bfloat16>)
+          x[i] = __bfloat162float(__float2bfloat16_rn(frg_input[i]));
+        else
+          x[i] = __half2float(__float2half_rn(frg_input[i]));
+        ok[i] = interior || elem_less(tCcCol_mn(epi_v * FragmentSize + i), residue_tCcCol);
+        off[i] = static_cast<int>(tCrCol_mn.layout()(epi_v * FragmentSize + i));
+      }
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < FragmentSize; ++i) {
+        bool first = true;
+        CUTLASS_PRAGMA_UNROLL
+        for (int j = 0; j < i; ++j) first = first && off[j] != off[i];
+        if (first) {
+          auto& r = tCrCol_mn(epi_v * FragmentSize + i);
+          float m = r.m;
+          CUTLASS_PRAGMA_UNROLL
+          for (int j = i; j < FragmentSize; ++j)
+            if (off[j] == off[i] && ok[j]) m = fmaxf(m, x[j]);
+          const float mL = m * kLog2e;
+          float e0;
+          asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e0) : "f"(fmaf(r.m, kLog2e, -mL)));
+          float s = r.s == 0.f ? 0.f : r.s * e0;
+          CUTLASS_PRAGMA_UNROLL
+          for (int j = i; j < FragmentSize; ++j) {
+            if (off[j] == off[i] && ok[j]) {
+              float e;
+              asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(fmaf(x[j], kLog2e, -mL)));
+              s += e;
+            }
+          }
+          r.m = m;
+          r.s = s;
+        }
+      }
+      return frg_input;
+#endif
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < FragmentSize; ++i) {
         float x;
