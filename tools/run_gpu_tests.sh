@@ -11,6 +11,17 @@ if ! ldconfig -p 2>/dev/null | grep -q libnccl.so.2; then
   nccl_dir=$(python3 -c "import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], 'lib'))" 2>/dev/null)
   [ -n "$nccl_dir" ] && export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$nccl_dir"
 fi
+# FCE_GPU_PART picks what runs (the whole no longer fits one 10-minute device call): all (the
+# default), c (the C suites and the sanitizers), c-suites, c-sanitizers, or python (the rest).
+case ${FCE_GPU_PART:-all} in
+  all) c_suites=1; c_sanitizers=1; python_suites=1 ;;
+  c) c_suites=1; c_sanitizers=1; python_suites=0 ;;
+  c-suites) c_suites=1; c_sanitizers=0; python_suites=0 ;;
+  c-sanitizers) c_suites=0; c_sanitizers=1; python_suites=0 ;;
+  python) c_suites=0; c_sanitizers=0; python_suites=1 ;;
+  *) echo "FCE_GPU_PART=$FCE_GPU_PART: expected all, c, c-suites, c-sanitizers or python" >&2
+     exit 2 ;;
+esac
 export NCCL_NVLS_ENABLE=0  # NVLink multicast stays off (the device notes)
 export PYTHONPATH="$ROOT/bindings/python${PYTHONPATH:+:$PYTHONPATH}"
 if ! python3 - <<'PY'
@@ -31,11 +42,7 @@ suite() {
 }
 # The GoogleTest binaries run directly (not through ctest, whose test lists point into the
 # build machine's CMake installation, so a build carried to another machine cannot use them).
-# FCE_GPU_PART=c: the C suites and the sanitizers only (c-suites / c-sanitizers: one of the two);
-# =python: the rest; default all
-PART=${FCE_GPU_PART:-all}
-if [ "$PART" != python ]; then
-if [ "$PART" != c-sanitizers ]; then
+if [ $c_suites = 1 ]; then
 for path in "$BUILD"/tests/test_*; do
   t=$(basename "$path")
   [ -f "$path" ] && [ -x "$path" ] && suite "C ABI $t on CUDA" env FCE_TEST_BACKEND=cuda "$path"
@@ -51,9 +58,9 @@ for t in test_ce test_linear_ce test_adversarial test_rescale; do
     FCE_CUDA_CE_BULK=2 "$BUILD/tests/$t"
 done
 fi
-if [ "$PART" = c-suites ]; then
-  :
-elif command -v compute-sanitizer >/dev/null; then
+if [ $c_sanitizers = 1 ] && ! command -v compute-sanitizer >/dev/null; then
+  echo "SKIPPED: compute-sanitizer not on PATH"
+elif [ $c_sanitizers = 1 ]; then
   # A subset that reaches every kernel path: one CTA, clusters (V = 50257, odd and unaligned;
   # float32 rows of 512 KB-1 MB: clusters of 16), strided, in place, shift, every option,
   # out-of-range targets; and the linear plan.
@@ -85,11 +92,8 @@ elif command -v compute-sanitizer >/dev/null; then
       "$BUILD/tests/test_nccl" --gtest_filter='Nccl.*MatchesUnsharded'
     true
   done
-else
-  echo "SKIPPED: compute-sanitizer not on PATH"
 fi
-fi
-if [ "$PART" = all ] || [ "$PART" = python ]; then
+if [ $python_suites = 1 ]; then
 suite "torch parity (tests/gpu)" python3 -m pytest -q "$ROOT/tests/gpu"
 if [ -f "$ROOT/bindings/python/tests/test_torch.py" ]; then
   suite "Python binding on CUDA (torch, CuPy)" python3 -m pytest -q "$ROOT/bindings/python/tests/test_torch.py"

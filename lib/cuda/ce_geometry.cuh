@@ -120,6 +120,7 @@ __host__ __device__ __forceinline__ RegSlice reg_slice(uintptr_t row_addr, int e
 struct RegConfig {
   int k;
   int threads;
+  int64_t per;  // vectors of the longest row each CTA holds, ⌈nvec/k⌉ (set by reg_config)
 };
 bool reg_config(int64_t vocab, int elem_bytes, int lead_max, int k, RegConfig* c);
 

@@ -230,16 +230,12 @@ int bulk_ctas(const DeviceInfo& dev, const void* kernel, int slot, bool grad) {
 // register path reads at the copy rate when this is near the register file's half that holds
 // data (128 KB on sm_80/sm_90), and measurably slower below (bench/NOTES.md, "Issue 8, session
 // 4": 100 KB resident ran at 87-89 % of copy, 111 KB at 83 %, 125-128 KB at 92-98 %).
-int64_t reg_resident_bytes(int64_t vocab, int elem_bytes, int lead_max, const RegConfig& c,
-                           int regs) {
-  const int64_t E = 16 / elem_bytes;
-  const int64_t nvec_max = (lead_max + vocab + E - 1) / E;
-  const int64_t per = (nvec_max + c.k - 1) / c.k;
+int64_t reg_resident_bytes(const RegConfig& c, int regs) {
   const int64_t r = regs > 0 ? (regs + 7) / 8 * 8 : 64;  // allocated per thread in units of 8
   int64_t ctas = kRegFileRegs / (r * c.threads);
   if (ctas > kMaxThreadsPerSm / c.threads) ctas = kMaxThreadsPerSm / c.threads;
   if (ctas > kMaxCtasPerSm) ctas = kMaxCtasPerSm;
-  return per * 16 * ctas;
+  return c.per * 16 * ctas;
 }
 
 }  // namespace
@@ -277,6 +273,7 @@ bool reg_config(int64_t vocab, int elem_bytes, int lead_max, int k, RegConfig* c
     return false;  // cannot happen: the invariant the kernel relies on
   c->k = k;
   c->threads = static_cast<int>(threads);
+  c->per = per;
   return true;
 }
 
@@ -294,14 +291,14 @@ bool choose_reg_config(int64_t vocab, int elem_bytes, int lead_max, int max_k, i
   if (pow2_only || elem_bytes != 2) return true;
   // 16-bit rows: a cluster of another size whose CTAs are nearly full and keep over 5 % more of
   // the rows resident per SM
-  const int64_t held0 = reg_resident_bytes(vocab, elem_bytes, lead_max, base, regs);
+  const int64_t held0 = reg_resident_bytes(base, regs);
   int64_t best = held0 * 21 / 20;
   for (int k = 3; k <= max_k; ++k) {
     RegConfig r{};
     if (!(k & (k - 1)) || !reg_config(vocab, elem_bytes, lead_max, k, &r) ||
         r.threads < kRegFullThreads)
       continue;
-    const int64_t held = reg_resident_bytes(vocab, elem_bytes, lead_max, r, regs);
+    const int64_t held = reg_resident_bytes(r, regs);
     if (held > best) {
       best = held;
       *c = r;
@@ -320,7 +317,7 @@ fce_status choose_rows_path(const char* fn, const RowsQuery& q, RowsChoice* out)
   DeviceInfo dev;
   FCE_TRY(device_info(fn, &dev));
   out->path = q.backward ? RowsPath::kBackward : RowsPath::kTwoPass;
-  out->rc = RegConfig{1, kRegThreads};
+  out->rc = RegConfig{1, kRegThreads, 0};
   out->persistent = false;
   out->wave_rows = 0;
   out->prefetch_rows = 0;
@@ -362,7 +359,7 @@ fce_status choose_rows_path(const char* fn, const RowsQuery& q, RowsChoice* out)
     const int lead_max = q.aligned_rows ? 0 : 16 / q.elem_bytes - 1;
     const int max_k = dev.major >= 9 ? kMaxCluster : 1;
     const int regs = kernel_regs(dev, q.regs_kernel, q.slot);
-    RegConfig rc{1, kRegThreads};
+    RegConfig rc{1, kRegThreads, 0};
     if (choose_reg_config(q.vocab, q.elem_bytes, lead_max, max_k, overrides().cluster, regs,
                           overrides().krule_pow2 != 0, &rc) &&
         cluster_fits(dev, q.regs_kernel, q.slot, rc.k)) {
@@ -437,47 +434,46 @@ int ce_rows_selftest() {
                 fail_at("choose_reg_config returned a bad shape", V, eb, 0, rc.k, rc.threads);
             }
         for (int k = 1; k <= kMaxCluster; ++k) {
-          {
-            RegConfig rc{};
-            if (!reg_config(V, eb, lead_max, k, &rc)) {
-              // must only fail when k CTAs of 64 KB cannot hold the row
-              if (nvec_max <= int64_t(kRegVecsPerCta) * k)
-                fail_at("reg_config refused a row that fits", V, eb, 0, k, 0);
-              continue;
-            }
-            if (rc.k != k || rc.threads % 32 || rc.threads < 32 || rc.threads > kRegThreads)
-              fail_at("reg_config returned a bad shape", V, eb, 0, rc.k, rc.threads);
-            for (int lead = 0; lead < (aligned ? 1 : E); ++lead) {
-              const uintptr_t row_addr = uintptr_t(0x10000) + uintptr_t(lead) * eb;
-              seen.assign(size_t(V), 0);
-              for (int rank = 0; rank < rc.k; ++rank) {
-                for (int tid = 0; tid < rc.threads; ++tid) {
-                  const RegSlice g = reg_slice(row_addr, eb, int(V), rc.k, rank, tid, rc.threads);
-                  if (g.lead != lead) fail_at("lead", V, eb, lead, rc.k, rc.threads);
-                  for (int i = 0; i < kRegVpt; ++i) {
-                    const int v = g.v0 + i * rc.threads;
-                    if (v >= g.vend) continue;
-                    const int j0 = g.j00 + i * g.jstep;
-                    if (j0 != v * E - lead) fail_at("slot element index", V, eb, lead, rc.k, rc.threads);
-                    const bool f = E == 8 ? is_full<int, 8>(j0, int(V)) : is_full<int, 4>(j0, int(V));
-                    if (f && ((row_addr + uintptr_t(int64_t(j0) * eb)) % 16 != 0 || j0 < 0 || j0 + E > V))
-                      fail_at("full vector misplaced", V, eb, lead, rc.k, rc.threads);
-                    if (!f && v != 0 && v != g.nvec - 1)
-                      fail_at("partial vector inside the row", V, eb, lead, rc.k, rc.threads);
-                    for (int q = 0; q < E; ++q) {
-                      const int64_t j = int64_t(j0) + q;
-                      if (j >= 0 && j < V) seen[size_t(j)]++;
-                    }
+          RegConfig rc{};
+          if (!reg_config(V, eb, lead_max, k, &rc)) {
+            // must only fail when k CTAs of 64 KB cannot hold the row
+            if (nvec_max <= int64_t(kRegVecsPerCta) * k)
+              fail_at("reg_config refused a row that fits", V, eb, 0, k, 0);
+            continue;
+          }
+          if (rc.k != k || rc.threads % 32 || rc.threads < 32 || rc.threads > kRegThreads ||
+              rc.per != (nvec_max + k - 1) / k)
+            fail_at("reg_config returned a bad shape", V, eb, 0, rc.k, rc.threads);
+          for (int lead = 0; lead < (aligned ? 1 : E); ++lead) {
+            const uintptr_t row_addr = uintptr_t(0x10000) + uintptr_t(lead) * eb;
+            seen.assign(size_t(V), 0);
+            for (int rank = 0; rank < rc.k; ++rank) {
+              for (int tid = 0; tid < rc.threads; ++tid) {
+                const RegSlice g = reg_slice(row_addr, eb, int(V), rc.k, rank, tid, rc.threads);
+                if (g.lead != lead) fail_at("lead", V, eb, lead, rc.k, rc.threads);
+                for (int i = 0; i < kRegVpt; ++i) {
+                  const int v = g.v0 + i * rc.threads;
+                  if (v >= g.vend) continue;
+                  const int j0 = g.j00 + i * g.jstep;
+                  if (j0 != v * E - lead) fail_at("slot element index", V, eb, lead, rc.k, rc.threads);
+                  const bool f = E == 8 ? is_full<int, 8>(j0, int(V)) : is_full<int, 4>(j0, int(V));
+                  if (f && ((row_addr + uintptr_t(int64_t(j0) * eb)) % 16 != 0 || j0 < 0 || j0 + E > V))
+                    fail_at("full vector misplaced", V, eb, lead, rc.k, rc.threads);
+                  if (!f && v != 0 && v != g.nvec - 1)
+                    fail_at("partial vector inside the row", V, eb, lead, rc.k, rc.threads);
+                  for (int q = 0; q < E; ++q) {
+                    const int64_t j = int64_t(j0) + q;
+                    if (j >= 0 && j < V) seen[size_t(j)]++;
                   }
                 }
               }
-              for (int64_t j = 0; j < V; ++j)
-                if (seen[size_t(j)] != 1) {
-                  fail_at(seen[size_t(j)] ? "element owned twice" : "element not owned", V, eb,
-                          lead, rc.k, rc.threads);
-                  break;
-                }
             }
+            for (int64_t j = 0; j < V; ++j)
+              if (seen[size_t(j)] != 1) {
+                fail_at(seen[size_t(j)] ? "element owned twice" : "element not owned", V, eb,
+                        lead, rc.k, rc.threads);
+                break;
+              }
           }
         }
       }
