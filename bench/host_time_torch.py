@@ -3,12 +3,17 @@ through ctypes, fusedce.torch.cross_entropy (forward with the graph, under no_gr
 backward) and torch eager (bench/NOTES.md, "Issue 8, session 5").
     FUSEDCE_LIBRARY=build/libfusedce.so PYTHONPATH=bindings/python python3 bench/host_time_torch.py 64 512
 """
-import sys, time, torch, ctypes
-import fusedce.torch as ft
-import torch.nn.functional as F
 import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import fusedce.torch as ft
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_ce import fusedce_fns
+from bench_ce import fusedce_fns  # noqa: E402
 N, V = int(sys.argv[1]), int(sys.argv[2])
 z = (torch.randn(N, V, device="cuda") * 4).to(torch.bfloat16).requires_grad_()
 y = torch.randint(0, V, (N,), device="cuda")
@@ -18,13 +23,12 @@ def t(f, n=200):
     for _ in range(20): f()
     torch.cuda.synchronize()
     best = 1e9
-    for rep in range(5):
+    for _ in range(5):
         t0 = time.perf_counter()
         for _ in range(n): f()
         best = min(best, (time.perf_counter() - t0) / n * 1e6)
         torch.cuda.synchronize()
     return round(best, 1)
-losses = []
 def f_fwd():  # forward with the graph, no backward
     z.grad = None
     return ft.cross_entropy(z, y)

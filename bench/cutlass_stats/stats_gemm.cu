@@ -53,6 +53,8 @@ struct alignas(8) RowMS {
   CUTLASS_HOST_DEVICE constexpr RowMS(float m_, float s_) : m(m_), s(s_) {}
 };
 
+constexpr float kLog2e = 1.4426950408889634f;
+
 // Two partial pairs (the shuffle and shared-memory steps): either may be the identity.
 template <class T16>
 CUTLASS_HOST_DEVICE RowMS<T16> merge_pairs(RowMS<T16> a, RowMS<T16> b) {
@@ -60,11 +62,27 @@ CUTLASS_HOST_DEVICE RowMS<T16> merge_pairs(RowMS<T16> a, RowMS<T16> b) {
   if (b.s == 0.f) return a;
   if (a.s == 0.f) return b;
   const float d = b.m - a.m;
-  const float e = exp2f(-fabsf(d) * 1.4426950408889634f);
+  const float e = exp2f(-fabsf(d) * kLog2e);
   return RowMS<T16>(fmaxf(a.m, b.m), d <= 0.f ? fmaf(b.s, e, a.s) : fmaf(a.s, e, b.s));
 #else
   return a;
 #endif
+}
+
+// The accumulator rounded to the dtype and back (the logit the cuBLASLt path stores).
+template <class T16>
+__device__ __forceinline__ float round_to(float a) {
+  if constexpr (std::is_same_v<T16, __nv_bfloat16>)
+    return __bfloat162float(__float2bfloat16_rn(a));
+  else
+    return __half2float(__float2half_rn(a));
+}
+
+// 2^x, MUFU.EX2 (flushes denormals; −inf gives 0).
+__device__ __forceinline__ float ex2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
 }
 
 template <class T>
@@ -74,7 +92,6 @@ template <class T16>
 struct MsMerge<RowMS<T16>> {
   CUTLASS_HOST_DEVICE RowMS<T16> operator()(RowMS<T16> a, RowMS<T16> b) const {
 #if defined(__CUDA_ARCH__)
-    constexpr float kLog2e = 1.4426950408889634f;
 #if defined(FCE_STATS_NOEXP)
     a.m = fmaxf(a.m, b.m); a.s += b.s; return a;
 #endif
@@ -82,15 +99,13 @@ struct MsMerge<RowMS<T16>> {
     // the element path (b = (a logit, 1), from the converter; a a running pair or the identity
     // (−inf, 0), which this arithmetic takes as it is): selects only, one exponential
     const float d = b.m - a.m;
-    float e;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(-fabsf(d) * kLog2e));
+    const float e = ex2_approx(-fabsf(d) * kLog2e);
     return RowMS<T16>(fmaxf(a.m, b.m), d <= 0.f ? a.s + e : fmaf(a.s, e, 1.f));
 #elif defined(FCE_STATS_BRANCHFREE)
     // selects only: one exponential of −|Δ|, the smaller side scaled by it (NaN on either side:
     // s NaN); an empty side (s = 0: the identity) leaves the other
     const float d = b.m - a.m;
-    float e;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(-fabsf(d) * kLog2e));
+    const float e = ex2_approx(-fabsf(d) * kLog2e);
     const float s = d <= 0.f ? fmaf(b.s, e, a.s) : fmaf(a.s, e, b.s);
     RowMS<T16> r(fmaxf(a.m, b.m), s);
     r = a.s == 0.f ? b : r;
@@ -142,12 +157,7 @@ struct NumericArrayConverter<fce::cuda::linear::RowMS<T16>, float, N, Round> {
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < N; ++i) {
 #if defined(__CUDA_ARCH__)
-      float a;
-      if constexpr (std::is_same_v<T16, __nv_bfloat16>)
-        a = __bfloat162float(__float2bfloat16_rn(s[i]));
-      else
-        a = __half2float(__float2half_rn(s[i]));
-      r[i] = fce::cuda::linear::RowMS<T16>(a, 1.f);
+      r[i] = fce::cuda::linear::RowMS<T16>(fce::cuda::linear::round_to<T16>(s[i]), 1.f);
 #else
       r[i] = fce::cuda::linear::RowMS<T16>(s[i], 1.f);
 #endif
@@ -198,8 +208,7 @@ struct LeanColStats : Base {
       Tensor tCcCol_mn = tCcCol(_, _, _, epi_m, epi_n);
       const bool interior =
           elem_less(cCol(size<0>(cCol) - 1, size<1>(cCol) - 1), residue_cCol);
-      constexpr float kLog2e = 1.4426950408889634f;
-#if defined(FCE_STATS_FRAG)
+  #if defined(FCE_STATS_FRAG)
       // Fragment first: each row slot's elements of this fragment are folded at once against the
       // slot's new maximum (one exponential and one add per element, one rescale per slot). The
       // slots are told apart by their register offsets (compile-time once unrolled).
@@ -208,10 +217,7 @@ struct LeanColStats : Base {
       int off[FragmentSize];
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < FragmentSize; ++i) {
-        if constexpr (std::is_same_v<T16, __nv_bfloat16>)
-          x[i] = __bfloat162float(__float2bfloat16_rn(frg_input[i]));
-        else
-          x[i] = __half2float(__float2half_rn(frg_input[i]));
+        x[i] = round_to<T16>(frg_input[i]);
         ok[i] = interior || elem_less(tCcCol_mn(epi_v * FragmentSize + i), residue_tCcCol);
         off[i] = static_cast<int>(tCrCol_mn.layout()(epi_v * FragmentSize + i));
       }
@@ -227,14 +233,12 @@ struct LeanColStats : Base {
           for (int j = i; j < FragmentSize; ++j)
             if (off[j] == off[i] && ok[j]) m = fmaxf(m, x[j]);
           const float mL = m * kLog2e;
-          float e0;
-          asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e0) : "f"(fmaf(r.m, kLog2e, -mL)));
+          const float e0 = ex2_approx(fmaf(r.m, kLog2e, -mL));
           float s = r.s == 0.f ? 0.f : r.s * e0;
           CUTLASS_PRAGMA_UNROLL
           for (int j = i; j < FragmentSize; ++j) {
             if (off[j] == off[i] && ok[j]) {
-              float e;
-              asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(fmaf(x[j], kLog2e, -mL)));
+              const float e = ex2_approx(fmaf(x[j], kLog2e, -mL));
               s += e;
             }
           }
@@ -246,16 +250,11 @@ struct LeanColStats : Base {
 #endif
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < FragmentSize; ++i) {
-        float x;
-        if constexpr (std::is_same_v<T16, __nv_bfloat16>)
-          x = __bfloat162float(__float2bfloat16_rn(frg_input[i]));
-        else
-          x = __half2float(__float2half_rn(frg_input[i]));
+        const float x = round_to<T16>(frg_input[i]);
         if (interior || elem_less(tCcCol_mn(epi_v * FragmentSize + i), residue_tCcCol)) {
           auto& r = tCrCol_mn(epi_v * FragmentSize + i);
           const float d = x - r.m;
-          float e;
-          asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(-fabsf(d) * kLog2e));
+          const float e = ex2_approx(-fabsf(d) * kLog2e);
           r.s = d <= 0.f ? r.s + e : fmaf(r.s, e, 1.f);
           r.m = fmaxf(r.m, x);
         }
