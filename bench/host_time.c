@@ -2,14 +2,24 @@
 // at 64×512 and 4096×50257 bf16, loss only and with the gradient (bench/NOTES.md, "Issue 8,
 // session 5"). Build: gcc -O2 -Iinclude -I/usr/local/cuda/include -o /tmp/host_time bench/host_time.c
 // -Lbuild -lfusedce -L/usr/local/cuda/lib64 -lcudart; run with build/ on LD_LIBRARY_PATH.
+// Arguments N V [N V …]: those shapes instead.
 #include <stdio.h>
 #include <time.h>
 #include <cuda_runtime.h>
 #include "fusedce.h"
 static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec * 1e6 + t.tv_nsec / 1e3; }
-int main(void) {
-  int shapes[][2] = {{64, 512}, {4096, 50257}};
-  for (int si = 0; si < 2; ++si) {
+#include <stdlib.h>
+int main(int argc, char** argv) {
+  long shapes[8][2] = {{64, 512}, {4096, 50257}};
+  int ns = 2;
+  if (argc >= 3) {
+    ns = 0;
+    for (int a = 1; a + 1 < argc && ns < 8; a += 2, ++ns) {
+      shapes[ns][0] = atol(argv[a]);
+      shapes[ns][1] = atol(argv[a + 1]);
+    }
+  }
+  for (int si = 0; si < ns; ++si) {
     long N = shapes[si][0], V = shapes[si][1];
     void *z, *g, *ws; long long* y; float *loss, *lse;
     cudaMalloc(&z, N * V * 2); cudaMalloc(&g, N * V * 2); cudaMalloc((void**)&y, N * 8); cudaMemset(y, 0, N * 8); cudaMemset(z, 0, N * V * 2);

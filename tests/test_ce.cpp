@@ -985,6 +985,38 @@ TEST_F(Ce, ArgmaxTiesAndNaN) {
     }
 }
 
+// The same corners on long rows, whose later vectors a register-path CTA on sm_90 may hold in
+// shared memory rather than registers (ce_kernels.cu, SMEM): the argmax scan of a row with a NaN
+// or +inf reads both, and the first NaN / the first maximum must win wherever they sit.
+TEST_F(Ce, ArgmaxNaNOnLongRows) {
+  const double inf = HUGE_VAL, nan = std::numeric_limits<double>::quiet_NaN();
+  for (int dtype : {FCE_FLOAT32, FCE_BFLOAT16})
+    for (int64_t V : {int64_t{151936}, int64_t{300001}}) {
+      if (dtype == FCE_FLOAT32 && V == 300001) continue;  // 1.2 MB rows: the two-pass kernel
+      SCOPED_TRACE(std::string(dtype_name(dtype)) + " V=" + std::to_string(V));
+      const int64_t N = 4;
+      std::vector<double> z(static_cast<size_t>(N * V));
+      for (int64_t r = 0; r < N; ++r)
+        for (int64_t j = 0; j < V; ++j) z[static_cast<size_t>(r * V + j)] = double((j * 7 + r) % 13) - 6;
+      auto at = [&](int64_t r, int64_t j) -> double& { return z[static_cast<size_t>(r * V + j)]; };
+      const int64_t late = V - 11, later = V - 3, mid = V * 3 / 5;
+      at(0, late) = nan;  // row 0: a NaN near the row's end only → late
+      at(1, later) = nan;  // row 1: two NaNs → the first, mid
+      at(1, mid) = nan;
+      at(2, late) = inf;  // row 2: +inf twice → the first, mid
+      at(2, mid) = inf;
+      at(3, later) = 100;  // row 3: one largest value near the end (no scan) → later
+      const std::vector<int64_t> y = {0, 1, mid, later};
+      fce_options o = test_options();
+      o.dtype = dtype;
+      o.reduction = FCE_REDUCTION_NONE;
+      HandOut h = hand_forward(o, N, V, z, y);
+      EXPECT_EQ(h.argmax, (std::vector<int64_t>{late, mid, mid, later}));
+      EXPECT_EQ(h.accuracy, (std::vector<double>{0, 0, 1, 1}));
+      EXPECT_TRUE(std::isnan(h.lse[0]) && std::isnan(h.lse[1]));
+    }
+}
+
 // Shift by k (docs/semantics.md rule 1): row b T + t is scored against target b T + t + k, rows t >= T − k
 // are ignored, and targets of the first k positions of each sequence are never read (garbage
 // there sets no flag). k >= T ignores every row.

@@ -57,6 +57,12 @@ for t in test_ce test_linear_ce test_adversarial test_rescale; do
   suite "$t, bulk kernel on every row (CUDA)" env FCE_TEST_BACKEND=cuda \
     FCE_CUDA_CE_BULK=2 "$BUILD/tests/$t"
 done
+# the register path's shared-memory slots (sm_90) wherever they take fewer CTAs than registers
+# alone, also on the tests' few rows (the default takes them only on launches of many waves)
+for t in test_ce test_adversarial test_rescale; do
+  suite "$t, register path with shared-memory slots (CUDA)" env FCE_TEST_BACKEND=cuda \
+    FCE_CUDA_CE_SMEM_ALWAYS=1 FCE_CUDA_CE_BULK_GRAD=0 "$BUILD/tests/$t"
+done
 fi
 if [ $c_sanitizers = 1 ] && ! command -v compute-sanitizer >/dev/null; then
   echo "SKIPPED: compute-sanitizer not on PATH"
@@ -72,6 +78,9 @@ elif [ $c_sanitizers = 1 ]; then
     suite "$tool test_ce (bulk kernel on every row)" env FCE_TEST_BACKEND=cuda \
       FCE_CUDA_CE_BULK=2 compute-sanitizer --tool $tool --error-exitcode 1 \
       "$BUILD/tests/test_ce" --gtest_filter="$ce_filter"
+    suite "$tool test_ce (shared-memory slots)" env FCE_TEST_BACKEND=cuda \
+      FCE_CUDA_CE_SMEM_ALWAYS=1 FCE_CUDA_CE_BULK_GRAD=0 compute-sanitizer --tool $tool \
+      --error-exitcode 1 "$BUILD/tests/test_ce" --gtest_filter="$ce_filter"
     suite "$tool test_linear_ce" env FCE_TEST_BACKEND=cuda compute-sanitizer --tool $tool \
       --error-exitcode 1 "$BUILD/tests/test_linear_ce" --gtest_filter="$lin_filter"
     suite "$tool test_linear_ce (vocab-sliced)" env FCE_TEST_BACKEND=cuda FCE_LINEAR_CE_PLAN=sliced \

@@ -57,6 +57,7 @@ struct KParams {
   int cluster;          // CTAs per row (register path; 1 to kMaxCluster)
   int64_t rows_in_launch;  // register path: the rows of this launch
   int64_t prefetch_rows;   // register path: > 0 = prefetch the slice of the row this far ahead
+  int reg_smem;            // register path: vectors per thread in shared memory (RegConfig::smem)
   int pdl;                 // launched as a programmatic dependent of the denominators kernel
   int xmbar_ok;            // register path: clusters exchange through st.async + mbarrier
                            // (the cluster-barrier exchange otherwise; FCE_CUDA_CE_XMBAR=0)

@@ -20,12 +20,19 @@ namespace cuda {
 constexpr int kRegThreads = 512;      // most threads of a register-path CTA
 constexpr int kRegVpt = 8;            // 16-byte vectors per thread (32 registers of the row)
 constexpr int kRegVecsPerCta = kRegThreads * kRegVpt;  // 4096 vectors = 64 KB
+// A register-path CTA of kRegThreads may also hold up to kRegSmemVptMax more vectors per thread
+// in shared memory (loaded with cp.async, read back for the fold and the gradient): 96 KB more
+// per CTA, two CTAs per SM still fit (bench/NOTES.md, "Issue 8, session 6"). Rows then fit
+// clusters of fewer CTAs and an SM keeps more of them resident than its register file's 128 KB.
+constexpr int kRegSmemVptMax = 12;
+constexpr int kRegSmemBytesMax = kRegSmemVptMax * kRegThreads * 16;
+constexpr int64_t kRegVecsPerCtaMax = int64_t(kRegThreads) * (kRegVpt + kRegSmemVptMax);
 // Clusters of any size up to 16 CTAs: 8 is the portable limit, up to 16 a "non-portable" size
 // sm_90 allows for a kernel that opts in (allow_cluster, ce_path.cu): float32 rows of 512 KB to
 // 1 MB stay in registers instead of taking the two-pass kernel (bench/NOTES.md, "Issue 8,
 // session 4"). The size need not be a power of two (choose_reg_config).
 constexpr int kMaxCluster = 16;
-constexpr int64_t kRegMaxVocab = int64_t(kRegVecsPerCta) * kMaxCluster * 8;  // loose bound
+constexpr int64_t kRegMaxVocab = kRegVecsPerCtaMax * kMaxCluster * 8;  // loose bound
 constexpr int kTwoPassThreads = 1024;
 constexpr int kBackwardThreads = 512;
 constexpr int kStreamUnroll = 4;      // vectors in flight per thread in the streaming kernels
@@ -113,16 +120,19 @@ __host__ __device__ __forceinline__ RegSlice reg_slice(uintptr_t row_addr, int e
 // ====================================================== host side (ce_path.cu) ====
 // The register path's shape for rows of `vocab` elements of elem_bytes whose starts have at most
 // lead_max elements before them in their 16-byte vector, split over a cluster of exactly k CTAs:
-// the threads per CTA (a CTA's slice ⌈nvec/k⌉ in kRegVpt vectors per thread, whole warps).
+// the threads per CTA (a CTA's slice ⌈nvec/k⌉ in kRegVpt vectors per thread, whole warps) and,
+// when the slice is longer than a CTA's registers hold (kRegVecsPerCta) and smem_max > 0, the
+// vectors per thread in shared memory (≤ smem_max; the CTA then has kRegThreads threads).
 // False when a slice does not fit a CTA. The checks at the end are the kernel's coverage
-// invariant: every vector of every row has a (rank, thread, slot), i.e. threads·kRegVpt ≥
-// ⌈nvec/k⌉ for the largest nvec of any row.
+// invariant: every vector of every row has a (rank, thread, slot), i.e. threads·(kRegVpt +
+// smem) ≥ ⌈nvec/k⌉ for the largest nvec of any row.
 struct RegConfig {
   int k;
   int threads;
   int64_t per;  // vectors of the longest row each CTA holds, ⌈nvec/k⌉ (set by reg_config)
+  int smem;     // slots kRegVpt … kRegVpt + smem − 1 of each thread in shared memory
 };
-bool reg_config(int64_t vocab, int elem_bytes, int lead_max, int k, RegConfig* c);
+bool reg_config(int64_t vocab, int elem_bytes, int lead_max, int k, int smem_max, RegConfig* c);
 
 // The cluster size for the register path: the smallest power of two whose slices fit (at most
 // max_k); for 16-bit rows another size instead where its CTAs have at least kRegFullThreads
@@ -131,10 +141,12 @@ bool reg_config(int64_t vocab, int elem_bytes, int lead_max, int k, RegConfig* c
 // (bench/NOTES.md, "Issue 8, session 4"): 151936 bf16 in 5 CTAs of 480 threads 83 → 88 % of
 // copy, 300001 in 10 CTAs 70 → 75 %; but clusters of small CTAs lost (36000 bf16 in 3 CTAs of
 // 192 threads 90 → 79 %; 50257 in 5 of 160, 79 → 75) and float32 rows did not gain (151936 in
-// 10 CTAs of 480: 80 → 78 %). force_k ≥ 1: that size wherever the slices fit it
-// (FCE_CUDA_CE_CLUSTER); pow2_only: the rule before (measurement).
+// 10 CTAs of 480: 80 → 78 %). smem_max > 0: the smallest cluster whose CTAs hold their slice
+// with at most smem_max vectors per thread in shared memory, where that is fewer CTAs than the
+// rule above gives (NOTES, "Issue 8, session 6"). force_k ≥ 1: that size wherever the slices fit
+// it (FCE_CUDA_CE_CLUSTER); pow2_only: the rule before session 4 (measurement).
 bool choose_reg_config(int64_t vocab, int elem_bytes, int lead_max, int max_k, int force_k,
-                       int regs, bool pow2_only, RegConfig* c);
+                       int regs, bool pow2_only, int smem_max, RegConfig* c);
 
 // Threads of a streaming CTA: enough for kStreamUnroll vectors each on the longest row, ≤ cap.
 int64_t stream_threads(int64_t vocab, int E, int cap);
@@ -196,13 +208,16 @@ enum class RowsPath {
 struct RowsQuery {
   bool backward;            // lse_in or stats_in given
   bool with_grad;           // a gradient is written
+  int64_t rows;             // rows of the call (the register path's waves)
   int64_t vocab;            // elements of a row
   int elem_bytes;           // of the logits
   bool aligned_rows;        // every row of the logits starts 16-byte aligned
   bool rescale;             // fce_backward_rescale (the register path then runs persistent)
   int slot;                 // (dtype pair) · 3 + mode: the occupancy cache's cell of the kernel
-  const void* regs_kernel;       // ce_rows_regs_kernel<TZ, TG, mode, false>, for occupancy queries
-  const void* regs_loop_kernel;  // ce_rows_regs_kernel<TZ, TG, mode, true>
+  const void* regs_kernel;       // ce_rows_regs_kernel<TZ, TG, mode, false, false>, for queries
+  const void* regs_loop_kernel;  // ce_rows_regs_kernel<TZ, TG, mode, true, false>
+  const void* regs_smem_kernel;       // … <…, false, true>: with shared-memory slots
+  const void* regs_smem_loop_kernel;  // … <…, true, true>
   const void* bulk_kernel;       // ce_rows_bulk_kernel<TZ, TG, mode, with_grad>, or nullptr
 };
 struct RowsChoice {

@@ -24,7 +24,12 @@
 //     k is the smallest power of two whose slices fit, so a CTA is nearly full, or for 16-bit
 //     rows another size whose CTAs are fuller (choose_reg_config: 151936 bf16 in 5 CTAs of 480
 //     threads, 2 per SM, holds 118 KB per SM where 8 CTAs of 320 threads, 3 per SM, held 111 KB,
-//     and waits on 5 CTAs in the exchange instead of 8). Three compiled modes per
+//     and waits on 5 CTAs in the exchange instead of 8). A row longer than its CTAs' registers
+//     hold may also keep up to kRegSmemVptMax more vectors per thread in shared memory (SMEM:
+//     copied with cp.async in flight with the register loads, read back by the same thread for
+//     the fold and the gradient; up to 96 KB more per CTA, still two CTAs per SM): such rows then
+//     take clusters of fewer CTAs, and an SM holds more of them than its register file's 128 KB
+//     (choose_reg_config; bench/NOTES.md, "Issue 8, session 6"). Three compiled modes per
 //     dtype pair (plain, softcap, general = label smoothing) keep the hot ones lean; the general
 //     mode needs ~75-88 registers and runs one CTA per SM rather than spill. Each CTA first asks
 //     the L2 for its slice of the row a quarter of a wave ahead (one bulk prefetch,
@@ -104,7 +109,7 @@ struct RegShared {
   Partial fin;  // the row's (the barrier exchange)
   RowInfo info;
   uint64_t wmin[32];
-  uint32_t cand[kRegThreads];  // each thread's argmax candidate
+  uint32_t cand[kRegThreads];  // each thread's argmax key, packed (pack_key)
   Partial part;                // this CTA's, read by the cluster (the barrier exchange)
   uint64_t best_part;
   alignas(16) Partial slots[kMaxCluster];  // the cluster's partials (the mbarrier exchange)
@@ -134,12 +139,26 @@ __device__ __forceinline__ void prefetch_slice(const KParams& p, int64_t lrow, i
 #endif
 }
 
+// An argmax key (argmax_vector: j for a NaN, 2^32 | j for a maximum, kNoArgmax; j < 2^30 on the
+// register path) in 32 bits and back, order kept: j, 2^31 | j, 0xffffffff.
+__device__ __forceinline__ uint32_t pack_key(uint64_t key) {
+  return key == kNoArgmax ? 0xffffffffu
+                          : (static_cast<uint32_t>(key >> 32) << 31) | static_cast<uint32_t>(key & 0x7fffffffu);
+}
+__device__ __forceinline__ uint64_t unpack_key(uint32_t k) {
+  return k == 0xffffffffu ? kNoArgmax
+                          : (uint64_t(k >> 31) << 32) | static_cast<uint64_t>(k & 0x7fffffffu);
+}
+
 // One row (lrow, of this launch) by one CTA of its cluster: the body of ce_rows_regs_kernel.
 // xmbar: the cluster's partials are exchanged through st.async and this CTA's mbarrier (one
 // row per CTA, no argmax: ce_rows_regs_kernel set it up), else through cluster barriers.
-template <class TZ, class TG, int MODE>
+// SMEM: the CTA also holds p.reg_smem slots per thread in shared memory, svec (slot kRegVpt + i
+// of thread t at svec[i·blockDim + t]); only their own thread reads them. Without (the shape
+// of rows a CTA's registers hold) the kernel is the registers-only one, compiled apart.
+template <class TZ, class TG, int MODE, bool SMEM>
 __device__ __forceinline__ void regs_row(const KParams& p, int64_t lrow, int64_t next_lrow,
-                                         bool xmbar, RegShared& sh) {
+                                         bool xmbar, RegShared& sh, uint4* svec) {
   constexpr int E = vec_elems<TZ>();
   constexpr int eb = Ty<TZ>::kBytes;
   constexpr bool SW = MODE == kGeneral;
@@ -170,6 +189,18 @@ __device__ __forceinline__ void regs_row(const KParams& p, int64_t lrow, int64_t
     buf[i] = make_uint4(0u, 0u, 0u, 0u);
     if (v0 + i * nt < vend) buf[i] = load_vector<TZ, kStreaming>(zrow, j0, is_full<int, E>(j0, V), V);
   }
+  // the slots past the registers, copied into shared memory, in flight with them (a slot is
+  // past the CTA's slice from the first one that is: they increase)
+  int ns_used = 0;
+  if constexpr (SMEM) {
+    const int ns = p.reg_smem;
+    const uint64_t pol = evict_first_policy();
+#pragma unroll 1
+    for (; ns_used < ns && v0 + (kRegVpt + ns_used) * nt < vend; ++ns_used) {
+      const int j0 = j00 + (kRegVpt + ns_used) * jstep;
+      copy_vector_async<TZ>(svec + ns_used * nt + tid, zrow, j0, is_full<int, E>(j0, V), V, pol);
+    }
+  }
   if (tid == 0) s_info = load_row_info<TZ, MODE>(p, row, zrow, rank == 0 || p.token_scaling);
   const float c = smoothing_reference<TZ, MODE>(p, zrow);
 
@@ -181,6 +212,15 @@ __device__ __forceinline__ void regs_row(const KParams& p, int64_t lrow, int64_t
     const int j0 = j00 + i * jstep;
     if (v0 + i * nt < vend)
       online_vector<TZ, MODE>(buf[i], j0, is_full<int, E>(j0, V), p, c, acc, want_argmax, am);
+  }
+  if constexpr (SMEM) {
+    async_copies_wait();
+#pragma unroll 1
+    for (int i = 0; i < ns_used; ++i) {
+      const int j0 = j00 + (kRegVpt + i) * jstep;
+      online_vector<TZ, MODE>(svec[i * nt + tid], j0, is_full<int, E>(j0, V), p, c, acc,
+                              want_argmax, am);
+    }
   }
   // every warp ends with the CTA's partial (and, after the barrier inside, s_info is there)
   const Partial blk = block_reduce_all<SW>(acc, s_warp);
@@ -234,9 +274,31 @@ __device__ __forceinline__ void regs_row(const KParams& p, int64_t lrow, int64_t
   const RowInfo ri = s_info;
   const RowVals vals = row_vals(p, ri, fin);
   if (rank == 0 && tid == 0) write_row_outputs<MODE>(p, row, ri, fin, vals, c);
-  // the argmax comes after the gradient: this thread's candidate waits in shared memory (no
-  // register held through the gradient)
-  if (want_argmax) s_cand[tid] = (am >= 0 && acc.m == fin.m) ? static_cast<uint32_t>(am) : 0xffffffffu;
+  // the argmax's reduction comes after the gradient: this thread's candidate waits in shared
+  // memory (no register held through the gradient). With SMEM a row with a NaN or +inf (the
+  // argmax note above) scans its elements for the candidate first, while the registers hold the
+  // logits: then nothing reads the registers after the gradient and the shared-memory slots'
+  // gradient loop runs with them free.
+  if constexpr (!SMEM) {
+    if (want_argmax) s_cand[tid] = (am >= 0 && acc.m == fin.m) ? static_cast<uint32_t>(am) : 0xffffffffu;
+  } else if (want_argmax) {
+    uint64_t best = (am >= 0 && acc.m == fin.m) ? ((uint64_t(1) << 32) | static_cast<uint32_t>(am))
+                                                : kNoArgmax;
+    if (isnan(fin.s)) {
+      best = kNoArgmax;
+#pragma unroll
+      for (int i = 0; i < kRegVpt; ++i) {
+        const int j0 = j00 + i * jstep;
+        if (v0 + i * nt < vend) argmax_vector<TZ, MODE>(buf[i], j0, is_full<int, E>(j0, V), p, fin.m, best);
+      }
+#pragma unroll 1
+      for (int i = 0; i < ns_used; ++i) {
+        const int j0 = j00 + (kRegVpt + i) * jstep;
+        argmax_vector<TZ, MODE>(svec[i * nt + tid], j0, is_full<int, E>(j0, V), p, fin.m, best);
+      }
+    }
+    s_cand[tid] = pack_key(best);
+  }
 
   // ---- phase 2: the gradient, from the registers
   if (p.grad) {
@@ -251,20 +313,30 @@ __device__ __forceinline__ void regs_row(const KParams& p, int64_t lrow, int64_t
         if (v0 + i * nt < vend)
           grad_vector<TZ, TG, MODE>(buf[i], j0, is_full<int, E>(j0, V), vec_ok, p, rg, yl, grow);
       }
+      if constexpr (SMEM) {
+#pragma unroll 1
+        for (int i = 0; i < ns_used; ++i) {
+          const int j0 = j00 + (kRegVpt + i) * jstep;
+          grad_vector<TZ, TG, MODE>(svec[i * nt + tid], j0, is_full<int, E>(j0, V), vec_ok, p, rg,
+                                    yl, grow);
+        }
+      }
     } else {
       const float value = ri.kind == kInvalid ? qnan() : 0.f;
 #pragma unroll 1
-      for (int i = 0; i < kRegVpt; ++i) {
+      for (int i = 0; i < (SMEM ? kRegVpt + ns_used : kRegVpt); ++i) {
         const int j0 = j00 + i * jstep;
         if (v0 + i * nt < vend) fill_vector<TG, E>(j0, is_full<int, E>(j0, V), vec_ok, V, value, grow);
       }
     }
   }
-  // ---- the argmax, from the registers (still holding the row), once the gradient is out
+  // ---- the argmax, once the gradient is out: the candidates to the CTA, then the cluster
+  // (registers only: a row with a NaN or +inf scans the registers, still holding the row, now)
   if (want_argmax) {
     const uint32_t cand = s_cand[tid];
-    uint64_t best = cand == 0xffffffffu ? kNoArgmax : ((uint64_t(1) << 32) | cand);
-    if (isnan(fin.s)) {  // a NaN or +inf in the row: scan the elements (the argmax note above)
+    uint64_t best = SMEM ? unpack_key(cand)
+                         : cand == 0xffffffffu ? kNoArgmax : ((uint64_t(1) << 32) | cand);
+    if (!SMEM && isnan(fin.s)) {
       best = kNoArgmax;
 #pragma unroll
       for (int i = 0; i < kRegVpt; ++i) {
@@ -302,11 +374,12 @@ __device__ __forceinline__ void regs_row(const KParams& p, int64_t lrow, int64_t
 // every CTA of a cluster walks the same rows, so the barriers pair up. p.prefetch_rows > 0:
 // each CTA first asks the L2 for its slice of the row that distance ahead (the next row of its
 // own loop when LOOP).
-template <class TZ, class TG, int MODE, bool LOOP>
+template <class TZ, class TG, int MODE, bool LOOP, bool SMEM>
 __global__ void __launch_bounds__(kRegThreads, MODE == kGeneral ? 1 : 2)
     ce_rows_regs_kernel(const KParams p) {
   pdl_trigger();  // the finalize may start once every CTA has (it waits for our values)
   __shared__ RegShared sh;
+  extern __shared__ __align__(16) uint4 reg_svec[];  // p.reg_smem × blockDim vectors
   const unsigned k = static_cast<unsigned>(p.cluster);
   const int64_t first = blockIdx.x / k;
   if constexpr (!LOOP) {
@@ -321,12 +394,13 @@ __global__ void __launch_bounds__(kRegThreads, MODE == kGeneral ? 1 : 2)
 #else
     const bool xmbar = false;
 #endif
-    regs_row<TZ, TG, MODE>(p, first, next, xmbar, sh);
+    regs_row<TZ, TG, MODE, SMEM>(p, first, next, xmbar, sh, reg_svec);
   } else {
     if (p.rescale && *p.grad_output == 1.f) return;  // the usual case: nothing to do anywhere
     const int64_t stride = gridDim.x / k;
     for (int64_t lrow = first; lrow < p.rows_in_launch; lrow += stride) {
-      regs_row<TZ, TG, MODE>(p, lrow, p.prefetch_rows > 0 ? lrow + stride : INT64_MAX, false, sh);
+      regs_row<TZ, TG, MODE, SMEM>(p, lrow, p.prefetch_rows > 0 ? lrow + stride : INT64_MAX, false,
+                                   sh, reg_svec);
       __syncthreads();  // the next row reuses the shared scalars
     }
   }
@@ -512,7 +586,11 @@ fce_status launch_rows_kernel(const char* fn, const char* what, K* kernel, int64
 template <class TZ, class TG, int MODE, bool LOOP>
 fce_status launch_forward_regs(const char* fn, const KParams& q, const RegConfig& rc,
                                int64_t grid_rows, cudaStream_t s) {
-  return launch_rows_kernel(fn, "ce_rows_regs_kernel", ce_rows_regs_kernel<TZ, TG, MODE, LOOP>,
+  if (rc.smem > 0)
+    return launch_rows_kernel(fn, "ce_rows_regs_kernel with shared-memory slots",
+                              ce_rows_regs_kernel<TZ, TG, MODE, LOOP, true>, grid_rows * rc.k,
+                              rc.threads, rc.k, q, s, rc.smem * rc.threads * 16);
+  return launch_rows_kernel(fn, "ce_rows_regs_kernel", ce_rows_regs_kernel<TZ, TG, MODE, LOOP, false>,
                             grid_rows * rc.k, rc.threads, rc.k, q, s);
 }
 
@@ -524,10 +602,10 @@ fce_status launch_regs_mode(const char* fn, int mode, const KParams& q, const Re
                         : launch_forward_regs<TZ, TG, kGeneral, LOOP>(fn, q, rc, grid_rows, s);
 }
 
-template <class TZ, class TG, bool LOOP> const void* regs_kernel(int mode) {
-  return mode == kPlain ? kernel_address(ce_rows_regs_kernel<TZ, TG, kPlain, LOOP>)
-       : mode == kCap   ? kernel_address(ce_rows_regs_kernel<TZ, TG, kCap, LOOP>)
-                        : kernel_address(ce_rows_regs_kernel<TZ, TG, kGeneral, LOOP>);
+template <class TZ, class TG, bool LOOP, bool SMEM> const void* regs_kernel(int mode) {
+  return mode == kPlain ? kernel_address(ce_rows_regs_kernel<TZ, TG, kPlain, LOOP, SMEM>)
+       : mode == kCap   ? kernel_address(ce_rows_regs_kernel<TZ, TG, kCap, LOOP, SMEM>)
+                        : kernel_address(ce_rows_regs_kernel<TZ, TG, kGeneral, LOOP, SMEM>);
 }
 
 // The bulk kernel of a mode (GRAD: with the gradient; without one TG is TZ).
@@ -548,13 +626,16 @@ fce_status launch_rows_typed(const CeRowsArgs& a, KParams p, int pair, cudaStrea
   RowsQuery rq;
   rq.backward = a.lse_in || a.stats_in;
   rq.with_grad = a.grad != nullptr;
+  rq.rows = a.row_count;
   rq.vocab = a.vocab;
   rq.elem_bytes = Ty<TZ>::kBytes;
   rq.aligned_rows = (reinterpret_cast<uintptr_t>(a.logits) & 15) == 0 && (p.z_row_bytes & 15) == 0;
   rq.rescale = p.rescale != 0;
   rq.slot = pair * 3 + mode;
-  rq.regs_kernel = regs_kernel<TZ, TG, false>(mode);
-  rq.regs_loop_kernel = regs_kernel<TZ, TG, true>(mode);
+  rq.regs_kernel = regs_kernel<TZ, TG, false, false>(mode);
+  rq.regs_loop_kernel = regs_kernel<TZ, TG, true, false>(mode);
+  rq.regs_smem_kernel = regs_kernel<TZ, TG, false, true>(mode);
+  rq.regs_smem_loop_kernel = regs_kernel<TZ, TG, true, true>(mode);
   rq.bulk_kernel = a.grad ? kernel_address(bulk_kernel<TZ, TG, true>(mode))
                           : kernel_address(bulk_kernel<TZ, TZ, false>(mode));
   RowsChoice choice;
@@ -589,6 +670,7 @@ fce_status launch_rows_typed(const CeRowsArgs& a, KParams p, int pair, cudaStrea
                                        s, bulk_ring_bytes(false));
     } else if (choice.path == RowsPath::kRegisters) {
       q.cluster = rc.k;
+      q.reg_smem = rc.smem;
       q.rows_in_launch = n;
       q.prefetch_rows = choice.prefetch_rows;
       q.xmbar_ok = choice.xmbar ? 1 : 0;

@@ -148,6 +148,40 @@ __device__ __forceinline__ uint4 load_vector(const char* zrow, I j0, bool full, 
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
+// Copies vector [j0, j0 + E) of a row into shared memory at dst (16-byte aligned): a full vector
+// asynchronously (cp.async, L2 only, evict-first like ld_vec<kStreaming>), completed for this
+// thread by async_copies_wait(); a partial one through load_vector, at once. Only the copying
+// thread reads dst (the register path's shared-memory slots), so no barrier is needed.
+template <class TZ, class I>
+__device__ __forceinline__ void copy_vector_async(uint4* dst, const char* zrow, I j0, bool full,
+                                                  int V, uint64_t policy) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if (full) {
+    const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(d),
+                 "l"(zrow + j0 * Ty<TZ>::kBytes), "l"(policy) : "memory");
+    return;
+  }
+#else
+  (void)policy;
+#endif
+  *dst = load_vector<TZ, kStreaming>(zrow, j0, full, V);
+}
+// The L2 policy copy_vector_async takes: evict first (the row is read once).
+__device__ __forceinline__ uint64_t evict_first_policy() {
+  uint64_t pol = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+#endif
+  return pol;
+}
+// This thread's copy_vector_async copies are complete and visible to it.
+__device__ __forceinline__ void async_copies_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
+}
+
 // Stores the E gradient values of vector [j0, j0 + E): one vector store when the vector is full
 // and the gradient row is aligned like the logits row (vec_ok), else its in-row elements one by
 // one with the same rounding.

@@ -37,7 +37,10 @@ namespace {
 // FCE_CUDA_CE_XMBAR = 0: cluster barriers for the exchange, FCE_CUDA_CE_PDL = 0: no programmatic
 // dependent launches, FCE_CUDA_CE_BULK = 0: no bulk-copy kernel (ce_bulk.cuh), 2: it for rows of
 // any length (and with a gradient wherever a row fits a stage), FCE_CUDA_CE_BULK_GRAD = 0 / 1:
-// with a gradient never / for every row that fits.
+// with a gradient never / for every row that fits, FCE_CUDA_CE_SMEM = the most vectors per
+// thread a register-path CTA may hold in shared memory (0 = registers only, the rule before
+// session 6; at most kRegSmemVptMax), FCE_CUDA_CE_SMEM_ALWAYS=1: that shape wherever it takes
+// fewer CTAs than registers alone, whatever the residency and the waves (tests).
 struct Overrides {
   int path = 0;  // 0 auto, 1 regs (same as auto when the row fits), 2 twopass
   int cluster = 0;  // FCE_CUDA_CE_CLUSTER: this size where a row's slices fit it (0: chosen)
@@ -51,6 +54,8 @@ struct Overrides {
   int krule_pow2 = 0;  // FCE_CUDA_CE_KRULE=pow2
   int bulk_grad = -1;  // FCE_CUDA_CE_BULK_GRAD: −1 (unset) the measured choice, 0 never, 1 always
                        // (with a gradient, rows that fit a stage)
+  int reg_smem = kRegSmemVptMax;  // FCE_CUDA_CE_SMEM
+  int smem_always = 0;            // FCE_CUDA_CE_SMEM_ALWAYS=1
 };
 const Overrides& overrides() {
   static const Overrides o = [] {
@@ -73,6 +78,11 @@ const Overrides& overrides() {
     if (const char* s = getenv("FCE_CUDA_CE_BULK")) r.bulk = atoi(s);
     if (const char* s = getenv("FCE_CUDA_CE_KRULE")) r.krule_pow2 = !strcmp(s, "pow2");
     if (const char* s = getenv("FCE_CUDA_CE_BULK_GRAD")) r.bulk_grad = atoi(s) != 0 ? 1 : 0;
+    if (const char* s = getenv("FCE_CUDA_CE_SMEM")) {
+      const int v = atoi(s);
+      if (v >= 0 && v <= kRegSmemVptMax) r.reg_smem = v;
+    }
+    if (const char* s = getenv("FCE_CUDA_CE_SMEM_ALWAYS")) r.smem_always = atoi(s) == 1;
     return r;
   }();
   return o;
@@ -91,12 +101,15 @@ fce_status device_info(const char* fn, DeviceInfo* d) {
   return FCE_SUCCESS;
 }
 
-// Whether clusters of k CTAs of 512 threads (the largest block) of `kernel` can be resident;
-// asked once per (device, kernel, k) and remembered. Also false when the kernel's code was not
-// compiled for sm_90+ (e.g. compute_80 PTX JIT-compiled on a Hopper): that code has no cluster
-// exchange, and k > 1 would give each CTA its slice's lse only.
+// Whether clusters of k CTAs of 512 threads (the largest block) and the most shared memory
+// (kRegSmemBytesMax when smem_ok, i.e. regs_smem_ready: so that the answer holds for every
+// shape) of `kernel` can be resident; asked once per (device, kernel, k) and remembered. Also
+// false when the kernel's code was not compiled for sm_90+ (e.g. compute_80 PTX JIT-compiled on
+// a Hopper): that code has no cluster exchange, and k > 1 would give each CTA its slice's lse
+// only.
 constexpr int kMaxDevices = 64;
-constexpr int kKernelSlots = 16;  // 5 dtype pairs × 3 modes
+constexpr int kKernelSlots = 32;  // 5 dtype pairs × 3 modes, + kSmemSlots with shared-memory slots
+constexpr int kSmemSlots = 16;
 // 0 unknown, 1 yes, −1 no; indexed by the cluster size
 std::atomic<signed char> g_cluster_fits[kMaxDevices][kKernelSlots][kMaxCluster + 1];
 
@@ -111,7 +124,35 @@ bool allow_cluster(const void* kernel, int k) {
   return false;
 }
 
-bool cluster_fits(const DeviceInfo& dev, const void* kernel, int slot, int k) {
+// A register-path kernel's shared memory: it may take kRegSmemBytesMax of dynamic shared memory,
+// with the carve-out at its largest (two CTAs per SM need 2 × 96 KB). Set once per (device,
+// kernel) before any query or launch of it with smem > 0; false when the device refuses.
+std::atomic<signed char> g_regs_smem[kMaxDevices][kKernelSlots][2];  // 0 unknown, 1 yes, −1 no
+
+bool regs_smem_ready(const DeviceInfo& dev, const void* kernel, int slot, bool loop) {
+  std::atomic<signed char>* cell = nullptr;
+  if (dev.device >= 0 && dev.device < kMaxDevices && slot >= 0 && slot < kKernelSlots) {
+    cell = &g_regs_smem[dev.device][slot][loop ? 1 : 0];
+    const signed char v = cell->load(std::memory_order_relaxed);
+    if (v != 0) return v > 0;
+  }
+  const bool ok =
+      kernel &&
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           kRegSmemBytesMax) == cudaSuccess &&
+      cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                           cudaSharedmemCarveoutMaxShared) == cudaSuccess;
+  if (!ok) (void)cudaGetLastError();
+  if (cell) cell->store(ok ? 1 : -1, std::memory_order_relaxed);
+  return ok;
+}
+
+// Dynamic shared memory of a register-path CTA of that shape.
+int regs_smem_bytes(const RegConfig& c) { return c.smem * c.threads * 16; }
+
+bool cluster_fits(const DeviceInfo& dev, const void* kernel, int slot, const RegConfig& rc,
+                  bool smem_ok) {
+  const int k = rc.k;
   if (k == 1) return true;
   if (dev.major < 9 || k < 1 || k > kMaxCluster) return false;
   std::atomic<signed char>* cell = nullptr;
@@ -130,6 +171,7 @@ bool cluster_fits(const DeviceInfo& dev, const void* kernel, int slot, int k) {
   cudaLaunchConfig_t cfg;
   cudaLaunchAttribute attr;
   make_cluster_launch(static_cast<unsigned>(k) * 16u, kRegThreads, k, nullptr, &cfg, &attr);
+  cfg.dynamicSmemBytes = smem_ok ? kRegSmemBytesMax : 0;  // the largest a CTA may take
   int clusters = 0;
   const cudaError_t e = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg);
   if (e != cudaSuccess) (void)cudaGetLastError();  // a failed query only means "don't use it"
@@ -138,25 +180,29 @@ bool cluster_fits(const DeviceInfo& dev, const void* kernel, int slot, int k) {
   return ok;
 }
 
-// Rows (clusters of k CTAs of `threads`) of `kernel` resident at once on the device: asked once
-// per (device, kernel, k, threads) and remembered (the last threads asked per cell). 0 when the
-// query fails.
-// (threads << 32) | rows; 0 unknown; indexed by persistence and the cluster size
+// Rows (clusters of k CTAs of `threads` with `smem` bytes of dynamic shared memory) of `kernel`
+// resident at once on the device: asked once per (device, kernel, k, threads, smem) and
+// remembered (the last shape asked per cell). 0 when the query fails.
+// (shape << 32) | rows, shape = threads · (kRegSmemVptMax + 1) + smem / (threads · 16); 0
+// unknown; indexed by persistence and the cluster size
 std::atomic<int64_t> g_wave[kMaxDevices][kKernelSlots][2][kMaxCluster + 1];
 
-int64_t wave_rows(const DeviceInfo& dev, const void* kernel, int slot, bool loop, int k,
-                  int threads) {
+int64_t wave_rows(const DeviceInfo& dev, const void* kernel, int slot, bool loop,
+                  const RegConfig& rc) {
+  const int k = rc.k, threads = rc.threads, smem = regs_smem_bytes(rc);
+  const int64_t shape = int64_t(threads) * (kRegSmemVptMax + 1) + rc.smem;
   std::atomic<int64_t>* cell = nullptr;
   if (dev.device >= 0 && dev.device < kMaxDevices && slot >= 0 && slot < kKernelSlots && k >= 1 &&
       k <= kMaxCluster) {
     cell = &g_wave[dev.device][slot][loop ? 1 : 0][k];
     const int64_t v = cell->load(std::memory_order_relaxed);
-    if (v != 0 && (v >> 32) == threads) return v & 0xffffffff;
+    if (v != 0 && (v >> 32) == shape) return v & 0xffffffff;
   }
   int64_t rows = 0;
   if (k == 1) {
     int per_sm = 0, sms = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0) == cudaSuccess &&
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem) ==
+            cudaSuccess &&
         cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev.device) == cudaSuccess)
       rows = int64_t(per_sm) * sms;
   } else {
@@ -164,6 +210,7 @@ int64_t wave_rows(const DeviceInfo& dev, const void* kernel, int slot, bool loop
     cudaLaunchAttribute attr;
     make_cluster_launch(static_cast<unsigned>(k) * 16u, static_cast<unsigned>(threads), k, nullptr,
                         &cfg, &attr);
+    cfg.dynamicSmemBytes = static_cast<size_t>(smem);
     int clusters = 0;
     if (allow_cluster(kernel, k) &&
         cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) == cudaSuccess)
@@ -171,7 +218,7 @@ int64_t wave_rows(const DeviceInfo& dev, const void* kernel, int slot, bool loop
   }
   (void)cudaGetLastError();  // a failed query only means "no wave known"
   if (rows < 0 || rows > 0xffffffff) rows = 0;
-  if (cell && rows > 0) cell->store((int64_t(threads) << 32) | rows, std::memory_order_relaxed);
+  if (cell && rows > 0) cell->store((shape << 32) | rows, std::memory_order_relaxed);
   return rows;
 }
 
@@ -238,6 +285,60 @@ int64_t reg_resident_bytes(const RegConfig& c, int regs) {
   return c.per * 16 * ctas;
 }
 
+// Row bytes a launch of the registers-only kernel in that shape really keeps resident per SM:
+// the clusters resident at once (wave_rows: the occupancy query, GPC packing included) × the
+// slices, over the SMs. 0 when unknown. Enough from 115 KiB: on an H100 128256 bf16 in 4 CTAs
+// keeps 117.7 KiB (96 % of copy, 90 % with slots in 2 CTAs), 256000 bf16 in 8 keeps 113.6 KiB
+// (92 %, 96 % with slots in 4).
+constexpr int64_t kRegResidentEnough = int64_t{115} << 10;
+// Waves of CTAs a launch needs for the shape with shared-memory slots (choose_rows_path):
+// 1024×151936 bf16 (7.8 waves) lost 3 points of copy with them, 1024×256000 (16.5) gained 0.5.
+constexpr int64_t kSmemMinWaves = 16;
+int64_t resident_per_sm(const DeviceInfo& dev, const void* kernel, int slot, const RegConfig& c) {
+  int sms = 0;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev.device) != cudaSuccess ||
+      sms < 1) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return wave_rows(dev, kernel, slot, false, c) * c.k * c.per * 16 / sms;
+}
+
+// The share of an SM's CTA slots that clusters of the shape fill on this device (clusters resident
+// at once from the occupancy query × k over the SMs × the CTAs an SM holds by registers and
+// threads); 0 when unknown.
+double cluster_slot_share(const DeviceInfo& dev, const void* kernel, int slot, const RegConfig& c) {
+  int sms = 0;
+  const int regs = kernel_regs(dev, kernel, slot);
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev.device) != cudaSuccess ||
+      sms < 1 || regs < 1) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  const int64_t r = (regs + 7) / 8 * 8;
+  int64_t per_sm = kRegFileRegs / (r * c.threads);
+  if (per_sm > kMaxThreadsPerSm / c.threads) per_sm = kMaxThreadsPerSm / c.threads;
+  if (per_sm < 1) return 0;
+  return static_cast<double>(wave_rows(dev, kernel, slot, false, c) * c.k) /
+         static_cast<double>(sms * per_sm);
+}
+
+// The shape with shared-memory slots: rc (the smallest cluster that holds the row), or the first
+// of the next three sizes whose clusters fill at least 88 % of the CTA slots when rc's do not.
+RegConfig fuller_cluster(const DeviceInfo& dev, const RowsQuery& q, int lead_max, int max_k,
+                         int smem_max, const RegConfig& rc) {
+  constexpr double kMinShare = 0.88;
+  const int kslot = q.slot + kSmemSlots;
+  if (cluster_slot_share(dev, q.regs_smem_kernel, kslot, rc) >= kMinShare) return rc;
+  for (int k = rc.k + 1; k <= rc.k + 3 && k <= max_k; ++k) {
+    RegConfig c{};
+    if (reg_config(q.vocab, q.elem_bytes, lead_max, k, smem_max, &c) && c.smem > 0 &&
+        cluster_slot_share(dev, q.regs_smem_kernel, kslot, c) >= kMinShare)
+      return c;
+  }
+  return rc;
+}
+
 }  // namespace
 
 bool pdl_supported() {
@@ -261,31 +362,52 @@ bool pdl_supported() {
   return major >= 9;
 }
 
-bool reg_config(int64_t vocab, int elem_bytes, int lead_max, int k, RegConfig* c) {
+bool reg_config(int64_t vocab, int elem_bytes, int lead_max, int k, int smem_max, RegConfig* c) {
   if (vocab < 1 || vocab > kRegMaxVocab || k < 1 || k > kMaxCluster) return false;
+  if (smem_max < 0) smem_max = 0;
+  if (smem_max > kRegSmemVptMax) smem_max = kRegSmemVptMax;
   const int64_t E = 16 / elem_bytes;
   const int64_t nvec_max = (lead_max + vocab + E - 1) / E;
   const int64_t per = (nvec_max + k - 1) / k;
-  if (per > kRegVecsPerCta) return false;
-  int64_t threads = (per + kRegVpt - 1) / kRegVpt;
-  threads = (threads + 31) / 32 * 32;
-  if (threads > kRegThreads || threads * kRegVpt < per || threads * kRegVpt * k < nvec_max)
+  int64_t threads = 0, smem = 0;
+  if (per <= kRegVecsPerCta) {  // registers alone: a CTA cut to the slice
+    threads = (per + kRegVpt - 1) / kRegVpt;
+    threads = (threads + 31) / 32 * 32;
+  } else {  // every register of a full CTA, the rest of the slice in shared memory
+    threads = kRegThreads;
+    smem = (per - kRegVecsPerCta + kRegThreads - 1) / kRegThreads;
+    if (smem > smem_max) return false;
+  }
+  if (threads > kRegThreads || threads * (kRegVpt + smem) < per ||
+      threads * (kRegVpt + smem) * k < nvec_max)
     return false;  // cannot happen: the invariant the kernel relies on
   c->k = k;
   c->threads = static_cast<int>(threads);
   c->per = per;
+  c->smem = static_cast<int>(smem);
   return true;
 }
 
 bool choose_reg_config(int64_t vocab, int elem_bytes, int lead_max, int max_k, int force_k,
-                       int regs, bool pow2_only, RegConfig* c) {
+                       int regs, bool pow2_only, int smem_max, RegConfig* c) {
   if (max_k > kMaxCluster) max_k = kMaxCluster;
-  if (force_k >= 1 && force_k <= max_k && reg_config(vocab, elem_bytes, lead_max, force_k, c))
+  if (force_k >= 1 && force_k <= max_k &&
+      (reg_config(vocab, elem_bytes, lead_max, force_k, 0, c) ||
+       reg_config(vocab, elem_bytes, lead_max, force_k, smem_max, c)))
     return true;
   RegConfig base{};
   bool found = false;
   for (int k = 1; k <= max_k && !found; k *= 2)
-    found = reg_config(vocab, elem_bytes, lead_max, k, &base);
+    found = reg_config(vocab, elem_bytes, lead_max, k, 0, &base);
+  // with shared memory: the smallest cluster that holds the row, where it has fewer CTAs
+  RegConfig hyb{};
+  bool hfound = false;
+  for (int k = 1; smem_max > 0 && k <= max_k && !hfound && (!found || k < base.k); ++k)
+    hfound = reg_config(vocab, elem_bytes, lead_max, k, smem_max, &hyb);
+  if (hfound) {
+    *c = hyb;
+    return true;
+  }
   if (!found) return false;
   *c = base;
   if (pow2_only || elem_bytes != 2) return true;
@@ -295,7 +417,7 @@ bool choose_reg_config(int64_t vocab, int elem_bytes, int lead_max, int max_k, i
   int64_t best = held0 * 21 / 20;
   for (int k = 3; k <= max_k; ++k) {
     RegConfig r{};
-    if (!(k & (k - 1)) || !reg_config(vocab, elem_bytes, lead_max, k, &r) ||
+    if (!(k & (k - 1)) || !reg_config(vocab, elem_bytes, lead_max, k, 0, &r) ||
         r.threads < kRegFullThreads)
       continue;
     const int64_t held = reg_resident_bytes(r, regs);
@@ -317,7 +439,7 @@ fce_status choose_rows_path(const char* fn, const RowsQuery& q, RowsChoice* out)
   DeviceInfo dev;
   FCE_TRY(device_info(fn, &dev));
   out->path = q.backward ? RowsPath::kBackward : RowsPath::kTwoPass;
-  out->rc = RegConfig{1, kRegThreads, 0};
+  out->rc = RegConfig{1, kRegThreads, 0, 0};
   out->persistent = false;
   out->wave_rows = 0;
   out->prefetch_rows = 0;
@@ -359,18 +481,52 @@ fce_status choose_rows_path(const char* fn, const RowsQuery& q, RowsChoice* out)
     const int lead_max = q.aligned_rows ? 0 : 16 / q.elem_bytes - 1;
     const int max_k = dev.major >= 9 ? kMaxCluster : 1;
     const int regs = kernel_regs(dev, q.regs_kernel, q.slot);
-    RegConfig rc{1, kRegThreads, 0};
-    if (choose_reg_config(q.vocab, q.elem_bytes, lead_max, max_k, overrides().cluster, regs,
-                          overrides().krule_pow2 != 0, &rc) &&
-        cluster_fits(dev, q.regs_kernel, q.slot, rc.k)) {
+    // shared-memory slots only when both kernels with them take their shared memory (the
+    // forward and fce_backward_rescale's persistent kernel must choose the same shape: the same
+    // bits)
+    const int smem_max =
+        overrides().reg_smem > 0 &&
+                regs_smem_ready(dev, q.regs_smem_kernel, q.slot, false) &&
+                regs_smem_ready(dev, q.regs_smem_loop_kernel, q.slot, true)
+            ? overrides().reg_smem : 0;
+    RegConfig rc{1, kRegThreads, 0, 0};
+    bool found = choose_reg_config(q.vocab, q.elem_bytes, lead_max, max_k, overrides().cluster,
+                                   regs, overrides().krule_pow2 != 0, smem_max, &rc);
+    // The shape with shared-memory slots (fewer CTAs per row) only where the registers-only one
+    // keeps less than kRegResidentEnough of the rows really resident per SM (its occupancy
+    // query: the idle CTA slots of clusters that do not pack the GPCs count): measured on an
+    // H100, 128256 bf16 in 4 CTAs (117.7 KiB) ran at 96 % of copy and in 2 with slots at 90 %,
+    // while 256000 bf16 (8 CTAs, 113.6 KiB: 92 % → 4 with slots: 96 %), 151936 bf16 (5 CTAs:
+    // 89 → 93 %) and float32 rows (80-90 → 92-95 %) gained (bench/NOTES.md, "Issue 8, session
+    // 6"). Nor for launches of fewer than kSmemMinWaves waves of its (longer-lived) CTAs: the
+    // last wave's idle slots cost more (1024×151936 bf16, 7.8 waves: 80 → 77 %). A forced
+    // cluster size, or FCE_CUDA_CE_SMEM_ALWAYS=1, keeps the choice above.
+    if (found && rc.smem > 0 && overrides().cluster == 0 && !overrides().smem_always) {
+      RegConfig plain{};
+      if (choose_reg_config(q.vocab, q.elem_bytes, lead_max, max_k, 0, regs,
+                            overrides().krule_pow2 != 0, 0, &plain) &&
+          cluster_fits(dev, q.regs_kernel, q.slot, plain, false) &&
+          (resident_per_sm(dev, q.regs_kernel, q.slot, plain) >= kRegResidentEnough ||
+           q.rows < kSmemMinWaves * wave_rows(dev, q.regs_smem_kernel, q.slot + kSmemSlots, false, rc)))
+        rc = plain;
+    }
+    // With slots, a cluster size whose clusters leave over 12 % of the CTA slots idle (they must
+    // fit a GPC: on an H100 clusters of 7 fill 84.8 %) gives way to the next larger one that
+    // fills more (float32 256000: 7 CTAs 89 % of copy, 8 CTAs 93 %).
+    if (found && rc.smem > 0 && overrides().cluster == 0)
+      rc = fuller_cluster(dev, q, lead_max, max_k, smem_max, rc);
+    const bool smem = rc.smem > 0;
+    const int kslot = q.slot + (smem ? kSmemSlots : 0);
+    if (found && cluster_fits(dev, smem ? q.regs_smem_kernel : q.regs_kernel, kslot, rc, smem)) {
       out->path = RowsPath::kRegisters;
       out->rc = rc;
       // fce_backward_rescale runs persistent: its CTAs usually only read the upstream 1 and
       // exit, and a grid of one CTA cluster per row costs more in launches than the call is
       // worth (bench/NOTES.md, "Issue 8")
       out->persistent = q.rescale || overrides().persist;
-      out->wave_rows = wave_rows(dev, out->persistent ? q.regs_loop_kernel : q.regs_kernel, q.slot,
-                                 out->persistent, rc.k, rc.threads);
+      const void* kernel = out->persistent ? (smem ? q.regs_smem_loop_kernel : q.regs_loop_kernel)
+                                           : (smem ? q.regs_smem_kernel : q.regs_kernel);
+      out->wave_rows = wave_rows(dev, kernel, kslot, out->persistent, rc);
       if (out->wave_rows < 1) {
         out->persistent = false;  // no wave known: one cluster per row, no prefetch
         out->wave_rows = 0;
@@ -406,7 +562,7 @@ int ce_rows_selftest() {
                             8191,  16383, 16384, 16385, 32000, 32767,  32768,  32769,  50257,
                             65535, 65536, 65537, 100000, 128256, 131071, 131072, 131073,
                             151936, 200003, 256000, 262136, 262143, 262144, 262145, 300000,
-                            400003};
+                            400003, 600000, 1000003, 1310720};
   std::vector<unsigned char> seen;
   for (int eb : {2, 4}) {
     const int E = 16 / eb;
@@ -415,35 +571,51 @@ int ce_rows_selftest() {
         const int lead_max = aligned ? 0 : E - 1;
         const int64_t nvec_max = (lead_max + V + E - 1) / E;
         // the choice: a size ≤ max_k whose shape fits (the forced one where it fits, else a
-        // power of two unless a nearly full 16-bit shape holds more), refused only when none does
-        for (int max_k : {1, 8, kMaxCluster})
-          for (int force_k = 0; force_k <= kMaxCluster; ++force_k)
-            for (bool pow2 : {false, true}) {
-              RegConfig rc{}, again{};
-              const bool any = nvec_max <= int64_t(kRegVecsPerCta) * max_k;
-              const bool forced = force_k >= 1 && force_k <= max_k &&
-                                  nvec_max <= int64_t(kRegVecsPerCta) * force_k;
-              if (!choose_reg_config(V, eb, lead_max, max_k, force_k, 64, pow2, &rc)) {
-                if (any) fail_at("choose_reg_config refused a row that fits", V, eb, 0, max_k, 0);
-                continue;
+        // power of two unless a nearly full 16-bit shape holds more, or with shared memory the
+        // smallest size that holds the row where that is fewer CTAs), refused only when none does
+        for (int smem_max : {0, 4, kRegSmemVptMax})
+          for (int max_k : {1, 8, kMaxCluster})
+            for (int force_k = 0; force_k <= kMaxCluster; ++force_k)
+              for (bool pow2 : {false, true}) {
+                RegConfig rc{}, again{};
+                const int64_t cta_max = kRegVecsPerCta + int64_t(smem_max) * kRegThreads;
+                const bool any = nvec_max <= cta_max * max_k;
+                const bool forced = force_k >= 1 && force_k <= max_k && nvec_max <= cta_max * force_k;
+                if (!choose_reg_config(V, eb, lead_max, max_k, force_k, 64, pow2, smem_max, &rc)) {
+                  if (any) fail_at("choose_reg_config refused a row that fits", V, eb, 0, max_k, 0);
+                  continue;
+                }
+                // registers alone would take this many CTAs (0: none fits)
+                int kpow = 0;
+                for (int k = 1; k <= max_k && !kpow; k *= 2)
+                  if (nvec_max <= int64_t(kRegVecsPerCta) * k) kpow = k;
+                bool bad = rc.k < 1 || rc.k > max_k || (forced && rc.k != force_k) ||
+                           rc.smem < 0 || rc.smem > smem_max ||
+                           !reg_config(V, eb, lead_max, rc.k, rc.smem, &again) ||
+                           again.threads != rc.threads || again.smem != rc.smem;
+                if (!forced && rc.smem > 0)  // the smallest size, and fewer CTAs than registers alone
+                  bad = bad || rc.threads != kRegThreads || (kpow && kpow <= rc.k) ||
+                        (rc.k > 1 && nvec_max <= cta_max * (rc.k - 1));
+                if (!forced && rc.smem == 0)
+                  bad = bad || ((pow2 || eb != 2) && (rc.k & (rc.k - 1))) ||
+                        ((rc.k & (rc.k - 1)) && rc.threads < kRegFullThreads);
+                if (bad) fail_at("choose_reg_config returned a bad shape", V, eb, 0, rc.k, rc.threads);
               }
-              if (rc.k < 1 || rc.k > max_k || (forced && rc.k != force_k) ||
-                  (!forced && (pow2 || eb != 2) && (rc.k & (rc.k - 1))) ||
-                  (!forced && (rc.k & (rc.k - 1)) && rc.threads < kRegFullThreads) ||
-                  !reg_config(V, eb, lead_max, rc.k, &again) || again.threads != rc.threads)
-                fail_at("choose_reg_config returned a bad shape", V, eb, 0, rc.k, rc.threads);
-            }
-        for (int k = 1; k <= kMaxCluster; ++k) {
+        for (int k = 1; k <= kMaxCluster; ++k)
+          for (int smem_max : {0, kRegSmemVptMax}) {
           RegConfig rc{};
-          if (!reg_config(V, eb, lead_max, k, &rc)) {
-            // must only fail when k CTAs of 64 KB cannot hold the row
-            if (nvec_max <= int64_t(kRegVecsPerCta) * k)
-              fail_at("reg_config refused a row that fits", V, eb, 0, k, 0);
+          const int64_t cta_max = kRegVecsPerCta + int64_t(smem_max) * kRegThreads;
+          if (!reg_config(V, eb, lead_max, k, smem_max, &rc)) {
+            // must only fail when k CTAs of 64 KB (+ the shared memory) cannot hold the row
+            if (nvec_max <= cta_max * k) fail_at("reg_config refused a row that fits", V, eb, 0, k, 0);
             continue;
           }
+          if (smem_max > 0 && rc.smem == 0) continue;  // the registers-only shape, checked above
           if (rc.k != k || rc.threads % 32 || rc.threads < 32 || rc.threads > kRegThreads ||
-              rc.per != (nvec_max + k - 1) / k)
+              rc.per != (nvec_max + k - 1) / k || rc.smem < 0 || rc.smem > smem_max ||
+              (rc.smem > 0 && rc.threads != kRegThreads))
             fail_at("reg_config returned a bad shape", V, eb, 0, rc.k, rc.threads);
+          const int slots = kRegVpt + rc.smem;
           for (int lead = 0; lead < (aligned ? 1 : E); ++lead) {
             const uintptr_t row_addr = uintptr_t(0x10000) + uintptr_t(lead) * eb;
             seen.assign(size_t(V), 0);
@@ -451,7 +623,7 @@ int ce_rows_selftest() {
               for (int tid = 0; tid < rc.threads; ++tid) {
                 const RegSlice g = reg_slice(row_addr, eb, int(V), rc.k, rank, tid, rc.threads);
                 if (g.lead != lead) fail_at("lead", V, eb, lead, rc.k, rc.threads);
-                for (int i = 0; i < kRegVpt; ++i) {
+                for (int i = 0; i < slots; ++i) {
                   const int v = g.v0 + i * rc.threads;
                   if (v >= g.vend) continue;
                   const int j0 = g.j00 + i * g.jstep;
