@@ -20,10 +20,11 @@ namespace cuda {
 constexpr int kRegThreads = 512;      // most threads of a register-path CTA
 constexpr int kRegVpt = 8;            // 16-byte vectors per thread (32 registers of the row)
 constexpr int kRegVecsPerCta = kRegThreads * kRegVpt;  // 4096 vectors = 64 KB
-// A register-path CTA of kRegThreads may also hold up to kRegSmemVptMax more vectors per thread
-// in shared memory (loaded with cp.async, read back for the fold and the gradient): 96 KB more
-// per CTA, two CTAs per SM still fit (bench/NOTES.md, "Issue 8, session 6"). Rows then fit
-// clusters of fewer CTAs and an SM keeps more of them resident than its register file's 128 KB.
+// On sm_90 a register-path CTA of kRegThreads may also hold up to kRegSmemVptMax more vectors
+// per thread in shared memory (loaded with cp.async, read back for the fold and the gradient):
+// 96 KB more per CTA, two CTAs per SM still fit (bench/NOTES.md, "Issue 8, session 6"). Rows
+// then fit clusters of fewer CTAs and an SM keeps more of them resident than its register
+// file's 128 KB.
 constexpr int kRegSmemVptMax = 12;
 constexpr int kRegSmemBytesMax = kRegSmemVptMax * kRegThreads * 16;
 constexpr int64_t kRegVecsPerCtaMax = int64_t(kRegThreads) * (kRegVpt + kRegSmemVptMax);

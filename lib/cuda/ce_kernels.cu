@@ -24,8 +24,8 @@
 //     k is the smallest power of two whose slices fit, so a CTA is nearly full, or for 16-bit
 //     rows another size whose CTAs are fuller (choose_reg_config: 151936 bf16 in 5 CTAs of 480
 //     threads, 2 per SM, holds 118 KB per SM where 8 CTAs of 320 threads, 3 per SM, held 111 KB,
-//     and waits on 5 CTAs in the exchange instead of 8). A row longer than its CTAs' registers
-//     hold may also keep up to kRegSmemVptMax more vectors per thread in shared memory (SMEM:
+//     and waits on 5 CTAs in the exchange instead of 8). On sm_90 a row longer than its CTAs'
+//     registers hold may also keep up to kRegSmemVptMax more vectors per thread in shared memory (SMEM:
 //     copied with cp.async in flight with the register loads, read back by the same thread for
 //     the fold and the gradient; up to 96 KB more per CTA, still two CTAs per SM): such rows then
 //     take clusters of fewer CTAs, and an SM holds more of them than its register file's 128 KB

@@ -481,11 +481,11 @@ fce_status choose_rows_path(const char* fn, const RowsQuery& q, RowsChoice* out)
     const int lead_max = q.aligned_rows ? 0 : 16 / q.elem_bytes - 1;
     const int max_k = dev.major >= 9 ? kMaxCluster : 1;
     const int regs = kernel_regs(dev, q.regs_kernel, q.slot);
-    // shared-memory slots only when both kernels with them take their shared memory (the
-    // forward and fce_backward_rescale's persistent kernel must choose the same shape: the same
-    // bits)
+    // shared-memory slots only on sm_90+ (where they were measured) and when both kernels with
+    // them take their shared memory (the forward and fce_backward_rescale's persistent kernel
+    // must choose the same shape: the same bits)
     const int smem_max =
-        overrides().reg_smem > 0 &&
+        dev.major >= 9 && overrides().reg_smem > 0 &&
                 regs_smem_ready(dev, q.regs_smem_kernel, q.slot, false) &&
                 regs_smem_ready(dev, q.regs_smem_loop_kernel, q.slot, true)
             ? overrides().reg_smem : 0;
