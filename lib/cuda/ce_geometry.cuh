@@ -133,6 +133,8 @@ struct RegConfig {
   int64_t per;  // vectors of the longest row each CTA holds, ⌈nvec/k⌉ (set by reg_config)
   int smem;     // slots kRegVpt … kRegVpt + smem − 1 of each thread in shared memory
 };
+// Dynamic shared memory of a register-path CTA of that shape (its slots).
+inline int reg_smem_bytes(const RegConfig& c) { return c.smem * c.threads * 16; }
 bool reg_config(int64_t vocab, int elem_bytes, int lead_max, int k, int smem_max, RegConfig* c);
 
 // The cluster size for the register path: the smallest power of two whose slices fit (at most

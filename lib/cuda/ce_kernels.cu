@@ -109,7 +109,7 @@ struct RegShared {
   Partial fin;  // the row's (the barrier exchange)
   RowInfo info;
   uint64_t wmin[32];
-  uint32_t cand[kRegThreads];  // each thread's argmax key, packed (pack_key)
+  uint32_t cand[kRegThreads];  // each thread's argmax candidate (with slots: its key, pack_key)
   Partial part;                // this CTA's, read by the cluster (the barrier exchange)
   uint64_t best_part;
   alignas(16) Partial slots[kMaxCluster];  // the cluster's partials (the mbarrier exchange)
@@ -189,6 +189,15 @@ __device__ __forceinline__ void regs_row(const KParams& p, int64_t lrow, int64_t
     buf[i] = make_uint4(0u, 0u, 0u, 0u);
     if (v0 + i * nt < vend) buf[i] = load_vector<TZ, kStreaming>(zrow, j0, is_full<int, E>(j0, V), V);
   }
+  // the argmax keys of the registers' elements against the row's maximum m (a row with a NaN or
+  // +inf: the argmax note above)
+  auto scan_registers = [&](float m, uint64_t& best) {
+#pragma unroll
+    for (int i = 0; i < kRegVpt; ++i) {
+      const int j0 = j00 + i * jstep;
+      if (v0 + i * nt < vend) argmax_vector<TZ, MODE>(buf[i], j0, is_full<int, E>(j0, V), p, m, best);
+    }
+  };
   // the slots past the registers, copied into shared memory, in flight with them (a slot is
   // past the CTA's slice from the first one that is: they increase)
   int ns_used = 0;
@@ -286,11 +295,7 @@ __device__ __forceinline__ void regs_row(const KParams& p, int64_t lrow, int64_t
                                                 : kNoArgmax;
     if (isnan(fin.s)) {
       best = kNoArgmax;
-#pragma unroll
-      for (int i = 0; i < kRegVpt; ++i) {
-        const int j0 = j00 + i * jstep;
-        if (v0 + i * nt < vend) argmax_vector<TZ, MODE>(buf[i], j0, is_full<int, E>(j0, V), p, fin.m, best);
-      }
+      scan_registers(fin.m, best);
 #pragma unroll 1
       for (int i = 0; i < ns_used; ++i) {
         const int j0 = j00 + (kRegVpt + i) * jstep;
@@ -338,11 +343,7 @@ __device__ __forceinline__ void regs_row(const KParams& p, int64_t lrow, int64_t
                          : cand == 0xffffffffu ? kNoArgmax : ((uint64_t(1) << 32) | cand);
     if (!SMEM && isnan(fin.s)) {
       best = kNoArgmax;
-#pragma unroll
-      for (int i = 0; i < kRegVpt; ++i) {
-        const int j0 = j00 + i * jstep;
-        if (v0 + i * nt < vend) argmax_vector<TZ, MODE>(buf[i], j0, is_full<int, E>(j0, V), p, fin.m, best);
-      }
+      scan_registers(fin.m, best);
     }
     best = block_min_u64(best, s_wmin);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -589,7 +590,7 @@ fce_status launch_forward_regs(const char* fn, const KParams& q, const RegConfig
   if (rc.smem > 0)
     return launch_rows_kernel(fn, "ce_rows_regs_kernel with shared-memory slots",
                               ce_rows_regs_kernel<TZ, TG, MODE, LOOP, true>, grid_rows * rc.k,
-                              rc.threads, rc.k, q, s, rc.smem * rc.threads * 16);
+                              rc.threads, rc.k, q, s, reg_smem_bytes(rc));
   return launch_rows_kernel(fn, "ce_rows_regs_kernel", ce_rows_regs_kernel<TZ, TG, MODE, LOOP, false>,
                             grid_rows * rc.k, rc.threads, rc.k, q, s);
 }

@@ -147,8 +147,23 @@ bool regs_smem_ready(const DeviceInfo& dev, const void* kernel, int slot, bool l
   return ok;
 }
 
-// Dynamic shared memory of a register-path CTA of that shape.
-int regs_smem_bytes(const RegConfig& c) { return c.smem * c.threads * 16; }
+// The SMs of the device, asked once per device and remembered; 0 when the query fails.
+std::atomic<int> g_sms[kMaxDevices];  // 0 unknown, −1 failed, else the count
+
+int sm_count(const DeviceInfo& dev) {
+  std::atomic<int>* cell =
+      dev.device >= 0 && dev.device < kMaxDevices ? &g_sms[dev.device] : nullptr;
+  if (cell) {
+    const int v = cell->load(std::memory_order_relaxed);
+    if (v != 0) return v > 0 ? v : 0;
+  }
+  int sms = 0;
+  const bool ok = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev.device) ==
+                      cudaSuccess && sms > 0;
+  if (!ok) (void)cudaGetLastError();
+  if (cell) cell->store(ok ? sms : -1, std::memory_order_relaxed);
+  return ok ? sms : 0;
+}
 
 bool cluster_fits(const DeviceInfo& dev, const void* kernel, int slot, const RegConfig& rc,
                   bool smem_ok) {
@@ -189,7 +204,7 @@ std::atomic<int64_t> g_wave[kMaxDevices][kKernelSlots][2][kMaxCluster + 1];
 
 int64_t wave_rows(const DeviceInfo& dev, const void* kernel, int slot, bool loop,
                   const RegConfig& rc) {
-  const int k = rc.k, threads = rc.threads, smem = regs_smem_bytes(rc);
+  const int k = rc.k, threads = rc.threads, smem = reg_smem_bytes(rc);
   const int64_t shape = int64_t(threads) * (kRegSmemVptMax + 1) + rc.smem;
   std::atomic<int64_t>* cell = nullptr;
   if (dev.device >= 0 && dev.device < kMaxDevices && slot >= 0 && slot < kKernelSlots && k >= 1 &&
@@ -200,11 +215,10 @@ int64_t wave_rows(const DeviceInfo& dev, const void* kernel, int slot, bool loop
   }
   int64_t rows = 0;
   if (k == 1) {
-    int per_sm = 0, sms = 0;
+    int per_sm = 0;
     if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem) ==
-            cudaSuccess &&
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev.device) == cudaSuccess)
-      rows = int64_t(per_sm) * sms;
+        cudaSuccess)
+      rows = int64_t(per_sm) * sm_count(dev);
   } else {
     cudaLaunchConfig_t cfg;
     cudaLaunchAttribute attr;
@@ -277,63 +291,53 @@ int bulk_ctas(const DeviceInfo& dev, const void* kernel, int slot, bool grad) {
 // register path reads at the copy rate when this is near the register file's half that holds
 // data (128 KB on sm_80/sm_90), and measurably slower below (bench/NOTES.md, "Issue 8, session
 // 4": 100 KB resident ran at 87-89 % of copy, 111 KB at 83 %, 125-128 KB at 92-98 %).
-int64_t reg_resident_bytes(const RegConfig& c, int regs) {
+// (The CTAs of `threads` threads of `regs` registers an SM's register file and thread slots
+// hold: regs_ctas_per_sm.)
+int64_t regs_ctas_per_sm(int regs, int threads) {
   const int64_t r = regs > 0 ? (regs + 7) / 8 * 8 : 64;  // allocated per thread in units of 8
-  int64_t ctas = kRegFileRegs / (r * c.threads);
-  if (ctas > kMaxThreadsPerSm / c.threads) ctas = kMaxThreadsPerSm / c.threads;
+  int64_t ctas = kRegFileRegs / (r * threads);
+  if (ctas > kMaxThreadsPerSm / threads) ctas = kMaxThreadsPerSm / threads;
   if (ctas > kMaxCtasPerSm) ctas = kMaxCtasPerSm;
-  return c.per * 16 * ctas;
+  return ctas;
+}
+int64_t reg_resident_bytes(const RegConfig& c, int regs) {
+  return c.per * 16 * regs_ctas_per_sm(regs, c.threads);
 }
 
-// Row bytes a launch of the registers-only kernel in that shape really keeps resident per SM:
-// the clusters resident at once (wave_rows: the occupancy query, GPC packing included) × the
-// slices, over the SMs. 0 when unknown. Enough from 115 KiB: on an H100 128256 bf16 in 4 CTAs
-// keeps 117.7 KiB (96 % of copy, 90 % with slots in 2 CTAs), 256000 bf16 in 8 keeps 113.6 KiB
-// (92 %, 96 % with slots in 4).
-constexpr int64_t kRegResidentEnough = int64_t{115} << 10;
-// Waves of CTAs a launch needs for the shape with shared-memory slots (choose_rows_path):
+// Thresholds of choose_rows_path's choice of the shape with shared-memory slots. The
+// registers-only shape keeps enough of the rows resident from 115 KiB per SM: on an H100 128256
+// bf16 in 4 CTAs keeps 117.7 KiB (96 % of copy, 90 % with slots in 2 CTAs), 256000 bf16 in 8
+// keeps 113.6 KiB (92 %, 96 % with slots in 4). The slots need 16 waves of their CTAs:
 // 1024×151936 bf16 (7.8 waves) lost 3 points of copy with them, 1024×256000 (16.5) gained 0.5.
+// Their clusters should fill 88 % of the CTA slots (clusters of 7 fill 84.8 % on an H100).
+constexpr int64_t kRegResidentEnough = int64_t{115} << 10;
 constexpr int64_t kSmemMinWaves = 16;
-int64_t resident_per_sm(const DeviceInfo& dev, const void* kernel, int slot, const RegConfig& c) {
-  int sms = 0;
-  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev.device) != cudaSuccess ||
-      sms < 1) {
-    (void)cudaGetLastError();
-    return 0;
-  }
-  return wave_rows(dev, kernel, slot, false, c) * c.k * c.per * 16 / sms;
-}
+constexpr double kSmemMinSlotShare = 0.88;
 
-// The share of an SM's CTA slots that clusters of the shape fill on this device (clusters resident
-// at once from the occupancy query × k over the SMs × the CTAs an SM holds by registers and
-// threads); 0 when unknown.
-double cluster_slot_share(const DeviceInfo& dev, const void* kernel, int slot, const RegConfig& c) {
-  int sms = 0;
-  const int regs = kernel_regs(dev, kernel, slot);
-  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev.device) != cudaSuccess ||
-      sms < 1 || regs < 1) {
-    (void)cudaGetLastError();
-    return 0;
-  }
-  const int64_t r = (regs + 7) / 8 * 8;
-  int64_t per_sm = kRegFileRegs / (r * c.threads);
-  if (per_sm > kMaxThreadsPerSm / c.threads) per_sm = kMaxThreadsPerSm / c.threads;
-  if (per_sm < 1) return 0;
-  return static_cast<double>(wave_rows(dev, kernel, slot, false, c) * c.k) /
-         static_cast<double>(sms * per_sm);
+// CTAs of the shape a launch of `kernel` really keeps resident per SM: the clusters resident at
+// once (wave_rows: the occupancy query, GPC packing included) × k, over the SMs. 0 when unknown.
+double resident_ctas_per_sm(const DeviceInfo& dev, const void* kernel, int slot,
+                            const RegConfig& c) {
+  const int sms = sm_count(dev);
+  return sms > 0 ? static_cast<double>(wave_rows(dev, kernel, slot, false, c) * c.k) / sms : 0.0;
 }
 
 // The shape with shared-memory slots: rc (the smallest cluster that holds the row), or the first
 // of the next three sizes whose clusters fill at least 88 % of the CTA slots when rc's do not.
+// The share of the CTA slots is the resident CTAs over those an SM holds by registers and
+// threads.
 RegConfig fuller_cluster(const DeviceInfo& dev, const RowsQuery& q, int lead_max, int max_k,
                          int smem_max, const RegConfig& rc) {
-  constexpr double kMinShare = 0.88;
   const int kslot = q.slot + kSmemSlots;
-  if (cluster_slot_share(dev, q.regs_smem_kernel, kslot, rc) >= kMinShare) return rc;
+  const int64_t slots = regs_ctas_per_sm(kernel_regs(dev, q.regs_smem_kernel, kslot), kRegThreads);
+  auto full_enough = [&](const RegConfig& c) {
+    return resident_ctas_per_sm(dev, q.regs_smem_kernel, kslot, c) >= kSmemMinSlotShare * slots;
+  };
+  if (full_enough(rc)) return rc;
   for (int k = rc.k + 1; k <= rc.k + 3 && k <= max_k; ++k) {
     RegConfig c{};
     if (reg_config(q.vocab, q.elem_bytes, lead_max, k, smem_max, &c) && c.smem > 0 &&
-        cluster_slot_share(dev, q.regs_smem_kernel, kslot, c) >= kMinShare)
+        full_enough(c))
       return c;
   }
   return rc;
@@ -506,7 +510,8 @@ fce_status choose_rows_path(const char* fn, const RowsQuery& q, RowsChoice* out)
       if (choose_reg_config(q.vocab, q.elem_bytes, lead_max, max_k, 0, regs,
                             overrides().krule_pow2 != 0, 0, &plain) &&
           cluster_fits(dev, q.regs_kernel, q.slot, plain, false) &&
-          (resident_per_sm(dev, q.regs_kernel, q.slot, plain) >= kRegResidentEnough ||
+          (resident_ctas_per_sm(dev, q.regs_kernel, q.slot, plain) * plain.per * 16 >=
+               kRegResidentEnough ||
            q.rows < kSmemMinWaves * wave_rows(dev, q.regs_smem_kernel, q.slot + kSmemSlots, false, rc)))
         rc = plain;
     }
