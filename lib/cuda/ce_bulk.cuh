@@ -15,7 +15,9 @@
 //     vectors (their stalls delay only the copies issued ahead, never the consumers), then
 //     lane 0 copies the rows' whole 16-byte vectors, chunk by chunk, into a ring of stages,
 //     each with a "full" mbarrier completed by the copy's transaction bytes and an "empty" one
-//     the consumers arrive on; the row's facts ride in the stage's BulkStage record;
+//     the consumers arrive on; the row's facts ride in the stage's BulkStage record; a chunk
+//     lands at its source address's offset modulo 128 in its stage (BulkStage::at: a copy
+//     whose ends differ modulo 128 streamed 5-6 % slower; rows of 50257 bf16 start anywhere);
 //   * warps 1..kBulkConsumerWarps (the consumers) fold each chunk into their online (max, Σexp
 //     [, Σω·a]) partials with online_vector (ce_device.cuh, as every forward kernel);
 //   * without a gradient (Ring<false>: kBulkStages chunks of kBulkChunkBytes) they release each
@@ -61,6 +63,7 @@ template <bool GRAD> struct Ring {
   static constexpr int kStages = GRAD ? kBulkGradStages : kBulkStages;
   static constexpr int kBytes = GRAD ? kBulkRowBytes : kBulkChunkBytes;
   static constexpr int kVecs = kBytes / 16;
+  static constexpr int kStride = kBytes + kBulkStageSlack;  // a stage's place in the ring
 };
 static_assert(Ring<true>::kStages <= kBulkStages, "BulkShared holds kBulkStages stages");
 
@@ -70,6 +73,7 @@ struct BulkStage {
   int v_begin;     // the chunk's first vector (index among the row's vectors)
   int nv;          // whole vectors in the chunk
   int lead;        // elements of the row's first vector before the row
+  int at;          // the chunk's offset in its stage: its source address modulo 128
   int flags;       // kStLast | kStHead | kStTail | kStDone
   float c;         // smoothing reference (general mode)
   RowInfo info;
@@ -193,9 +197,10 @@ __device__ __forceinline__ void bulk_produce(const KParams& p, BulkShared& sh, c
           d.flags = (ch == 0 ? (b.flags & kStHead) : 0) |
                     (ch == nch - 1 ? kStLast | (b.flags & kStTail) : 0);
           const uint32_t bytes = static_cast<uint32_t>(d.nv) * 16u;
+          const char* src = zrow - b.lead * eb + int64_t(d.v_begin) * 16;
+          d.at = static_cast<int>(reinterpret_cast<uintptr_t>(src) & (kBulkStageSlack - 1));
           mbar_expect(&sh.full[s], bytes);  // arrives (the stage record is released with it)
-          if (bytes) bulk_copy(ring + size_t(s) * R::kBytes,
-                               zrow - b.lead * eb + int64_t(d.v_begin) * 16, bytes, &sh.full[s]);
+          if (bytes) bulk_copy(ring + size_t(s) * R::kStride + d.at, src, bytes, &sh.full[s]);
           ++it;
         }
       }
@@ -256,7 +261,7 @@ __device__ __forceinline__ void bulk_consume(const KParams& p, BulkShared& sh, R
     const float c = b.c;
     if ((flags & kStHead) && ct == 0)  // the row's partial first vector, before the chunks
       online_vector<TZ, MODE>(b.head, -lead, false, p, c, acc, want_argmax, am);
-    const uint4* sv = reinterpret_cast<const uint4*>(ring + size_t(s) * Ring<false>::kBytes);
+    const uint4* sv = reinterpret_cast<const uint4*>(ring + size_t(s) * Ring<false>::kStride + b.at);
     fold_stage<TZ, MODE>(p, sv, nv, v_begin, lead, c, ct, acc, want_argmax, am);
     if ((flags & kStTail) && ct == kBulkConsumers - 1) {  // the partial last vector, after them
       const int j0 = (v_begin + nv) * E - lead;
@@ -315,7 +320,7 @@ __device__ __forceinline__ void bulk_consume_grad(const KParams& p, BulkShared& 
     const float c = b.c;
     const bool head = (flags & kStHead) && ct == 0, tail = (flags & kStTail) && ct == kBulkConsumers - 1;
     const int jt = (v_begin + nv) * E - lead;  // the partial last vector's first element
-    const uint4* sv = reinterpret_cast<const uint4*>(ring + size_t(s) * R::kBytes);
+    const uint4* sv = reinterpret_cast<const uint4*>(ring + size_t(s) * R::kStride + b.at);
     Partial acc = partial_identity();
     int am = -1;
     if (head) online_vector<TZ, MODE>(b.head, -lead, false, p, c, acc, want_argmax, am);
@@ -444,7 +449,7 @@ __device__ __forceinline__ void bulk_finish(const KParams& p, BulkShared& sh, co
 #endif
 }
 
-// grid: at most one CTA per SM (Ring<GRAD>::kStages · Ring<GRAD>::kBytes of dynamic shared
+// grid: at most one CTA per SM (Ring<GRAD>::kStages · Ring<GRAD>::kStride of dynamic shared
 // memory), each walking rows blockIdx.x, + gridDim.x, … of the launch (p.rows_in_launch).
 // GRAD: the gradient too (rows of at most kBulkRowBytes of whole vectors), and
 // fce_backward_rescale (p.rescale: nothing for an upstream 1, an exact in-place scaling for 0

@@ -45,8 +45,13 @@ constexpr int kMaxCtasPerSm = 32;       // resident CTAs of an SM (sm_80, sm_90)
 constexpr int kRegFullThreads = 448;
 constexpr int64_t kMaxRowsPerLaunch = int64_t(1) << 26;  // × 16 CTAs stays below 2^31 blocks
 // The register path's L2 prefetch distance, in waves of resident rows (FCE_CUDA_CE_PREFETCH
-// overrides it; 0 = none): each CTA asks the L2 for its slice of the row that far ahead.
+// overrides it; 0 = none): each CTA asks the L2 for its slice of the row that far ahead. With
+// shared-memory slots a wave holds up to twice the bytes, and an eighth measured faster than a
+// quarter on every slot shape and slower on the registers-only ones (H100: 4096×151936 bf16
+// 89.6 → 92.5 % of copy, float32 8192×128256 95.0 → 96.5; 4096×128256 bf16 93.6 → 92.8;
+// bench/NOTES.md, "Issue 8, session 7"): 4-5 MB of rows ahead on an H100 either way.
 constexpr float kDefaultPrefetchWaves = 0.25f;
+constexpr float kSlotPrefetchWaves = 0.125f;
 // The forward-only bulk-copy kernel of sm_90 (ce_bulk.cuh): one CTA per SM of a producer warp,
 // kBulkConsumerWarps consumer warps and a finisher warp, a ring of kBulkStages chunks of
 // kBulkChunkBytes in shared memory (64 KB × 3 measured best on an H100 among 16×12, 32×6, 40×5,
@@ -61,8 +66,13 @@ constexpr int64_t kBulkMinRowBytes = 16 << 10;
 // 16-byte vectors (V = 50257 bf16 is 100.5 KB).
 constexpr int kBulkRowBytes = 104 << 10;
 constexpr int kBulkGradStages = 2;
+// Each stage has 128 bytes more than its copy: the copy lands at the source's offset modulo
+// 128 (a bulk copy whose source and destination differ modulo 128 streamed 5-6 % slower on an
+// H100: bench/tma_align.cu, bench/NOTES.md "Issue 8, session 7").
+constexpr int kBulkStageSlack = 128;
 constexpr int bulk_ring_bytes(bool grad) {
-  return grad ? kBulkGradStages * kBulkRowBytes : kBulkStages * kBulkChunkBytes;
+  return grad ? kBulkGradStages * (kBulkRowBytes + kBulkStageSlack)
+              : kBulkStages * (kBulkChunkBytes + kBulkStageSlack);
 }
 constexpr int kBulkThreads = 32 * (2 + kBulkConsumerWarps);  // producer, consumers, finisher
 static_assert(kRegVecsPerCta * 16 == 64 * 1024, "a register-path CTA holds 64 KB of its row");

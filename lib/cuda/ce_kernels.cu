@@ -32,8 +32,9 @@
 //     (choose_reg_config; bench/NOTES.md, "Issue 8, session 6"). Three compiled modes per
 //     dtype pair (plain, softcap, general = label smoothing) keep the hot ones lean; the general
 //     mode needs ~75-88 registers and runs one CTA per SM rather than spill. Each CTA first asks
-//     the L2 for its slice of the row a quarter of a wave ahead (one bulk prefetch,
-//     kDefaultPrefetchWaves), so DRAM keeps reading while CTAs reduce, exchange and store.
+//     the L2 for its slice of the row a quarter of a wave ahead, an eighth with slots (one bulk
+//     prefetch, kDefaultPrefetchWaves / kSlotPrefetchWaves), so DRAM keeps reading while CTAs
+//     reduce, exchange and store.
 //   * Two-pass path (ce_rows_stream_kernel<…, BWD = false>), any V (rows past 1 MB, sm_80 rows
 //     past 64 KB, or no cluster fits): one 1024-thread CTA per row, one CTA per SM, so only
 //     #SMs rows (≈ 33 MB at 250 KB) are in flight and the second read mostly hits the 50 MB L2.

@@ -33,7 +33,8 @@ namespace {
 // row's slices fit it, FCE_CUDA_CE_KRULE = pow2: the register path's cluster the smallest power
 // of two that holds the row (the rule before choose_reg_config, for measurement),
 // FCE_CUDA_CE_PREFETCH = the register path's L2 prefetch distance in waves of resident rows
-// (0 = none), FCE_CUDA_CE_PERSIST = 1: the forward's register path runs persistent too,
+// for every shape (0 = none; unset: kDefaultPrefetchWaves, kSlotPrefetchWaves with shared-memory
+// slots), FCE_CUDA_CE_PERSIST = 1: the forward's register path runs persistent too,
 // FCE_CUDA_CE_XMBAR = 0: cluster barriers for the exchange, FCE_CUDA_CE_PDL = 0: no programmatic
 // dependent launches, FCE_CUDA_CE_BULK = 0: no bulk-copy kernel (ce_bulk.cuh), 2: it for rows of
 // any length (and with a gradient wherever a row fits a stage), FCE_CUDA_CE_BULK_GRAD = 0 / 1:
@@ -44,7 +45,7 @@ namespace {
 struct Overrides {
   int path = 0;  // 0 auto, 1 regs (same as auto when the row fits), 2 twopass
   int cluster = 0;  // FCE_CUDA_CE_CLUSTER: this size where a row's slices fit it (0: chosen)
-  float prefetch_waves = kDefaultPrefetchWaves;
+  float prefetch_waves = -1.f;  // FCE_CUDA_CE_PREFETCH; −1 (unset): by shape
   int persist = 0;
   int xmbar = 1;  // FCE_CUDA_CE_XMBAR=0: clusters exchange through cluster barriers only
   int pdl = 1;    // FCE_CUDA_CE_PDL=0: no programmatic dependent launches
@@ -538,7 +539,9 @@ fce_status choose_rows_path(const char* fn, const RowsQuery& q, RowsChoice* out)
       }
       // (only with a gradient: forward-only CTAs hold their slice for less time, and measured
       // 2-6 % slower with the prefetch on short rows: bench/results/tune-issue8-*.log, runs 1, 7)
-      const float w = overrides().prefetch_waves;
+      const float w = overrides().prefetch_waves >= 0.f ? overrides().prefetch_waves
+                      : smem                            ? kSlotPrefetchWaves
+                                                        : kDefaultPrefetchWaves;
       if (!q.rescale && q.with_grad && w > 0.f && out->wave_rows > 0) {
         const int64_t d = static_cast<int64_t>(w * static_cast<float>(out->wave_rows) + 0.5f);
         out->prefetch_rows = out->persistent ? 1 : (d > 0 ? d : 1);  // LOOP: its own next row
