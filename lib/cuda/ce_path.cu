@@ -440,6 +440,53 @@ int64_t stream_threads(int64_t vocab, int E, int cap) {
   return t < cap ? (t + 31) / 32 * 32 : cap;
 }
 
+// The register path's shape for these rows (cluster size, threads, shared-memory slots), and
+// whether one fits this device (the cluster query): false when none does.
+bool choose_regs_shape(const DeviceInfo& dev, const RowsQuery& q, RegConfig* out) {
+  const int lead_max = q.aligned_rows ? 0 : 16 / q.elem_bytes - 1;
+  const int max_k = dev.major >= 9 ? kMaxCluster : 1;
+  const int regs = kernel_regs(dev, q.regs_kernel, q.slot);
+  // shared-memory slots only on sm_90+ (where they were measured) and when both kernels with
+  // them take their shared memory (the forward and fce_backward_rescale's persistent kernel
+  // must choose the same shape: the same bits)
+  const int smem_max =
+      dev.major >= 9 && overrides().reg_smem > 0 &&
+              regs_smem_ready(dev, q.regs_smem_kernel, q.slot, false) &&
+              regs_smem_ready(dev, q.regs_smem_loop_kernel, q.slot, true)
+          ? overrides().reg_smem : 0;
+  RegConfig rc{1, kRegThreads, 0, 0};
+  const bool found = choose_reg_config(q.vocab, q.elem_bytes, lead_max, max_k, overrides().cluster,
+                                       regs, overrides().krule_pow2 != 0, smem_max, &rc);
+  // The shape with shared-memory slots (fewer CTAs per row) only where the registers-only one
+  // keeps less than kRegResidentEnough of the rows really resident per SM (its occupancy
+  // query: the idle CTA slots of clusters that do not pack the GPCs count): measured on an
+  // H100, 128256 bf16 in 4 CTAs (117.7 KiB) ran at 96 % of copy and in 2 with slots at 90 %,
+  // while 256000 bf16 (8 CTAs, 113.6 KiB: 92 % → 4 with slots: 96 %), 151936 bf16 (5 CTAs:
+  // 89 → 93 %) and float32 rows (80-90 → 92-95 %) gained (bench/NOTES.md, "Issue 8, session
+  // 6"). Nor for launches of fewer than kSmemMinWaves waves of its (longer-lived) CTAs: the
+  // last wave's idle slots cost more (1024×151936 bf16, 7.8 waves: 80 → 77 %). A forced
+  // cluster size, or FCE_CUDA_CE_SMEM_ALWAYS=1, keeps the choice above.
+  if (found && rc.smem > 0 && overrides().cluster == 0 && !overrides().smem_always) {
+    RegConfig plain{};
+    if (choose_reg_config(q.vocab, q.elem_bytes, lead_max, max_k, 0, regs,
+                          overrides().krule_pow2 != 0, 0, &plain) &&
+        cluster_fits(dev, q.regs_kernel, q.slot, plain, false) &&
+        (resident_ctas_per_sm(dev, q.regs_kernel, q.slot, plain) * plain.per * 16 >=
+             kRegResidentEnough ||
+         q.rows < kSmemMinWaves * wave_rows(dev, q.regs_smem_kernel, q.slot + kSmemSlots, false, rc)))
+      rc = plain;
+  }
+  // With slots, a cluster size whose clusters leave over 12 % of the CTA slots idle (they must
+  // fit a GPC: on an H100 clusters of 7 fill 84.8 %) gives way to the next larger one that
+  // fills more (float32 256000: 7 CTAs 89 % of copy, 8 CTAs 93 %).
+  if (found && rc.smem > 0 && overrides().cluster == 0)
+    rc = fuller_cluster(dev, q, lead_max, max_k, smem_max, rc);
+  *out = rc;
+  const bool smem = rc.smem > 0;
+  return found && cluster_fits(dev, smem ? q.regs_smem_kernel : q.regs_kernel,
+                               q.slot + (smem ? kSmemSlots : 0), rc, smem);
+}
+
 fce_status choose_rows_path(const char* fn, const RowsQuery& q, RowsChoice* out) {
   DeviceInfo dev;
   FCE_TRY(device_info(fn, &dev));
@@ -449,6 +496,14 @@ fce_status choose_rows_path(const char* fn, const RowsQuery& q, RowsChoice* out)
   out->wave_rows = 0;
   out->prefetch_rows = 0;
   out->xmbar = overrides().xmbar != 0;
+  // Forward without a gradient elsewhere (sm_80, short rows, FCE_CUDA_CE_BULK=0) reads each row
+  // once whatever the path; on rows of 128 KB or more the streaming kernel (many loads in
+  // flight, no register-resident slice to drain) measured faster on an H100 (bench/NOTES.md:
+  // 16384×128256 bf16 1.50 ms against 1.76 ms), on shorter rows the register path
+  // (32768×32000 bf16 0.76 ms against 1.02 ms).
+  const bool long_forward_only = !q.with_grad && q.vocab * q.elem_bytes >= (int64_t{128} << 10);
+  const bool prefer_stream = overrides().path == 2 || (long_forward_only && overrides().path != 1);
+  const bool regs_possible = !q.backward && !prefer_stream;
   // Forward only on sm_90, rows of 16 KB or more: the bulk-copy kernel (ce_bulk.cuh), which keeps
   // a ring of chunks in flight on every SM. With a gradient (and then for fce_backward_rescale
   // too, so that it recomputes the very bits the forward wrote) for rows whose whole vectors
@@ -456,13 +511,25 @@ fce_status choose_rows_path(const char* fn, const RowsQuery& q, RowsChoice* out)
   // are either not 16-byte aligned or over 88 KB: measured faster there (V = 50257 bf16, rows
   // unaligned: 79 → 88 % of copy; float32 rows of 98 KB: 85 → 88 %), not on aligned rows of
   // 70-78 KB (−2 to +1 point) or on rows one register-path CTA holds (32000 bf16: 97 → 94 %;
-  // bench/NOTES.md). FCE_CUDA_CE_BULK_GRAD=0 / 1: never / for every row that fits (16 KB+).
+  // bench/NOTES.md). Nor where the register path takes one CTA with shared-memory slots for
+  // them (its rule below: rows of 16 waves or more): measured faster there from 8192 rows
+  // (16384×50257 bf16 89.7 → 92.5 %, 16384×49152 90.3 → 95.2, float32 16384×25000 90.8 →
+  // 94.2; NOTES "Issue 8, session 7"). FCE_CUDA_CE_BULK_GRAD=0 / 1: never / for every row that
+  // fits (16 KB+).
   const int64_t row_bytes = q.vocab * q.elem_bytes;
   const bool grad_fits = row_bytes + 16 <= kBulkRowBytes;
+  RegConfig rc{1, kRegThreads, 0, 0};
+  bool regs_found = false, regs_chosen = false;  // (the register shape, asked once)
+  auto regs_shape = [&]() {
+    if (!regs_chosen) regs_found = choose_regs_shape(dev, q, &rc);
+    regs_chosen = true;
+    return regs_found;
+  };
   const bool grad_wins =
       overrides().bulk_grad == 1 ||
       (overrides().bulk_grad < 0 && row_bytes > int64_t{kRegVecsPerCta} * 16 &&
-       (!q.aligned_rows || row_bytes > int64_t{88} << 10));
+       (!q.aligned_rows || row_bytes > int64_t{88} << 10) && grad_fits &&
+       !(regs_possible && q.with_grad && regs_shape() && rc.smem > 0));
   const bool bulk_grad = (grad_wins || overrides().bulk == 2) && grad_fits;
   // (V ≤ 2^30: the kernel indexes a row's elements with int, j0 + E past the row's end)
   if (!q.backward && (!q.with_grad || bulk_grad) && overrides().bulk && overrides().path == 0 &&
@@ -475,77 +542,30 @@ fce_status choose_rows_path(const char* fn, const RowsQuery& q, RowsChoice* out)
       return FCE_SUCCESS;
     }
   }
-  // Forward without a gradient elsewhere (sm_80, short rows, FCE_CUDA_CE_BULK=0) reads each row
-  // once whatever the path; on rows of 128 KB or more the streaming kernel (many loads in
-  // flight, no register-resident slice to drain) measured faster on an H100 (bench/NOTES.md:
-  // 16384×128256 bf16 1.50 ms against 1.76 ms), on shorter rows the register path
-  // (32768×32000 bf16 0.76 ms against 1.02 ms).
-  const bool long_forward_only = !q.with_grad && q.vocab * q.elem_bytes >= (int64_t{128} << 10);
-  const bool prefer_stream = overrides().path == 2 || (long_forward_only && overrides().path != 1);
-  if (!q.backward && !prefer_stream) {
-    const int lead_max = q.aligned_rows ? 0 : 16 / q.elem_bytes - 1;
-    const int max_k = dev.major >= 9 ? kMaxCluster : 1;
-    const int regs = kernel_regs(dev, q.regs_kernel, q.slot);
-    // shared-memory slots only on sm_90+ (where they were measured) and when both kernels with
-    // them take their shared memory (the forward and fce_backward_rescale's persistent kernel
-    // must choose the same shape: the same bits)
-    const int smem_max =
-        dev.major >= 9 && overrides().reg_smem > 0 &&
-                regs_smem_ready(dev, q.regs_smem_kernel, q.slot, false) &&
-                regs_smem_ready(dev, q.regs_smem_loop_kernel, q.slot, true)
-            ? overrides().reg_smem : 0;
-    RegConfig rc{1, kRegThreads, 0, 0};
-    bool found = choose_reg_config(q.vocab, q.elem_bytes, lead_max, max_k, overrides().cluster,
-                                   regs, overrides().krule_pow2 != 0, smem_max, &rc);
-    // The shape with shared-memory slots (fewer CTAs per row) only where the registers-only one
-    // keeps less than kRegResidentEnough of the rows really resident per SM (its occupancy
-    // query: the idle CTA slots of clusters that do not pack the GPCs count): measured on an
-    // H100, 128256 bf16 in 4 CTAs (117.7 KiB) ran at 96 % of copy and in 2 with slots at 90 %,
-    // while 256000 bf16 (8 CTAs, 113.6 KiB: 92 % → 4 with slots: 96 %), 151936 bf16 (5 CTAs:
-    // 89 → 93 %) and float32 rows (80-90 → 92-95 %) gained (bench/NOTES.md, "Issue 8, session
-    // 6"). Nor for launches of fewer than kSmemMinWaves waves of its (longer-lived) CTAs: the
-    // last wave's idle slots cost more (1024×151936 bf16, 7.8 waves: 80 → 77 %). A forced
-    // cluster size, or FCE_CUDA_CE_SMEM_ALWAYS=1, keeps the choice above.
-    if (found && rc.smem > 0 && overrides().cluster == 0 && !overrides().smem_always) {
-      RegConfig plain{};
-      if (choose_reg_config(q.vocab, q.elem_bytes, lead_max, max_k, 0, regs,
-                            overrides().krule_pow2 != 0, 0, &plain) &&
-          cluster_fits(dev, q.regs_kernel, q.slot, plain, false) &&
-          (resident_ctas_per_sm(dev, q.regs_kernel, q.slot, plain) * plain.per * 16 >=
-               kRegResidentEnough ||
-           q.rows < kSmemMinWaves * wave_rows(dev, q.regs_smem_kernel, q.slot + kSmemSlots, false, rc)))
-        rc = plain;
-    }
-    // With slots, a cluster size whose clusters leave over 12 % of the CTA slots idle (they must
-    // fit a GPC: on an H100 clusters of 7 fill 84.8 %) gives way to the next larger one that
-    // fills more (float32 256000: 7 CTAs 89 % of copy, 8 CTAs 93 %).
-    if (found && rc.smem > 0 && overrides().cluster == 0)
-      rc = fuller_cluster(dev, q, lead_max, max_k, smem_max, rc);
+  if (regs_possible && regs_shape()) {
     const bool smem = rc.smem > 0;
     const int kslot = q.slot + (smem ? kSmemSlots : 0);
-    if (found && cluster_fits(dev, smem ? q.regs_smem_kernel : q.regs_kernel, kslot, rc, smem)) {
-      out->path = RowsPath::kRegisters;
-      out->rc = rc;
-      // fce_backward_rescale runs persistent: its CTAs usually only read the upstream 1 and
-      // exit, and a grid of one CTA cluster per row costs more in launches than the call is
-      // worth (bench/NOTES.md, "Issue 8")
-      out->persistent = q.rescale || overrides().persist;
-      const void* kernel = out->persistent ? (smem ? q.regs_smem_loop_kernel : q.regs_loop_kernel)
-                                           : (smem ? q.regs_smem_kernel : q.regs_kernel);
-      out->wave_rows = wave_rows(dev, kernel, kslot, out->persistent, rc);
-      if (out->wave_rows < 1) {
-        out->persistent = false;  // no wave known: one cluster per row, no prefetch
-        out->wave_rows = 0;
-      }
-      // (only with a gradient: forward-only CTAs hold their slice for less time, and measured
-      // 2-6 % slower with the prefetch on short rows: bench/results/tune-issue8-*.log, runs 1, 7)
-      const float w = overrides().prefetch_waves >= 0.f ? overrides().prefetch_waves
-                      : smem                            ? kSlotPrefetchWaves
-                                                        : kDefaultPrefetchWaves;
-      if (!q.rescale && q.with_grad && w > 0.f && out->wave_rows > 0) {
-        const int64_t d = static_cast<int64_t>(w * static_cast<float>(out->wave_rows) + 0.5f);
-        out->prefetch_rows = out->persistent ? 1 : (d > 0 ? d : 1);  // LOOP: its own next row
-      }
+    out->path = RowsPath::kRegisters;
+    out->rc = rc;
+    // fce_backward_rescale runs persistent: its CTAs usually only read the upstream 1 and
+    // exit, and a grid of one CTA cluster per row costs more in launches than the call is
+    // worth (bench/NOTES.md, "Issue 8")
+    out->persistent = q.rescale || overrides().persist;
+    const void* kernel = out->persistent ? (smem ? q.regs_smem_loop_kernel : q.regs_loop_kernel)
+                                         : (smem ? q.regs_smem_kernel : q.regs_kernel);
+    out->wave_rows = wave_rows(dev, kernel, kslot, out->persistent, rc);
+    if (out->wave_rows < 1) {
+      out->persistent = false;  // no wave known: one cluster per row, no prefetch
+      out->wave_rows = 0;
+    }
+    // (only with a gradient: forward-only CTAs hold their slice for less time, and measured
+    // 2-6 % slower with the prefetch on short rows: bench/results/tune-issue8-*.log, runs 1, 7)
+    const float w = overrides().prefetch_waves >= 0.f ? overrides().prefetch_waves
+                    : smem                            ? kSlotPrefetchWaves
+                                                      : kDefaultPrefetchWaves;
+    if (!q.rescale && q.with_grad && w > 0.f && out->wave_rows > 0) {
+      const int64_t d = static_cast<int64_t>(w * static_cast<float>(out->wave_rows) + 0.5f);
+      out->prefetch_rows = out->persistent ? 1 : (d > 0 ? d : 1);  // LOOP: its own next row
     }
   }
   return FCE_SUCCESS;
