@@ -49,8 +49,10 @@
 //     finisher warp for the row ends), 91-101 % of copy at N = 16384 where the register and
 //     two-pass kernels gave 61-95 % (bench/NOTES.md, "Issue 8"). With a gradient the same kernel
 //     holds a whole row per stage (two stages) for rows of 64-104 KB that are unaligned or over
-//     88 KB, where the register path needs a cluster (V = 50257 bf16: 79 → 88 %); then
-//     fce_backward_rescale runs it too.
+//     88 KB, where the register path needs a cluster (V = 50257 bf16: 79 → 88 %) rather than
+//     one CTA with shared-memory slots (that shape from 16 waves of rows: 88 → 92.5 % at
+//     N = 16384); then fce_backward_rescale runs it too. Each copy lands at its source's
+//     offset modulo 128 in its stage.
 // Correctness rules kept by construction:
 //   * Row starts need not be 16-byte aligned (odd V, any stride): vector v of a row covers
 //     elements [v·E − lead, v·E − lead + E), lead = (row address mod 16) / e. Vectors inside
