@@ -271,7 +271,7 @@ int bulk_ctas(const DeviceInfo& dev, const void* kernel, int slot, bool grad) {
     const int v = cell->load(std::memory_order_relaxed);
     if (v != 0) return v > 0 ? v : 0;
   }
-  int sms = 0, per_sm = 0;
+  int per_sm = 0;
   cudaFuncAttributes fa{};
   const int ring = bulk_ring_bytes(grad);
   bool ok = cudaFuncGetAttributes(&fa, kernel) == cudaSuccess && fa.ptxVersion >= 90 &&
@@ -279,10 +279,10 @@ int bulk_ctas(const DeviceInfo& dev, const void* kernel, int slot, bool grad) {
                 cudaSuccess &&
             cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kBulkThreads, ring) ==
                 cudaSuccess &&
-            per_sm >= 1 &&
-            cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev.device) == cudaSuccess &&
-            sms > 0;
+            per_sm >= 1;
   (void)cudaGetLastError();  // a failed query only means "not here"
+  const int sms = ok ? sm_count(dev) : 0;
+  ok = ok && sms > 0;
   if (cell) cell->store(ok ? sms : -1, std::memory_order_relaxed);
   return ok ? sms : 0;
 }
@@ -518,18 +518,13 @@ fce_status choose_rows_path(const char* fn, const RowsQuery& q, RowsChoice* out)
   // fits (16 KB+).
   const int64_t row_bytes = q.vocab * q.elem_bytes;
   const bool grad_fits = row_bytes + 16 <= kBulkRowBytes;
+  // (with a gradient the register shape decides the bulk kernel's use, or is the path taken)
   RegConfig rc{1, kRegThreads, 0, 0};
-  bool regs_found = false, regs_chosen = false;  // (the register shape, asked once)
-  auto regs_shape = [&]() {
-    if (!regs_chosen) regs_found = choose_regs_shape(dev, q, &rc);
-    regs_chosen = true;
-    return regs_found;
-  };
+  bool regs_ok = regs_possible && q.with_grad && choose_regs_shape(dev, q, &rc);
   const bool grad_wins =
       overrides().bulk_grad == 1 ||
       (overrides().bulk_grad < 0 && row_bytes > int64_t{kRegVecsPerCta} * 16 &&
-       (!q.aligned_rows || row_bytes > int64_t{88} << 10) && grad_fits &&
-       !(regs_possible && q.with_grad && regs_shape() && rc.smem > 0));
+       (!q.aligned_rows || row_bytes > int64_t{88} << 10) && !(regs_ok && rc.smem > 0));
   const bool bulk_grad = (grad_wins || overrides().bulk == 2) && grad_fits;
   // (V ≤ 2^30: the kernel indexes a row's elements with int, j0 + E past the row's end)
   if (!q.backward && (!q.with_grad || bulk_grad) && overrides().bulk && overrides().path == 0 &&
@@ -542,7 +537,8 @@ fce_status choose_rows_path(const char* fn, const RowsQuery& q, RowsChoice* out)
       return FCE_SUCCESS;
     }
   }
-  if (regs_possible && regs_shape()) {
+  if (regs_possible && !q.with_grad) regs_ok = choose_regs_shape(dev, q, &rc);
+  if (regs_ok) {
     const bool smem = rc.smem > 0;
     const int kslot = q.slot + (smem ? kSmemSlots : 0);
     out->path = RowsPath::kRegisters;
