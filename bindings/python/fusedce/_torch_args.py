@@ -33,7 +33,7 @@ def _targets(target: Tensor) -> Tensor:
                         "probabilities")
     if target.dtype not in (torch.int64, torch.int32):
         target = target.to(torch.int64)
-    return target.reshape(-1)
+    return target if target.dim() == 1 else target.reshape(-1)
 
 
 def _float_input(x: Tensor, name: str) -> Tensor:

@@ -42,8 +42,10 @@ def options(backend: int, dtype: int, target_dtype: int, reduction: int, ignore_
             label_smoothing: float, z_loss: float, softcap: float, logit_scale: float,
             shift_seq_len: int, shift: int = 0, token_scaling: bool = False,
             grad_weight_fp32: bool = False) -> Tuple[tuple, _lib.Options]:
-    """(key, fce_options) for this option set, built once. Per-call fields (class_weights,
-    strides, argmax, accuracy) are set by the caller on the returned struct before each call."""
+    """(key, fce_options) for this option set: a copy of the struct built once for it, the
+    caller's own (a C call reads it with the GIL released, so no struct another thread may be
+    setting is handed out). Per-call fields (class_weights, strides, argmax, accuracy) are set
+    by the caller on it before the call."""
     key = (backend, dtype, target_dtype, reduction, ignore_index, label_smoothing, z_loss,
            softcap, logit_scale, shift_seq_len, shift, token_scaling, grad_weight_fp32)
     o = _OPTIONS.get(key)
@@ -62,11 +64,26 @@ def options(backend: int, dtype: int, target_dtype: int, reduction: int, ignore_
         if len(_OPTIONS) > 256:
             _OPTIONS.clear()
         _OPTIONS[key] = o
-    return key, o
+    return key, type(o).from_buffer_copy(o)
+
+
+# torch's current stream of a device as a cudaStream_t, without building a torch.cuda.Stream
+# (a few µs a call, two calls a loss + backward); torch.cuda.current_stream where it is absent
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def _stream(t: Tensor) -> Optional[int]:
-    return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else None
+    if not t.is_cuda:
+        return None
+    if _RAW_STREAM is not None:
+        return _RAW_STREAM(t.get_device())
+    return torch.cuda.current_stream(t.device).cuda_stream
+
+
+def _libc():
+    """The loaded library (loading it on first use) without taking _lib's lock on every call."""
+    lib = _lib._LIB
+    return lib if lib is not None else _lib.load()
 
 
 def _backend(t: Tensor) -> int:
@@ -87,7 +104,8 @@ def _ptr(t: Optional[Tensor]) -> Optional[int]:
 
 
 def _set_outputs(o: _lib.Options, argmax: Optional[Tensor], accuracy: Optional[Tensor]) -> None:
-    """The per-call output pointers of fce_options (always reset: the struct is cached)."""
+    """The per-call output pointers of fce_options (None where not asked for: a struct may be
+    used again)."""
     if argmax is not None or accuracy is not None:
         _lib.require_options_v0_3("return_predicted_tokens / return_token_accuracy")
     if o.struct_size >= _lib.FCE_OPTIONS_SIZE_V0_3:
@@ -145,74 +163,133 @@ def check_flags(flags: Optional[Tensor], targets: Tensor, vocab: int, opts: tupl
 
 
 # ----------------------------------------------------------------- cross-entropy ----
-def _ce_call_setup(which: str, logits: Tensor, targets: Tensor,
-                   class_weights: Optional[Tensor], opts: tuple, grad_row_stride: int,
-                   argmax: Optional[Tensor] = None, accuracy: Optional[Tensor] = None):
-    """(library, fce_options, workspace bytes) of an fce_forward ('fwd') / fce_backward ('bwd')
-    call on these tensors (argmax / accuracy: the forward's optional outputs); the workspace
-    query is made once per option set, outputs asked for and size."""
+# (fce_options, workspace bytes, room) of one fce_forward / fce_backward call shape: the
+# options struct is this plan's own copy with the row strides set, never changed once made (a C
+# call reads it with the GIL released, so a struct shared between calls must not change under
+# it); a call with class weights or forward outputs gets a copy with those pointers set. room:
+# for a forward, the larger of its workspace and that of the fce_backward(_rescale) of the same
+# logits (ce_forward's lse_workspace); for a backward, its own.
+_PLANS: Dict[tuple, Tuple[_lib.Options, int, int]] = {}
+
+
+def _ce_plan(which: str, logits: Tensor, targets: Tensor, class_weights: Optional[Tensor],
+             opts: tuple, grad_row_stride: int, argmax: Optional[Tensor] = None,
+             accuracy: Optional[Tensor] = None) -> Tuple[_lib.Options, int, int]:
+    """(fce_options, workspace bytes, room) of an fce_forward ('fwd') / fce_backward ('bwd')
+    call on these tensors (argmax / accuracy: the forward's optional outputs). The options and
+    the workspace queries are made once per option set, shape, strides and outputs asked for."""
     n, v = logits.shape
-    key, o = options(_backend(logits), _CODE[logits.dtype], _CODE[targets.dtype], *opts)
-    o.class_weights = _ptr(class_weights)
-    o.row_stride = logits.stride(0) if n > 1 else v
-    o.grad_row_stride = grad_row_stride
-    _set_outputs(o, argmax, accuracy)  # before the query: they may need workspace
-    lib = _lib.load()
-    skey = (which, key, n, v, argmax is not None, accuracy is not None)
-    ws_bytes = _SIZES.get(skey)
-    if ws_bytes is None:
+    row_stride = logits.stride(0) if n > 1 else v
+    pkey = (which, logits.dtype, targets.dtype, logits.is_cuda, opts, n, v, row_stride,
+            grad_row_stride, class_weights is not None, argmax is not None,
+            accuracy is not None)
+    plan = _PLANS.get(pkey)
+    if plan is None:
+        _, o = options(_backend(logits), _CODE[logits.dtype], _CODE[targets.dtype], *opts)
+        lib = _libc()
         size = ctypes.c_size_t()
-        fn = "fce_forward_workspace_size" if which == "fwd" else "fce_backward_workspace_size"
-        _check(getattr(lib, fn)(ctypes.byref(o), n, v, ctypes.byref(size)), fn)
-        ws_bytes = _SIZES[skey] = size.value
-    return lib, o, ws_bytes
+        # the pointers set for the queries (they may need workspace), then cleared: the plan's
+        # struct holds none of a call's pointers
+        o.class_weights = _ptr(class_weights)
+        o.row_stride, o.grad_row_stride = row_stride, grad_row_stride
+        if which == "fwd":
+            _set_outputs(o, argmax, accuracy)
+            _check(lib.fce_forward_workspace_size(ctypes.byref(o), n, v, ctypes.byref(size)),
+                   "fce_forward_workspace_size")
+            ws_bytes = size.value
+            _set_outputs(o, None, None)
+            o.grad_row_stride = 0  # the backward's query (a failure there is the backward's)
+            bad = lib.fce_backward_workspace_size(ctypes.byref(o), n, v, ctypes.byref(size))
+            room = max(ws_bytes, 0 if bad else size.value)
+            o.grad_row_stride = grad_row_stride
+        else:
+            _check(lib.fce_backward_workspace_size(ctypes.byref(o), n, v, ctypes.byref(size)),
+                   "fce_backward_workspace_size")
+            ws_bytes = room = size.value
+        o.class_weights = None
+        if len(_PLANS) > 1024:
+            _PLANS.clear()
+        plan = _PLANS[pkey] = (o, ws_bytes, room)
+    if class_weights is not None or argmax is not None or accuracy is not None:
+        o = type(plan[0]).from_buffer_copy(plan[0])
+        o.class_weights = _ptr(class_weights)
+        _set_outputs(o, argmax, accuracy)
+        return o, plan[1], plan[2]
+    return plan
+
+
+def _aux_offset(n: int) -> int:
+    """Where the workspace starts in a saved-lse buffer (see ce_forward's lse_workspace), in
+    float32 elements: after the n lse values, on 256 bytes."""
+    return (n + 63) // 64 * 64
 
 
 def ce_forward(logits: Tensor, targets: Tensor, class_weights: Optional[Tensor], opts: tuple,
                *, grad: Optional[Tensor] = None, want_lse: bool = True, extras: int = 0,
-               check_targets: bool = False) -> tuple:
+               check_targets: bool = False, lse_workspace: bool = False) -> tuple:
     """fce_forward on a [N, V] tensor whose last stride is 1: (loss, lse, z_loss, accuracy,
     argmax), the last three None unless their EXTRA_* bit is in ``extras``. With ``grad``
     (dense [N, V], or ``logits`` itself for in place) the gradient for an upstream 1 is written
     in the same pass. ``opts`` = the positional arguments of :func:`options` after
     backend/dtype. ``check_targets``: read the error flags after the call (a host sync) and
-    raise IndexError on an out-of-range target."""
+    raise IndexError on an out-of-range target. ``lse_workspace`` (the training path, lse kept
+    for the backward only): lse is returned as a float32 buffer whose first N values are lse and
+    whose tail is the workspace of this call and of the ce_backward(rescale=...,
+    lse_workspace=True) that follows, so that a loss + backward allocates once for both."""
     n, v = logits.shape
     grad_stride = 0
     if grad is not None:
         grad_stride = (logits.stride(0) if n > 1 else v) if grad is logits else v
     reduction = opts[0]
     dev = logits.device
-    z_loss, accuracy, argmax = _extras(extras, n, reduction, dev)
-    lib, o, ws_bytes = _ce_call_setup("fwd", logits, targets, class_weights, opts, grad_stride,
-                                      argmax, accuracy)
+    z_loss, accuracy, argmax = _extras(extras, n, reduction, dev) if extras else (None,) * 3
+    o, ws_bytes, room = _ce_plan("fwd", logits, targets, class_weights, opts, grad_stride,
+                                 argmax, accuracy)
     loss = torch.empty((n,) if reduction == _lib.FCE_REDUCTION_NONE else (), dtype=torch.float32,
                        device=dev)
-    lse = torch.empty((n,), dtype=torch.float32, device=dev) if want_lse else None
+    if lse_workspace:
+        lse = torch.empty((_aux_offset(n) + (room + 3) // 4,), dtype=torch.float32, device=dev)
+        ws = None
+        ws_ptr = lse.data_ptr() + 4 * _aux_offset(n) if ws_bytes else None
+    else:
+        lse = torch.empty((n,), dtype=torch.float32, device=dev) if want_lse else None
+        ws = _workspace(ws_bytes, logits)
+        ws_ptr = _ptr(ws)
     flags = _flags(check_targets, logits)
-    ws = _workspace(ws_bytes, logits)
-    _check(lib.fce_forward(ctypes.byref(o), n, v, logits.data_ptr(), targets.data_ptr(),
-                           loss.data_ptr(), _ptr(lse), _ptr(z_loss), _ptr(grad), None,
-                           _ptr(flags), _ptr(ws), ws_bytes, _stream(logits)), "fce_forward")
-    check_flags(flags, targets, v, opts)
+    _check(_libc().fce_forward(ctypes.byref(o), n, v, logits.data_ptr(), targets.data_ptr(),
+                               loss.data_ptr(), _ptr(lse), _ptr(z_loss), _ptr(grad), None,
+                               _ptr(flags), ws_ptr, ws_bytes, _stream(logits)), "fce_forward")
+    if flags is not None:
+        check_flags(flags, targets, v, opts)
     return loss, lse, z_loss, accuracy, argmax
 
 
 def ce_backward(logits: Tensor, targets: Tensor, lse: Tensor, grad_output: Tensor,
                 class_weights: Optional[Tensor], opts: tuple,
-                rescale: Optional[Tensor] = None) -> Tensor:
+                rescale: Optional[Tensor] = None, lse_workspace: bool = False) -> Tensor:
     """fce_backward: a dense [N, V] gradient from the logits, the saved lse and the upstream
     gradient (float32: one value, or [N] for reduction 'none'). With ``rescale`` (the dense
-    gradient fce_forward wrote for an upstream 1): fce_backward_rescale, in place into it."""
+    gradient fce_forward wrote for an upstream 1): fce_backward_rescale, in place into it.
+    ``lse_workspace``: lse is the buffer ce_forward(lse_workspace=True) returned, whose tail
+    is the workspace."""
     n, v = logits.shape
-    lib, o, ws_bytes = _ce_call_setup("bwd", logits, targets, class_weights, opts, 0)
+    o, ws_bytes, _ = _ce_plan("bwd", logits, targets, class_weights, opts, 0)
     grad = rescale if rescale is not None else torch.empty((n, v), dtype=logits.dtype,
                                                            device=logits.device)
-    ws = _workspace(ws_bytes, logits)
-    fn = "fce_backward_rescale" if rescale is not None else "fce_backward"
-    _check(getattr(lib, fn)(ctypes.byref(o), n, v, logits.data_ptr(), targets.data_ptr(),
-                            lse.data_ptr(), grad_output.data_ptr(), grad.data_ptr(), None,
-                            _ptr(ws), ws_bytes, _stream(logits)), fn)
+    ws = None
+    if lse_workspace and 4 * (lse.numel() - _aux_offset(n)) >= ws_bytes:
+        ws_ptr = lse.data_ptr() + 4 * _aux_offset(n) if ws_bytes else None
+    else:
+        ws = _workspace(ws_bytes, logits)
+        ws_ptr = _ptr(ws)
+    lib = _libc()
+    if rescale is not None:
+        fn, call = "fce_backward_rescale", lib.fce_backward_rescale
+    else:
+        fn, call = "fce_backward", lib.fce_backward
+    _check(call(ctypes.byref(o), n, v, logits.data_ptr(), targets.data_ptr(), lse.data_ptr(),
+                grad_output.data_ptr(), grad.data_ptr(), None, ws_ptr, ws_bytes,
+                _stream(logits)), fn)
     return grad
 
 
@@ -225,7 +302,7 @@ def scale_(grad: Tensor, grad_output: Tensor) -> None:
     g = grad_output
     if g.dtype != torch.float32 or g.device != grad.device:
         g = g.to(device=grad.device, dtype=torch.float32)
-    _check(_lib.load().fce_scale_gradient(_backend(grad), _CODE[grad.dtype], grad.numel(),
+    _check(_libc().fce_scale_gradient(_backend(grad), _CODE[grad.dtype], grad.numel(),
                                           grad.data_ptr(), g.data_ptr(), _stream(grad)),
            "fce_scale_gradient")
 
@@ -240,7 +317,7 @@ def linear_ce_workspace(o: _lib.Options, key: tuple, n: int, d: int, v: int, wit
     sizes = _SIZES.get(skey)
     if sizes is None:
         lo, hi = ctypes.c_size_t(), ctypes.c_size_t()
-        _check(_lib.load().fce_linear_ce_workspace_size(ctypes.byref(o), n, d, v, int(with_grad),
+        _check(_libc().fce_linear_ce_workspace_size(ctypes.byref(o), n, d, v, int(with_grad),
                                                         ctypes.byref(lo), ctypes.byref(hi)),
                "fce_linear_ce_workspace_size")
         sizes = _SIZES[skey] = (lo.value, hi.value)
@@ -281,7 +358,7 @@ def linear_ce(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: T
     gb = torch.empty((v,), dtype=gw_dtype, device=dev) if need[2] and bias is not None else None
     flags = _flags(check_targets, hidden)
     ws = _workspace(ws_bytes, hidden)
-    _check(_lib.load().fce_linear_ce(
+    _check(_libc().fce_linear_ce(
         ctypes.byref(o), n, d, v, hidden.data_ptr(), weight.data_ptr(), _ptr(bias),
         targets.data_ptr(), loss.data_ptr(), lse.data_ptr(), _ptr(z_loss), _ptr(gh), _ptr(gw),
         _ptr(gb), _ptr(grad_output), _ptr(flags), _ptr(ws), ws_bytes, _stream(hidden)),

@@ -172,32 +172,72 @@ class _CrossEntropyOnePass(torch.autograd.Function):
     """The same one-pass training path as fusedce::ce_forward_grad + ce_rescale_, as a plain
     autograd.Function calling the C library directly: what eager mode runs (the custom ops'
     dispatch costs tens of µs a call; torch.compile traces the custom ops instead).
-    Returns (loss, lse, z_loss, accuracy, argmax), None for the extras not asked for."""
+    Returns the loss alone when neither an extra nor lse is asked for (the common case: every
+    output of a Function costs host time), else (loss, lse or None, z_loss, accuracy, argmax),
+    None for the extras not asked for. lse, unless returned, is kept for the backward in one
+    buffer with the workspace of both calls (_torch_calls.ce_forward's lse_workspace)."""
 
     @staticmethod
-    def forward(ctx, logits, targets, class_weights, opts, extras, check_targets):
+    def forward(ctx, logits, targets, class_weights, opts, extras, check_targets, want_lse):
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         cw = _cw(class_weights)
+        # lse returned: its own tensor; else kept with the workspace (lse_workspace)
+        ctx.lse_workspace = not want_lse
         loss, lse, zl, acc, am = _tc.ce_forward(logits, targets, cw, opts, grad=grad,
-                                                extras=extras, check_targets=check_targets)
+                                                extras=extras, check_targets=check_targets,
+                                                lse_workspace=ctx.lse_workspace)
         ctx.save_for_backward(logits, targets, cw, lse)
         ctx.grad, ctx.opts = grad, opts
         ctx.set_materialize_grads(False)
+        if not extras and not want_lse:
+            return loss
+        lse = lse if want_lse else None
         _non_differentiable(ctx, lse, zl, acc, am)
         return loss, lse, zl, acc, am
 
     @staticmethod
     def backward(ctx, grad_loss, *_unused):
         if grad_loss is None:
-            return (None,) * 6
+            return (None,) * 7
         logits, targets, cw, lse = ctx.saved_tensors
-        up = grad_loss.to(torch.float32).contiguous()
+        up = grad_loss
+        if up.dtype != torch.float32 or not up.is_contiguous():
+            up = up.to(torch.float32).contiguous()
         if ctx.grad is not None:  # the first backward: fce_backward_rescale, in place
             grad, ctx.grad = ctx.grad, None
-            _tc.ce_backward(logits, targets, lse, up, cw, ctx.opts, rescale=grad)
+            _tc.ce_backward(logits, targets, lse, up, cw, ctx.opts, rescale=grad,
+                            lse_workspace=ctx.lse_workspace)
         else:  # a second backward through the graph: computed again
             grad = _tc.ce_backward(logits, targets, lse, up, cw, ctx.opts)
-        return (grad,) + (None,) * 5
+        return (grad,) + (None,) * 6
+
+
+class _CrossEntropySavedLse(torch.autograd.Function):
+    """Reduction 'none' with a gradient, in eager mode: the forward saves lse, the backward calls
+    fce_backward with the per-row upstream gradient (fusedce::ce_forward + ce_backward as a plain
+    autograd.Function: the custom ops' dispatch costs host time; torch.compile traces those).
+    Returns (loss, lse, z_loss, accuracy, argmax), None for the extras not asked for."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, class_weights, opts, extras, check_targets):
+        cw = _cw(class_weights)
+        loss, lse, zl, acc, am = _tc.ce_forward(logits, targets, cw, opts, extras=extras,
+                                                check_targets=check_targets)
+        ctx.save_for_backward(logits, targets, cw, lse)
+        ctx.opts = opts
+        ctx.set_materialize_grads(False)
+        _non_differentiable(ctx, lse, zl, acc, am)
+        return loss, lse, zl, acc, am
+
+    @staticmethod
+    def backward(ctx, grad_loss, *_unused):
+        if grad_loss is None or not ctx.needs_input_grad[0]:
+            return (None,) * 6
+        logits, targets, cw, lse = ctx.saved_tensors
+        up = grad_loss
+        if up.dtype != torch.float32 or not up.is_contiguous():
+            up = up.to(torch.float32).contiguous()
+        return (_tc.ce_backward(logits, targets, lse, up, cw, ctx.opts),) + (None,) * 5
 
 
 def _compiling() -> bool:

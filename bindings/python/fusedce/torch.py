@@ -57,9 +57,11 @@ Autocast: :func:`cross_entropy` takes logits of any of float32/float16/bfloat16 
 runs its matmul in the autocast dtype when autocast is on for the inputs' device: hidden, weight
 and bias are cast inside the op, and a float32 weight gets its gradient in float32 directly.
 
-Everything goes through ``torch.library.custom_op`` with ``register_fake`` and
-``register_autograd``, so ``torch.compile(fullgraph=True)`` traces these functions without graph
-breaks.
+Under ``torch.compile`` everything goes through ``torch.library.custom_op`` with
+``register_fake`` and ``register_autograd``, so ``torch.compile(fullgraph=True)`` traces these
+functions without graph breaks (but ``inplace_backward=True``, a plain autograd.Function). In eager
+mode :func:`cross_entropy` runs plain autograd.Functions calling the library directly instead
+(the same calls: the custom ops' dispatch costs host time a small call notices).
 
 Errors: what the library checks (option ranges, the causal shift's values, ...) it reports
 itself, naming the option (:class:`fusedce.FusedCEError` subclasses, ValueError for invalid
@@ -83,7 +85,8 @@ from ._torch_ops import (_CE_FORWARD_GRAD_INPUTS, _CODE_OF_TORCH, _LINEAR_CE_INP
                          _N_OPTS, _TORCH_OF_CODE, _ce_autograd_backward, _ce_backward,
                          _ce_forward, _ce_forward_grad, _ce_forward_grad_backward,
                          _ce_forward_grad_setup, _ce_rescale_, _ce_setup_context, _compiling,
-                         _CrossEntropyInPlace, _CrossEntropyOnePass, _cw, _fake_extras,
+                         _CrossEntropyInPlace, _CrossEntropyOnePass, _CrossEntropySavedLse,
+                         _cw, _fake_extras,
                          _hand_out_once, _linear_ce, _linear_ce_autograd_backward,
                          _linear_ce_setup_context, _non_differentiable, _opts, _or_empty,
                          _scale_)
@@ -212,13 +215,19 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Optional[Tensor] = None
         elif _compiling():
             loss, lse, _, zl, acc, am = _ce_forward_grad(logits, tgt, weight, *args, extras,
                                                          check)
-        else:
+        elif extras or want_lse:
             loss, lse, zl, acc, am = _CrossEntropyOnePass.apply(logits, tgt, weight, opts,
-                                                                extras, check)
+                                                                extras, check, want_lse)
+        else:
+            loss = _CrossEntropyOnePass.apply(logits, tgt, weight, opts, 0, check, False)
+            lse = zl = acc = am = None
     elif not _compiling() and not need_grad:
         loss, lse, zl, acc, am = _tc.ce_forward(logits, tgt, _cw(weight), opts,
                                                 want_lse=want_lse, extras=extras,
                                                 check_targets=check)
+    elif not _compiling():  # reduction 'none' with a gradient
+        loss, lse, zl, acc, am = _CrossEntropySavedLse.apply(logits, tgt, weight, opts, extras,
+                                                             check)
     else:
         loss, lse, zl, acc, am = _ce_forward(logits, tgt, weight, *args, extras, check)
 

@@ -236,7 +236,6 @@ def _vp_loss(o, key, size: int, n: int, vt: int, targets: Tensor, gathered: Tens
     status = _lib.load().fce_vp_loss(
         ctypes.byref(o), size, n, vt, targets.data_ptr(), gathered.data_ptr(), loss.data_ptr(),
         _tc._ptr(lse), _tc._ptr(z_loss), _tc._ptr(flags), _tc._ptr(ws), ws_bytes, stream)
-    o.argmax = o.accuracy = None  # the struct is cached: no pointer survives the call
     _check(status, "fce_vp_loss")
     return loss, lse, z_loss, accuracy, argmax, flags
 
