@@ -240,9 +240,11 @@ class _CrossEntropySavedLse(torch.autograd.Function):
         return (_tc.ce_backward(logits, targets, lse, up, cw, ctx.opts),) + (None,) * 5
 
 
+_IS_COMPILING = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+
+
 def _compiling() -> bool:
-    fn = getattr(getattr(torch, "compiler", None), "is_compiling", None)
-    return bool(fn()) if fn is not None else False
+    return bool(_IS_COMPILING()) if _IS_COMPILING is not None else False
 
 
 class _CrossEntropyInPlace(torch.autograd.Function):

@@ -199,7 +199,7 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Optional[Tensor] = None
     t, k = _resolve_shift(shift, shift_seq_len, tuple(target.shape), logits.shape[0])
     args = (int(ignore_index), red, float(label_smoothing), float(z_loss), float(softcap),
             float(logit_scale), t, k, bool(use_token_scaling))
-    opts = _opts(*args)
+    opts = (red, args[0]) + args[2:]  # _opts(*args): the order the C calls take
     mask = _output_mask(return_z_loss, return_token_accuracy, return_predicted_tokens,
                         return_lse)
     extras = _c_extras(mask, red)
@@ -231,6 +231,8 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Optional[Tensor] = None
     else:
         loss, lse, zl, acc, am = _ce_forward(logits, tgt, weight, *args, extras, check)
 
+    if not mask and red != FCE_REDUCTION_NONE:
+        return loss
     v = logits.shape[1]
     return _finish(mask, red, out_shape, loss, lse, zl, acc, am, lambda: _z_loss_rows(
         lse, tgt, v, opts,
