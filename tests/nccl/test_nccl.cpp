@@ -9,7 +9,8 @@
 //   gradient; a CUDA graph capturing both calls replays them bit for bit.
 //   Two or more GPUs: the vocabulary sharded unevenly over up to 4 of them, the shards in the
 //   reverse of the rank order, one host thread per rank: every rank's loss is the same bits,
-//   and loss, gradients and the all-reduced grad_hidden match the unsharded calls.
+//   and loss, gradients and the all-reduced grad_hidden match the unsharded calls; each rank's
+//   two calls, captured in CUDA graphs (collectives included), replay them bit for bit.
 //   Everywhere: bad arguments (NULL comm, the CPU backend, NULL options, ...) give a status and
 //   a message naming the function and the argument, and write nothing.
 //
@@ -944,8 +945,41 @@ struct RankOut {
   LinOut lin;
 };
 
+// Every rank: after its eager call, capture the same call on its stream (thread-local capture
+// mode: the other ranks' threads go on calling CUDA meanwhile), then poison the outputs and
+// replay twice; the replays must give the eager bits (downloaded by `download`). Empty on
+// success, else what failed.
+template <class Call, class Poison, class Download>
+std::string replay_matches(cudaStream_t s, Call call, Poison poison, Download download,
+                           const std::vector<const std::vector<uint8_t>*>& eager) {
+  cudaGraph_t g = nullptr;
+  cudaGraphExec_t ge = nullptr;
+  if (cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal) != cudaSuccess)
+    return "cudaStreamBeginCapture";
+  const fce_status st = call();
+  const cudaError_t ce = cudaStreamEndCapture(s, &g);
+  if (st != FCE_SUCCESS) return std::string("during capture: ") + fce_nccl_last_error();
+  if (ce != cudaSuccess) return std::string("capture invalidated: ") + cudaGetErrorString(ce);
+  if (cudaGraphInstantiate(&ge, g, 0) != cudaSuccess) return "cudaGraphInstantiate";
+  std::string err;
+  for (int replay = 0; replay < 2 && err.empty(); ++replay) {
+    poison();
+    if (cudaGraphLaunch(ge, s) != cudaSuccess || cudaStreamSynchronize(s) != cudaSuccess) {
+      err = "graph launch";
+      break;
+    }
+    const std::vector<std::vector<uint8_t>> got = download();
+    for (size_t k = 0; k < eager.size(); ++k)
+      if (got[k] != *eager[k]) err = "graph replay " + std::to_string(replay) + " differs";
+  }
+  cudaGraphExecDestroy(ge);
+  cudaGraphDestroy(g);
+  return err;
+}
+
 // A rank on device dev: the logits' columns [start, start + local) of the cross-entropy case,
-// the weight's rows [lstart, lstart + llocal) of the linear case.
+// the weight's rows [lstart, lstart + llocal) of the linear case; each call then captured in a
+// CUDA graph and replayed (replay_matches).
 void run_rank(ncclComm_t comm, int dev, int64_t start, int64_t local, int64_t lstart,
               int64_t llocal, const CeCase& c, const CeData& cd, const LinCase& l,
               const LinData& ld, RankOut* out) {
@@ -974,13 +1008,16 @@ void run_rank(ncclComm_t comm, int dev, int64_t start, int64_t local, int64_t ls
     o.accuracy = b.acc.p<float>();
     size_t wsb = 0;
     fce_status st = fce_nccl_cross_entropy_workspace_size(&o, comm, c.N, c.V, local, 1, &wsb);
+    auto call = [&] {
+      return fce_nccl_cross_entropy(&o, comm, c.N, c.V, start, local, b.z.ptr(), b.y.ptr(),
+                                    b.loss.p<float>(), b.lse.p<float>(), b.zl.p<float>(),
+                                    b.grad.ptr(), b.g.p<float>(), b.flags.p<uint32_t>(),
+                                    b.ws.ptr(), wsb, s);
+    };
     if (st == FCE_SUCCESS) {
       b.ws = Dev(wsb, s);
       b.poison();
-      st = fce_nccl_cross_entropy(&o, comm, c.N, c.V, start, local, b.z.ptr(), b.y.ptr(),
-                                  b.loss.p<float>(), b.lse.p<float>(), b.zl.p<float>(),
-                                  b.grad.ptr(), b.g.p<float>(), b.flags.p<uint32_t>(), b.ws.ptr(),
-                                  wsb, s);
+      st = call();
     }
     if (st != FCE_SUCCESS) {
       out->error = fce_nccl_last_error();
@@ -988,6 +1025,19 @@ void run_rank(ncclComm_t comm, int dev, int64_t start, int64_t local, int64_t ls
     }
     FCE_CUDA_CHECK(cudaStreamSynchronize(s));
     out->ce = b.download(false);
+    const CeOut& e = out->ce;
+    out->error = replay_matches(
+        s, call, [&] { b.poison(); },
+        [&] {
+          const CeOut r = b.download(false);
+          return std::vector<std::vector<uint8_t>>{r.loss, r.lse, r.z_loss, r.grad,
+                                                   r.argmax, r.accuracy, r.flags};
+        },
+        {&e.loss, &e.lse, &e.z_loss, &e.grad, &e.argmax, &e.accuracy, &e.flags});
+    if (!out->error.empty()) {
+      out->error = "cross-entropy: " + out->error;
+      return;
+    }
   }
   {
     // linear: this rank's rows of W and b
@@ -1006,13 +1056,16 @@ void run_rank(ncclComm_t comm, int dev, int64_t start, int64_t local, int64_t ls
     size_t mn = 0, opt = 0;
     fce_status st =
         fce_nccl_linear_ce_workspace_size(&o, comm, l.N, l.D, l.V, llocal, 1, &mn, &opt);
+    auto call = [&] {
+      return fce_nccl_linear_ce(&o, comm, l.N, l.D, l.V, lstart, llocal, b.h.ptr(), b.W.ptr(),
+                                b.b.ptr(), b.y.ptr(), b.loss.p<float>(), b.lse.p<float>(),
+                                b.zl.p<float>(), b.gh.ptr(), b.gw.ptr(), b.gb.ptr(),
+                                b.g.p<float>(), b.flags.p<uint32_t>(), b.ws.ptr(), opt, s);
+    };
     if (st == FCE_SUCCESS) {
       b.ws = Dev(opt, s);
       b.poison();
-      st = fce_nccl_linear_ce(&o, comm, l.N, l.D, l.V, lstart, llocal, b.h.ptr(), b.W.ptr(),
-                              b.b.ptr(), b.y.ptr(), b.loss.p<float>(), b.lse.p<float>(),
-                              b.zl.p<float>(), b.gh.ptr(), b.gw.ptr(), b.gb.ptr(), b.g.p<float>(),
-                              b.flags.p<uint32_t>(), b.ws.ptr(), opt, s);
+      st = call();
     }
     if (st != FCE_SUCCESS) {
       out->error = fce_nccl_last_error();
@@ -1020,6 +1073,19 @@ void run_rank(ncclComm_t comm, int dev, int64_t start, int64_t local, int64_t ls
     }
     FCE_CUDA_CHECK(cudaStreamSynchronize(s));
     out->lin = b.download();
+    const LinOut& e = out->lin;
+    out->error = replay_matches(
+        s, call, [&] { b.poison(); },
+        [&] {
+          const LinOut r = b.download();
+          return std::vector<std::vector<uint8_t>>{r.loss, r.lse, r.z_loss, r.gh, r.gw,
+                                                   r.gb, r.argmax, r.accuracy, r.flags};
+        },
+        {&e.loss, &e.lse, &e.z_loss, &e.gh, &e.gw, &e.gb, &e.argmax, &e.accuracy, &e.flags});
+    if (!out->error.empty()) {
+      out->error = "linear: " + out->error;
+      return;
+    }
   }
   FCE_CUDA_CHECK(cudaStreamDestroy(s));
 }
