@@ -293,6 +293,9 @@ def format_version(number: int) -> str:
 def load(reload: bool = False):
     """The loaded ctypes.CDLL (loading it on first use). Raises LibraryNotFoundError."""
     global _LIB, _LIB_PATH, _LIB_ORIGIN, _LIB_VERSION, _LIB_MISSING
+    lib = _LIB  # every call of every binding comes here: no lock once loaded (_LIB is set last)
+    if lib is not None and not reload:
+        return lib
     with _LOCK:
         if _LIB is not None and not reload:
             return _LIB
@@ -325,8 +328,9 @@ def load(reload: bool = False):
                     "fce_options_default() of libfusedce %s (struct_size %d) does not fill the "
                     "defaults this binding expects: the header and this binding disagree" %
                     (format_version(lib_version), size))
-            _LIB, _LIB_PATH, _LIB_ORIGIN = lib, path, origin
+            _LIB_PATH, _LIB_ORIGIN = path, origin
             _LIB_VERSION, _LIB_MISSING = int(lib_version), missing
+            _LIB = lib
             return lib
         raise LibraryNotFoundError(
             "libfusedce not found; `pip install ./bindings/python` builds it into the package, "

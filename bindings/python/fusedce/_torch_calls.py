@@ -80,12 +80,6 @@ def _stream(t: Tensor) -> Optional[int]:
     return torch.cuda.current_stream(t.device).cuda_stream
 
 
-def _libc():
-    """The loaded library (loading it on first use) without taking _lib's lock on every call."""
-    lib = _lib._LIB
-    return lib if lib is not None else _lib.load()
-
-
 def _backend(t: Tensor) -> int:
     return _lib.FCE_BACKEND_CUDA if t.is_cuda else _lib.FCE_BACKEND_CPU
 
@@ -186,7 +180,7 @@ def _ce_plan(which: str, logits: Tensor, targets: Tensor, class_weights: Optiona
     plan = _PLANS.get(pkey)
     if plan is None:
         _, o = options(_backend(logits), _CODE[logits.dtype], _CODE[targets.dtype], *opts)
-        lib = _libc()
+        lib = _lib.load()
         size = ctypes.c_size_t()
         # the pointers set for the queries (they may need workspace), then cleared: the plan's
         # struct holds none of a call's pointers
@@ -242,7 +236,7 @@ def ce_forward(logits: Tensor, targets: Tensor, class_weights: Optional[Tensor],
         grad_stride = (logits.stride(0) if n > 1 else v) if grad is logits else v
     reduction = opts[0]
     dev = logits.device
-    z_loss, accuracy, argmax = _extras(extras, n, reduction, dev) if extras else (None,) * 3
+    z_loss, accuracy, argmax = _extras(extras, n, reduction, dev)
     o, ws_bytes, room = _ce_plan("fwd", logits, targets, class_weights, opts, grad_stride,
                                  argmax, accuracy)
     loss = torch.empty((n,) if reduction == _lib.FCE_REDUCTION_NONE else (), dtype=torch.float32,
@@ -256,7 +250,7 @@ def ce_forward(logits: Tensor, targets: Tensor, class_weights: Optional[Tensor],
         ws = _workspace(ws_bytes, logits)
         ws_ptr = _ptr(ws)
     flags = _flags(check_targets, logits)
-    _check(_libc().fce_forward(ctypes.byref(o), n, v, logits.data_ptr(), targets.data_ptr(),
+    _check(_lib.load().fce_forward(ctypes.byref(o), n, v, logits.data_ptr(), targets.data_ptr(),
                                loss.data_ptr(), _ptr(lse), _ptr(z_loss), _ptr(grad), None,
                                _ptr(flags), ws_ptr, ws_bytes, _stream(logits)), "fce_forward")
     if flags is not None:
@@ -282,7 +276,7 @@ def ce_backward(logits: Tensor, targets: Tensor, lse: Tensor, grad_output: Tenso
     else:
         ws = _workspace(ws_bytes, logits)
         ws_ptr = _ptr(ws)
-    lib = _libc()
+    lib = _lib.load()
     if rescale is not None:
         fn, call = "fce_backward_rescale", lib.fce_backward_rescale
     else:
@@ -302,7 +296,7 @@ def scale_(grad: Tensor, grad_output: Tensor) -> None:
     g = grad_output
     if g.dtype != torch.float32 or g.device != grad.device:
         g = g.to(device=grad.device, dtype=torch.float32)
-    _check(_libc().fce_scale_gradient(_backend(grad), _CODE[grad.dtype], grad.numel(),
+    _check(_lib.load().fce_scale_gradient(_backend(grad), _CODE[grad.dtype], grad.numel(),
                                           grad.data_ptr(), g.data_ptr(), _stream(grad)),
            "fce_scale_gradient")
 
@@ -317,7 +311,7 @@ def linear_ce_workspace(o: _lib.Options, key: tuple, n: int, d: int, v: int, wit
     sizes = _SIZES.get(skey)
     if sizes is None:
         lo, hi = ctypes.c_size_t(), ctypes.c_size_t()
-        _check(_libc().fce_linear_ce_workspace_size(ctypes.byref(o), n, d, v, int(with_grad),
+        _check(_lib.load().fce_linear_ce_workspace_size(ctypes.byref(o), n, d, v, int(with_grad),
                                                         ctypes.byref(lo), ctypes.byref(hi)),
                "fce_linear_ce_workspace_size")
         sizes = _SIZES[skey] = (lo.value, hi.value)
@@ -358,7 +352,7 @@ def linear_ce(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: T
     gb = torch.empty((v,), dtype=gw_dtype, device=dev) if need[2] and bias is not None else None
     flags = _flags(check_targets, hidden)
     ws = _workspace(ws_bytes, hidden)
-    _check(_libc().fce_linear_ce(
+    _check(_lib.load().fce_linear_ce(
         ctypes.byref(o), n, d, v, hidden.data_ptr(), weight.data_ptr(), _ptr(bias),
         targets.data_ptr(), loss.data_ptr(), lse.data_ptr(), _ptr(z_loss), _ptr(gh), _ptr(gw),
         _ptr(gb), _ptr(grad_output), _ptr(flags), _ptr(ws), ws_bytes, _stream(hidden)),

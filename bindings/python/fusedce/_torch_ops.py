@@ -27,7 +27,14 @@ _CODE_OF_TORCH = {v: k for k, v in _TORCH_OF_CODE.items()}
 def _cw(class_weights: Optional[Tensor]) -> Optional[Tensor]:
     if class_weights is None:
         return None
-    return class_weights.to(torch.float32).contiguous()
+    return _f32(class_weights)
+
+
+def _f32(t: Tensor) -> Tensor:
+    """t as a dense float32 tensor (itself when it is one: no call, no copy)."""
+    if t.dtype == torch.float32 and t.is_contiguous():
+        return t
+    return t.to(torch.float32).contiguous()
 
 
 # ============================================================ cross_entropy ops ====
@@ -96,7 +103,7 @@ def _ce_rescale_(grad: Tensor, grad_loss: Tensor, logits: Tensor, targets: Tenso
     """fce_backward_rescale: grad (the forward's, for an upstream 1) becomes the gradient for
     grad_loss, rounded once: nothing when it is 1, an exact in-place scale for ±2^k, else
     computed again from the logits; decided on the device."""
-    _tc.ce_backward(logits, targets, lse, grad_loss.to(torch.float32).contiguous(),
+    _tc.ce_backward(logits, targets, lse, _f32(grad_loss),
                     _cw(class_weights),
                     _opts(ignore_index, reduction, label_smoothing, z_loss, softcap, logit_scale,
                           shift_seq_len, shift, token_scaling), rescale=grad)
@@ -200,9 +207,7 @@ class _CrossEntropyOnePass(torch.autograd.Function):
         if grad_loss is None:
             return (None,) * 7
         logits, targets, cw, lse = ctx.saved_tensors
-        up = grad_loss
-        if up.dtype != torch.float32 or not up.is_contiguous():
-            up = up.to(torch.float32).contiguous()
+        up = _f32(grad_loss)
         if ctx.grad is not None:  # the first backward: fce_backward_rescale, in place
             grad, ctx.grad = ctx.grad, None
             _tc.ce_backward(logits, targets, lse, up, cw, ctx.opts, rescale=grad,
@@ -234,9 +239,7 @@ class _CrossEntropySavedLse(torch.autograd.Function):
         if grad_loss is None or not ctx.needs_input_grad[0]:
             return (None,) * 6
         logits, targets, cw, lse = ctx.saved_tensors
-        up = grad_loss
-        if up.dtype != torch.float32 or not up.is_contiguous():
-            up = up.to(torch.float32).contiguous()
+        up = _f32(grad_loss)
         return (_tc.ce_backward(logits, targets, lse, up, cw, ctx.opts),) + (None,) * 5
 
 
@@ -304,7 +307,7 @@ def _ce_backward(grad_loss: Tensor, logits: Tensor, targets: Tensor, lse: Tensor
                  class_weights: Optional[Tensor], ignore_index: int, reduction: int,
                  label_smoothing: float, z_loss: float, softcap: float, logit_scale: float,
                  shift_seq_len: int, shift: int, token_scaling: bool) -> Tensor:
-    return _tc.ce_backward(logits, targets, lse, grad_loss.to(torch.float32).contiguous(),
+    return _tc.ce_backward(logits, targets, lse, _f32(grad_loss),
                            _cw(class_weights),
                            _opts(ignore_index, reduction, label_smoothing, z_loss, softcap,
                                  logit_scale, shift_seq_len, shift, token_scaling))
@@ -363,7 +366,7 @@ def _linear_ce(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: 
     # caller's own float32 buffer is then the library's accumulator (no extra memory). A 16-bit
     # weight gets a 16-bit gradient, never a float32 copy of it.
     fp32_grads = weight.dtype == torch.float32 and cdt != torch.float32
-    g = grad_output.to(torch.float32).contiguous() if grad_output is not None else None
+    g = _f32(grad_output) if grad_output is not None else None
     loss, lse, gh, gw, gb, zl, acc, am = _tc.linear_ce(
         h, w, b, targets.contiguous(), _cw(class_weights), g,
         _opts(ignore_index, reduction, label_smoothing, z_loss, softcap, logit_scale,

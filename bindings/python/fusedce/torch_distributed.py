@@ -215,7 +215,6 @@ def _opts_struct(t: Tensor, dtype, targets: Tensor, opts: tuple, class_weights,
                          grad_weight_fp32=grad_weight_fp32)
     o.class_weights = _tc._ptr(class_weights)
     o.row_stride = o.grad_row_stride = o.hidden_row_stride = 0
-    o.argmax = o.accuracy = None
     return key, o
 
 
