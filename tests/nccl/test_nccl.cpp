@@ -279,6 +279,41 @@ CeDev ce_alloc(const CeCase& c, const CeData& d, cudaStream_t s) {
   return ::testing::AssertionSuccess();
 }
 
+// Every output's bits, in one order, for comparing a graph replay with the eager call (and
+// bits(const LinOut&) beside LinOut).
+std::vector<std::vector<uint8_t>> bits(const CeOut& o) {
+  return {o.loss, o.lse, o.z_loss, o.grad, o.argmax, o.accuracy, o.flags};
+}
+
+// After an eager call that gave `eager`: capture the same call on stream s (thread-local
+// capture mode: with several ranks, the other ranks' threads go on calling CUDA meanwhile),
+// then poison the outputs and replay twice; every replay must give the eager bits (`download`
+// reads them back). Empty on success, else what failed.
+template <class Call, class Poison, class Download>
+std::string replay_matches(cudaStream_t s, Call call, Poison poison, Download download,
+                           const std::vector<std::vector<uint8_t>>& eager) {
+  cudaGraph_t g = nullptr;
+  cudaGraphExec_t ge = nullptr;
+  if (cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal) != cudaSuccess)
+    return "cudaStreamBeginCapture";
+  const fce_status st = call();
+  const cudaError_t ce = cudaStreamEndCapture(s, &g);
+  if (st != FCE_SUCCESS) return std::string("during capture: ") + fce_nccl_last_error();
+  if (ce != cudaSuccess) return std::string("capture invalidated: ") + cudaGetErrorString(ce);
+  if (cudaGraphInstantiate(&ge, g, 0) != cudaSuccess) return "cudaGraphInstantiate";
+  std::string err;
+  for (int replay = 0; replay < 2 && err.empty(); ++replay) {
+    poison();
+    if (cudaGraphLaunch(ge, s) != cudaSuccess || cudaStreamSynchronize(s) != cudaSuccess)
+      err = "graph launch";
+    else if (download() != eager)
+      err = "graph replay " + std::to_string(replay) + " differs from the eager call";
+  }
+  cudaGraphExecDestroy(ge);
+  cudaGraphDestroy(g);
+  return err;
+}
+
 // fce_nccl_cross_entropy on the one-rank communicator; `graph`: after the eager call, capture
 // the call in a CUDA graph, poison the outputs, replay twice and require the eager bits.
 ::testing::AssertionResult ce_nccl(const CeCase& c, const CeData& d, CeOut* out, bool graph) {
@@ -312,32 +347,9 @@ CeDev ce_alloc(const CeCase& c, const CeData& d, cudaStream_t s) {
   *out = b.download(c.in_place);
   if (!graph) return ::testing::AssertionSuccess();
   if (c.in_place) return ::testing::AssertionFailure() << "graph: not with in place";
-  cudaGraph_t g = nullptr;
-  cudaGraphExec_t ge = nullptr;
-  FCE_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-  st = call();
-  const cudaError_t ce = cudaStreamEndCapture(s, &g);
-  if (st != FCE_SUCCESS) return ok(st, "fce_nccl_cross_entropy (during capture)");
-  if (ce != cudaSuccess)
-    return ::testing::AssertionFailure() << "capture invalidated: " << cudaGetErrorString(ce);
-  FCE_CUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
-  for (int replay = 0; replay < 2; ++replay) {
-    b.poison();
-    FCE_CUDA_CHECK(cudaGraphLaunch(ge, s));
-    f = finish();
-    if (!f) return f;
-    const CeOut r = b.download(false);
-    const std::pair<const std::vector<uint8_t>*, const std::vector<uint8_t>*> pairs[] = {
-        {&r.loss, &out->loss}, {&r.lse, &out->lse},       {&r.z_loss, &out->z_loss},
-        {&r.grad, &out->grad}, {&r.argmax, &out->argmax}, {&r.accuracy, &out->accuracy},
-        {&r.flags, &out->flags}};
-    for (const auto& p : pairs)
-      if (*p.first != *p.second)
-        return ::testing::AssertionFailure()
-               << "graph replay " << replay << " differs from the eager call";
-  }
-  cudaGraphExecDestroy(ge);
-  cudaGraphDestroy(g);
+  const std::string err = replay_matches(
+      s, call, [&] { b.poison(); }, [&] { return bits(b.download(false)); }, bits(*out));
+  if (!err.empty()) return ::testing::AssertionFailure() << "fce_nccl_cross_entropy: " << err;
   return ::testing::AssertionSuccess();
 }
 
@@ -477,6 +489,9 @@ fce_options lin_options(const LinCase& c) {
 struct LinOut {
   std::vector<uint8_t> loss, lse, z_loss, gh, gw, gb, argmax, accuracy, flags;
 };
+std::vector<std::vector<uint8_t>> bits(const LinOut& o) {
+  return {o.loss, o.lse, o.z_loss, o.gh, o.gw, o.gb, o.argmax, o.accuracy, o.flags};
+}
 
 struct LinDev {
   Dev h, W, b, y, g;
@@ -579,32 +594,9 @@ bool lin_with_grad(const LinCase& c) { return c.gh || c.gw || (c.gb && c.bias); 
   if (!f) return f;
   *out = b.download();
   if (!graph) return ::testing::AssertionSuccess();
-  cudaGraph_t g = nullptr;
-  cudaGraphExec_t ge = nullptr;
-  FCE_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-  st = call();
-  const cudaError_t ce = cudaStreamEndCapture(s, &g);
-  if (st != FCE_SUCCESS) return ok(st, "fce_nccl_linear_ce (during capture)");
-  if (ce != cudaSuccess)
-    return ::testing::AssertionFailure() << "capture invalidated: " << cudaGetErrorString(ce);
-  FCE_CUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
-  for (int replay = 0; replay < 2; ++replay) {
-    b.poison();
-    FCE_CUDA_CHECK(cudaGraphLaunch(ge, s));
-    f = finish();
-    if (!f) return f;
-    const LinOut r = b.download();
-    const std::pair<const std::vector<uint8_t>*, const std::vector<uint8_t>*> pairs[] = {
-        {&r.loss, &out->loss}, {&r.lse, &out->lse}, {&r.z_loss, &out->z_loss},
-        {&r.gh, &out->gh},     {&r.gw, &out->gw},   {&r.gb, &out->gb},
-        {&r.argmax, &out->argmax}, {&r.accuracy, &out->accuracy}, {&r.flags, &out->flags}};
-    for (const auto& p : pairs)
-      if (*p.first != *p.second)
-        return ::testing::AssertionFailure()
-               << "graph replay " << replay << " differs from the eager call";
-  }
-  cudaGraphExecDestroy(ge);
-  cudaGraphDestroy(g);
+  const std::string err =
+      replay_matches(s, call, [&] { b.poison(); }, [&] { return bits(b.download()); }, bits(*out));
+  if (!err.empty()) return ::testing::AssertionFailure() << "fce_nccl_linear_ce: " << err;
   return ::testing::AssertionSuccess();
 }
 
@@ -945,38 +937,6 @@ struct RankOut {
   LinOut lin;
 };
 
-// Every rank: after its eager call, capture the same call on its stream (thread-local capture
-// mode: the other ranks' threads go on calling CUDA meanwhile), then poison the outputs and
-// replay twice; the replays must give the eager bits (downloaded by `download`). Empty on
-// success, else what failed.
-template <class Call, class Poison, class Download>
-std::string replay_matches(cudaStream_t s, Call call, Poison poison, Download download,
-                           const std::vector<const std::vector<uint8_t>*>& eager) {
-  cudaGraph_t g = nullptr;
-  cudaGraphExec_t ge = nullptr;
-  if (cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal) != cudaSuccess)
-    return "cudaStreamBeginCapture";
-  const fce_status st = call();
-  const cudaError_t ce = cudaStreamEndCapture(s, &g);
-  if (st != FCE_SUCCESS) return std::string("during capture: ") + fce_nccl_last_error();
-  if (ce != cudaSuccess) return std::string("capture invalidated: ") + cudaGetErrorString(ce);
-  if (cudaGraphInstantiate(&ge, g, 0) != cudaSuccess) return "cudaGraphInstantiate";
-  std::string err;
-  for (int replay = 0; replay < 2 && err.empty(); ++replay) {
-    poison();
-    if (cudaGraphLaunch(ge, s) != cudaSuccess || cudaStreamSynchronize(s) != cudaSuccess) {
-      err = "graph launch";
-      break;
-    }
-    const std::vector<std::vector<uint8_t>> got = download();
-    for (size_t k = 0; k < eager.size(); ++k)
-      if (got[k] != *eager[k]) err = "graph replay " + std::to_string(replay) + " differs";
-  }
-  cudaGraphExecDestroy(ge);
-  cudaGraphDestroy(g);
-  return err;
-}
-
 // A rank on device dev: the logits' columns [start, start + local) of the cross-entropy case,
 // the weight's rows [lstart, lstart + llocal) of the linear case; each call then captured in a
 // CUDA graph and replayed (replay_matches).
@@ -1025,15 +985,8 @@ void run_rank(ncclComm_t comm, int dev, int64_t start, int64_t local, int64_t ls
     }
     FCE_CUDA_CHECK(cudaStreamSynchronize(s));
     out->ce = b.download(false);
-    const CeOut& e = out->ce;
     out->error = replay_matches(
-        s, call, [&] { b.poison(); },
-        [&] {
-          const CeOut r = b.download(false);
-          return std::vector<std::vector<uint8_t>>{r.loss, r.lse, r.z_loss, r.grad,
-                                                   r.argmax, r.accuracy, r.flags};
-        },
-        {&e.loss, &e.lse, &e.z_loss, &e.grad, &e.argmax, &e.accuracy, &e.flags});
+        s, call, [&] { b.poison(); }, [&] { return bits(b.download(false)); }, bits(out->ce));
     if (!out->error.empty()) {
       out->error = "cross-entropy: " + out->error;
       return;
@@ -1073,15 +1026,8 @@ void run_rank(ncclComm_t comm, int dev, int64_t start, int64_t local, int64_t ls
     }
     FCE_CUDA_CHECK(cudaStreamSynchronize(s));
     out->lin = b.download();
-    const LinOut& e = out->lin;
     out->error = replay_matches(
-        s, call, [&] { b.poison(); },
-        [&] {
-          const LinOut r = b.download();
-          return std::vector<std::vector<uint8_t>>{r.loss, r.lse, r.z_loss, r.gh, r.gw,
-                                                   r.gb, r.argmax, r.accuracy, r.flags};
-        },
-        {&e.loss, &e.lse, &e.z_loss, &e.gh, &e.gw, &e.gb, &e.argmax, &e.accuracy, &e.flags});
+        s, call, [&] { b.poison(); }, [&] { return bits(b.download()); }, bits(out->lin));
     if (!out->error.empty()) {
       out->error = "linear: " + out->error;
       return;
