@@ -5,7 +5,7 @@
 #   make test-gpu   the same suites on the CUDA backend, under compute-sanitizer, torch parity
 #   make bench      the benchmarks (on a GPU machine); writes bench/results/
 #   make bench-cpu  the CPU backend against torch CPU (or NumPy); writes bench/results/cpu-*.json
-#   make fuzz       the libFuzzer target over every entry point's argument checks (CPU backend,
+#   make fuzz       the libFuzzer target over the one-GPU entry points' argument checks (CPU backend,
 #                   clang, ASan+UBSan; tests/fuzz): FUZZ_SECONDS (300) of it, from the corpus in
 #                   tests/fuzz/corpus; FUZZ_MERGE=1 adds what it found there. make test: 60 s
 #   make test-asan  the CPU test suites built with AddressSanitizer + UBSan (build-asan/)

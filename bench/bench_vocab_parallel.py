@@ -6,8 +6,10 @@ Per shape (N, D, V; bf16; default the issue's 16384x4096x128256 and 16384x4096x2
   * t1: fusedce.torch.linear_cross_entropy(h, W, y) loss + backward on ONE GPU (rank 0, the
     other ranks idle at a barrier), the torch layer's default 1 GiB budget;
   * tP: fusedce.torch.distributed.vocab_parallel_linear_cross_entropy(h, W_r, y) loss +
-    backward on every rank at once (W_r: rank r's V/P rows; the statistics all-gather and the
-    float32 ∂h all-reduce included), each iteration's time the slowest rank's;
+    backward on every rank at once (W_r: rank r's V/P rows; the statistics all-gathers and the
+    float32 ∂h all-reduce included), each iteration's time the slowest rank's: with libfusedce
+    >= 0.5 the one-call fce_vp_linear_ce (the logits made once); "two_phase" the same call
+    with that withheld (fce_vp_linear_stats + fce_vp_linear_backward, the logits made twice);
   * megatron: the same sharded step as Megatron-LM writes it in torch: logits_r = h·W_rᵀ (bf16,
     cuBLAS) made float32, the max / target-logit / Σexp all-reduces and a float32 softmax kept
     for the backward (its _VocabParallelCrossEntropy), ∂h all-reduced in the linear's backward;
@@ -15,9 +17,11 @@ Per shape (N, D, V; bf16; default the issue's 16384x4096x128256 and 16384x4096x2
 Correctness (before the timings, every rank): the loss equals the unsharded one within float32
 rounding, ∂h and the rank's slice of ∂W within the dtype's rounding (max |diff| / max |ref|).
 
-Timing: CUDA events, a barrier before each iteration, warm-up 2, median of --iters; the ms of an
-iteration is the maximum over ranks (all_reduce MAX). Memory: torch.cuda.max_memory_allocated
-beyond the inputs and gradients, per rank.
+Timing: CUDA events; rounds of t1, tP and two-phase in turns (2 warm-up rounds, then --iters),
+then megatron's rounds alone, a barrier before each step; per step the median over rounds of the
+slowest rank's ms (all_reduce MAX). Memory: torch.cuda.max_memory_allocated
+of one step beyond the inputs (measured with no gradient held) and beyond the gradients it
+returns (∂h and the rank's ∂W_r, subtracted), rank 0's.
 
     python3 bench/bench_vocab_parallel.py [--gpus 2] [--shapes 16384x4096x128256,...] [--out DIR]
     python3 bench/bench_vocab_parallel.py --backend gloo --gpus 2 --shapes 64x32x1000 --iters 2
@@ -100,37 +104,47 @@ def megatron_step(h, w_r, y, vstart, group):
 
 
 # ------------------------------------------------------------------------ the ranks ----
-def _time(step, dev, iters, group):
-    """Median over iterations of the slowest rank's ms (a barrier before each)."""
-    out = []
+def _ms(step, dev):
+    if dev.type == "cuda":
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        step()
+        b.record()
+        torch.cuda.synchronize()
+        return a.elapsed_time(b)
+    t0 = datetime.datetime.now()
+    step()
+    return (datetime.datetime.now() - t0).total_seconds() * 1e3
+
+
+def _time_interleaved(steps, dev, iters, group, rank):
+    """steps: (name, fn, rank0_only). Rounds of every step once, in turn (so that the GPUs'
+    clocks and temperature drift alike for all), a barrier before each; per step the median
+    over rounds (after 2 warm-up rounds) of the slowest rank's ms (a rank0_only step: rank 0's,
+    the other ranks idle at the barrier)."""
+    out = {name: [] for name, _, _ in steps}
     for i in range(2 + iters):
-        dist.barrier(group=group)
-        if dev.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            step()
-            b.record()
-            torch.cuda.synchronize()
-            ms = a.elapsed_time(b)
-        else:
-            t0 = datetime.datetime.now()
-            step()
-            ms = (datetime.datetime.now() - t0).total_seconds() * 1e3
-        t = torch.tensor([ms], dtype=torch.float64, device=dev)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        if i >= 2:
-            out.append(float(t.item()))
-    return statistics.median(out)
+        for name, step, rank0_only in steps:
+            dist.barrier(group=group)
+            ms = _ms(step, dev) if (rank == 0 or not rank0_only) else 0.0
+            t = torch.tensor([ms], dtype=torch.float64, device=dev)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+            if i >= 2:
+                out[name].append(float(t.item()))
+    return {name: statistics.median(v) for name, v in out.items()}
 
 
-def _peak_extra_mib(step, dev, base):
+def _peak_extra_mib(step, dev, base, grads):
+    """Peak bytes of one step beyond ``base`` (the inputs, no gradient held) and beyond the
+    gradients the step returns (``grads()``: the tensors, sized after the step)."""
     if dev.type != "cuda":
         return None
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats(dev)
     step()
     torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated(dev) - base) / 2**20
+    returned = sum(g.numel() * g.element_size() for g in grads() if g is not None)
+    return (torch.cuda.max_memory_allocated(dev) - base - returned) / 2**20
 
 
 def _rel(a, b):
@@ -147,6 +161,7 @@ def _worker(rank, world, backend, init_file, shapes, iters, result_file):
                             world_size=world, timeout=datetime.timedelta(seconds=600))
     group = dist.group.WORLD
     import fusedce.torch as ft
+    from fusedce import _lib as fusedce_lib
     from fusedce.torch.distributed import vocab_parallel_linear_cross_entropy
     dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
     records = []
@@ -176,6 +191,14 @@ def _worker(rank, world, backend, init_file, shapes, iters, result_file):
             loss.backward()
             return loss
 
+        def two_phase():  # the same call with the fused step withheld (the 0.4 path)
+            had = fusedce_lib.has_vp_linear_ce
+            fusedce_lib.has_vp_linear_ce = lambda: False
+            try:
+                return sharded()
+            finally:
+                fusedce_lib.has_vp_linear_ce = had
+
         def megatron():
             hl.grad = None
             Wrl.grad = None
@@ -187,7 +210,8 @@ def _worker(rank, world, backend, init_file, shapes, iters, result_file):
         ref_loss = unsharded().detach()
         ref_dh, ref_dw = hl.grad.clone(), Wl.grad[rank * vl:(rank + 1) * vl].clone()
         errs = {}
-        for name, fn in (("fusedce-vp", sharded), ("megatron-torch", megatron)):
+        for name, fn in (("fusedce-vp", sharded), ("fusedce-vp-two-phase", two_phase),
+                         ("megatron-torch", megatron)):
             loss = fn().detach()
             e = torch.tensor([abs(float(loss) - float(ref_loss)) / abs(float(ref_loss)),
                               _rel(hl.grad, ref_dh), _rel(Wrl.grad, ref_dw)],
@@ -201,32 +225,40 @@ def _worker(rank, world, backend, init_file, shapes, iters, result_file):
         del ref_dh, ref_dw
         Wl.grad = None
         hl.grad = None
+        Wrl.grad = None
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-        # t1: one GPU alone (rank 0), the others wait
-        t1 = None
-        if rank == 0:
-            sub = dist.new_group([0]) if world > 1 else group
-        else:
-            dist.new_group([0])
-        if rank == 0:
-            t1 = _time(unsharded, dev, iters, sub)
-        dist.barrier(group=group)
+        # t1 (one GPU alone: rank 0, the others wait at the barrier) and fusedce's sharded
+        # steps, in turns; then the Megatron peer on its own (its many-GiB float32 buffers
+        # would leave torch's allocator re-allocating for the others); then the peak memory of
+        # each sharded step on its own (Wl, the one-GPU weight copy, dropped first)
+        ms = _time_interleaved([("t1", unsharded, True), ("vp", sharded, False),
+                                ("two_phase", two_phase, False)], dev, iters, group, rank)
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        ms.update(_time_interleaved([("megatron", megatron, False)], dev, iters, group, rank))
+        t1, tp, t2p, tm = ms["t1"], ms["vp"], ms["two_phase"], ms["megatron"]
         del Wl
+        hl.grad = None
+        Wrl.grad = None
         if dev.type == "cuda":
             torch.cuda.empty_cache()
             base = torch.cuda.memory_allocated(dev)
         else:
             base = 0
-        tp = _time(sharded, dev, iters, group)
-        mem_vp = _peak_extra_mib(sharded, dev, base)
-        tm = _time(megatron, dev, iters, group)
-        mem_meg = _peak_extra_mib(megatron, dev, base)
+        grads = lambda: (hl.grad, Wrl.grad)  # noqa: E731
+        mem_vp = _peak_extra_mib(sharded, dev, base, grads)
+        mem_2p = _peak_extra_mib(two_phase, dev, base, grads)
+        mem_meg = _peak_extra_mib(megatron, dev, base, grads)
         if rank == 0:
             rec = {"N": N, "D": D, "V": V, "dtype": str(dt).replace("torch.", ""),
-                   "ranks": world, "t1_ms": t1, "fusedce_vp_ms": tp, "megatron_torch_ms": tm,
-                   "efficiency": t1 / (world * tp), "megatron_efficiency": t1 / (world * tm),
-                   "extra_mib_rank0": {"fusedce-vp": mem_vp, "megatron-torch": mem_meg},
+                   "ranks": world, "t1_ms": t1, "fusedce_vp_ms": tp,
+                   "fusedce_vp_two_phase_ms": t2p, "megatron_torch_ms": tm,
+                   "efficiency": t1 / (world * tp),
+                   "two_phase_efficiency": t1 / (world * t2p),
+                   "megatron_efficiency": t1 / (world * tm),
+                   "extra_mib_rank0": {"fusedce-vp": mem_vp, "fusedce-vp-two-phase": mem_2p,
+                                       "megatron-torch": mem_meg},
                    "check": errs}
             records.append(rec)
             print(json.dumps(rec), flush=True)
@@ -271,7 +303,8 @@ def main():
                 json.dump(out, f, indent=1)
     for r in records:
         print(f"{r['N']}x{r['D']}x{r['V']}: 1 GPU {r['t1_ms']:.2f} ms, {args.gpus} ranks "
-              f"{r['fusedce_vp_ms']:.2f} ms (efficiency {r['efficiency']:.3f}), megatron-torch "
+              f"{r['fusedce_vp_ms']:.2f} ms (efficiency {r['efficiency']:.3f}), two-phase "
+              f"{r['fusedce_vp_two_phase_ms']:.2f} ms ({r['two_phase_efficiency']:.3f}), megatron-torch "
               f"{r['megatron_torch_ms']:.2f} ms ({r['megatron_efficiency']:.3f}); check "
               + ", ".join(f"{k} {'ok' if v['ok'] else 'FAILED ' + str(v)}" for k, v in r["check"].items()))
     if not all(v["ok"] for r in records for v in r["check"].values()):

@@ -16,7 +16,8 @@
  *   fce_linear_ce  z = hidden · weightᵀ + bias, then cross-entropy, then the gradients of hidden,
  *                  weight and bias, holding z only piece by piece within the caller's workspace.
  *   fce_vp_*       the same with the vocabulary sharded over ranks (0.4): per-shard statistics,
- *                  a collective the caller runs, then the loss and the shard's gradients.
+ *                  a collective the caller runs, then the loss and the shard's gradients;
+ *                  fce_vp_linear_ce (0.5) does it in one call through the caller's all-gather.
  * Every option lives in fce_options.
  *
  * Conventions (the same for every call):
@@ -63,7 +64,7 @@ extern "C" {
 
 /* ---------------------------------------------------------------- version ---- */
 #define FCE_VERSION_MAJOR 0
-#define FCE_VERSION_MINOR 4
+#define FCE_VERSION_MINOR 5
 #define FCE_VERSION_PATCH 0
 #define FCE_VERSION_NUMBER (FCE_VERSION_MAJOR * 10000 + FCE_VERSION_MINOR * 100 + FCE_VERSION_PATCH)
 
@@ -485,6 +486,73 @@ FCE_API fce_status fce_vp_linear_backward(const fce_options* options, int64_t ra
                                           void* grad_weight, void* grad_bias,
                                           uint32_t* error_flags, void* workspace,
                                           size_t workspace_bytes, void* stream);
+
+/* The fused step (0.5): phases 1 to 3 of the linear CE in ONE call that runs the collective
+ * itself, through the caller's all-gather, so that the logits are made once (6·N·D·vocab_local
+ * FLOPs in all, against 8·N·D·vocab_local for fce_vp_linear_stats + fce_vp_linear_backward).
+ * The call enqueues, per token chunk of its plan: the chunk's logits in the workspace, their
+ * statistics, the all-gather of the chunk's statistics (all_gather below), the combination, the
+ * gradient of the chunk's logits in place, and its share of the gradients; after the last chunk
+ * the loss. A ranks-wide all-gather per chunk is thus issued from inside the call.
+ *
+ * fce_vp_all_gather_fn: all_gather(context, send, recv, count, stream) must gather, over the
+ * `ranks` ranks of the step, the `count` float32 at `send` of every rank into `recv`
+ * [ranks, count], rank-major in any fixed rank order (what ncclAllGather and
+ * torch.distributed.all_gather_into_tensor make), enqueued on `stream` after the work the call
+ * enqueued before it (CUDA: the caller's stream; it may also complete the gather before it
+ * returns), and return FCE_SUCCESS, or any other status to stop the call, which then returns it
+ * (fce_last_error() names the call and the all-gather; outputs are then undefined, as after
+ * FCE_ERROR_CUDA). send [count] and recv [ranks·count] lie in the caller's workspace, in the
+ * backend's memory, 16-byte aligned, disjoint. It is called on the calling thread, during the
+ * call, once per token chunk (the CPU backend and the gather-once plan below: once), with
+ * count = chunk rows · FCE_VP_STATS.
+ *
+ * Every rank must issue the same sequence of all-gathers: the plan (and so the chunking) is a
+ * function of the options, ranks, rows, hidden, vocab_total, the gradients asked for (which
+ * pointers are non-NULL), grad_hidden_dtype, the backend and workspace_bytes, never of
+ * vocab_start or vocab_local: all ranks pass the same values of these, the same workspace_bytes
+ * included (the query's answer is the same on every rank when no shard is wider than
+ * ⌈vocab_total / ranks⌉). The CUDA plans:
+ *   - token chunks (with a gradient, when workspace_bytes holds the full-speed chunk of a shard
+ *     ⌈vocab_total / ranks⌉ wide: optimal_bytes): per chunk as above, 6·N·D·vocab_local FLOPs;
+ *     grad_weight accumulates over the chunks as fce_linear_ce's token-chunk plans do (a 16-bit
+ *     one in place over at most 4 chunks; a float32 one over any number);
+ *   - gather-once (no gradient, or a smaller workspace, down to min_bytes): fce_vp_linear_stats
+ *     for all rows, ONE all-gather, fce_vp_loss, then fce_vp_linear_backward (8·N·D·vocab_local).
+ * The CPU backend always runs the gather-once plan.
+ *
+ * Arguments: those of fce_vp_linear_stats and fce_vp_linear_backward together (the same checks
+ * and messages, naming fce_vp_linear_ce): loss (required), lse, z_loss, options->argmax and
+ * ->accuracy as fce_vp_loss writes them (identical on every rank); grad_output, error_flags,
+ * grad_hidden (this rank's PARTIAL dloss/dh of grad_hidden_dtype: all-reduce it), grad_weight,
+ * grad_bias as fce_vp_linear_backward; all gradient pointers NULL: the loss only. The loss and
+ * the gradients are those of the unsharded fce_linear_ce to float32 rounding (and of the
+ * two-phase calls: the gather-once plan runs exactly those). all_gather is required; context is
+ * passed through. Deterministic for a given workspace_bytes and rank order. */
+typedef fce_status (*fce_vp_all_gather_fn)(void* context, const float* send, float* recv,
+                                           int64_t count, void* stream);
+
+/* Workspace of fce_vp_linear_ce (min_bytes required, optimal_bytes may be NULL): with_grad
+ * nonzero when any gradient will be asked for (all of them assumed). min_bytes runs the
+ * gather-once plan (on CUDA a few MiB plus, for a 16-bit grad_hidden_dtype, rows·hidden·4);
+ * optimal_bytes on CUDA with a gradient the token-chunk plan (about 1 GiB at large-vocabulary
+ * sizes). vocab_local enters only through max(vocab_local, ⌈vocab_total / ranks⌉). */
+FCE_API fce_status fce_vp_linear_ce_workspace_size(const fce_options* options, int64_t ranks,
+                                                   int64_t rows, int64_t hidden,
+                                                   int64_t vocab_total, int64_t vocab_local,
+                                                   int with_grad, int32_t grad_hidden_dtype,
+                                                   size_t* min_bytes, size_t* optimal_bytes);
+
+FCE_API fce_status fce_vp_linear_ce(const fce_options* options, int64_t ranks, int64_t rows,
+                                    int64_t hidden, int64_t vocab_total, int64_t vocab_start,
+                                    int64_t vocab_local, const void* hidden_states,
+                                    const void* weight, const void* bias, const void* targets,
+                                    float* loss, float* lse, float* z_loss,
+                                    const float* grad_output, void* grad_hidden,
+                                    int32_t grad_hidden_dtype, void* grad_weight, void* grad_bias,
+                                    uint32_t* error_flags, fce_vp_all_gather_fn all_gather,
+                                    void* context, void* workspace, size_t workspace_bytes,
+                                    void* stream);
 
 /* --------------------------------------------------------- upstream scale ---- */
 /*

@@ -7,10 +7,12 @@
  *
  *   fce_nccl_cross_entropy   fce_vp_stats -> ncclAllGather of the statistics ->
  *                            [fce_vp_backward] -> fce_vp_loss
- *   fce_nccl_linear_ce       fce_vp_linear_stats -> ncclAllGather of the statistics ->
- *                            [fce_vp_linear_backward (partial dloss/dh in float32) ->
- *                             ncclAllReduce (sum) of dloss/dh -> one conversion to the dtype] ->
- *                            fce_vp_loss
+ *   fce_nccl_linear_ce       the loss only: fce_vp_linear_stats -> ncclAllGather of the
+ *                            statistics -> fce_vp_loss;
+ *                            with a gradient (0.5): fce_vp_linear_ce (the logits made once;
+ *                            its all-gathers of the statistics, one per token chunk of its
+ *                            plan, through ncclAllGather; partial dloss/dh in float32) ->
+ *                            ncclAllReduce (sum) of dloss/dh -> one conversion to the dtype
  *
  * (the bracketed part only when a gradient is asked for). Every rank of the communicator makes
  * the same call with the same options, sizes and targets and its own shard, and gets the loss of
@@ -30,9 +32,12 @@
  *     rank makes and another does not (or makes with other sizes) hangs the stream.
  *   - Arguments are checked before anything is enqueued: options, sizes, comm, device, pointers
  *     (NULL, alignment, overlaps with each other and with the workspace), workspace size. The
- *     libfusedce calls inside check theirs again; should one of them fail after the statistics
- *     and their all-gather were enqueued, only the workspace has been written (the gradient
- *     calls run before fce_vp_loss, whose checks all appear above).
+ *     libfusedce calls inside check theirs again (before they enqueue anything); an error
+ *     reported part-way (NCCL, CUDA, cuBLASLt) leaves the outputs undefined.
+ *   - fce_nccl_linear_ce with a gradient issues one all-gather per token chunk of its plan, a
+ *     function of the options, the sizes but vocab_start / vocab_local, the gradients asked for
+ *     and workspace_bytes: every rank must pass the same workspace_bytes (the query returns the
+ *     same sizes on every rank when no shard is wider than ceil(vocab_total / P)).
  *   - Status and message: every function returns an fce_status; on failure
  *     fce_nccl_last_error() (per thread) names this library's function and the argument, e.g.
  *     "fce_nccl_linear_ce: comm is NULL", or holds the message of the failing libfusedce call
@@ -50,10 +55,11 @@
  *
  * Workspace: the caller's, 16-byte aligned, of at least the size the matching query returns for
  * the same options, communicator and sizes. It holds the gathered statistics
- * [P, rows, FCE_VP_STATS] float32 (P·rows·32 bytes), for fce_nccl_linear_ce with a 16-bit dtype
- * and a gradient also the float32 dloss/dh [rows, hidden] being all-reduced, and then the
- * scratch of the libfusedce calls (all that is left: a larger workspace lets
- * fce_vp_linear_stats / fce_vp_linear_backward take faster plans, up to optimal_bytes).
+ * [P, rows, FCE_VP_STATS] float32 (P·rows·32 bytes; fce_nccl_linear_ce with a gradient: inside
+ * fce_vp_linear_ce's workspace), for fce_nccl_linear_ce with a 16-bit dtype and a gradient the
+ * float32 dloss/dh [rows, hidden] being all-reduced, and then the scratch of the libfusedce
+ * calls (all that is left: a larger workspace lets them take faster plans; fce_vp_linear_ce
+ * makes the logits once from its optimal_bytes on, about 1 GiB at large-vocabulary sizes).
  *
  * Link with -lfusedce_nccl -lfusedce (pkg-config fusedce_nccl; CMake: find_package(fusedce),
  * target FusedCE::fusedce_nccl).
@@ -74,8 +80,8 @@ struct ncclComm; /* nccl.h: typedef struct ncclComm* ncclComm_t */
 FCE_API unsigned fce_nccl_version(void);
 
 /* One line naming this library, the NCCL it was built with and the one it runs with, and
- * libfusedce's fce_build_info(), e.g. "fusedce_nccl 0.4.0; NCCL 2.28.9 (built with 2.28.9);
- * fusedce 0.4.0; backends: ...". Static storage. */
+ * libfusedce's fce_build_info(), e.g. "fusedce_nccl 0.5.0; NCCL 2.28.9 (built with 2.28.9);
+ * fusedce 0.5.0; backends: ...". Static storage. */
 FCE_API const char* fce_nccl_build_info(void);
 
 /* The message of the last fce_nccl_* call on this thread if it failed, "" if it succeeded. Valid

@@ -1,7 +1,12 @@
 // api_vp_linear.cpp — the C ABI of the vocabulary-parallel fused linear + cross-entropy over
-// weight shards: fce_vp_linear_stats (phase 1), fce_vp_linear_backward (phase 3) and their
-// workspace queries (docs/semantics.md rule 16). Every argument is checked (validate.h) and named when
+// weight shards: fce_vp_linear_stats (phase 1), fce_vp_linear_backward (phase 3), the one-call
+// step fce_vp_linear_ce (the all-gather through the caller's function: the gather-once plan
+// here, CUDA's token-chunk plan in lib/cuda/vp_linear_ce.cu) and their workspace queries
+// (docs/semantics.md rule 16). Every argument is checked (validate.h) and named when
 // wrong before anything is written; then the problem goes to a backend.
+#include <algorithm>
+#include <cstdint>
+
 #include "validate.h"
 
 namespace {
@@ -221,6 +226,231 @@ FCE_API fce_status fce_vp_linear_backward(const fce_options* options, int64_t ra
   p.error_flags = error_flags;
   set_workspace(&p, workspace, workspace_bytes, stream);
   return dispatch(*o, args, p, fce::cpu_vp_linear, fce::cuda_vp_linear);
+}
+
+}  // extern "C"
+
+// ------------------------------------------------------------- fce_vp_linear_ce ----
+// The gather-once plan (the CPU backend's; CUDA's without a gradient or below the token-chunk
+// plan's threshold): fce_vp_linear_stats for all rows into `own`, ONE all-gather into
+// `gathered`, fce_vp_loss, then fce_vp_linear_backward: the two-phase calls themselves (their
+// backends, arguments checked once here), in one workspace:
+//   own [rows, FCE_VP_STATS] | gathered [ranks, rows, FCE_VP_STATS] | the calls' workspace
+// (each call's in turn, the largest of the three), 256-byte slices from the caller's 16-byte
+// aligned pointer.
+namespace {
+
+struct OnceLayout {
+  size_t own = 0, gathered = 0, sub = 0;
+  size_t min_total = 0, optimal_total = 0;
+};
+
+size_t slice_round(size_t bytes) {
+  return bytes > SIZE_MAX - 255 ? SIZE_MAX : (bytes + 255) / 256 * 256;
+}
+size_t sum_sat(size_t a, size_t b) { return a > SIZE_MAX - b ? SIZE_MAX : a + b; }
+
+OnceLayout once_layout(const fce_options& o, const fce::CeOptions& opt, int64_t ranks,
+                       int64_t rows, int64_t hidden, int64_t vocab_total, int64_t width,
+                       bool with_grad, int32_t grad_hidden_dtype) {
+  OnceLayout l;
+  const size_t row_bytes = static_cast<size_t>(rows) * kStatsBytes;
+  l.own = 0;
+  l.gathered = slice_round(row_bytes);
+  l.sub = sum_sat(l.gathered, slice_round(static_cast<size_t>(ranks) * row_bytes));
+  size_t lo = 0, hi = 0, slo = 0, shi = 0;
+  vp_linear_workspace(o, opt, 1, rows, hidden, width, width, false, FCE_FLOAT32, &slo, &shi);
+  const size_t loss =
+      o.backend == FCE_BACKEND_CPU
+          ? fce::cpu_vp_workspace_size(opt, ranks, rows, vocab_total, 0, false)
+          : fce::cuda_vp_workspace_size(opt, ranks, rows, vocab_total, 0, false);
+  lo = std::max(slo, loss);
+  hi = std::max(shi, loss);
+  if (with_grad) {
+    size_t blo = 0, bhi = 0;
+    vp_linear_workspace(o, opt, ranks, rows, hidden, vocab_total, width, true,
+                        grad_hidden_dtype, &blo, &bhi);
+    lo = std::max(lo, blo);
+    hi = std::max(hi, bhi);
+  }
+  l.min_total = sum_sat(l.sub, lo);
+  l.optimal_total = sum_sat(l.sub, std::max(lo, hi));
+  return l;
+}
+
+fce_status gather_once(const fce_options& o, const fce::VpLinearCeProblem& P,
+                       const OnceLayout& l, bool with_grad) {
+  const fce::VpLinearProblem& p = P.lin;
+  const bool cpu = o.backend == FCE_BACKEND_CPU;
+  auto vp_linear = cpu ? fce::cpu_vp_linear : fce::cuda_vp_linear;
+  char* ws = static_cast<char*>(p.workspace);
+  float* own = reinterpret_cast<float*>(ws + l.own);
+  float* gathered = reinterpret_cast<float*>(ws + l.gathered);
+  void* sub = ws + l.sub;
+  const size_t sub_bytes = p.workspace_bytes - l.sub;
+
+  fce::VpLinearProblem s = p;  // phase 1 over all rows
+  s.backward = false;
+  s.ranks = 1;
+  s.stats = own;
+  s.workspace = sub;
+  s.workspace_bytes = sub_bytes;
+  FCE_TRY(vp_linear(s));
+
+  const fce_status st = P.all_gather(P.context, own, gathered, p.rows * FCE_VP_STATS, p.stream);
+  if (st != FCE_SUCCESS)
+    return fail(st, "%s: all_gather returned %s (all %lld rows)", p.fn, fce_status_string(st),
+                static_cast<long long>(p.rows));
+
+  fce::VpProblem v{};  // the loss from the gathered statistics
+  v.fn = p.fn;
+  v.backward = false;
+  v.opt = p.opt;
+  v.ranks = p.ranks;
+  v.rows = p.rows;
+  v.vocab_total = p.vocab_total;
+  v.targets = p.targets;
+  v.gathered = gathered;
+  v.loss = P.loss;
+  v.lse = P.lse;
+  v.z_loss = P.z_loss;
+  v.argmax = P.argmax;
+  v.accuracy = P.accuracy;
+  v.error_flags = p.error_flags;
+  set_workspace(&v, sub, sub_bytes, p.stream);
+  FCE_TRY(cpu ? fce::cpu_vp(v) : fce::cuda_vp(v));
+  if (!with_grad) return FCE_SUCCESS;
+
+  fce::VpLinearProblem b = p;  // phase 3: this rank's gradients
+  b.backward = true;
+  b.gathered = gathered;
+  b.workspace = sub;
+  b.workspace_bytes = sub_bytes;
+  return vp_linear(b);
+}
+
+// ⌈vocab_total / ranks⌉: the shard width the plans are made for (the same on every rank).
+int64_t plan_width(int64_t vocab_total, int64_t ranks) { return (vocab_total + ranks - 1) / ranks; }
+
+}  // namespace
+
+extern "C" {
+
+FCE_API fce_status fce_vp_linear_ce_workspace_size(const fce_options* options, int64_t ranks,
+                                                   int64_t rows, int64_t hidden,
+                                                   int64_t vocab_total, int64_t vocab_local,
+                                                   int with_grad, int32_t grad_hidden_dtype,
+                                                   size_t* min_bytes, size_t* optimal_bytes) {
+  const char* fn = "fce_vp_linear_ce_workspace_size";
+  fce_options o;
+  FCE_TRY(begin_call(fn, options, &o));
+  FCE_TRY(check_vp_vocab(fn, vocab_total, 0, vocab_local, false));
+  fce::CeOptions opt;
+  FCE_TRY(check_options(fn, &o, rows, vocab_total, &opt));
+  FCE_TRY(check_hidden(fn, hidden));
+  FCE_TRY(check_vp_rows(fn, rows, &ranks));
+  FCE_TRY(check_grad_hidden_dtype(fn, grad_hidden_dtype, o.dtype));
+  FCE_TRY(check_size_outputs(fn, min_bytes, optimal_bytes));
+  const int64_t width = std::max(vocab_local, plan_width(vocab_total, ranks));
+  const OnceLayout l =
+      once_layout(o, opt, ranks, rows, hidden, vocab_total, width, with_grad != 0,
+                  grad_hidden_dtype);
+  size_t lo = l.min_total, hi = l.optimal_total;
+  if (with_grad && o.backend != FCE_BACKEND_CPU) {
+    // full speed: the token-chunk plan (with or without grad_weight: the larger of the two)
+    const bool fp32 = o.grad_weight_fp32 != 0 || o.dtype == FCE_FLOAT32;
+    size_t chunked = 0;
+    for (bool need_dw : {true, false}) {
+      size_t threshold = 0, need = 0;
+      if (!fce::cuda_vp_linear_ce_chunked(opt, ranks, rows, hidden, vocab_total, width, need_dw,
+                                          fp32, SIZE_MAX, &threshold, &need))
+        continue;
+      chunked = std::max(chunked, need);
+      if (lo >= threshold) lo = std::max(lo, need);  // a minimum that runs the token chunks
+    }
+    if (chunked) hi = chunked;
+  }
+  write_sizes(min_bytes, optimal_bytes, lo, std::max(lo, hi));
+  return FCE_SUCCESS;
+}
+
+FCE_API fce_status fce_vp_linear_ce(const fce_options* options, int64_t ranks, int64_t rows,
+                                    int64_t hidden, int64_t vocab_total, int64_t vocab_start,
+                                    int64_t vocab_local, const void* hidden_states,
+                                    const void* weight, const void* bias, const void* targets,
+                                    float* loss, float* lse, float* z_loss,
+                                    const float* grad_output, void* grad_hidden,
+                                    int32_t grad_hidden_dtype, void* grad_weight, void* grad_bias,
+                                    uint32_t* error_flags, fce_vp_all_gather_fn all_gather,
+                                    void* context, void* workspace, size_t workspace_bytes,
+                                    void* stream) {
+  const char* fn = "fce_vp_linear_ce";
+  fce_options local;
+  FCE_TRY(begin_call(fn, options, &local));
+  const fce_options* o = &local;
+  fce::VpLinearCeProblem P{};
+  fce::VpLinearProblem& p = P.lin;
+  FCE_TRY(check_sizes(fn, *o, &ranks, rows, hidden, vocab_total, vocab_start, vocab_local, &p));
+  FCE_TRY(check_grad_hidden_dtype(fn, grad_hidden_dtype, o->dtype));
+  FCE_TRY(check_required(fn, {{"hidden_states", hidden_states},
+                              {"weight", weight},
+                              {"targets", targets},
+                              {"loss", loss}}));
+  if (!all_gather)
+    return fail(FCE_ERROR_NULL_POINTER, "%s: all_gather is NULL (the call runs the collective "
+                "through it)", fn);
+  if (grad_bias && !bias)
+    return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: grad_bias is given but bias is NULL", fn);
+  uint64_t h_bytes = 0;
+  FCE_TRY(check_hidden_spans(fn, *o, 4, &p, &h_bytes));  // largest: float32 gradients
+  const Entries e(*o, rows);
+  const size_t gw_size = o->grad_weight_fp32 ? 4 : e.esize;
+  const size_t gh_size = fce::dtype_size(grad_hidden_dtype);
+  const uint64_t vd = static_cast<uint64_t>(vocab_local) * static_cast<uint64_t>(hidden);
+  const uint64_t nd = static_cast<uint64_t>(rows) * static_cast<uint64_t>(hidden);
+  const uint64_t v = static_cast<uint64_t>(vocab_local);
+  const fce::Arg args[] = {
+      {"hidden_states", hidden_states, h_bytes, e.esize, false},
+      {"weight", weight, vd * e.esize, e.esize, false},
+      {"bias", bias, v * e.esize, e.esize, false},
+      e.targets(targets),
+      e.class_weights(vocab_total),
+      e.grad_output(grad_output),
+      e.loss(loss),
+      e.lse(lse, true),
+      scalar_output("z_loss", z_loss),
+      {"grad_hidden", grad_hidden, nd * gh_size, gh_size, true},
+      {"grad_weight", grad_weight, vd * gw_size, gw_size, true},
+      {"grad_bias", grad_bias, v * gw_size, gw_size, true},
+      scalar_output("error_flags", error_flags),
+      workspace_arg(workspace, workspace_bytes),
+      e.argmax(),
+      e.accuracy(),
+  };
+  FCE_TRY(check_args(fn, args));
+  const bool with_grad = grad_hidden || grad_weight || grad_bias;
+  const bool fp32 = o->grad_weight_fp32 != 0 || o->dtype == FCE_FLOAT32;
+  // the plan: a function of what every rank passes alike (never of vocab_start / vocab_local)
+  size_t threshold = 0, need = 0;
+  const bool chunked =
+      with_grad && o->backend != FCE_BACKEND_CPU &&
+      fce::cuda_vp_linear_ce_chunked(p.opt, ranks, rows, hidden, vocab_total, vocab_local,
+                                     grad_weight != nullptr, fp32, workspace_bytes, &threshold,
+                                     &need);
+  const OnceLayout l = once_layout(*o, p.opt, ranks, rows, hidden, vocab_total, vocab_local,
+                                   with_grad, grad_hidden_dtype);
+  FCE_TRY(check_workspace(fn, chunked ? need : l.min_total, workspace, workspace_bytes));
+  set_linear_inputs(&p, hidden_states, weight, bias, targets);
+  p.grad_output = grad_output;
+  set_linear_grads(&p, *o, grad_hidden, grad_weight, grad_bias);
+  p.grad_hidden_dtype = grad_hidden_dtype;
+  p.error_flags = error_flags;
+  set_workspace(&p, workspace, workspace_bytes, stream);
+  set_loss_outputs(&P, *o, loss, lse, z_loss);
+  P.all_gather = all_gather;
+  P.context = context;
+  if (o->backend != FCE_BACKEND_CPU) FCE_TRY(check_device_pointers(fn, args));
+  return chunked ? fce::cuda_vp_linear_ce(P) : gather_once(*o, P, l, with_grad);
 }
 
 }  // extern "C"

@@ -33,4 +33,10 @@ void cuda_vp_linear_workspace_size(const CeOptions&, int64_t, int64_t, int64_t, 
   if (optimal_bytes) *optimal_bytes = 0;
 }
 fce_status cuda_vp_linear(const VpLinearProblem& p) { return unavailable(p.fn); }
+bool cuda_vp_linear_ce_chunked(const CeOptions&, int64_t, int64_t, int64_t, int64_t, int64_t,
+                               bool, bool, size_t, size_t* threshold, size_t* need) {
+  *threshold = *need = SIZE_MAX;
+  return false;
+}
+fce_status cuda_vp_linear_ce(const VpLinearCeProblem& p) { return unavailable(p.lin.fn); }
 }  // namespace fce

@@ -210,6 +210,20 @@ struct VpLinearProblem {
   void* stream;
 };
 
+// fce_vp_linear_ce: both phases in one call, the all-gather through the caller's function
+// (lib/api_vp_linear_ce.cpp runs the gather-once plan from the calls above; the CUDA
+// token-chunk plan is lib/cuda/vp_linear_ce.cu).
+struct VpLinearCeProblem {
+  VpLinearProblem lin;        // fn "fce_vp_linear_ce"; stats and gathered unused
+  float* loss;                // [1] or [rows]
+  float* lse;                 // optional [rows]
+  float* z_loss;              // optional [1]
+  int64_t* argmax;            // optional [rows]
+  float* accuracy;            // optional [1] or [rows]
+  fce_vp_all_gather_fn all_gather;
+  void* context;
+};
+
 // ---- CPU backend (lib/cpu/) ----
 size_t cpu_ce_workspace_size(const CeOptions& opt, int64_t rows, int64_t vocab, bool backward);
 fce_status cpu_ce(const CeProblem& p);  // by p.mode
@@ -255,5 +269,14 @@ void cuda_vp_linear_workspace_size(const CeOptions& opt, int64_t ranks, int64_t 
                                    bool backward, int grad_hidden_dtype, bool grad_weight_fp32,
                                    size_t* min_bytes, size_t* optimal_bytes);
 fce_status cuda_vp_linear(const VpLinearProblem& p);
+// fce_vp_linear_ce's token-chunk plan (lib/cuda/vp_linear_ce.cu): whether it runs at
+// workspace_bytes (rank-invariant: planned for shards plan_width = ⌈vocab_total / ranks⌉ wide;
+// with_grad true), *threshold the workspace from which it does, *need what this rank's shard of
+// `width` classes needs then (may exceed workspace_bytes for a shard wider than plan_width).
+// workspace_bytes SIZE_MAX: the full-speed sizes, for the query.
+bool cuda_vp_linear_ce_chunked(const CeOptions& opt, int64_t ranks, int64_t rows, int64_t hidden,
+                               int64_t vocab_total, int64_t width, bool need_dw, bool dw_fp32,
+                               size_t workspace_bytes, size_t* threshold, size_t* need);
+fce_status cuda_vp_linear_ce(const VpLinearCeProblem& p);  // the token-chunk plan
 
 }  // namespace fce

@@ -13,8 +13,12 @@
 // FCE_FLAG_SHARDS_INCONSISTENT), adversarial rows (±1e30 shared offsets, a −inf shard, NaN),
 // determinism, and bad input to every new entry point (status, a message naming the function
 // and the argument, every buffer untouched).
+#include <chrono>
+#include <condition_variable>
 #include <functional>
+#include <mutex>
 #include <numeric>
+#include <thread>
 
 #include "check_ce.h"
 
@@ -958,6 +962,88 @@ double rms(const std::vector<double>& v) {
   return n ? std::sqrt(s / static_cast<double>(n)) : 0.0;
 }
 
+// The ranks of one fce_vp_linear_ce step in one process: one thread per rank, all on the one
+// test stream; their all-gathers meet here. When every rank has called (count agreed), each
+// copies every rank's send into its recv at that rank's slot (rank_order: a permuted order
+// works), on the test stream after everything the ranks enqueued so far (CUDA) or at once (CPU),
+// then waits until every rank has copied (so no send is reused before). A rank whose call
+// returns leaves; a gather that cannot complete (a rank gone, or 60 s) returns an error instead
+// of hanging the suite.
+class SimGather {
+ public:
+  SimGather(int ranks, std::vector<int> slots)
+      : P_(ranks), slots_(std::move(slots)), sends_(static_cast<size_t>(ranks)),
+        counts_(static_cast<size_t>(ranks)), calls_(static_cast<size_t>(ranks), 0) {}
+
+  struct Rank {
+    SimGather* g;
+    int rank;
+  };
+  static fce_status fn(void* ctx, const float* send, float* recv, int64_t count, void* stream) {
+    const Rank* r = static_cast<const Rank*>(ctx);
+    return r->g->gather(r->rank, send, recv, count, stream);
+  }
+  void leave() {
+    std::lock_guard<std::mutex> lk(m_);
+    ++left_;
+    cv_.notify_all();
+  }
+  int calls(int rank) const { return calls_[static_cast<size_t>(rank)]; }
+  bool mismatch() const { return mismatch_; }
+
+ private:
+  bool barrier(std::unique_lock<std::mutex>& lk) {  // false: a rank left, or the time ran out
+    const uint64_t gen = gen_;
+    if (++arrived_ == P_) {
+      arrived_ = 0;
+      ++gen_;
+      cv_.notify_all();
+      return true;
+    }
+    const bool ok = cv_.wait_for(lk, std::chrono::seconds(60),
+                                 [&] { return gen_ != gen || left_ > 0; });
+    return ok && gen_ != gen;
+  }
+  fce_status gather(int rank, const float* send, float* recv, int64_t count, void* stream) {
+    std::unique_lock<std::mutex> lk(m_);
+    sends_[static_cast<size_t>(rank)] = send;
+    counts_[static_cast<size_t>(rank)] = count;
+    ++calls_[static_cast<size_t>(rank)];
+    if (!barrier(lk)) return FCE_ERROR_INTERNAL;
+    for (int q = 0; q < P_; ++q)
+      if (counts_[static_cast<size_t>(q)] != count) mismatch_ = true;
+    if (mismatch_) return FCE_ERROR_INTERNAL;
+    lk.unlock();
+    const size_t bytes = static_cast<size_t>(count) * sizeof(float);
+    for (int q = 0; q < P_; ++q) {
+      float* dst = recv + static_cast<int64_t>(slots_[static_cast<size_t>(q)]) * count;
+#if FCE_TEST_HAVE_CUDA
+      if (on_cuda()) {
+        FCE_CUDA_CHECK(cudaMemcpyAsync(dst, sends_[static_cast<size_t>(q)], bytes,
+                                       cudaMemcpyDeviceToDevice,
+                                       static_cast<cudaStream_t>(stream)));
+        continue;
+      }
+#endif
+      (void)stream;
+      std::memcpy(dst, sends_[static_cast<size_t>(q)], bytes);
+    }
+    lk.lock();
+    return barrier(lk) ? FCE_SUCCESS : FCE_ERROR_INTERNAL;
+  }
+
+  const int P_;
+  const std::vector<int> slots_;
+  std::vector<const float*> sends_;
+  std::vector<int64_t> counts_;
+  std::vector<int> calls_;
+  std::mutex m_;
+  std::condition_variable cv_;
+  int arrived_ = 0, left_ = 0;
+  uint64_t gen_ = 0;
+  bool mismatch_ = false;
+};
+
 class VpLinRunner {
  public:
   explicit VpLinRunner(LinVpCase c) : c_(std::move(c)) {
@@ -1314,9 +1400,203 @@ class VpLinRunner {
     }
   }
 
+  // fce_vp_linear_ce on every rank at once (SimGather): the same checks as sharded() against
+  // the unsharded call and the reference, the loss bitwise equal on every rank. ws_min: every
+  // rank passes the largest min_bytes of the ranks' queries (else the largest optimal_bytes),
+  // as the header asks (the same workspace_bytes on every rank). Returns the all-gathers per
+  // rank.
+  int fused(int P, bool ws_min) {
+    SCOPED_TRACE(lin_label(c_) + " fce_vp_linear_ce P=" + std::to_string(P) +
+                 (ws_min ? " workspace=min of the ranks" : " workspace=optimal of the ranks"));
+    const std::vector<Shard> shards = make_shards(c_.V, P, c_.uneven);
+    const int64_t N = c_.N, D = c_.D;
+    const bool none = c_.reduction == FCE_REDUCTION_NONE;
+    const Mat loss_m = vec(FCE_FLOAT32, none ? N : 1), gh_m = mat(ghdt_, N, D);
+    size_t wsb = 0;
+    for (const Shard& s : shards) {
+      size_t mn = 0, op = 0;
+      EXPECT_EQ(fce_vp_linear_ce_workspace_size(&o_, P, N, D, c_.V, s.local, 1, ghdt_, &mn, &op),
+                FCE_SUCCESS) << fce_last_error();
+      EXPECT_GE(op, mn) << "optimal_bytes < min_bytes";
+      wsb = std::max(wsb, ws_min ? mn : op);
+    }
+    struct RankBufs {
+      Buf weight, bias, loss, lse, zl, am, acc, flags, gh, gw, gb, ws;
+      fce_status st = FCE_ERROR_INTERNAL;
+      std::string err;
+    };
+    std::vector<RankBufs> rb(static_cast<size_t>(P));
+    for (int r = 0; r < P; ++r) {
+      const Shard& s = shards[static_cast<size_t>(r)];
+      RankBufs& b = rb[static_cast<size_t>(r)];
+      b.weight = rows_buf(W_, D, s.start, s.local, c_.dtype);
+      if (c_.bias) b.bias = rows_buf(b_, 1, s.start, s.local, c_.dtype);
+      b.loss = poisoned(loss_m);
+      b.lse = poisoned(vec(FCE_FLOAT32, N));
+      b.zl = poisoned(vec(FCE_FLOAT32, 1));
+      b.am = poisoned(vec(FCE_INT64, N));
+      b.acc = poisoned(loss_m);
+      b.flags = flags_buf(0);
+      const Mat gw_m = mat(gdt_, s.local, D), gb_m = vec(gdt_, s.local);
+      if (c_.gh) b.gh = poisoned(gh_m);
+      if (c_.gw) b.gw = poisoned(gw_m);
+      if (c_.gb) b.gb = poisoned(gb_m);
+      if (c_.accumulate) {
+        if (c_.gw) {
+          write_mat(b.gw, gw_m, std::vector<double>(gw0_.begin() + s.start * D,
+                                                    gw0_.begin() + (s.start + s.local) * D));
+          b.gw.push();
+        }
+        if (c_.gb) {
+          write_mat(b.gb, gb_m, std::vector<double>(gb0_.begin() + s.start,
+                                                    gb0_.begin() + s.start + s.local));
+          b.gb.push();
+        }
+      }
+      b.ws = workspace_buf(wsb);
+    }
+    auto b_h = hidden_.mirror();
+    EXPECT_TRUE(finish());
+    SimGather g(P, rank_order(P, true));
+    std::vector<SimGather::Rank> ctx;
+    for (int r = 0; r < P; ++r) ctx.push_back({&g, r});
+    std::vector<std::thread> threads;
+    for (int r = 0; r < P; ++r)
+      threads.emplace_back([&, r] {
+        const Shard& s = shards[static_cast<size_t>(r)];
+        RankBufs& b = rb[static_cast<size_t>(r)];
+        fce_options o = o_;
+        o.argmax = c_.argmax ? b.am.p<int64_t>() : nullptr;
+        o.accuracy = c_.accuracy ? b.acc.p<float>() : nullptr;
+        b.st = fce_vp_linear_ce(&o, P, N, D, c_.V, s.start, s.local, hidden_.ptr(), b.weight.ptr(),
+                                b.bias.ptr(), targets_.ptr(), b.loss.p<float>(), b.lse.p<float>(),
+                                b.zl.p<float>(), gout_.p<float>(), b.gh.ptr(), ghdt_, b.gw.ptr(),
+                                b.gb.ptr(), b.flags.p<uint32_t>(), SimGather::fn,
+                                &ctx[static_cast<size_t>(r)], b.ws.ptr(), wsb, test_stream());
+        if (b.st != FCE_SUCCESS) b.err = fce_last_error();
+        g.leave();
+      });
+    for (auto& t : threads) t.join();
+    EXPECT_TRUE(finish());
+    EXPECT_FALSE(g.mismatch()) << "the ranks' all-gathers differ in size";
+    for (int r = 0; r < P; ++r) {
+      RankBufs& b = rb[static_cast<size_t>(r)];
+      EXPECT_EQ(b.st, FCE_SUCCESS) << "rank " << r << ": " << fce_status_string(b.st) << ": " << b.err;
+      EXPECT_EQ(g.calls(r), g.calls(0)) << "rank " << r << " made another number of all-gathers";
+    }
+    if (testing::Test::HasFailure()) return g.calls(0);
+    hidden_.pull();
+    EXPECT_TRUE(unchanged(hidden_, b_h, "hidden_states (fce_vp_linear_ce)"));
+
+    const auto& ce = ref_.ce;
+    std::vector<double> gh_sum(static_cast<size_t>(N * D), 0.0);
+    std::vector<double> gw(static_cast<size_t>(c_.V * D), 0.0), gb(static_cast<size_t>(c_.V), 0.0);
+    std::vector<uint8_t> loss0;
+    for (int r = 0; r < P; ++r) {
+      SCOPED_TRACE("rank " + std::to_string(r));
+      const Shard& s = shards[static_cast<size_t>(r)];
+      RankBufs& b = rb[static_cast<size_t>(r)];
+      for (Buf* x : {&b.loss, &b.lse, &b.zl, &b.am, &b.acc, &b.flags, &b.gh, &b.gw, &b.gb, &b.ws})
+        x->pull();
+      EXPECT_TRUE(guards_intact(b.ws, "workspace (fce_vp_linear_ce)"));
+      EXPECT_TRUE(all_written(b.loss, loss_m, "loss"));
+      EXPECT_TRUE(all_written(b.lse, vec(FCE_FLOAT32, N), "lse"));
+      if (r == 0) {
+        loss0 = b.loss.mirror();
+      } else {
+        EXPECT_TRUE(bitwise_equal(b.loss.mirror(), loss0, "loss (rank r vs rank 0)"));
+      }
+      const std::vector<double> loss = read_mat(b.loss, loss_m), lse = read_mat(b.lse, vec(FCE_FLOAT32, N));
+      const double zl = read_mat(b.zl, vec(FCE_FLOAT32, 1))[0];
+      if (none) {
+        EXPECT_TRUE(close_normwise(loss, whole_.loss, tol_, "loss (per row) vs unsharded"));
+        EXPECT_TRUE(close_normwise(loss, ce.row_loss, tol_, "loss (per row) vs reference"));
+      } else {
+        EXPECT_TRUE(close_scalar(loss[0], whole_.loss[0], tol_, "loss vs unsharded"));
+        EXPECT_TRUE(close_scalar(loss[0], ce.loss, tol_, "loss vs reference"));
+      }
+      EXPECT_TRUE(close_normwise(lse, whole_.lse, tol_, "lse vs unsharded"));
+      EXPECT_TRUE(close_scalar(zl, whole_.zl[0], tol_, "z_loss vs unsharded"));
+      std::vector<int64_t> am;
+      if (c_.argmax) {
+        am = read_i64(b.am, N);
+        EXPECT_TRUE(argmax_agrees(am, whole_.am, ce, c_.V, argmax_tie(c_.dtype)));
+      }
+      if (c_.accuracy) {
+        EXPECT_TRUE(accuracy_matches(read_mat(b.acc, loss_m), c_.reduction, ce,
+                                     c_.argmax ? &am : nullptr, c_.V, argmax_tie(c_.dtype)));
+      }
+      EXPECT_EQ(read_flags(b.flags), whole_.flags) << "error_flags (fce_vp_linear_ce)";
+      if (c_.gh) {
+        EXPECT_TRUE(all_written(b.gh, gh_m, "grad_hidden"));
+        const std::vector<double> v = read_mat(b.gh, gh_m);
+        for (size_t i = 0; i < v.size(); ++i) gh_sum[i] += v[i];
+      }
+      if (c_.gw) {
+        const Mat gw_m = mat(gdt_, s.local, D);
+        EXPECT_TRUE(all_written(b.gw, gw_m, "grad_weight"));
+        const std::vector<double> v = read_mat(b.gw, gw_m);
+        std::copy(v.begin(), v.end(), gw.begin() + s.start * D);
+      }
+      if (c_.gb) {
+        const Mat gb_m = vec(gdt_, s.local);
+        EXPECT_TRUE(all_written(b.gb, gb_m, "grad_bias"));
+        const std::vector<double> v = read_mat(b.gb, gb_m);
+        std::copy(v.begin(), v.end(), gb.begin() + s.start);
+      }
+    }
+    auto accumulated = [&](const std::vector<double>& d, const std::vector<double>& init) {
+      std::vector<double> e = d;
+      if (c_.accumulate)
+        for (size_t i = 0; i < e.size(); ++i) e[i] += init[i];
+      return e;
+    };
+    if (c_.gh) {
+      EXPECT_TRUE(close_normwise(gh_sum, whole_gh_, tol_, "grad_hidden (sum over ranks) vs unsharded"));
+      EXPECT_TRUE(close_normwise(gh_sum, ref_.grad_hidden, tol_, "grad_hidden (sum over ranks) vs reference"));
+    }
+    if (c_.gw) {
+      EXPECT_TRUE(close_normwise(gw, whole_gw_, tol_, "grad_weight (shard rows) vs unsharded"));
+      EXPECT_TRUE(close_normwise(gw, accumulated(ref_.grad_weight, gw0_), tol_,
+                                 "grad_weight (shard rows) vs reference"));
+    }
+    if (c_.gb) {
+      EXPECT_TRUE(close_normwise(gb, whole_gb_, tol_, "grad_bias (shard rows) vs unsharded"));
+      EXPECT_TRUE(close_normwise(gb, accumulated(ref_.grad_bias, gb0_), tol_,
+                                 "grad_bias (shard rows) vs reference"));
+    }
+    return g.calls(0);
+  }
+
+  // One rank (P = 1) through fce_vp_linear_ce with the given all-gather: its status, and the
+  // message in *err.
+  fce_status fused_one(fce_vp_all_gather_fn gather, void* context, std::string* err) {
+    const int64_t N = c_.N, D = c_.D, V = c_.V;
+    Buf weight = rows_buf(W_, D, 0, V, c_.dtype);
+    Buf loss = poisoned(vec(FCE_FLOAT32, c_.reduction == FCE_REDUCTION_NONE ? N : 1));
+    Buf gh = poisoned(mat(ghdt_, N, D)), flags = flags_buf(0);
+    size_t mn = 0, op = 0;
+    EXPECT_EQ(fce_vp_linear_ce_workspace_size(&o_, 1, N, D, V, V, 1, ghdt_, &mn, &op), FCE_SUCCESS);
+    Buf ws = workspace_buf(op);
+    const fce_status st = fce_vp_linear_ce(
+        &o_, 1, N, D, V, 0, V, hidden_.ptr(), weight.ptr(), nullptr, targets_.ptr(),
+        loss.p<float>(), nullptr, nullptr, gout_.p<float>(), gh.ptr(), ghdt_, nullptr, nullptr,
+        flags.p<uint32_t>(), gather, context, ws.ptr(), op, test_stream());
+    *err = fce_last_error();
+    EXPECT_TRUE(finish());
+    return st;
+  }
+
   void run() {
     ASSERT_NO_FATAL_FAILURE(unsharded());
-    for (int P : c_.ranks) ASSERT_NO_FATAL_FAILURE(sharded(P));
+    for (int P : c_.ranks) {
+      ASSERT_NO_FATAL_FAILURE(sharded(P));
+      ASSERT_NO_FATAL_FAILURE(fused(P, c_.ws_min));
+      // CUDA: the other plan too (the token chunks at optimal_bytes, gather-once at min_bytes)
+      if (on_cuda()) {
+        ASSERT_NO_FATAL_FAILURE(fused(P, !c_.ws_min));
+      }
+    }
   }
 
   LinVpCase& c() { return c_; }
@@ -1442,15 +1722,71 @@ TEST_F(VpLinear, WorkspaceSizes) {
   }
 }
 
+// fce_vp_linear_ce over several token chunks (CUDA's token-chunk plan at optimal_bytes: rows
+// [0, 2560) and [2560, 5005), a sequence of the shift rule straddling the boundary), the
+// gather-once plan at min_bytes, and every rank making the same all-gathers.
+TEST_F(VpLinear, FusedChunks) {
+  for (int dtype : {FCE_FLOAT32, FCE_BFLOAT16}) {
+    LinVpCase c;
+    c.name = "fused_chunks";
+    c.dtype = dtype;
+    c.N = 5005;  // 715 sequences of 7
+    c.D = 16;
+    c.V = 301;
+    c.gw_fp32 = true;  // a float32 grad_weight: token chunks of at most 4096 rows
+    c.gh_f32 = true;
+    c.shift = 7;
+    c.shift_k = 1;
+    c.eps = 0.1f;
+    c.lambda = 1e-4f;
+    c.ignore_frac = 0.1;
+    c.argmax = c.accuracy = true;
+    c.accumulate = true;
+    VpLinRunner run(c);
+    ASSERT_NO_FATAL_FAILURE(run.unsharded());
+    for (int P : {1, 3}) {
+      int calls = 0;
+      ASSERT_NO_FATAL_FAILURE(calls = run.fused(P, false));
+      EXPECT_EQ(calls, on_cuda() ? 2 : 1) << "all-gathers at optimal_bytes, P=" << P;
+      ASSERT_NO_FATAL_FAILURE(calls = run.fused(P, true));
+      EXPECT_EQ(calls, 1) << "all-gathers at min_bytes, P=" << P;
+    }
+  }
+}
+
+namespace {
+fce_status failing_gather(void* ctx, const float*, float*, int64_t, void*) {
+  ++*static_cast<int*>(ctx);
+  return FCE_ERROR_CUDA;
+}
+}  // namespace
+
+// The all-gather's status stops the call and is returned, named; a NULL all_gather is refused.
+TEST_F(VpLinear, FusedAllGatherStatus) {
+  LinVpCase c;
+  c.name = "fused_status";
+  c.ranks = {1};
+  VpLinRunner run(c);
+  std::string err;
+  int calls = 0;
+  EXPECT_EQ(run.fused_one(failing_gather, &calls, &err), FCE_ERROR_CUDA);
+  EXPECT_EQ(calls, 1);
+  EXPECT_NE(err.find("fce_vp_linear_ce: all_gather returned FCE_ERROR_CUDA"), std::string::npos)
+      << err;
+  EXPECT_EQ(run.fused_one(nullptr, nullptr, &err), FCE_ERROR_NULL_POINTER);
+  EXPECT_NE(err.find("fce_vp_linear_ce: all_gather is NULL"), std::string::npos) << err;
+}
+
 // ------------------------------------------------------------------ bad input ---------------
-enum VpFn { kStats, kLoss, kBackward, kLinStats, kLinBackward };
+enum VpFn { kStats, kLoss, kBackward, kLinStats, kLinBackward, kLinCe };
 const char* fn_name(VpFn f) {
   switch (f) {
     case kStats: return "fce_vp_stats";
     case kLoss: return "fce_vp_loss";
     case kBackward: return "fce_vp_backward";
     case kLinStats: return "fce_vp_linear_stats";
-    default: return "fce_vp_linear_backward";
+    case kLinBackward: return "fce_vp_linear_backward";
+    default: return "fce_vp_linear_ce";
   }
 }
 
@@ -1475,6 +1811,8 @@ struct VpArgs {
   void* gw;
   void* gb;
   uint32_t* flags;
+  fce_vp_all_gather_fn all_gather;  // fce_vp_linear_ce
+  void* context;
   void* ws;
   size_t wsb;
 };
@@ -1538,6 +1876,9 @@ class VpBadInput : public BackendTest {
     ASSERT_EQ(fce_vp_linear_backward_workspace_size(&a.o, 2, N, D, V, VL, FCE_FLOAT32, &mn, &op),
               FCE_SUCCESS) << fce_last_error();
     ws_need[kLinBackward] = mn;
+    ASSERT_EQ(fce_vp_linear_ce_workspace_size(&a.o, 2, N, D, V, VL, 1, FCE_FLOAT32, &mn, &op),
+              FCE_SUCCESS) << fce_last_error();
+    ws_need[kLinCe] = mn;
     ws_need[kStats] = 0;
     size_t most = 0;
     for (size_t w : ws_need) most = std::max(most, w);
@@ -1566,8 +1907,29 @@ class VpBadInput : public BackendTest {
     a.gw = gw.ptr();
     a.gb = gb.ptr();
     a.flags = flags.p<uint32_t>();
+    a.all_gather = fake_gather;
+    a.context = this;
     a.ws = ws.ptr();
     a.wsb = 0;
+  }
+
+  // fce_vp_linear_ce's all-gather, standing in for the other rank: recv gets the two shards'
+  // real statistics (the gather-once plan of these sizes gathers all N rows at once).
+  static fce_status fake_gather(void* ctx, const float*, float* recv, int64_t count,
+                                void* stream) {
+    VpBadInput* t = static_cast<VpBadInput*>(ctx);
+    ++t->gathers;
+    if (count != N * FCE_VP_STATS) return FCE_ERROR_INTERNAL;
+    const size_t bytes = static_cast<size_t>(2 * count) * sizeof(float);
+#if FCE_TEST_HAVE_CUDA
+    if (on_cuda())
+      return cudaMemcpyAsync(recv, t->gathered.ptr(), bytes, cudaMemcpyDeviceToDevice,
+                             static_cast<cudaStream_t>(stream)) == cudaSuccess
+                 ? FCE_SUCCESS : FCE_ERROR_CUDA;
+#endif
+    (void)stream;
+    std::memcpy(recv, t->gathered.ptr(), bytes);
+    return FCE_SUCCESS;
   }
 
   VpArgs args(VpFn f) {
@@ -1593,11 +1955,16 @@ class VpBadInput : public BackendTest {
         return fce_vp_linear_stats(x.opts, x.rows, x.hidden, x.vocab_total, x.vocab_start,
                                    x.vocab_local, x.hidden_states, x.weight, x.bias, x.targets,
                                    x.stats, x.ws, x.wsb, test_stream());
-      default:
+      case kLinBackward:
         return fce_vp_linear_backward(x.opts, x.ranks, x.rows, x.hidden, x.vocab_total,
                                       x.vocab_start, x.vocab_local, x.hidden_states, x.weight,
                                       x.bias, x.targets, x.gathered, x.gout, x.gh, x.gh_dtype,
                                       x.gw, x.gb, x.flags, x.ws, x.wsb, test_stream());
+      default:
+        return fce_vp_linear_ce(x.opts, x.ranks, x.rows, x.hidden, x.vocab_total, x.vocab_start,
+                                x.vocab_local, x.hidden_states, x.weight, x.bias, x.targets,
+                                x.loss, x.lse, x.z_loss, x.gout, x.gh, x.gh_dtype, x.gw, x.gb,
+                                x.flags, x.all_gather, x.context, x.ws, x.wsb, test_stream());
     }
   }
 
@@ -1612,7 +1979,9 @@ class VpBadInput : public BackendTest {
                               &gb};
     std::vector<std::vector<uint8_t>> before;
     for (Buf* b : bufs) before.push_back(b->mirror());
+    gathers = 0;
     const fce_status st = call(f, x);
+    EXPECT_EQ(gathers, 0) << "a rejected call ran its all-gather";
     EXPECT_EQ(st, expected) << "got " << fce_status_string(st) << " (\"" << fce_last_error()
                             << "\")";
     EXPECT_TRUE(error_mentions(names));
@@ -1626,26 +1995,36 @@ class VpBadInput : public BackendTest {
 
   void for_all(const std::string& what, fce_status st, const char* names,
                const std::function<void(VpArgs&)>& mutate) {
-    for (VpFn f : {kStats, kLoss, kBackward, kLinStats, kLinBackward}) rejected(f, what, st, names, mutate);
+    for (VpFn f : {kStats, kLoss, kBackward, kLinStats, kLinBackward, kLinCe})
+      rejected(f, what, st, names, mutate);
   }
 
   Buf arena, targets, weights, gout, stats, gathered, loss, lse, zl, grad, flags, am, acc, hidden,
       weight, bias, gh, gw, gb, ws;
-  size_t ws_need[5] = {};
+  size_t ws_need[6] = {};
+  int gathers = 0;
   VpArgs a;
 };
 
 constexpr float kNaNf = std::numeric_limits<float>::quiet_NaN();
 
 TEST_F(VpBadInput, ValidBaselineSucceeds) {
-  for (VpFn f : {kStats, kLoss, kBackward, kLinStats, kLinBackward}) {
+  for (VpFn f : {kStats, kLoss, kBackward, kLinStats, kLinBackward, kLinCe}) {
     SCOPED_TRACE(fn_name(f));
     VpArgs x = args(f);
     x.opts = &x.o;
+    gathers = 0;
     EXPECT_EQ(call(f, x), FCE_SUCCESS) << fce_last_error();
     EXPECT_TRUE(finish());
     EXPECT_STREQ(fce_last_error(), "");
+    EXPECT_EQ(gathers, f == kLinCe ? 1 : 0);
   }
+  // fce_vp_linear_ce: the loss only is a valid call too
+  VpArgs l = args(kLinCe);
+  l.opts = &l.o;
+  l.gh = l.gw = l.gb = nullptr;
+  EXPECT_EQ(call(kLinCe, l), FCE_SUCCESS) << fce_last_error();
+  EXPECT_TRUE(finish());
   // In place is fine for fce_vp_backward.
   VpArgs x = args(kBackward);
   x.opts = &x.o;
@@ -1690,7 +2069,7 @@ TEST_F(VpBadInput, Sizes) {
   for_all("vocab_total 0", FCE_ERROR_INVALID_ARGUMENT, "vocab_total", [](VpArgs& x) { x.vocab_total = 0; });
   for_all("vocab_total 2^31", FCE_ERROR_INVALID_ARGUMENT, "vocab_total",
           [](VpArgs& x) { x.vocab_total = int64_t{1} << 31; });
-  for (VpFn f : {kStats, kBackward, kLinStats, kLinBackward}) {
+  for (VpFn f : {kStats, kBackward, kLinStats, kLinBackward, kLinCe}) {
     rejected(f, "vocab_local 0", FCE_ERROR_INVALID_ARGUMENT, "vocab_local", [](VpArgs& x) { x.vocab_local = 0; });
     rejected(f, "vocab_local -5", FCE_ERROR_INVALID_ARGUMENT, "vocab_local", [](VpArgs& x) { x.vocab_local = -5; });
     rejected(f, "vocab_start -1", FCE_ERROR_INVALID_ARGUMENT, "vocab_start", [](VpArgs& x) { x.vocab_start = -1; });
@@ -1701,13 +2080,13 @@ TEST_F(VpBadInput, Sizes) {
     rejected(f, "vocab_start INT64_MAX", FCE_ERROR_INVALID_ARGUMENT, "vocab_start",
              [](VpArgs& x) { x.vocab_start = INT64_MAX; });
   }
-  for (VpFn f : {kLoss, kBackward, kLinBackward}) {
+  for (VpFn f : {kLoss, kBackward, kLinBackward, kLinCe}) {
     rejected(f, "ranks 0", FCE_ERROR_INVALID_ARGUMENT, "ranks", [](VpArgs& x) { x.ranks = 0; });
     rejected(f, "ranks -2", FCE_ERROR_INVALID_ARGUMENT, "ranks", [](VpArgs& x) { x.ranks = -2; });
     rejected(f, "ranks overflowing", FCE_ERROR_INVALID_ARGUMENT, "ranks",
              [](VpArgs& x) { x.ranks = int64_t{1} << 60; });
   }
-  for (VpFn f : {kLinStats, kLinBackward}) {
+  for (VpFn f : {kLinStats, kLinBackward, kLinCe}) {
     rejected(f, "hidden 0", FCE_ERROR_INVALID_ARGUMENT, "hidden", [](VpArgs& x) { x.hidden = 0; });
     rejected(f, "hidden_row_stride < hidden", FCE_ERROR_INVALID_ARGUMENT, "hidden_row_stride",
              [](VpArgs& x) { x.o.hidden_row_stride = D - 1; });
@@ -1720,12 +2099,14 @@ TEST_F(VpBadInput, Sizes) {
   }
   rejected(kBackward, "grad_row_stride < vocab_local", FCE_ERROR_INVALID_ARGUMENT,
            "grad_row_stride", [](VpArgs& x) { x.o.grad_row_stride = VL - 1; });
-  rejected(kLinBackward, "grad_hidden_dtype float16 with float32", FCE_ERROR_INVALID_ARGUMENT,
-           "grad_hidden_dtype", [](VpArgs& x) { x.gh_dtype = FCE_FLOAT16; });
-  rejected(kLinBackward, "grad_hidden_dtype int32", FCE_ERROR_INVALID_ARGUMENT,
-           "grad_hidden_dtype", [](VpArgs& x) { x.gh_dtype = FCE_INT32; });
-  rejected(kLinBackward, "grad_hidden_dtype 9", FCE_ERROR_INVALID_ARGUMENT, "grad_hidden_dtype",
-           [](VpArgs& x) { x.gh_dtype = 9; });
+  for (VpFn f : {kLinBackward, kLinCe}) {
+    rejected(f, "grad_hidden_dtype float16 with float32", FCE_ERROR_INVALID_ARGUMENT,
+             "grad_hidden_dtype", [](VpArgs& x) { x.gh_dtype = FCE_FLOAT16; });
+    rejected(f, "grad_hidden_dtype int32", FCE_ERROR_INVALID_ARGUMENT, "grad_hidden_dtype",
+             [](VpArgs& x) { x.gh_dtype = FCE_INT32; });
+    rejected(f, "grad_hidden_dtype 9", FCE_ERROR_INVALID_ARGUMENT, "grad_hidden_dtype",
+             [](VpArgs& x) { x.gh_dtype = 9; });
+  }
 }
 
 TEST_F(VpBadInput, NullPointers) {
@@ -1739,11 +2120,16 @@ TEST_F(VpBadInput, NullPointers) {
            [](VpArgs& x) { x.gathered = nullptr; });
   rejected(kBackward, "grad_logits NULL", FCE_ERROR_NULL_POINTER, "grad_logits",
            [](VpArgs& x) { x.grad = nullptr; });
-  for (VpFn f : {kLinStats, kLinBackward}) {
+  for (VpFn f : {kLinStats, kLinBackward, kLinCe}) {
     rejected(f, "hidden_states NULL", FCE_ERROR_NULL_POINTER, "hidden_states",
              [](VpArgs& x) { x.hidden_states = nullptr; });
     rejected(f, "weight NULL", FCE_ERROR_NULL_POINTER, "weight", [](VpArgs& x) { x.weight = nullptr; });
   }
+  rejected(kLinCe, "loss NULL", FCE_ERROR_NULL_POINTER, "loss", [](VpArgs& x) { x.loss = nullptr; });
+  rejected(kLinCe, "all_gather NULL", FCE_ERROR_NULL_POINTER, "all_gather",
+           [](VpArgs& x) { x.all_gather = nullptr; });
+  rejected(kLinCe, "grad_bias without bias", FCE_ERROR_INVALID_ARGUMENT, "grad_bias",
+           [](VpArgs& x) { x.bias = nullptr; });
   rejected(kLinStats, "stats NULL", FCE_ERROR_NULL_POINTER, "stats", [](VpArgs& x) { x.stats = nullptr; });
   rejected(kLinBackward, "gathered_stats NULL", FCE_ERROR_NULL_POINTER, "gathered_stats",
            [](VpArgs& x) { x.gathered = nullptr; });
@@ -1765,6 +2151,12 @@ TEST_F(VpBadInput, Misaligned) {
     rejected(f, "error_flags +1 byte", FCE_ERROR_MISALIGNED, "error_flags",
              [&](VpArgs& x) { x.flags = reinterpret_cast<uint32_t*>(off(x.flags, 1)); });
   }
+  rejected(kLinCe, "error_flags +1 byte", FCE_ERROR_MISALIGNED, "error_flags",
+           [&](VpArgs& x) { x.flags = reinterpret_cast<uint32_t*>(off(x.flags, 1)); });
+  rejected(kLinCe, "loss +2 bytes", FCE_ERROR_MISALIGNED, "loss",
+           [&](VpArgs& x) { x.loss = reinterpret_cast<float*>(off(x.loss, 2)); });
+  rejected(kLinCe, "grad_output +1 byte", FCE_ERROR_MISALIGNED, "grad_output",
+           [&](VpArgs& x) { x.gout = reinterpret_cast<const float*>(off(x.gout, 1)); });
   for_all("int64 targets +4 bytes", FCE_ERROR_MISALIGNED, "targets",
           [&](VpArgs& x) { x.targets = off(x.targets, 4); });
   for (VpFn f : {kStats, kBackward})
@@ -1782,19 +2174,21 @@ TEST_F(VpBadInput, Misaligned) {
            [&](VpArgs& x) { x.o.argmax = reinterpret_cast<int64_t*>(off(am.ptr(), 4)); });
   rejected(kLoss, "options->accuracy +2 bytes", FCE_ERROR_MISALIGNED, "options->accuracy",
            [&](VpArgs& x) { x.o.accuracy = reinterpret_cast<float*>(off(acc.ptr(), 2)); });
-  for (VpFn f : {kLinStats, kLinBackward}) {
+  for (VpFn f : {kLinStats, kLinBackward, kLinCe}) {
     rejected(f, "hidden_states +1 byte", FCE_ERROR_MISALIGNED, "hidden_states",
              [&](VpArgs& x) { x.hidden_states = off(x.hidden_states, 1); });
     rejected(f, "weight +2 bytes", FCE_ERROR_MISALIGNED, "weight",
              [&](VpArgs& x) { x.weight = off(x.weight, 2); });
     rejected(f, "bias +1 byte", FCE_ERROR_MISALIGNED, "bias", [&](VpArgs& x) { x.bias = off(x.bias, 1); });
   }
-  rejected(kLinBackward, "grad_hidden +2 bytes", FCE_ERROR_MISALIGNED, "grad_hidden",
-           [&](VpArgs& x) { x.gh = off(x.gh, 2); });
-  rejected(kLinBackward, "grad_weight +1 byte", FCE_ERROR_MISALIGNED, "grad_weight",
-           [&](VpArgs& x) { x.gw = off(x.gw, 1); });
-  rejected(kLinBackward, "grad_bias +2 bytes", FCE_ERROR_MISALIGNED, "grad_bias",
-           [&](VpArgs& x) { x.gb = off(x.gb, 2); });
+  for (VpFn f : {kLinBackward, kLinCe}) {
+    rejected(f, "grad_hidden +2 bytes", FCE_ERROR_MISALIGNED, "grad_hidden",
+             [&](VpArgs& x) { x.gh = off(x.gh, 2); });
+    rejected(f, "grad_weight +1 byte", FCE_ERROR_MISALIGNED, "grad_weight",
+             [&](VpArgs& x) { x.gw = off(x.gw, 1); });
+    rejected(f, "grad_bias +2 bytes", FCE_ERROR_MISALIGNED, "grad_bias",
+             [&](VpArgs& x) { x.gb = off(x.gb, 2); });
+  }
 }
 
 TEST_F(VpBadInput, Overlap) {
@@ -1829,17 +2223,23 @@ TEST_F(VpBadInput, Overlap) {
            "grad_logits|gathered_stats", [](VpArgs& x) { x.grad = const_cast<float*>(x.gathered); });
   rejected(kLinStats, "stats over the weight", FCE_ERROR_INVALID_ARGUMENT, "stats",
            [](VpArgs& x) { x.stats = static_cast<float*>(const_cast<void*>(x.weight)); });
-  rejected(kLinBackward, "grad_hidden over grad_weight", FCE_ERROR_INVALID_ARGUMENT,
-           "grad_hidden|grad_weight", [](VpArgs& x) { x.gh = static_cast<float*>(x.gw) + 1; });
-  rejected(kLinBackward, "grad_bias inside hidden_states", FCE_ERROR_INVALID_ARGUMENT, "grad_bias",
-           [](VpArgs& x) { x.gb = static_cast<float*>(const_cast<void*>(x.hidden_states)) + 4; });
+  for (VpFn f : {kLinBackward, kLinCe}) {
+    rejected(f, "grad_hidden over grad_weight", FCE_ERROR_INVALID_ARGUMENT,
+             "grad_hidden|grad_weight", [](VpArgs& x) { x.gh = static_cast<float*>(x.gw) + 1; });
+    rejected(f, "grad_bias inside hidden_states", FCE_ERROR_INVALID_ARGUMENT, "grad_bias",
+             [](VpArgs& x) { x.gb = static_cast<float*>(const_cast<void*>(x.hidden_states)) + 4; });
+  }
+  rejected(kLinCe, "lse over loss", FCE_ERROR_INVALID_ARGUMENT, "lse|loss",
+           [](VpArgs& x) { x.lse = x.loss; });
+  rejected(kLinCe, "loss inside the weight", FCE_ERROR_INVALID_ARGUMENT, "loss|weight",
+           [](VpArgs& x) { x.loss = static_cast<float*>(const_cast<void*>(x.weight)) + 2; });
   rejected(kLinBackward, "grad_weight over gathered_stats", FCE_ERROR_INVALID_ARGUMENT,
            "grad_weight|gathered_stats", [](VpArgs& x) { x.gw = const_cast<float*>(x.gathered); });
 }
 
 TEST_F(VpBadInput, Workspace) {
   bool any = false;
-  for (VpFn f : {kLoss, kBackward, kLinStats, kLinBackward}) {
+  for (VpFn f : {kLoss, kBackward, kLinStats, kLinBackward, kLinCe}) {
     if (ws_need[f] == 0) continue;
     any = true;
     rejected(f, "workspace_bytes one short", FCE_ERROR_WORKSPACE_TOO_SMALL, "workspace",
@@ -1895,6 +2295,33 @@ TEST_F(VpBadInput, WorkspaceQueries) {
   EXPECT_EQ(fce_vp_linear_backward_workspace_size(&o, 2, N, D, V, VL, FCE_FLOAT32, nullptr, &op),
             FCE_ERROR_NULL_POINTER);
   EXPECT_TRUE(error_mentions("fce_vp_linear_backward_workspace_size: min_bytes"));
+  EXPECT_EQ(fce_vp_linear_ce_workspace_size(nullptr, 2, N, D, V, VL, 1, FCE_FLOAT32, &mn, &op),
+            FCE_ERROR_NULL_POINTER);
+  EXPECT_TRUE(error_mentions("fce_vp_linear_ce_workspace_size: options"));
+  EXPECT_EQ(fce_vp_linear_ce_workspace_size(&o, 0, N, D, V, VL, 1, FCE_FLOAT32, &mn, &op),
+            FCE_ERROR_INVALID_ARGUMENT);
+  EXPECT_TRUE(error_mentions("fce_vp_linear_ce_workspace_size: ranks"));
+  EXPECT_EQ(fce_vp_linear_ce_workspace_size(&o, 2, N, 0, V, VL, 1, FCE_FLOAT32, &mn, &op),
+            FCE_ERROR_INVALID_ARGUMENT);
+  EXPECT_TRUE(error_mentions("fce_vp_linear_ce_workspace_size: hidden"));
+  EXPECT_EQ(fce_vp_linear_ce_workspace_size(&o, 2, N, D, V, V + 1, 1, FCE_FLOAT32, &mn, &op),
+            FCE_ERROR_INVALID_ARGUMENT);
+  EXPECT_TRUE(error_mentions("fce_vp_linear_ce_workspace_size: vocab_local"));
+  EXPECT_EQ(fce_vp_linear_ce_workspace_size(&o, 2, N, D, V, VL, 1, FCE_BFLOAT16, &mn, &op),
+            FCE_ERROR_INVALID_ARGUMENT);
+  EXPECT_TRUE(error_mentions("fce_vp_linear_ce_workspace_size: grad_hidden_dtype"));
+  EXPECT_EQ(fce_vp_linear_ce_workspace_size(&o, 2, N, D, V, VL, 1, FCE_FLOAT32, nullptr, &op),
+            FCE_ERROR_NULL_POINTER);
+  EXPECT_TRUE(error_mentions("fce_vp_linear_ce_workspace_size: min_bytes"));
+  // rank-invariant for shards up to ceil(V / ranks): the narrow and the wide rank agree
+  size_t n0 = 0, o0 = 0, n1 = 0, o1 = 0;
+  EXPECT_EQ(fce_vp_linear_ce_workspace_size(&o, 2, N, D, V, V / 2 - 3, 1, FCE_FLOAT32, &n0, &o0),
+            FCE_SUCCESS);
+  EXPECT_EQ(fce_vp_linear_ce_workspace_size(&o, 2, N, D, V, V / 2, 1, FCE_FLOAT32, &n1, &o1),
+            FCE_SUCCESS);
+  EXPECT_EQ(n0, n1);
+  EXPECT_EQ(o0, o1);
+  EXPECT_GE(o1, n1);
   fce_options bad = o;
   bad.dtype = 42;
   EXPECT_EQ(fce_vp_loss_workspace_size(&bad, 2, N, V, &b), FCE_ERROR_INVALID_ARGUMENT);

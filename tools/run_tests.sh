@@ -47,7 +47,7 @@ suite "pip install ./bindings/python (fresh venv, CPU-only)" env -u FUSEDCE_LIBR
 # The CPU backend under the sanitizers: the libFuzzer target over every entry point's argument
 # checks for FCE_FUZZ_SECONDS (60; make fuzz runs longer), and the C suites built with
 # AddressSanitizer + UBSan (make test-asan). Each in a build directory of its own.
-suite "fuzz: every entry point's argument checks (libFuzzer, ASan+UBSan, ${FCE_FUZZ_SECONDS:-60} s)" \
+suite "fuzz: the one-GPU entry points' argument checks (libFuzzer, ASan+UBSan, ${FCE_FUZZ_SECONDS:-60} s)" \
   bash "$ROOT/tools/run_fuzz.sh" "${FUZZ_BUILD:-$ROOT/build-fuzz}" "${FCE_FUZZ_SECONDS:-60}"
 suite "C ABI tests under AddressSanitizer + UBSan (CPU backend, make test-asan)" \
   bash "$ROOT/tools/run_asan.sh" "${ASAN_BUILD:-$ROOT/build-asan}"

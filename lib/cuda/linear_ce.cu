@@ -101,6 +101,48 @@ fce_status logits_gemm(const char* fn, int dtype, int64_t M, int64_t N, int64_t 
   return FCE_SUCCESS;
 }
 
+fce_status chunk_grads(const ChunkGrads& g, cudaStream_t stream) {
+  // 3. ∂h_c[rc, D] = ∂Z_c[rc, V] · W[V, D]
+  if (g.grad_hidden) {
+    RowMajorGemm gh{};
+    gh.fn = g.fn;
+    gh.name = "grad_hidden (dZ · weight)";
+    gh.M = g.rc; gh.N = g.hidden; gh.K = g.cols;
+    gh.A = g.dz; gh.lda = g.ldz; gh.trans_a = false;
+    gh.B = g.weight; gh.ldb = g.hidden; gh.trans_b = false;
+    gh.ab_dtype = g.dtype;
+    gh.C = g.grad_hidden; gh.ldc = g.hidden; gh.c_dtype = g.grad_hidden_dtype;
+    gh.alpha = 1.f; gh.beta = 0.f;
+    gh.workspace = g.lt_ws; gh.workspace_bytes = g.lt_bytes;
+    FCE_TRY(gemm(gh, stream, nullptr));
+  }
+  // 4. ∂W[V, D] (+)= ∂Z_c[rc, V]ᵀ · h_c[rc, D]
+  if (g.grad_weight) {
+    RowMajorGemm gw{};
+    gw.fn = g.fn;
+    gw.name = "grad_weight (dZᵀ · hidden)";
+    gw.M = g.cols; gw.N = g.hidden; gw.K = g.rc;
+    gw.A = g.dz; gw.lda = g.ldz; gw.trans_a = true;
+    gw.B = g.h_c; gw.ldb = g.hs; gw.trans_b = false;
+    gw.ab_dtype = g.dtype;
+    gw.C = g.grad_weight; gw.ldc = g.hidden; gw.c_dtype = g.grad_weight_dtype;
+    gw.alpha = 1.f;
+    gw.beta = (g.first && !g.accumulate) ? 0.f : 1.f;
+    gw.workspace = g.lt_ws; gw.workspace_bytes = g.lt_bytes;
+    FCE_TRY(gemm(gw, stream, nullptr));
+  }
+  // 5. ∂b[V] (+)= Σ_rows ∂Z_c   (float32: the caller's, or the workspace accumulator)
+  if (g.grad_bias) {
+    if (g.grad_weight_dtype == FCE_FLOAT32)
+      FCE_TRY(launch_column_sums(g.fn, g.dz, g.dtype, g.rc, g.cols, g.ldz, g.grad_bias,
+                                 FCE_FLOAT32, !(g.first && !g.accumulate), stream));
+    else
+      FCE_TRY(launch_column_sums(g.fn, g.dz, g.dtype, g.rc, g.cols, g.ldz, g.db32, FCE_FLOAT32,
+                                 !g.first, stream));
+  }
+  return FCE_SUCCESS;
+}
+
 fce_status slice_pass(const SlicePass& sp, cudaStream_t stream) {
   const CeOptions& opt = sp.opt;
   const int dtype = opt.dtype;
@@ -291,57 +333,32 @@ fce_status cuda_linear_ce(const LinearCeProblem& p) {
     FCE_TRY(launch_ce_rows(a, stream));
     if (!grad_in_chunks) continue;
 
-    // 3. ∂h_c[rc, D] = ∂Z_c[rc, V] · W[V, D]   (straight into grad_hidden, dense)
-    if (p.grad_hidden) {
-      RowMajorGemm gh{};
-      gh.fn = fn;
-      gh.name = "grad_hidden (dZ · weight)";
-      gh.M = rc; gh.N = D; gh.K = V;
-      gh.A = z; gh.lda = ldz; gh.trans_a = false;
-      gh.B = p.weight; gh.ldb = D; gh.trans_b = false;
-      gh.ab_dtype = dtype;
-      gh.C = static_cast<char*>(p.grad_hidden) + static_cast<size_t>(r0) * static_cast<size_t>(D) * e;
-      gh.ldc = D; gh.c_dtype = dtype;
-      gh.alpha = 1.f; gh.beta = 0.f;
-      gh.workspace = lt_ws; gh.workspace_bytes = plan.lt_bytes;
-      FCE_TRY(gemm(gh, stream, nullptr));
-    }
-
-    // 4. ∂W[V, D] (+)= ∂Z_c[rc, V]ᵀ · h_c[rc, D]
-    if (p.grad_weight) {
-      RowMajorGemm gw{};
-      gw.fn = fn;
-      gw.name = "grad_weight (dZᵀ · hidden)";
-      gw.M = V; gw.N = D; gw.K = rc;
-      gw.A = z; gw.lda = ldz; gw.trans_a = true;
-      gw.B = h_c; gw.ldb = hs; gw.trans_b = false;
-      gw.ab_dtype = dtype;
-      gw.ldc = D;
-      gw.alpha = 1.f;
-      switch (plan.mode) {
-        case Mode::kChunked16:     // f16/bf16 grad_weight itself: one rounding per chunk
-          gw.C = p.grad_weight; gw.c_dtype = dtype;
-          gw.beta = (first && !p.accumulate) ? 0.f : 1.f;
-          break;
-        case Mode::kVocabSliced:   // not reached: no gradient in the token chunks
-          break;
-        case Mode::kChunked:       // the caller's float32 grad_weight
-          gw.C = p.grad_weight; gw.c_dtype = FCE_FLOAT32;
-          gw.beta = (first && !p.accumulate) ? 0.f : 1.f;
-          break;
-      }
-      gw.workspace = lt_ws; gw.workspace_bytes = plan.lt_bytes;
-      FCE_TRY(gemm(gw, stream, nullptr));
-    }
-
-    // 5. ∂b[V] (+)= Σ_rows ∂Z_c   (float32: the caller's, or the workspace accumulator)
-    if (p.grad_bias) {
-      if (dw_fp32)
-        FCE_TRY(launch_column_sums(fn, z, dtype, rc, V, ldz, p.grad_bias, FCE_FLOAT32,
-                                   !(first && !p.accumulate), stream));
-      else
-        FCE_TRY(launch_column_sums(fn, z, dtype, rc, V, ldz, db32, FCE_FLOAT32, !first, stream));
-    }
+    // 3-5. ∂h_c straight into grad_hidden, ∂W (+)= ∂Z_cᵀ·h_c (kChunked16: the 16-bit
+    // grad_weight itself, one rounding per chunk; kChunked: the caller's float32 one), ∂b
+    ChunkGrads g{};
+    g.fn = fn;
+    g.dtype = dtype;
+    g.rc = rc;
+    g.cols = V;
+    g.hidden = D;
+    g.dz = z;
+    g.ldz = ldz;
+    g.h_c = h_c;
+    g.hs = hs;
+    g.weight = p.weight;
+    g.grad_hidden = p.grad_hidden ? static_cast<char*>(p.grad_hidden) +
+                                        static_cast<size_t>(r0) * static_cast<size_t>(D) * e
+                                  : nullptr;
+    g.grad_hidden_dtype = dtype;
+    g.grad_weight = p.grad_weight;
+    g.grad_weight_dtype = grad_w_dtype;
+    g.grad_bias = p.grad_bias;
+    g.db32 = db32;
+    g.first = first;
+    g.accumulate = p.accumulate;
+    g.lt_ws = lt_ws;
+    g.lt_bytes = plan.lt_bytes;
+    FCE_TRY(chunk_grads(g, stream));
   }
 
   // ---- the vocab-sliced gradient pass: per slice of columns [v0, v0 + vc), for all N rows

@@ -89,6 +89,8 @@ struct Plan {
   Layout layout;
 };
 
+// The slices of a token-chunk plan with chunks of chunk_rows rows and lt_bytes for cuBLASLt.
+Layout layout_of(const Sizes& s, int64_t chunk_rows, size_t lt_bytes);
 // The plan of one token-chunk mode in workspace_bytes, or false when even its smallest chunk
 // does not fit.
 bool plan_mode(const Sizes& s, Mode mode, size_t workspace_bytes, Plan* out);
@@ -106,6 +108,37 @@ size_t optimal_workspace(const Sizes& s, bool need_dw, bool dw_fp32);
 fce_status logits_gemm(const char* fn, int dtype, int64_t M, int64_t N, int64_t K, const void* A,
                        int64_t lda, const void* W, const void* bias, void* Z, int64_t ldz,
                        void* lt_ws, size_t lt_bytes, cudaStream_t s);
+
+// Steps 3-5 of a token chunk of rc rows (linear_ce.cu; fce_linear_ce and fce_vp_linear_ce run
+// exactly this), from ∂Z_c [rc, cols] in dtype (ldz elements apart, in place over the chunk's
+// logits), the chunk's hidden rows h_c and the weight [cols, hidden]:
+//   3. ∂h_c = ∂Z_c · W              into grad_hidden (the chunk's rows, dense, grad_hidden_dtype)
+//   4. ∂W (+)= ∂Z_cᵀ · h_c          into grad_weight (grad_weight_dtype: 16-bit in place, one
+//                                   rounding per chunk; or float32); beta 0 on the first chunk
+//                                   unless accumulate
+//   5. ∂b (+)= Σ_rows ∂Z_c          float32: into a float32 grad_bias, else into db32 (stored
+//                                   by the caller after the last chunk)
+// Each output may be null (not asked for).
+struct ChunkGrads {
+  const char* fn;
+  int dtype;                   // of ∂Z_c, h_c and the weight
+  int64_t rc, cols, hidden;
+  const void* dz;
+  int64_t ldz;
+  const void* h_c;
+  int64_t hs;                  // elements between rows of h_c
+  const void* weight;          // [cols, hidden] dense
+  void* grad_hidden;           // the chunk's first row, or nullptr
+  int grad_hidden_dtype;
+  void* grad_weight;           // [cols, hidden], or nullptr
+  int grad_weight_dtype;       // FCE_FLOAT32, or dtype (then grad_bias is dtype too, via db32)
+  void* grad_bias;             // [cols], or nullptr
+  float* db32;                 // [cols] float32 accumulator (a 16-bit grad_bias)
+  bool first, accumulate;
+  void* lt_ws;
+  size_t lt_bytes;
+};
+fce_status chunk_grads(const ChunkGrads& g, cudaStream_t s);
 
 // The vocab-sliced plan's gradient pass (linear_ce.cu): per slice of slice_cols columns
 // [v0, v0 + vc) of the weight's `cols` rows, for all `rows` rows of hidden:

@@ -183,8 +183,8 @@ __global__ void __launch_bounds__(kWeightThreads) vp_weights_kernel(const float*
 
 // ----------------------------------------------------------------- combine ----
 struct CParams {
-  const float* gathered;       // [ranks, rows, FCE_VP_STATS]
-  int64_t ranks, rows;
+  const float* gathered;       // [ranks, rows, FCE_VP_STATS] of the rows [row_begin, row_begin + rows)
+  int64_t ranks, rows, row_begin;
   const void* targets;
   const float* class_weights;
   int64_t ignore_index, shift_T, shift_k;
@@ -205,10 +205,11 @@ struct CParams {
 __global__ void __launch_bounds__(kCombineThreads) vp_combine_kernel(const CParams p) {
   uint32_t flags = 0;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t row = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; row < p.rows; row += stride) {
+  for (int64_t lr = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; lr < p.rows; lr += stride) {
+    const int64_t row = p.row_begin + lr;  // global: the targets and every output
     int64_t y;
     const int kind = classify_row(p, row, &y);
-    const float* g = p.gathered + row * FCE_VP_STATS;
+    const float* g = p.gathered + lr * FCE_VP_STATS;
     const int64_t rank_stride = p.rows * FCE_VP_STATS;
 
     // M = max_r m_r, NaN if any is NaN
@@ -427,8 +428,8 @@ fce_status launch_vp_nan_rows(const char* fn, const CeRowStats* stats, int64_t r
 }
 
 fce_status launch_vp_combine(const VpCombineArgs& a, cudaStream_t s) {
-  if (a.ranks < 1 || a.rows < 0 || a.vocab_total < 1 || a.vocab_total > INT32_MAX ||
-      !a.targets || !a.gathered)
+  if (a.ranks < 1 || a.rows < 0 || a.row_begin < 0 || a.vocab_total < 1 ||
+      a.vocab_total > INT32_MAX || !a.targets || !a.gathered)
     return fail(FCE_ERROR_INTERNAL, "%s: launch_vp_combine: bad arguments", a.fn);
   if (a.rows == 0) return FCE_SUCCESS;
   const CeOptions& opt = a.opt;
@@ -437,6 +438,7 @@ fce_status launch_vp_combine(const VpCombineArgs& a, cudaStream_t s) {
   p.gathered = a.gathered;
   p.ranks = a.ranks;
   p.rows = a.rows;
+  p.row_begin = a.row_begin;
   p.targets = a.targets;
   p.class_weights = opt.class_weights;
   p.ignore_index = opt.ignore_index;

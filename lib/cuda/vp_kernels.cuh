@@ -33,6 +33,30 @@ struct VpStatsArgs {
 };
 fce_status launch_vp_stats(const VpStatsArgs& a, cudaStream_t s);
 
+// The arguments of phase 1 over a token chunk of a linear call's logits z (opt.dtype, ld
+// elements apart; fce_vp_linear_stats, fce_vp_linear_ce), kVpWeight written beforehand by
+// launch_vp_weights when there are class weights.
+inline VpStatsArgs vp_chunk_stats_args(const char* fn, const CeOptions& opt, int64_t row_begin,
+                                       int64_t row_count, const void* z, int64_t ld,
+                                       int64_t vocab_total, int64_t vocab_start,
+                                       int64_t vocab_local, const void* targets, float* stats) {
+  VpStatsArgs a{};
+  a.fn = fn;
+  a.opt = opt;
+  a.row_begin = row_begin;
+  a.row_count = row_count;
+  a.logits = z;
+  a.logits_dtype = opt.dtype;
+  a.row_stride = ld;
+  a.vocab_total = vocab_total;
+  a.vocab_start = vocab_start;
+  a.vocab_local = vocab_local;
+  a.targets = targets;
+  a.stats = stats;
+  a.weight_written = opt.class_weights != nullptr;
+  return a;
+}
+
 // W_r = Σ_j ω_j over the shard's classes (opt.class_weights non-null), in a fixed order (double),
 // written to stats[row · FCE_VP_STATS + kVpWeight] for rows [0, rows): the same bits in every
 // row. Call it (with class weights) before or after launch_vp_stats with weight_written = true.
@@ -40,8 +64,9 @@ fce_status launch_vp_weights(const char* fn, const CeOptions& opt, int64_t rows,
                              int64_t vocab_start, int64_t vocab_local, float* stats,
                              cudaStream_t s);
 
-// Phase 3: per row, the gathered statistics [ranks, rows, FCE_VP_STATS] combined in gathered
-// order in float32 (rule 16), then:
+// Phase 3: per row of [row_begin, row_begin + rows), the gathered statistics [ranks, rows,
+// FCE_VP_STATS] of those rows combined in gathered order in float32 (rule 16), then (every output
+// indexed by the global row, row_begin + the row's place in gathered):
 //   stats_out    CeRowStats {M, log S, t} (t = p_y with token scaling, else 1), the gradient's
 //                row statistics (launch_ce_rows' stats_in); {NaN, NaN, NaN} for a row whose
 //                shards are inconsistent, with pad = 1 when that row is ignored (its gradient
@@ -56,7 +81,8 @@ struct VpCombineArgs {
   const char* fn;
   CeOptions opt;
   int64_t ranks, rows, vocab_total;
-  const void* targets;
+  int64_t row_begin;           // 0 for all rows; fce_vp_linear_ce: its token chunk's first row
+  const void* targets;         // the whole targets array (global rows, shift rule inside)
   const float* gathered;
   CeRowStats* stats_out;
   float* row_loss;

@@ -109,21 +109,9 @@ fce_status vp_linear_stats(const VpLinearProblem& p) {
     // Z_c[rc, Vs] = h_c · W_sᵀ + b_s   (dtype, float32 accumulation, ld = ldz)
     FCE_TRY(linear::logits_gemm(fn, dtype, rc, Vs, D, h_c, hs, p.weight, bias_ws, z, ldz, lt_ws,
                                 plan.lt_bytes, stream));
-    VpStatsArgs a{};
-    a.fn = fn;
-    a.opt = opt;
-    a.row_begin = r0;
-    a.row_count = rc;
-    a.logits = z;
-    a.logits_dtype = dtype;
-    a.row_stride = ldz;
-    a.vocab_total = p.vocab_total;
-    a.vocab_start = p.vocab_start;
-    a.vocab_local = Vs;
-    a.targets = p.targets;
-    a.stats = p.stats;
-    a.weight_written = opt.class_weights != nullptr;
-    FCE_TRY(launch_vp_stats(a, stream));
+    FCE_TRY(launch_vp_stats(vp_chunk_stats_args(fn, opt, r0, rc, z, ldz, p.vocab_total,
+                                                p.vocab_start, Vs, p.targets, p.stats),
+                            stream));
   }
   return FCE_SUCCESS;
 }

@@ -109,6 +109,37 @@ bool bwd_plan(const BwdSizes& s, size_t workspace_bytes, BwdPlan* out) {
   return true;
 }
 
+bool fused_plan(const CeOptions& opt, int64_t ranks, int64_t rows, int64_t hidden,
+                int64_t plan_width, int64_t width, bool need_dw, bool dw_fp32,
+                size_t workspace_bytes, FusedPlan* out) {
+  const size_t n = static_cast<size_t>(rows);
+  size_t at = 0;
+  auto take = [&at](size_t bytes) {
+    const size_t off = at;
+    at = sat_add(at, sat_round(bytes));
+    return off;
+  };
+  out->own = take(sat_mul(n, FCE_VP_STATS * 4));
+  out->gathered = take(sat_mul(sat_mul(n, static_cast<size_t>(ranks)), FCE_VP_STATS * 4));
+  out->rowstats = take(sat_mul(n, sizeof(CeRowStats)));
+  out->lin_at = at;
+  const linear::Sizes ps = linear::sizes_of(opt, rows, hidden, plan_width, true);
+  const linear::Mode mode =
+      (need_dw && !dw_fp32) ? linear::Mode::kChunked16 : linear::Mode::kChunked;
+  const size_t full = linear::optimal_workspace(ps, need_dw, dw_fp32);
+  out->threshold = sat_add(at, full);
+  out->total = kHuge;
+  if (full == kHuge || out->threshold == kHuge || workspace_bytes < out->threshold) return false;
+  // the plan of the full-speed size, whatever the workspace beyond it: the same on every rank
+  linear::Plan p;
+  if (!linear::plan_mode(ps, mode, full, &p)) return false;  // not reached: full holds a plan
+  const linear::Sizes ls = linear::sizes_of(opt, rows, hidden, width, true);
+  p.layout = linear::layout_of(ls, p.chunk_rows, p.lt_bytes);
+  out->lin = p;
+  out->total = sat_add(at, p.layout.total);
+  return true;
+}
+
 }  // namespace vp_plan
 }  // namespace cuda
 

@@ -47,6 +47,26 @@ struct BwdPlan {
 // The plan in workspace_bytes; false when workspace_bytes is below bwd_min_workspace.
 bool bwd_plan(const BwdSizes& s, size_t workspace_bytes, BwdPlan* out);
 
+// ---- fce_vp_linear_ce's token-chunk plan (vp_linear_ce.cu): fce_linear_ce's token-chunk plan
+// (kChunked, or kChunked16 for a 16-bit grad_weight) planned for a shard plan_width =
+// ⌈vocab_total / ranks⌉ wide, so that every rank takes the same chunks (each chunk is an
+// all-gather), laid out for this rank's shard after three slices of its own, from a 256-byte
+// aligned base: this rank's statistics [N, FCE_VP_STATS] (the all-gathers' send buffers), the
+// gathered statistics chunk after chunk ([ranks, rc, FCE_VP_STATS] per chunk of rc rows), the
+// combined row statistics CeRowStats [N]; then linear::Layout (its offsets from `lin`).
+struct FusedPlan {
+  linear::Plan lin;     // chunk_rows, chunks, lt_bytes, mode; layout: this rank's
+  size_t own, gathered, rowstats, lin_at;
+  size_t total;         // bytes this rank needs (kAlign of slack included)
+  size_t threshold;     // the plan runs when workspace_bytes >= threshold (rank-invariant)
+};
+// The plan at workspace_bytes (kHuge: the full-speed one, for the query). False when
+// workspace_bytes is below the threshold (the gather-once plan runs); out->threshold is set
+// either way. out->total may exceed workspace_bytes for a shard wider than plan_width.
+bool fused_plan(const CeOptions& opt, int64_t ranks, int64_t rows, int64_t hidden,
+                int64_t plan_width, int64_t width, bool need_dw, bool dw_fp32,
+                size_t workspace_bytes, FusedPlan* out);
+
 }  // namespace vp_plan
 
 #if defined(FCE_VP_SELFTEST)

@@ -6,9 +6,10 @@
 // workspace) on the host, then enqueue on the caller's stream, in this order,
 //   phase 1 (fce_vp_stats / fce_vp_linear_stats) into this rank's slot of the gathered buffer,
 //   ncclAllGather in place (sendbuff = recvbuff + rank · count, NCCL's in-place form),
-//   [the gradient: fce_vp_backward / fce_vp_linear_backward (∂h partial, float32),
-//    ncclAllReduce (sum, float32) in place, the conversion to the dtype],
-//   fce_vp_loss.
+//   [the gradient: fce_vp_backward], fce_vp_loss;
+// fce_nccl_linear_ce with a gradient: fce_vp_linear_ce (its all-gathers through ncclAllGather,
+// one per token chunk; ∂h partial in float32), ncclAllReduce (sum, float32) of ∂h in place, the
+// conversion to the dtype.
 // Nothing allocates, nothing synchronises the host; the communicator queries are host-only.
 #include <nccl.h>
 
@@ -265,14 +266,17 @@ fce_status lin_layout(const char* fn, const fce_options* options, const fce_opti
   if (hidden < 1)
     return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: hidden (%lld) must be >= 1", fn,
                 (long long)hidden);
-  size_t st_min = 0, st_opt = 0, loss_ws = 0, bw_min = 0, bw_opt = 0;
-  FCE_NCCL_CORE(fn, fce_vp_linear_stats_workspace_size(options, rows, hidden, vocab_local,
-                                                       &st_min, &st_opt));
-  FCE_NCCL_CORE(fn, fce_vp_loss_workspace_size(options, ranks, rows, vocab_total, &loss_ws));
-  if (with_grad)
-    FCE_NCCL_CORE(fn, fce_vp_linear_backward_workspace_size(options, ranks, rows, hidden,
-                                                            vocab_total, vocab_local, FCE_FLOAT32,
-                                                            &bw_min, &bw_opt));
+  size_t st_min = 0, st_opt = 0, loss_ws = 0, fu_min = 0, fu_opt = 0;
+  if (with_grad) {  // fce_vp_linear_ce: the statistics live in its own workspace
+    FCE_NCCL_CORE(fn, fce_vp_linear_ce_workspace_size(options, ranks, rows, hidden, vocab_total,
+                                                      vocab_local, 1, FCE_FLOAT32, &fu_min,
+                                                      &fu_opt));
+    gathered_bytes = 0;
+  } else {
+    FCE_NCCL_CORE(fn, fce_vp_linear_stats_workspace_size(options, rows, hidden, vocab_local,
+                                                         &st_min, &st_opt));
+    FCE_NCCL_CORE(fn, fce_vp_loss_workspace_size(options, ranks, rows, vocab_total, &loss_ws));
+  }
   l->gathered = gathered_bytes;
   l->gh_off = align_up(gathered_bytes);
   l->gh = 0;
@@ -284,9 +288,23 @@ fce_status lin_layout(const char* fn, const fce_options* options, const fce_opti
   }
   l->scratch_off = l->gh_off + align_up(l->gh);
   auto mx = [](size_t a, size_t b) { return a > b ? a : b; };
-  l->scratch_min = mx(mx(st_min, loss_ws), bw_min);
-  l->scratch_opt = mx(mx(mx(st_opt, st_min), loss_ws), mx(bw_opt, bw_min));
+  l->scratch_min = mx(mx(st_min, loss_ws), fu_min);
+  l->scratch_opt = mx(mx(mx(st_opt, st_min), loss_ws), mx(fu_opt, fu_min));
   return FCE_SUCCESS;
+}
+
+// fce_vp_linear_ce's all-gather (fce_vp_all_gather_fn): ncclAllGather on the call's stream;
+// NCCL's result kept for the message.
+struct GatherCtx {
+  ncclComm_t comm;
+  ncclResult_t result;
+};
+fce_status nccl_all_gather(void* context, const float* send, float* recv, int64_t count,
+                           void* stream) {
+  GatherCtx* g = static_cast<GatherCtx*>(context);
+  g->result = ncclAllGather(send, recv, static_cast<size_t>(count), ncclFloat32, g->comm,
+                            static_cast<cudaStream_t>(stream));
+  return g->result == ncclSuccess ? FCE_SUCCESS : FCE_ERROR_CUDA;
 }
 
 }  // namespace
@@ -509,43 +527,46 @@ FCE_API fce_status fce_nccl_linear_ce(const fce_options* options, ncclComm_t com
   // ---- enqueue
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   char* ws = static_cast<char*>(workspace);
-  float* gathered = reinterpret_cast<float*>(ws);
-  const size_t count = static_cast<size_t>(rows) * FCE_VP_STATS;
-  float* stats = gathered + static_cast<size_t>(ci.rank) * count;
   void* scratch = ws + l.scratch_off;
   const size_t scratch_bytes = workspace_bytes - l.scratch_off;
-  FCE_NCCL_CORE(fn, fce_vp_linear_stats(options, rows, hidden, vocab_total, vocab_start,
-                                        vocab_local, hidden_states, weight, bias, targets, stats,
-                                        scratch, scratch_bytes, stream));
-  ncclResult_t nr = ncclAllGather(stats, gathered, count, ncclFloat32, comm, s);
-  if (nr != ncclSuccess) return nccl_fail(fn, "ncclAllGather (statistics)", nr, comm);
-  if (with_grad) {
-    // This rank's share of ∂h in float32: in grad_hidden itself for a float32 dtype, else in
-    // the workspace slice, all-reduced there and rounded once into grad_hidden.
-    float* gh32 = nullptr;
-    if (grad_hidden)
-      gh32 = o.dtype == FCE_FLOAT32 ? static_cast<float*>(grad_hidden)
-                                    : reinterpret_cast<float*>(ws + l.gh_off);
-    FCE_NCCL_CORE(fn, fce_vp_linear_backward(options, ci.ranks, rows, hidden, vocab_total,
-                                             vocab_start, vocab_local, hidden_states, weight,
-                                             bias, targets, gathered, grad_output, gh32,
-                                             FCE_FLOAT32, grad_weight, grad_bias, error_flags,
-                                             scratch, scratch_bytes, stream));
-    if (grad_hidden) {
-      const size_t n = static_cast<size_t>(rows) * static_cast<size_t>(hidden);
-      nr = ncclAllReduce(gh32, gh32, n, ncclFloat32, ncclSum, comm, s);
-      if (nr != ncclSuccess) return nccl_fail(fn, "ncclAllReduce (grad_hidden)", nr, comm);
-      if (o.dtype != FCE_FLOAT32) {
-        const cudaError_t e = fce_nccl::convert_f32(gh32, grad_hidden, o.dtype,
-                                                    static_cast<int64_t>(n), s);
-        if (e != cudaSuccess)
-          return fail(FCE_ERROR_CUDA, "%s: the conversion of grad_hidden to the dtype: %s", fn,
-                      cudaGetErrorString(e));
-      }
+  if (!with_grad) {  // the loss only: phase 1, the all-gather, the loss
+    float* gathered = reinterpret_cast<float*>(ws);
+    const size_t count = static_cast<size_t>(rows) * FCE_VP_STATS;
+    float* stats = gathered + static_cast<size_t>(ci.rank) * count;
+    FCE_NCCL_CORE(fn, fce_vp_linear_stats(options, rows, hidden, vocab_total, vocab_start,
+                                          vocab_local, hidden_states, weight, bias, targets,
+                                          stats, scratch, scratch_bytes, stream));
+    const ncclResult_t nr = ncclAllGather(stats, gathered, count, ncclFloat32, comm, s);
+    if (nr != ncclSuccess) return nccl_fail(fn, "ncclAllGather (statistics)", nr, comm);
+    FCE_NCCL_CORE(fn, fce_vp_loss(options, ci.ranks, rows, vocab_total, targets, gathered, loss,
+                                  lse, z_loss, error_flags, scratch, scratch_bytes, stream));
+    return FCE_SUCCESS;
+  }
+  // This rank's share of ∂h in float32: in grad_hidden itself for a float32 dtype, else in the
+  // workspace slice, all-reduced there and rounded once into grad_hidden.
+  float* gh32 = nullptr;
+  if (grad_hidden)
+    gh32 = o.dtype == FCE_FLOAT32 ? static_cast<float*>(grad_hidden)
+                                  : reinterpret_cast<float*>(ws + l.gh_off);
+  GatherCtx g{comm, ncclSuccess};
+  const fce_status st = fce_vp_linear_ce(
+      options, ci.ranks, rows, hidden, vocab_total, vocab_start, vocab_local, hidden_states,
+      weight, bias, targets, loss, lse, z_loss, grad_output, gh32, FCE_FLOAT32, grad_weight,
+      grad_bias, error_flags, nccl_all_gather, &g, scratch, scratch_bytes, stream);
+  if (g.result != ncclSuccess) return nccl_fail(fn, "ncclAllGather (statistics)", g.result, comm);
+  FCE_NCCL_CORE(fn, st);
+  if (grad_hidden) {
+    const size_t n = static_cast<size_t>(rows) * static_cast<size_t>(hidden);
+    const ncclResult_t nr = ncclAllReduce(gh32, gh32, n, ncclFloat32, ncclSum, comm, s);
+    if (nr != ncclSuccess) return nccl_fail(fn, "ncclAllReduce (grad_hidden)", nr, comm);
+    if (o.dtype != FCE_FLOAT32) {
+      const cudaError_t e = fce_nccl::convert_f32(gh32, grad_hidden, o.dtype,
+                                                  static_cast<int64_t>(n), s);
+      if (e != cudaSuccess)
+        return fail(FCE_ERROR_CUDA, "%s: the conversion of grad_hidden to the dtype: %s", fn,
+                    cudaGetErrorString(e));
     }
   }
-  FCE_NCCL_CORE(fn, fce_vp_loss(options, ci.ranks, rows, vocab_total, targets, gathered, loss,
-                                lse, z_loss, error_flags, scratch, scratch_bytes, stream));
   return FCE_SUCCESS;
 }
 

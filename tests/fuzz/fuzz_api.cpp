@@ -1,5 +1,7 @@
-// fuzz_api.cpp — a libFuzzer target over the argument validation of every fusedce entry point on
-// the CPU backend.
+// fuzz_api.cpp — a libFuzzer target over the argument validation of fusedce's one-GPU entry
+// points (fce_forward, fce_backward, fce_backward_rescale, fce_linear_ce, fce_scale_gradient and
+// their workspace queries) on the CPU backend. (The vocabulary-parallel calls' bad input is
+// tests/test_vocab_parallel.cpp's VpBadInput.)
 //
 // Each input is one call: the fuzzer's bytes pick the entry point, the sizes, every field of
 // fce_options (struct_size 104/136 and garbage ones, enums, option floats, strides, shift,

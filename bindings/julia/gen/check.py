@@ -15,6 +15,7 @@ No Julia runtime is needed: the package's .jl files are read as text. Checked:
         T* (a buffer, maybe device memory) -> Ptr{T} or CuPtr{T} (PtrOrCuPtr{T})
         size_t* (a host out-parameter) -> Ref{Csize_t} or Ptr{Csize_t}
         fce_options* -> Ref{FceOptions} or Ptr{FceOptions}
+        a function-pointer typedef (fce_vp_all_gather_fn) -> Ptr{Cvoid}
      Aliases the package defines (`const fce_status = Cint`) are followed, and names that are
      the same Julia type are equal (Cint and Int32, Cfloat and Float32, Csize_t and UInt).
   2. Every header function has at least one ccall.
@@ -361,6 +362,8 @@ def allowed_types(ct: gen.CType, hdr: gen.Header, role: str, pname: str = "") ->
             return ["Cint"]
         if hdr.struct_of(ct.base):
             return [gen.julia_struct_name(ct.base)]
+        if hdr.callback_of(ct.base):
+            return ["Ptr{Cvoid}"]
         return [_C_SCALAR[ct.base]]
     if ct.pointers == 1 and ct.base == "char":
         return ["Cstring", "Ptr{UInt8}"]

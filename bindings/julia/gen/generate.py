@@ -11,8 +11,9 @@ check_status (FusedCE.jl throws FusedCEError); the struct mirrored field for fie
 constants. The style is that of CUDA.jl's generated lib/cublas/src/libcublasLt.jl.
 
 The header parser here is also what check.py uses to hold the package to the header; it only
-knows the C that fusedce.h is written in (C99 prototypes, typedef'd enums and structs, object-like
-#defines) and fails loudly on anything else rather than guessing. Standard library only.
+knows the C that fusedce.h is written in (C99 prototypes, typedef'd enums and structs, typedef'd
+function pointers (callbacks, passed as Ptr{Cvoid}), object-like #defines) and fails loudly on
+anything else rather than guessing. Standard library only.
 """
 from __future__ import annotations
 
@@ -93,12 +94,16 @@ class Header:
     enums: list[Enum] = field(default_factory=list)
     structs: list[Struct] = field(default_factory=list)
     defines: list[Define] = field(default_factory=list)
+    callbacks: list[Function] = field(default_factory=list)  # typedef RET (*NAME)(PARAMS);
 
     def enum_of(self, name: str) -> Enum | None:
         return next((e for e in self.enums if e.name == name), None)
 
     def struct_of(self, name: str) -> Struct | None:
         return next((s for s in self.structs if s.name == name), None)
+
+    def callback_of(self, name: str) -> Function | None:
+        return next((c for c in self.callbacks if c.name == name), None)
 
     def constants(self) -> dict[str, int]:
         out = {n: v for e in self.enums for n, v in e.values}
@@ -158,6 +163,19 @@ def _join_continuations(text: str) -> str:
 
 def _line_of(text: str, pos: int) -> int:
     return text.count("\n", 0, pos) + 1
+
+
+def _parse_params(name: str, raw: str, known: set[str]) -> list[Param]:
+    """The parameter list of a prototype or a function-pointer typedef."""
+    params = []
+    raw = " ".join(raw.split())
+    if raw not in ("", "void"):
+        for i, decl in enumerate(_split_top(raw)):
+            if "(" in decl or decl == "...":
+                raise HeaderError(f"{name}: unsupported parameter {decl!r}")
+            ctype, pname = parse_decl(decl, known)
+            params.append(Param(pname or f"arg{i + 1}", ctype))
+    return params
 
 
 def parse_decl(decl: str, known_types: set[str]) -> tuple[CType, str | None]:
@@ -277,20 +295,24 @@ def parse_header(text: str) -> Header:
         constants[name] = value
         hdr.defines.append(Define(name, body, value, unsigned))
 
-    # prototypes: FCE_API <return type> <name>(<parameters>);
     nopp = re.sub(r"^[ \t]*#.*$", lambda mm: " " * len(mm.group(0)), code, flags=re.M)
+    # function-pointer typedefs (callbacks): typedef <return type> (*<name>)(<parameters>);
+    for m in re.finditer(r"\btypedef\s+([^;{}()]*?)\s*\(\s*\*\s*(\w+)\s*\)\s*"
+                         r"\(([^;{}]*?)\)\s*;", nopp, re.S):
+        ret, rname = parse_decl(" ".join(m.group(1).split()), known)
+        if rname is not None:
+            raise HeaderError(f"cannot parse the return type of {m.group(0)!r}")
+        name = m.group(2)
+        params = _parse_params(name, m.group(3), known)
+        hdr.callbacks.append(Function(name, ret, params, _line_of(nopp, m.start())))
+        known.add(name)
+
+    # prototypes: FCE_API <return type> <name>(<parameters>);
     for m in re.finditer(r"\bFCE_API\s+([^;{}()]*?)\s*\(([^;{}]*?)\)\s*;", nopp, re.S):
         ret, name = parse_decl(" ".join(m.group(1).split()), known)
         if name is None:
             raise HeaderError(f"cannot find the function name in {m.group(0)!r}")
-        params = []
-        raw = " ".join(m.group(2).split())
-        if raw not in ("", "void"):
-            for i, decl in enumerate(_split_top(raw)):
-                if "(" in decl or decl == "...":
-                    raise HeaderError(f"{name}: unsupported parameter {decl!r}")
-                ctype, pname = parse_decl(decl, known)
-                params.append(Param(pname or f"arg{i + 1}", ctype))
+        params = _parse_params(name, m.group(2), known)
         hdr.functions.append(Function(name, ret, params, _line_of(nopp, m.start())))
     if not hdr.functions:
         raise HeaderError("no FCE_API functions found")
@@ -321,6 +343,8 @@ def julia_type(ct: CType, hdr: Header, role: str) -> str:
             return "Cint"
         if hdr.struct_of(ct.base):
             return julia_struct_name(ct.base)
+        if hdr.callback_of(ct.base):
+            return "Ptr{Cvoid}"  # a C function pointer: @cfunction's result
         return _JULIA_SCALAR[ct.base]
     if ct.pointers == 1 and ct.base == "char" and role != "field":
         return "Cstring"
@@ -425,6 +449,8 @@ def render(header_text: str, header_name: str = "include/fusedce.h") -> str:
     w("#   - A function returning fce_status passes the status to check_status (FusedCE.jl), which")
     w("#     throws FusedCEError(status, fce_last_error()) unless it is FCE_SUCCESS; such a")
     w("#     function returns nothing. The others return what the C function returns.")
+    w("#   - A C function-pointer typedef (a callback) is an alias of Ptr{Cvoid}: pass what")
+    w("#     @cfunction makes for the C prototype shown above the alias.")
     w("#   - The library is found at run time (libfusedce_symbol, FusedCE.jl):")
     w("#     ENV[\"FUSEDCE_LIBRARY\"], else \"libfusedce\" on the library search path.")
     w("")
@@ -482,6 +508,18 @@ def render(header_text: str, header_name: str = "include/fusedce.h") -> str:
         w(f"# {d.name}: the C initialiser, item for item.")
         head = f"const {d.name} = {jname}("
         out.extend(_pack(items, head, " " * len(head), ")"))
+        w("")
+
+    for cb in hdr.callbacks:
+        w(f"# ---------------------------------------------------------------- callback {cb.name}")
+        decls = [f"{p.ctype} {p.name}" for p in cb.params] or ["void"]
+        out.extend(_pack(decls, f"# typedef {cb.ret} (*{cb.name})(", "#     ", ");"))
+        types = [julia_type(p.ctype, hdr, "param") for p in cb.params]
+        ret = julia_type(cb.ret, hdr, "ret")
+        tail = "," if len(types) == 1 else ""
+        out.extend(_pack(types, f"# A C function pointer: @cfunction(f, {ret}, (", "#     ",
+                         tail + "))"))
+        w(f"const {cb.name} = Ptr{{Cvoid}}")
         w("")
 
     w("# ---------------------------------------------------------------- functions")

@@ -182,6 +182,25 @@ def test_wrong_pointer_and_struct_types_fail(pkg: Path, position, wrong, needle)
     assert only(found, "src/bad.jl", needle, f"typed {wrong}"), found
 
 
+def test_callback_parameter_must_be_ptr_cvoid(pkg: Path):
+    hdr = gen.parse_header(HEADER.read_text())
+    fn = next(f for f in hdr.functions
+              if any(hdr.callback_of(p.ctype.base) and not p.ctype.pointers for p in f.params))
+    i = next(i for i, p in enumerate(fn.params) if hdr.callback_of(p.ctype.base))
+    types = [gen.julia_type(p.ctype, hdr, "param") for p in fn.params]
+    assert types[i] == "Ptr{Cvoid}"
+    types[i] = "Ptr{Cfloat}"
+    args = ", ".join(f"a{k}" for k in range(len(types)))
+    plant(pkg, "src/bad.jl", f"""
+        f({args}) = ccall(libfusedce_symbol(:{fn.name}), Cint,
+                     ({", ".join(types)}), {args})
+    """)
+    p = fn.params[i]
+    found = problems(pkg)
+    needle = f"argument {i + 1} ({p.ctype} {p.name}) is typed Ptr{{Cfloat}}"
+    assert only(found, "src/bad.jl", needle, "expected Ptr{Cvoid}"), found
+
+
 def test_wrong_return_type_fails(pkg: Path):
     plant(pkg, "src/bad.jl", """
         v() = ccall(libfusedce_symbol(:fce_version), Cint, ())
@@ -333,6 +352,11 @@ def test_layout_values_and_prototypes_match_c_compiler(tmp_path: Path):
     # does not compile (-Werror) if any return or parameter type differs
     def prototypes(functions) -> str:
         out = ['#include "fusedce.h"']
+        # the callback typedefs as parsed: a function of the parsed type must initialise one
+        for c in hdr.callbacks:
+            params = ", ".join(f"{p.ctype} {p.name}" for p in c.params) or "void"
+            out.append(f"static {c.ret} cb_{c.name}({params}) {{ return ({c.ret})0; }}")
+            out.append(f"{c.name} const p_{c.name} = cb_{c.name};")
         for f in functions:
             params = ", ".join(str(p.ctype) for p in f.params) or "void"
             out.append(f"{f.ret} (*const p_{f.name})({params}) = {f.name};")

@@ -1,6 +1,6 @@
 """The ctypes core: find and load libfusedce, mirror include/fusedce.h, raise on statuses.
 
-Everything here is a one-to-one image of the C header written for FCE_VERSION 0.4.0; nothing
+Everything here is a one-to-one image of the C header written for FCE_VERSION 0.5.0; nothing
 above the C ABI (arrays, allocation, frameworks) lives in this module (see core.py); the status
 codes and their exceptions are in _errors.py.
 
@@ -13,7 +13,8 @@ What "lacks" means here: an fce_options field appended later (``shift``, ``argma
 knows, FCE_OPTIONS_SIZE_V0_1, and :func:`require_options_v0_3` refuses those options instead of
 letting the library ignore them), and a function added later (:data:`SINCE`: calling one the
 library does not have raises, and :func:`require_vp` / :func:`has_vp` for the
-vocabulary-parallel calls, 0.4).
+vocabulary-parallel calls, 0.4; :func:`has_vp_linear_ce` for their one-call fused linear CE,
+fce_vp_linear_ce, 0.5, which fusedce.torch.distributed uses when it is there).
 
 The library is searched in this order:
   1. the path in the environment variable FUSEDCE_LIBRARY (a file, or a folder holding
@@ -48,7 +49,7 @@ from ._errors import ERRORS as _ERRORS  # noqa: F401
 
 # ---------------------------------------------------------------- the header we mirror ----
 HEADER_VERSION_MAJOR = 0
-HEADER_VERSION_MINOR = 4
+HEADER_VERSION_MINOR = 5
 HEADER_VERSION_PATCH = 0
 HEADER_VERSION_NUMBER = (HEADER_VERSION_MAJOR * 10000 + HEADER_VERSION_MINOR * 100
                          + HEADER_VERSION_PATCH)
@@ -158,8 +159,19 @@ VP_SYMBOLS = ("fce_vp_stats", "fce_vp_loss_workspace_size", "fce_vp_loss",
               "fce_vp_backward_workspace_size", "fce_vp_backward",
               "fce_vp_linear_stats_workspace_size", "fce_vp_linear_stats",
               "fce_vp_linear_backward_workspace_size", "fce_vp_linear_backward")
+# the one-call vocabulary-parallel linear CE (0.5): optional, fusedce.torch.distributed falls
+# back to the two-phase calls above without it (has_vp_linear_ce)
+VP_LINEAR_CE_SYMBOLS = ("fce_vp_linear_ce_workspace_size", "fce_vp_linear_ce")
 SINCE = {"fce_scale_gradient": 200, "fce_backward_rescale": 200, "fce_build_info": 300,
-         **{name: 400 for name in VP_SYMBOLS}}
+         **{name: 400 for name in VP_SYMBOLS}, **{name: 500 for name in VP_LINEAR_CE_SYMBOLS}}
+
+# fce_vp_all_gather_fn: fce_status (*)(void* context, const float* send, float* recv,
+# int64_t count, void* stream), the all-gather fce_vp_linear_ce runs its collective through.
+# The pointers arrive as ints (None for NULL); a Python exception must not escape it (ctypes
+# would print it and return 0, FCE_SUCCESS): catch it, return a failing status, re-raise it
+# after the call. Keep the object alive for as long as the call runs.
+VP_ALL_GATHER_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                    ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p)
 
 
 def _declare(lib) -> frozenset:
@@ -201,6 +213,11 @@ def _declare(lib) -> frozenset:
         "fce_vp_linear_backward": (
             st, [opt, i64, i64, i64, i64, i64, i64, vp, vp, vp, vp, fp, fp, vp, c.c_int32, vp,
                  vp, vp, vp, sz, vp]),
+        "fce_vp_linear_ce_workspace_size": (
+            st, [opt, i64, i64, i64, i64, i64, c.c_int, c.c_int32, psz, psz]),
+        "fce_vp_linear_ce": (
+            st, [opt, i64, i64, i64, i64, i64, i64, vp, vp, vp, vp, fp, fp, fp, fp, vp, c.c_int32,
+                 vp, vp, vp, VP_ALL_GATHER_FN, vp, vp, sz, vp]),
     }
     missing = []
     for name, (restype, argtypes) in sigs.items():
@@ -272,6 +289,12 @@ def has_vp() -> bool:
     """True when the loaded library has the vocabulary-parallel calls (fce_vp_*, 0.4)."""
     load()
     return _LIB_VERSION >= 400 and not _LIB_MISSING.intersection(VP_SYMBOLS)
+
+
+def has_vp_linear_ce() -> bool:
+    """True when the loaded library has the vocabulary-parallel calls and the one-call fused
+    linear CE (fce_vp_linear_ce and its workspace query, 0.5)."""
+    return has_vp() and not _LIB_MISSING.intersection(VP_LINEAR_CE_SYMBOLS)
 
 
 def require_vp(what: str = "the vocabulary-parallel calls (fce_vp_*)") -> None:

@@ -20,6 +20,15 @@ over the group, then casts it to hidden's dtype. Megatron's own implementation m
 all-reduces (max, target logit, sum of exponentials) and keeps a float32 softmax [s, b, V/P] for
 the backward; this one keeps only the statistics [P, s·b, 8] and a reference to the logits.
 
+The linear version with a gradient and reduction 'mean' or 'sum' (libfusedce >= 0.5) runs the
+whole step in the forward instead, in ONE library call (``fce_vp_linear_ce``) that makes each
+rank's logits once (6·N·D·V/P FLOPs per rank, against 8·N·D·V/P for the two phases, which make
+them again in the backward): the library issues the statistics' all-gather itself, through a
+callback that runs ``all_gather_into_tensor`` on the group, once per token chunk on CUDA (once
+in all on the CPU backend), and writes the gradients for an upstream 1; ∂hidden is all-reduced
+in the forward too, and the backward only scales the gradients by the upstream scalar. Reduction
+'none' (a per-token upstream gradient) and calls without a gradient keep the two phases.
+
 Collectives are ``torch.distributed`` calls on ``group``, so they run over NCCL for CUDA tensors
 (the library on ``torch.cuda.current_stream()``, ordered with NCCL as every torch collective is)
 and over gloo for CPU tensors (the library's CPU backend). Every rank of the group must make the
@@ -167,23 +176,32 @@ def _layout(vocab_local: int, rank: int, size: int, vocab_start, vocab_total) ->
 _GATHER_FALLBACK = set()  # backends whose all_gather_into_tensor raised: all_gather into views
 
 
+def _gather_into(out: Tensor, src: Tensor, group, size: int) -> None:
+    """out [size * k, ...] = the group's src [k, ...], rank-major (group None: one rank, a
+    copy)."""
+    if group is None:
+        out.copy_(src)
+        return
+    backend = str(dist.get_backend(group))
+    if backend not in _GATHER_FALLBACK and hasattr(dist, "all_gather_into_tensor"):
+        try:
+            # the concatenated [P * rows, 8] form: gloo takes it (not the stacked [P, rows, 8])
+            dist.all_gather_into_tensor(out, src, group=group)
+            return
+        except (RuntimeError, NotImplementedError):
+            if backend == "nccl":
+                raise
+            _GATHER_FALLBACK.add(backend)  # e.g. an older gloo: every rank falls back alike
+    dist.all_gather(list(out.chunk(size)), src, group=group)  # views: written in place
+
+
 def _all_gather(stats: Tensor, group, size: int) -> Tensor:
     """[size * rows, VP_STATS]: the group's statistics, rank-major (what fce_vp_loss reads as
     [ranks, rows, VP_STATS])."""
     if group is None:  # no torch.distributed: one rank
         return stats
     out = stats.new_empty((size * stats.shape[0], VP_STATS))
-    backend = str(dist.get_backend(group))
-    if backend not in _GATHER_FALLBACK and hasattr(dist, "all_gather_into_tensor"):
-        try:
-            # the concatenated [P * rows, 8] form: gloo takes it (not the stacked [P, rows, 8])
-            dist.all_gather_into_tensor(out, stats, group=group)
-            return out
-        except (RuntimeError, NotImplementedError):
-            if backend == "nccl":
-                raise
-            _GATHER_FALLBACK.add(backend)  # e.g. an older gloo: every rank falls back alike
-    dist.all_gather(list(out.chunk(size)), stats, group=group)  # views: written in place
+    _gather_into(out, stats, group, size)
     return out
 
 
@@ -533,6 +551,181 @@ class _VocabParallelLinearCE(torch.autograd.Function):
         return (gh, gw, gb) + nones
 
 
+# ---- the fused step (fce_vp_linear_ce, 0.5): the logits made once, the gradients in the forward
+class _AllGather:
+    """The fce_vp_all_gather_fn of one fce_vp_linear_ce call. The library hands it send [count]
+    and recv [ranks, count] float32 inside the call's workspace ``ws`` (a float32 tensor); they
+    are gathered by _gather_into, a torch.distributed collective on views of ``ws``. An
+    exception is kept (ctypes must not see it: it would print it and return 0, success) and a
+    failing status returned, which stops the call; the caller re-raises it."""
+
+    def __init__(self, ws: Optional[Tensor], group, size: int, stream):
+        self.ws, self.group, self.size, self.stream = ws, group, size, stream
+        self.error: Optional[BaseException] = None
+        self.fn = _lib.VP_ALL_GATHER_FN(self._call)  # alive as long as this object
+
+    def _view(self, ptr, count: int, what: str) -> Tensor:
+        ws = self.ws
+        off = -1 if (ptr is None or ws is None) else int(ptr) - ws.data_ptr()
+        if off < 0 or off % 4 or off // 4 + count > ws.numel():
+            raise RuntimeError(
+                f"fusedce: fce_vp_linear_ce's all-gather got a {what} buffer ({ptr}, {count} "
+                "float32) outside the workspace it was given")
+        return ws.narrow(0, off // 4, count)
+
+    def _call(self, _context, send, recv, count, stream):
+        try:
+            n = int(count)
+            src = self._view(send, n, "send")
+            out = self._view(recv, self.size * n, "recv")
+            # the library passes the caller's stream (NULL, None here, for the default one)
+            if src.is_cuda and (stream or 0) != (self.stream or 0):
+                with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=src.device)):
+                    _gather_into(out, src, self.group, self.size)
+            else:
+                _gather_into(out, src, self.group, self.size)
+            return _lib.FCE_SUCCESS
+        except BaseException as e:  # noqa: B902 - re-raised by the caller after the C call
+            self.error = e
+            return _lib.FCE_ERROR_INVALID_ARGUMENT
+
+
+def _fused_workspace(o, key, size: int, n: int, d: int, vt: int, vl: int, budget: int,
+                     cuda: bool, outputs: tuple) -> int:
+    """fce_vp_linear_ce's workspace: the full-speed size if it is within budget, else the budget,
+    never below the minimum; the same on every rank (the plan, hence the collectives, depends on
+    it): queried for shards ⌈vt / size⌉ wide, the widest of equal shards or of shard_range's
+    split. A shard wider than that (another uneven split) may need more on its own rank: it gets
+    it where that cannot change the plan (the CPU backend's is always gather-once; on CUDA at the
+    full-speed size every rank runs the token chunks), else raises."""
+    width = -(-vt // size)
+    lo, hi = _query(("vp_lin_ce", key, size, n, d, vt, width) + outputs,
+                    "fce_vp_linear_ce_workspace_size", ctypes.byref(o), size, n, d, vt, width, 1,
+                    _lib.FCE_FLOAT32, pair=True)
+    ws_bytes = max(lo, min(hi, budget))
+    if vl <= width:
+        return ws_bytes
+    lo1, hi1 = _query(("vp_lin_ce", key, size, n, d, vt, vl) + outputs,
+                      "fce_vp_linear_ce_workspace_size", ctypes.byref(o), size, n, d, vt, vl, 1,
+                      _lib.FCE_FLOAT32, pair=True)
+    if not cuda:
+        return max(ws_bytes, lo1)
+    if ws_bytes >= hi:
+        return max(ws_bytes, hi1)
+    raise ValueError(
+        f"fusedce: this rank's shard ({vl} classes) is wider than vocab_total / ranks rounded up "
+        f"({width}), and the workspace budget ({budget} bytes) is below the full-speed size "
+        f"({hi} bytes) the other ranks plan with: pass workspace_bytes >= {hi} on every rank, "
+        "or split the vocabulary as fusedce.torch.distributed.shard_range does")
+
+
+def _linear_fused(hidden, weight, bias, targets, cw, layout, opts, cdt, budget, extras, check,
+                  want_lse, need, reduce_grad_hidden, grad_output, stream):
+    """fce_vp_linear_ce with the gradients of ``need`` (hidden, weight, bias) for the upstream
+    grad_output (None: 1): (loss, lse, z_loss, accuracy, argmax, (∂hidden, ∂weight, ∂bias)), None
+    for what was not asked for; ∂hidden all-reduced (sum, float32) over the group when
+    reduce_grad_hidden, then in hidden's dtype; ∂weight and ∂bias in theirs. The workspace is
+    freed before the all-reduce and the casts."""
+    group, size, vs, vt = layout
+    h, w, b = _cast_inputs(hidden, weight, bias, cdt)
+    n, d = h.shape
+    vl = w.shape[0]
+    # a float32 weight computed in a 16-bit dtype (autocast) gets its gradient in float32
+    fp32_grads = weight.dtype == torch.float32 and cdt != torch.float32
+    key, o = _opts_struct(h, cdt, targets, opts, cw, grad_weight_fp32=fp32_grads)
+    o.hidden_row_stride = h.stride(0) if n > 1 else d
+    dev = h.device
+    reduction = opts[0]
+    z_loss, accuracy, argmax = _tc._extras(extras, n, reduction, dev)
+    if argmax is not None or accuracy is not None:
+        o.argmax, o.accuracy = _tc._ptr(argmax), _tc._ptr(accuracy)
+    ws_bytes = _fused_workspace(o, key, size, n, d, vt, vl, max(0, budget), h.is_cuda,
+                                (cw is not None, argmax is not None, accuracy is not None))
+    loss = torch.empty((n,) if reduction == _lib.FCE_REDUCTION_NONE else (),
+                       dtype=torch.float32, device=dev)
+    lse = torch.empty((n,), dtype=torch.float32, device=dev) if want_lse else None
+    flags = torch.zeros((1,), dtype=torch.int32, device=dev) if check else None
+    gw_dtype = torch.float32 if fp32_grads else cdt
+    # ∂hidden: this rank's partial in float32 (its all-reduce exact to float32), even when it
+    # is not all-reduced: a 16-bit grad_hidden_dtype asks for more workspace than it saves
+    gh = torch.empty((n, d), dtype=torch.float32, device=dev) if need[0] else None
+    gw = torch.empty((vl, d), dtype=gw_dtype, device=dev) if need[1] else None
+    gb = torch.empty((vl,), dtype=gw_dtype, device=dev) if need[2] and b is not None else None
+    # float32 elements, so that the all-gathers' buffers are views of it
+    ws = torch.empty(((ws_bytes + 3) // 4,), dtype=torch.float32, device=dev) if ws_bytes else None
+    gather = _AllGather(ws, group, size, stream)
+    status = _lib.load().fce_vp_linear_ce(
+        ctypes.byref(o), size, n, d, vt, vs, vl, h.data_ptr(), w.data_ptr(), _tc._ptr(b),
+        targets.data_ptr(), loss.data_ptr(), _tc._ptr(lse), _tc._ptr(z_loss),
+        _tc._ptr(grad_output), _tc._ptr(gh), _lib.FCE_FLOAT32, _tc._ptr(gw), _tc._ptr(gb),
+        _tc._ptr(flags), gather.fn, None, _tc._ptr(ws), ws_bytes, stream)
+    gather.ws = ws = None  # the workspace goes before the gradients' reduction and casts
+    del h, w, b  # (copies under autocast)
+    if gather.error is not None:
+        error, gather.error = gather.error, None
+        raise error  # the all-gather's own exception (the library's status only follows it)
+    _check(status, "fce_vp_linear_ce")
+    _check_flags(flags, targets, vt, opts)
+    if gh is not None:
+        if reduce_grad_hidden:
+            _all_reduce_sum(gh, group, size)  # float32: the sum exact to float32
+        gh = gh.to(hidden.dtype)  # (the float32 partial is dropped here when they differ)
+    if gw is not None:
+        gw = gw.to(weight.dtype)
+    if gb is not None:
+        gb = gb.to(bias.dtype)
+    return loss, lse, z_loss, accuracy, argmax, (gh, gw, gb)
+
+
+class _VocabParallelLinearCEFused(torch.autograd.Function):
+    """Reductions mean and sum with a gradient: ONE fce_vp_linear_ce in the forward makes the
+    loss and the gradients for an upstream 1 (∂hidden all-reduced there); the backward scales
+    them by the scalar upstream gradient in place (fce_scale_gradient: nothing is touched when it
+    is exactly 1) and hands them out. A second backward through the graph (retain_graph) makes
+    them again with the real upstream gradient (the collectives again, on every rank).
+    Returns (loss, lse, z_loss, accuracy, argmax), None for what was not asked for."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, cw, layout, opts, cdt, budget, extras,
+                check, want_lse, reduce_grad_hidden):
+        need = (bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1]),
+                bias is not None and bool(ctx.needs_input_grad[2]))
+        loss, lse, zl, acc, am, grads = _linear_fused(
+            hidden, weight, bias, targets, cw, layout, opts, cdt, budget, extras, check,
+            want_lse, need, reduce_grad_hidden, None, _tc._stream(hidden))
+        # the gradients, not version-tracked (scaled in place, handed out once); the inputs
+        # (alive anyway) for a second backward only
+        ctx.grads, ctx.computed = grads, need
+        ctx.save_for_backward(hidden, weight, bias, targets, cw)
+        ctx.args = (layout, opts, cdt, budget, reduce_grad_hidden)
+        ctx.set_materialize_grads(False)
+        _to._non_differentiable(ctx, lse, zl, acc, am)
+        return loss, lse, zl, acc, am
+
+    @staticmethod
+    def backward(ctx, grad_loss, *_unused):
+        nones = (None,) * 10
+        if grad_loss is None:
+            ctx.grads = None
+            return (None,) * 3 + nones
+        need = (bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1]),
+                ctx.computed[2] and bool(ctx.needs_input_grad[2]))
+        grads = ctx.grads
+        if grads is not None and all(c or not w for c, w in zip(ctx.computed, need)):
+            ctx.grads = None  # handed out: a later backward makes them again
+            out = tuple(g if w else None for g, w in zip(grads, need))
+            for g in out:
+                if g is not None:
+                    _tc.scale_(g, grad_loss)  # a no-op launch for an upstream exactly 1
+        else:
+            hidden, weight, bias, targets, cw = ctx.saved_tensors
+            layout, opts, cdt, budget, reduce_grad_hidden = ctx.args
+            out = _linear_fused(hidden, weight, bias, targets, cw, layout, opts, cdt, budget, 0,
+                                False, False, need, reduce_grad_hidden, _to._f32(grad_loss),
+                                _tc._stream(hidden))[5]
+        return out + nones
+
+
 @_eager_only
 def vocab_parallel_linear_cross_entropy(hidden: Tensor, weight_shard: Tensor, target: Tensor, *,
                                         group=None, bias: Optional[Tensor] = None,
@@ -554,9 +747,18 @@ def vocab_parallel_linear_cross_entropy(hidden: Tensor, weight_shard: Tensor, ta
     """The output layer and its cross-entropy with the vocabulary sharded over ``group``
     (Megatron's ColumnParallelLinear output layer with parallel_output=True, followed by
     vocab_parallel_cross_entropy), without ever forming the logits: each rank makes its
-    shard's logits piece by piece inside a workspace (``fce_vp_linear_stats``), one
-    all-gather of 8 float32 per token gives every rank the loss, and the backward makes them
-    again for the gradients (``fce_vp_linear_backward``: 6·N·D·V/P FLOPs per rank).
+    shard's logits piece by piece inside a workspace, and an all-gather of 8 float32 per token
+    gives every rank the loss.
+
+    With a gradient and reduction 'mean' or 'sum' (libfusedce >= 0.5): ONE fused library call
+    in the forward (``fce_vp_linear_ce``, 6·N·D·V/P FLOPs per rank) makes the logits once, runs
+    the all-gathers from inside (one per token chunk on CUDA, one on the CPU backend, through
+    ``all_gather_into_tensor`` on ``group``) and writes the gradients for an upstream 1; ∂hidden
+    is all-reduced in the forward, and the backward scales the gradients by the upstream scalar
+    (no collective, nothing touched when it is exactly 1). Reduction 'none', calls without a
+    gradient (evaluation) and older libraries take the two phases: ``fce_vp_linear_stats``, one
+    all-gather and ``fce_vp_loss`` in the forward, ``fce_vp_linear_backward`` (the logits made
+    again: 8·N·D·V/P FLOPs in all) and the ∂hidden all-reduce in the backward.
 
     hidden        [..., D], the same on every rank of the group (leading dimensions flattened).
     weight_shard  [V_local, D]: this rank's rows of the output layer's weight (classes
@@ -571,10 +773,12 @@ def vocab_parallel_linear_cross_entropy(hidden: Tensor, weight_shard: Tensor, ta
                   that reduce it themselves (e.g. sequence parallelism: hidden all-gathered by
                   an op whose backward is a reduce-scatter).
     workspace_bytes  scratch budget of each library call (None: FUSEDCE_WORKSPACE_BYTES, else
-                  1 GiB), never below the library's minimum.
+                  1 GiB), never below the library's minimum. Pass the same value on every rank
+                  (the fused call's token chunks, each an all-gather, depend on it).
 
     Gradients: hidden (its dtype), weight_shard and bias (theirs) when they require grad; every
-    rank must ask for the same ones (the ∂hidden all-reduce is collective). Under autocast the
+    rank must ask for the same ones (the ∂hidden all-reduce is collective, and so is a second
+    backward through the graph with retain_graph=True). Under autocast the
     matmul runs in the autocast dtype (inputs cast inside), a float32 weight_shard then gets a
     float32 gradient directly. Returns the loss (float32: () for mean/sum, target's shape for
     none), or the CrossEntropyOutput named tuple with return_* flags."""
@@ -621,7 +825,12 @@ def vocab_parallel_linear_cross_entropy(hidden: Tensor, weight_shard: Tensor, ta
     grad_on = torch.is_grad_enabled() and (
         h2.requires_grad or weight_shard.requires_grad
         or (bias is not None and bias.requires_grad))
-    if grad_on:
+    gathered = None  # (the statistics: reduction 'none''s per-row z-loss reads them)
+    if grad_on and red != _lib.FCE_REDUCTION_NONE and _lib.has_vp_linear_ce():
+        loss, lse, zl, acc, am = _VocabParallelLinearCEFused.apply(
+            h2, weight_shard, bias, tgt, cw, layout, opts, cdt, budget, extras,
+            bool(check_targets), want_lse, bool(reduce_grad_hidden))
+    elif grad_on:
         loss, lse, zl, acc, am, gathered = _VocabParallelLinearCE.apply(
             h2, weight_shard, bias, tgt, cw, layout, opts, cdt, budget, extras,
             bool(check_targets), want_lse, bool(reduce_grad_hidden))

@@ -11,6 +11,7 @@ fusedce.torch.cross_entropy / linear_cross_entropy) and with torch.nn.functional
 Tests skip with their reason where torch, CUDA or a 0.4 library is missing.
 """
 
+import ctypes
 import datetime
 import os
 import sys
@@ -36,8 +37,17 @@ def _has_vp():
         return False
 
 
+def _has_vp_linear_ce():
+    try:
+        return _lib.has_vp_linear_ce()
+    except Exception:
+        return False
+
+
 needs_vp = pytest.mark.skipif(
     not _has_vp(), reason="the loaded libfusedce has no vocabulary-parallel calls (needs 0.4)")
+needs_vp_linear_ce = pytest.mark.skipif(
+    not _has_vp_linear_ce(), reason="the loaded libfusedce has no fce_vp_linear_ce (needs 0.5)")
 needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed")
 needs_gloo = pytest.mark.skipif(
     torch is None or not (dist.is_available() and dist.is_gloo_available()),
@@ -304,8 +314,8 @@ def test_older_library_refuses_clearly(monkeypatch):
 
 
 def test_header_version_and_constants():
-    assert (_lib.HEADER_VERSION_MAJOR, _lib.HEADER_VERSION_MINOR) == (0, 4)
-    assert fusedce.__version__ == "0.4.0"
+    assert (_lib.HEADER_VERSION_MAJOR, _lib.HEADER_VERSION_MINOR) == (0, 5)
+    assert fusedce.__version__ == "0.5.0"
     assert _lib.FCE_VP_STATS == vp.VP_STATS == 8
     assert _lib.FCE_FLAG_SHARDS_INCONSISTENT == 2
 
@@ -606,8 +616,228 @@ def _cases_subgroups(group, grank, gsize):
                   uneven=True, seed=30 + rank // 2)
 
 
+class _Boom(RuntimeError):
+    """What a patched all-gather raises: it must come out of the forward as it is."""
+
+
+class _CountGathers:
+    """Counts the all-gathers fce_vp_linear_ce runs through its callback (the fused path) while
+    the block runs."""
+
+    def __enter__(self):
+        from fusedce import torch_distributed as td
+        self.calls, self._td, self._orig = 0, td, td._AllGather._call
+
+        def call(gather, *args):
+            self.calls += 1
+            return self._orig(gather, *args)
+        td._AllGather._call = call  # bound when an _AllGather is made: the calls to come
+        return self
+
+    def __exit__(self, *exc):
+        self._td._AllGather._call = self._orig
+
+
+def _check_fused(group, grank, gsize, *, vocab, dtype, reduction, bias=False, weight=False,
+                 label_smoothing=0.0, z_loss=0.0, softcap=0.0, uneven=False, widths=None,
+                 up=0.6, extras=False, reduce_grad_hidden=True, workspace_bytes=None, seed=0):
+    """vocab_parallel_linear_cross_entropy with a gradient: for mean and sum the fused call
+    (fce_vp_linear_ce, its all-gathers through the callback in the forward, none in the
+    backward), for 'none' the two phases (no callback); loss, extras and gradients against the
+    unsharded fusedce.torch.linear_cross_entropy. widths: a custom split (rank order)."""
+    from fusedce.torch import linear_cross_entropy
+    from fusedce.torch.distributed import vocab_parallel_linear_cross_entropy
+    gen = torch.Generator().manual_seed(seed)
+    s, b, d = 6, 3, 20
+    h = torch.randn(s, b, d, generator=gen).to(DEV, dtype)
+    w = (torch.randn(vocab, d, generator=gen) * 0.3).to(DEV, dtype)
+    bb = (torch.randn(vocab, generator=gen) * 0.2).to(DEV, dtype) if bias else None
+    cw = (torch.rand(vocab, generator=gen) + 0.5).to(DEV) if weight else None
+    y = torch.randint(0, vocab, (s, b), generator=gen)
+    y[0, 2] = y[3, 1] = -100
+    y = y.to(DEV)
+    if reduction == "none":
+        up = torch.randn(s, b, generator=gen).to(DEV)
+    if widths is not None:
+        assert len(widths) == gsize and sum(widths) == vocab
+        start, local = sum(widths[:grank]), widths[grank]
+        kw = dict(vocab_start=start, vocab_total=vocab)
+    else:
+        start, local, kw = _layout(vocab, grank, gsize, uneven)
+    flags = dict(return_z_loss=True, return_token_accuracy=True, return_predicted_tokens=True,
+                 return_lse=True) if extras else {}
+    opt = dict(reduction=reduction, weight=cw, label_smoothing=label_smoothing, z_loss=z_loss,
+               softcap=softcap, **flags)
+    hh = h.clone().requires_grad_()
+    ws = w[start:start + local].clone().requires_grad_()
+    bs = bb[start:start + local].clone().requires_grad_() if bias else None
+    with _CountGathers() as count:
+        out = vocab_parallel_linear_cross_entropy(hh, ws, y, group=group, bias=bs,
+                                                  reduce_grad_hidden=reduce_grad_hidden,
+                                                  workspace_bytes=workspace_bytes, **opt, **kw)
+    fused = reduction != "none"
+    if not fused:
+        assert count.calls == 0, "reduction 'none' takes the two phases"
+    elif DEV == "cpu":
+        assert count.calls == 1, "the CPU backend gathers once"
+    else:
+        assert count.calls >= 1
+    loss = out[0] if extras else out
+    assert loss.dtype == torch.float32 and loss.shape == (() if fused else y.shape)
+    _same_on_every_rank(loss.detach(), group)
+    with _CountGathers() as count:
+        if isinstance(up, float) and up == 1.0:
+            loss.backward()  # the upstream gradient exactly 1: the gradients as they are
+        else:
+            (loss * up).sum().backward()
+    assert count.calls == 0, "the backward makes no all-gather"
+    hr, wr = h.clone().requires_grad_(), w.clone().requires_grad_()
+    br = bb.clone().requires_grad_() if bias else None
+    ref = linear_cross_entropy(hr, wr, y.reshape(-1), linear_bias=br, **opt)
+    ref_loss = ref[0] if extras else ref
+    (ref_loss.reshape(loss.shape) * up).sum().backward()
+    what = (f"fused P={gsize} {dtype} {reduction} bias={bias} weight={weight} "
+            f"eps={label_smoothing} z={z_loss} cap={softcap} uneven={uneven} widths={widths}")
+    ldt = torch.float32 if dtype == torch.float32 else dtype
+    _assert_close(loss, ref_loss.reshape(loss.shape), ldt, "loss " + what)
+    if extras:
+        for name in ("z_loss", "token_accuracy", "predicted_tokens", "lse"):
+            a, e = getattr(out, name), getattr(ref, name)
+            per_row = reduction == "none" or name in ("predicted_tokens", "lse")
+            assert a.shape == (y.shape if per_row else ()), name
+            _assert_close(a, e.reshape(a.shape), ldt, name + " " + what)
+    gh = hh.grad
+    assert gh.dtype == dtype and gh.shape == h.shape
+    if not reduce_grad_hidden:  # each rank's partial: the caller's reduction
+        gh = gh.float()
+        dist.all_reduce(gh, group=group)
+    _assert_close(gh, hr.grad, dtype, "grad_hidden " + what)
+    assert ws.grad.dtype == dtype and ws.grad.shape == ws.shape
+    _assert_close(ws.grad, wr.grad[start:start + local], dtype, "grad_weight " + what)
+    if bias:
+        assert bs.grad.dtype == dtype
+        _assert_close(bs.grad, br.grad[start:start + local], dtype, "grad_bias " + what)
+    if dtype == torch.float32 and not (label_smoothing or weight or z_loss or softcap):
+        logits = F.linear(h.double(), w.double(), bb.double() if bias else None)
+        f64 = F.cross_entropy(logits.reshape(-1, vocab), y.reshape(-1), reduction=reduction)
+        _assert_close(loss.double(), f64.reshape(loss.shape), torch.float32, "F " + what)
+
+
+def _cases_fused(group, grank, gsize):
+    from fusedce import torch_distributed as td
+    from fusedce.torch import linear_cross_entropy
+    from fusedce.torch.distributed import vocab_parallel_linear_cross_entropy as vplce
+    vocab = 10 * gsize
+    for dtype in (torch.float32, torch.bfloat16):
+        _check_fused(group, grank, gsize, vocab=vocab, dtype=dtype, reduction="mean", bias=True,
+                     label_smoothing=0.1)
+        _check_fused(group, grank, gsize, vocab=vocab + 1, dtype=dtype, reduction="sum",
+                     uneven=True, z_loss=1e-3, up=1.0, seed=1)
+    # class weights, bias, extras, uneven shards
+    _check_fused(group, grank, gsize, vocab=vocab + 2, dtype=torch.float32, reduction="mean",
+                 uneven=True, weight=True, label_smoothing=0.05, bias=True, extras=True, seed=2)
+    _check_fused(group, grank, gsize, vocab=vocab, dtype=torch.bfloat16, reduction="sum",
+                 weight=True, z_loss=1e-2, softcap=4.0, extras=True, up=-2.5, seed=3)
+    _check_fused(group, grank, gsize, vocab=vocab + 1, dtype=torch.float32, reduction="mean",
+                 uneven=True, reduce_grad_hidden=False, seed=4)
+    # (a bfloat16 partial ∂hidden, not all-reduced here)
+    _check_fused(group, grank, gsize, vocab=vocab, dtype=torch.bfloat16, reduction="mean",
+                 bias=True, reduce_grad_hidden=False, seed=11)
+    # a custom split whose first shard is wider than vocab_total / ranks rounded up; on the
+    # CPU backend (always gather-once) at the minimum workspace too
+    widths = [7 + gsize - 1] + [6] * (gsize - 1)
+    _check_fused(group, grank, gsize, vocab=7 * gsize, dtype=torch.float32, reduction="mean",
+                 widths=widths, bias=True, seed=5)
+    if DEV == "cpu":
+        _check_fused(group, grank, gsize, vocab=7 * gsize, dtype=torch.float32,
+                     reduction="sum", widths=widths, workspace_bytes=0, seed=6)
+        _check_fused(group, grank, gsize, vocab=vocab, dtype=torch.float32, reduction="mean",
+                     workspace_bytes=0, seed=7)
+    # reduction 'none' keeps the two phases (no callback), with its per-row upstream gradient
+    _check_fused(group, grank, gsize, vocab=vocab + 1, dtype=torch.float32, reduction="none",
+                 uneven=True, bias=True, label_smoothing=0.1, seed=8)
+    _check_fused(group, grank, gsize, vocab=vocab, dtype=torch.bfloat16, reduction="none",
+                 z_loss=1e-3, extras=True, seed=9)
+
+    gen = torch.Generator().manual_seed(10)
+    n, d = 9, 16
+    h = torch.randn(n, d, generator=gen).to(DEV)
+    w = (torch.randn(vocab, d, generator=gen) / 4).to(DEV)
+    y = torch.randint(0, vocab, (n,), generator=gen).to(DEV)
+    mine = slice(grank * 10, (grank + 1) * 10)
+
+    # without a gradient: the two phases, the same loss (on the CPU backend the fused call runs
+    # exactly those calls: bit for bit)
+    hh, ww = h.clone().requires_grad_(), w[mine].clone().requires_grad_()
+    loss = vplce(hh, ww, y, group=group)
+    with torch.no_grad(), _CountGathers() as count:
+        plain = vplce(hh, ww, y, group=group)
+    assert count.calls == 0
+    if DEV == "cpu":
+        assert torch.equal(plain, loss)
+    _assert_close(plain, loss, torch.float32, "no_grad loss")
+
+    # a second backward through the graph (retain_graph): made again, with the collectives
+    scaled = loss * 0.6
+    scaled.backward(retain_graph=True)
+    g1 = (hh.grad.clone(), ww.grad.clone())
+    hh.grad = ww.grad = None
+    with _CountGathers() as count:
+        scaled.backward()
+    assert count.calls >= 1
+    _assert_close(hh.grad, g1[0], torch.float32, "second backward grad_hidden")
+    _assert_close(ww.grad, g1[1], torch.float32, "second backward grad_weight")
+
+    # only the weight requires grad (hidden is not a leaf that needs one)
+    ww = w[mine].clone().requires_grad_()
+    vplce(h, ww, y, group=group).backward()
+    _assert_close(ww.grad, g1[1] / 0.6, torch.float32, "weight only")
+
+    # autocast: the matmul in bfloat16, a float32 weight gets its float32 gradient
+    hh, ww = h.clone().requires_grad_(), w[mine].clone().requires_grad_()
+    hr, wr = h.clone().requires_grad_(), w.clone().requires_grad_()
+    with torch.autocast(DEV.split(":")[0], dtype=torch.bfloat16):
+        a = vplce(hh, ww, y, group=group, label_smoothing=0.1)
+        r = linear_cross_entropy(hr, wr, y, label_smoothing=0.1)
+    (a * 1.3).backward()
+    (r * 1.3).backward()
+    assert ww.grad.dtype == torch.float32 and hh.grad.dtype == torch.float32
+    _assert_close(a, r, torch.bfloat16, "autocast loss")
+    _assert_close(hh.grad, hr.grad, torch.bfloat16, "autocast grad_hidden")
+    _assert_close(ww.grad, wr.grad[mine], torch.bfloat16, "autocast grad_weight")
+
+    # check_targets: an out-of-range target raises torch's IndexError on every rank
+    yy = y.clone()
+    yy[4] = vocab + 3
+    with pytest.raises(IndexError, match="out of bounds"):
+        vplce(h.clone().requires_grad_(), w[mine], yy, group=group, check_targets=True)
+    # shards that do not tile the vocabulary: NaN; check_targets raises on every rank
+    first = w[:10].clone().requires_grad_()
+    bad = vplce(h, first, y, group=group, vocab_start=0, vocab_total=vocab)
+    assert gsize == 1 or torch.isnan(bad)
+    if gsize > 1:
+        with pytest.raises(RuntimeError, match="do not tile"):
+            vplce(h, first, y, group=group, vocab_start=0, vocab_total=vocab,
+                  check_targets=True)
+
+    # an exception in the all-gather (raised inside the library's callback) comes out of the
+    # forward as it is, on every rank (no rank issued a collective), and nothing is left behind
+    orig = td._gather_into
+
+    def boom(*_args):
+        raise _Boom("the all-gather failed")
+    td._gather_into = boom
+    try:
+        with pytest.raises(_Boom, match="the all-gather failed"):
+            vplce(h.clone().requires_grad_(), w[mine], y, group=group)
+    finally:
+        td._gather_into = orig
+    again = vplce(h, w[mine].clone().requires_grad_(), y, group=group)
+    _assert_close(again, loss, torch.float32, "after the failed all-gather")
+
+
 CASES = {"ce": _cases_ce, "linear": _cases_linear, "misc": _cases_misc,
-         "subgroups": _cases_subgroups}
+         "subgroups": _cases_subgroups, "fused": _cases_fused}
 
 
 def _worker(rank, world, backend, init_file, cases):
@@ -652,6 +882,19 @@ def test_gloo_processes(world, tmp_path, monkeypatch):
     _spawn(world, "gloo", cases, tmp_path, monkeypatch)
 
 
+@needs_vp_linear_ce
+@needs_gloo
+@pytest.mark.parametrize("world", [2, 3])
+def test_gloo_processes_fused_linear(world, tmp_path, monkeypatch):
+    """vocab_parallel_linear_cross_entropy's fused path (fce_vp_linear_ce, its all-gather through
+    the callback) over `world` processes on gloo: mean and sum with bias, class weights, label
+    smoothing, z-loss, softcap, extras, float32 and bfloat16, equal and uneven shards (a custom
+    split with a shard wider than vocab_total / ranks too), reduce_grad_hidden=False, the
+    minimum workspace, autocast, retain_graph, the error paths and an exception raised in the
+    all-gather; reduction 'none' and no_grad keep the two phases."""
+    _spawn(world, "gloo", ("fused",), tmp_path, monkeypatch)
+
+
 @needs_vp
 @needs_torch
 def test_single_process_without_distributed():
@@ -693,16 +936,115 @@ def test_single_process_without_distributed():
     assert d1 is d2 is fusedce.torch.distributed
 
 
+@needs_vp_linear_ce
+@needs_torch
+def test_fused_linear_single_process(monkeypatch):
+    """Without torch.distributed (one rank): the fused call's one all-gather is a copy; an
+    exception raised in the all-gather comes out of the forward as it is; a library without
+    fce_vp_linear_ce takes the two phases, with the same results; the workspace every rank
+    plans with, and a shard wider than vocab_total / ranks."""
+    if dist.is_available() and dist.is_initialized():
+        pytest.skip("torch.distributed is initialised in this process")
+    from fusedce import _torch_ops as to
+    from fusedce import torch_distributed as td
+    from fusedce.torch import linear_cross_entropy
+    vplce = td.vocab_parallel_linear_cross_entropy
+    gen = torch.Generator().manual_seed(3)
+    h0 = torch.randn(12, 8, generator=gen)
+    w0 = torch.randn(17, 8, generator=gen) / 3
+    b0 = torch.randn(17, generator=gen) / 5
+    y = torch.randint(0, 17, (12,), generator=gen)
+    y[5] = -100
+    kw = dict(reduction="sum", label_smoothing=0.1, z_loss=1e-3)
+
+    def run(fn, expect_calls, bias_keyword):
+        h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+        b = b0.clone().requires_grad_()
+        with _CountGathers() as count:
+            loss = fn(h, w, y, **{bias_keyword: b}, **kw)
+        assert count.calls == expect_calls
+        (loss * 0.5).backward()
+        return loss, h.grad, w.grad, b.grad
+
+    fused = run(vplce, 1, "bias")
+    ref = run(linear_cross_entropy, 0, "linear_bias")
+    for a, e, what in zip(fused, ref, ("loss", "grad_hidden", "grad_weight", "grad_bias")):
+        torch.testing.assert_close(a, e, rtol=2e-5, atol=2e-6, msg=what)
+    # bfloat16 (one rank: ∂hidden with nothing to all-reduce)
+    h16, w16, b16 = h0.bfloat16(), w0.bfloat16(), b0.bfloat16()
+    got, exp = [], []
+    for fn, out, bias_keyword in ((vplce, got, "bias"), (linear_cross_entropy, exp, "linear_bias")):
+        h, w, b = (t.clone().requires_grad_() for t in (h16, w16, b16))
+        loss = fn(h, w, y, **{bias_keyword: b}, **kw)
+        (loss * 0.5).backward()
+        out += [loss, h.grad, w.grad, b.grad]
+    for a, e, what in zip(got, exp, ("loss", "grad_hidden", "grad_weight", "grad_bias")):
+        a, e = a.detach(), e.detach()
+        assert a.dtype == e.dtype, what
+        scale = float(e.float().abs().max())
+        torch.testing.assert_close(a.float(), e.float(), rtol=1.5e-2, atol=1.5e-2 * scale,
+                                   msg=what)
+
+    def boom(*_args):
+        raise _Boom("the all-gather failed")
+    with monkeypatch.context() as m:
+        m.setattr(td, "_gather_into", boom)
+        with pytest.raises(_Boom, match="the all-gather failed"):
+            vplce(h0.clone().requires_grad_(), w0, y)
+        # without a gradient (the two phases): no all-gather for one rank, no callback
+        vplce(h0, w0, y)
+    with monkeypatch.context() as m:  # a library without the fused call (0.4)
+        m.setattr(_lib, "_LIB_MISSING",
+                  _lib._LIB_MISSING | frozenset(_lib.VP_LINEAR_CE_SYMBOLS))
+        assert _lib.has_vp() and not _lib.has_vp_linear_ce()
+        phases = run(vplce, 0, "bias")
+    for a, e, what in zip(phases, fused, ("loss", "grad_hidden", "grad_weight", "grad_bias")):
+        torch.testing.assert_close(a, e, rtol=2e-5, atol=2e-6, msg=what)
+
+    # the signatures of the two functions
+    lib = _lib.load()
+    assert len(lib.fce_vp_linear_ce.argtypes) == 25
+    assert lib.fce_vp_linear_ce.argtypes[20] is _lib.VP_ALL_GATHER_FN
+    assert len(lib.fce_vp_linear_ce_workspace_size.argtypes) == 10
+
+    # the workspace: the same for every shard up to ⌈vt / P⌉ wide; a wider one gets its own
+    # minimum on the CPU backend (always gather-once) and its full-speed size on CUDA when the
+    # budget gives every rank the full-speed size; below that on CUDA it raises
+    opts = to._opts(-100, _lib.FCE_REDUCTION_MEAN, 0.0, 0.0, 0.0, 1.0, 0, 0, False)
+    key, o = td._opts_struct(h0, torch.float32, y, opts, None)
+
+    def sizes(width):
+        lo, hi = ctypes.c_size_t(), ctypes.c_size_t()
+        _lib.check(lib.fce_vp_linear_ce_workspace_size(
+            ctypes.byref(o), 2, 12, 8, 21, width, 1, _lib.FCE_FLOAT32, ctypes.byref(lo),
+            ctypes.byref(hi)), "fce_vp_linear_ce_workspace_size")
+        return lo.value, hi.value
+    lo, hi = sizes(11)
+    assert sizes(10) == (lo, hi) and 0 < lo <= hi
+    for vl in (10, 11):
+        for budget, cuda in ((0, False), (0, True), (1 << 40, True)):
+            assert td._fused_workspace(o, key, 2, 12, 8, 21, vl, budget, cuda, ()) == (
+                lo if budget == 0 else hi)
+    lo13, hi13 = sizes(13)
+    assert td._fused_workspace(o, key, 2, 12, 8, 21, 13, 0, False, ()) == max(lo, lo13)
+    assert td._fused_workspace(o, key, 2, 12, 8, 21, 13, 1 << 40, True, ()) == max(hi, hi13)
+    if lo < hi:
+        with pytest.raises(ValueError, match="wider than vocab_total / ranks"):
+            td._fused_workspace(o, key, 2, 12, 8, 21, 13, lo, True, ())
+
+
 @needs_vp
 @needs_nccl
 def test_nccl_one_process(tmp_path, monkeypatch):
     """One process on NCCL over one GPU: the collectives run (a group of one), the library on
     the current CUDA stream."""
-    _spawn(1, "nccl", ("ce", "linear", "misc"), tmp_path, monkeypatch)
+    _spawn(1, "nccl", ("ce", "linear", "misc") + (("fused",) if _has_vp_linear_ce() else ()),
+           tmp_path, monkeypatch)
 
 
 @pytest.mark.skipif(not HAS_CUDA or torch.cuda.device_count() < 2,
                     reason="needs two CUDA devices")
 @needs_vp
 def test_nccl_two_processes(tmp_path, monkeypatch):
-    _spawn(2, "nccl", ("ce", "linear", "misc"), tmp_path, monkeypatch)
+    _spawn(2, "nccl", ("ce", "linear", "misc") + (("fused",) if _has_vp_linear_ce() else ()),
+           tmp_path, monkeypatch)

@@ -123,11 +123,13 @@ function _load_library()
 end
 
 # The functions appended to the C API after 0.1, with the version that added them (the
-# vocabulary-parallel fce_vp_*: 0.4).
+# vocabulary-parallel fce_vp_*: 0.4, but for those listed here).
 const _SINCE = Dict{Symbol,VersionNumber}(:fce_scale_gradient => v"0.2",
                                           :fce_backward_rescale => v"0.2",
-                                          :fce_build_info => v"0.3")
-_since(name::Symbol) = startswith(String(name), "fce_vp_") ? v"0.4" : get(_SINCE, name, v"0.1")
+                                          :fce_build_info => v"0.3",
+                                          :fce_vp_linear_ce_workspace_size => v"0.5",
+                                          :fce_vp_linear_ce => v"0.5")
+_since(name::Symbol) = get(_SINCE, name, startswith(String(name), "fce_vp_") ? v"0.4" : v"0.1")
 
 # "<feature>: needs libfusedce >= 0.x; the loaded library ... is 0.y.z" (FCE_ERROR_UNSUPPORTED).
 function _needs(what, since::VersionNumber)

@@ -12,15 +12,17 @@
 #   - A function returning fce_status passes the status to check_status (FusedCE.jl), which
 #     throws FusedCEError(status, fce_last_error()) unless it is FCE_SUCCESS; such a
 #     function returns nothing. The others return what the C function returns.
+#   - A C function-pointer typedef (a callback) is an alias of Ptr{Cvoid}: pass what
+#     @cfunction makes for the C prototype shown above the alias.
 #   - The library is found at run time (libfusedce_symbol, FusedCE.jl):
 #     ENV["FUSEDCE_LIBRARY"], else "libfusedce" on the library search path.
 
 # ---------------------------------------------------------------- #define constants
 const FCE_VERSION_MAJOR = 0
-const FCE_VERSION_MINOR = 4
+const FCE_VERSION_MINOR = 5
 const FCE_VERSION_PATCH = 0
 # FCE_VERSION_NUMBER = (FCE_VERSION_MAJOR * 10000 + FCE_VERSION_MINOR * 100 + FCE_VERSION_PATCH)
-const FCE_VERSION_NUMBER = 400
+const FCE_VERSION_NUMBER = 500
 const FCE_FLAG_TARGET_OUT_OF_RANGE = Cuint(1)  # 1u
 const FCE_OPTIONS_SIZE_V0_1 = 104
 const FCE_OPTIONS_SIZE_V0_3 = 136
@@ -102,6 +104,13 @@ const FCE_OPTIONS_INIT = FceOptions(sizeof(FceOptions), C_NULL, -100, 0, 0, 0, 0
                                     FCE_FLOAT32, FCE_INT64, FCE_REDUCTION_MEAN, 0.0f0, 0.0f0, 0.0f0,
                                     1.0f0, 0, 0, 0, 0, 0, C_NULL, C_NULL, 0, 0)
 
+# ---------------------------------------------------------------- callback fce_vp_all_gather_fn
+# typedef fce_status (*fce_vp_all_gather_fn)(void* context, const float* send, float* recv,
+#     int64_t count, void* stream);
+# A C function pointer: @cfunction(f, Cint, (Ptr{Cvoid}, Ptr{Cfloat}, Ptr{Cfloat}, Int64,
+#     Ptr{Cvoid}))
+const fce_vp_all_gather_fn = Ptr{Cvoid}
+
 # ---------------------------------------------------------------- functions
 const FCE_FUNCTIONS = (:fce_version, :fce_status_string, :fce_last_error, :fce_options_default,
                        :fce_forward_workspace_size, :fce_forward, :fce_backward_workspace_size,
@@ -110,7 +119,8 @@ const FCE_FUNCTIONS = (:fce_version, :fce_status_string, :fce_last_error, :fce_o
                        :fce_vp_backward_workspace_size, :fce_vp_backward,
                        :fce_vp_linear_stats_workspace_size, :fce_vp_linear_stats,
                        :fce_vp_linear_backward_workspace_size, :fce_vp_linear_backward,
-                       :fce_scale_gradient, :fce_cuda_available, :fce_build_info)
+                       :fce_vp_linear_ce_workspace_size, :fce_vp_linear_ce, :fce_scale_gradient,
+                       :fce_cuda_available, :fce_build_info)
 
 # unsigned fce_version(void)
 function fce_version()
@@ -345,6 +355,42 @@ function fce_vp_linear_backward(options, ranks, rows, hidden, vocab_total, vocab
                    hidden_states, weight, bias, targets, gathered_stats, grad_output, grad_hidden,
                    grad_hidden_dtype, grad_weight, grad_bias, error_flags, workspace,
                    workspace_bytes, stream)
+    return check_status(status)
+end
+
+# fce_status fce_vp_linear_ce_workspace_size(const fce_options* options, int64_t ranks,
+#     int64_t rows, int64_t hidden, int64_t vocab_total, int64_t vocab_local, int with_grad,
+#     int32_t grad_hidden_dtype, size_t* min_bytes, size_t* optimal_bytes)
+function fce_vp_linear_ce_workspace_size(options, ranks, rows, hidden, vocab_total, vocab_local,
+                                         with_grad, grad_hidden_dtype, min_bytes, optimal_bytes)
+    status = ccall(libfusedce_symbol(:fce_vp_linear_ce_workspace_size), Cint,
+                   (Ref{FceOptions}, Int64, Int64, Int64, Int64, Int64, Cint, Int32, Ref{Csize_t},
+                    Ref{Csize_t}),
+                   options, ranks, rows, hidden, vocab_total, vocab_local, with_grad,
+                   grad_hidden_dtype, min_bytes, optimal_bytes)
+    return check_status(status)
+end
+
+# fce_status fce_vp_linear_ce(const fce_options* options, int64_t ranks, int64_t rows,
+#     int64_t hidden, int64_t vocab_total, int64_t vocab_start, int64_t vocab_local,
+#     const void* hidden_states, const void* weight, const void* bias, const void* targets,
+#     float* loss, float* lse, float* z_loss, const float* grad_output, void* grad_hidden,
+#     int32_t grad_hidden_dtype, void* grad_weight, void* grad_bias, uint32_t* error_flags,
+#     fce_vp_all_gather_fn all_gather, void* context, void* workspace, size_t workspace_bytes,
+#     void* stream)
+function fce_vp_linear_ce(options, ranks, rows, hidden, vocab_total, vocab_start, vocab_local,
+                          hidden_states, weight, bias, targets, loss, lse, z_loss, grad_output,
+                          grad_hidden, grad_hidden_dtype, grad_weight, grad_bias, error_flags,
+                          all_gather, context, workspace, workspace_bytes, stream)
+    status = ccall(libfusedce_symbol(:fce_vp_linear_ce), Cint,
+                   (Ref{FceOptions}, Int64, Int64, Int64, Int64, Int64, Int64, Ptr{Cvoid},
+                    Ptr{Cvoid}, Ptr{Cvoid}, Ptr{Cvoid}, Ptr{Cfloat}, Ptr{Cfloat}, Ptr{Cfloat},
+                    Ptr{Cfloat}, Ptr{Cvoid}, Int32, Ptr{Cvoid}, Ptr{Cvoid}, Ptr{UInt32}, Ptr{Cvoid},
+                    Ptr{Cvoid}, Ptr{Cvoid}, Csize_t, Ptr{Cvoid}),
+                   options, ranks, rows, hidden, vocab_total, vocab_start, vocab_local,
+                   hidden_states, weight, bias, targets, loss, lse, z_loss, grad_output,
+                   grad_hidden, grad_hidden_dtype, grad_weight, grad_bias, error_flags, all_gather,
+                   context, workspace, workspace_bytes, stream)
     return check_status(status)
 end
 
