@@ -915,6 +915,31 @@ TEST_F(Ce, ZLossMeanDividesByRowCount) {
   EXPECT_TRUE(close_scalar(h.z_loss[0], 2 * lamf * L * L, 1e-6, "z_loss total (sum)"));
 }
 
+// Class weights whose sum over the counted rows is 0 or negative (docs/semantics.md rules 4-6).
+// D = 0 with a finite sum: the zero-divisor rule (0); D = 0 with an invalid row: NaN (the NaN
+// sum stays); D < 0 (negative weights): the quotient as it is, k = g / D in the gradient.
+TEST_F(Ce, MeanWithCancellingOrNegativeWeights) {
+  const int64_t N = 3, V = 4;
+  const double L = std::log(4.0);  // every row's nll: zero logits
+  fce_options o = test_options();
+  o.reduction = FCE_REDUCTION_MEAN;
+  const std::vector<double> z(N * V, 0.0);
+  // targets 0 (ω = 1) and 1 (ω = -1), one ignored row: D = 0, Σ ω nll = 0
+  HandOut h = hand_forward(o, N, V, z, {0, 1, -100}, {1.0, -1.0, 1.0, 1.0});
+  EXPECT_EQ(h.loss[0], 0.0) << "D = 0, finite sum";
+  // targets 0 (ω = 1), 1 (ω = -2) and an invalid row (counts 1): D = 0, the sum NaN
+  h = hand_forward(o, N, V, z, {0, 1, V}, {1.0, -2.0, 1.0, 1.0});
+  EXPECT_TRUE(std::isnan(h.loss[0])) << "D = 0 with an invalid row: " << h.loss[0];
+  // every weight -1: D = -3, Σ ω nll = -3 L: the mean is L; k = 1/D, ∂z = k ω (p − e_y)
+  h = hand_forward(o, N, V, z, {0, 1, 2}, std::vector<double>(V, -1.0));
+  EXPECT_TRUE(close_scalar(h.loss[0], L, 1e-6, "negative D"));
+  for (int64_t r = 0; r < N; ++r)
+    for (int64_t j = 0; j < V; ++j) {
+      const double want = (-1.0 / 3.0) * -1.0 * (0.25 - (j == r ? 1.0 : 0.0));
+      EXPECT_NEAR(h.grad[static_cast<size_t>(r * V + j)], want, 1e-6) << "row " << r << " col " << j;
+    }
+}
+
 // Token scaling (docs/semantics.md rules 8, 9) on V = 2: p_y = t, loss = t (−log t), gradient t (p − e_y),
 // t a constant. Rows: logits (0, log 3) → p = (1/4, 3/4), target 1 (t = 3/4) and target 0
 // (t = 1/4).

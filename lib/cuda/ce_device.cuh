@@ -307,10 +307,10 @@ __device__ RowInfo load_row_info(const KParams& p, int64_t row, const char* zrow
     r.kz = g;
     if (p.reduction == FCE_REDUCTION_MEAN) {
       const float D = p.denoms->denom, n = p.denoms->count;
-      r.k = D > 0.f ? __fdiv_rn(g, D) : 0.f;
+      r.k = D != 0.f ? __fdiv_rn(g, D) : 0.f;  // (a negative D: negative class weights)
       r.kz = n > 0.f ? __fdiv_rn(g, n) : 0.f;
       // from the denominators only, never from g, so that every g takes the same formula
-      if (p.two_lambda != 0.f && D != n) r.rho = D > 0.f ? __fdiv_rn(D, n) : 0.f;
+      if (p.two_lambda != 0.f && D != n) r.rho = D != 0.f ? __fdiv_rn(D, n) : 0.f;
     }
   }
   r.omega = 0.f;
