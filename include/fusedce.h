@@ -512,7 +512,10 @@ FCE_API fce_status fce_vp_linear_backward(const fce_options* options, int64_t ra
  * pointers are non-NULL), grad_hidden_dtype, the backend and workspace_bytes, never of
  * vocab_start or vocab_local: all ranks pass the same values of these, the same workspace_bytes
  * included (the query's answer is the same on every rank when no shard is wider than
- * ⌈vocab_total / ranks⌉). The CUDA plans:
+ * ⌈vocab_total / ranks⌉; a wider shard needs more workspace for the same plan: pass every rank
+ * the answer for the widest shard, since a rank whose workspace is too small for its own shard
+ * fails with FCE_ERROR_WORKSPACE_TOO_SMALL while the others wait in their all-gather). The
+ * CUDA plans:
  *   - token chunks (with a gradient, when workspace_bytes holds the full-speed chunk of a shard
  *     ⌈vocab_total / ranks⌉ wide: optimal_bytes): per chunk as above, 6·N·D·vocab_local FLOPs;
  *     grad_weight accumulates over the chunks as fce_linear_ce's token-chunk plans do (a 16-bit

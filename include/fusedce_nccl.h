@@ -14,7 +14,7 @@
  *                            plan, through ncclAllGather; partial dloss/dh in float32) ->
  *                            ncclAllReduce (sum) of dloss/dh -> one conversion to the dtype
  *
- * (the bracketed part only when a gradient is asked for). Every rank of the communicator makes
+ * (fce_nccl_cross_entropy's bracketed part only when a gradient is asked for). Every rank of the communicator makes
  * the same call with the same options, sizes and targets and its own shard, and gets the loss of
  * the whole vocabulary (identical on every rank, bit for bit), the gradient of its shard and,
  * for the linear CE, the FULL dloss/dh (the sum over ranks).

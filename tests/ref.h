@@ -196,9 +196,10 @@ inline CeResult cross_entropy(const Options& o, int64_t N, int64_t V, const std:
   res.count = static_cast<double>(n);
   res.accuracy = n == 0 ? 0.0 : static_cast<double>(sum_correct / n);
   if (o.reduction == kMean) {
-    // 0 over a zero divisor unless the sum is NaN (class weights that cancel: D = 0 with rows)
+    // 0 over a zero divisor unless the sum is not finite (class weights that cancel: D = 0
+    // with rows counted)
     auto quotient = [](long double sum, long double divisor) {
-      return divisor != 0 ? sum / divisor : std::isnan(sum) ? sum : 0.0L;
+      return divisor != 0 ? sum / divisor : std::isfinite(sum) ? 0.0L : sum;
     };
     res.loss = static_cast<double>(quotient(sum_ce, D) + quotient(sum_zl, n));
     res.z_loss = n == 0 ? 0.0 : static_cast<double>(sum_zl / n);

@@ -458,10 +458,11 @@ inline void write_reduction(const CeSetup& setup, const RowResults& res, float* 
     if (!res.correct.empty()) correct += res.correct[size_t(r)];
   }
   const bool mean = setup.reduction == FCE_REDUCTION_MEAN;
-  // Each quotient is 0 when its divisor is (a mean over no rows is 0), unless its sum is NaN
-  // (an invalid row, a NaN logit): class weights that cancel can make D 0 with rows counted.
+  // Each quotient is 0 when its divisor is (a mean over no rows is 0), unless its sum is not
+  // finite (an invalid row, a NaN or infinite term): class weights that cancel can make D 0
+  // with rows counted.
   auto quotient = [](double sum, double divisor) {
-    return divisor != 0.0 ? sum / divisor : std::isnan(sum) ? sum : 0.0;
+    return divisor != 0.0 ? sum / divisor : std::isfinite(sum) ? 0.0 : sum;
   };
   const double ce_mean = quotient(ce_sum, setup.D);
   const double z_loss_mean = quotient(z_loss_sum, setup.n);

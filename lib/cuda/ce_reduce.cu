@@ -126,10 +126,10 @@ __global__ void __launch_bounds__(kReduceThreads) ce_finalize_kernel(
     const double D = d->denom, n = d->count;
     double ce = v[0], zl = v[1];
     if (reduction == FCE_REDUCTION_MEAN) {
-      // 0 over a zero divisor, unless the sum is NaN (an invalid row; class weights that
-      // cancel can make D 0 with rows counted); a negative D (negative weights) divides
-      ce = D != 0.0 ? ce / D : isnan(ce) ? ce : 0.0;
-      zl = n != 0.0 ? zl / n : isnan(zl) ? zl : 0.0;
+      // 0 over a zero divisor, unless the sum is not finite (an invalid row; class weights
+      // that cancel can make D 0 with rows counted); a negative D (negative weights) divides
+      ce = D != 0.0 ? ce / D : isfinite(ce) ? 0.0 : ce;
+      zl = n != 0.0 ? zl / n : isfinite(zl) ? 0.0 : zl;
     }
     if (loss) loss[0] = static_cast<float>(ce + zl);
     if (z_loss) z_loss[0] = static_cast<float>(zl);

@@ -127,12 +127,15 @@ bool fused_plan(const CeOptions& opt, int64_t ranks, int64_t rows, int64_t hidde
   const linear::Mode mode =
       (need_dw && !dw_fp32) ? linear::Mode::kChunked16 : linear::Mode::kChunked;
   const size_t full = linear::optimal_workspace(ps, need_dw, dw_fp32);
-  out->threshold = sat_add(at, full);
+  out->threshold = kHuge;
   out->total = kHuge;
-  if (full == kHuge || out->threshold == kHuge || workspace_bytes < out->threshold) return false;
-  // the plan of the full-speed size, whatever the workspace beyond it: the same on every rank
+  // the plan of the full-speed size, whatever the workspace beyond it: the same on every rank;
+  // the threshold is what that plan takes for a shard plan_width wide (plan_mode may give it a
+  // smaller cuBLASLt workspace than optimal_workspace assumed: never above full)
   linear::Plan p;
-  if (!linear::plan_mode(ps, mode, full, &p)) return false;  // not reached: full holds a plan
+  if (full == kHuge || !linear::plan_mode(ps, mode, full, &p)) return false;
+  out->threshold = sat_add(at, p.layout.total);
+  if (out->threshold == kHuge || workspace_bytes < out->threshold) return false;
   const linear::Sizes ls = linear::sizes_of(opt, rows, hidden, width, true);
   p.layout = linear::layout_of(ls, p.chunk_rows, p.lt_bytes);
   out->lin = p;
@@ -170,7 +173,9 @@ namespace cuda {
 // full-speed size and sizes between, every slice of the workspace (from the worst-case aligned
 // base) ends inside workspace_bytes, the slices cover the shard in multiples of 64 columns, and
 // the full-speed size gets the full-speed slices. Phase 1: linear_ce's loss-only plan exists at
-// its own minimum. Returns the number of failures (each printed).
+// its own minimum. fce_vp_linear_ce's token-chunk plan: at the plan width its need is its
+// threshold, the plan at the threshold is the full-speed one, one byte less has none. Returns
+// the number of failures (each printed).
 int vp_linear_selftest() {
   using namespace vp_plan;
   int failures = 0;
@@ -179,9 +184,9 @@ int vp_linear_selftest() {
       std::fprintf(stderr, "vp_linear_selftest: %s (N %lld, D %lld, Vs %lld, dtype %d, gh %d, ws %zu)\n",
                    what, (long long)N, (long long)D, (long long)Vs, dt, gh, ws);
   };
-  const int64_t Ns[] = {1, 7, 128, 1000, 8192, 65536};
+  const int64_t Ns[] = {1, 7, 128, 1000, 8192, 32896, 65536, 66048};
   const int64_t Ds[] = {1, 16, 4096};
-  const int64_t Vss[] = {1, 63, 64, 65, 97, 1000, 16032, 32064, 128256};
+  const int64_t Vss[] = {1, 63, 64, 65, 97, 1000, 16032, 32000, 32064, 64128, 128256};
   for (int dt : {int(FCE_FLOAT32), int(FCE_FLOAT16), int(FCE_BFLOAT16)})
     for (int gh : {int(FCE_FLOAT32), dt})
       for (int64_t N : Ns)
@@ -213,6 +218,22 @@ int vp_linear_selftest() {
                 bad("slices do not cover the shard", N, D, Vs, dt, gh, ws);
               if (ws >= op && (plan.slice_cols < full_speed_cols(s) || plan.lt_bytes != kLtWorkspaceBudget))
                 bad("full-speed workspace without full-speed slices", N, D, Vs, dt, gh, ws);
+            }
+            // fce_vp_linear_ce's token-chunk plan: for a shard of the plan width, what it needs
+            // is its threshold (so optimal_bytes runs it on every rank), one byte less runs the
+            // gather-once plan, and the chunks cover the rows
+            for (bool need_dw : {true, false}) {
+              const bool fp32 = dt == FCE_FLOAT32;
+              FusedPlan fp, at, below;
+              if (!fused_plan(opt, 2, N, D, Vs, Vs, need_dw, fp32, kHuge, &fp)) continue;
+              if (fp.total != fp.threshold || !fused_plan(opt, 2, N, D, Vs, Vs, need_dw, fp32,
+                                                          fp.threshold, &at) ||
+                  at.total != fp.threshold || at.lin.chunk_rows != fp.lin.chunk_rows ||
+                  fused_plan(opt, 2, N, D, Vs, Vs, need_dw, fp32, fp.threshold - 1, &below))
+                bad("fused plan: threshold, need and plan disagree", N, D, Vs, dt, gh, fp.threshold);
+              if (fp.lin.chunks * fp.lin.chunk_rows < N ||
+                  (fp.lin.chunks - 1) * fp.lin.chunk_rows >= N)
+                bad("fused plan: chunks do not cover the rows", N, D, Vs, dt, gh, fp.total);
             }
             size_t smn = 0, sop = 0;
             cuda_vp_linear_workspace_size(opt, 2, N, D, Vs * 2, Vs, false, gh, false, &smn, &sop);

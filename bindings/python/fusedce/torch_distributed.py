@@ -21,11 +21,13 @@ all-reduces (max, target logit, sum of exponentials) and keeps a float32 softmax
 the backward; this one keeps only the statistics [P, s·b, 8] and a reference to the logits.
 
 The linear version with a gradient and reduction 'mean' or 'sum' (libfusedce >= 0.5) runs the
-whole step in the forward instead, in ONE library call (``fce_vp_linear_ce``) that makes each
-rank's logits once (6·N·D·V/P FLOPs per rank, against 8·N·D·V/P for the two phases, which make
-them again in the backward): the library issues the statistics' all-gather itself, through a
-callback that runs ``all_gather_into_tensor`` on the group, once per token chunk on CUDA (once
-in all on the CPU backend), and writes the gradients for an upstream 1; ∂hidden is all-reduced
+whole step in the forward instead, in ONE library call (``fce_vp_linear_ce``) that, on CUDA
+when the workspace budget reaches its full-speed size (about 1 GiB at large vocabularies),
+makes each rank's logits once (6·N·D·V/P FLOPs per rank, against 8·N·D·V/P for the two phases,
+which make them again in the backward; below that size the call itself gathers once and makes
+them twice): the library issues the statistics' all-gather itself, through a callback that runs
+``all_gather_into_tensor`` on the group, once per token chunk (once in all when it gathers
+once, and on the CPU backend), and writes the gradients for an upstream 1; ∂hidden is all-reduced
 in the forward too, and the backward only scales the gradients by the upstream scalar. Reduction
 'none' (a per-token upstream gradient) and calls without a gradient keep the two phases.
 
@@ -751,8 +753,10 @@ def vocab_parallel_linear_cross_entropy(hidden: Tensor, weight_shard: Tensor, ta
     gives every rank the loss.
 
     With a gradient and reduction 'mean' or 'sum' (libfusedce >= 0.5): ONE fused library call
-    in the forward (``fce_vp_linear_ce``, 6·N·D·V/P FLOPs per rank) makes the logits once, runs
-    the all-gathers from inside (one per token chunk on CUDA, one on the CPU backend, through
+    in the forward (``fce_vp_linear_ce``) makes the logits once (6·N·D·V/P FLOPs per rank) when
+    the budget reaches its full-speed size on CUDA (else it gathers once and makes them twice,
+    as the two phases do), runs the all-gathers from inside (one per token chunk on CUDA, one
+    when it gathers once and on the CPU backend, through
     ``all_gather_into_tensor`` on ``group``) and writes the gradients for an upstream 1; ∂hidden
     is all-reduced in the forward, and the backward scales the gradients by the upstream scalar
     (no collective, nothing touched when it is exactly 1). Reduction 'none', calls without a
