@@ -9,14 +9,6 @@ namespace {
 using fce::fail;
 using namespace fce::abi;
 
-// The backends' workspace of fce_vp_loss (backward false; vocab_local 0: not an argument) and
-// fce_vp_backward.
-size_t vp_workspace(const fce_options& o, const fce::CeOptions& opt, int64_t ranks, int64_t rows,
-                    int64_t vocab_total, int64_t vocab_local, bool backward) {
-  return o.backend == FCE_BACKEND_CPU
-             ? fce::cpu_vp_workspace_size(opt, ranks, rows, vocab_total, vocab_local, backward)
-             : fce::cuda_vp_workspace_size(opt, ranks, rows, vocab_total, vocab_local, backward);
-}
 
 // fce_vp_loss_workspace_size (vocab_local 0: no such argument) and
 // fce_vp_backward_workspace_size.

@@ -260,10 +260,7 @@ OnceLayout once_layout(const fce_options& o, const fce::CeOptions& opt, int64_t 
   l.sub = sum_sat(l.gathered, slice_round(static_cast<size_t>(ranks) * row_bytes));
   size_t lo = 0, hi = 0, slo = 0, shi = 0;
   vp_linear_workspace(o, opt, 1, rows, hidden, width, width, false, FCE_FLOAT32, &slo, &shi);
-  const size_t loss =
-      o.backend == FCE_BACKEND_CPU
-          ? fce::cpu_vp_workspace_size(opt, ranks, rows, vocab_total, 0, false)
-          : fce::cuda_vp_workspace_size(opt, ranks, rows, vocab_total, 0, false);
+  const size_t loss = vp_workspace(o, opt, ranks, rows, vocab_total, 0, false);
   lo = std::max(slo, loss);
   hi = std::max(shi, loss);
   if (with_grad) {

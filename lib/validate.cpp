@@ -259,6 +259,13 @@ fce_status check_args(const char* fn, ArgTable args, const InPlace* in_place) {
   return FCE_SUCCESS;
 }
 
+size_t vp_workspace(const fce_options& o, const CeOptions& opt, int64_t ranks, int64_t rows,
+                    int64_t vocab_total, int64_t vocab_local, bool backward) {
+  return o.backend == FCE_BACKEND_CPU
+             ? cpu_vp_workspace_size(opt, ranks, rows, vocab_total, vocab_local, backward)
+             : cuda_vp_workspace_size(opt, ranks, rows, vocab_total, vocab_local, backward);
+}
+
 fce_status check_workspace(const char* fn, size_t need, const void* workspace, size_t bytes) {
   if (bytes < need)
     return fail(FCE_ERROR_WORKSPACE_TOO_SMALL,

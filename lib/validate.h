@@ -100,6 +100,11 @@ fce_status check_args(const char* fn, ArgTable args, const InPlace* in_place = n
 // NULL when need > 0, and aligned to 16 bytes, in that order (after the overlaps).
 fce_status check_workspace(const char* fn, size_t need, const void* workspace, size_t bytes);
 
+// The backends' workspace of fce_vp_loss (backward false; vocab_local 0: not an argument) and
+// fce_vp_backward (api_vp.cpp; fce_vp_linear_ce's gather-once plan runs fce_vp_loss's too).
+size_t vp_workspace(const fce_options& o, const CeOptions& opt, int64_t ranks, int64_t rows,
+                    int64_t vocab_total, int64_t vocab_local, bool backward);
+
 // The CUDA backend's check of the table, made once per call before dispatching to it: every
 // present entry must be memory the current device can dereference (the CPU backend has none).
 inline fce_status check_device_pointers(const char* fn, ArgTable args) {
