@@ -3,7 +3,9 @@
 // copies one row, either
 //   rowwise: every thread loads its 8 vectors of 16 bytes, then stores them (the register
 //            kernel's shape without the fold: nothing is written until the row is read), or
-//   stream:  every thread loads and stores one vector at a time (a plain copy).
+//   stream:  every thread loads and stores one vector at a time (a plain copy), or
+//   barrier: rowwise with a CTA barrier (__syncthreads) between the loads and the stores, as a
+//            row's gradient waits for the whole row (the register kernel's fold and exchange).
 // Prints, like probe.py, the span and the bandwidth per 4 µs (each CTA's bytes spread over its
 // life). A 256 MB fill runs before each timed launch, as triton's do_bench does.
 //   nvcc -O3 -arch=sm_90 -o copy_timeline copy_timeline.cu && ./copy_timeline 4096
@@ -30,7 +32,7 @@ __device__ __forceinline__ unsigned long long gtime() {
   return t;
 }
 
-template <bool ROWWISE>
+template <bool ROWWISE, bool BARRIER>
 __global__ void __launch_bounds__(kThreads, 2) copy_rows(const uint4* src, uint4* dst,
                                                           unsigned long long* stamps) {
   if (threadIdx.x == 0) stamps[blockIdx.x * 2] = gtime();
@@ -39,6 +41,13 @@ __global__ void __launch_bounds__(kThreads, 2) copy_rows(const uint4* src, uint4
     uint4 v[kVpt];
 #pragma unroll
     for (int i = 0; i < kVpt; ++i) v[i] = __ldcs(src + base + i * kThreads);
+    if (BARRIER) {  // every thread's loads complete (the values used) before any store
+      unsigned x = 0;
+#pragma unroll
+      for (int i = 0; i < kVpt; ++i) x ^= v[i].x ^ v[i].w;
+      __syncthreads();
+      if (x == 0x12345678u && threadIdx.x == 9999) stamps[0] = 0;  // keeps x live
+    }
 #pragma unroll
     for (int i = 0; i < kVpt; ++i) __stcs(dst + base + i * kThreads, v[i]);
   } else {
@@ -61,13 +70,15 @@ int main(int argc, char** argv) {
   CHECK(cudaMalloc(&stamps, size_t(rows) * 2 * sizeof(unsigned long long)));
   CHECK(cudaMemset(src, 1, bytes));
   std::vector<unsigned long long> h(size_t(rows) * 2);
-  for (int variant = 0; variant < 2; ++variant) {
+  for (int variant = 0; variant < 3; ++variant) {
     for (int rep = 0; rep < 4; ++rep) {
       CHECK(cudaMemsetAsync(fill, rep, size_t(256) << 20));
       if (variant == 0)
-        copy_rows<true><<<rows, kThreads>>>(src, dst, stamps);
+        copy_rows<true, false><<<rows, kThreads>>>(src, dst, stamps);
+      else if (variant == 1)
+        copy_rows<false, false><<<rows, kThreads>>>(src, dst, stamps);
       else
-        copy_rows<false><<<rows, kThreads>>>(src, dst, stamps);
+        copy_rows<true, true><<<rows, kThreads>>>(src, dst, stamps);
       CHECK(cudaGetLastError());
       CHECK(cudaDeviceSynchronize());
     }
@@ -87,7 +98,8 @@ int main(int argc, char** argv) {
         if (hi > lo) b[i] += 2.0 * row_bytes * (hi - lo) / (e - a);
       }
     }
-    std::printf("%s %d rows of 64 KB: span %.1f us (ideal %.1f)\n   TB/s per 4 us:", variant ? "stream " : "rowwise",
+    std::printf("%s %d rows of 64 KB: span %.1f us (ideal %.1f)\n   TB/s per 4 us:",
+                variant == 0 ? "rowwise" : variant == 1 ? "stream " : "barrier",
                 rows, span, ideal);
     for (int i = 0; i < nb; ++i) std::printf(" %.2f", b[i] / 4e-6 / 1e12);
     std::printf("\n");

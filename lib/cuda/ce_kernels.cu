@@ -213,7 +213,14 @@ __device__ __forceinline__ void regs_row(const KParams& p, int64_t lrow, int64_t
       copy_vector_async<TZ>(svec + ns_used * nt + tid, zrow, j0, is_full<int, E>(j0, V), V, pol);
     }
   }
-  if (tid == 0) s_info = load_row_info<TZ, MODE>(p, row, zrow, rank == 0 || p.token_scaling);
+  // The row's target and its logit (load_row_info, thread 0): for 16-bit rows before the fold,
+  // for float32 rows after it. Measured on an H100 (bench/NOTES.md, "Issue 8, session 10"):
+  // after the fold, float32 forward + gradient at 4096×32000 ran 91.5 → 94.5 % of copy and
+  // 8192×32000 93.9 → 96.7 %, while 16-bit rows lost up to 9 points (16384×128256 bf16 95.7 →
+  // 86.6 %).
+  constexpr bool kInfoAfterFold = Ty<TZ>::kBytes == 4;
+  if (!kInfoAfterFold && tid == 0)
+    s_info = load_row_info<TZ, MODE>(p, row, zrow, rank == 0 || p.token_scaling);
   const float c = smoothing_reference<TZ, MODE>(p, zrow);
 
   // ---- phase 1: (max, Σexp[, Σω·(a − c)]) of the slice
@@ -234,6 +241,8 @@ __device__ __forceinline__ void regs_row(const KParams& p, int64_t lrow, int64_t
                               want_argmax, am);
     }
   }
+  if (kInfoAfterFold && tid == 0)
+    s_info = load_row_info<TZ, MODE>(p, row, zrow, rank == 0 || p.token_scaling);
   // every warp ends with the CTA's partial (and, after the barrier inside, s_info is there)
   const Partial blk = block_reduce_all<SW>(acc, s_warp);
 
