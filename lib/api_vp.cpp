@@ -9,7 +9,6 @@ namespace {
 using fce::fail;
 using namespace fce::abi;
 
-
 // fce_vp_loss_workspace_size (vocab_local 0: no such argument) and
 // fce_vp_backward_workspace_size.
 fce_status vp_workspace_query(const char* fn, const fce_options* options, int64_t ranks,

@@ -245,19 +245,14 @@ struct OnceLayout {
   size_t min_total = 0, optimal_total = 0;
 };
 
-size_t slice_round(size_t bytes) {
-  return bytes > SIZE_MAX - 255 ? SIZE_MAX : (bytes + 255) / 256 * 256;
-}
-size_t sum_sat(size_t a, size_t b) { return a > SIZE_MAX - b ? SIZE_MAX : a + b; }
-
 OnceLayout once_layout(const fce_options& o, const fce::CeOptions& opt, int64_t ranks,
                        int64_t rows, int64_t hidden, int64_t vocab_total, int64_t width,
                        bool with_grad, int32_t grad_hidden_dtype) {
   OnceLayout l;
   const size_t row_bytes = static_cast<size_t>(rows) * kStatsBytes;
-  l.own = 0;
-  l.gathered = slice_round(row_bytes);
-  l.sub = sum_sat(l.gathered, slice_round(static_cast<size_t>(ranks) * row_bytes));
+  l.gathered = fce::sat_round_up(row_bytes, 256);
+  const size_t all_bytes = fce::sat_mul(static_cast<size_t>(ranks), row_bytes);
+  l.sub = fce::sat_add(l.gathered, fce::sat_round_up(all_bytes, 256));
   size_t lo = 0, hi = 0, slo = 0, shi = 0;
   vp_linear_workspace(o, opt, 1, rows, hidden, width, width, false, FCE_FLOAT32, &slo, &shi);
   const size_t loss = vp_workspace(o, opt, ranks, rows, vocab_total, 0, false);
@@ -270,8 +265,8 @@ OnceLayout once_layout(const fce_options& o, const fce::CeOptions& opt, int64_t 
     lo = std::max(lo, blo);
     hi = std::max(hi, bhi);
   }
-  l.min_total = sum_sat(l.sub, lo);
-  l.optimal_total = sum_sat(l.sub, std::max(lo, hi));
+  l.min_total = fce::sat_add(l.sub, lo);
+  l.optimal_total = fce::sat_add(l.sub, std::max(lo, hi));
   return l;
 }
 
@@ -434,8 +429,10 @@ FCE_API fce_status fce_vp_linear_ce(const fce_options* options, int64_t ranks, i
       fce::cuda_vp_linear_ce_chunked(p.opt, ranks, rows, hidden, vocab_total, vocab_local,
                                      grad_weight != nullptr, fp32, workspace_bytes, &threshold,
                                      &need);
-  const OnceLayout l = once_layout(*o, p.opt, ranks, rows, hidden, vocab_total, vocab_local,
-                                   with_grad, grad_hidden_dtype);
+  // (the gather-once plan's layout only when that plan runs)
+  const OnceLayout l = chunked ? OnceLayout{}
+                               : once_layout(*o, p.opt, ranks, rows, hidden, vocab_total,
+                                             vocab_local, with_grad, grad_hidden_dtype);
   FCE_TRY(check_workspace(fn, chunked ? need : l.min_total, workspace, workspace_bytes));
   set_linear_inputs(&p, hidden_states, weight, bias, targets);
   p.grad_output = grad_output;

@@ -24,6 +24,16 @@ fce_status fail(fce_status status, const char* fmt, ...)
     if (fce_try_ != FCE_SUCCESS) return fce_try_; \
   } while (0)
 
+// Workspace size arithmetic that saturates at SIZE_MAX instead of wrapping (SIZE_MAX then reads
+// "too large for any workspace"): the sum, the product, a rounded up to a multiple of align.
+inline size_t sat_add(size_t a, size_t b) { return a > SIZE_MAX - b ? SIZE_MAX : a + b; }
+inline size_t sat_mul(size_t a, size_t b) {
+  return (a != 0 && b > SIZE_MAX / a) ? SIZE_MAX : a * b;
+}
+inline size_t sat_round_up(size_t a, size_t align) {
+  return a > SIZE_MAX - (align - 1) ? SIZE_MAX : (a + align - 1) / align * align;
+}
+
 inline size_t dtype_size(int dtype) {
   switch (dtype) {
     case FCE_FLOAT32: return 4;

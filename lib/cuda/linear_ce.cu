@@ -264,19 +264,9 @@ fce_status cuda_linear_ce(const LinearCeProblem& p) {
 
   // ---- carve the workspace
   const Layout& L = plan.layout;
-  char* base = reinterpret_cast<char*>(
-      (reinterpret_cast<uintptr_t>(p.workspace) + kAlign - 1) / kAlign * kAlign);
-  CeDenoms* denoms = reinterpret_cast<CeDenoms*>(base + L.denoms);
-  float* row_loss = s.reduction_none ? p.loss : reinterpret_cast<float*>(base + L.row_loss);
-  // the z-loss terms: part of a mean/sum loss, or asked for (λ = 0: none)
-  float* row_zloss = (opt.z_loss_scale != 0.f && (!s.reduction_none || p.z_loss))
-                         ? reinterpret_cast<float*>(base + L.row_zloss) : nullptr;
-  float* row_correct = !p.accuracy ? nullptr
-                       : s.reduction_none ? p.accuracy : reinterpret_cast<float*>(base + L.row_correct);
-  void* bias_ws = p.bias ? static_cast<void*>(base + L.bias) : nullptr;  // the bias, in dtype
-  float* db32 = reinterpret_cast<float*>(base + L.db);
-  void* lt_ws = base + L.lt;
-  void* z = base + L.z;  // Z_c [rc, ldz] in dtype, then ∂Z_c in place (same dtype and stride)
+  char* base = aligned_base(p.workspace);
+  const ChunkSlices cs =
+      chunk_slices(L, base, opt, p.loss, p.z_loss != nullptr, p.accuracy, p.bias != nullptr);
   const int64_t ldz = s.vocab_padded;
   const bool sliced = plan.mode == Mode::kVocabSliced;
   // the vocab-sliced plan (only ever chosen for a 16-bit dtype whose grad_weight and grad_bias
@@ -292,8 +282,8 @@ fce_status cuda_linear_ce(const LinearCeProblem& p) {
   // ---- the loss denominators (need all targets); the bias copied to 256-byte aligned
   // workspace (in dtype: cuBLASLt's bias has the D type), so cuBLASLt's pick does not depend
   // on the caller's bias address
-  FCE_TRY(launch_ce_denominators(fn, opt, N, V, p.targets, denoms, stream));
-  if (p.bias) FCE_TRY(launch_convert(fn, p.bias, dtype, bias_ws, dtype, V, stream));
+  FCE_TRY(launch_ce_denominators(fn, opt, N, V, p.targets, cs.denoms, stream));
+  if (p.bias) FCE_TRY(launch_convert(fn, p.bias, dtype, cs.bias, dtype, V, stream));
 
   for (int64_t c = 0; c < plan.chunks; ++c) {
     const int64_t r0 = c * plan.chunk_rows;
@@ -302,7 +292,7 @@ fce_status cuda_linear_ce(const LinearCeProblem& p) {
     const void* h_c = hidden + static_cast<size_t>(r0) * static_cast<size_t>(hs) * e;
 
     // 1. Z_c[rc, V] = h_c[rc, D] · W[V, D]ᵀ + b   (in dtype, float32 accumulation, ld = ldz)
-    FCE_TRY(logits_gemm(fn, dtype, rc, V, D, h_c, hs, p.weight, bias_ws, z, ldz, lt_ws,
+    FCE_TRY(logits_gemm(fn, dtype, rc, V, D, h_c, hs, p.weight, cs.bias, cs.z, ldz, cs.lt,
                         plan.lt_bytes, stream));
 
     // 2. the CE pass: row losses, lse, and ∂Z_c in dtype, in place over Z_c
@@ -313,22 +303,22 @@ fce_status cuda_linear_ce(const LinearCeProblem& p) {
     a.total_rows = N;
     a.row_begin = r0;
     a.row_count = rc;
-    a.logits = z;
+    a.logits = cs.z;
     a.logits_dtype = dtype;
     a.row_stride = ldz;
-    a.grad = grad_in_chunks ? z : nullptr;
+    a.grad = grad_in_chunks ? cs.z : nullptr;
     a.grad_dtype = dtype;
     a.grad_row_stride = ldz;
     a.targets = p.targets;
-    a.denoms = denoms;
+    a.denoms = cs.denoms;
     a.grad_output = p.grad_output;
     a.lse_in = nullptr;
-    a.row_loss = row_loss;
-    a.row_zloss = row_zloss;
+    a.row_loss = cs.row_loss;
+    a.row_zloss = cs.row_zloss;
     a.lse_out = p.lse;
     a.stats_out = stats;
     a.argmax_out = p.argmax;
-    a.row_correct = row_correct;
+    a.row_correct = cs.row_correct;
     a.error_flags = p.error_flags;
     FCE_TRY(launch_ce_rows(a, stream));
     if (!grad_in_chunks) continue;
@@ -341,7 +331,7 @@ fce_status cuda_linear_ce(const LinearCeProblem& p) {
     g.rc = rc;
     g.cols = V;
     g.hidden = D;
-    g.dz = z;
+    g.dz = cs.z;
     g.ldz = ldz;
     g.h_c = h_c;
     g.hs = hs;
@@ -353,10 +343,10 @@ fce_status cuda_linear_ce(const LinearCeProblem& p) {
     g.grad_weight = p.grad_weight;
     g.grad_weight_dtype = grad_w_dtype;
     g.grad_bias = p.grad_bias;
-    g.db32 = db32;
+    g.db32 = cs.db32;
     g.first = first;
     g.accumulate = p.accumulate;
-    g.lt_ws = lt_ws;
+    g.lt_ws = cs.lt;
     g.lt_bytes = plan.lt_bytes;
     FCE_TRY(chunk_grads(g, stream));
   }
@@ -375,21 +365,21 @@ fce_status cuda_linear_ce(const LinearCeProblem& p) {
     sp.vocab_total = V;
     sp.hidden_states = hidden;
     sp.weight = p.weight;
-    sp.bias = bias_ws;
+    sp.bias = cs.bias;
     sp.targets = p.targets;
-    sp.denoms = denoms;
+    sp.denoms = cs.denoms;
     sp.grad_output = p.grad_output;
     sp.stats = stats;
-    sp.z = z;
+    sp.z = cs.z;
     sp.slice_cols = plan.slice_cols;
     sp.slices = plan.slices;
-    sp.lt_ws = lt_ws;
+    sp.lt_ws = cs.lt;
     sp.lt_bytes = plan.lt_bytes;
     sp.grad_weight = p.grad_weight;
     sp.grad_weight_dtype = grad_w_dtype;
     sp.accumulate = p.accumulate;
     sp.dh = p.grad_hidden ? dh32 : nullptr;
-    sp.db = p.grad_bias ? db32 : nullptr;  // complete per slice; stored below
+    sp.db = p.grad_bias ? cs.db32 : nullptr;  // complete per slice; stored below
     sp.db_dtype = FCE_FLOAT32;
     sp.db_add_old = false;
     FCE_TRY(slice_pass(sp, stream));
@@ -399,17 +389,17 @@ fce_status cuda_linear_ce(const LinearCeProblem& p) {
 
   // ---- f16/bf16 gradients out of their float32 accumulators (one rounding, + old values)
   if (p.grad_bias && !dw_fp32)
-    FCE_TRY(launch_store_accumulator(fn, db32, p.grad_bias, grad_w_dtype, V, p.accumulate,
+    FCE_TRY(launch_store_accumulator(fn, cs.db32, p.grad_bias, grad_w_dtype, V, p.accumulate,
                                      stream));
 
   // ---- the reduced loss, z-loss and accuracy, fixed order. For none the per-row losses and
   // accuracies already are the caller's: only the z-loss total remains.
   if (!s.reduction_none)
-    FCE_TRY(launch_ce_finalize(fn, opt, N, row_loss, row_zloss, row_correct, denoms, p.loss,
-                               p.z_loss, p.accuracy, stream));
+    FCE_TRY(launch_ce_finalize(fn, opt, N, cs.row_loss, cs.row_zloss, cs.row_correct, cs.denoms,
+                               p.loss, p.z_loss, p.accuracy, stream));
   else
-    FCE_TRY(launch_ce_finalize(fn, opt, N, row_loss, row_zloss, row_correct, denoms, nullptr,
-                               p.z_loss, nullptr, stream));
+    FCE_TRY(launch_ce_finalize(fn, opt, N, cs.row_loss, cs.row_zloss, cs.row_correct, cs.denoms,
+                               nullptr, p.z_loss, nullptr, stream));
   return FCE_SUCCESS;
 }
 

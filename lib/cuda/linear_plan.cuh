@@ -48,13 +48,10 @@ constexpr int64_t kMaxChunks16 = 4;
 // logits for all rows in the gradient pass (a few MiB of workspace at the peers' sizes).
 constexpr int64_t kMinSliceRows = 16;
 
-// ---- size arithmetic that saturates at SIZE_MAX instead of wrapping
+// ---- size arithmetic that saturates at SIZE_MAX instead of wrapping (sat_add, sat_mul:
+// internal.h)
 constexpr size_t kHuge = SIZE_MAX;
-inline size_t sat_add(size_t a, size_t b) { return a > kHuge - b ? kHuge : a + b; }
-inline size_t sat_mul(size_t a, size_t b) { return (a != 0 && b > kHuge / a) ? kHuge : a * b; }
-inline size_t sat_round(size_t a) {
-  return a > kHuge - (kAlign - 1) ? kHuge : (a + kAlign - 1) / kAlign * kAlign;
-}
+inline size_t sat_round(size_t a) { return sat_round_up(a, kAlign); }
 
 // The fewest pieces of at most `most` each covering n, then each piece ceil(n / pieces) rounded
 // up to `quantum` (never above `most`): balanced, so the last piece is not a sliver.
@@ -78,6 +75,46 @@ Sizes sizes_of(const CeOptions& opt, int64_t rows, int64_t hidden, int64_t vocab
 struct Layout {
   size_t denoms, row_loss, row_zloss, row_correct, bias, db, stats, dh, lt, z, total;
 };
+
+// The workspace's 256-byte aligned base (the caller's pointer is 16-byte aligned; every
+// Layout's total includes kAlign of slack for this).
+inline char* aligned_base(void* workspace) {
+  return reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(workspace) + kAlign - 1) / kAlign *
+                                 kAlign);
+}
+
+// The slices a token-chunk pass reads and writes, at `base` (aligned_base) laid out by L, as
+// fce_linear_ce and fce_vp_linear_ce both take them: the row losses go straight to the caller's
+// loss for reduction none; the z-loss terms exist when λ ≠ 0 and they are part of the loss or
+// asked for (z_loss_out); the accuracy rows when it is asked for (straight to it for none); the
+// bias copy (in dtype) when there is a bias.
+struct ChunkSlices {
+  CeDenoms* denoms;
+  float* row_loss;
+  float* row_zloss;
+  float* row_correct;
+  void* bias;
+  float* db32;
+  void* lt;
+  void* z;  // Z_c [rc, ldz] in dtype, then ∂Z_c in place (same dtype and stride)
+};
+inline ChunkSlices chunk_slices(const Layout& L, char* base, const CeOptions& opt, float* loss,
+                                bool z_loss_out, float* accuracy, bool has_bias) {
+  const bool none = opt.reduction == FCE_REDUCTION_NONE;
+  ChunkSlices c;
+  c.denoms = reinterpret_cast<CeDenoms*>(base + L.denoms);
+  c.row_loss = none ? loss : reinterpret_cast<float*>(base + L.row_loss);
+  c.row_zloss = (opt.z_loss_scale != 0.f && (!none || z_loss_out))
+                    ? reinterpret_cast<float*>(base + L.row_zloss) : nullptr;
+  c.row_correct = !accuracy ? nullptr
+                  : none    ? accuracy
+                            : reinterpret_cast<float*>(base + L.row_correct);
+  c.bias = has_bias ? static_cast<void*>(base + L.bias) : nullptr;
+  c.db32 = reinterpret_cast<float*>(base + L.db);
+  c.lt = base + L.lt;
+  c.z = base + L.z;
+  return c;
+}
 
 enum class Mode { kChunked, kChunked16, kVocabSliced };
 

@@ -45,7 +45,7 @@ namespace fce {
 namespace cuda {
 namespace {
 
-using linear::kAlign;
+using linear::aligned_base;
 using vp_plan::BwdLayout;
 using vp_plan::BwdPlan;
 using vp_plan::BwdSizes;
@@ -61,11 +61,6 @@ fce_status nan_rows(const void* ctx, void* dz, int64_t rows, int64_t cols, int64
                     cudaStream_t s) {
   const NanRows* c = static_cast<const NanRows*>(ctx);
   return launch_vp_nan_rows(c->fn, c->stats, rows, dz, c->dtype, cols, ld, s);
-}
-
-char* aligned_base(void* workspace) {
-  return reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(workspace) + kAlign - 1) / kAlign *
-                                 kAlign);
 }
 
 fce_status vp_linear_stats(const VpLinearProblem& p) {

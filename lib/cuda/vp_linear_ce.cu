@@ -84,32 +84,22 @@ fce_status cuda_vp_linear_ce(const VpLinearCeProblem& P) {
 
   // ---- carve the workspace
   const Plan& plan = fp.lin;
-  const Layout& L = plan.layout;
-  char* base = reinterpret_cast<char*>(
-      (reinterpret_cast<uintptr_t>(p.workspace) + kAlign - 1) / kAlign * kAlign);
+  char* base = aligned_base(p.workspace);
   float* own = reinterpret_cast<float*>(base + fp.own);            // [N, 8]
   float* gathered = reinterpret_cast<float*>(base + fp.gathered);  // per chunk [P, rc, 8]
   CeRowStats* rowstats = reinterpret_cast<CeRowStats*>(base + fp.rowstats);
-  char* lb = base + fp.lin_at;
+  // fce_linear_ce's slices, after those three
+  const ChunkSlices cs = chunk_slices(plan.layout, base + fp.lin_at, opt, P.loss,
+                                      P.z_loss != nullptr, P.accuracy, p.bias != nullptr);
   const bool none = opt.reduction == FCE_REDUCTION_NONE;
-  CeDenoms* denoms = reinterpret_cast<CeDenoms*>(lb + L.denoms);
-  float* row_loss = none ? P.loss : reinterpret_cast<float*>(lb + L.row_loss);
-  float* row_zloss = (opt.z_loss_scale != 0.f && (!none || P.z_loss))
-                         ? reinterpret_cast<float*>(lb + L.row_zloss) : nullptr;
-  float* row_correct = !P.accuracy ? nullptr
-                       : none ? P.accuracy : reinterpret_cast<float*>(lb + L.row_correct);
-  void* bias_ws = p.bias ? static_cast<void*>(lb + L.bias) : nullptr;
-  float* db32 = reinterpret_cast<float*>(lb + L.db);
-  void* lt_ws = lb + L.lt;
-  void* z = lb + L.z;  // Z_c [rc, ldz], then ∂Z_c in place
   const int64_t ldz = (Vs + kVocabPad - 1) / kVocabPad * kVocabPad;
   cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
   const char* hidden = static_cast<const char*>(p.hidden_states);
 
   // ---- D, Ω, n of the whole problem; the bias in dtype at a 256-byte aligned address; the
   // class-weighted W_r of every row (the same bits in each)
-  FCE_TRY(launch_ce_denominators(fn, opt, N, p.vocab_total, p.targets, denoms, stream));
-  if (p.bias) FCE_TRY(launch_convert(fn, p.bias, dtype, bias_ws, dtype, Vs, stream));
+  FCE_TRY(launch_ce_denominators(fn, opt, N, p.vocab_total, p.targets, cs.denoms, stream));
+  if (p.bias) FCE_TRY(launch_convert(fn, p.bias, dtype, cs.bias, dtype, Vs, stream));
   if (opt.class_weights)
     FCE_TRY(launch_vp_weights(fn, opt, N, p.vocab_start, Vs, own, stream));
 
@@ -122,11 +112,11 @@ fce_status cuda_vp_linear_ce(const VpLinearCeProblem& P) {
     float* recv = gathered + r0 * P_ * FCE_VP_STATS;
 
     // 1. Z_c[rc, Vs] = h_c · W_sᵀ + b_s
-    FCE_TRY(logits_gemm(fn, dtype, rc, Vs, D, h_c, hs, p.weight, bias_ws, z, ldz, lt_ws,
+    FCE_TRY(logits_gemm(fn, dtype, rc, Vs, D, h_c, hs, p.weight, cs.bias, cs.z, ldz, cs.lt,
                         plan.lt_bytes, stream));
 
     // 2. this rank's statistics of the chunk's rows
-    FCE_TRY(launch_vp_stats(vp_chunk_stats_args(fn, opt, r0, rc, z, ldz, p.vocab_total,
+    FCE_TRY(launch_vp_stats(vp_chunk_stats_args(fn, opt, r0, rc, cs.z, ldz, p.vocab_total,
                                                 p.vocab_start, Vs, p.targets, own),
                             stream));
 
@@ -148,11 +138,11 @@ fce_status cuda_vp_linear_ce(const VpLinearCeProblem& P) {
     cb.targets = p.targets;
     cb.gathered = recv;
     cb.stats_out = rowstats;
-    cb.row_loss = row_loss;
-    cb.row_zloss = row_zloss;
+    cb.row_loss = cs.row_loss;
+    cb.row_zloss = cs.row_zloss;
     cb.lse = P.lse;
     cb.argmax = P.argmax;
-    cb.row_correct = row_correct;
+    cb.row_correct = cs.row_correct;
     cb.error_flags = p.error_flags;
     FCE_TRY(launch_vp_combine(cb, stream));
 
@@ -166,19 +156,19 @@ fce_status cuda_vp_linear_ce(const VpLinearCeProblem& P) {
     r.total_rows = N;
     r.row_begin = r0;
     r.row_count = rc;
-    r.logits = z;
+    r.logits = cs.z;
     r.logits_dtype = dtype;
     r.row_stride = ldz;
-    r.grad = z;
+    r.grad = cs.z;
     r.grad_dtype = dtype;
     r.grad_row_stride = ldz;
     r.targets = p.targets;
-    r.denoms = denoms;
+    r.denoms = cs.denoms;
     r.grad_output = p.grad_output;
     r.stats_in = rowstats;
     r.error_flags = nullptr;  // the combination flagged invalid targets already
     FCE_TRY(launch_ce_rows(r, stream));
-    FCE_TRY(launch_vp_nan_rows(fn, rowstats + r0, rc, z, dtype, Vs, ldz, stream));
+    FCE_TRY(launch_vp_nan_rows(fn, rowstats + r0, rc, cs.z, dtype, Vs, ldz, stream));
 
     // 6-7. this rank's ∂h_c = ∂Z_c · W_s (grad_hidden_dtype), ∂W_s (+)= ∂Z_cᵀ · h_c, ∂b_s:
     // fce_linear_ce's very steps 3-5 (chunk_grads)
@@ -188,7 +178,7 @@ fce_status cuda_vp_linear_ce(const VpLinearCeProblem& P) {
     g.rc = rc;
     g.cols = Vs;
     g.hidden = D;
-    g.dz = z;
+    g.dz = cs.z;
     g.ldz = ldz;
     g.h_c = h_c;
     g.hs = hs;
@@ -200,21 +190,21 @@ fce_status cuda_vp_linear_ce(const VpLinearCeProblem& P) {
     g.grad_weight = p.grad_weight;
     g.grad_weight_dtype = grad_w_dtype;
     g.grad_bias = p.grad_bias;
-    g.db32 = db32;
+    g.db32 = cs.db32;
     g.first = first;
     g.accumulate = p.accumulate;
-    g.lt_ws = lt_ws;
+    g.lt_ws = cs.lt;
     g.lt_bytes = plan.lt_bytes;
     FCE_TRY(chunk_grads(g, stream));
   }
 
   // ---- a 16-bit ∂b out of its float32 accumulator (one rounding, + the old value)
   if (p.grad_bias && !dw_fp32)
-    FCE_TRY(launch_store_accumulator(fn, db32, p.grad_bias, grad_w_dtype, Vs, p.accumulate,
+    FCE_TRY(launch_store_accumulator(fn, cs.db32, p.grad_bias, grad_w_dtype, Vs, p.accumulate,
                                      stream));
 
   // ---- the reduced loss, z-loss and accuracy, fixed order (none: the rows are the outputs)
-  return launch_ce_finalize(fn, opt, N, row_loss, row_zloss, row_correct, denoms,
+  return launch_ce_finalize(fn, opt, N, cs.row_loss, cs.row_zloss, cs.row_correct, cs.denoms,
                             none ? nullptr : P.loss, P.z_loss, none ? nullptr : P.accuracy,
                             stream);
 }

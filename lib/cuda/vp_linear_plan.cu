@@ -21,8 +21,6 @@ using linear::kHuge;
 using linear::kLtWorkspaceBudget;
 using linear::kLtWorkspaceMin;
 using linear::kVocabPad;
-using linear::sat_add;
-using linear::sat_mul;
 using linear::sat_round;
 
 // ---- phase 1: fce_linear_ce's loss-only token-chunk plan for the shard
