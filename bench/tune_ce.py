@@ -32,7 +32,8 @@ ALL_SETTINGS = {"default": {}, "twopass": {"FCE_CUDA_CE_PATH": "twopass"},
                 "smem0bg0": {"FCE_CUDA_CE_SMEM": "0", "FCE_CUDA_CE_BULK_GRAD": "0"},
                 "k1": {"FCE_CUDA_CE_CLUSTER": "1"}, "k2": {"FCE_CUDA_CE_CLUSTER": "2"},
                 "k3": {"FCE_CUDA_CE_CLUSTER": "3"}, "k4": {"FCE_CUDA_CE_CLUSTER": "4"},
-                "k5": {"FCE_CUDA_CE_CLUSTER": "5"}, "k6": {"FCE_CUDA_CE_CLUSTER": "6"}}
+                "k5": {"FCE_CUDA_CE_CLUSTER": "5"}, "k6": {"FCE_CUDA_CE_CLUSTER": "6"},
+                "unit0": {"FCE_CUDA_CE_UNIT": "0"}}
 # (FCE_CUDA_CE_CLUSTER=k: that cluster size wherever a row's slices fit it, else the chosen one;
 # the "k>=" names are from when it meant the smallest size to use)
 SETTINGS = "default,twopass,k>=2,k>=4,k=8"

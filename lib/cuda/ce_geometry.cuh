@@ -211,6 +211,10 @@ inline void make_launch(unsigned grid, unsigned threads, int k, bool pdl, cudaSt
 // device (ce_path.cu).
 bool pdl_supported();
 
+// Whether the CE row kernels take the kUnit mode where s = 1 (FCE_CUDA_CE_UNIT=0: never, for
+// measurement: the kPlain kernels then run s = 1 too); read once (ce_path.cu).
+bool unit_mode_enabled();
+
 // Which kernel runs the rows of one launch_ce_rows call, decided once per call on the host.
 enum class RowsPath {
   kBackward,   // ce_rows_stream_kernel<…, BWD = true>: lse_in / stats_in given
@@ -226,7 +230,7 @@ struct RowsQuery {
   int elem_bytes;           // of the logits
   bool aligned_rows;        // every row of the logits starts 16-byte aligned
   bool rescale;             // fce_backward_rescale (the register path then runs persistent)
-  int slot;                 // (dtype pair) · 3 + mode: the occupancy cache's cell of the kernel
+  int slot;                 // (dtype pair) · 4 + mode: the occupancy cache's cell of the kernel
   const void* regs_kernel;       // ce_rows_regs_kernel<TZ, TG, mode, false, false>, for queries
   const void* regs_loop_kernel;  // ce_rows_regs_kernel<TZ, TG, mode, true, false>
   const void* regs_smem_kernel;       // … <…, false, true>: with shared-memory slots

@@ -29,8 +29,10 @@
 //     copied with cp.async in flight with the register loads, read back by the same thread for
 //     the fold and the gradient; up to 96 KB more per CTA, still two CTAs per SM): such rows then
 //     take clusters of fewer CTAs, and an SM holds more of them than its register file's 128 KB
-//     (choose_reg_config; bench/NOTES.md, "Issue 8, session 6"). Three compiled modes per
-//     dtype pair (plain, softcap, general = label smoothing) keep the hot ones lean; the general
+//     (choose_reg_config; bench/NOTES.md, "Issue 8, session 6"). Four compiled modes per
+//     dtype pair (unit = plain with s = 1, plain, softcap, general = label smoothing) keep the
+//     hot ones lean (unit: no multiply per element; for 16-bit rows held in registers only, a
+//     fold in two passes, the thread's maximum first, two elements per compare); the general
 //     mode needs ~75-88 registers and runs one CTA per SM rather than spill. Each CTA first asks
 //     the L2 for its slice of the row a quarter of a wave ahead, an eighth with slots (one bulk
 //     prefetch, kDefaultPrefetchWaves / kSlotPrefetchWaves), so DRAM keeps reading while CTAs
@@ -226,19 +228,52 @@ __device__ __forceinline__ void regs_row(const KParams& p, int64_t lrow, int64_t
   // ---- phase 1: (max, Σexp[, Σω·(a − c)]) of the slice
   Partial acc = partial_identity();
   int am = -1;
+  // kUnit, 16-bit, registers only: two passes (max_vector, sumexp_vector: ce_device.cuh), the
+  // thread's maximum (two elements per compare) and then the sum. Measured on an H100 against the
+  // online fold of the same kernels (bench/NOTES.md, "Issue 8, session 11"): forward + gradient
+  // 1024×32000 bf16 64.0 → 65.6 % of copy, 1024×128256 84.4 → 85.3, 4096×32000 87.3 → 87.7, the
+  // other shapes within 0.5 point; with shared-memory slots (read twice) 16384×50257 bf16 fell
+  // 93.3 → 89.2 and float32 rows 0.5-1.1 points, so those keep the online fold.
+  if constexpr (MODE == kUnit && !SMEM && E == 8) {
+    uint32_t pm = packed_neg_inf<TZ>();
+    float fm = neg_inf();
 #pragma unroll
-  for (int i = 0; i < kRegVpt; ++i) {
-    const int j0 = j00 + i * jstep;
-    if (v0 + i * nt < vend)
-      online_vector<TZ, MODE>(buf[i], j0, is_full<int, E>(j0, V), p, c, acc, want_argmax, am);
-  }
-  if constexpr (SMEM) {
-    async_copies_wait();
+    for (int i = 0; i < kRegVpt; ++i) {
+      const int j0 = j00 + i * jstep;
+      if (v0 + i * nt < vend) max_vector<TZ>(buf[i], j0, is_full<int, E>(j0, V), V, pm, fm);
+    }
+    const float m = max_total<TZ>(pm, fm);
+    const float ms = m == neg_inf() ? 0.f : m;  // all −inf: every term is exp(−inf) = 0
+    float sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < kRegVpt; ++i) {
+      const int j0 = j00 + i * jstep;
+      if (v0 + i * nt < vend) sumexp_vector<TZ>(buf[i], j0, is_full<int, E>(j0, V), V, ms, sum);
+    }
+    if (want_argmax && m != neg_inf()) {  // the first element equal to m
+#pragma unroll
+      for (int i = 0; i < kRegVpt; ++i) {
+        const int j0 = j00 + i * jstep;
+        if (am < 0 && v0 + i * nt < vend)
+          first_max_vector<TZ>(buf[i], j0, is_full<int, E>(j0, V), V, m, am);
+      }
+    }
+    acc = Partial{m, sum, 0.0};
+  } else {
+#pragma unroll
+    for (int i = 0; i < kRegVpt; ++i) {
+      const int j0 = j00 + i * jstep;
+      if (v0 + i * nt < vend)
+        online_vector<TZ, MODE>(buf[i], j0, is_full<int, E>(j0, V), p, c, acc, want_argmax, am);
+    }
+    if constexpr (SMEM) {
+      async_copies_wait();
 #pragma unroll 1
-    for (int i = 0; i < ns_used; ++i) {
-      const int j0 = j00 + (kRegVpt + i) * jstep;
-      online_vector<TZ, MODE>(svec[i * nt + tid], j0, is_full<int, E>(j0, V), p, c, acc,
-                              want_argmax, am);
+      for (int i = 0; i < ns_used; ++i) {
+        const int j0 = j00 + (kRegVpt + i) * jstep;
+        online_vector<TZ, MODE>(svec[i * nt + tid], j0, is_full<int, E>(j0, V), p, c, acc,
+                                want_argmax, am);
+      }
     }
   }
   if (kInfoAfterFold && tid == 0)
@@ -610,20 +645,23 @@ fce_status launch_forward_regs(const char* fn, const KParams& q, const RegConfig
 template <class TZ, class TG, bool LOOP>
 fce_status launch_regs_mode(const char* fn, int mode, const KParams& q, const RegConfig& rc,
                             int64_t grid_rows, cudaStream_t s) {
-  return mode == kPlain ? launch_forward_regs<TZ, TG, kPlain, LOOP>(fn, q, rc, grid_rows, s)
+  return mode == kUnit  ? launch_forward_regs<TZ, TG, kUnit, LOOP>(fn, q, rc, grid_rows, s)
+       : mode == kPlain ? launch_forward_regs<TZ, TG, kPlain, LOOP>(fn, q, rc, grid_rows, s)
        : mode == kCap   ? launch_forward_regs<TZ, TG, kCap, LOOP>(fn, q, rc, grid_rows, s)
                         : launch_forward_regs<TZ, TG, kGeneral, LOOP>(fn, q, rc, grid_rows, s);
 }
 
 template <class TZ, class TG, bool LOOP, bool SMEM> const void* regs_kernel(int mode) {
-  return mode == kPlain ? kernel_address(ce_rows_regs_kernel<TZ, TG, kPlain, LOOP, SMEM>)
+  return mode == kUnit  ? kernel_address(ce_rows_regs_kernel<TZ, TG, kUnit, LOOP, SMEM>)
+       : mode == kPlain ? kernel_address(ce_rows_regs_kernel<TZ, TG, kPlain, LOOP, SMEM>)
        : mode == kCap   ? kernel_address(ce_rows_regs_kernel<TZ, TG, kCap, LOOP, SMEM>)
                         : kernel_address(ce_rows_regs_kernel<TZ, TG, kGeneral, LOOP, SMEM>);
 }
 
 // The bulk kernel of a mode (GRAD: with the gradient; without one TG is TZ).
 template <class TZ, class TG, bool GRAD> auto bulk_kernel(int mode) {
-  return mode == kPlain ? ce_rows_bulk_kernel<TZ, TG, kPlain, GRAD>
+  return mode == kUnit  ? ce_rows_bulk_kernel<TZ, TG, kUnit, GRAD>
+       : mode == kPlain ? ce_rows_bulk_kernel<TZ, TG, kPlain, GRAD>
        : mode == kCap   ? ce_rows_bulk_kernel<TZ, TG, kCap, GRAD>
                         : ce_rows_bulk_kernel<TZ, TG, kGeneral, GRAD>;
 }
@@ -633,7 +671,12 @@ fce_status launch_rows_typed(const CeRowsArgs& a, KParams p, int pair, cudaStrea
   constexpr int E = vec_elems<TZ>();
   p.z_row_bytes = a.row_stride * Ty<TZ>::kBytes;
   p.g_row_bytes = a.grad ? a.grad_row_stride * Ty<TG>::kBytes : 0;
-  const int mode = p.smooth ? kGeneral : p.cap ? kCap : kPlain;
+  // kUnit (s = 1, the default): the register path and the bulk kernel without a multiply per
+  // element (regs_row: 16-bit rows in registers fold in two passes); FCE_CUDA_CE_UNIT=0: kPlain
+  const int mode = p.smooth ? kGeneral
+                 : p.cap    ? kCap
+                 : (p.scale == 1.f && unit_mode_enabled()) ? kUnit
+                                                            : kPlain;
 
   // The path: backward / register (cluster) / two-pass (ce_path.cu).
   RowsQuery rq;
@@ -644,7 +687,7 @@ fce_status launch_rows_typed(const CeRowsArgs& a, KParams p, int pair, cudaStrea
   rq.elem_bytes = Ty<TZ>::kBytes;
   rq.aligned_rows = (reinterpret_cast<uintptr_t>(a.logits) & 15) == 0 && (p.z_row_bytes & 15) == 0;
   rq.rescale = p.rescale != 0;
-  rq.slot = pair * 3 + mode;
+  rq.slot = pair * 4 + mode;
   rq.regs_kernel = regs_kernel<TZ, TG, false, false>(mode);
   rq.regs_loop_kernel = regs_kernel<TZ, TG, true, false>(mode);
   rq.regs_smem_kernel = regs_kernel<TZ, TG, false, true>(mode);
@@ -669,8 +712,9 @@ fce_status launch_rows_typed(const CeRowsArgs& a, KParams p, int pair, cudaStrea
     if (choice.path == RowsPath::kBackward) {
       const unsigned threads = static_cast<unsigned>(stream_threads(a.vocab, E, kBackwardThreads));
       st = launch_rows_kernel(a.fn, "ce_rows_stream_kernel, backward",
-                              mode == kPlain ? ce_rows_stream_kernel<TZ, TG, kPlain, true>
-                                             : ce_rows_stream_kernel<TZ, TG, kGeneral, true>,
+                              mode == kPlain || mode == kUnit
+                                  ? ce_rows_stream_kernel<TZ, TG, kPlain, true>
+                                  : ce_rows_stream_kernel<TZ, TG, kGeneral, true>,
                               n, static_cast<int>(threads), 1, q, s);
     } else if (choice.path == RowsPath::kBulk) {
       q.rows_in_launch = n;
@@ -696,8 +740,9 @@ fce_status launch_rows_typed(const CeRowsArgs& a, KParams p, int pair, cudaStrea
     } else {
       const unsigned threads = static_cast<unsigned>(stream_threads(a.vocab, E, kTwoPassThreads));
       st = launch_rows_kernel(a.fn, "ce_rows_stream_kernel, two-pass forward",
-                              mode == kPlain ? ce_rows_stream_kernel<TZ, TG, kPlain, false>
-                                             : ce_rows_stream_kernel<TZ, TG, kGeneral, false>,
+                              mode == kPlain || mode == kUnit
+                                  ? ce_rows_stream_kernel<TZ, TG, kPlain, false>
+                                  : ce_rows_stream_kernel<TZ, TG, kGeneral, false>,
                               n, static_cast<int>(threads), 1, q, s);
     }
     if (st != FCE_SUCCESS) return st;

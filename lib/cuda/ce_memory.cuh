@@ -26,8 +26,10 @@ namespace {
 // The feature set a kernel is compiled for (the CE and the vocabulary-parallel kernels alike).
 // kPlain: no softcap and no label smoothing (class weights, z-loss and scale are per-row
 // scalars, always allowed). kCap: softcap. kGeneral: softcap and label smoothing decided at
-// run time (smoothing needs Σω·a and ω_j per element).
-enum Mode : int { kPlain = 0, kCap = 1, kGeneral = 2 };
+// run time (smoothing needs Σω·a and ω_j per element). kUnit: kPlain with s = 1 (the default
+// logit scale), a = z with no multiply per element (z·1 is z: the same bits as kPlain's); the
+// CE row kernels only (the register path and the bulk kernel; elsewhere it runs as kPlain).
+enum Mode : int { kPlain = 0, kCap = 1, kGeneral = 2, kUnit = 3 };
 
 constexpr float kLog2e = 1.4426950408889634f;
 

@@ -41,7 +41,8 @@ namespace {
 // with a gradient never / for every row that fits, FCE_CUDA_CE_SMEM = the most vectors per
 // thread a register-path CTA may hold in shared memory (0 = registers only, the rule before
 // session 6; at most kRegSmemVptMax), FCE_CUDA_CE_SMEM_ALWAYS=1: that shape wherever it takes
-// fewer CTAs than registers alone, whatever the residency and the waves (tests).
+// fewer CTAs than registers alone, whatever the residency and the waves (tests),
+// FCE_CUDA_CE_UNIT = 0: no kUnit kernels (s = 1 runs the kPlain ones; for measurement).
 struct Overrides {
   int path = 0;  // 0 auto, 1 regs (same as auto when the row fits), 2 twopass
   int cluster = 0;  // FCE_CUDA_CE_CLUSTER: this size where a row's slices fit it (0: chosen)
@@ -57,6 +58,7 @@ struct Overrides {
                        // (with a gradient, rows that fit a stage)
   int reg_smem = kRegSmemVptMax;  // FCE_CUDA_CE_SMEM
   int smem_always = 0;            // FCE_CUDA_CE_SMEM_ALWAYS=1
+  int unit = 1;                   // FCE_CUDA_CE_UNIT=0
 };
 const Overrides& overrides() {
   static const Overrides o = [] {
@@ -84,6 +86,7 @@ const Overrides& overrides() {
       if (v >= 0 && v <= kRegSmemVptMax) r.reg_smem = v;
     }
     if (const char* s = getenv("FCE_CUDA_CE_SMEM_ALWAYS")) r.smem_always = atoi(s) == 1;
+    if (const char* s = getenv("FCE_CUDA_CE_UNIT")) r.unit = atoi(s) != 0;
     return r;
   }();
   return o;
@@ -109,8 +112,8 @@ fce_status device_info(const char* fn, DeviceInfo* d) {
 // a Hopper): that code has no cluster exchange, and k > 1 would give each CTA its slice's lse
 // only.
 constexpr int kMaxDevices = 64;
-constexpr int kKernelSlots = 32;  // 5 dtype pairs × 3 modes, + kSmemSlots with shared-memory slots
-constexpr int kSmemSlots = 16;
+constexpr int kKernelSlots = 40;  // 5 dtype pairs × 4 modes, + kSmemSlots with shared-memory slots
+constexpr int kSmemSlots = 20;
 // 0 unknown, 1 yes, −1 no; indexed by the cluster size
 std::atomic<signed char> g_cluster_fits[kMaxDevices][kKernelSlots][kMaxCluster + 1];
 
@@ -345,6 +348,8 @@ RegConfig fuller_cluster(const DeviceInfo& dev, const RowsQuery& q, int lead_max
 }
 
 }  // namespace
+
+bool unit_mode_enabled() { return overrides().unit != 0; }
 
 bool pdl_supported() {
   if (!overrides().pdl) return false;
