@@ -2,29 +2,11 @@
 # Builds the CUTLASS statistics-epilogue prototype (a measurement, not part of the library;
 # bench/NOTES.md "Issue 8, session 5") into build/cutlass_stats/: stats_test (the default
 # configuration) and its variants stats_test_{pingpong,noexp,nooob,epi64,branchfree,lean,node,frag}, and base_gemm. The CUTLASS
-# headers come from PyPI's nvidia-cutlass wheel into third_party/ (ignored), or from
-# FCE_CUTLASS_DIR (a folder holding cutlass/cutlass.h). Run the binaries on an sm_90 GPU.
+# headers: bench/cutlass_fetch.sh (FCE_CUTLASS_DIR, else PyPI's nvidia-cutlass into third_party/).
+# Run the binaries on an sm_90 GPU.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
-ver=4.2.0.0
-inc=${FCE_CUTLASS_DIR:-$root/third_party/cutlass-$ver/include}
-if [ ! -e "$inc/cutlass/cutlass.h" ]; then
-  tmp=$(mktemp -d)
-  python3 -m pip download -q --no-deps --disable-pip-version-check "nvidia-cutlass==$ver" -d "$tmp"
-  python3 - "$tmp" "$root/third_party/cutlass-$ver" <<'PYEOF'
-import glob, os, sys, zipfile
-tmp, dest = sys.argv[1], sys.argv[2]
-prefix = "cutlass_library/source/include/"
-with zipfile.ZipFile(glob.glob(os.path.join(tmp, "nvidia_cutlass-*.whl"))[0]) as z:
-    for n in z.namelist():
-        if n.startswith(prefix) and not n.endswith("/"):
-            out = os.path.join(dest, "include", n[len(prefix):])
-            os.makedirs(os.path.dirname(out), exist_ok=True)
-            with z.open(n) as src, open(out, "wb") as f:
-                f.write(src.read())
-PYEOF
-  rm -rf "$tmp"
-fi
+inc=$(bash "$root/bench/cutlass_fetch.sh")
 out=$root/build/cutlass_stats
 mkdir -p "$out"
 here=$root/bench/cutlass_stats
