@@ -16,6 +16,7 @@
 // cost per element is the same, and the check below uses the same rule.
 //
 //   dz_gemm            check on a small shape, then time the issue's ∂h shapes
+// DZ_AHEAD (1 or 2): how many k-blocks ahead of its wgmma each A k-block is copied and transformed.
 // Built by build.sh (sm_90a); C = f(A)·B with A [M, K] row-major (logits, K = V), B [K, N]
 // row-major (W [V, D]), D [M, N] bf16.
 #include <cmath>
@@ -33,6 +34,9 @@
 
 #ifndef DZ_MODE
 #define DZ_MODE 1
+#endif
+#ifndef DZ_AHEAD
+#define DZ_AHEAD 1
 #endif
 #ifndef DZ_STAGES
 #define DZ_STAGES 4
@@ -76,8 +80,8 @@ struct DzMma : Base {
   using CopyAtomA = typename Base::InternalSmemCopyAtomA;
   static_assert(!Base::TransposeB && !Base::SwapAB, "16-bit operands only");
 
-  // The consumer: every A k-block is copied to registers and transformed one k-block ahead of
-  // its wgmma (so the copy and the transform overlap the wgmma in flight); at most two wgmma
+  // The consumer: every A k-block is copied to registers and transformed DZ_AHEAD k-blocks
+  // ahead of its wgmma (so the copy and the transform overlap the wgmmas in flight); at most two wgmma
   // batches in flight; a k-tile's stage is released once the first wgmma of the next tile has
   // been waited past (all of its own wgmmas are then done). The last stage is released by the
   // base's mma_tail, as for the base's own mma().
@@ -107,7 +111,8 @@ struct DzMma : Base {
     Tensor tCcA = thr_mma.partition_A(make_identity_tensor(make_shape(size<0>(sA), size<1>(sA))));
     constexpr int KB = size<2>(tCrA);
     constexpr int kBlkK = size<1>(SmemLayoutA{});
-    static_assert(KB >= 3, "the one-ahead copy needs three k-blocks per tile");
+    constexpr int kAhead = DZ_AHEAD;  // k-blocks copied and transformed ahead of their wgmma
+    static_assert(kAhead >= 1 && KB >= kAhead + 2, "two wgmmas in flight and kAhead slots ahead");
 
     // the rows' lse and targets, held in registers for the whole tile
     constexpr int kV = size<0>(tCrA), kM = size<1>(tCrA);
@@ -154,8 +159,11 @@ struct DzMma : Base {
       pipeline.consumer_wait(smem_pipe_read, token);
     }
     int stage = smem_pipe_read.index();
-    copy(copy_A, tCsA_copy(_, _, 0, stage), tCrA_copy(_, _, 0));
-    transform(0, 0);
+    CUTLASS_PRAGMA_UNROLL
+    for (int a = 0; a < kAhead; ++a) {
+      copy(copy_A, tCsA_copy(_, _, a, stage), tCrA_copy(_, _, a));
+      transform(a, 0);
+    }
     CUTLASS_PRAGMA_NO_UNROLL
     for (int t = 0; t < k_tile_count; ++t) {
       CUTLASS_PRAGMA_UNROLL
@@ -165,17 +173,22 @@ struct DzMma : Base {
         cute::gemm(tiled_mma, tCrA(_, _, kb), tCrB(_, _, kb, stage), accum);
         tiled_mma.accumulate_ = GMMA::ScaleOut::One;
         warpgroup_commit_batch();
-        if (kb + 1 < KB) {
-          copy(copy_A, tCsA_copy(_, _, kb + 1, stage), tCrA_copy(_, _, kb + 1));
-          transform(kb + 1, t);
+        // the k-block kAhead ahead: this tile's, or the next tile's (whose stage is waited for
+        // at its first k-block)
+        if (kb + kAhead < KB) {
+          copy(copy_A, tCsA_copy(_, _, kb + kAhead, stage), tCrA_copy(_, _, kb + kAhead));
+          transform(kb + kAhead, t);
         } else if (t + 1 < k_tile_count) {
-          ++smem_pipe_read;
-          auto token = pipeline.consumer_try_wait(smem_pipe_read);
-          pipeline.consumer_wait(smem_pipe_read, token);
-          copy(copy_A, tCsA_copy(_, _, 0, smem_pipe_read.index()), tCrA_copy(_, _, 0));
-          transform(0, t + 1);
+          if (kb + kAhead == KB) {
+            ++smem_pipe_read;
+            auto token = pipeline.consumer_try_wait(smem_pipe_read);
+            pipeline.consumer_wait(smem_pipe_read, token);
+          }
+          copy(copy_A, tCsA_copy(_, _, kb + kAhead - KB, smem_pipe_read.index()),
+               tCrA_copy(_, _, kb + kAhead - KB));
+          transform(kb + kAhead - KB, t + 1);
         }
-        warpgroup_wait<1>();
+        warpgroup_wait<1>();  // at most kb in flight: the slot written next is none of kb − 1, kb
         if (kb == 0 && t > 0) {  // every wgmma of tile t − 1 is done
           pipeline.consumer_release(smem_pipe_release);
           ++smem_pipe_release;
