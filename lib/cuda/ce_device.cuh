@@ -219,9 +219,11 @@ __device__ __forceinline__ void online_vector(const uint4& raw, I j0, bool full,
 // Σ exp(a − m) against it, with no running maximum to test and no rescale per vector. A full
 // 16-bit vector goes into a packed running maximum (max.bf16x2 / max.f16x2, sm_80+: like fmaxf,
 // a NaN loses against a number; a = z in kUnit, so the maximum of the raw values is the
-// maximum of the a's); a float32 or partial vector into a float one (only its in-row elements).
+// maximum of the a's); a partial vector into a float one (only its in-row elements). 16-bit
+// rows only: float32 rows keep the online fold.
 template <class TZ> __device__ __forceinline__ uint32_t packed_neg_inf() {
-  return Ty<TZ>::kBytes == 4 ? 0u : std::is_same<TZ, __half>::value ? 0xfc00fc00u : 0xff80ff80u;
+  static_assert(Ty<TZ>::kBytes == 2, "the two-pass fold is for 16-bit rows");
+  return std::is_same<TZ, __half>::value ? 0xfc00fc00u : 0xff80ff80u;
 }
 template <class TZ> __device__ __forceinline__ uint32_t max2_raw(uint32_t a, uint32_t b) {
   uint32_t r;
@@ -233,12 +235,11 @@ template <class TZ, class I>
 __device__ __forceinline__ void max_vector(const uint4& raw, I j0, bool full, int V, uint32_t& pm,
                                            float& fm) {
   constexpr int E = vec_elems<TZ>();
+  static_assert(E == 8, "the two-pass fold is for 16-bit rows");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  if constexpr (E == 8) {
-    if (full) {
-      pm = max2_raw<TZ>(pm, max2_raw<TZ>(max2_raw<TZ>(raw.x, raw.y), max2_raw<TZ>(raw.z, raw.w)));
-      return;
-    }
+  if (full) {
+    pm = max2_raw<TZ>(pm, max2_raw<TZ>(max2_raw<TZ>(raw.x, raw.y), max2_raw<TZ>(raw.z, raw.w)));
+    return;
   }
 #endif
   float a[E];
@@ -249,7 +250,6 @@ __device__ __forceinline__ void max_vector(const uint4& raw, I j0, bool full, in
 }
 // The maximum a max_vector pass left in (pm, fm).
 template <class TZ> __device__ __forceinline__ float max_total(uint32_t pm, float fm) {
-  if constexpr (Ty<TZ>::kBytes == 4) return fm;
   return fmaxf(fm, fmaxf(raw_to_float<TZ>(pm & 0xffffu), raw_to_float<TZ>(pm >> 16)));
 }
 // Σ exp(a − ms) of a vector's in-row elements into s, each term as online_vector adds it.
