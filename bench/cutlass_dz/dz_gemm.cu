@@ -285,15 +285,32 @@ float run_gemm(int M, int N, int K, const Elt* A, const Elt* B, Elt* D, int reps
   return reps ? ms / reps : 0.f;
 }
 
-__global__ void fill(Elt* p, size_t n, unsigned seed, float scale, float shift) {
+__global__ void fill(Elt* p, size_t n, unsigned seed, float scale) {
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
     unsigned x = (unsigned)(i * 2654435761u) ^ seed;
     x ^= x >> 13;
     x *= 0x5bd1e995;
     x ^= x >> 15;
-    p[i] = Elt(((x & 0xffffff) / 16777216.0f - 0.5f) * scale + shift);
+    p[i] = Elt(((x & 0xffffff) / 16777216.0f - 0.5f) * scale);
   }
 }
+
+// A [M, K] and B [K, N] uniform in ±scale/2 (seeds s, s + 1), D [M, N]; freed with the struct.
+struct Operands {
+  Elt *A = nullptr, *B = nullptr, *D = nullptr;
+  Operands(int M, int N, int K, unsigned seed, float scale_a, float scale_b) {
+    cudaMalloc(&A, (size_t)M * K * 2);
+    cudaMalloc(&B, (size_t)K * N * 2);
+    cudaMalloc(&D, (size_t)M * N * 2);
+    fill<<<1024, 256>>>(A, (size_t)M * K, seed, scale_a);
+    fill<<<1024, 256>>>(B, (size_t)K * N, seed + 1, scale_b);
+  }
+  ~Operands() {
+    cudaFree(A);
+    cudaFree(B);
+    cudaFree(D);
+  }
+};
 
 static float bf(float x) { return float(Elt(x)); }
 
@@ -317,12 +334,8 @@ int main() {
   // ---- check: 384 × 512 × 1024 (3 M tiles, 16 k-tiles) against the host's f(A)·B in double
   {
     const int M = 384, N = 512, K = 1024;
-    Elt *A, *B, *D;
-    cudaMalloc(&A, (size_t)M * K * 2);
-    cudaMalloc(&B, (size_t)K * N * 2);
-    cudaMalloc(&D, (size_t)M * N * 2);
-    fill<<<256, 256>>>(A, (size_t)M * K, 1, 8.f, 0.f);
-    fill<<<256, 256>>>(B, (size_t)K * N, 2, 1.f, 0.f);
+    Operands o(M, N, K, 1, 8.f, 1.f);
+    Elt *A = o.A, *B = o.B, *D = o.D;
     cudaMemset(D, 0xff, (size_t)M * N * 2);  // poison
     run_gemm<RsKernel>(M, N, K, A, B, D, 0);
     std::vector<Elt> hA((size_t)M * K), hB((size_t)K * N), hD((size_t)M * N);
@@ -354,9 +367,6 @@ int main() {
     const double rel = std::sqrt(num / den);
     printf("check DZ_MODE=%d %dx%dx%d: relative error %.3e (%s)\n", DZ_MODE, M, N, K, rel,
            finite && rel < 1e-2 ? "ok" : "FAILED");
-    cudaFree(A);
-    cudaFree(B);
-    cudaFree(D);
     if (!(finite && rel < 1e-2)) return 1;
   }
 
@@ -364,12 +374,8 @@ int main() {
   const int shapes[][3] = {{8192, 4096, 128256}, {8192, 2304, 256000}, {16384, 4096, 32000}};
   for (auto& s : shapes) {
     const int M = s[0], N = s[1], K = s[2];
-    Elt *A, *B, *D;
-    cudaMalloc(&A, (size_t)M * K * 2);
-    cudaMalloc(&B, (size_t)K * N * 2);
-    cudaMalloc(&D, (size_t)M * N * 2);
-    fill<<<1024, 256>>>(A, (size_t)M * K, 3, 8.f, 0.f);
-    fill<<<1024, 256>>>(B, (size_t)K * N, 4, 0.05f, 0.f);
+    Operands o(M, N, K, 3, 8.f, 0.05f);
+    Elt *A = o.A, *B = o.B, *D = o.D;
     const double flop = 2.0 * M * N * K;
     const float t_rs = run_gemm<RsKernel>(M, N, K, A, B, D, 5);
     const float t_ss = run_gemm<SsKernel>(M, N, K, A, B, D, 5);
@@ -377,9 +383,6 @@ int main() {
     printf("%dx%dx%d  RS DZ_MODE=%d %.3f / %.3f ms (%.0f / %.0f TFLOP/s)  CUTLASS SS %.3f ms (%.0f TFLOP/s)\n",
            M, N, K, DZ_MODE, t_rs, t_rs2, flop / (t_rs * 1e9), flop / (t_rs2 * 1e9), t_ss,
            flop / (t_ss * 1e9));
-    cudaFree(A);
-    cudaFree(B);
-    cudaFree(D);
   }
   return 0;
 }
