@@ -17,20 +17,19 @@ dZ16 is eager's own gradient of the bf16 logits (logits.retain_grad()), so the â
 and differ only in how âˆ‚W is summed. ratio = err / eager's err for the same gradient.
 
   FUSEDCE_LIBRARY=build/libfusedce.so python3 bench/accuracy_dw.py [--out DIR] [--no-big]
-Writes bench/results/accuracy-dw-<device>.json (and DIR/ or $OUT/).
+Writes bench/results/accuracy-dw-<device>.json (and DIR/ or $OUT/); bench/tables.py --op
+accuracy-dw prints its table.
 """
 import argparse
-import json
 import math
 import os
-import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "bindings", "python"))
+import harness
+from harness import print_table
 
 CASES = [(8192, 1024, 32000), (32768, 1024, 32000), (65536, 1024, 32000)]
 BIG = (8192, 4096, 128256)
@@ -152,13 +151,6 @@ def ws_label(ws):
     return "" if ws is False else ("optimal" if ws is None else f"{ws >> 20}MiB")
 
 
-def print_table(rows, cols):
-    widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in cols]
-    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
-    for r in rows:
-        print("  ".join(str(r.get(c, "")).ljust(w) for c, w in zip(cols, widths)))
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT"), help="also write the JSON here ($OUT)")
@@ -171,7 +163,7 @@ def main():
     cases = ([tuple(int(v) for v in s.split("x")) for s in args.cases.split(",")] if args.cases
              else CASES + ([] if args.no_big else [BIG]))
     torch.set_float32_matmul_precision("highest")  # fp32-accum: true float32 GEMMs, no TF32
-    dev = torch.cuda.get_device_name().replace(" ", "-")
+    dev = harness.device_name()
     red16 = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
     print(f"device {dev}, torch {torch.__version__}, "
           f"allow_bf16_reduced_precision_reduction={red16} (left as the user has it)")
@@ -241,13 +233,9 @@ def main():
                         f"{'' if first_bad is None else f'; first failing k: {first_bad}'})")
         print(verdicts[-1])
     print("\n" + "\n".join(verdicts) + f"\n({time.time() - t0:.0f} s)")
-    name = f"accuracy-dw-{dev}.json"
-    for d in {os.path.join(HERE, "results"), args.out} - {None, ""}:
-        os.makedirs(d, exist_ok=True)
-        with open(os.path.join(d, name), "w") as f:
-            json.dump(records, f, indent=1)
-        print(f"wrote {os.path.join(d, name)}")
-
+    harness.write("accuracy-dw", dev, harness.run_info(bf16_reduced_precision_reduction=bool(red16)),
+                  [{k: v for k, v in r.items() if k != "device"} for r in records], [args.out])
+    print(f"wrote {harness.result_path('accuracy-dw', dev)}")
 
 if __name__ == "__main__":
     main()

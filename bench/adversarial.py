@@ -30,34 +30,16 @@ Writes bench/results/adversarial-<device name>.json (and DIR/) and prints a tabl
 (and libfusedce: FUSEDCE_LIBRARY), no network.
 """
 import argparse
-import json
 import math
-import os
 import platform
-import sys
 
 import torch
 import torch.nn.functional as F
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "bindings", "python"))
-
-try:  # the conventions of the other benchmarks (common.py needs triton: not on a CPU machine)
-    from common import RESULTS, device_name as _cuda_device_name, print_table
-except Exception:  # noqa: BLE001
-    RESULTS = os.path.join(HERE, "results")
-
-    def _cuda_device_name():
-        return torch.cuda.get_device_name().replace(" ", "-")
-
-    def print_table(rows, cols):
-        widths = [max(len(str(c)), *(len(str(r.get(c, ""))) for r in rows)) for c in cols]
-        print("  ".join(str(c).ljust(w) for c, w in zip(cols, widths)))
-        for r in rows:
-            print("  ".join(str(r.get(c, "")).ljust(w) for c, w in zip(cols, widths)))
-
-import fusedce  # noqa: E402
-import fusedce.torch as fce_torch  # noqa: E402
+import harness
+import fusedce
+import fusedce.torch as fce_torch
+from harness import print_table
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 IMPLS = ["fusedce-onepass", "fusedce-onepass-rows", "fusedce-backward", "torch-eager"]
@@ -65,7 +47,7 @@ IMPLS = ["fusedce-onepass", "fusedce-onepass-rows", "fusedce-backward", "torch-e
 
 def device_name(device):
     if device == "cuda":
-        return _cuda_device_name()
+        return harness.device_name()
     return "cpu-" + (platform.machine() or "unknown")
 
 
@@ -230,21 +212,12 @@ def main():
                 except Exception as e:  # noqa: BLE001 - a failure is a result too
                     rec.update(error=f"{type(e).__name__}: {e}"[:200])
                 records.append(rec)
-    os.makedirs(RESULTS, exist_ok=True)
-    fname = f"adversarial-{name}.json"
-    meta = dict(device=name, torch=torch.__version__,
-                libfusedce=".".join(map(str, fusedce.library_version())), rows=args.rows,
-                vocab=args.vocab)
-    for d in (RESULTS, args.out):
-        if d:
-            os.makedirs(d, exist_ok=True)
-            with open(os.path.join(d, fname), "w") as f:
-                json.dump(dict(meta, records=[{k: (None if v == math.inf else v)
-                                               if k in ("loss_err", "grad_err") else v
-                                               for k, v in r.items()} for r in records]),
-                          f, indent=1)
-    print(f"wrote {os.path.join(RESULTS, fname)} (loss_err/grad_err null = inf: a non-finite "
-          "value where the reference is finite)\n")
+    run = harness.run_info(rows=args.rows, vocab=args.vocab)
+    harness.write("adversarial", name, run,
+                  [{k: (None if v == math.inf else v) if k in ("loss_err", "grad_err") else v
+                    for k, v in r.items() if k != "device"} for r in records], [args.out])
+    print(f"wrote {harness.result_path('adversarial', name)} (loss_err/grad_err null = inf: a "
+          "non-finite value where the reference is finite)\n")
     rows = [dict(r, loss_err=fmt(r["loss_err"]) if "loss_err" in r else "",
                  loss_scale=f"{r['loss_scale']:.3g}" if "loss_scale" in r else "",
                  grad_err=fmt(r["grad_err"]) if "grad_err" in r else "",

@@ -6,23 +6,22 @@
                  same run: fusedce's 6 N D V / time as a percentage of it.
 
 Timings are the best of --reps runs after a warm-up, on every core torch / OpenBLAS use (the
-whole machine). Prints a table and writes bench/results/cpu-<machine>.json with the machine
-(/proc/cpuinfo model name and core count) and the torch / NumPy versions.
+whole machine). Prints a table and writes bench/results/cpu-<machine>.json (harness.write) with
+the machine (/proc/cpuinfo model name and core count) and the torch / NumPy versions.
 
   FUSEDCE_LIBRARY=build/libfusedce.so PYTHONPATH=bindings/python python bench/bench_cpu.py
 """
 import argparse
-import json
 import os
 import platform
 import re
-import sys
 import time
 
 import numpy as np
 
+import harness
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "bindings", "python"))
 if "FUSEDCE_LIBRARY" not in os.environ:
     for cand in ("build/libfusedce.so", os.path.join(HERE, "..", "build", "libfusedce.so")):
         if os.path.exists(cand):
@@ -174,7 +173,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="the smaller shape of each kind only")
-    ap.add_argument("--out", default=None, help="JSON path (default bench/results/cpu-<machine>.json)")
+    ap.add_argument("--out", default=None, help="also write the JSON into this folder")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     model, cores = machine()
@@ -213,11 +212,12 @@ def main():
               f"{r['ratio']:6.2f} {r['fusedce_gflops']:8.1f} {r['sgemm_gflops']:14.1f} "
               f"{r['pct_of_sgemm']:7.1f}%", flush=True)
     name = re.sub(r"[^A-Za-z0-9]+", "-", f"{model}-{cores}c").strip("-")
-    path = args.out or os.path.join(HERE, "results", f"cpu-{name}.json")
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump({"info": info, "cross_entropy": ce, "linear_ce": lin}, f, indent=2)
-        f.write("\n")
+    run = harness.run_info(machine=info["machine"], cpu_model=model, cores=cores,
+                           baseline=info["baseline"], baseline_version=info["torch"] or info["numpy"],
+                           numpy=info["numpy"], timing=info["timing"], dtype="float32", reps=args.reps)
+    records = [dict(op="ce", **r) for r in ce] + [dict(op="linear_ce", **r) for r in lin]
+    harness.write("cpu", name, run, records, [args.out])
+    path = harness.result_path("cpu", name)
     print(f"\nwrote {path}")
 
 

@@ -1,16 +1,18 @@
 """Fused linear + cross-entropy, forward + all gradients: fusedce against torch eager,
 torch.compile, Liger-Kernel and cut-cross-entropy, and the floor 6*N*D*V / (bf16 rate of a plain
-8192^3 product measured in this run). Writes bench/results/linear-<device>.json.
+8192^3 product measured in this run), through the C ABI (ctypes). Writes
+bench/results/linear-<device>.json (and DIR/).
 
 fusedce rows: "fusedce-1GiB" is the default budget of fusedce.torch.linear_cross_entropy (what
 users get), "fusedce" the optimal workspace the size query returns, the fp32dW rows a float32
 grad_weight. "gemms-unchunked": the three products of 6*N*D*V (logits, dh, dW) at their whole
 shapes through torch.matmul, without any cross-entropy work: the GEMM time of this very problem,
 hot, in this run (what a CE inside the GEMMs could at best reach; the floor's 8192^3 rate is
-taken cold).
+taken after 0.3 s of warm-up).
 "floor-hot", "…-interleaved": the same three (an 8192^3 product for the rate, fusedce at the
 default budget, the products alone) timed in turns, in one thermal state.
-    python3 bench_linear.py [--shapes 8192x4096x128256xbf16,...] [--no-peers] [--tag NAME]
+Timing: harness.time_iters_ms (CUDA events around each call, L2 flushed before each, medians).
+    python3 bench/bench_linear.py [--shapes 8192x4096x128256xbf16,...] [--no-peers] [--out DIR]
 """
 import argparse
 import ctypes
@@ -19,10 +21,11 @@ import gc
 import torch
 import torch.nn.functional as F
 
-from common import (DTYPES, _lib, bench_ms, device_name, gemm_tflops, options, peak_extra_mib,
-                    RESULTS, print_table, ptr, stream, write_results)
+import harness
+from fusedce import _lib
+from harness import options, peak_extra_mib, print_table, ptr, stream
 
-# the shapes of issue 8's targets (bench/NOTES.md); 65536x4096x128256 with --shapes
+# the shapes of docs/performance.md's tables; 65536x4096x128256 with --shapes
 SHAPES = [(8192, 4096, 128256, "bf16"), (8192, 2304, 256000, "bf16"), (16384, 4096, 32000, "bf16"),
           (32768, 4096, 151936, "bf16")]
 
@@ -74,7 +77,6 @@ def main():
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--no-interleave", action="store_true")
     ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--tag", default=None, help="results file linear-<tag>-<device>.json")
     args = ap.parse_args()
     shapes = SHAPES
     if args.shapes:
@@ -98,12 +100,13 @@ def main():
         except Exception as e:  # noqa: BLE001
             print(f"cut-cross-entropy not available ({e})")
 
-    dev = device_name()
-    rate = gemm_tflops()
+    dev = harness.device_name()
+    rate = harness.gemm_tflops()
+    run_meta = harness.run_info(gemm_tflops=round(rate, 1))
     print(f"device {dev}: bf16 8192^3 product {rate:.0f} TFLOP/s")
     records = []
     for N, D, V, dt in shapes:
-        dtype = DTYPES[dt]
+        dtype = harness.dtypes()[dt]
         gen = torch.Generator(device="cuda").manual_seed(N + D + V)
         h = torch.randn(N, D, device="cuda", generator=gen).to(dtype)
         W = (torch.randn(V, D, device="cuda", generator=gen) * (2.0 / D ** 0.5)).to(dtype)
@@ -114,7 +117,7 @@ def main():
         def rec(impl, ms, extra, fl=flops, fm=floor_ms):
             records.append(dict(op="forward+grad" if fl == flops else "forward", impl=impl, dtype=dt, N=N, D=D, V=V,
                                 ms=round(ms, 3), tflops=round(fl / (ms * 1e-3) / 1e12, 1),
-                                pct_of_floor=round(100 * fm / ms, 1), extra_mib=round(extra, 1), device=dev))
+                                pct_of_floor=round(100 * fm / ms, 1), extra_mib=round(extra, 1)))
 
         rec("floor", floor_ms, 0)
         grads_mib = (N * D + V * D) * h.element_size() / 2 ** 20
@@ -132,7 +135,7 @@ def main():
                     continue
                 f()
                 extra = f.ws_bytes / 2 ** 20 + (V * D * (4 - h.element_size()) / 2 ** 20 if fp32_dw else 0)
-                rec(impl, bench_ms(f, warmup=3, rep=20), extra)
+                rec(impl, harness.time_iters_ms(f, warmup=2, reps=10), extra)
                 del f
             except _lib.FusedCEError as e:
                 print(f"  {impl}: {e}")
@@ -142,7 +145,7 @@ def main():
         try:
             gemms = products(h, W)
             gemms()
-            rec("gemms-unchunked", bench_ms(gemms, warmup=3, rep=20), N * V * h.element_size() / 2 ** 20)
+            rec("gemms-unchunked", harness.time_iters_ms(gemms, warmup=2, reps=10), N * V * h.element_size() / 2 ** 20)
             del gemms
         except torch.cuda.OutOfMemoryError:
             print("  gemms-unchunked: out of memory")
@@ -150,7 +153,8 @@ def main():
         torch.cuda.empty_cache()
         # The same in one thermal state: rounds of (a plain 8192^3 product, fusedce at the default
         # budget, the products alone) taken in turn, medians. The GEMMs of a long run clock lower
-        # than the short 8192^3 product taken first (bench/NOTES.md, "Issue 8, session 5"):
+        # than the short 8192^3 product taken first (dev/NOTES.md, "Linear CE in turns with the
+        # products alone"):
         # "floor-hot" is 6*N*D*V at the rate of that product measured between the others.
         if not args.no_interleave:
             try:
@@ -162,7 +166,7 @@ def main():
                 times = {k: [] for k in turns}
                 for _ in range(args.rounds):
                     for k, fn in turns.items():
-                        times[k].append(bench_ms(fn, warmup=1, rep=5))
+                        times[k].append(harness.time_iters_ms(fn, warmup=1, reps=5))
                 med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
                 hot_rate = 2 * 8192 ** 3 / (med["gemm8192"] * 1e-3) / 1e12
                 hot_floor = flops / (hot_rate * 1e12) * 1e3
@@ -179,7 +183,7 @@ def main():
             gc.collect()
             torch.cuda.empty_cache()
         f = Fused(h, W, y, grad=False)
-        rec("fusedce-loss-only", bench_ms(f, warmup=3, rep=20), f.ws_bytes / 2 ** 20, fl=flops / 3, fm=floor_ms / 3)
+        rec("fusedce-loss-only", harness.time_iters_ms(f, warmup=2, reps=10), f.ws_bytes / 2 ** 20, fl=flops / 3, fm=floor_ms / 3)
         del f
         for name, fn in peers:
             if N * V > 16384 * 128256 and name.startswith("torch"):
@@ -193,7 +197,7 @@ def main():
             try:
                 run()
                 extra = peak_extra_mib(run, 0) - grads_mib
-                rec(name, bench_ms(run, warmup=2, rep=10), max(extra, 0.0))
+                rec(name, harness.time_iters_ms(run, warmup=1, reps=5), max(extra, 0.0))
             except torch.cuda.OutOfMemoryError:
                 print(f"  {name}: out of memory")
             del hh, WW
@@ -205,8 +209,8 @@ def main():
         print_table([r for r in records if (r["N"], r["D"], r["V"]) == (N, D, V)],
                     ["op", "impl", "dtype", "N", "D", "V", "ms", "tflops", "pct_of_floor", "extra_mib"])
         print()
-    name = write_results(records, "linear" + (f"-{args.tag}" if args.tag else ""), [RESULTS, args.out])
-    print(f"wrote bench/results/{name}")
+    harness.write("linear", dev, run_meta, records, [args.out])
+    print(f"wrote {harness.result_path('linear', dev)}")
 
 
 if __name__ == "__main__":

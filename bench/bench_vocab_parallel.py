@@ -1,8 +1,8 @@
-"""Vocabulary-parallel linear CE over P GPUs, one process per GPU on NCCL (issue 12): time and
-parallel efficiency against the same problem on one GPU, with a Megatron-style torch peer, and
-a correctness check of every configuration against the unsharded call.
+"""Vocabulary-parallel linear CE over P GPUs, one process per GPU on NCCL: time and parallel
+efficiency against the same problem on one GPU, with a Megatron-style torch peer, and a
+correctness check of every configuration against the unsharded call.
 
-Per shape (N, D, V; bf16; default the issue's 16384x4096x128256 and 16384x4096x256000):
+Per shape (N, D, V; bf16; default 16384x4096x128256 and 16384x4096x256000):
   * t1: fusedce.torch.linear_cross_entropy(h, W, y) loss + backward on ONE GPU (rank 0, the
     other ranks idle at a barrier), the torch layer's default 1 GiB budget;
   * tP: fusedce.torch.distributed.vocab_parallel_linear_cross_entropy(h, W_r, y) loss +
@@ -13,7 +13,7 @@ Per shape (N, D, V; bf16; default the issue's 16384x4096x128256 and 16384x4096x2
   * megatron: the same sharded step as Megatron-LM writes it in torch: logits_r = h·W_rᵀ (bf16,
     cuBLAS) made float32, the max / target-logit / Σexp all-reduces and a float32 softmax kept
     for the backward (its _VocabParallelCrossEntropy), ∂h all-reduced in the linear's backward;
-  * efficiency = t1 / (P · tP) (the issue's target: ≥ 0.90).
+  * efficiency = t1 / (P · tP) (the aim: ≥ 0.90).
 Correctness (before the timings, every rank): the loss equals the unsharded one within float32
 rounding, ∂h and the rank's slice of ∂W within the dtype's rounding (max |diff| / max |ref|).
 
@@ -26,8 +26,9 @@ returns (∂h and the rank's ∂W_r, subtracted), rank 0's.
     python3 bench/bench_vocab_parallel.py [--gpus 2] [--shapes 16384x4096x128256,...] [--out DIR]
     python3 bench/bench_vocab_parallel.py --backend gloo --gpus 2 --shapes 64x32x1000 --iters 2
         (the same on CPU processes and the library's CPU backend: a smoke test of the script)
-Writes bench/results/vocab-parallel-<device>x<P>.json (and DIR/). NCCL's NVLink multicast stays
-off (NCCL_NVLS_ENABLE=0), as the device notes require.
+Writes bench/results/vocab-parallel-<device>x<P>.json (and DIR/; the gloo smoke test only to
+DIR/); bench/tables.py --op vp prints its table. NCCL's NVLink multicast stays off
+(NCCL_NVLS_ENABLE=0): it can take a shared machine's GPUs out of service.
 """
 import argparse
 import datetime
@@ -42,9 +43,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "bindings", "python"))
-RESULTS = os.path.join(HERE, "results")
+import harness
+
 SHAPES = "16384x4096x128256,16384x4096x256000"
 
 
@@ -292,15 +292,17 @@ def main():
         with open(result_file) as f:
             records = json.load(f)
     device = (torch.cuda.get_device_name(0).replace(" ", "-") if args.backend == "nccl"
-              else "cpu")
-    out = {"device": device, "ranks": args.gpus, "backend": args.backend,
-           "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"), "records": records}
-    name = f"vocab-parallel-{device}x{args.gpus}.json"
-    for d in (RESULTS if args.backend == "nccl" else None, args.out):
-        if d:
-            os.makedirs(d, exist_ok=True)
-            with open(os.path.join(d, name), "w") as f:
-                json.dump(out, f, indent=1)
+              else "cpu") + f"x{args.gpus}"
+    run = harness.run_info(ranks=args.gpus, backend=args.backend,
+                           nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"))
+    if args.backend == "nccl":
+        harness.write("vocab-parallel", device, run, records, [args.out])
+        print(f"wrote {harness.result_path('vocab-parallel', device)}")
+    elif args.out:  # the smoke test: never into bench/results
+        os.makedirs(args.out, exist_ok=True)
+        with open(harness.result_path("vocab-parallel", device, args.out), "w") as f:
+            json.dump(dict(schema=harness.SCHEMA, bench="vocab-parallel", device=device,
+                           date=run["date"], runs=[run], records=records), f, indent=1)
     for r in records:
         print(f"{r['N']}x{r['D']}x{r['V']}: 1 GPU {r['t1_ms']:.2f} ms, {args.gpus} ranks "
               f"{r['fusedce_vp_ms']:.2f} ms (efficiency {r['efficiency']:.3f}), two-phase "
