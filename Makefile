@@ -5,6 +5,7 @@
 #   make test-gpu   the same suites on the CUDA backend, under compute-sanitizer, torch parity
 #   make bench      the benchmarks (on a GPU machine); writes bench/results/
 #   make bench-cpu  the CPU backend against torch CPU (or NumPy); writes bench/results/cpu-*.json
+#   make tables     the tables of README.md and docs/*.md from bench/results (bench/tables.py)
 #   make fuzz       the libFuzzer target over the one-GPU entry points' argument checks (CPU backend,
 #                   clang, ASan+UBSan; tests/fuzz): FUZZ_SECONDS (300) of it, from the corpus in
 #                   tests/fuzz/corpus; FUZZ_MERGE=1 adds what it found there. make test: 60 s
@@ -21,7 +22,7 @@ FUZZ_BUILD ?= build-fuzz
 FUZZ_SECONDS ?= 300
 ASAN_BUILD ?= build-asan
 
-.PHONY: all setup setup-demo configure build demo test test-gpu bench bench-cpu install clean fuzz test-asan
+.PHONY: all setup setup-demo configure build demo test test-gpu bench bench-cpu tables install clean fuzz test-asan
 
 all: build
 
@@ -67,6 +68,9 @@ bench: build
 
 bench-cpu: build
 	FUSEDCE_LIBRARY=$(BUILD)/libfusedce.so PYTHONPATH=bindings/python $(PYTHON) bench/bench_cpu.py
+
+tables:
+	$(PYTHON) bench/tables.py --write
 
 install: build
 	cmake --install $(BUILD) --prefix $(PREFIX)
