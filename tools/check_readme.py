@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Runs the code blocks of the documentation, doctest-style: README.md, docs/*.md and
-bindings/python/README.md.
+"""Runs the code blocks of the documentation, doctest-style: README.md, docs/*.md,
+CONTRIBUTING.md and bindings/python/README.md.
 
     python3 tools/check_readme.py [BUILD_DIR] [FILE.md...]     (default: build, all of them)
 
@@ -43,14 +43,11 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FIXED_FILES = ["README.md", "bindings/python/README.md"]
-
-
 def default_files():
-    """README.md, every Markdown file of docs/, and bindings/python/README.md."""
+    """README.md, every Markdown file of docs/, CONTRIBUTING.md, bindings/python/README.md."""
     docs = sorted(os.path.join("docs", f) for f in os.listdir(os.path.join(ROOT, "docs"))
                   if f.endswith(".md"))
-    return FIXED_FILES[:1] + docs + FIXED_FILES[1:]
+    return ["README.md"] + docs + ["CONTRIBUTING.md", "bindings/python/README.md"]
 
 CONTINUES = "<!-- readme-check: continues -->"
 TIMEOUT = 300
