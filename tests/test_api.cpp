@@ -606,7 +606,7 @@ TEST_F(BadInput, OverlapOfArgmaxAndAccuracy) {
       });
 }
 
-// Issue 3b: grad_logits == logits (in place) is the one overlap allowed. Any other output at
+// Since 0.3, grad_logits == logits (in place) is the one overlap allowed. Any other output at
 // (or inside) the logits used to be let through when it started at the very same address as the
 // logits, and was then written over by the gradient (or corrupted it): every one is an error
 // now, for every entry point that takes logits.

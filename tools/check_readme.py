@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""Runs the code blocks of README.md and bindings/python/README.md, doctest-style.
+"""Runs the code blocks of the documentation, doctest-style: README.md, docs/*.md,
+CONTRIBUTING.md and bindings/python/README.md.
 
-    python3 tools/check_readme.py [BUILD_DIR]      (default: build)
+    python3 tools/check_readme.py [BUILD_DIR] [FILE.md...]     (default: build, all of them)
 
 One line per block: "ok", "SKIPPED: why" or "FAILED" (with the output that says why); exit
 status 0 when no block failed.
@@ -16,23 +17,38 @@ status 0 when no block failed.
              written (CUDA backend: without a device every call returns
              FCE_ERROR_BACKEND_UNAVAILABLE, which counts as running) and with FCE_OPTIONS_INIT
              giving the CPU backend, where every call must succeed.
+  ```cpp     pasted into tools/readme_cpp_harness.cpp (which declares what the snippets use)
+             and compiled with c++ -fsyntax-only against include/: type-checked against the
+             headers, not run (the C++ snippets need NCCL and several GPUs).
+  ```rust    the body of main() (returning Result<(), Box<dyn Error>>, so `?` works) of a
+             scratch crate that depends on bindings/rust/fusedce by path; built offline with
+             cargo against BUILD_DIR/libfusedce.so (cargo's output in BUILD_DIR/rust-target)
+             and run. Skipped when cargo is not found.
   ```sh      not run (they install and build): every `make` target must exist in the Makefile
              and every repository path mentioned (scripts, examples, manifests) must exist;
              `cargo --example NAME` must name a file of the crate's examples/.
+  Others (cmake, toml, julia, ...) are listed as skipped: there is no checker for them.
 
 A block preceded by the line `<!-- readme-check: continues -->` runs after the blocks of the
 same language before it in that file (as doctest shares a docstring's names); by default each
 block runs alone.
 """
+import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FILES = ["README.md", "bindings/python/README.md"]
+def default_files():
+    """README.md, every Markdown file of docs/, CONTRIBUTING.md, bindings/python/README.md."""
+    docs = sorted(os.path.join("docs", f) for f in os.listdir(os.path.join(ROOT, "docs"))
+                  if f.endswith(".md"))
+    return ["README.md"] + docs + ["CONTRIBUTING.md", "bindings/python/README.md"]
+
 CONTINUES = "<!-- readme-check: continues -->"
 TIMEOUT = 300
 
@@ -123,17 +139,25 @@ def run_python(blocks, env, have):
 
 
 # --------------------------------------------------------------------------------------- c --
-def run_c(blocks, build, have):
-    with open(os.path.join(ROOT, "tools", "readme_c_harness.c"), encoding="utf-8") as f:
+def paste(harness_name, marker, blocks):
+    """The harness's text with the blocks' code in place of its marker line (None without one);
+    #line directives make compiler messages point into the Markdown file."""
+    with open(os.path.join(ROOT, "tools", harness_name), encoding="utf-8") as f:
         harness = f.read()
-    marker = "/* @SNIPPETS@ */"
     if marker not in harness:
-        return "FAILED: tools/readme_c_harness.c has no " + marker + " line"
+        return None
     snippets = []
-    for b in blocks:  # #line: compiler messages point into the Markdown file
+    for b in blocks:
         snippets.append(f'#line {b.line} "{b.path}"')
         snippets.extend(b.code)
-    source = harness.replace(marker, "\n".join(snippets) + "\n#line 1 \"readme_c_harness.c (after the snippets)\"")
+    after = f'#line 1 "{harness_name} (after the snippets)"'
+    return harness.replace(marker, "\n".join(snippets) + "\n" + after)
+
+
+def run_c(blocks, build, have):
+    source = paste("readme_c_harness.c", "/* @SNIPPETS@ */", blocks)
+    if source is None:
+        return "FAILED: tools/readme_c_harness.c has no /* @SNIPPETS@ */ line"
     cc = os.environ.get("CC", "cc")
     results = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -161,6 +185,64 @@ def run_c(blocks, build, have):
             summary = r.stdout.strip().split("\n")[-1] if r.stdout.strip() else "ran"
             results.append(f"{label}: {summary}")
     return "ok (" + "; ".join(results) + ")"
+
+
+# ------------------------------------------------------------------------------------- cpp --
+def run_cpp(blocks):
+    source = paste("readme_cpp_harness.cpp", "// @SNIPPETS@", blocks)
+    if source is None:
+        return "FAILED: tools/readme_cpp_harness.cpp has no // @SNIPPETS@ line"
+    cxx = os.environ.get("CXX", "c++")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "readme.cpp")
+        with open(src, "w", encoding="utf-8") as f:
+            f.write(source)
+        r = subprocess.run([cxx, "-std=c++17", "-fsyntax-only", "-Wall", "-Werror",
+                            "-Wno-unused-variable", "-I", os.path.join(ROOT, "include"), src],
+                           capture_output=True, text=True)
+    if r.returncode != 0:
+        return "FAILED: does not compile:\n" + head(r.stdout + r.stderr)
+    return "ok (compiled against the headers; not run: it needs NCCL and GPUs)"
+
+
+# ------------------------------------------------------------------------------------ rust --
+def find_cargo():
+    cargo = os.environ.get("CARGO") or shutil.which("cargo")
+    home = os.path.join(os.path.expanduser("~"), ".cargo", "bin", "cargo")
+    return cargo or (home if os.access(home, os.X_OK) else None)
+
+
+def run_rust(blocks, build):
+    cargo = find_cargo()
+    if cargo is None:
+        return "SKIPPED: needs cargo (not found; set CARGO)"
+    code = "\n".join("\n".join(b.code) for b in blocks)
+    if not re.search(r"^\s*fn main\s*\(", code, re.M):
+        code = ("fn main() -> Result<(), Box<dyn std::error::Error>> {\n" + code +
+                "\n    Ok(())\n}")
+    crate = os.path.join(ROOT, "bindings", "rust", "fusedce")
+    manifest = ("[package]\nname = \"readme_block\"\nversion = \"0.0.0\"\nedition = \"2021\"\n"
+                "publish = false\n\n[dependencies]\nfusedce = { path = " + json.dumps(crate) +
+                " }\n\n[workspace]\n")
+    env = dict(os.environ, FUSEDCE_LIB_DIR=build, FUSEDCE_INCLUDE_DIR=os.path.join(ROOT, "include"),
+               CARGO_TARGET_DIR=os.path.join(build, "rust-target"),
+               LD_LIBRARY_PATH=build + os.pathsep + os.environ.get("LD_LIBRARY_PATH", ""))
+    with tempfile.TemporaryDirectory() as tmp:
+        os.makedirs(os.path.join(tmp, "src"))
+        with open(os.path.join(tmp, "Cargo.toml"), "w", encoding="utf-8") as f:
+            f.write(manifest)
+        with open(os.path.join(tmp, "src", "main.rs"), "w", encoding="utf-8") as f:
+            f.write(code + "\n")
+        try:
+            r = subprocess.run([cargo, "run", "--offline", "--quiet", "--manifest-path",
+                                os.path.join(tmp, "Cargo.toml")], cwd=tmp, env=env,
+                               capture_output=True, text=True, timeout=TIMEOUT)
+        except subprocess.TimeoutExpired:
+            return f"FAILED: timed out after {TIMEOUT} s"
+    if r.returncode != 0:
+        return "FAILED:\n" + tail(r.stdout + r.stderr)
+    out = r.stdout.strip().split("\n")[-1] if r.stdout.strip() else "ran"
+    return f"ok (CPU backend: {out})"
 
 
 # -------------------------------------------------------------------------------------- sh --
@@ -214,7 +296,10 @@ def check_sh(block):
 
 # ------------------------------------------------------------------------------------ main --
 def main():
-    build = os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else os.path.join(ROOT, "build"))
+    args = sys.argv[1:]
+    build = os.path.abspath(args.pop(0) if args and not args[0].endswith(".md")
+                            else os.path.join(ROOT, "build"))
+    files = [os.path.relpath(os.path.abspath(a), ROOT) for a in args] or default_files()
     lib = os.path.join(build, "libfusedce.so")
     if not os.path.exists(lib):
         print(f"FAILED: {lib} does not exist (build first)")
@@ -225,13 +310,17 @@ def main():
     import ctypes
     have = {"torch": python_has("torch"), "gpu": bool(ctypes.CDLL(lib).fce_cuda_available())}
     failed = counted = 0
-    for path in FILES:
+    for path in files:
         blocks = extract(path)
         for k, b in enumerate(blocks):
             if b.lang in ("python", "py"):
                 result = run_python(chain(blocks, k), env, have)
             elif b.lang == "c":
                 result = run_c(chain(blocks, k), build, have)
+            elif b.lang in ("cpp", "c++"):
+                result = run_cpp(chain(blocks, k))
+            elif b.lang == "rust":
+                result = run_rust(chain(blocks, k), build)
             elif b.lang in ("sh", "bash", "shell", "console"):
                 result = check_sh(b)
             else:
@@ -239,7 +328,7 @@ def main():
             counted += 1
             failed += result.startswith("FAILED")
             print(f"{b.name}: {result}", flush=True)
-    print(f"readme blocks: {counted - failed} ok or skipped, {failed} failed")
+    print(f"doc blocks: {counted - failed} ok or skipped, {failed} failed ({len(files)} files)")
     return 1 if failed else 0
 
 

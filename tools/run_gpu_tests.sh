@@ -11,7 +11,7 @@ if ! ldconfig -p 2>/dev/null | grep -q libnccl.so.2; then
   nccl_dir=$(python3 -c "import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], 'lib'))" 2>/dev/null)
   [ -n "$nccl_dir" ] && export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$nccl_dir"
 fi
-# FCE_GPU_PART picks what runs (the whole no longer fits one 10-minute device call): all (the
+# FCE_GPU_PART picks what runs (so that each part fits a 10-minute job): all (the
 # default), c (the C suites and the sanitizers), c-suites, c-sanitizers, or python (the rest).
 case ${FCE_GPU_PART:-all} in
   all) c_suites=1; c_sanitizers=1; python_suites=1 ;;
@@ -22,7 +22,7 @@ case ${FCE_GPU_PART:-all} in
   *) echo "FCE_GPU_PART=$FCE_GPU_PART: expected all, c, c-suites, c-sanitizers or python" >&2
      exit 2 ;;
 esac
-export NCCL_NVLS_ENABLE=0  # NVLink multicast stays off (the device notes)
+export NCCL_NVLS_ENABLE=0  # NVLink multicast (NVLS) stays off: the tests do not use it
 export PYTHONPATH="$ROOT/bindings/python${PYTHONPATH:+:$PYTHONPATH}"
 if ! python3 - <<'PY'
 import ctypes, os, sys

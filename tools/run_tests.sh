@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # make test: every test that needs no GPU, against the library in build dir $1.
-# Each suite's own runner prints its details; the last line counts the suites.
+# One line per suite: its name, what its runners counted (tools/test_counts.py: ctest, pytest,
+# cargo, the documentation checker), ok or FAILED, and its seconds; a failing suite's log is
+# printed in full below its line. Every suite's full output is in BUILD/test-logs/<suite>.log.
+# The last line counts the suites: "suites: N passed, M failed" (CI reads it).
 set -uo pipefail
 BUILD=${1:-build}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -8,22 +11,45 @@ BUILD=$(cd "$BUILD" && pwd)
 export FUSEDCE_LIBRARY="$BUILD/libfusedce.so"
 export LD_LIBRARY_PATH="$BUILD${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 PYTHON=${PYTHON:-python3}
-passed=0; failed=0; failed_names=()
+LOGS="$BUILD/test-logs"
+mkdir -p "$LOGS"
+passed=0; failed=0; failed_names=(); start_all=$(date +%s)
 
-suite() {  # suite NAME COMMAND...
+suite() {  # suite NAME COMMAND...: runs COMMAND with its output in $LOGS/<name>.log
   local name=$1; shift
-  echo "=== $name"
-  if "$@"; then passed=$((passed + 1)); echo "--- $name: ok"
-  else failed=$((failed + 1)); failed_names+=("$name"); echo "--- $name: FAILED"; fi
+  local slug log start rc secs counts status
+  slug=$(printf '%s' "$name" | tr 'A-Z' 'a-z' | sed -E 's/[^a-z0-9]+/-/g; s/^-+//; s/-+$//' | cut -c1-60)
+  log="$LOGS/${slug:-suite}.log"
+  printf '%-58s ' "$name"
+  start=$(date +%s)
+  "$@" >"$log" 2>&1
+  rc=$?
+  secs=$(( $(date +%s) - start ))
+  counts=$("$PYTHON" "$ROOT/tools/test_counts.py" "$log" 2>/dev/null)
+  if [ $rc -eq 0 ]; then status=ok; passed=$((passed + 1))
+  else status=FAILED; failed=$((failed + 1)); failed_names+=("$name"); fi
+  printf '%-6s %-42s %5d s\n' "$status" "${counts:--}" "$secs"
+  if [ $rc -ne 0 ]; then
+    echo "---- $name: exit status $rc; its log ($log):"
+    cat "$log"
+    echo "---- end of $name"
+  fi
 }
 
-suite "C ABI tests (CPU backend, ctest)" ctest --test-dir "$BUILD" --output-on-failure -j 2
+in_root() { (cd "$ROOT" && "$@"); }  # for checkers that find their configuration from the cwd
+
+echo "make test: $(sed -n 's/^#define FCE_VERSION_\(MAJOR\|MINOR\|PATCH\) //p' "$ROOT/include/fusedce.h" \
+  | paste -sd.), $BUILD, logs in $LOGS"
+suite "words (tools/check_words.py)" "$PYTHON" "$ROOT/tools/check_words.py" --self-test "$ROOT"
+suite "ruff (ruff.toml)" in_root "$PYTHON" -m ruff check .
+suite "clang-format (tools/format_files.txt)" bash "$ROOT/tools/check_format.sh"
+suite "ctest: C ABI suites, CPU backend" ctest --test-dir "$BUILD" --output-on-failure -j 2
 if [ -d "$ROOT/bindings/python/tests" ]; then
-  suite "Python binding (NumPy, CPU backend)" env PYTHONPATH="$ROOT/bindings/python" \
+  suite "pytest: Python binding (NumPy, CPU backend)" env PYTHONPATH="$ROOT/bindings/python" \
     "$PYTHON" -m pytest -q "$ROOT/bindings/python/tests"
 fi
 if [ -x "$ROOT/bindings/rust/run_tests.sh" ]; then
-  suite "Rust crates fusedce-sys + fusedce" "$ROOT/bindings/rust/run_tests.sh" "$BUILD"
+  suite "cargo: Rust crates fusedce-sys + fusedce" "$ROOT/bindings/rust/run_tests.sh" "$BUILD"
 fi
 if [ -x "$ROOT/bindings/julia/run_tests.sh" ]; then
   suite "Julia package (header/ccall checker)" "$ROOT/bindings/julia/run_tests.sh" "$BUILD"
@@ -39,7 +65,8 @@ fi
 if [ -x "$BUILD/examples/cpp_example" ]; then
   suite "C++ example (CPU backend)" "$BUILD/examples/cpp_example" --cpu
 fi
-suite "README code blocks (tools/check_readme.py)" "$PYTHON" "$ROOT/tools/check_readme.py" "$BUILD"
+suite "documentation code blocks (tools/check_readme.py)" \
+  "$PYTHON" "$ROOT/tools/check_readme.py" "$BUILD"
 # pip install ./bindings/python into a fresh virtual environment (CPU-only build), then the
 # Python tests against that installed package with no FUSEDCE_LIBRARY set
 suite "pip install ./bindings/python (fresh venv, CPU-only)" env -u FUSEDCE_LIBRARY \
@@ -47,12 +74,12 @@ suite "pip install ./bindings/python (fresh venv, CPU-only)" env -u FUSEDCE_LIBR
 # The CPU backend under the sanitizers: the libFuzzer target over every entry point's argument
 # checks for FCE_FUZZ_SECONDS (60; make fuzz runs longer), and the C suites built with
 # AddressSanitizer + UBSan (make test-asan). Each in a build directory of its own.
-suite "fuzz: the one-GPU entry points' argument checks (libFuzzer, ASan+UBSan, ${FCE_FUZZ_SECONDS:-60} s)" \
+suite "fuzz: argument checks (libFuzzer, ASan+UBSan, ${FCE_FUZZ_SECONDS:-60} s)" \
   bash "$ROOT/tools/run_fuzz.sh" "${FUZZ_BUILD:-$ROOT/build-fuzz}" "${FCE_FUZZ_SECONDS:-60}"
-suite "C ABI tests under AddressSanitizer + UBSan (CPU backend, make test-asan)" \
+suite "ctest under AddressSanitizer + UBSan (make test-asan)" \
   bash "$ROOT/tools/run_asan.sh" "${ASAN_BUILD:-$ROOT/build-asan}"
 echo "SKIPPED: GPU tests (make test-gpu) need a CUDA device; this run tests the CPU backend"
-echo
+echo "total: $((passed + failed)) suites in $(( $(date +%s) - start_all )) s"
 [ $failed -gt 0 ] && echo "failed suites: ${failed_names[*]}"
 echo "suites: $passed passed, $failed failed"
 [ $failed -eq 0 ]

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what the build and the tests need, once: Debian packages (a C++ toolchain, CMake,
-# a BLAS for the CPU backend, GoogleTest, bindgen + libclang for the Rust bindings check) and
-# Python packages (NumPy, pytest). It looks for each thing itself (a command, a header), so
+# a BLAS for the CPU backend, GoogleTest, bindgen + libclang for the Rust bindings check,
+# clang-format for the format check) and Python packages (NumPy, pytest, ruff). It looks for each thing itself (a command, a header), so
 # a machine that already has them, however installed, is left alone; it is quiet then.
 set -euo pipefail
 MODE=${1:-test}  # demo: what building and running the demo needs; test: everything make test needs
@@ -26,6 +26,7 @@ have_header gtest/gtest.h || missing+=(libgtest-dev)
 if [ "$MODE" = test ]; then
   command -v pkg-config >/dev/null || missing+=(pkg-config)
   command -v bindgen >/dev/null || missing+=(bindgen)
+  command -v "${CLANG_FORMAT:-clang-format}" >/dev/null || missing+=(clang-format)
   ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1 || ls /usr/lib/*/libclang*.so* >/dev/null 2>&1 \
     || missing+=(libclang-dev)
 fi
@@ -46,6 +47,10 @@ PYTHON=${PYTHON:-python3}
 if ! "$PYTHON" -c "import numpy, pytest" >/dev/null 2>&1; then
   echo "setup: installing Python packages: numpy pytest"
   "$PYTHON" -m pip install -q --disable-pip-version-check numpy pytest
+fi
+if ! "$PYTHON" -m ruff --version >/dev/null 2>&1; then  # the Python lint of make test
+  echo "setup: installing Python packages: ruff"
+  "$PYTHON" -m pip install -q --disable-pip-version-check ruff
 fi
 
 # ---- tests/fuzz (make fuzz, run by make test): clang++ able to link a libFuzzer target with

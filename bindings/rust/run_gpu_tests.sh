@@ -20,10 +20,10 @@
 #     has it in /usr/local/cuda/lib64 (FCE_PACK_CUBLASLT=1 packs it anyway); glibc, libstdc++ and
 #     libgcc_s are the system's. About 60 MB as a directory (openblas 36 MB of it), 24 MB as a
 #     tarball: an OUT ending in .tgz or .tar.gz gets the same files as a gzipped tar instead.
-#     To carry it with the device tool (64 MiB with the working tree), pack the tarball into an
-#     ignored path of the repository root, e.g. `bindings/rust/run_gpu_tests.sh pack
-#     build-rust-gpu/rust-gpu.tgz` (/build*/ is in .gitignore), name build-rust-gpu in `carry`,
-#     and run `bindings/rust/run_gpu_tests.sh run build-rust-gpu/rust-gpu.tgz` there.
+#     To take it to a GPU machine along with a checkout, pack the tarball into an ignored path
+#     of the repository root, e.g. `bindings/rust/run_gpu_tests.sh pack
+#     build-rust-gpu/rust-gpu.tgz` (/build*/ is in .gitignore), copy build-rust-gpu along, and
+#     run `bindings/rust/run_gpu_tests.sh run build-rust-gpu/rust-gpu.tgz` there.
 #
 #   bindings/rust/run_gpu_tests.sh run OUTDIR|OUT.tgz [TEST ARGS...]   (there; no cargo needed)
 #     (a tarball is unpacked into a temporary directory first; the packed directory also holds

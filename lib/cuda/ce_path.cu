@@ -40,7 +40,7 @@ namespace {
 // any length (and with a gradient wherever a row fits a stage), FCE_CUDA_CE_BULK_GRAD = 0 / 1:
 // with a gradient never / for every row that fits, FCE_CUDA_CE_SMEM = the most vectors per
 // thread a register-path CTA may hold in shared memory (0 = registers only, the rule before
-// session 6; at most kRegSmemVptMax), FCE_CUDA_CE_SMEM_ALWAYS=1: that shape wherever it takes
+// the slots; at most kRegSmemVptMax), FCE_CUDA_CE_SMEM_ALWAYS=1: that shape wherever it takes
 // fewer CTAs than registers alone, whatever the residency and the waves (tests),
 // FCE_CUDA_CE_UNIT = 0: no kUnit kernels (s = 1 runs the kPlain ones; for measurement).
 struct Overrides {
@@ -293,8 +293,8 @@ int bulk_ctas(const DeviceInfo& dev, const void* kernel, int slot, bool grad) {
 // Row bytes a streaming multiprocessor holds at once in that shape: the slice times the CTAs of
 // `threads` threads of `regs` registers each that fit its register file and thread slots. The
 // register path reads at the copy rate when this is near the register file's half that holds
-// data (128 KB on sm_80/sm_90), and measurably slower below (bench/NOTES.md, "Issue 8, session
-// 4": 100 KB resident ran at 87-89 % of copy, 111 KB at 83 %, 125-128 KB at 92-98 %).
+// data (128 KB on sm_80/sm_90), and measurably slower below (bench/NOTES.md, H100,
+// 2026-11-24: 100 KB resident ran at 87-89 % of copy, 111 KB at 83 %, 125-128 KB at 92-98 %).
 // (The CTAs of `threads` threads of `regs` registers an SM's register file and thread slots
 // hold: regs_ctas_per_sm.)
 int64_t regs_ctas_per_sm(int regs, int threads) {
@@ -467,8 +467,8 @@ bool choose_regs_shape(const DeviceInfo& dev, const RowsQuery& q, RegConfig* out
   // query: the idle CTA slots of clusters that do not pack the GPCs count): measured on an
   // H100, 128256 bf16 in 4 CTAs (117.7 KiB) ran at 96 % of copy and in 2 with slots at 90 %,
   // while 256000 bf16 (8 CTAs, 113.6 KiB: 92 % → 4 with slots: 96 %), 151936 bf16 (5 CTAs:
-  // 89 → 93 %) and float32 rows (80-90 → 92-95 %) gained (bench/NOTES.md, "Issue 8, session
-  // 6"). Nor for launches of fewer than kSmemMinWaves waves of its (longer-lived) CTAs: the
+  // 89 → 93 %) and float32 rows (80-90 → 92-95 %) gained (bench/NOTES.md, "shared-memory
+  // slots"). Nor for launches of fewer than kSmemMinWaves waves of its (longer-lived) CTAs: the
   // last wave's idle slots cost more (1024×151936 bf16, 7.8 waves: 80 → 77 %). A forced
   // cluster size, or FCE_CUDA_CE_SMEM_ALWAYS=1, keeps the choice above.
   if (found && rc.smem > 0 && overrides().cluster == 0 && !overrides().smem_always) {
@@ -519,7 +519,7 @@ fce_status choose_rows_path(const char* fn, const RowsQuery& q, RowsChoice* out)
   // bench/NOTES.md). Nor where the register path takes one CTA with shared-memory slots for
   // them (its rule below: rows of 16 waves or more): measured faster there from 8192 rows
   // (16384×50257 bf16 89.7 → 92.5 %, 16384×49152 90.3 → 95.2, float32 16384×25000 90.8 →
-  // 94.2; NOTES "Issue 8, session 7"). FCE_CUDA_CE_BULK_GRAD=0 / 1: never / for every row that
+  // 94.2; bench/NOTES.md, 2026-11-24). FCE_CUDA_CE_BULK_GRAD=0 / 1: never / for every row that
   // fits (16 KB+).
   const int64_t row_bytes = q.vocab * q.elem_bytes;
   const bool grad_fits = row_bytes + 16 <= kBulkRowBytes;
@@ -550,7 +550,7 @@ fce_status choose_rows_path(const char* fn, const RowsQuery& q, RowsChoice* out)
     out->rc = rc;
     // fce_backward_rescale runs persistent: its CTAs usually only read the upstream 1 and
     // exit, and a grid of one CTA cluster per row costs more in launches than the call is
-    // worth (bench/NOTES.md, "Issue 8")
+    // worth (bench/NOTES.md, H100, 2026-11-24)
     out->persistent = q.rescale || overrides().persist;
     const void* kernel = out->persistent ? (smem ? q.regs_smem_loop_kernel : q.regs_loop_kernel)
                                          : (smem ? q.regs_smem_kernel : q.regs_kernel);
@@ -560,7 +560,7 @@ fce_status choose_rows_path(const char* fn, const RowsQuery& q, RowsChoice* out)
       out->wave_rows = 0;
     }
     // (only with a gradient: forward-only CTAs hold their slice for less time, and measured
-    // 2-6 % slower with the prefetch on short rows: bench/results/tune-issue8-*.log, runs 1, 7)
+    // 2-6 % slower with the prefetch on short rows: measured on an H100, 2026-11-24)
     const float w = overrides().prefetch_waves >= 0.f ? overrides().prefetch_waves
                     : smem                            ? kSlotPrefetchWaves
                                                       : kDefaultPrefetchWaves;

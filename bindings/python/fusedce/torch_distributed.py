@@ -62,10 +62,10 @@ vocab_parallel_logits, target, label_smoothing=0.0, tp_group=None)):
   unsharded F.cross_entropy(label_smoothing=ε). Megatron's uses the NeMo form with
   ε' = ε·V/(V−1) (mass ε/(V−1) on each non-target class) — which is torch's formula with ε' — but
   takes V and the mean of log p_j over the rank's LOCAL shard only, so for tensor-parallel size
-  > 1 its loss differs from rank to rank and its gradient is not that of any one loss (Megatron-LM
-  issues #737, #7464). ``label_smoothing_formula="megatron"`` applies the NeMo/Megatron
-  coefficient ε·V/(V−1) with the global V: Megatron's result exactly at tensor-parallel size 1,
-  and what its formula intends for larger sizes;
+  > 1 its loss differs from rank to rank and its gradient is not that of any one loss
+  (Megatron-LM#737, Megatron-LM#7464). ``label_smoothing_formula="megatron"`` applies the
+  NeMo/Megatron coefficient ε·V/(V−1) with the global V: Megatron's result exactly at
+  tensor-parallel size 1, and what its formula intends for larger sizes;
 * Megatron has no ignore_index (it masks the per-token loss afterwards with a loss mask); here
   ``ignore_index`` (default -100, as torch) gives those rows loss 0 and a zero gradient. A target
   outside [0, V) that is not ignore_index gives NaN here (Megatron silently scores it as
