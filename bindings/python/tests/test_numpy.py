@@ -370,10 +370,11 @@ def test_argmax_and_accuracy_corners():
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_adversarial_rows_exact(reduction):
     """The 0.3 precision contract (rule 9): rows whose logits share a huge offset are exact, -inf
-    entries are zero probabilities, a -inf target logit gives loss +inf, a NaN row NaN."""
+    entries are zero probabilities, a -inf target logit gives loss +inf, a NaN row NaN, and a
+    row holding a +inf NaN too (rule 10: torch's log_softmax), lse included."""
     v = 13
     rng = np.random.default_rng(5)
-    z = rng.standard_normal((8, v)).astype(np.float32)
+    z = rng.standard_normal((10, v)).astype(np.float32)
     z[0] = -1e30                       # all equal, huge negative: uniform
     z[1] = -1e30
     z[1, 4] = -1e30 + 2e23             # a huge offset and a spread
@@ -382,25 +383,34 @@ def test_adversarial_rows_exact(reduction):
     z[4, :] = 1e4 * rng.standard_normal(v).astype(np.float32)  # wide spread
     z[5, 3] = -np.inf                  # -inf target logit
     z[6, 0] = np.nan
-    y = np.array([3, 4, 2, 0, 9, 3, 1, 7])
+    z[8, 11] = np.inf                  # a +inf, the target elsewhere
+    z[9, [2, 5]] = np.inf              # two +inf, the target on one
+    z[9, 0] = -np.inf
+    y = np.array([3, 4, 2, 0, 9, 3, 1, 7, 1, 5])
+    nan_rows = [6, 8, 9]
     ref = R.cross_entropy(z, y, reduction=reduction)
-    r = fusedce.forward(z, y, reduction=reduction, return_grad=True, return_lse=True)
+    r = fusedce.forward(z, y, reduction=reduction, return_grad=True, return_lse=True,
+                        return_argmax=True)
+    assert np.all(np.isnan(ref["lse"][nan_rows])) and np.all(np.isnan(r.lse[nan_rows]))
     assert_close(r.lse[np.isfinite(ref["lse"])], ref["lse"][np.isfinite(ref["lse"])], 1e-6)
+    assert list(r.argmax[[6, 8, 9]]) == [0, 11, 2]
     if reduction == "none":
         loss = r.loss
-        assert np.isposinf(loss[5]) and np.isnan(loss[6])
+        assert np.isposinf(loss[5]) and np.all(np.isnan(loss[nan_rows]))
+        assert np.all(np.isnan(ref["loss"][nan_rows]))
         fin = np.isfinite(ref["loss"])
         np.testing.assert_allclose(loss[fin], ref["loss"][fin], rtol=1e-5, atol=1e-5)
         assert abs(loss[0] - np.log(v)) <= 1e-6 and abs(loss[3] - np.log(v)) <= 1e-6
     else:
-        assert np.isnan(r.loss)  # the NaN row wins over the +inf one
+        assert np.isnan(r.loss)  # the NaN rows win over the +inf loss of row 5
     g = r.grad_logits
-    assert np.all(np.isnan(g[6])) and np.all(np.isfinite(np.delete(g, 6, axis=0)))
-    keep = [i for i in range(8) if i != 6]
-    scale = 1.0 if reduction != "mean" else 1.0 / 8
+    assert np.all(np.isnan(g[nan_rows]))
+    assert np.all(np.isfinite(np.delete(g, nan_rows, axis=0)))
+    keep = [i for i in range(10) if i not in nan_rows]
+    scale = 1.0 if reduction != "mean" else 1.0 / 10
     # finite rows of the gradient: exact to float32 (p = 1/V on the flat rows)
     want = ref["grad"][keep]
-    if reduction == "mean":  # the reference's mean is NaN-poisoned: rebuild it for g = 1/8
+    if reduction == "mean":  # the reference's mean is NaN-poisoned: rebuild it for g = 1/10
         want = R.cross_entropy(z[keep], y[keep], reduction="sum")["grad"] * scale
     np.testing.assert_allclose(g[keep], want, rtol=1e-5, atol=1e-6 * scale)
 
