@@ -38,6 +38,8 @@
  *     function of the options, the sizes but vocab_start / vocab_local, the gradients asked for
  *     and workspace_bytes: every rank must pass the same workspace_bytes (the query returns the
  *     same sizes on every rank when no shard is wider than ceil(vocab_total / P)).
+ *   - Zero rows: as in fusedce.h, an empty problem (the loss 0 for mean and sum, grad_weight
+ *     and grad_bias 0 unless accumulate); no collective is issued, on any rank.
  *   - Status and message: every function returns an fce_status; on failure
  *     fce_nccl_last_error() (per thread) names this library's function and the argument, e.g.
  *     "fce_nccl_linear_ce: comm is NULL", or holds the message of the failing libfusedce call

@@ -2070,7 +2070,6 @@ TEST_F(VpBadInput, Options) {
 }
 
 TEST_F(VpBadInput, Sizes) {
-  for_all("rows 0", FCE_ERROR_INVALID_ARGUMENT, "rows", [](VpArgs& x) { x.rows = 0; });
   for_all("rows -1", FCE_ERROR_INVALID_ARGUMENT, "rows", [](VpArgs& x) { x.rows = -1; });
   for_all("vocab_total 0", FCE_ERROR_INVALID_ARGUMENT, "vocab_total", [](VpArgs& x) { x.vocab_total = 0; });
   for_all("vocab_total 2^31", FCE_ERROR_INVALID_ARGUMENT, "vocab_total",
@@ -2271,7 +2270,7 @@ TEST_F(VpBadInput, WorkspaceQueries) {
   EXPECT_TRUE(error_mentions("fce_vp_loss_workspace_size: workspace_bytes"));
   EXPECT_EQ(fce_vp_loss_workspace_size(&o, 0, N, V, &b), FCE_ERROR_INVALID_ARGUMENT);
   EXPECT_TRUE(error_mentions("fce_vp_loss_workspace_size: ranks"));
-  EXPECT_EQ(fce_vp_loss_workspace_size(&o, 2, 0, V, &b), FCE_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(fce_vp_loss_workspace_size(&o, 2, -1, V, &b), FCE_ERROR_INVALID_ARGUMENT);
   EXPECT_TRUE(error_mentions("fce_vp_loss_workspace_size: rows"));
   EXPECT_EQ(fce_vp_loss_workspace_size(&o, 2, N, 0, &b), FCE_ERROR_INVALID_ARGUMENT);
   EXPECT_TRUE(error_mentions("fce_vp_loss_workspace_size: vocab_total"));

@@ -147,8 +147,8 @@ fce_status check_common(const char* fn, const fce_options* options, ncclComm_t c
 // rows, the shard and the gathered statistics' size (P · rows · FCE_VP_STATS float32).
 fce_status check_sizes(const char* fn, int64_t rows, int64_t vocab_total, int64_t vocab_start,
                        int64_t vocab_local, bool with_start, int ranks, size_t* gathered_bytes) {
-  if (rows < 1)
-    return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: rows (%lld) must be >= 1", fn, (long long)rows);
+  if (rows < 0)
+    return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: rows (%lld) must be >= 0", fn, (long long)rows);
   if (vocab_total < 1 || vocab_total > kMaxVocab)
     return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: vocab_total (%lld) must be in [1, 2^31-1]", fn,
                 (long long)vocab_total);
@@ -222,7 +222,7 @@ fce_status check_workspace(const char* fn, const void* workspace, size_t workspa
                 "%s: workspace_bytes (%zu) is less than the %zu bytes the matching "
                 "*_workspace_size query returns for these options, communicator and sizes",
                 fn, workspace_bytes, needed);
-  if (!workspace) return fail(FCE_ERROR_NULL_POINTER, "%s: workspace is NULL", fn);
+  if (needed > 0 && !workspace) return fail(FCE_ERROR_NULL_POINTER, "%s: workspace is NULL", fn);
   if (reinterpret_cast<uintptr_t>(workspace) % 16 != 0)
     return fail(FCE_ERROR_MISALIGNED, "%s: workspace (%p) is not aligned to 16 bytes", fn,
                 workspace);
@@ -374,9 +374,11 @@ FCE_API fce_status fce_nccl_cross_entropy(const fce_options* options, ncclComm_t
   FCE_NCCL_TRY(ce_layout(fn, options, ci.ranks, rows, vocab_total, vocab_local, with_grad,
                          gathered_bytes, &l));
   // The options are valid now (the libfusedce queries checked them): sizes of the buffers.
-  if (!logits) return fail(FCE_ERROR_NULL_POINTER, "%s: logits is NULL", fn);
-  if (!targets) return fail(FCE_ERROR_NULL_POINTER, "%s: targets is NULL", fn);
-  if (!loss) return fail(FCE_ERROR_NULL_POINTER, "%s: loss is NULL", fn);
+  // With no row (the empty problem) a per-row buffer of no element may be NULL.
+  const bool per_row = o.reduction == FCE_REDUCTION_NONE, empty = rows == 0;
+  if (!logits && !empty) return fail(FCE_ERROR_NULL_POINTER, "%s: logits is NULL", fn);
+  if (!targets && !empty) return fail(FCE_ERROR_NULL_POINTER, "%s: targets is NULL", fn);
+  if (!loss && !(empty && per_row)) return fail(FCE_ERROR_NULL_POINTER, "%s: loss is NULL", fn);
   const size_t es = elem_size(o.dtype), ts = elem_size(o.target_dtype);
   const int64_t rs = o.row_stride ? o.row_stride : vocab_local;
   const int64_t grs = o.grad_row_stride ? o.grad_row_stride : vocab_local;
@@ -397,7 +399,6 @@ FCE_API fce_status fce_nccl_cross_entropy(const fce_options* options, ncclComm_t
   const int64_t grad_bytes = with_grad ? span_bytes(rows, vocab_local, grs, es) : 0;
   if (logits_bytes < 0 || grad_bytes < 0)
     return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: rows x row stride overflow", fn);
-  const bool per_row = o.reduction == FCE_REDUCTION_NONE;
   const uint64_t rows4 = static_cast<uint64_t>(rows) * 4;
   Range r[12] = {
       {"logits", logits, static_cast<uint64_t>(logits_bytes), false, es},
@@ -427,8 +428,10 @@ FCE_API fce_status fce_nccl_cross_entropy(const fce_options* options, ncclComm_t
   const size_t scratch_bytes = workspace_bytes - l.scratch_off;
   FCE_NCCL_CORE(fn, fce_vp_stats(options, rows, vocab_total, vocab_start, vocab_local, logits,
                                  targets, stats, stream));
-  ncclResult_t nr = ncclAllGather(stats, gathered, count, ncclFloat32, comm, s);
-  if (nr != ncclSuccess) return nccl_fail(fn, "ncclAllGather (statistics)", nr, comm);
+  if (count > 0) {  // (no row: nothing to gather, on every rank alike)
+    const ncclResult_t nr = ncclAllGather(stats, gathered, count, ncclFloat32, comm, s);
+    if (nr != ncclSuccess) return nccl_fail(fn, "ncclAllGather (statistics)", nr, comm);
+  }
   if (with_grad)
     FCE_NCCL_CORE(fn, fce_vp_backward(options, ci.ranks, rows, vocab_total, vocab_start,
                                       vocab_local, logits, targets, gathered, grad_output,
@@ -479,10 +482,13 @@ FCE_API fce_status fce_nccl_linear_ce(const fce_options* options, ncclComm_t com
   LinLayout l;
   FCE_NCCL_TRY(lin_layout(fn, options, o, ci.ranks, rows, hidden, vocab_total, vocab_local,
                           with_grad, grad_hidden != nullptr, gathered_bytes, &l));
-  if (!hidden_states) return fail(FCE_ERROR_NULL_POINTER, "%s: hidden_states is NULL", fn);
+  // With no row (the empty problem) a per-row buffer of no element may be NULL.
+  const bool per_row = o.reduction == FCE_REDUCTION_NONE, empty = rows == 0;
+  if (!hidden_states && !empty)
+    return fail(FCE_ERROR_NULL_POINTER, "%s: hidden_states is NULL", fn);
   if (!weight) return fail(FCE_ERROR_NULL_POINTER, "%s: weight is NULL", fn);
-  if (!targets) return fail(FCE_ERROR_NULL_POINTER, "%s: targets is NULL", fn);
-  if (!loss) return fail(FCE_ERROR_NULL_POINTER, "%s: loss is NULL", fn);
+  if (!targets && !empty) return fail(FCE_ERROR_NULL_POINTER, "%s: targets is NULL", fn);
+  if (!loss && !(empty && per_row)) return fail(FCE_ERROR_NULL_POINTER, "%s: loss is NULL", fn);
   if (grad_bias && !bias)
     return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: grad_bias is given but bias is NULL", fn);
   const size_t es = elem_size(o.dtype), ts = elem_size(o.target_dtype);
@@ -498,7 +504,6 @@ FCE_API fce_status fce_nccl_linear_ce(const fce_options* options, ncclComm_t com
   const int64_t gw_bytes = span_bytes(vocab_local, hidden, hidden, gws);
   if (h_bytes < 0 || w_bytes < 0 || gh_bytes < 0 || gw_bytes < 0)
     return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: rows, hidden or vocab_local too large", fn);
-  const bool per_row = o.reduction == FCE_REDUCTION_NONE;
   const uint64_t rows4 = static_cast<uint64_t>(rows) * 4;
   Range r[17] = {
       {"hidden_states", hidden_states, static_cast<uint64_t>(h_bytes), false, es},
@@ -536,8 +541,10 @@ FCE_API fce_status fce_nccl_linear_ce(const fce_options* options, ncclComm_t com
     FCE_NCCL_CORE(fn, fce_vp_linear_stats(options, rows, hidden, vocab_total, vocab_start,
                                           vocab_local, hidden_states, weight, bias, targets,
                                           stats, scratch, scratch_bytes, stream));
-    const ncclResult_t nr = ncclAllGather(stats, gathered, count, ncclFloat32, comm, s);
-    if (nr != ncclSuccess) return nccl_fail(fn, "ncclAllGather (statistics)", nr, comm);
+    if (count > 0) {  // (no row: nothing to gather, on every rank alike)
+      const ncclResult_t nr = ncclAllGather(stats, gathered, count, ncclFloat32, comm, s);
+      if (nr != ncclSuccess) return nccl_fail(fn, "ncclAllGather (statistics)", nr, comm);
+    }
     FCE_NCCL_CORE(fn, fce_vp_loss(options, ci.ranks, rows, vocab_total, targets, gathered, loss,
                                   lse, z_loss, error_flags, scratch, scratch_bytes, stream));
     return FCE_SUCCESS;
@@ -555,7 +562,7 @@ FCE_API fce_status fce_nccl_linear_ce(const fce_options* options, ncclComm_t com
       grad_bias, error_flags, nccl_all_gather, &g, scratch, scratch_bytes, stream);
   if (g.result != ncclSuccess) return nccl_fail(fn, "ncclAllGather (statistics)", g.result, comm);
   FCE_NCCL_CORE(fn, st);
-  if (grad_hidden) {
+  if (grad_hidden && rows > 0) {  // (no row: no dloss/dh to reduce, on every rank alike)
     const size_t n = static_cast<size_t>(rows) * static_cast<size_t>(hidden);
     const ncclResult_t nr = ncclAllReduce(gh32, gh32, n, ncclFloat32, ncclSum, comm, s);
     if (nr != ncclSuccess) return nccl_fail(fn, "ncclAllReduce (grad_hidden)", nr, comm);

@@ -428,7 +428,7 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: Tensor, target: Tensor,
     logits = x.reshape(-1, vl)
     if logits.stride(-1) != 1 and vl > 1:
         logits = logits.contiguous()
-    n = logits.shape[0]  # (rows >= 1, vocab_local >= 1: the library checks them)
+    n = logits.shape[0]  # (rows >= 0, vocab_local >= 1: the library checks them)
     tgt = _targets(target, n, "vocab_parallel_logits", logits.device)
     vs, vt = _layout(vl, rank, size, vocab_start, vocab_total)
     cw = _class_weights(weight, vt, logits.device)
@@ -798,7 +798,7 @@ def vocab_parallel_linear_cross_entropy(hidden: Tensor, weight_shard: Tensor, ta
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != vl):
         raise ValueError(f"bias must be [{vl}] (this rank's entries), got {tuple(bias.shape)}")
     h2 = hidden.reshape(-1, d)
-    n = h2.shape[0]  # (rows, vocab_local and hidden >= 1: the library checks them)
+    n = h2.shape[0]  # (rows >= 0, vocab_local and hidden >= 1: the library checks them)
     tgt = _targets(target, n, "hidden", hidden.device)
     vs, vt = _layout(vl, rank, size, vocab_start, vocab_total)
     cw = _class_weights(weight, vt, hidden.device)

@@ -434,6 +434,40 @@ def test_mean_over_no_rows_is_zero():
     assert np.all(r.grad_logits == 0)
 
 
+def test_empty_batch():
+    """Zero rows are an empty problem (docs/semantics.md "Zero rows"): the reduced losses, the
+    z-loss total and the accuracy are 0, everything per row is empty, the linear gradients of
+    the weight and bias are 0 (or untouched with accumulate), the queries say 0 bytes. Negative
+    sizes cannot be made from arrays; the library's check is test_api / test_empty's."""
+    z, y = np.zeros((0, V), np.float32), np.zeros(0, np.int64)
+    assert fusedce.forward_workspace_size(0, V) == 0
+    assert fusedce.backward_workspace_size(0, V) == 0
+    assert fusedce.linear_ce_workspace_size(0, LIN_D, LIN_V) == (0, 0)
+    for reduction in REDUCTIONS:
+        for opts in ({}, OPTION_SETS["everything-0.3"]):
+            r = fusedce.forward(z, y, reduction=reduction, return_grad=True, return_lse=True,
+                                return_z_loss=True, return_argmax=True, return_accuracy=True,
+                                **opts)
+            none = reduction == "none"
+            assert r.loss.shape == ((0,) if none else ())
+            assert none or (float(r.loss) == 0.0 and not np.signbit(r.loss))
+            assert float(r.z_loss) == 0.0
+            assert r.accuracy.shape == ((0,) if none else ()) and (none or r.accuracy == 0)
+            assert r.grad_logits.shape == (0, V) and r.lse.shape == (0,)
+            assert r.argmax.shape == (0,) and int(r.error_flags[0]) == 0
+            g = fusedce.backward(z, y, r.lse, reduction=reduction, **opts)
+            assert g.shape == (0, V)
+        h, W, b, _ = make_linear()
+        for accumulate in (False, True):
+            gw = np.full_like(W, 3.0)
+            lr = fusedce.linear_ce(h[:0], W, y, b, reduction=reduction, return_grad=True,
+                                   accumulate=accumulate, grad_weight=gw, return_z_loss=True)
+            assert lr.grad_hidden.shape == (0, LIN_D)
+            assert np.all(lr.grad_weight == (3.0 if accumulate else 0.0))
+            assert np.all(lr.grad_bias == 0.0)  # allocated as zeros under accumulate
+            assert float(lr.z_loss) == 0.0 and (reduction == "none" or float(lr.loss) == 0.0)
+
+
 def test_invalid_target_nan_and_flag():
     z, y = make_inputs()
     y[2] = V + 5

@@ -192,6 +192,54 @@ def test_gradcheck_float64_inputs_cpu():
         assert torch.autograd.gradcheck(fn, (h, W, b), eps=1e-3, atol=2e-3, rtol=2e-2)
 
 
+def check_empty_batch(device):
+    """Zero rows (docs/semantics.md "Zero rows"): the losses of an empty batch, 0 for mean and
+    sum (torch: NaN for the mean, 0 for the sum) and empty for none, and the backward through
+    every path: an empty logits gradient, zero linear weight and bias gradients."""
+    v, d = 11, 5
+    for reduction in REDUCTIONS:
+        for kw in ({}, {"inplace_backward": True}, {"return_lse": True, "return_z_loss": True,
+                                                     "return_token_accuracy": True,
+                                                     "return_predicted_tokens": True}):
+            if kw.get("inplace_backward") and reduction == "none":
+                continue
+            z = torch.randn(0, v, device=device, requires_grad=True)
+            y = torch.zeros(0, dtype=torch.int64, device=device)
+            out = cross_entropy(z, y, reduction=reduction, label_smoothing=0.1, z_loss=1e-3, **kw)
+            loss = out.loss if isinstance(out, tuple) else out
+            assert loss.dtype == torch.float32
+            assert loss.shape == ((0,) if reduction == "none" else ())
+            if reduction != "none":
+                assert loss.item() == 0.0
+            if isinstance(out, tuple):
+                assert out.lse.shape == (0,) and out.predicted_tokens.shape == (0,)
+                if reduction != "none":
+                    assert out.z_loss.item() == 0.0 and out.token_accuracy.item() == 0.0
+            (g,) = torch.autograd.grad(loss.sum(), z)
+            assert g.shape == (0, v)
+        h = torch.randn(0, d, device=device, requires_grad=True)
+        W = torch.randn(v, d, device=device, requires_grad=True)
+        b = torch.randn(v, device=device, requires_grad=True)
+        y = torch.zeros(0, dtype=torch.int64, device=device)
+        loss = linear_cross_entropy(h, W, y, linear_bias=b, reduction=reduction)
+        gh, gw, gb = torch.autograd.grad(loss.sum(), (h, W, b))
+        assert gh.shape == (0, d) and torch.all(gw == 0) and torch.all(gb == 0)
+        if reduction != "none":
+            assert loss.item() == 0.0
+        with torch.no_grad():
+            assert cross_entropy(z.detach(), y, reduction=reduction).numel() == (
+                0 if reduction == "none" else 1)
+
+
+def test_empty_batch_cpu():
+    check_empty_batch("cpu")
+
+
+@needs_cuda
+def test_empty_batch_cuda():
+    check_empty_batch("cuda")
+
+
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("bias", [True, False])
 def test_linear_cross_entropy_cpu(reduction, bias):

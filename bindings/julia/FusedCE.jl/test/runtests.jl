@@ -631,6 +631,22 @@ end
     @test A[:, 1] == ones(Float32, 4)
 end
 
+@testset "zero rows: the empty problem" begin
+    z, y = zeros(Float32, V, 0), Int64[]
+    for red in (:mean, :sum, :none)
+        res = forward(z, y; grad=true, reduction=red, label_smoothing=0.1, z_loss_scale=1e-3)
+        @test red === :none ? length(res.loss) == 0 : res.loss == 0
+        @test size(res.grad) == (V, 0)
+        @test size(backward(z, y, Float32[]; reduction=red)) == (V, 0)
+        D = 4
+        W = randn(rng, Float32, D, V)
+        res = linear_ce(zeros(Float32, D, 0), W, y; bias=ones(Float32, V), reduction=red)
+        @test red === :none ? length(res.loss) == 0 : res.loss == 0
+        @test size(res.grad_hidden) == (D, 0)
+        @test all(iszero, res.grad_weight) && all(iszero, res.grad_bias)
+    end
+end
+
 @testset "errors" begin
     z, y = make_data(rng, V, N)
     err = try
