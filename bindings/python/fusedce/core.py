@@ -238,7 +238,7 @@ def forward(logits, targets, *, reduction="mean", ignore_index: int = -100, clas
     if len(z.shape) != 2:
         raise ValueError(f"logits must be 2-D [rows, vocab], got shape {z.shape}")
     rows, vocab = z.shape
-    dtype_code = _float_code(z, _dtype_name(dtype))
+    dtype_code = _float_code(z, _dtype_name(dtype), fn="fusedce.forward")
     rs = _matrix(z)
     _check_stride_kw(row_stride, rs, "row_stride")
     tcode = _targets_code(y, rows, target_dtype)
@@ -337,7 +337,7 @@ def backward(logits, targets, lse, grad_output=None, *, reduction="mean",
     if len(z.shape) != 2:
         raise ValueError(f"logits must be 2-D [rows, vocab], got shape {z.shape}")
     rows, vocab = z.shape
-    dtype_code = _float_code(z, _dtype_name(dtype))
+    dtype_code = _float_code(z, _dtype_name(dtype), fn="fusedce.backward")
     rs = _matrix(z)
     _check_stride_kw(row_stride, rs, "row_stride")
     tcode = _targets_code(y, rows, target_dtype)
@@ -423,14 +423,14 @@ def linear_ce(hidden, weight, targets, bias=None, *, reduction="mean", ignore_in
         raise ValueError(f"weight must be 2-D [vocab, hidden], got shape {W.shape}")
     vocab = W.shape[0]
     dkw = _dtype_name(dtype)
-    dtype_code = _float_code(h, dkw)
+    dtype_code = _float_code(h, dkw, fn="fusedce.linear_ce")
     dname = _CODE_NAMES[dtype_code]
-    _float_code(W, dname, "the hidden states' dtype")
+    _float_code(W, dname, "the hidden states' dtype", fn="fusedce.linear_ce")
     hrs = _matrix(h, what="[rows, hidden]")
     _check_stride_kw(hidden_row_stride, hrs, "hidden_row_stride")
     _matrix(W, cols=dim, dense=True, what="[vocab, hidden]")
     if b is not None:
-        _float_code(b, dname, "the hidden states' dtype")
+        _float_code(b, dname, "the hidden states' dtype", fn="fusedce.linear_ce")
         _vector(b, vocab, "[vocab]")
     tcode = _targets_code(y, rows, target_dtype)
     red = _reduction_code(reduction)

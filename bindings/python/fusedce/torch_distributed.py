@@ -336,8 +336,6 @@ class _VocabParallelCE(torch.autograd.Function):
 
 
 # ============================================================= public helpers ====
-def _float_input(x: Tensor, name: str) -> Tensor:
-    return _ta._float_input(x, name)
 
 
 def _smoothing(label_smoothing: float, formula: str, vt: int) -> float:
@@ -421,7 +419,9 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: Tensor, target: Tensor,
         raise ValueError("pass the process group once (group= or tp_group=)")
     group, rank, size = _resolve_group(group if group is not None else tp_group)
     red = _ta._reduction(reduction)
-    x = _float_input(vocab_parallel_logits, "vocab_parallel_logits")
+    x = _ta._float_input(vocab_parallel_logits,
+                         "fusedce.torch.distributed.vocab_parallel_cross_entropy",
+                         "vocab_parallel_logits")
     if x.dim() < 1:
         raise ValueError("vocab_parallel_logits must be [..., V_local]")
     vl = x.shape[-1]
@@ -803,19 +803,8 @@ def vocab_parallel_linear_cross_entropy(hidden: Tensor, weight_shard: Tensor, ta
     vs, vt = _layout(vl, rank, size, vocab_start, vocab_total)
     cw = _class_weights(weight, vt, hidden.device)
     t, k = _ta._resolve_shift(shift, shift_seq_len, tuple(target.shape), n)
-    dev = hidden.device.type
-    if dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev):
-        cdt = torch.get_autocast_dtype(dev)
-    else:
-        for name, tt in (("weight_shard", weight_shard), ("bias", bias)):
-            if tt is not None and tt.dtype != hidden.dtype:
-                raise TypeError(f"{name} has dtype {tt.dtype} but hidden has {hidden.dtype} "
-                                "(as for F.linear, they must match outside autocast)")
-        cdt = hidden.dtype
-    if cdt == torch.float64:
-        cdt = torch.float32
-    if cdt not in _to._CODE_OF_TORCH:
-        raise TypeError(f"hidden must be float32, float16 or bfloat16, got {cdt}")
+    cdt = _ta._linear_dtype("fusedce.torch.distributed.vocab_parallel_linear_cross_entropy",
+                            (("hidden", hidden), ("weight_shard", weight_shard), ("bias", bias)))
     budget = _tc.default_workspace_bytes() if workspace_bytes is None else int(workspace_bytes)
     if budget < 0:
         raise ValueError(f"workspace_bytes must be >= 0, got {workspace_bytes}")

@@ -468,6 +468,28 @@ def test_empty_batch():
             assert float(lr.z_loss) == 0.0 and (reduction == "none" or float(lr.loss) == 0.0)
 
 
+def test_float64_is_refused_clearly():
+    """float64 is no dtype of the library: refused with the call, the argument and the cast, in
+    the words fusedce.torch uses."""
+    from fusedce import vocab_parallel as vp
+    z, y = make_inputs()
+    h, W, b, yl = make_linear()
+    cases = [
+        ("fusedce.forward: logits", lambda: fusedce.forward(z.astype(np.float64), y)),
+        ("fusedce.backward: logits", lambda: fusedce.backward(z.astype(np.float64), y,
+                                                              np.zeros(N, np.float32))),
+        ("fusedce.linear_ce: hidden", lambda: fusedce.linear_ce(h.astype(np.float64), W, yl)),
+        ("fusedce.linear_ce: weight", lambda: fusedce.linear_ce(h, W.astype(np.float64), yl)),
+        ("fusedce.vocab_parallel.vp_stats: logits",
+         lambda: vp.vp_stats(z.astype(np.float64), y, vocab_total=V, vocab_start=0)),
+    ]
+    for where, call in cases:
+        with pytest.raises(TypeError) as e:
+            call()
+        assert str(e.value) == (where + " dtype float64 is not supported; supported: float32, "
+                                "float16, bfloat16 (cast with .astype(numpy.float32))")
+
+
 def test_invalid_target_nan_and_flag():
     z, y = make_inputs()
     y[2] = V + 5
@@ -766,7 +788,8 @@ class FakeCudaArray:
 
 
 def test_cuda_array_interface_validation():
-    with pytest.raises(TypeError, match="float32, float16 or bfloat16"):
+    with pytest.raises(TypeError, match="float64 is not supported; supported: float32, float16, "
+                                        "bfloat16"):
         fusedce.forward(FakeCudaArray((4, 10), "<f8"), FakeCudaArray((4,), "<i8"))
     with pytest.raises(TypeError, match="int32 or int64"):
         fusedce.forward(FakeCudaArray((4, 10), "<f4"), FakeCudaArray((4,), "<f4"))

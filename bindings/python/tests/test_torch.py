@@ -175,21 +175,53 @@ def test_input_shapes_like_torch():
 
 
 def test_gradcheck_float64_inputs_cpu():
-    """gradcheck on float64 inputs: fusedce computes in float32 (the cast is part of autograd),
-    so finite differences use a large step and float32-sized tolerances."""
+    """gradcheck on float64 inputs cast to float32 by the caller (fusedce computes in float32 and
+    refuses float64 itself: the cast is part of autograd), so finite differences use a large
+    step and float32-sized tolerances."""
     z, y, w = make(n=6, v=7, std=2.0)
     z = z.double().requires_grad_(True)
     for reduction in REDUCTIONS:
-        fn = lambda t: cross_entropy(t, y, w, reduction=reduction, label_smoothing=0.1,  # noqa
-                                     z_loss=1e-2, softcap=4.0)
+        fn = lambda t: cross_entropy(t.float(), y, w, reduction=reduction,  # noqa: E731
+                                     label_smoothing=0.1, z_loss=1e-2, softcap=4.0)
         assert torch.autograd.gradcheck(fn, (z,), eps=1e-3, atol=2e-3, rtol=2e-2)
     h = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
     W = torch.randn(7, 5, dtype=torch.float64, requires_grad=True)
     b = torch.randn(7, dtype=torch.float64, requires_grad=True)
     for reduction in REDUCTIONS:
-        fn = lambda h, W, b: linear_cross_entropy(h, W, y, linear_bias=b, weight=w,  # noqa
-                                                  reduction=reduction, label_smoothing=0.1)
+        fn = lambda h, W, b: linear_cross_entropy(  # noqa: E731
+            h.float(), W.float(), y, linear_bias=b.float(), weight=w, reduction=reduction,
+            label_smoothing=0.1)
         assert torch.autograd.gradcheck(fn, (h, W, b), eps=1e-3, atol=2e-3, rtol=2e-2)
+
+
+def test_float64_is_refused_clearly_cpu():
+    """float64 is no dtype of the library: torch would compute in it, fusedce cannot, and it
+    casts nothing behind the caller's back (under autocast too, which leaves float64 alone). The
+    message names the function and the argument and says how to cast; NumPy's says the same."""
+    z, y, w = make(n=6, v=7)
+    h, W, b = torch.randn(6, 5), torch.randn(7, 5), torch.randn(7)
+    msg = (" dtype float64 is not supported; supported: float32, float16, bfloat16 "
+           "(cast with .float())")
+    cases = [
+        ("fusedce.torch.cross_entropy: input", lambda: cross_entropy(z.double(), y)),
+        ("fusedce.torch.cross_entropy: input", lambda: CrossEntropyLoss()(z.double(), y)),
+        ("fusedce.torch.linear_cross_entropy: input",
+         lambda: linear_cross_entropy(h.double(), W.double(), y)),
+        ("fusedce.torch.linear_cross_entropy: linear_weight",
+         lambda: linear_cross_entropy(h, W.double(), y)),
+        ("fusedce.torch.linear_cross_entropy: linear_bias",
+         lambda: linear_cross_entropy(h, W, y, linear_bias=b.double())),
+    ]
+    for where, call in cases:
+        with pytest.raises(TypeError) as e:
+            call()
+        assert str(e.value) == where + msg
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(TypeError, match="linear_cross_entropy: input dtype float64"):
+            linear_cross_entropy(h.double(), W, y)
+    with pytest.raises(TypeError) as e:
+        fusedce.forward(z.double(), y)
+    assert str(e.value) == "fusedce.forward: logits" + msg
 
 
 def check_empty_batch(device):
@@ -763,19 +795,19 @@ def test_extras_buffers_are_per_call():
 
 
 def test_gradcheck_shift_and_z_loss_cpu():
-    """gradcheck (finite differences, float64 inputs computed in float32) through shift=k and
+    """gradcheck (finite differences, float64 inputs cast to float32) through shift=k and
     the z-loss, every reduction (token scaling is left out: its p_y is a constant on purpose)."""
     z, y, w = make(n=6, v=7, std=2.0)
     z = z.double().requires_grad_(True)
     for reduction in REDUCTIONS:
-        fn = lambda t: cross_entropy(t, y, w, reduction=reduction, z_loss=1e-2,  # noqa: E731
-                                     shift_seq_len=3, shift=2, label_smoothing=0.1)
+        fn = lambda t: cross_entropy(t.float(), y, w, reduction=reduction,  # noqa: E731
+                                     z_loss=1e-2, shift_seq_len=3, shift=2, label_smoothing=0.1)
         assert torch.autograd.gradcheck(fn, (z,), eps=1e-3, atol=2e-3, rtol=2e-2)
     h = torch.randn(2, 3, 5, dtype=torch.float64, requires_grad=True)
     W = torch.randn(7, 5, dtype=torch.float64, requires_grad=True)
     for reduction in REDUCTIONS:
-        fn = lambda h, W: linear_cross_entropy(h, W, y.view(2, 3), reduction=reduction,  # noqa
-                                               z_loss=1e-2, shift=1)
+        fn = lambda h, W: linear_cross_entropy(h.float(), W.float(), y.view(2, 3),  # noqa
+                                               reduction=reduction, z_loss=1e-2, shift=1)
         assert torch.autograd.gradcheck(fn, (h, W), eps=1e-3, atol=2e-3, rtol=2e-2)
 
 
