@@ -52,6 +52,22 @@ fce_status fail(fce_status status, const char* fmt, ...) {
       return fail(fce_nccl_s_, "%s: %s", fn, fce_last_error());              \
   } while (0)
 
+// A libfusedce workspace query made to size this library's call fn (its own query, or the
+// call itself): on failure the query's message, which is about the options and sizes it checks
+// as the compute calls do, under fn's name alone ("fce_nccl_cross_entropy: options->
+// label_smoothing (2) must be in [0, 1)"), not the query's, which the caller did not call.
+fce_status query_fail(const char* fn, const char* query, fce_status status) {
+  const char* m = fce_last_error();
+  const size_t n = std::strlen(query);
+  if (std::strncmp(m, query, n) == 0 && std::strncmp(m + n, ": ", 2) == 0) m += n + 2;
+  return fail(status, "%s: %s", fn, m);
+}
+#define FCE_NCCL_QUERY(fn, query, ...)                                          \
+  do {                                                                         \
+    const fce_status fce_nccl_s_ = query(__VA_ARGS__);                         \
+    if (fce_nccl_s_ != FCE_SUCCESS) return query_fail(fn, #query, fce_nccl_s_); \
+  } while (0)
+
 // An NCCL call that did not return ncclSuccess: FCE_ERROR_CUDA (fusedce_nccl.h).
 fce_status nccl_fail(const char* fn, const char* what, ncclResult_t r, ncclComm_t comm) {
   const char* detail = ncclGetLastError(comm);
@@ -240,10 +256,10 @@ fce_status ce_layout(const char* fn, const fce_options* options, int ranks, int6
                      int64_t vocab_total, int64_t vocab_local, bool with_grad,
                      size_t gathered_bytes, CeLayout* l) {
   size_t loss_ws = 0, bw_ws = 0;
-  FCE_NCCL_CORE(fn, fce_vp_loss_workspace_size(options, ranks, rows, vocab_total, &loss_ws));
+  FCE_NCCL_QUERY(fn, fce_vp_loss_workspace_size, options, ranks, rows, vocab_total, &loss_ws);
   if (with_grad)
-    FCE_NCCL_CORE(fn, fce_vp_backward_workspace_size(options, ranks, rows, vocab_total,
-                                                     vocab_local, &bw_ws));
+    FCE_NCCL_QUERY(fn, fce_vp_backward_workspace_size, options, ranks, rows, vocab_total,
+                   vocab_local, &bw_ws);
   l->gathered = gathered_bytes;
   l->scratch_off = align_up(gathered_bytes);
   l->scratch = loss_ws > bw_ws ? loss_ws : bw_ws;
@@ -268,14 +284,13 @@ fce_status lin_layout(const char* fn, const fce_options* options, const fce_opti
                 (long long)hidden);
   size_t st_min = 0, st_opt = 0, loss_ws = 0, fu_min = 0, fu_opt = 0;
   if (with_grad) {  // fce_vp_linear_ce: the statistics live in its own workspace
-    FCE_NCCL_CORE(fn, fce_vp_linear_ce_workspace_size(options, ranks, rows, hidden, vocab_total,
-                                                      vocab_local, 1, FCE_FLOAT32, &fu_min,
-                                                      &fu_opt));
+    FCE_NCCL_QUERY(fn, fce_vp_linear_ce_workspace_size, options, ranks, rows, hidden,
+                   vocab_total, vocab_local, 1, FCE_FLOAT32, &fu_min, &fu_opt);
     gathered_bytes = 0;
   } else {
-    FCE_NCCL_CORE(fn, fce_vp_linear_stats_workspace_size(options, rows, hidden, vocab_local,
-                                                         &st_min, &st_opt));
-    FCE_NCCL_CORE(fn, fce_vp_loss_workspace_size(options, ranks, rows, vocab_total, &loss_ws));
+    FCE_NCCL_QUERY(fn, fce_vp_linear_stats_workspace_size, options, rows, hidden, vocab_local,
+                   &st_min, &st_opt);
+    FCE_NCCL_QUERY(fn, fce_vp_loss_workspace_size, options, ranks, rows, vocab_total, &loss_ws);
   }
   l->gathered = gathered_bytes;
   l->gh_off = align_up(gathered_bytes);

@@ -832,10 +832,23 @@ TEST(Nccl, BadArgumentsOnDevice) {
   EXPECT_TRUE(mentions("fce_nccl_cross_entropy: ", "overlaps")) << fce_nccl_last_error();
   EXPECT_EQ(ce(loss.p<float>(), grad.p<char>() + 2, ws.ptr(), wsb), FCE_ERROR_MISALIGNED);
   EXPECT_TRUE(mentions("fce_nccl_cross_entropy: ", "grad_logits")) << fce_nccl_last_error();
-  // an option only libfusedce checks: its message, prefixed
+  // an option only libfusedce checks (its workspace queries, run for the call): its message,
+  // under the name of the call made, never the query's
   o.label_smoothing = 2.0f;
   EXPECT_EQ(ce(loss.p<float>(), grad.ptr(), ws.ptr(), wsb), FCE_ERROR_INVALID_ARGUMENT);
-  EXPECT_TRUE(mentions("fce_nccl_cross_entropy: fce_vp_", "label_smoothing"))
+  EXPECT_TRUE(mentions("fce_nccl_cross_entropy: options->label_smoothing (2)", "[0, 1)"))
+      << fce_nccl_last_error();
+  EXPECT_FALSE(mentions("workspace_size", "")) << fce_nccl_last_error();
+  size_t q = 0;
+  EXPECT_EQ(fce_nccl_cross_entropy_workspace_size(&o, comm, N, V, V, 1, &q),
+            FCE_ERROR_INVALID_ARGUMENT);
+  EXPECT_TRUE(mentions("fce_nccl_cross_entropy_workspace_size: options->label_smoothing", ""))
+      << fce_nccl_last_error();
+  EXPECT_EQ(fce_nccl_linear_ce(&o, comm, N, D, V, 0, V, h.ptr(), W.ptr(), nullptr, y.ptr(),
+                               loss.p<float>(), nullptr, nullptr, nullptr, nullptr, nullptr,
+                               nullptr, nullptr, ws.ptr(), wsb, s),
+            FCE_ERROR_INVALID_ARGUMENT);
+  EXPECT_TRUE(mentions("fce_nccl_linear_ce: options->label_smoothing (2)", "[0, 1)"))
       << fce_nccl_last_error();
   o.label_smoothing = 0.0f;
   ASSERT_TRUE(finish());

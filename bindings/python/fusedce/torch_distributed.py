@@ -97,7 +97,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import _lib
+from . import _alloc, _lib
 from . import _torch_calls as _tc
 from . import _torch_args as _ta  # argument handling, the return convention
 from . import _torch_ops as _to  # the autograd helpers, the option tuple
@@ -219,12 +219,13 @@ def _check(status: int, fn: str) -> None:
 
 
 def _query(skey, fn, *args, pair=False):
-    """A cached workspace-size query (fce_vp_*_workspace_size)."""
+    """A cached workspace-size query (fce_vp_*_workspace_size), made for the call it sizes
+    (fn without "_workspace_size"), as whose failure its own is raised."""
     sizes = _tc._SIZES.get(skey)
     if sizes is None:
         lo, hi = ctypes.c_size_t(), ctypes.c_size_t()
         extra = (ctypes.byref(lo), ctypes.byref(hi)) if pair else (ctypes.byref(lo),)
-        _check(getattr(_lib.load(), fn)(*args, *extra), fn)
+        _alloc.query_for(fn[:-len("_workspace_size")], fn, *args, *extra)
         sizes = _tc._SIZES[skey] = (lo.value, hi.value)
     return sizes
 

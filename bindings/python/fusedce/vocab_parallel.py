@@ -38,7 +38,7 @@ import numpy as np
 from . import _lib
 from ._lib import FCE_REDUCTION_NONE, FCE_VP_STATS
 from ._alloc import (_Alloc, _argmax_accuracy, _class_weights, _error_flags, _grad_output,
-                     _linear_grads, _out, _ptr, _user_workspace, _workspace)
+                     _linear_grads, _out, _ptr, _user_workspace, _workspace, query_for)
 from ._args import (_backend_code, _build_options, _check_backend_kw, _check_same_device,
                     _check_stride_kw, _grad_set, _int_option, _matrix, _reduction_code,
                     _targets_code, _vector, _writable)
@@ -226,8 +226,8 @@ def vp_linear_stats(hidden, weight, targets, bias=None, *, vocab_total: int, voc
         stats, sa = _stats_out(stats, alloc, h, rows)
         opts = _options(h, dtype_code, tcode, red, kw, w, hidden_row_stride=hrs)
         lo, hi = ctypes.c_size_t(0), ctypes.c_size_t(0)
-        _lib.call("fce_vp_linear_stats_workspace_size", ctypes.byref(opts), rows, dim, vl,
-                  ctypes.byref(lo), ctypes.byref(hi))
+        query_for("fce_vp_linear_stats", "fce_vp_linear_stats_workspace_size", ctypes.byref(opts),
+                  rows, dim, vl, ctypes.byref(lo), ctypes.byref(hi))
         ws_ptr, ws_bytes, ws_keep = _workspace(workspace, alloc, h, int(lo.value),
                                                int(hi.value), workspace_size)
         _lib.call("fce_vp_linear_stats", ctypes.byref(opts), rows, dim, vt, vs, vl, h.ptr, W.ptr,
@@ -312,8 +312,8 @@ def vp_loss(gathered_stats, targets, *, vocab_total: int, reduction="mean",
         opts = _options(g, dtype_code, tcode, red, kw, w, argmax_ptr=_ptr(am_a),
                         accuracy_ptr=_ptr(acc_a))
         need = ctypes.c_size_t(0)
-        _lib.call("fce_vp_loss_workspace_size", ctypes.byref(opts), ranks, rows, vt,
-                  ctypes.byref(need))
+        query_for("fce_vp_loss", "fce_vp_loss_workspace_size", ctypes.byref(opts), ranks, rows,
+                  vt, ctypes.byref(need))
         if workspace is None:
             ws_ptr, ws_bytes, ws_keep = alloc.workspace(int(need.value))
         else:
@@ -379,8 +379,8 @@ def vp_backward(logits, targets, gathered_stats, grad_output=None, *, vocab_tota
             _, flags_ptr = _error_flags(error_flags, alloc, z)
         opts = _options(z, dtype_code, tcode, red, kw, w, row_stride=rs, grad_row_stride=grs)
         need = ctypes.c_size_t(0)
-        _lib.call("fce_vp_backward_workspace_size", ctypes.byref(opts), ranks, rows, vt, vl,
-                  ctypes.byref(need))
+        query_for("fce_vp_backward", "fce_vp_backward_workspace_size", ctypes.byref(opts), ranks,
+                  rows, vt, vl, ctypes.byref(need))
         if workspace is None:
             ws_ptr, ws_bytes, ws_keep = alloc.workspace(int(need.value))
         else:
@@ -448,8 +448,9 @@ def vp_linear_backward(hidden, weight, targets, gathered_stats, bias=None, grad_
                         accumulate=accumulate, grad_weight_fp32=grad_weight_fp32)
         gh_code = _FLOAT_CODES[gh_name]
         lo, hi = ctypes.c_size_t(0), ctypes.c_size_t(0)
-        _lib.call("fce_vp_linear_backward_workspace_size", ctypes.byref(opts), ranks, rows, dim,
-                  vt, vl, gh_code, ctypes.byref(lo), ctypes.byref(hi))
+        query_for("fce_vp_linear_backward", "fce_vp_linear_backward_workspace_size",
+                  ctypes.byref(opts), ranks, rows, dim, vt, vl, gh_code, ctypes.byref(lo),
+                  ctypes.byref(hi))
         ws_ptr, ws_bytes, ws_keep = _workspace(workspace, alloc, h, int(lo.value),
                                                int(hi.value), workspace_size)
         _lib.call("fce_vp_linear_backward", ctypes.byref(opts), ranks, rows, dim, vt, vs, vl,

@@ -468,6 +468,36 @@ def test_empty_batch():
             assert float(lr.z_loss) == 0.0 and (reduction == "none" or float(lr.loss) == 0.0)
 
 
+def test_query_errors_name_the_call():
+    """An option that the workspace query the call makes first finds wrong is reported under the
+    call's name (the user never called the query); the public queries keep their own."""
+    from fusedce import vocab_parallel as vp
+    z, y = make_inputs()
+    h, W, b, yl = make_linear()
+    g = np.zeros((2, N, vp.VP_STATS), np.float32)
+    lse = np.zeros(N, np.float32)
+    calls = {
+        "fce_forward": lambda **k: fusedce.forward(z, y, **k),
+        "fce_backward": lambda **k: fusedce.backward(z, y, lse, **k),
+        "fce_linear_ce": lambda **k: fusedce.linear_ce(h, W, yl, b, **k),
+        "fce_vp_loss": lambda **k: vp.vp_loss(g, y, vocab_total=2 * V, **k),
+        "fce_vp_backward": lambda **k: vp.vp_backward(z, y, g, vocab_total=2 * V, vocab_start=0,
+                                                      **k),
+        "fce_vp_linear_stats": lambda **k: vp.vp_linear_stats(h, W, yl, vocab_total=LIN_V + 3,
+                                                              vocab_start=0, **k),
+        "fce_vp_linear_backward": lambda **k: vp.vp_linear_backward(
+            h, W, yl, np.zeros((1, LIN_N, vp.VP_STATS), np.float32), vocab_total=LIN_V,
+            vocab_start=0, return_grad=True, **k),
+        "fce_forward_workspace_size": lambda **k: fusedce.forward_workspace_size(N, V, **k),
+        "fce_linear_ce_workspace_size": lambda **k: fusedce.linear_ce_workspace_size(4, 5, 6, **k),
+    }
+    for name, call in calls.items():
+        with pytest.raises(fusedce.InvalidArgumentError) as e:
+            call(label_smoothing=1.5)
+        assert e.value.message == name + ": options->label_smoothing (1.5) must be in [0, 1)"
+        assert e.value.function == name
+
+
 def test_float64_is_refused_clearly():
     """float64 is no dtype of the library: refused with the call, the argument and the cast, in
     the words fusedce.torch uses."""
@@ -892,9 +922,11 @@ def test_library_rejects_option_values(kwargs, needle):
     err = e.value
     assert isinstance(err, ValueError) and isinstance(err, fusedce.FusedCEError)
     assert err.status == _lib.FCE_ERROR_INVALID_ARGUMENT
-    assert needle in err.message and "fce_forward" in err.message
+    # the call the user made, never the workspace query it runs first
+    assert needle in err.message and err.message.startswith("fce_forward: ")
+    assert "workspace_size" not in err.message
     assert err.message in str(err)
-    with pytest.raises(fusedce.InvalidArgumentError, match=needle):
+    with pytest.raises(fusedce.InvalidArgumentError, match="^fce_linear_ce: .*" + needle):
         fusedce.linear_ce(*make_linear()[:2], make_linear()[3], **kwargs)
 
 
@@ -934,10 +966,13 @@ def test_library_checks_reach_the_user(case):
         logits = np.lib.stride_tricks.as_strided(z, shape=z.shape, strides=(12, 4))
         error = fusedce.InvalidArgumentError
         needle = r"options->row_stride \(3\) is less than vocab"
-    with pytest.raises(error, match="fce_forward(_workspace_size)?: " + needle) as e:
+    with pytest.raises(error, match="^fce_forward: " + needle) as e:
         fusedce.forward(logits, targets, **kw)
     assert isinstance(e.value, ValueError) and e.value.message in str(e.value)
-    assert e.value.message == fusedce.last_error()
+    # the library's own message (an option is checked by the workspace query fusedce.forward
+    # makes first: its message, under the name of the call made)
+    assert e.value.message == fusedce.last_error().replace("fce_forward_workspace_size: ",
+                                                           "fce_forward: ")
 
 
 def test_status_exceptions():

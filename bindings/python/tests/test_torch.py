@@ -224,6 +224,21 @@ def test_float64_is_refused_clearly_cpu():
     assert str(e.value) == "fusedce.forward: logits" + msg
 
 
+def test_option_errors_name_the_call_cpu():
+    """An option the workspace query (made first) finds wrong is reported under the C call the
+    function runs, never the query's name."""
+    z, y, w = make(n=6, v=7)
+    for kw in ({}, {"reduction": "none"}):
+        x = z.clone().requires_grad_(True)
+        for t in (z, x):
+            with pytest.raises(fusedce.InvalidArgumentError) as e:
+                cross_entropy(t, y, label_smoothing=1.5, **kw)
+            assert e.value.message.startswith("fce_forward: options->label_smoothing (1.5)")
+    with pytest.raises(fusedce.InvalidArgumentError) as e:
+        linear_cross_entropy(torch.randn(6, 5), torch.randn(7, 5), y, label_smoothing=1.5)
+    assert e.value.message.startswith("fce_linear_ce: options->label_smoothing (1.5)")
+
+
 def check_empty_batch(device):
     """Zero rows (docs/semantics.md "Zero rows"): the losses of an empty batch, 0 for mean and
     sum (torch: NaN for the mean, 0 for the sum) and empty for none, and the backward through

@@ -649,6 +649,21 @@ end
 
 @testset "errors" begin
     z, y = make_data(rng, V, N)
+    # an option the workspace query (run first, to size the workspace) finds wrong is reported
+    # under the call made, never the query's name
+    for (call, name) in ((() -> forward(z, y; label_smoothing=1.5), "fce_forward"),
+                         (() -> backward(z, y, zeros(Float32, N); label_smoothing=1.5),
+                          "fce_backward"),
+                         (() -> linear_ce(randn(rng, Float32, 4, N), randn(rng, Float32, 4, V), y;
+                                          label_smoothing=1.5), "fce_linear_ce"))
+        err = try
+            call()
+        catch e
+            e
+        end
+        @test err isa FusedCEError
+        @test startswith(err.message, name * ": options->label_smoothing (1.5)")
+    end
     err = try
         forward(z, y; label_smoothing=1.5)
     catch e
