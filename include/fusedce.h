@@ -41,6 +41,15 @@
  *     that share an output buffer or a workspace must be ordered by the caller (the same stream,
  *     or events). The last-error message is per thread.
  *   - Sizes are int64_t; offsets inside are 64-bit, so tensors past 2^31 elements are fine.
+ *   - Zero rows (rows = 0) are a valid, empty problem for every call that takes rows, the
+ *     workspace queries included (they return 0): the arguments are checked as for any other
+ *     call, nothing is computed, and what the call writes is the reduced loss 0 (mean and sum),
+ *     the z-loss total 0, the accuracy 0 (mean and sum) and, unless options->accumulate is set,
+ *     a zero grad_weight and grad_bias (fce_linear_ce, fce_vp_linear_backward,
+ *     fce_vp_linear_ce: the gradient of a sum over no rows); buffers of rows elements have no
+ *     element to write. A pointer to a buffer of no elements may be NULL (an empty tensor's
+ *     often is) and is never dereferenced. CUDA: the zeros are written by one small kernel on the
+ *     caller's stream, asynchronously and graph-capturable as every other call.
  *   - Pointers must be aligned to their element size; the workspace, stats and gathered_stats
  *     to 16 bytes.
  */
@@ -235,7 +244,8 @@ FCE_API void fce_options_default(fce_options* options);
 /* ---------------------------------------------------------- cross-entropy ---- */
 /*
  * Common arguments of fce_forward / fce_backward:
- *   rows, vocab   N >= 1 rows of 1 <= V <= 2^31-1 classes.
+ *   rows, vocab   N >= 0 rows (0: the empty problem of the conventions above) of
+ *                 1 <= V <= 2^31-1 classes.
  *   logits        z [rows, row_stride] of options->dtype (read only).
  *   targets       y [rows] of options->target_dtype.
  *   grad_output   upstream gradient g, float32 in the backend's memory: one value for
@@ -395,8 +405,9 @@ FCE_API fce_status fce_linear_ce(const fce_options* options, int64_t rows, int64
  * without sharing an argmax.)
  *
  * Same promises as every call: caller-owned memory, one stream, no allocation, no host
- * synchronisation, graph-capturable, deterministic. Sizes: rows >= 1, ranks >= 1,
- * 1 <= vocab_local, 0 <= vocab_start, vocab_start + vocab_local <= vocab_total <= 2^31-1.
+ * synchronisation, graph-capturable, deterministic. Sizes: rows >= 0 (0: the empty problem;
+ * fce_vp_linear_ce then never calls all_gather), ranks >= 1, 1 <= vocab_local,
+ * 0 <= vocab_start, vocab_start + vocab_local <= vocab_total <= 2^31-1.
  * stats and gathered_stats are float32 in the backend's memory, aligned to 16 bytes. (0.4)
  */
 #define FCE_VP_STATS 8 /* float32 per row of a shard's statistics (the layout is internal) */
@@ -475,7 +486,8 @@ FCE_API fce_status fce_vp_linear_backward_workspace_size(const fce_options* opti
  *                 over ranks (all-reduce; float32 keeps that sum exact to float32); or NULL.
  *   grad_weight   ∂W of this rank's rows [vocab_local, hidden], grad_bias ∂b [vocab_local]: as
  *                 fce_linear_ce's (dtype or float32 by grad_weight_fp32; options->accumulate).
- * At least one gradient pointer must be given. */
+ * At least one gradient pointer must be given (with rows = 0 none need be: a grad_hidden of no
+ * element may be NULL). */
 FCE_API fce_status fce_vp_linear_backward(const fce_options* options, int64_t ranks, int64_t rows,
                                           int64_t hidden, int64_t vocab_total,
                                           int64_t vocab_start, int64_t vocab_local,

@@ -38,10 +38,16 @@
  *     function of the options, the sizes but vocab_start / vocab_local, the gradients asked for
  *     and workspace_bytes: every rank must pass the same workspace_bytes (the query returns the
  *     same sizes on every rank when no shard is wider than ceil(vocab_total / P)).
+ *   - Zero rows: as in fusedce.h, an empty problem (the loss 0 for mean and sum, grad_weight
+ *     and grad_bias 0 unless accumulate); no collective is issued, on any rank.
  *   - Status and message: every function returns an fce_status; on failure
  *     fce_nccl_last_error() (per thread) names this library's function and the argument, e.g.
  *     "fce_nccl_linear_ce: comm is NULL", or holds the message of the failing libfusedce call
- *     prefixed by this library's function ("fce_nccl_linear_ce: fce_vp_linear_stats: ...").
+ *     prefixed by this library's function ("fce_nccl_linear_ce: fce_vp_linear_stats: ..."); a
+ *     bad option or size that a libfusedce workspace query finds (this library sizes every
+ *     call's workspace with them, and checks the options that way) is reported under this
+ *     library's function alone ("fce_nccl_cross_entropy: options->label_smoothing (2) must be in
+ *     [0, 1)").
  *     An error that NCCL reports (ncclAllGather / ncclAllReduce / a communicator query returning
  *     anything but ncclSuccess, ncclInProgress of a nonblocking communicator included, or an
  *     asynchronous error pending on comm) is returned as FCE_ERROR_CUDA, its ncclGetErrorString

@@ -10,6 +10,7 @@ using namespace fce::abi;
 
 size_t ce_workspace(const fce_options& o, const fce::CeOptions& opt, int64_t rows, int64_t vocab,
                     bool backward) {
+  if (rows == 0) return 0;  // the empty problem: nothing computed
   return o.backend == FCE_BACKEND_CPU ? fce::cpu_ce_workspace_size(opt, rows, vocab, backward)
                                       : fce::cuda_ce_workspace_size(opt, rows, vocab, backward);
 }
@@ -25,9 +26,9 @@ fce_status ce_workspace_query(const char* fn, const fce_options* options, int64_
   return FCE_SUCCESS;
 }
 
-// Shared by fce_forward (mode kForward), fce_backward and fce_backward_rescale (lse_in set,
-// loss/lse/z_loss NULL, options->argmax and ->accuracy ignored), once each entry point has
-// checked its own required pointers.
+// Shared by fce_forward (mode kForward; loss checked here, where its size is known), fce_backward
+// and fce_backward_rescale (lse_in set, loss/lse/z_loss NULL, options->argmax and ->accuracy
+// ignored), once each entry point has checked its own required pointers.
 fce_status ce_call(const char* fn, fce::CeMode mode, const fce_options* options, int64_t rows,
                    int64_t vocab, const void* logits, const void* targets, float* loss,
                    float* lse, float* z_loss, void* grad, const float* grad_output,
@@ -43,11 +44,13 @@ fce_status ce_call(const char* fn, fce::CeMode mode, const fce_options* options,
     return fail(FCE_ERROR_INVALID_ARGUMENT,
                 "%s: options->reduction is FCE_REDUCTION_NONE: a per-row upstream gradient "
                 "needs fce_backward", fn);
-  FCE_TRY(check_required(fn, {{"logits", logits}, {"targets", targets}}));
+  const Entries e(*o, rows);
+  const bool empty = rows == 0;  // per-row buffers of no elements may be NULL
+  if (forward) FCE_TRY(check_required(fn, {{"loss", loss, e.reduced_floats() == 0}}));
+  FCE_TRY(check_required(fn, {{"logits", logits, empty}, {"targets", targets, empty}}));
   FCE_TRY(check_stride(fn, "options->row_stride", o->row_stride, vocab, &p.row_stride));
   FCE_TRY(
       check_stride(fn, "options->grad_row_stride", o->grad_row_stride, vocab, &p.grad_row_stride));
-  const Entries e(*o, rows);
   const int64_t logits_bytes = span_bytes(rows, vocab, p.row_stride, e.esize);
   const int64_t grad_bytes = grad ? span_bytes(rows, vocab, p.grad_row_stride, e.esize) : 0;
   if (logits_bytes < 0 || grad_bytes < 0 || rows > kMaxBytes / 8)
@@ -75,6 +78,11 @@ fce_status ce_call(const char* fn, fce::CeMode mode, const fce_options* options,
   FCE_TRY(check_args(fn, args, &in_place));
   FCE_TRY(check_workspace(fn, ce_workspace(*o, p.opt, rows, vocab, !forward), workspace,
                           workspace_bytes));
+  if (empty)  // the forward's reduced outputs are 0; the gradient has no element
+    return empty_problem(fn, *o, args,
+                         {e.reduced_zeros(loss), {z_loss, 4},
+                          e.reduced_zeros(forward ? o->accuracy : nullptr)},
+                         stream);
   p.fn = fn;
   p.mode = mode;
   p.rows = rows;
@@ -112,8 +120,6 @@ FCE_API fce_status fce_forward(const fce_options* options, int64_t rows, int64_t
                                uint32_t* error_flags, void* workspace, size_t workspace_bytes,
                                void* stream) {
   const char* fn = "fce_forward";
-  fce::clear_error();
-  FCE_TRY(check_required(fn, {{"loss", loss}}));
   return ce_call(fn, fce::CeMode::kForward, options, rows, vocab, logits, targets, loss, lse,
                  z_loss, grad_logits, grad_output, nullptr, error_flags, workspace,
                  workspace_bytes, stream);
@@ -126,7 +132,7 @@ FCE_API fce_status fce_backward(const fce_options* options, int64_t rows, int64_
                                 void* stream) {
   const char* fn = "fce_backward";
   fce::clear_error();
-  FCE_TRY(check_required(fn, {{"lse", lse}, {"grad_logits", grad_logits}}));
+  FCE_TRY(check_required(fn, {{"lse", lse, rows == 0}, {"grad_logits", grad_logits, rows == 0}}));
   return ce_call(fn, fce::CeMode::kBackward, options, rows, vocab, logits, targets, nullptr,
                  nullptr, nullptr, grad_logits, grad_output, lse, error_flags, workspace,
                  workspace_bytes, stream);
@@ -139,10 +145,10 @@ FCE_API fce_status fce_backward_rescale(const fce_options* options, int64_t rows
                                         void* workspace, size_t workspace_bytes, void* stream) {
   const char* fn = "fce_backward_rescale";
   fce::clear_error();
-  FCE_TRY(check_required(fn, {{"lse", lse}, {"grad_logits", grad_logits}}));
+  FCE_TRY(check_required(fn, {{"lse", lse, rows == 0}, {"grad_logits", grad_logits, rows == 0}}));
   if (!grad_output)
     return fail(FCE_ERROR_NULL_POINTER, "%s: grad_output is NULL (the upstream scalar)", fn);
-  if (grad_logits == logits)
+  if (rows > 0 && grad_logits == logits)  // (no row: two pointers to nothing, whatever they are)
     return fail(FCE_ERROR_INVALID_ARGUMENT,
                 "%s: grad_logits is logits: a gradient written over the logits cannot be "
                 "recomputed; scale it with fce_scale_gradient", fn);

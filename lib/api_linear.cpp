@@ -12,7 +12,9 @@ void linear_workspace(const fce_options& o, const fce::CeOptions& opt, int64_t r
                       int64_t hidden, int64_t vocab, bool with_grad, size_t* min_bytes,
                       size_t* optimal_bytes) {
   const bool fp32 = o.grad_weight_fp32 != 0;
-  if (o.backend == FCE_BACKEND_CPU)
+  if (rows == 0)  // the empty problem: nothing computed
+    *min_bytes = *optimal_bytes = 0;
+  else if (o.backend == FCE_BACKEND_CPU)
     fce::cpu_linear_ce_workspace_size(opt, rows, hidden, vocab, with_grad, fp32, min_bytes,
                                       optimal_bytes);
   else
@@ -53,10 +55,12 @@ FCE_API fce_status fce_linear_ce(const fce_options* options, int64_t rows, int64
   fce::LinearCeProblem p{};
   FCE_TRY(check_options(fn, o, rows, vocab, &p.opt));
   FCE_TRY(check_hidden(fn, hidden));
-  FCE_TRY(check_required(fn, {{"hidden_states", hidden_states},
+  const Entries e(*o, rows);
+  const bool empty = rows == 0;  // per-row buffers of no elements may be NULL
+  FCE_TRY(check_required(fn, {{"hidden_states", hidden_states, empty},
                               {"weight", weight},
-                              {"targets", targets},
-                              {"loss", loss}}));
+                              {"targets", targets, empty},
+                              {"loss", loss, e.reduced_floats() == 0}}));
   if (grad_bias && !bias)
     return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: grad_bias is given but bias is NULL", fn);
   FCE_TRY(check_stride(fn, "options->hidden_row_stride", o->hidden_row_stride, hidden,
@@ -64,7 +68,6 @@ FCE_API fce_status fce_linear_ce(const fce_options* options, int64_t rows, int64
   // One row has no "next row": its stride is never used, whatever it is (the header allows any
   // stride >= hidden), so the backends see the dense value (BLAS and cuBLASLt take int ones).
   if (rows == 1) p.hidden_row_stride = hidden;
-  const Entries e(*o, rows);
   const size_t gw_size = o->grad_weight_fp32 ? 4 : e.esize;
   const int64_t h_bytes = span_bytes(rows, hidden, p.hidden_row_stride, e.esize);
   const int64_t w_bytes = span_bytes(vocab, hidden, hidden, 4);  // largest: f32 grad_weight
@@ -99,6 +102,12 @@ FCE_API fce_status fce_linear_ce(const fce_options* options, int64_t rows, int64
   size_t min_bytes = 0, optimal_bytes = 0;
   linear_workspace(*o, p.opt, rows, hidden, vocab, with_grad, &min_bytes, &optimal_bytes);
   FCE_TRY(check_workspace(fn, min_bytes, workspace, workspace_bytes));
+  if (empty)  // the reduced outputs are 0, and so are ∂W and ∂b (sums over no rows)
+    return empty_problem(fn, *o, args,
+                         {e.reduced_zeros(loss), {z_loss, 4}, e.reduced_zeros(o->accuracy),
+                          weight_grad_zeros(*o, grad_weight, vd * gw_size),
+                          weight_grad_zeros(*o, grad_bias, v * gw_size)},
+                         stream);
   p.fn = fn;
   p.rows = rows;
   p.hidden = hidden;

@@ -56,7 +56,9 @@ FCE_API fce_status fce_vp_stats(const fce_options* options, int64_t rows, int64_
   FCE_TRY(check_vp_vocab(fn, vocab_total, vocab_start, vocab_local, true));
   FCE_TRY(check_options(fn, o, rows, vocab_total, &p.opt));
   FCE_TRY(check_vp_rows(fn, rows, nullptr));
-  FCE_TRY(check_required(fn, {{"logits", logits}, {"targets", targets}, {"stats", stats}}));
+  const bool empty = rows == 0;  // per-row buffers of no elements may be NULL
+  FCE_TRY(check_required(
+      fn, {{"logits", logits, empty}, {"targets", targets, empty}, {"stats", stats, empty}}));
   FCE_TRY(check_stride(fn, "options->row_stride", o->row_stride, vocab_local, &p.row_stride,
                        "vocab_local"));
   const Entries e(*o, rows);
@@ -69,6 +71,7 @@ FCE_API fce_status fce_vp_stats(const fce_options* options, int64_t rows, int64_
       e.stats(stats),
   };
   FCE_TRY(check_args(fn, args));
+  if (empty) return empty_problem(fn, *o, args, {}, stream);  // no row: nothing to write
   p.fn = fn;
   p.rows = rows;
   p.vocab_total = vocab_total;
@@ -101,9 +104,11 @@ FCE_API fce_status fce_vp_loss(const fce_options* options, int64_t ranks, int64_
   FCE_TRY(check_vocab_total(fn, vocab_total));
   FCE_TRY(check_options(fn, o, rows, vocab_total, &p.opt));
   FCE_TRY(check_vp_rows(fn, rows, &ranks));
-  FCE_TRY(check_required(
-      fn, {{"targets", targets}, {"gathered_stats", gathered_stats}, {"loss", loss}}));
   const Entries e(*o, rows);
+  const bool empty = rows == 0;  // per-row buffers of no elements may be NULL
+  FCE_TRY(check_required(fn, {{"targets", targets, empty},
+                              {"gathered_stats", gathered_stats, empty},
+                              {"loss", loss, e.reduced_floats() == 0}}));
   const fce::Arg args[] = {
       e.targets(targets),
       e.class_weights(vocab_total),
@@ -119,6 +124,10 @@ FCE_API fce_status fce_vp_loss(const fce_options* options, int64_t ranks, int64_
   FCE_TRY(check_args(fn, args));
   FCE_TRY(check_workspace(fn, vp_workspace(*o, p.opt, ranks, rows, vocab_total, 0, false),
                           workspace, workspace_bytes));
+  if (empty)  // the reduced outputs are 0
+    return empty_problem(fn, *o, args,
+                         {e.reduced_zeros(loss), {z_loss, 4}, e.reduced_zeros(o->accuracy)},
+                         stream);
   p.fn = fn;
   p.backward = false;
   p.ranks = ranks;
@@ -153,10 +162,11 @@ FCE_API fce_status fce_vp_backward(const fce_options* options, int64_t ranks, in
   FCE_TRY(check_vp_vocab(fn, vocab_total, vocab_start, vocab_local, true));
   FCE_TRY(check_options(fn, o, rows, vocab_total, &p.opt));
   FCE_TRY(check_vp_rows(fn, rows, &ranks));
-  FCE_TRY(check_required(fn, {{"logits", logits},
-                              {"targets", targets},
-                              {"gathered_stats", gathered_stats},
-                              {"grad_logits", grad_logits}}));
+  const bool empty = rows == 0;  // per-row buffers of no elements may be NULL
+  FCE_TRY(check_required(fn, {{"logits", logits, empty},
+                              {"targets", targets, empty},
+                              {"gathered_stats", gathered_stats, empty},
+                              {"grad_logits", grad_logits, empty}}));
   FCE_TRY(check_stride(fn, "options->row_stride", o->row_stride, vocab_local, &p.row_stride,
                        "vocab_local"));
   FCE_TRY(check_stride(fn, "options->grad_row_stride", o->grad_row_stride, vocab_local,
@@ -179,6 +189,7 @@ FCE_API fce_status fce_vp_backward(const fce_options* options, int64_t ranks, in
   FCE_TRY(check_args(fn, args, &in_place));
   FCE_TRY(check_workspace(fn, vp_workspace(*o, p.opt, ranks, rows, vocab_total, vocab_local, true),
                           workspace, workspace_bytes));
+  if (empty) return empty_problem(fn, *o, args, {}, stream);  // no row: nothing to write
   p.fn = fn;
   p.backward = true;
   p.ranks = ranks;

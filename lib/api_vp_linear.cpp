@@ -22,7 +22,9 @@ void vp_linear_workspace(const fce_options& o, const fce::CeOptions& opt, int64_
                          bool backward, int32_t grad_hidden_dtype, size_t* min_bytes,
                          size_t* optimal_bytes) {
   const bool fp32 = o.grad_weight_fp32 != 0;
-  if (o.backend == FCE_BACKEND_CPU)
+  if (rows == 0)  // the empty problem: nothing computed
+    *min_bytes = *optimal_bytes = 0;
+  else if (o.backend == FCE_BACKEND_CPU)
     fce::cpu_vp_linear_workspace_size(opt, ranks, rows, hidden, vocab_total, vocab_local,
                                       backward, grad_hidden_dtype, fp32, min_bytes,
                                       optimal_bytes);
@@ -108,10 +110,11 @@ FCE_API fce_status fce_vp_linear_stats(const fce_options* options, int64_t rows,
   const fce_options* o = &local;
   fce::VpLinearProblem p{};
   FCE_TRY(check_sizes(fn, *o, nullptr, rows, hidden, vocab_total, vocab_start, vocab_local, &p));
-  FCE_TRY(check_required(fn, {{"hidden_states", hidden_states},
+  const bool empty = rows == 0;  // per-row buffers of no elements may be NULL
+  FCE_TRY(check_required(fn, {{"hidden_states", hidden_states, empty},
                               {"weight", weight},
-                              {"targets", targets},
-                              {"stats", stats}}));
+                              {"targets", targets, empty},
+                              {"stats", stats, empty}}));
   const Entries e(*o, rows);
   uint64_t h_bytes = 0;
   FCE_TRY(check_hidden_spans(fn, *o, e.esize, &p, &h_bytes));
@@ -130,6 +133,7 @@ FCE_API fce_status fce_vp_linear_stats(const fce_options* options, int64_t rows,
   vp_linear_workspace(*o, p.opt, 1, rows, hidden, vocab_local, vocab_local, false, FCE_FLOAT32,
                       &min_bytes, &optimal_bytes);
   FCE_TRY(check_workspace(fn, min_bytes, workspace, workspace_bytes));
+  if (empty) return empty_problem(fn, *o, args, {}, stream);  // no row: nothing to write
   p.backward = false;
   set_linear_inputs(&p, hidden_states, weight, bias, targets);
   p.stats = stats;
@@ -179,11 +183,13 @@ FCE_API fce_status fce_vp_linear_backward(const fce_options* options, int64_t ra
   fce::VpLinearProblem p{};
   FCE_TRY(check_sizes(fn, *o, &ranks, rows, hidden, vocab_total, vocab_start, vocab_local, &p));
   FCE_TRY(check_grad_hidden_dtype(fn, grad_hidden_dtype, o->dtype));
-  FCE_TRY(check_required(fn, {{"hidden_states", hidden_states},
+  const bool empty = rows == 0;  // per-row buffers of no elements may be NULL
+  FCE_TRY(check_required(fn, {{"hidden_states", hidden_states, empty},
                               {"weight", weight},
-                              {"targets", targets},
-                              {"gathered_stats", gathered_stats}}));
-  if (!grad_hidden && !grad_weight && !grad_bias)
+                              {"targets", targets, empty},
+                              {"gathered_stats", gathered_stats, empty}}));
+  // (with no row, a grad_hidden of no element may be NULL: all three NULL is then no error)
+  if (!empty && !grad_hidden && !grad_weight && !grad_bias)
     return fail(FCE_ERROR_NULL_POINTER,
                 "%s: grad_hidden, grad_weight and grad_bias are all NULL: at least one gradient "
                 "is needed",
@@ -217,6 +223,11 @@ FCE_API fce_status fce_vp_linear_backward(const fce_options* options, int64_t ra
   vp_linear_workspace(*o, p.opt, ranks, rows, hidden, vocab_total, vocab_local, true,
                       grad_hidden_dtype, &min_bytes, &optimal_bytes);
   FCE_TRY(check_workspace(fn, min_bytes, workspace, workspace_bytes));
+  if (empty)  // ∂W and ∂b are 0 (sums over no rows): written, or with accumulate left as they are
+    return empty_problem(fn, *o, args,
+                         {weight_grad_zeros(*o, grad_weight, vd * gw_size),
+                          weight_grad_zeros(*o, grad_bias, v * gw_size)},
+                         stream);
   p.backward = true;
   set_linear_inputs(&p, hidden_states, weight, bias, targets);
   p.gathered = gathered_stats;
@@ -343,6 +354,10 @@ FCE_API fce_status fce_vp_linear_ce_workspace_size(const fce_options* options, i
   FCE_TRY(check_vp_rows(fn, rows, &ranks));
   FCE_TRY(check_grad_hidden_dtype(fn, grad_hidden_dtype, o.dtype));
   FCE_TRY(check_size_outputs(fn, min_bytes, optimal_bytes));
+  if (rows == 0) {  // the empty problem: nothing computed, nothing gathered
+    write_sizes(min_bytes, optimal_bytes, 0, 0);
+    return FCE_SUCCESS;
+  }
   const int64_t width = std::max(vocab_local, plan_width(vocab_total, ranks));
   const OnceLayout l =
       once_layout(o, opt, ranks, rows, hidden, vocab_total, width, with_grad != 0,
@@ -384,10 +399,12 @@ FCE_API fce_status fce_vp_linear_ce(const fce_options* options, int64_t ranks, i
   fce::VpLinearProblem& p = P.lin;
   FCE_TRY(check_sizes(fn, *o, &ranks, rows, hidden, vocab_total, vocab_start, vocab_local, &p));
   FCE_TRY(check_grad_hidden_dtype(fn, grad_hidden_dtype, o->dtype));
-  FCE_TRY(check_required(fn, {{"hidden_states", hidden_states},
+  const Entries e(*o, rows);
+  const bool empty = rows == 0;  // per-row buffers of no elements may be NULL
+  FCE_TRY(check_required(fn, {{"hidden_states", hidden_states, empty},
                               {"weight", weight},
-                              {"targets", targets},
-                              {"loss", loss}}));
+                              {"targets", targets, empty},
+                              {"loss", loss, e.reduced_floats() == 0}}));
   if (!all_gather)
     return fail(FCE_ERROR_NULL_POINTER, "%s: all_gather is NULL (the call runs the collective "
                 "through it)", fn);
@@ -395,7 +412,6 @@ FCE_API fce_status fce_vp_linear_ce(const fce_options* options, int64_t ranks, i
     return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: grad_bias is given but bias is NULL", fn);
   uint64_t h_bytes = 0;
   FCE_TRY(check_hidden_spans(fn, *o, 4, &p, &h_bytes));  // largest: float32 gradients
-  const Entries e(*o, rows);
   const size_t gw_size = o->grad_weight_fp32 ? 4 : e.esize;
   const size_t gh_size = fce::dtype_size(grad_hidden_dtype);
   const uint64_t vd = static_cast<uint64_t>(vocab_local) * static_cast<uint64_t>(hidden);
@@ -420,6 +436,14 @@ FCE_API fce_status fce_vp_linear_ce(const fce_options* options, int64_t ranks, i
       e.accuracy(),
   };
   FCE_TRY(check_args(fn, args));
+  if (empty) {  // no statistics to gather (all_gather is not called), the outputs 0
+    FCE_TRY(check_workspace(fn, 0, workspace, workspace_bytes));
+    return empty_problem(fn, *o, args,
+                         {e.reduced_zeros(loss), {z_loss, 4}, e.reduced_zeros(o->accuracy),
+                          weight_grad_zeros(*o, grad_weight, vd * gw_size),
+                          weight_grad_zeros(*o, grad_bias, v * gw_size)},
+                         stream);
+  }
   const bool with_grad = grad_hidden || grad_weight || grad_bias;
   const bool fp32 = o->grad_weight_fp32 != 0 || o->dtype == FCE_FLOAT32;
   // the plan: a function of what every rank passes alike (never of vocab_start / vocab_local)

@@ -22,6 +22,9 @@ fce_status cuda_linear_ce(const LinearCeProblem& p) { return unavailable(p.fn); 
 fce_status cuda_scale_gradient(int, int64_t, void*, const float*, void*) {
   return unavailable("fce_scale_gradient");
 }
+fce_status cuda_write_zeros(const char* fn, const ZeroSpan*, int, void*) {
+  return unavailable(fn);
+}
 fce_status cuda_vp_stats(const VpStatsProblem& p) { return unavailable(p.fn); }
 size_t cuda_vp_workspace_size(const CeOptions&, int64_t, int64_t, int64_t, int64_t, bool) {
   return 0;

@@ -67,6 +67,14 @@ struct Arg {
   bool output;
 };
 
+// A span of a caller's output that an empty problem (rows = 0) fills with zero bytes: a 0.0f
+// reduced loss, z_loss or accuracy, or a zero grad_weight / grad_bias (validate.h empty_problem).
+struct ZeroSpan {
+  void* ptr;     // nullptr: absent
+  size_t bytes;  // 0: nothing to write
+};
+constexpr int kMaxZeroSpans = 5;  // loss, z_loss, accuracy, grad_weight, grad_bias
+
 // What a cross-entropy call computes (no longer inferred from which pointers are null).
 enum class CeMode { kForward, kBackward, kRescale };
 
@@ -256,8 +264,8 @@ fce_status cpu_vp_linear(const VpLinearProblem& p);  // stats, or backward (p.ba
 
 // ---- CUDA backend (lib/cuda/); stubs returning FCE_ERROR_BACKEND_UNAVAILABLE when not built --
 bool cuda_available();
-// Every present buffer of the call's argument table must be memory the current device can
-// dereference (FCE_ERROR_INVALID_ARGUMENT naming fn and the argument otherwise). The ABI layer
+// Every present buffer of some bytes in the call's argument table must be memory the current
+// device can dereference (FCE_ERROR_INVALID_ARGUMENT naming fn and the argument otherwise). The ABI layer
 // calls it once per CUDA call, before dispatching; the backend does not check again.
 fce_status cuda_check_pointers(const char* fn, const Arg* args, int count);
 size_t cuda_ce_workspace_size(const CeOptions& opt, int64_t rows, int64_t vocab, bool backward);
@@ -269,6 +277,9 @@ void cuda_linear_ce_workspace_size(const CeOptions& opt, int64_t rows, int64_t h
 fce_status cuda_linear_ce(const LinearCeProblem& p);
 fce_status cuda_scale_gradient(int dtype, int64_t count, void* grad, const float* scale,
                                void* stream);
+// Zero bytes over each span (present, bytes > 0, aligned to 2 bytes), one kernel on the stream
+// (lib/cuda/empty.cu: the empty problem's outputs; pointers checked by the ABI layer).
+fce_status cuda_write_zeros(const char* fn, const ZeroSpan* spans, int count, void* stream);
 // vocabulary-parallel (lib/cuda/vocab_parallel.cu, lib/cuda/vp_linear.cu)
 fce_status cuda_vp_stats(const VpStatsProblem& p);
 size_t cuda_vp_workspace_size(const CeOptions& opt, int64_t ranks, int64_t rows,

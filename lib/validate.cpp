@@ -94,8 +94,8 @@ fce_status check_options(const char* fn, const fce_options* o, int64_t rows, int
     return fail(FCE_ERROR_INVALID_ARGUMENT,
                 "%s: options->logit_scale (%g) must be finite and non-zero", fn,
                 (double)o->logit_scale);
-  if (rows < 1)
-    return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: rows (%lld) must be >= 1", fn, (long long)rows);
+  if (rows < 0)
+    return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: rows (%lld) must be >= 0", fn, (long long)rows);
   if (vocab < 1 || vocab > kMaxVocab)
     return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: vocab (%lld) must be in [1, 2^31-1]", fn,
                 (long long)vocab);
@@ -201,7 +201,7 @@ fce_status check_vp_rows(const char* fn, int64_t rows, const int64_t* ranks_arg)
   if (ranks < 1)
     return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: ranks (%lld) must be >= 1", fn,
                 (long long)ranks);
-  if (ranks > kMaxBytes / kStatsBytes / rows)
+  if (rows > 0 && ranks > kMaxBytes / kStatsBytes / rows)
     return fail(FCE_ERROR_INVALID_ARGUMENT,
                 "%s: ranks (%lld) x rows (%lld) x FCE_VP_STATS overflows a 64-bit byte offset", fn,
                 (long long)ranks, (long long)rows);
@@ -227,7 +227,7 @@ fce_status check_alignment(const char* fn, const char* name, const void* p, size
 
 fce_status check_required(const char* fn, std::initializer_list<Required> pointers) {
   for (const Required& r : pointers)
-    if (!r.ptr) return fail(FCE_ERROR_NULL_POINTER, "%s: %s is NULL", fn, r.name);
+    if (!r.ptr && !r.empty) return fail(FCE_ERROR_NULL_POINTER, "%s: %s is NULL", fn, r.name);
   return FCE_SUCCESS;
 }
 
@@ -238,7 +238,7 @@ fce_status check_args(const char* fn, ArgTable args, const InPlace* in_place) {
   // a, b: the positions of logits and grad_logits when the call writes one over the other
   int a = in_place ? position(args, "logits") : -1;
   int b = in_place ? position(args, "grad_logits") : -1;
-  if (a < 0 || b < 0 || !r[a].ptr || r[a].ptr != r[b].ptr) a = b = -1;
+  if (a < 0 || b < 0 || !r[a].ptr || r[a].ptr != r[b].ptr || r[a].bytes == 0) a = b = -1;
   if (a >= 0 && in_place->grad_row_stride != in_place->row_stride)
     return fail(FCE_ERROR_INVALID_ARGUMENT,
                 "%s: grad_logits is logits (in place) but options->grad_row_stride (%lld) != "
@@ -261,6 +261,7 @@ fce_status check_args(const char* fn, ArgTable args, const InPlace* in_place) {
 
 size_t vp_workspace(const fce_options& o, const CeOptions& opt, int64_t ranks, int64_t rows,
                     int64_t vocab_total, int64_t vocab_local, bool backward) {
+  if (rows == 0) return 0;  // the empty problem: nothing computed
   return o.backend == FCE_BACKEND_CPU
              ? cpu_vp_workspace_size(opt, ranks, rows, vocab_total, vocab_local, backward)
              : cuda_vp_workspace_size(opt, ranks, rows, vocab_total, vocab_local, backward);
@@ -276,6 +277,24 @@ fce_status check_workspace(const char* fn, size_t need, const void* workspace, s
     return fail(FCE_ERROR_NULL_POINTER, "%s: workspace is NULL but %zu bytes are needed", fn,
                 need);
   return check_alignment(fn, "workspace", workspace, 16);
+}
+
+fce_status empty_problem(const char* fn, const fce_options& o, ArgTable args,
+                         std::initializer_list<ZeroSpan> zeros, void* stream) {
+  ZeroSpan spans[kMaxZeroSpans];
+  int count = 0;
+  for (const ZeroSpan& z : zeros) {
+    if (!z.ptr || z.bytes == 0) continue;
+    if (count == kMaxZeroSpans)
+      return fail(FCE_ERROR_INTERNAL, "%s: more than %d outputs to zero", fn, kMaxZeroSpans);
+    spans[count++] = z;
+  }
+  if (o.backend == FCE_BACKEND_CPU) {
+    for (int i = 0; i < count; ++i) std::memset(spans[i].ptr, 0, spans[i].bytes);
+    return FCE_SUCCESS;
+  }
+  FCE_TRY(check_device_pointers(fn, args));
+  return count ? cuda_write_zeros(fn, spans, count, stream) : FCE_SUCCESS;
 }
 
 Entries::Entries(const fce_options& options, int64_t rows_)

@@ -53,7 +53,7 @@ fce_status check_vp_vocab(const char* fn, int64_t vocab_total, int64_t vocab_sta
 inline fce_status check_vocab_total(const char* fn, int64_t vocab_total) {
   return check_vp_vocab(fn, vocab_total, 0, 1, false);
 }
-// rows (checked >= 1 by check_options) of stats fit a 64-bit byte offset, and, when the call
+// rows (checked >= 0 by check_options) of stats fit a 64-bit byte offset, and, when the call
 // has a ranks argument (ranks not NULL), ranks >= 1 of them do (gathered_stats [ranks, rows,
 // FCE_VP_STATS]).
 fce_status check_vp_rows(const char* fn, int64_t rows, const int64_t* ranks);
@@ -65,10 +65,11 @@ fce_status check_grad_hidden_dtype(const char* fn, int32_t grad_hidden_dtype, in
 fce_status check_alignment(const char* fn, const char* name, const void* p, size_t align);
 
 // The pointers a call requires, in the order given: the first NULL one is FCE_ERROR_NULL_POINTER
-// ("fn: name is NULL").
+// ("fn: name is NULL"). A buffer of no elements (empty: rows = 0 for a per-row one) may be NULL.
 struct Required {
   const char* name;
   const void* ptr;
+  bool empty = false;
 };
 fce_status check_required(const char* fn, std::initializer_list<Required> pointers);
 
@@ -89,7 +90,8 @@ struct InPlace {
 
 // The checks an argument table drives, in this order: every present entry aligned to its align
 // (FCE_ERROR_MISALIGNED: the first one in the table that is not); with in_place, an entry
-// "grad_logits" that is the entry "logits" needs grad_row_stride == row_stride; every output
+// "grad_logits" that is the entry "logits" (of some bytes: two pointers to no element are no
+// buffer) needs grad_row_stride == row_stride; every output
 // disjoint from every other entry (FCE_ERROR_INVALID_ARGUMENT naming the first pair in table
 // order), except grad_logits and logits when they are the same buffer, in place. The exception
 // is by entry, not by address: another output that starts at the logits' address (loss, lse,
@@ -118,6 +120,20 @@ fce_status dispatch(const fce_options& o, ArgTable args, const Problem& p,
   if (o.backend == FCE_BACKEND_CPU) return cpu(p);
   FCE_TRY(check_device_pointers(p.fn, args));
   return cuda(p);
+}
+
+// The empty problem (rows = 0, docs/semantics.md "Zero rows"), every argument checked: nothing is
+// computed and no backend kernel runs; what the call writes is zeros, the spans given (those
+// absent or of no bytes skipped): the reduced loss, z_loss and accuracy of mean and sum, and
+// grad_weight and grad_bias without accumulate. The CPU backend writes them at once; the CUDA
+// backend, after check_device_pointers, with one small kernel on the caller's stream
+// (asynchronous, graph-capturable; nothing at all when no span is left).
+fce_status empty_problem(const char* fn, const fce_options& o, ArgTable args,
+                         std::initializer_list<ZeroSpan> zeros, void* stream);
+// An empty problem's zeros of grad_weight or grad_bias (bytes of them): all of it, or nothing
+// with options->accumulate (adding the zero gradient leaves it as it is).
+inline ZeroSpan weight_grad_zeros(const fce_options& o, void* grad, uint64_t bytes) {
+  return {grad, o.accumulate ? 0 : static_cast<size_t>(bytes)};
 }
 
 // ---- the fields several problem structs (lib/internal.h) share, filled the same way ----
@@ -190,6 +206,9 @@ struct Entries {
   Arg accuracy(bool present = true) const {
     return {"options->accuracy", present ? o.accuracy : nullptr, reduced_floats(), 4, true};
   }
+  // An empty problem's zeros of a reduced output (loss, options->accuracy): none for reduction
+  // none (no row, no element), [1] for mean and sum.
+  ZeroSpan reduced_zeros(void* p) const { return {p, static_cast<size_t>(reduced_floats())}; }
   Arg gathered_stats(const float* p, int64_t ranks) const {
     return {"gathered_stats", p,
             static_cast<uint64_t>(ranks) * static_cast<uint64_t>(rows) * kStatsBytes, 16, false};

@@ -131,9 +131,13 @@ inline CeResult cross_entropy(const Options& o, int64_t N, int64_t V, const std:
     LD log_s;
     if (first_nan >= 0) {
       m = log_s = static_cast<LD>(kNaN);
+    } else if (m == HUGE_VALL) {
+      // A +inf maximum: its own term is exp(+inf − +inf) = NaN, so log s and lse are NaN, as
+      // torch's log_softmax makes every log-probability of the row NaN (rule 10).
+      log_s = static_cast<LD>(kNaN);
     } else {
-      // An entry equal to m counts exp(0) = 1 (also when m is infinite: a row of −inf has
-      // s = V, lse = −inf).
+      // An entry equal to m counts exp(0) = 1 (also when m is −inf: a row of −inf has s = V,
+      // lse = −inf).
       LD rest = 0;
       for (int64_t j = 0; j < V; ++j)
         if (j != first_max) rest += ar[j] == m ? 1.0L : std::exp(ar[j] - m);

@@ -11,6 +11,10 @@
 //   nan_rows           a NaN in a row: that row's loss, lse and gradient NaN, the other rows
 //                      untouched, the reduced loss NaN
 //   target_neg_inf     the target's logit is −inf: loss +inf (as torch), the gradient finite
+//   pos_inf_rows       a +inf in a row (elsewhere, at the target, twice, among −inf entries,
+//                      everywhere): loss, lse and gradient NaN as torch's log_softmax makes them
+//                      (exp(+inf − +inf)), the argmax the first +inf; a +inf in an ignored row
+//                      leaves it at loss 0 and gradient +0
 // each in float32, float16 and bfloat16 (the values rounded to the dtype), plain, with label
 // smoothing, with z-loss, and with both and class weights; every reduction; through fce_forward
 // with and without the gradient, fce_backward from the saved lse, fce_backward_rescale
@@ -137,6 +141,19 @@ void target_neg_inf(int, std::mt19937_64&, std::vector<double>& z, std::vector<i
   y[2] = 10;
 }
 
+void pos_inf_rows(int, std::mt19937_64&, std::vector<double>& z, std::vector<int64_t>& y) {
+  at(z, 0, 7) = HUGE_VAL;  // row 0: one +inf, the target elsewhere
+  y[0] = 3;
+  at(z, 1, y[1]) = HUGE_VAL;  // row 1: the +inf at the target
+  at(z, 2, 10) = at(z, 2, 50) = HUGE_VAL;  // row 2: two +inf, the target on the second
+  y[2] = 50;
+  for (int64_t j = 0; j < kV; j += 3) at(z, 3, j) = -HUGE_VAL;  // row 3: −inf entries (the
+  at(z, 3, 4) = HUGE_VAL;                                       // target's too) and a +inf
+  y[3] = 6;
+  for (int64_t j = 0; j < kV; ++j) at(z, 4, j) = HUGE_VAL;  // row 4: all +inf
+  at(z, kN - 1, 2) = HUGE_VAL;  // the ignored row: still loss 0, gradient +0
+}
+
 struct Family {
   const char* name;
   Maker make;
@@ -146,6 +163,7 @@ const Family kFamilies[] = {
     {"constant_huge", constant_huge}, {"masked_vocabulary", masked_vocabulary},
     {"spread_1e4", spread_1e4},       {"outlier_80", outlier_80},
     {"nan_rows", nan_rows},           {"target_neg_inf", target_neg_inf},
+    {"pos_inf_rows", pos_inf_rows},
 };
 
 struct OptionSet {
@@ -532,6 +550,7 @@ TEST_F(Adversarial, Spread1e4) { run_family(kFamilies[2]); }
 TEST_F(Adversarial, OutlierAbove80) { run_family(kFamilies[3]); }
 TEST_F(Adversarial, NaNPropagation) { run_family(kFamilies[4]); }
 TEST_F(Adversarial, TargetLogitNegativeInfinity) { run_family(kFamilies[5]); }
+TEST_F(Adversarial, PositiveInfinity) { run_family(kFamilies[6]); }
 
 // The families' defining outcomes, spelled out (the reference agrees; these pin it down).
 TEST_F(Adversarial, DefiningOutcomes) {
@@ -565,6 +584,28 @@ TEST_F(Adversarial, DefiningOutcomes) {
           break;
         }
     }
+    // +inf in a row: its loss, lse and gradient NaN (torch's log_softmax, docs/semantics.md
+    // rule 10), the argmax its first +inf; the other rows untouched, the ignored one 0.
+    Problem pi(kFamilies[6], dtype, FCE_REDUCTION_NONE, kOptionSets[0], 14);
+    o = forward(pi, pi.logits(), nullptr, true);
+    for (int64_t r = 0; r < kN; ++r) {
+      const bool inf_row = r < 5;  // (and the ignored row's lse, written for every row)
+      EXPECT_EQ(std::isnan(o.loss[r]), inf_row) << dtype_name(dtype) << " row " << r;
+      EXPECT_EQ(std::isnan(o.lse[r]), inf_row || r == kN - 1) << dtype_name(dtype) << " row " << r;
+      for (int64_t j = 0; j < kV; ++j)
+        if (std::isnan(o.grad[static_cast<size_t>(r * kV + j)]) != inf_row) {
+          ADD_FAILURE() << dtype_name(dtype) << " row " << r << " gradient at " << j;
+          break;
+        }
+    }
+    EXPECT_EQ(o.loss[kN - 1], 0.0);
+    EXPECT_EQ(o.argmax[0], 7);
+    EXPECT_EQ(o.argmax[1], pi.y[1]);
+    EXPECT_EQ(o.argmax[2], 10);
+    EXPECT_EQ(o.argmax[3], 4);
+    EXPECT_EQ(o.argmax[4], 0);
+    Problem ps(kFamilies[6], dtype, FCE_REDUCTION_SUM, kOptionSets[0], 14);
+    EXPECT_TRUE(std::isnan(forward(ps, ps.logits(), nullptr, false).loss[0]));
     // Constant rows: p = 1/V exactly where the dtype allows, loss log V.
     Problem c(kFamilies[0], dtype, FCE_REDUCTION_NONE, kOptionSets[0], 13);
     o = forward(c, c.logits(), nullptr, true);
@@ -674,6 +715,77 @@ TEST_F(Adversarial, LinearHugeConstantRows) {
         }
       }
   rep.print("linear_huge_const");
+}
+
+// A +inf logit made by the GEMM: hidden row 1 is (+inf, 0) and weight column 0 has no zero, so
+// z row 1 holds +inf and −inf and no NaN: its loss and lse NaN (rule 10), its argmax the first
+// +inf, and its NaN gradient row reaches grad_hidden's row 1 and every element of grad_weight
+// and grad_bias; the other rows match the reference.
+TEST_F(Adversarial, LinearPositiveInfinityRow) {
+  const int64_t N = 4, D = 2, V = 5;
+  const std::vector<double> h = {0.5, -1.0, HUGE_VAL, 0.0, -0.25, 2.0, 1.5, 0.75};
+  const std::vector<double> W = {1.0, 0.5, -1.0, 0.25, 2.0, -0.5, 0.5, 1.0, -3.0, 0.125};
+  const std::vector<double> b = {0.1, -0.2, 0.3, 0.0, -0.1};
+  const std::vector<int64_t> y = {1, 4, 0, 2};  // row 1: its target −inf (+inf elsewhere)
+  for (int dtype : kDtypes) {
+    fceref::Options ro;
+    ro.reduction = fceref::kNone;
+    const fceref::LinearResult ref = fceref::linear_cross_entropy(ro, N, D, V, h, W, b, y,
+                                                                  nullptr, true);
+    const std::string where = std::string("fce_linear_ce +inf row ") + dtype_name(dtype) + " [" +
+                              backend_name() + "]";
+    SCOPED_TRACE(where);
+    ASSERT_TRUE(std::isnan(ref.ce.row_loss[1]));
+    fce_options o = test_options();
+    o.dtype = dtype;
+    o.reduction = FCE_REDUCTION_NONE;
+    const Mat hm = mat(dtype, N, D), wm = mat(dtype, V, D), bm = vec(dtype, V);
+    const Mat rows_m = vec(FCE_FLOAT32, N), am_m = vec(FCE_INT64, N);
+    Buf hb(hm), wb(wm), bb(bm);
+    write_mat(hb, hm, h);
+    write_mat(wb, wm, W);
+    write_mat(bb, bm, b);
+    for (Buf* x : {&hb, &wb, &bb}) x->push();
+    Buf yb = targets_buf(y, FCE_INT64);
+    Buf loss = poisoned(rows_m), lse = poisoned(rows_m), am = poisoned(am_m);
+    Buf gh = poisoned(hm), gw = poisoned(wm), gb = poisoned(bm);
+    o.argmax = am.p<int64_t>();
+    size_t mn = 0, op = 0;
+    ASSERT_EQ(fce_linear_ce_workspace_size(&o, N, D, V, 1, &mn, &op), FCE_SUCCESS)
+        << fce_last_error();
+    Buf ws = workspace_buf(op);
+    const fce_status st = fce_linear_ce(&o, N, D, V, hb.ptr(), wb.ptr(), bb.ptr(), yb.ptr(),
+                                        loss.p<float>(), lse.p<float>(), nullptr, gh.ptr(),
+                                        gw.ptr(), gb.ptr(), nullptr, nullptr, ws.ptr(), op,
+                                        test_stream());
+    ASSERT_EQ(st, FCE_SUCCESS) << fce_status_string(st) << ": " << fce_last_error();
+    ASSERT_TRUE(finish());
+    for (Buf* x : {&loss, &lse, &am, &gh, &gw, &gb}) x->pull();
+    const std::vector<double> lv = read_mat(loss, rows_m), sv = read_mat(lse, rows_m);
+    const std::vector<double> ghv = read_mat(gh, hm), gwv = read_mat(gw, wm), gbv = read_mat(gb, bm);
+    const std::vector<int64_t> av = read_i64(am, N);
+    const double tol = dtype == FCE_FLOAT32 ? 1e-5 : 8 * unit_roundoff(dtype);
+    for (int64_t r = 0; r < N; ++r) {
+      const size_t ri = static_cast<size_t>(r);
+      if (r == 1) {
+        EXPECT_TRUE(std::isnan(lv[ri]) && std::isnan(sv[ri])) << "row 1: " << lv[ri] << " " << sv[ri];
+        EXPECT_EQ(av[ri], 0);
+        for (int64_t d = 0; d < D; ++d) EXPECT_TRUE(std::isnan(ghv[static_cast<size_t>(r * D + d)]));
+        continue;
+      }
+      EXPECT_NEAR(lv[ri], ref.ce.row_loss[ri], tol * std::max(1.0, std::fabs(ref.ce.row_loss[ri])))
+          << "row " << r;
+      EXPECT_NEAR(sv[ri], ref.ce.lse[ri], tol * std::max(1.0, std::fabs(ref.ce.lse[ri])))
+          << "row " << r;
+      EXPECT_EQ(av[ri], ref.ce.argmax[ri]) << "row " << r;
+      for (int64_t d = 0; d < D; ++d) {
+        const size_t i = static_cast<size_t>(r * D + d);
+        EXPECT_NEAR(ghv[i], ref.grad_hidden[i], tol * 4) << "grad_hidden row " << r;
+      }
+    }
+    for (double v : gwv) EXPECT_TRUE(std::isnan(v)) << "grad_weight " << v;
+    for (double v : gbv) EXPECT_TRUE(std::isnan(v)) << "grad_bias " << v;
+  }
 }
 
 }  // namespace

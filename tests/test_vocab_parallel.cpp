@@ -846,8 +846,9 @@ TEST_F(Vp, TilingCheck) {
 // ------------------------------------------------------------------ adversarial rows --------
 // f32 rows sharing a huge offset (all ±1e30, or 1e30 and its neighbour), a shard of −inf (the
 // target outside it: finite; inside it: +inf), a row of −inf (lse −inf, loss NaN), NaN in one
-// shard (the whole row NaN, argmax the first NaN whatever the gathered order). Against the
-// unsharded call and the reference; every P; rank order and permuted.
+// shard (the whole row NaN, argmax the first NaN whatever the gathered order), a +inf in one
+// shard or in two (the whole row NaN as torch's log_softmax makes it, argmax the first +inf).
+// Against the unsharded call and the reference; every P; rank order and permuted.
 void adversarial_rows(const VpCase& c, std::vector<double>& z, std::vector<int64_t>& y) {
   const int64_t V = c.V;
   auto row = [&](int64_t r) { return &z[static_cast<size_t>(r * V)]; };
@@ -865,6 +866,9 @@ void adversarial_rows(const VpCase& c, std::vector<double>& z, std::vector<int64
   row(8)[V - 7] = nan;
   row(8)[V / 5] = nan;
   row(9)[V / 3 - 1] = -inf;  // one −inf entry, the target's
+  row(10)[V / 2 + 3] = inf;  // one +inf, the target elsewhere
+  row(11)[V - 2] = inf;      // two +inf in two shards, the target on the first
+  row(11)[7] = inf;
   y[0] = 5;
   y[1] = V - 1;
   y[2] = 3;
@@ -875,6 +879,8 @@ void adversarial_rows(const VpCase& c, std::vector<double>& z, std::vector<int64
   y[7] = 0;
   y[8] = V - 1;
   y[9] = V / 3 - 1;  // its logit is −inf: loss +inf
+  y[10] = 4;         // a +inf in the row: loss, lse and gradient NaN
+  y[11] = 7;
 }
 
 TEST_F(Vp, AdversarialRows) {
@@ -2064,7 +2070,6 @@ TEST_F(VpBadInput, Options) {
 }
 
 TEST_F(VpBadInput, Sizes) {
-  for_all("rows 0", FCE_ERROR_INVALID_ARGUMENT, "rows", [](VpArgs& x) { x.rows = 0; });
   for_all("rows -1", FCE_ERROR_INVALID_ARGUMENT, "rows", [](VpArgs& x) { x.rows = -1; });
   for_all("vocab_total 0", FCE_ERROR_INVALID_ARGUMENT, "vocab_total", [](VpArgs& x) { x.vocab_total = 0; });
   for_all("vocab_total 2^31", FCE_ERROR_INVALID_ARGUMENT, "vocab_total",
@@ -2265,7 +2270,7 @@ TEST_F(VpBadInput, WorkspaceQueries) {
   EXPECT_TRUE(error_mentions("fce_vp_loss_workspace_size: workspace_bytes"));
   EXPECT_EQ(fce_vp_loss_workspace_size(&o, 0, N, V, &b), FCE_ERROR_INVALID_ARGUMENT);
   EXPECT_TRUE(error_mentions("fce_vp_loss_workspace_size: ranks"));
-  EXPECT_EQ(fce_vp_loss_workspace_size(&o, 2, 0, V, &b), FCE_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(fce_vp_loss_workspace_size(&o, 2, -1, V, &b), FCE_ERROR_INVALID_ARGUMENT);
   EXPECT_TRUE(error_mentions("fce_vp_loss_workspace_size: rows"));
   EXPECT_EQ(fce_vp_loss_workspace_size(&o, 2, N, 0, &b), FCE_ERROR_INVALID_ARGUMENT);
   EXPECT_TRUE(error_mentions("fce_vp_loss_workspace_size: vocab_total"));

@@ -88,6 +88,8 @@ elif [ $c_sanitizers = 1 ]; then
       --gtest_filter="$lin_filter"
     suite "$tool scale" env FCE_TEST_BACKEND=cuda compute-sanitizer --tool $tool \
       --error-exitcode 1 "$BUILD/tests/test_scale"
+    suite "$tool empty (zero rows)" env FCE_TEST_BACKEND=cuda compute-sanitizer --tool $tool \
+      --error-exitcode 1 "$BUILD/tests/test_empty"
     # (racecheck: the vocabulary-parallel CE kernels only; the linear cases run cuBLASLt's
     # GEMM kernels, in which racecheck reports shared-memory hazards of NVIDIA's own code)
     vp_filter='Vp.*:VpLinear.*:*bf16_mean_everything*:*f16_none*'

@@ -132,13 +132,19 @@ inline void scale_and_softcap(const CeSetup& setup, double* a) {
 // Step 3 in two parts (docs/semantics.md rules 8-10): the row maximum m and log s, s = Σ_j exp(a_j − m), kept
 // apart, so that p_j = exp((a_j − m) − log s) keeps log s even when |m| is huge (all entries
 // -1e30: lse = m + log s rounds to m). lse = m + log s. A NaN anywhere makes m, log s and lse
-// NaN. An entry equal to m counts exp(0) = 1 even when m is infinite: a row of −inf gives
-// s = V and lse = −inf, +inf entries give lse = +inf. argmax is docs/semantics.md rule 15's: the first NaN,
-// else the lowest j with a_j == m.
+// NaN. Infinite maxima (docs/semantics.md rule 10): a row of −inf counts each entry exp(0) = 1
+// (s = V, lse = −inf); a +inf maximum makes its own term exp(+inf − +inf) = NaN, so log s and
+// lse are NaN (m stays +inf), as torch's log_softmax. argmax is docs/semantics.md rule 15's:
+// the first NaN, else the lowest j with a_j == m.
 struct RowStats {
   double m, log_s, lse;
   int64_t argmax;
 };
+
+// log s of a row whose maximum m is infinite (rule 10): log V for a row of −inf, NaN for +inf.
+inline double infinite_max_log_s(double m, int64_t vocab) {
+  return m < 0 ? std::log(double(vocab)) : std::numeric_limits<double>::quiet_NaN();
+}
 
 inline RowStats row_stats(const double* a, int64_t vocab) {
   constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
@@ -151,9 +157,14 @@ inline RowStats row_stats(const double* a, int64_t vocab) {
       argmax = j;
     }
   }
-  double s = 0.0;
-  for (int64_t j = 0; j < vocab; ++j) s += a[j] == m ? 1.0 : std::exp(a[j] - m);
-  const double log_s = std::log(s);
+  double log_s;
+  if (std::isinf(m)) {
+    log_s = infinite_max_log_s(m, vocab);
+  } else {
+    double s = 0.0;
+    for (int64_t j = 0; j < vocab; ++j) s += std::exp(a[j] - m);
+    log_s = std::log(s);
+  }
   return {m, log_s, m + log_s, argmax};
 }
 
@@ -243,14 +254,8 @@ inline RowStats row_stats_f32(const float* a, int64_t vocab) {
   }
   int64_t argmax = 0;
   while (argmax + 1 < vocab && a[argmax] != m) ++argmax;
-  double s;
-  if (std::isfinite(m)) {
-    s = sum_exp_f32(a, vocab, m);
-  } else {  // ±inf maximum: the entries equal to it count 1, the others 0
-    s = 0.0;
-    for (int64_t j = 0; j < vocab; ++j) s += a[j] == m ? 1.0 : 0.0;
-  }
-  const double log_s = std::log(s);
+  const double log_s = std::isfinite(m) ? std::log(sum_exp_f32(a, vocab, m))
+                                         : infinite_max_log_s(m, vocab);
   return {double(m), log_s, double(m) + log_s, argmax};
 }
 

@@ -101,15 +101,8 @@ void row_stats_shard_f32(const VpSetup& s, const float* a, const RowTarget& t, f
     return;
   }
   while (argmax + 1 < n && a[argmax] != m) ++argmax;
-  double sum;
-  if (m == -std::numeric_limits<float>::infinity()) {
-    sum = 0.0;  // s_r = 0 when m_r = −inf
-  } else if (std::isfinite(m)) {
-    sum = sum_exp_f32(a, n, m);
-  } else {  // +inf maximum: the entries equal to it count 1 (as ce_row.h)
-    sum = 0.0;
-    for (int64_t j = 0; j < n; ++j) sum += a[j] == m ? 1.0 : 0.0;
-  }
+  // s_r = 0 when m_r = −inf; NaN when m_r = +inf (its own term exp(+inf − +inf), rule 10)
+  const double sum = std::isfinite(m) ? sum_exp_f32(a, n, m) : m < 0 ? 0.0 : kNaN;
   double u = 0.0;  // u_r = Σ ω_j (m_r − a_j) when ε > 0 and m_r > −inf
   if (s.ce.eps > 0.0 && m > -std::numeric_limits<float>::infinity())
     u = smooth_sum_f32(a, n, double(m), 0.0, s.omega_shard);
@@ -135,9 +128,12 @@ void row_stats_shard_f64(const VpSetup& s, const double* a, const RowTarget& t, 
   }
   const float mf = float(m);  // what is stored: s_r and u_r are relative to it
   const double md = mf;
-  double sum = 0.0;
-  if (m != -kInf)
-    for (int64_t j = 0; j < n; ++j) sum += a[j] == md ? 1.0 : std::exp(a[j] - md);
+  // s_r = 0 when m_r = −inf; NaN when m_r = +inf (its own term exp(+inf − +inf), rule 10)
+  double sum = md < 0 ? 0.0 : kNaN;
+  if (std::isfinite(md)) {
+    sum = 0.0;
+    for (int64_t j = 0; j < n; ++j) sum += std::exp(a[j] - md);
+  }
   double u = 0.0;
   if (s.ce.eps > 0.0 && m > -kInf)
     for (int64_t j = 0; j < n; ++j) u += omega_of(s.ce, s.start + j) * (md - a[j]);
@@ -229,8 +225,9 @@ Combined combine(const VpSetup& s, const float* gathered, int64_t ranks, int64_t
     if (better) best_m = m, best_j = j;
   }
   if (nan_seen) M = kNaN;
-  // S = Σ_r s_r exp(m_r − M) over ranks with m_r > −inf (0 when M = −inf; an m_r equal to an
-  // infinite M counts s_r), t = Σ t_r, Ω = Σ W_r, U = Σ (u_r + W_r (M − m_r)), Σ h_r, Σ V_r.
+  // S = Σ_r s_r exp(m_r − M) over ranks with m_r > −inf (0 when M = −inf; an m_r equal to M
+  // counts s_r: NaN for M = +inf, rule 10), t = Σ t_r, Ω = Σ W_r, U = Σ (u_r + W_r (M − m_r)),
+  // Σ h_r, Σ V_r.
   double S = 0.0, t = 0.0, hits = 0.0, Omega = 0.0, U = 0.0;
   int64_t local_sum = 0;
   const bool smoothing = s.ce.eps > 0.0;

@@ -391,15 +391,14 @@ __device__ RowInfo load_row_info(const KParams& p, int64_t row, const char* zrow
   return r;
 }
 
-// A row's statistics once reduced (docs/semantics.md rules 8-10): m, ls = log S, lse = m + ls (−inf for
-// a row of −inf, +inf for a row with a +inf entry, NaN with a NaN, as the CPU reference), and
-// the token-scaling factor t = p_y (1 when off or not a valid row).
+// A row's statistics once reduced (docs/semantics.md rules 8-10): m, ls = log S, lse = m + ls
+// (−inf for a row of −inf: S = 0; NaN for a row with a NaN or a +inf entry, whose S is NaN from
+// exp(+inf − +inf), as torch's log_softmax; the CPU reference's), and the token-scaling factor
+// t = p_y (1 when off or not a valid row).
 struct RowVals {
   float m, ls, lse, t;
 };
-__device__ __forceinline__ float row_lse(const Partial& f) {
-  return f.m == -neg_inf() ? f.m : __fadd_rn(f.m, logf(f.s));
-}
+__device__ __forceinline__ float row_lse(const Partial& f) { return __fadd_rn(f.m, logf(f.s)); }
 __device__ __forceinline__ RowVals make_row_vals(const KParams& p, const RowInfo& ri, float m,
                                                  float ls, float lse) {
   RowVals v{m, ls, lse, 1.f};
@@ -433,8 +432,9 @@ __device__ void write_row_outputs(const KParams& p, int64_t row, const RowInfo& 
     ce = qnan();
     if (p.error_flags) atomicOr(p.error_flags, FCE_FLAG_TARGET_OUT_OF_RANGE);
   } else if (ri.kind == kValid) {
-    // lse − a_y as (m − a_y) + ls: the rounding of lse stays out of the difference
-    const float nll = isinf(v.m) ? __fsub_rn(v.lse, ri.ay) : __fadd_rn(__fsub_rn(v.m, ri.ay), v.ls);
+    // lse − a_y as (m − a_y) + ls: the rounding of lse stays out of the difference. NaN when m
+    // is infinite (rule 10): −inf − (−inf) on a row of −inf, a NaN ls on a row with a +inf
+    const float nll = __fadd_rn(__fsub_rn(v.m, ri.ay), v.ls);
     ce = __fmul_rn(__fmul_rn(p.one_minus_eps, ri.wy), nll);
     if (use_smooth<MODE>(p)) {
       // (ε/V) Σ_j ω_j (lse − a_j) = (ε/V)(Ω·((m − c) + ls) − Σ_j ω_j (a_j − c)), in double

@@ -3,10 +3,11 @@
 // argument table per call (fce::Arg: the names as the header spells them) and calls it once,
 // before dispatching to the backend; the backend's files do not check again.
 //
-// Every present pointer must be memory the current device can dereference: device memory of
-// this device, managed memory, pinned host memory mapped into the device's address space, or any
-// host memory where the device accesses pageable memory (HMM / ATS). Anything else is an
-// FCE_ERROR_INVALID_ARGUMENT naming the function and the argument, before any work is enqueued.
+// Every present pointer to some bytes must be memory the current device can dereference:
+// device memory of this device, managed memory, pinned host memory mapped into the device's
+// address space, or any host memory where the device accesses pageable memory (HMM / ATS).
+// Anything else is an FCE_ERROR_INVALID_ARGUMENT naming the function and the argument, before
+// any work is enqueued.
 // Host-side queries only (no synchronisation, nothing enqueued: graph capture is not disturbed).
 #include <cuda_runtime.h>
 
@@ -65,8 +66,11 @@ fce_status cuda_check_pointers(const char* fn, const Arg* args, int count) {
     (void)cudaGetLastError();
     return fail(FCE_ERROR_CUDA, "%s: no usable CUDA device: %s", fn, cudaGetErrorString(e));
   }
+  // (an entry of no bytes is never dereferenced: an empty problem's per-row buffers may be any
+  // pointer, as an empty tensor's often is)
   for (int i = 0; i < count; ++i)
-    FCE_TRY(cuda::check_pointer(fn, args[i].ptr, args[i].name, device, pageable_ok));
+    if (args[i].bytes > 0)
+      FCE_TRY(cuda::check_pointer(fn, args[i].ptr, args[i].name, device, pageable_ok));
   return FCE_SUCCESS;
 }
 

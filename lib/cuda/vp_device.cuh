@@ -159,17 +159,11 @@ __device__ __forceinline__ void stats_vector(const uint4& raw, int64_t j0, bool 
   if (kSmoothMode && p.smooth) acc.u = rebase(acc.u, acc.w, acc.m, mn);
   acc.s = acc.m == mn ? acc.s : __fmul_rn(acc.s, ex2(__fmul_rn(__fsub_rn(acc.m, mn), kLog2e)));
   acc.m = mn;
-  if (mn != pos_inf()) {
-    const float ms = mn == neg_inf() ? 0.f : mn;  // all −inf so far: every term is exp(−inf) = 0
+  // all −inf so far: every term is exp(−inf) = 0. A +inf maximum makes its own term
+  // exp(+inf − +inf) = NaN, and so s_r (rule 16, as the CE row kernels and torch's log_softmax)
+  const float ms = mn == neg_inf() ? 0.f : mn;
 #pragma unroll
-    for (int q = 0; q < E; ++q) acc.s = __fadd_rn(acc.s, ex2(__fmul_rn(__fsub_rn(a[q], ms), kLog2e)));
-  } else {
-    // a +inf maximum: each +inf counts exp(0) = 1, finite and −inf entries 0, a NaN NaN (as the
-    // CPU reference and ce_row.h); rare rows only
-#pragma unroll
-    for (int q = 0; q < E; ++q)
-      acc.s = __fadd_rn(acc.s, a[q] == mn ? 1.f : ex2(__fmul_rn(__fsub_rn(a[q], mn), kLog2e)));
-  }
+  for (int q = 0; q < E; ++q) acc.s = __fadd_rn(acc.s, ex2(__fmul_rn(__fsub_rn(a[q], ms), kLog2e)));
   if (kSmoothMode && p.smooth) {
     // Σ ω (mn − a) over the vector's finite elements (each term ≥ 0), Σ ω of them, and ω·∞ for
     // its −inf elements; +inf and NaN elements make u NaN or 0 at the end (rule 16)

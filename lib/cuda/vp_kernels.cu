@@ -11,10 +11,11 @@
 // u = Σ ω_j (m − a_j) kept relative to the running maximum (u += w·(m_new − m_old) when it grows,
 // w = Σ ω of the finite elements so far: every term is ≥ 0, no cancellation however far the
 // logits are from each other), −inf elements apart (each adds ω·∞). Then a fixed-order CTA tree.
-// A row whose Σexp is NaN holds a NaN or a +inf: only then it is read a second time, to find its
-// first NaN (m_r = NaN, argmax = that NaN, as torch.argmax). Thread 0 reads the target logit
-// (when the row is scored and its target is in the shard) before the loop, and writes the row's
-// FCE_VP_STATS floats with two 16-byte stores. With class weights, W_r = Σ ω over the shard is
+// A row whose Σexp is NaN holds a NaN or a +inf (exp(+inf − +inf) = NaN): only then it is read
+// a second time, to find its first NaN (m_r = NaN, argmax = that NaN, as torch.argmax; a row
+// with a +inf and no NaN keeps m_r = +inf, its first +inf as the argmax, and s_r = NaN).
+// Thread 0 reads the target logit (when the row is scored and its target is in the shard)
+// before the loop, and writes the row's FCE_VP_STATS floats with two 16-byte stores. With class weights, W_r = Σ ω over the shard is
 // the same for every row: vp_weights_kernel sums it once (fixed order, double) and writes it
 // into every row (no workspace: fce_vp_stats has none).
 //
@@ -96,7 +97,7 @@ __global__ void __launch_bounds__(kStatsThreads, 2) vp_stats_kernel(const SParam
   __syncthreads();
   const Acc fin = s_final;
 
-  // Σexp NaN: the row holds a NaN. Its first NaN (a second read, rare rows only)
+  // Σexp NaN: the row holds a NaN or a +inf. Its first NaN, if any (a second read, rare rows only)
   int nan_j = INT_MAX;
   if (isnan(fin.s)) {
     for (int64_t v = tid; v < nvec; v += nt) {
@@ -252,8 +253,8 @@ __global__ void __launch_bounds__(kCombineThreads) vp_combine_kernel(const CPara
       have_best = true;
     }
     if (any_nan) S = qnan();
-    const float ls = logf(S);
-    float lse = M == pos_inf() ? M : __fadd_rn(M, ls);
+    const float ls = logf(S);  // NaN when a shard holds a +inf (its s_r is NaN)
+    float lse = __fadd_rn(M, ls);
     // Two disjoint shards never report the same argmax (a global index inside each): equal
     // ones mean a shard's statistics were gathered twice (in place of another's of that size).
     bool duplicate = false;
@@ -283,7 +284,8 @@ __global__ void __launch_bounds__(kCombineThreads) vp_combine_kernel(const CPara
       ce = qnan();
       flags |= FCE_FLAG_TARGET_OUT_OF_RANGE;
     } else if (kind == kValid) {
-      const float nll = isinf(M) ? __fsub_rn(lse, T) : __fadd_rn(__fsub_rn(M, T), ls);
+      // NaN when M is infinite (rule 10): −inf − (−inf) on a row of −inf, a NaN ls with a +inf
+      const float nll = __fadd_rn(__fsub_rn(M, T), ls);
       ce = __fmul_rn(__fmul_rn(p.one_minus_eps, wy), nll);
       if (p.smooth) ce = __fadd_rn(ce, __fmul_rn(p.eps_over_V, __fadd_rn(Us, __fmul_rn(Om, ls))));
       if (p.token_scaling) {

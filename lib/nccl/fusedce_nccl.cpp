@@ -52,6 +52,22 @@ fce_status fail(fce_status status, const char* fmt, ...) {
       return fail(fce_nccl_s_, "%s: %s", fn, fce_last_error());              \
   } while (0)
 
+// A libfusedce workspace query made to size this library's call fn (its own query, or the
+// call itself): on failure the query's message, which is about the options and sizes it checks
+// as the compute calls do, under fn's name alone ("fce_nccl_cross_entropy: options->
+// label_smoothing (2) must be in [0, 1)"), not the query's, which the caller did not call.
+fce_status query_fail(const char* fn, const char* query, fce_status status) {
+  const char* m = fce_last_error();
+  const size_t n = std::strlen(query);
+  if (std::strncmp(m, query, n) == 0 && std::strncmp(m + n, ": ", 2) == 0) m += n + 2;
+  return fail(status, "%s: %s", fn, m);
+}
+#define FCE_NCCL_QUERY(fn, query, ...)                                          \
+  do {                                                                         \
+    const fce_status fce_nccl_s_ = query(__VA_ARGS__);                         \
+    if (fce_nccl_s_ != FCE_SUCCESS) return query_fail(fn, #query, fce_nccl_s_); \
+  } while (0)
+
 // An NCCL call that did not return ncclSuccess: FCE_ERROR_CUDA (fusedce_nccl.h).
 fce_status nccl_fail(const char* fn, const char* what, ncclResult_t r, ncclComm_t comm) {
   const char* detail = ncclGetLastError(comm);
@@ -147,8 +163,8 @@ fce_status check_common(const char* fn, const fce_options* options, ncclComm_t c
 // rows, the shard and the gathered statistics' size (P · rows · FCE_VP_STATS float32).
 fce_status check_sizes(const char* fn, int64_t rows, int64_t vocab_total, int64_t vocab_start,
                        int64_t vocab_local, bool with_start, int ranks, size_t* gathered_bytes) {
-  if (rows < 1)
-    return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: rows (%lld) must be >= 1", fn, (long long)rows);
+  if (rows < 0)
+    return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: rows (%lld) must be >= 0", fn, (long long)rows);
   if (vocab_total < 1 || vocab_total > kMaxVocab)
     return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: vocab_total (%lld) must be in [1, 2^31-1]", fn,
                 (long long)vocab_total);
@@ -222,7 +238,7 @@ fce_status check_workspace(const char* fn, const void* workspace, size_t workspa
                 "%s: workspace_bytes (%zu) is less than the %zu bytes the matching "
                 "*_workspace_size query returns for these options, communicator and sizes",
                 fn, workspace_bytes, needed);
-  if (!workspace) return fail(FCE_ERROR_NULL_POINTER, "%s: workspace is NULL", fn);
+  if (needed > 0 && !workspace) return fail(FCE_ERROR_NULL_POINTER, "%s: workspace is NULL", fn);
   if (reinterpret_cast<uintptr_t>(workspace) % 16 != 0)
     return fail(FCE_ERROR_MISALIGNED, "%s: workspace (%p) is not aligned to 16 bytes", fn,
                 workspace);
@@ -240,10 +256,10 @@ fce_status ce_layout(const char* fn, const fce_options* options, int ranks, int6
                      int64_t vocab_total, int64_t vocab_local, bool with_grad,
                      size_t gathered_bytes, CeLayout* l) {
   size_t loss_ws = 0, bw_ws = 0;
-  FCE_NCCL_CORE(fn, fce_vp_loss_workspace_size(options, ranks, rows, vocab_total, &loss_ws));
+  FCE_NCCL_QUERY(fn, fce_vp_loss_workspace_size, options, ranks, rows, vocab_total, &loss_ws);
   if (with_grad)
-    FCE_NCCL_CORE(fn, fce_vp_backward_workspace_size(options, ranks, rows, vocab_total,
-                                                     vocab_local, &bw_ws));
+    FCE_NCCL_QUERY(fn, fce_vp_backward_workspace_size, options, ranks, rows, vocab_total,
+                   vocab_local, &bw_ws);
   l->gathered = gathered_bytes;
   l->scratch_off = align_up(gathered_bytes);
   l->scratch = loss_ws > bw_ws ? loss_ws : bw_ws;
@@ -268,14 +284,13 @@ fce_status lin_layout(const char* fn, const fce_options* options, const fce_opti
                 (long long)hidden);
   size_t st_min = 0, st_opt = 0, loss_ws = 0, fu_min = 0, fu_opt = 0;
   if (with_grad) {  // fce_vp_linear_ce: the statistics live in its own workspace
-    FCE_NCCL_CORE(fn, fce_vp_linear_ce_workspace_size(options, ranks, rows, hidden, vocab_total,
-                                                      vocab_local, 1, FCE_FLOAT32, &fu_min,
-                                                      &fu_opt));
+    FCE_NCCL_QUERY(fn, fce_vp_linear_ce_workspace_size, options, ranks, rows, hidden,
+                   vocab_total, vocab_local, 1, FCE_FLOAT32, &fu_min, &fu_opt);
     gathered_bytes = 0;
   } else {
-    FCE_NCCL_CORE(fn, fce_vp_linear_stats_workspace_size(options, rows, hidden, vocab_local,
-                                                         &st_min, &st_opt));
-    FCE_NCCL_CORE(fn, fce_vp_loss_workspace_size(options, ranks, rows, vocab_total, &loss_ws));
+    FCE_NCCL_QUERY(fn, fce_vp_linear_stats_workspace_size, options, rows, hidden, vocab_local,
+                   &st_min, &st_opt);
+    FCE_NCCL_QUERY(fn, fce_vp_loss_workspace_size, options, ranks, rows, vocab_total, &loss_ws);
   }
   l->gathered = gathered_bytes;
   l->gh_off = align_up(gathered_bytes);
@@ -374,9 +389,11 @@ FCE_API fce_status fce_nccl_cross_entropy(const fce_options* options, ncclComm_t
   FCE_NCCL_TRY(ce_layout(fn, options, ci.ranks, rows, vocab_total, vocab_local, with_grad,
                          gathered_bytes, &l));
   // The options are valid now (the libfusedce queries checked them): sizes of the buffers.
-  if (!logits) return fail(FCE_ERROR_NULL_POINTER, "%s: logits is NULL", fn);
-  if (!targets) return fail(FCE_ERROR_NULL_POINTER, "%s: targets is NULL", fn);
-  if (!loss) return fail(FCE_ERROR_NULL_POINTER, "%s: loss is NULL", fn);
+  // With no row (the empty problem) a per-row buffer of no element may be NULL.
+  const bool per_row = o.reduction == FCE_REDUCTION_NONE, empty = rows == 0;
+  if (!logits && !empty) return fail(FCE_ERROR_NULL_POINTER, "%s: logits is NULL", fn);
+  if (!targets && !empty) return fail(FCE_ERROR_NULL_POINTER, "%s: targets is NULL", fn);
+  if (!loss && !(empty && per_row)) return fail(FCE_ERROR_NULL_POINTER, "%s: loss is NULL", fn);
   const size_t es = elem_size(o.dtype), ts = elem_size(o.target_dtype);
   const int64_t rs = o.row_stride ? o.row_stride : vocab_local;
   const int64_t grs = o.grad_row_stride ? o.grad_row_stride : vocab_local;
@@ -397,7 +414,6 @@ FCE_API fce_status fce_nccl_cross_entropy(const fce_options* options, ncclComm_t
   const int64_t grad_bytes = with_grad ? span_bytes(rows, vocab_local, grs, es) : 0;
   if (logits_bytes < 0 || grad_bytes < 0)
     return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: rows x row stride overflow", fn);
-  const bool per_row = o.reduction == FCE_REDUCTION_NONE;
   const uint64_t rows4 = static_cast<uint64_t>(rows) * 4;
   Range r[12] = {
       {"logits", logits, static_cast<uint64_t>(logits_bytes), false, es},
@@ -427,8 +443,10 @@ FCE_API fce_status fce_nccl_cross_entropy(const fce_options* options, ncclComm_t
   const size_t scratch_bytes = workspace_bytes - l.scratch_off;
   FCE_NCCL_CORE(fn, fce_vp_stats(options, rows, vocab_total, vocab_start, vocab_local, logits,
                                  targets, stats, stream));
-  ncclResult_t nr = ncclAllGather(stats, gathered, count, ncclFloat32, comm, s);
-  if (nr != ncclSuccess) return nccl_fail(fn, "ncclAllGather (statistics)", nr, comm);
+  if (count > 0) {  // (no row: nothing to gather, on every rank alike)
+    const ncclResult_t nr = ncclAllGather(stats, gathered, count, ncclFloat32, comm, s);
+    if (nr != ncclSuccess) return nccl_fail(fn, "ncclAllGather (statistics)", nr, comm);
+  }
   if (with_grad)
     FCE_NCCL_CORE(fn, fce_vp_backward(options, ci.ranks, rows, vocab_total, vocab_start,
                                       vocab_local, logits, targets, gathered, grad_output,
@@ -479,10 +497,13 @@ FCE_API fce_status fce_nccl_linear_ce(const fce_options* options, ncclComm_t com
   LinLayout l;
   FCE_NCCL_TRY(lin_layout(fn, options, o, ci.ranks, rows, hidden, vocab_total, vocab_local,
                           with_grad, grad_hidden != nullptr, gathered_bytes, &l));
-  if (!hidden_states) return fail(FCE_ERROR_NULL_POINTER, "%s: hidden_states is NULL", fn);
+  // With no row (the empty problem) a per-row buffer of no element may be NULL.
+  const bool per_row = o.reduction == FCE_REDUCTION_NONE, empty = rows == 0;
+  if (!hidden_states && !empty)
+    return fail(FCE_ERROR_NULL_POINTER, "%s: hidden_states is NULL", fn);
   if (!weight) return fail(FCE_ERROR_NULL_POINTER, "%s: weight is NULL", fn);
-  if (!targets) return fail(FCE_ERROR_NULL_POINTER, "%s: targets is NULL", fn);
-  if (!loss) return fail(FCE_ERROR_NULL_POINTER, "%s: loss is NULL", fn);
+  if (!targets && !empty) return fail(FCE_ERROR_NULL_POINTER, "%s: targets is NULL", fn);
+  if (!loss && !(empty && per_row)) return fail(FCE_ERROR_NULL_POINTER, "%s: loss is NULL", fn);
   if (grad_bias && !bias)
     return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: grad_bias is given but bias is NULL", fn);
   const size_t es = elem_size(o.dtype), ts = elem_size(o.target_dtype);
@@ -498,7 +519,6 @@ FCE_API fce_status fce_nccl_linear_ce(const fce_options* options, ncclComm_t com
   const int64_t gw_bytes = span_bytes(vocab_local, hidden, hidden, gws);
   if (h_bytes < 0 || w_bytes < 0 || gh_bytes < 0 || gw_bytes < 0)
     return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: rows, hidden or vocab_local too large", fn);
-  const bool per_row = o.reduction == FCE_REDUCTION_NONE;
   const uint64_t rows4 = static_cast<uint64_t>(rows) * 4;
   Range r[17] = {
       {"hidden_states", hidden_states, static_cast<uint64_t>(h_bytes), false, es},
@@ -536,8 +556,10 @@ FCE_API fce_status fce_nccl_linear_ce(const fce_options* options, ncclComm_t com
     FCE_NCCL_CORE(fn, fce_vp_linear_stats(options, rows, hidden, vocab_total, vocab_start,
                                           vocab_local, hidden_states, weight, bias, targets,
                                           stats, scratch, scratch_bytes, stream));
-    const ncclResult_t nr = ncclAllGather(stats, gathered, count, ncclFloat32, comm, s);
-    if (nr != ncclSuccess) return nccl_fail(fn, "ncclAllGather (statistics)", nr, comm);
+    if (count > 0) {  // (no row: nothing to gather, on every rank alike)
+      const ncclResult_t nr = ncclAllGather(stats, gathered, count, ncclFloat32, comm, s);
+      if (nr != ncclSuccess) return nccl_fail(fn, "ncclAllGather (statistics)", nr, comm);
+    }
     FCE_NCCL_CORE(fn, fce_vp_loss(options, ci.ranks, rows, vocab_total, targets, gathered, loss,
                                   lse, z_loss, error_flags, scratch, scratch_bytes, stream));
     return FCE_SUCCESS;
@@ -555,7 +577,7 @@ FCE_API fce_status fce_nccl_linear_ce(const fce_options* options, ncclComm_t com
       grad_bias, error_flags, nccl_all_gather, &g, scratch, scratch_bytes, stream);
   if (g.result != ncclSuccess) return nccl_fail(fn, "ncclAllGather (statistics)", g.result, comm);
   FCE_NCCL_CORE(fn, st);
-  if (grad_hidden) {
+  if (grad_hidden && rows > 0) {  // (no row: no dloss/dh to reduce, on every rank alike)
     const size_t n = static_cast<size_t>(rows) * static_cast<size_t>(hidden);
     const ncclResult_t nr = ncclAllReduce(gh32, gh32, n, ncclFloat32, ncclSum, comm, s);
     if (nr != ncclSuccess) return nccl_fail(fn, "ncclAllReduce (grad_hidden)", nr, comm);

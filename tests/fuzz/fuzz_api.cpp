@@ -821,7 +821,7 @@ void judge(Case& c) {
       add(c, kInvalid, INV, false, "softcap not finite >= 0");
     if (!std::isfinite(o.logit_scale) || o.logit_scale == 0.0f)
       add(c, kInvalid, INV, false, "logit_scale not finite and nonzero");
-    if (c.rows < 1) add(c, kInvalid, INV, false, "rows < 1");
+    if (c.rows < 0) add(c, kInvalid, INV, false, "rows < 0");
     if (c.vocab < 1 || c.vocab > kMaxVocab) add(c, kInvalid, INV, false, "vocab outside [1, 2^31-1]");
     if (o.shift_seq_len < 0) add(c, kInvalid, INV, false, "shift_seq_len < 0");
     if (o.shift_seq_len > 0 && c.rows >= 1 && c.rows % o.shift_seq_len != 0)
@@ -869,10 +869,10 @@ void judge(Case& c) {
       continue;
     }
     if (!b.present) {
-      if (b.required) {
-        // grad of fce_scale_gradient with count 0 is not needed; rest as declared
+      // grad of fce_scale_gradient with count 0 is not needed; rest as declared, but with no
+      // row ("zero rows": an empty problem) a buffer of no element may be NULL
+      if (b.required && !(c.rows == 0 && b.declared == 0 && c.fn != kScale))
         add(c, kInvalid, FCE_ERROR_NULL_POINTER, false, std::string(kBufName[id]) + " is NULL");
-      }
       continue;
     }
     if (uintptr_t(b.ptr) % b.align)
@@ -894,8 +894,9 @@ void judge(Case& c) {
     add(c, kEither, FCE_ERROR_NULL_POINTER, false, "grad NULL with count 0");
   if (c.fn == kLinear && c.b[B_GB].present && !c.b[B_BIAS].present)
     add(c, kInvalid, INV, false, "grad_bias without bias");
+  // (rows = 0: two pointers to no element are no buffer, never in place)
   const bool in_place = c.b[B_GRAD].present && c.b[B_LOGITS].present &&
-                        c.b[B_GRAD].ptr == c.b[B_LOGITS].ptr &&
+                        c.b[B_GRAD].ptr == c.b[B_LOGITS].ptr && c.b[B_LOGITS].declared > 0 &&
                         (c.fn == kForward || c.fn == kBackward || c.fn == kRescale);
   if (in_place) {
     if (c.fn == kRescale) add(c, kInvalid, INV, false, "rescale in place (grad_logits is logits)");

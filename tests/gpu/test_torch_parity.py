@@ -362,16 +362,28 @@ def adversarial_batch(dtype):
     z[5, 17] += 80.0
     z[6] = big * (torch.rand(v, device="cuda", generator=g, dtype=torch.float64) - 0.5) / 4
     z[7, 5] = float("nan")
+    z[8, (y[8] + 3) % v] = float("inf")  # a +inf: loss, lse and gradient NaN (as torch)
+    z[9, ::11] = -float("inf")
+    z[9, y[9]] = float("inf")
+    z[9, 10] = float("inf")
     return z.to(dtype), y
+
+
+def ref_lse(z):
+    """torch.logsumexp, but NaN on a row holding a +inf (torch's log_softmax makes that row NaN;
+    logsumexp alone gives +inf)."""
+    lse = torch.logsumexp(z, -1)
+    return torch.where(torch.isposinf(z).any(-1), torch.full_like(lse, float("nan")), lse)
 
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
 def test_adversarial_rows_parity(dtype, reduction):
     """Rows no float32 lse survives (all at the dtype's largest magnitude, a huge offset with a
-    spread), -inf entries, a -inf target logit, a NaN: NaN and inf exactly where float64 torch
-    has them, everything else within the dtype's rounding of float64 — on the one-pass path
-    (mean/sum), the fce_backward path ('none') and with return_lse."""
+    spread), -inf entries, a -inf target logit, a NaN, +inf entries: NaN and inf exactly where
+    float64 torch has them, everything else within the dtype's rounding of float64 — on the
+    one-pass path (mean/sum), the fce_backward path ('none') and with return_lse (torch's
+    logsumexp, NaN on the +inf rows: docs/semantics.md rule 10)."""
     z, y = adversarial_batch(dtype)
     up = ((torch.rand(z.shape[0], device="cuda") + 0.5) if reduction == "none"
           else torch.tensor(0.75, device="cuda"))
@@ -382,7 +394,7 @@ def test_adversarial_rows_parity(dtype, reduction):
     (f_grad,) = torch.autograd.grad(out.loss, x, up)
     for what, f, r, tol in (("loss", out.loss.detach(), ref_loss, 1e-5),
                             ("grad", f_grad, ref_grad, GRAD_FLOOR[dtype] * 2),
-                            ("lse", out.lse, torch.logsumexp(z.double(), -1), 1e-6)):
+                            ("lse", out.lse, ref_lse(z.double()), 1e-6)):
         f, r = f.double(), r.double()
         assert torch.equal(torch.isnan(f), torch.isnan(r)), what
         inf = torch.isinf(r)
@@ -391,6 +403,43 @@ def test_adversarial_rows_parity(dtype, reduction):
         if fin.any():
             err = ((f[fin] - r[fin]).abs().max() / r[fin].abs().max().clamp_min(1e-300)).item()
             assert err <= tol, f"{what}: {err:.3e} > {tol:.1e}"
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("case", list(OPTIONS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+def test_positive_infinity_parity(dtype, case, reduction):
+    """+inf logits against float64 torch with every option set (docs/semantics.md rule 10): a
+    scored row holding a +inf has a NaN loss and a NaN gradient row whatever the class weights
+    and the label smoothing, the others are untouched. The one difference from torch: an
+    ignored row holding a +inf keeps a zero gradient (torch's is NaN)."""
+    opt = OPTIONS[case]
+    ignore_index = opt.get("ignore_index", -100)
+    z, y, w = inputs(64, 4099, 4.0, dtype, ignore_index, seed=21)
+    y[5], y[6] = 100, 200  # scored rows (y[3] is ignored)
+    z[5, 101] = float("inf")
+    z[6, :50] = -float("inf")
+    z[6, 200] = float("inf")
+    z[3, 0] = float("inf")
+    kw = {"weight": w if opt.get("weight") else None, "ignore_index": ignore_index,
+          "label_smoothing": opt.get("label_smoothing", 0.0), "reduction": reduction}
+    up = ((torch.rand(64, device="cuda") + 0.5) if reduction == "none"
+          else torch.tensor(0.75, device="cuda"))
+    ref_loss, ref_grad = grad_of(F.cross_entropy, z.double(), up.double(), y,
+                                 **dict(kw, weight=None if kw["weight"] is None
+                                        else kw["weight"].double()))
+    loss, grad = grad_of(cross_entropy, z, up, y, **kw)
+    assert torch.equal(torch.isnan(loss), torch.isnan(ref_loss))
+    assert not torch.isinf(loss).any()
+    nan_rows = torch.isnan(grad).all(1)
+    assert nan_rows[5] and nan_rows[6] and int(nan_rows.sum()) == 2
+    assert torch.isnan(ref_grad[3]).all() and torch.all(grad[3] == 0)  # the ignored row
+    keep = torch.ones(64, dtype=torch.bool, device="cuda")
+    keep[[3, 5, 6]] = False
+    assert torch.equal(torch.isnan(ref_grad[keep]), torch.zeros_like(ref_grad[keep], dtype=torch.bool))
+    if reduction == "none":
+        assert rel(loss[keep], ref_loss[keep]) <= LOSS_FLOOR
+    assert rel(grad[keep], ref_grad[keep]) <= GRAD_FLOOR[dtype] * 2
 
 
 def test_check_targets_cuda():

@@ -832,10 +832,23 @@ TEST(Nccl, BadArgumentsOnDevice) {
   EXPECT_TRUE(mentions("fce_nccl_cross_entropy: ", "overlaps")) << fce_nccl_last_error();
   EXPECT_EQ(ce(loss.p<float>(), grad.p<char>() + 2, ws.ptr(), wsb), FCE_ERROR_MISALIGNED);
   EXPECT_TRUE(mentions("fce_nccl_cross_entropy: ", "grad_logits")) << fce_nccl_last_error();
-  // an option only libfusedce checks: its message, prefixed
+  // an option only libfusedce checks (its workspace queries, run for the call): its message,
+  // under the name of the call made, never the query's
   o.label_smoothing = 2.0f;
   EXPECT_EQ(ce(loss.p<float>(), grad.ptr(), ws.ptr(), wsb), FCE_ERROR_INVALID_ARGUMENT);
-  EXPECT_TRUE(mentions("fce_nccl_cross_entropy: fce_vp_", "label_smoothing"))
+  EXPECT_TRUE(mentions("fce_nccl_cross_entropy: options->label_smoothing (2)", "[0, 1)"))
+      << fce_nccl_last_error();
+  EXPECT_FALSE(mentions("workspace_size", "")) << fce_nccl_last_error();
+  size_t q = 0;
+  EXPECT_EQ(fce_nccl_cross_entropy_workspace_size(&o, comm, N, V, V, 1, &q),
+            FCE_ERROR_INVALID_ARGUMENT);
+  EXPECT_TRUE(mentions("fce_nccl_cross_entropy_workspace_size: options->label_smoothing", ""))
+      << fce_nccl_last_error();
+  EXPECT_EQ(fce_nccl_linear_ce(&o, comm, N, D, V, 0, V, h.ptr(), W.ptr(), nullptr, y.ptr(),
+                               loss.p<float>(), nullptr, nullptr, nullptr, nullptr, nullptr,
+                               nullptr, nullptr, ws.ptr(), wsb, s),
+            FCE_ERROR_INVALID_ARGUMENT);
+  EXPECT_TRUE(mentions("fce_nccl_linear_ce: options->label_smoothing (2)", "[0, 1)"))
       << fce_nccl_last_error();
   o.label_smoothing = 0.0f;
   ASSERT_TRUE(finish());
@@ -864,6 +877,51 @@ TEST(Nccl, BadArgumentsOnDevice) {
   // and a good call clears the message
   ASSERT_TRUE(ok(lin(nullptr, nullptr, lws.ptr(), mn), "fce_nccl_linear_ce"));
   EXPECT_STREQ(fce_nccl_last_error(), "");
+  ASSERT_TRUE(finish());
+}
+
+// Zero rows: the empty problem (fusedce.h), no collective: the queries return 0, per-row
+// buffers may be NULL, the reduced loss is 0 and grad_weight is zeroed.
+TEST(Nccl, EmptyBatch) {
+  REQUIRE_GPU();
+  cudaStream_t s = stream0();
+  ncclComm_t comm = comm1();
+  const int64_t V = 40, D = 16;
+  fce_options o = FCE_OPTIONS_INIT;
+  size_t wsb = 1, mn = 1, op = 1;
+  ASSERT_TRUE(ok(fce_nccl_cross_entropy_workspace_size(&o, comm, 0, V, V, 1, &wsb), "query"));
+  ASSERT_TRUE(ok(fce_nccl_linear_ce_workspace_size(&o, comm, 0, D, V, V, 1, &mn, &op), "query"));
+  EXPECT_EQ(wsb, 0u);
+  EXPECT_EQ(mn, 0u);
+  EXPECT_EQ(op, 0u);
+  Dev loss(4, s), W(4 * V * D, s), gw(4 * V * D, s);
+  loss.fill(kPoisonByte);
+  gw.fill(kPoisonByte);
+  W.fill(0);
+  ASSERT_TRUE(ok(fce_nccl_cross_entropy(&o, comm, 0, V, 0, V, nullptr, nullptr, loss.p<float>(),
+                                        nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0,
+                                        s),
+                 "fce_nccl_cross_entropy"));
+  std::vector<uint8_t> l = loss.download();
+  EXPECT_EQ(l, std::vector<uint8_t>(4, 0)) << "loss of no row";
+  loss.fill(kPoisonByte);
+  ASSERT_TRUE(ok(fce_nccl_linear_ce(&o, comm, 0, D, V, 0, V, nullptr, W.ptr(), nullptr, nullptr,
+                                    loss.p<float>(), nullptr, nullptr, nullptr, gw.ptr(),
+                                    nullptr, nullptr, nullptr, nullptr, 0, s),
+                 "fce_nccl_linear_ce"));
+  l = loss.download();
+  EXPECT_EQ(l, std::vector<uint8_t>(4, 0)) << "loss of no row (linear)";
+  EXPECT_EQ(gw.download(), std::vector<uint8_t>(4 * V * D, 0)) << "grad_weight of no row";
+  o.reduction = FCE_REDUCTION_NONE;
+  EXPECT_TRUE(ok(fce_nccl_cross_entropy(&o, comm, 0, V, 0, V, nullptr, nullptr, nullptr, nullptr,
+                                        nullptr, nullptr, nullptr, nullptr, nullptr, 0, s),
+                 "fce_nccl_cross_entropy (none)"));
+  EXPECT_EQ(fce_nccl_cross_entropy(&o, comm, -1, V, 0, V, nullptr, nullptr, nullptr, nullptr,
+                                   nullptr, nullptr, nullptr, nullptr, nullptr, 0, s),
+            FCE_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(fce_nccl_last_error()).find("fce_nccl_cross_entropy: rows (-1)"),
+            std::string::npos)
+      << fce_nccl_last_error();
   ASSERT_TRUE(finish());
 }
 

@@ -13,9 +13,28 @@ from typing import Optional
 
 import numpy as np
 
+from . import _lib
 from ._args import _check_same_device, _matrix, _vector, _writable
 from ._arrays import _NP_BF16, _Arr, _describe, _float_code, _need_dtype
+from ._errors import FusedCEError, as_call
 from ._lib import FCE_REDUCTION_NONE
+
+
+# ------------------------------------------------------------------ workspace queries ----
+def check_query(status: int, query: str, call: str) -> None:
+    """_lib.check for the status of a workspace query (fce_*_workspace_size) made to size the
+    workspace of the compute call ``call``: a failure is raised as that call's (_errors.as_call),
+    the name the user's call goes by in C."""
+    try:
+        _lib.check(status, query)
+    except FusedCEError as e:
+        raise as_call(e, query, call) from None
+
+
+def query_for(call: str, query: str, *args) -> None:
+    """The workspace query ``query`` with ``args``, made for the compute call ``call``
+    (check_query)."""
+    check_query(getattr(_lib.load(), query)(*args), query, call)
 
 # ------------------------------------------------------------------ memory budget ----
 DEFAULT_WORKSPACE_BYTES = 1 << 30  # linear CE through torch / JAX: <= 1 GiB beyond the gradients

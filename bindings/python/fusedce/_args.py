@@ -146,6 +146,8 @@ def _matrix(a: _Arr, rows: Optional[int] = None, cols: Optional[int] = None,
         raise ValueError(f"{a.name} has {r} rows, expected {rows} (shape {a.shape})")
     if cols is not None and c != cols:
         raise ValueError(f"{a.name} has {c} columns, expected {cols} (shape {a.shape})")
+    if r == 0:  # no element (an empty batch): its strides mean nothing (NumPy's are 0), dense
+        return c
     if c > 1 and a.strides[1] != 1:
         raise ValueError(f"{a.name}: the last dimension must be contiguous (stride 1 element), "
                          f"got strides {a.strides} (elements); make it contiguous first")

@@ -249,8 +249,18 @@ def _dtype_name(dtype) -> Optional[str]:
                      "for targets)")
 
 
-def _float_code(a: _Arr, dtype_kw: Optional[str], what: str = "dtype") -> int:
-    """The fce_dtype of a floating-point input, checked against the dtype= keyword."""
+def _dtype_unsupported(where: str, dtype: str, cast: str) -> TypeError:
+    """The one message for an input whose dtype the library has no kernels for (float64, ...),
+    on the array path and in the framework layers alike: ``where`` is "<call>: <argument>", and
+    nothing is cast behind the caller's back (the computation would not be in that dtype)."""
+    return TypeError(f"{where} dtype {dtype} is not supported; supported: float32, float16, "
+                     f"bfloat16 (cast with {cast})")
+
+
+def _float_code(a: _Arr, dtype_kw: Optional[str], what: str = "dtype",
+                fn: Optional[str] = None) -> int:
+    """The fce_dtype of a floating-point input, checked against the dtype= keyword; ``fn``: the
+    public call, named in the message of a dtype the library does not take."""
     if a.dtype in _FLOAT_CODES:
         if dtype_kw is not None and dtype_kw != a.dtype:
             if what == "dtype":
@@ -263,8 +273,9 @@ def _float_code(a: _Arr, dtype_kw: Optional[str], what: str = "dtype") -> int:
         raise TypeError(f"{a.name} holds raw 16-bit values ({a.dtype}); pass dtype='bfloat16' "
                         "(or 'float16') to say what they are" +
                         ("" if _NP_BF16 is not None else ", or install ml_dtypes"))
-    raise TypeError(f"{a.name} has dtype {a.dtype.replace('other:', '')}; fusedce takes float32, "
-                    "float16 or bfloat16")
+    cast = ".float()" if a.framework == "torch" else ".astype(numpy.float32)"
+    raise _dtype_unsupported(f"{fn}: {a.name}" if fn else a.name, a.dtype.replace("other:", ""),
+                             cast)
 
 
 

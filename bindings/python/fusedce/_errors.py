@@ -111,3 +111,15 @@ ERRORS = {
 def error_for_status(status: int, message: str, function: str = "") -> FusedCEError:
     """The exception object for a status code (FusedCEError itself for a code we do not know)."""
     return ERRORS.get(int(status), FusedCEError)(status, message, function)
+
+
+def as_call(error: FusedCEError, query: str, call: str) -> FusedCEError:
+    """The failure of a workspace query that a binding made for a compute call (fusedce.forward
+    sizes its workspace with fce_forward_workspace_size, then calls fce_forward), as the failure
+    of that call: the query checks the options and sizes the call checks, in the library's
+    words, but it is not a function the user called. The message's leading "<query>: " becomes
+    "<call>: "; the status, and so the exception's class, stay."""
+    message = error.message
+    if message.startswith(query + ": "):
+        message = call + message[len(query):]
+    return error_for_status(error.status, message, call)

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax import custom_batching, lax
 
-from . import _lib
+from . import _alloc, _lib
 from . import jax_ffi as _shim_build
 
 _NONE = 2  # FCE_REDUCTION_NONE
@@ -197,7 +197,8 @@ def _per_platform(query) -> Tuple[int, int]:
 
 
 def _ce_workspace(function: str, cfg: _Cfg, logits, targets, cw, extras: bool):
-    """fce_forward_workspace_size / fce_backward_workspace_size per platform."""
+    """fce_forward_workspace_size / fce_backward_workspace_size per platform (a failure raised
+    as fce_forward's / fce_backward's: the call the query sizes)."""
     n, v = logits.shape
 
     def query(backend):
@@ -205,7 +206,8 @@ def _ce_workspace(function: str, cfg: _Cfg, logits, targets, cw, extras: bool):
                            accuracy=extras and bool(cfg.extras & 2),
                            argmax=extras and bool(cfg.extras & 4))
         out = ctypes.c_size_t(0)
-        _lib.call(function, ctypes.byref(o), n, v, ctypes.byref(out))
+        _alloc.query_for(function[:-len("_workspace_size")], function, ctypes.byref(o), n, v,
+                         ctypes.byref(out))
         return out.value
     return _per_platform(query)
 
@@ -222,8 +224,8 @@ def _linear_workspace(cfg: _Cfg, hidden, weight, targets, cw, with_grad: bool):
         o = _query_options(cfg, backend, hidden.dtype, targets.dtype, cw.shape[0] > 0,
                            accuracy=bool(cfg.extras & 2), argmax=bool(cfg.extras & 4))
         lo, hi = ctypes.c_size_t(0), ctypes.c_size_t(0)
-        _lib.call("fce_linear_ce_workspace_size", ctypes.byref(o), n, d, v,
-                  1 if with_grad else 0, ctypes.byref(lo), ctypes.byref(hi))
+        _alloc.query_for("fce_linear_ce", "fce_linear_ce_workspace_size", ctypes.byref(o), n, d,
+                         v, 1 if with_grad else 0, ctypes.byref(lo), ctypes.byref(hi))
         if backend == _CPU:
             return lo.value
         return hi.value if hi.value < budget else max(budget, lo.value)

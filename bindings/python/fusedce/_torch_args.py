@@ -13,7 +13,7 @@ import collections
 import torch
 from torch import Tensor
 
-from . import _args
+from . import _args, _arrays
 from . import _torch_calls as _tc
 from ._lib import FCE_REDUCTION_NONE
 from ._torch_ops import _CODE_OF_TORCH
@@ -36,12 +36,39 @@ def _targets(target: Tensor) -> Tensor:
     return target if target.dim() == 1 else target.reshape(-1)
 
 
-def _float_input(x: Tensor, name: str) -> Tensor:
-    if x.dtype == torch.float64:
-        return x.to(torch.float32)  # computed in float32 (documented)
+def _float_input(x: Tensor, fn: str, name: str) -> Tensor:
+    """A floating-point input as the library takes it: float32, float16 or bfloat16, unchanged.
+    Any other dtype is refused, float64 included: torch would compute in it, the library cannot,
+    and casting it behind the caller's back would hand back float32 results for float64 inputs
+    (the message says how to cast it)."""
     if x.dtype not in _CODE_OF_TORCH:
-        raise TypeError(f"{name} must be float32, float16 or bfloat16, got {x.dtype}")
+        raise _arrays._dtype_unsupported(f"{fn}: {name}", str(x.dtype).replace("torch.", ""),
+                                         ".float()")
     return x
+
+
+def _linear_dtype(fn: str, tensors) -> torch.dtype:
+    """The dtype the linear layer's matmul runs in, as F.linear's: the autocast dtype when
+    autocast is on for the first tensor's device, else that tensor's own, which the others must
+    have too. ``tensors``: (name, tensor or None), the hidden states first. Every one must be
+    float32, float16 or bfloat16 (_float_input), under autocast too: autocast leaves a float64
+    tensor as it is, and F.linear would compute in float64."""
+    (hname, hidden), rest = tensors[0], tensors[1:]
+    for name, t in tensors:
+        if t is not None:
+            _float_input(t, fn, name)
+    dev = hidden.device.type
+    if dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev):
+        cdt = torch.get_autocast_dtype(dev)
+        if cdt not in _CODE_OF_TORCH:
+            raise TypeError(f"{fn}: the autocast dtype {cdt} is not supported; supported: "
+                            "float32, float16, bfloat16")
+        return cdt
+    for name, t in rest:
+        if t is not None and t.dtype != hidden.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but {hname} has {hidden.dtype} "
+                            "(as for F.linear, they must match outside autocast)")
+    return hidden.dtype
 
 
 # (T, k) for the C options from the two spellings of the causal shift: ``shift_seq_len=T``

@@ -188,8 +188,9 @@ def _ce_plan(which: str, logits: Tensor, targets: Tensor, class_weights: Optiona
         o.row_stride, o.grad_row_stride = row_stride, grad_row_stride
         if which == "fwd":
             _set_outputs(o, argmax, accuracy)
-            _check(lib.fce_forward_workspace_size(ctypes.byref(o), n, v, ctypes.byref(size)),
-                   "fce_forward_workspace_size")
+            _alloc.check_query(
+                lib.fce_forward_workspace_size(ctypes.byref(o), n, v, ctypes.byref(size)),
+                "fce_forward_workspace_size", "fce_forward")
             ws_bytes = size.value
             _set_outputs(o, None, None)
             o.grad_row_stride = 0  # the backward's query (a failure there is the backward's)
@@ -197,8 +198,9 @@ def _ce_plan(which: str, logits: Tensor, targets: Tensor, class_weights: Optiona
             room = max(ws_bytes, 0 if bad else size.value)
             o.grad_row_stride = grad_row_stride
         else:
-            _check(lib.fce_backward_workspace_size(ctypes.byref(o), n, v, ctypes.byref(size)),
-                   "fce_backward_workspace_size")
+            _alloc.check_query(
+                lib.fce_backward_workspace_size(ctypes.byref(o), n, v, ctypes.byref(size)),
+                "fce_backward_workspace_size", "fce_backward")
             ws_bytes = room = size.value
         o.class_weights = None
         if len(_PLANS) > 1024:
@@ -311,9 +313,10 @@ def linear_ce_workspace(o: _lib.Options, key: tuple, n: int, d: int, v: int, wit
     sizes = _SIZES.get(skey)
     if sizes is None:
         lo, hi = ctypes.c_size_t(), ctypes.c_size_t()
-        _check(_lib.load().fce_linear_ce_workspace_size(ctypes.byref(o), n, d, v, int(with_grad),
-                                                        ctypes.byref(lo), ctypes.byref(hi)),
-               "fce_linear_ce_workspace_size")
+        _alloc.check_query(
+            _lib.load().fce_linear_ce_workspace_size(ctypes.byref(o), n, d, v, int(with_grad),
+                                                     ctypes.byref(lo), ctypes.byref(hi)),
+            "fce_linear_ce_workspace_size", "fce_linear_ce")
         sizes = _SIZES[skey] = (lo.value, hi.value)
     lo, hi = sizes
     return max(lo, min(hi, budget))

@@ -54,7 +54,7 @@ import numpy as np
 
 from . import _lib
 from ._alloc import (_Alloc, _argmax_accuracy, _class_weights, _error_flags, _linear_grads,  # noqa: F401
-                     _grad_output, _out, _ptr, _user_workspace, _workspace)
+                     _grad_output, _out, _ptr, _user_workspace, _workspace, query_for)
 from ._args import (REDUCTIONS, _backend_code, _build_options, _check_backend_kw,  # noqa: F401
                     _check_same_device, _check_stride_kw, _float_option, _grad_set,
                     _int_option, _matrix, _reduction_code, _targets_code, _vector, _writable)
@@ -238,7 +238,7 @@ def forward(logits, targets, *, reduction="mean", ignore_index: int = -100, clas
     if len(z.shape) != 2:
         raise ValueError(f"logits must be 2-D [rows, vocab], got shape {z.shape}")
     rows, vocab = z.shape
-    dtype_code = _float_code(z, _dtype_name(dtype))
+    dtype_code = _float_code(z, _dtype_name(dtype), fn="fusedce.forward")
     rs = _matrix(z)
     _check_stride_kw(row_stride, rs, "row_stride")
     tcode = _targets_code(y, rows, target_dtype)
@@ -298,7 +298,7 @@ def forward(logits, targets, *, reduction="mean", ignore_index: int = -100, clas
             row_stride=rs, grad_row_stride=grs if g_a is not None else 0, shift=shift,
             token_scaling=token_scaling, argmax_ptr=_ptr(am_a), accuracy_ptr=_ptr(acc_a))
         need = ctypes.c_size_t(0)
-        _lib.call("fce_forward_workspace_size", ctypes.byref(opts), rows, vocab,
+        query_for("fce_forward", "fce_forward_workspace_size", ctypes.byref(opts), rows, vocab,
                   ctypes.byref(need))
         if workspace is None:
             ws_ptr, ws_bytes, ws_keep = alloc.workspace(int(need.value))
@@ -337,7 +337,7 @@ def backward(logits, targets, lse, grad_output=None, *, reduction="mean",
     if len(z.shape) != 2:
         raise ValueError(f"logits must be 2-D [rows, vocab], got shape {z.shape}")
     rows, vocab = z.shape
-    dtype_code = _float_code(z, _dtype_name(dtype))
+    dtype_code = _float_code(z, _dtype_name(dtype), fn="fusedce.backward")
     rs = _matrix(z)
     _check_stride_kw(row_stride, rs, "row_stride")
     tcode = _targets_code(y, rows, target_dtype)
@@ -373,7 +373,7 @@ def backward(logits, targets, lse, grad_output=None, *, reduction="mean",
             logit_scale=logit_scale, shift_seq_len=shift_seq_len, deterministic=deterministic,
             row_stride=rs, grad_row_stride=grs, shift=shift, token_scaling=token_scaling)
         need = ctypes.c_size_t(0)
-        _lib.call("fce_backward_workspace_size", ctypes.byref(opts), rows, vocab,
+        query_for("fce_backward", "fce_backward_workspace_size", ctypes.byref(opts), rows, vocab,
                   ctypes.byref(need))
         if workspace is None:
             ws_ptr, ws_bytes, ws_keep = alloc.workspace(int(need.value))
@@ -423,14 +423,14 @@ def linear_ce(hidden, weight, targets, bias=None, *, reduction="mean", ignore_in
         raise ValueError(f"weight must be 2-D [vocab, hidden], got shape {W.shape}")
     vocab = W.shape[0]
     dkw = _dtype_name(dtype)
-    dtype_code = _float_code(h, dkw)
+    dtype_code = _float_code(h, dkw, fn="fusedce.linear_ce")
     dname = _CODE_NAMES[dtype_code]
-    _float_code(W, dname, "the hidden states' dtype")
+    _float_code(W, dname, "the hidden states' dtype", fn="fusedce.linear_ce")
     hrs = _matrix(h, what="[rows, hidden]")
     _check_stride_kw(hidden_row_stride, hrs, "hidden_row_stride")
     _matrix(W, cols=dim, dense=True, what="[vocab, hidden]")
     if b is not None:
-        _float_code(b, dname, "the hidden states' dtype")
+        _float_code(b, dname, "the hidden states' dtype", fn="fusedce.linear_ce")
         _vector(b, vocab, "[vocab]")
     tcode = _targets_code(y, rows, target_dtype)
     red = _reduction_code(reduction)
@@ -478,8 +478,8 @@ def linear_ce(hidden, weight, targets, bias=None, *, reduction="mean", ignore_in
             shift=shift, token_scaling=token_scaling, argmax_ptr=_ptr(am_a),
             accuracy_ptr=_ptr(acc_a))
         lo, hi = ctypes.c_size_t(0), ctypes.c_size_t(0)
-        _lib.call("fce_linear_ce_workspace_size", ctypes.byref(opts), rows, dim, vocab,
-                  1 if with_grad else 0, ctypes.byref(lo), ctypes.byref(hi))
+        query_for("fce_linear_ce", "fce_linear_ce_workspace_size", ctypes.byref(opts), rows, dim,
+                  vocab, 1 if with_grad else 0, ctypes.byref(lo), ctypes.byref(hi))
         ws_ptr, ws_bytes, ws_keep = _workspace(workspace, alloc, h, int(lo.value), int(hi.value),
                                                workspace_size)
         _lib.call("fce_linear_ce", ctypes.byref(opts), rows, dim, vocab, h.ptr, W.ptr, _ptr(b),

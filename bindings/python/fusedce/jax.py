@@ -211,7 +211,10 @@ def _finish(mask: int, cfg: _Cfg, out_shape, outs, z_rows):
 
 
 def _zero_rows_result(mask, cfg, out_shape, n_dtype_like):
-    """The result for zero rows (no library call: it needs rows >= 1)."""
+    """The result for zero rows, the library's empty problem (docs/semantics.md "Zero rows":
+    the reduced loss, z-loss and accuracy 0, every per-row output empty), made here: a custom
+    call would have nothing to compute, and its constant result differentiates to the zero
+    gradients the library writes."""
     loss = jnp.zeros(out_shape if cfg.reduction == _NONE else (), _F32)
     if not mask:
         return loss

@@ -49,7 +49,9 @@ Differences from torch, on purpose:
 * a target outside [0, C) that is not ``ignore_index`` gives a NaN loss (no host sync to raise
   an error; torch raises), unless ``check_targets=True``: then the library's error flag is read
   after the call (a host synchronisation) and torch's IndexError is raised;
-* class-probability targets are not supported; float64 inputs are computed in float32;
+* class-probability targets are not supported; float64 inputs are refused (TypeError: the
+  library computes in float32 and casts nothing behind the caller's back; cast with
+  ``.float()``), where torch would compute in float64;
 * no double backward (the gradients are not differentiable again).
 
 Autocast: :func:`cross_entropy` takes logits of any of float32/float16/bfloat16 as they are
@@ -91,8 +93,8 @@ from ._torch_ops import (_CE_FORWARD_GRAD_INPUTS, _CODE_OF_TORCH, _LINEAR_CE_INP
                          _linear_ce_setup_context, _non_differentiable, _opts, _or_empty,
                          _scale_)
 from ._torch_args import (_OUTPUT_TYPES, _REDUCTIONS, OUTPUT_FIELDS, _c_extras,  # noqa: F401
-                          _finish, _float_input, _output_mask, _reduction, _resolve_shift,
-                          _targets, _transform, _z_loss_rows)
+                          _finish, _float_input, _linear_dtype, _output_mask, _reduction,
+                          _resolve_shift, _targets, _transform, _z_loss_rows)
 
 __all__ = ["cross_entropy", "linear_cross_entropy", "CrossEntropyLoss",
            "LinearCrossEntropyLoss", "DEFAULT_WORKSPACE_BYTES", "OUTPUT_FIELDS"]
@@ -173,7 +175,7 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Optional[Tensor] = None
     logits) is used without a copy. The loss is float32.
     """
     red = _reduction(reduction)
-    input = _float_input(input, "input")
+    input = _float_input(input, "fusedce.torch.cross_entropy", "input")
     out_shape = None
     if input.dim() == 1:
         logits, tgt = input.unsqueeze(0), _targets(target)
@@ -292,19 +294,9 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
         raise ValueError(f"target has {tgt.shape[0]} elements for {hidden.shape[0]} rows of "
                          f"input (input {tuple(input.shape)}, target {tuple(target.shape)})")
     t, k = _resolve_shift(shift, shift_seq_len, tuple(target.shape), hidden.shape[0])
-    dev = input.device.type
-    if dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev):
-        cdt = torch.get_autocast_dtype(dev)
-    else:
-        for name, tt in (("linear_weight", linear_weight), ("linear_bias", linear_bias)):
-            if tt is not None and tt.dtype != input.dtype:
-                raise TypeError(f"{name} has dtype {tt.dtype} but input has {input.dtype} "
-                                "(as for F.linear, they must match outside autocast)")
-        cdt = input.dtype
-    if cdt == torch.float64:
-        cdt = torch.float32
-    if cdt not in _CODE_OF_TORCH:
-        raise TypeError(f"input must be float32, float16 or bfloat16, got {cdt}")
+    cdt = _linear_dtype("fusedce.torch.linear_cross_entropy",
+                        (("input", input), ("linear_weight", linear_weight),
+                         ("linear_bias", linear_bias)))
     grad_on = torch.is_grad_enabled()
     need_h = grad_on and input.requires_grad
     need_w = grad_on and linear_weight.requires_grad

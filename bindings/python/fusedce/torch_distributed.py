@@ -97,7 +97,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import _lib
+from . import _alloc, _lib
 from . import _torch_calls as _tc
 from . import _torch_args as _ta  # argument handling, the return convention
 from . import _torch_ops as _to  # the autograd helpers, the option tuple
@@ -219,12 +219,13 @@ def _check(status: int, fn: str) -> None:
 
 
 def _query(skey, fn, *args, pair=False):
-    """A cached workspace-size query (fce_vp_*_workspace_size)."""
+    """A cached workspace-size query (fce_vp_*_workspace_size), made for the call it sizes
+    (fn without "_workspace_size"), as whose failure its own is raised."""
     sizes = _tc._SIZES.get(skey)
     if sizes is None:
         lo, hi = ctypes.c_size_t(), ctypes.c_size_t()
         extra = (ctypes.byref(lo), ctypes.byref(hi)) if pair else (ctypes.byref(lo),)
-        _check(getattr(_lib.load(), fn)(*args, *extra), fn)
+        _alloc.query_for(fn[:-len("_workspace_size")], fn, *args, *extra)
         sizes = _tc._SIZES[skey] = (lo.value, hi.value)
     return sizes
 
@@ -336,8 +337,6 @@ class _VocabParallelCE(torch.autograd.Function):
 
 
 # ============================================================= public helpers ====
-def _float_input(x: Tensor, name: str) -> Tensor:
-    return _ta._float_input(x, name)
 
 
 def _smoothing(label_smoothing: float, formula: str, vt: int) -> float:
@@ -421,14 +420,16 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: Tensor, target: Tensor,
         raise ValueError("pass the process group once (group= or tp_group=)")
     group, rank, size = _resolve_group(group if group is not None else tp_group)
     red = _ta._reduction(reduction)
-    x = _float_input(vocab_parallel_logits, "vocab_parallel_logits")
+    x = _ta._float_input(vocab_parallel_logits,
+                         "fusedce.torch.distributed.vocab_parallel_cross_entropy",
+                         "vocab_parallel_logits")
     if x.dim() < 1:
         raise ValueError("vocab_parallel_logits must be [..., V_local]")
     vl = x.shape[-1]
     logits = x.reshape(-1, vl)
     if logits.stride(-1) != 1 and vl > 1:
         logits = logits.contiguous()
-    n = logits.shape[0]  # (rows >= 1, vocab_local >= 1: the library checks them)
+    n = logits.shape[0]  # (rows >= 0, vocab_local >= 1: the library checks them)
     tgt = _targets(target, n, "vocab_parallel_logits", logits.device)
     vs, vt = _layout(vl, rank, size, vocab_start, vocab_total)
     cw = _class_weights(weight, vt, logits.device)
@@ -798,24 +799,13 @@ def vocab_parallel_linear_cross_entropy(hidden: Tensor, weight_shard: Tensor, ta
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != vl):
         raise ValueError(f"bias must be [{vl}] (this rank's entries), got {tuple(bias.shape)}")
     h2 = hidden.reshape(-1, d)
-    n = h2.shape[0]  # (rows, vocab_local and hidden >= 1: the library checks them)
+    n = h2.shape[0]  # (rows >= 0, vocab_local and hidden >= 1: the library checks them)
     tgt = _targets(target, n, "hidden", hidden.device)
     vs, vt = _layout(vl, rank, size, vocab_start, vocab_total)
     cw = _class_weights(weight, vt, hidden.device)
     t, k = _ta._resolve_shift(shift, shift_seq_len, tuple(target.shape), n)
-    dev = hidden.device.type
-    if dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev):
-        cdt = torch.get_autocast_dtype(dev)
-    else:
-        for name, tt in (("weight_shard", weight_shard), ("bias", bias)):
-            if tt is not None and tt.dtype != hidden.dtype:
-                raise TypeError(f"{name} has dtype {tt.dtype} but hidden has {hidden.dtype} "
-                                "(as for F.linear, they must match outside autocast)")
-        cdt = hidden.dtype
-    if cdt == torch.float64:
-        cdt = torch.float32
-    if cdt not in _to._CODE_OF_TORCH:
-        raise TypeError(f"hidden must be float32, float16 or bfloat16, got {cdt}")
+    cdt = _ta._linear_dtype("fusedce.torch.distributed.vocab_parallel_linear_cross_entropy",
+                            (("hidden", hidden), ("weight_shard", weight_shard), ("bias", bias)))
     budget = _tc.default_workspace_bytes() if workspace_bytes is None else int(workspace_bytes)
     if budget < 0:
         raise ValueError(f"workspace_bytes must be >= 0, got {workspace_bytes}")

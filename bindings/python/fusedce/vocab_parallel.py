@@ -38,7 +38,7 @@ import numpy as np
 from . import _lib
 from ._lib import FCE_REDUCTION_NONE, FCE_VP_STATS
 from ._alloc import (_Alloc, _argmax_accuracy, _class_weights, _error_flags, _grad_output,
-                     _linear_grads, _out, _ptr, _user_workspace, _workspace)
+                     _linear_grads, _out, _ptr, _user_workspace, _workspace, query_for)
 from ._args import (_backend_code, _build_options, _check_backend_kw, _check_same_device,
                     _check_stride_kw, _grad_set, _int_option, _matrix, _reduction_code,
                     _targets_code, _vector, _writable)
@@ -176,7 +176,7 @@ def vp_stats(logits, targets, *, vocab_total: int, vocab_start: int, reduction="
         raise ValueError(f"logits must be 2-D [rows, vocab_local], got shape {z.shape}")
     rows, vl = z.shape
     vt, vs = _sizes(vocab_total, vocab_start)
-    dtype_code = _float_code(z, _dtype_name(dtype))
+    dtype_code = _float_code(z, _dtype_name(dtype), fn="fusedce.vocab_parallel.vp_stats")
     rs = _matrix(z, what="[rows, vocab_local]")
     _check_stride_kw(row_stride, rs, "row_stride")
     tcode = _targets_code(y, rows, target_dtype)
@@ -212,7 +212,8 @@ def vp_linear_stats(hidden, weight, targets, bias=None, *, vocab_total: int, voc
     y = _describe(targets, "targets", s_explicit)
     b = _describe(bias, "bias", s_explicit) if bias is not None else None
     _check_same_device(h, W, y, b)
-    rows, dim, vl, dname, dtype_code, hrs = _linear_args(h, W, b, dtype, hidden_row_stride)
+    rows, dim, vl, dname, dtype_code, hrs = _linear_args(
+        "fusedce.vocab_parallel.vp_linear_stats", h, W, b, dtype, hidden_row_stride)
     vt, vs = _sizes(vocab_total, vocab_start)
     tcode = _targets_code(y, rows, target_dtype)
     red = _reduction_code(reduction)
@@ -225,8 +226,8 @@ def vp_linear_stats(hidden, weight, targets, bias=None, *, vocab_total: int, voc
         stats, sa = _stats_out(stats, alloc, h, rows)
         opts = _options(h, dtype_code, tcode, red, kw, w, hidden_row_stride=hrs)
         lo, hi = ctypes.c_size_t(0), ctypes.c_size_t(0)
-        _lib.call("fce_vp_linear_stats_workspace_size", ctypes.byref(opts), rows, dim, vl,
-                  ctypes.byref(lo), ctypes.byref(hi))
+        query_for("fce_vp_linear_stats", "fce_vp_linear_stats_workspace_size", ctypes.byref(opts),
+                  rows, dim, vl, ctypes.byref(lo), ctypes.byref(hi))
         ws_ptr, ws_bytes, ws_keep = _workspace(workspace, alloc, h, int(lo.value),
                                                int(hi.value), workspace_size)
         _lib.call("fce_vp_linear_stats", ctypes.byref(opts), rows, dim, vt, vs, vl, h.ptr, W.ptr,
@@ -235,21 +236,21 @@ def vp_linear_stats(hidden, weight, targets, bias=None, *, vocab_total: int, voc
     return stats
 
 
-def _linear_args(h: _Arr, W: _Arr, b: Optional[_Arr], dtype, hidden_row_stride):
+def _linear_args(fn: str, h: _Arr, W: _Arr, b: Optional[_Arr], dtype, hidden_row_stride):
     if len(h.shape) != 2:
         raise ValueError(f"hidden must be 2-D [rows, hidden], got shape {h.shape}")
     rows, dim = h.shape
     if len(W.shape) != 2:
         raise ValueError(f"weight must be 2-D [vocab_local, hidden], got shape {W.shape}")
     vl = W.shape[0]
-    dtype_code = _float_code(h, _dtype_name(dtype))
+    dtype_code = _float_code(h, _dtype_name(dtype), fn=fn)
     dname = _CODE_NAMES[dtype_code]
-    _float_code(W, dname, "the hidden states' dtype")
+    _float_code(W, dname, "the hidden states' dtype", fn=fn)
     hrs = _matrix(h, what="[rows, hidden]")
     _check_stride_kw(hidden_row_stride, hrs, "hidden_row_stride")
     _matrix(W, cols=dim, dense=True, what="[vocab_local, hidden]")
     if b is not None:
-        _float_code(b, dname, "the hidden states' dtype")
+        _float_code(b, dname, "the hidden states' dtype", fn=fn)
         _vector(b, vl, "[vocab_local]")
     return rows, dim, vl, dname, dtype_code, hrs
 
@@ -311,8 +312,8 @@ def vp_loss(gathered_stats, targets, *, vocab_total: int, reduction="mean",
         opts = _options(g, dtype_code, tcode, red, kw, w, argmax_ptr=_ptr(am_a),
                         accuracy_ptr=_ptr(acc_a))
         need = ctypes.c_size_t(0)
-        _lib.call("fce_vp_loss_workspace_size", ctypes.byref(opts), ranks, rows, vt,
-                  ctypes.byref(need))
+        query_for("fce_vp_loss", "fce_vp_loss_workspace_size", ctypes.byref(opts), ranks, rows,
+                  vt, ctypes.byref(need))
         if workspace is None:
             ws_ptr, ws_bytes, ws_keep = alloc.workspace(int(need.value))
         else:
@@ -347,7 +348,7 @@ def vp_backward(logits, targets, gathered_stats, grad_output=None, *, vocab_tota
         raise ValueError(f"logits must be 2-D [rows, vocab_local], got shape {z.shape}")
     rows, vl = z.shape
     vt, vs = _sizes(vocab_total, vocab_start)
-    dtype_code = _float_code(z, _dtype_name(dtype))
+    dtype_code = _float_code(z, _dtype_name(dtype), fn="fusedce.vocab_parallel.vp_backward")
     rs = _matrix(z, what="[rows, vocab_local]")
     _check_stride_kw(row_stride, rs, "row_stride")
     tcode = _targets_code(y, rows, target_dtype)
@@ -378,8 +379,8 @@ def vp_backward(logits, targets, gathered_stats, grad_output=None, *, vocab_tota
             _, flags_ptr = _error_flags(error_flags, alloc, z)
         opts = _options(z, dtype_code, tcode, red, kw, w, row_stride=rs, grad_row_stride=grs)
         need = ctypes.c_size_t(0)
-        _lib.call("fce_vp_backward_workspace_size", ctypes.byref(opts), ranks, rows, vt, vl,
-                  ctypes.byref(need))
+        query_for("fce_vp_backward", "fce_vp_backward_workspace_size", ctypes.byref(opts), ranks,
+                  rows, vt, vl, ctypes.byref(need))
         if workspace is None:
             ws_ptr, ws_bytes, ws_keep = alloc.workspace(int(need.value))
         else:
@@ -416,7 +417,8 @@ def vp_linear_backward(hidden, weight, targets, gathered_stats, bias=None, grad_
     g = _describe(gathered_stats, "gathered_stats", s_explicit)
     b = _describe(bias, "bias", s_explicit) if bias is not None else None
     _check_same_device(h, W, y, g, b)
-    rows, dim, vl, dname, dtype_code, hrs = _linear_args(h, W, b, dtype, hidden_row_stride)
+    rows, dim, vl, dname, dtype_code, hrs = _linear_args(
+        "fusedce.vocab_parallel.vp_linear_backward", h, W, b, dtype, hidden_row_stride)
     vt, vs = _sizes(vocab_total, vocab_start)
     tcode = _targets_code(y, rows, target_dtype)
     ranks = _gathered(g, rows)
@@ -446,8 +448,9 @@ def vp_linear_backward(hidden, weight, targets, gathered_stats, bias=None, grad_
                         accumulate=accumulate, grad_weight_fp32=grad_weight_fp32)
         gh_code = _FLOAT_CODES[gh_name]
         lo, hi = ctypes.c_size_t(0), ctypes.c_size_t(0)
-        _lib.call("fce_vp_linear_backward_workspace_size", ctypes.byref(opts), ranks, rows, dim,
-                  vt, vl, gh_code, ctypes.byref(lo), ctypes.byref(hi))
+        query_for("fce_vp_linear_backward", "fce_vp_linear_backward_workspace_size",
+                  ctypes.byref(opts), ranks, rows, dim, vt, vl, gh_code, ctypes.byref(lo),
+                  ctypes.byref(hi))
         ws_ptr, ws_bytes, ws_keep = _workspace(workspace, alloc, h, int(lo.value),
                                                int(hi.value), workspace_size)
         _lib.call("fce_vp_linear_backward", ctypes.byref(opts), ranks, rows, dim, vt, vs, vl,

@@ -591,6 +591,17 @@ def _cases_misc(group, grank, gsize):
         vpce(local, y, group=group, vocab_start=grank * 8)
     with pytest.raises(ValueError, match="vocab_total"):
         vpce(local, y, group=group, vocab_total=vocab + 1)
+    # an empty batch (no row on any rank): the empty problem, no statistics gathered; the
+    # loss 0, an empty logits gradient, a zero weight gradient
+    e = local[:0].clone().requires_grad_()
+    le = vpce(e, y[:0], group=group)
+    (ge,) = torch.autograd.grad(le, e)
+    assert le.item() == 0.0 and ge.shape == (0, 8)
+    he = h[:0].clone().requires_grad_()
+    we = w[grank * 8:(grank + 1) * 8].clone().requires_grad_()
+    le = distributed.vocab_parallel_linear_cross_entropy(he, we, y[:0], group=group)
+    gh, gw = torch.autograd.grad(le, (he, we))
+    assert le.item() == 0.0 and gh.shape == (0, 16) and torch.all(gw == 0)
     # a second backward through the graph (retain_graph) recomputes; in place it raises
     x = local.clone().requires_grad_()
     loss = vpce(x, y, group=group, reduction="mean")

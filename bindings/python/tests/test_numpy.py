@@ -370,10 +370,11 @@ def test_argmax_and_accuracy_corners():
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_adversarial_rows_exact(reduction):
     """The 0.3 precision contract (rule 9): rows whose logits share a huge offset are exact, -inf
-    entries are zero probabilities, a -inf target logit gives loss +inf, a NaN row NaN."""
+    entries are zero probabilities, a -inf target logit gives loss +inf, a NaN row NaN, and a
+    row holding a +inf NaN too (rule 10: torch's log_softmax), lse included."""
     v = 13
     rng = np.random.default_rng(5)
-    z = rng.standard_normal((8, v)).astype(np.float32)
+    z = rng.standard_normal((10, v)).astype(np.float32)
     z[0] = -1e30                       # all equal, huge negative: uniform
     z[1] = -1e30
     z[1, 4] = -1e30 + 2e23             # a huge offset and a spread
@@ -382,25 +383,34 @@ def test_adversarial_rows_exact(reduction):
     z[4, :] = 1e4 * rng.standard_normal(v).astype(np.float32)  # wide spread
     z[5, 3] = -np.inf                  # -inf target logit
     z[6, 0] = np.nan
-    y = np.array([3, 4, 2, 0, 9, 3, 1, 7])
+    z[8, 11] = np.inf                  # a +inf, the target elsewhere
+    z[9, [2, 5]] = np.inf              # two +inf, the target on one
+    z[9, 0] = -np.inf
+    y = np.array([3, 4, 2, 0, 9, 3, 1, 7, 1, 5])
+    nan_rows = [6, 8, 9]
     ref = R.cross_entropy(z, y, reduction=reduction)
-    r = fusedce.forward(z, y, reduction=reduction, return_grad=True, return_lse=True)
+    r = fusedce.forward(z, y, reduction=reduction, return_grad=True, return_lse=True,
+                        return_argmax=True)
+    assert np.all(np.isnan(ref["lse"][nan_rows])) and np.all(np.isnan(r.lse[nan_rows]))
     assert_close(r.lse[np.isfinite(ref["lse"])], ref["lse"][np.isfinite(ref["lse"])], 1e-6)
+    assert list(r.argmax[[6, 8, 9]]) == [0, 11, 2]
     if reduction == "none":
         loss = r.loss
-        assert np.isposinf(loss[5]) and np.isnan(loss[6])
+        assert np.isposinf(loss[5]) and np.all(np.isnan(loss[nan_rows]))
+        assert np.all(np.isnan(ref["loss"][nan_rows]))
         fin = np.isfinite(ref["loss"])
         np.testing.assert_allclose(loss[fin], ref["loss"][fin], rtol=1e-5, atol=1e-5)
         assert abs(loss[0] - np.log(v)) <= 1e-6 and abs(loss[3] - np.log(v)) <= 1e-6
     else:
-        assert np.isnan(r.loss)  # the NaN row wins over the +inf one
+        assert np.isnan(r.loss)  # the NaN rows win over the +inf loss of row 5
     g = r.grad_logits
-    assert np.all(np.isnan(g[6])) and np.all(np.isfinite(np.delete(g, 6, axis=0)))
-    keep = [i for i in range(8) if i != 6]
-    scale = 1.0 if reduction != "mean" else 1.0 / 8
+    assert np.all(np.isnan(g[nan_rows]))
+    assert np.all(np.isfinite(np.delete(g, nan_rows, axis=0)))
+    keep = [i for i in range(10) if i not in nan_rows]
+    scale = 1.0 if reduction != "mean" else 1.0 / 10
     # finite rows of the gradient: exact to float32 (p = 1/V on the flat rows)
     want = ref["grad"][keep]
-    if reduction == "mean":  # the reference's mean is NaN-poisoned: rebuild it for g = 1/8
+    if reduction == "mean":  # the reference's mean is NaN-poisoned: rebuild it for g = 1/10
         want = R.cross_entropy(z[keep], y[keep], reduction="sum")["grad"] * scale
     np.testing.assert_allclose(g[keep], want, rtol=1e-5, atol=1e-6 * scale)
 
@@ -422,6 +432,92 @@ def test_mean_over_no_rows_is_zero():
     r = fusedce.forward(z, y, return_grad=True, return_z_loss=True, z_loss_scale=0.1)
     assert float(r.loss) == 0.0 and float(r.z_loss) == 0.0
     assert np.all(r.grad_logits == 0)
+
+
+def test_empty_batch():
+    """Zero rows are an empty problem (docs/semantics.md "Zero rows"): the reduced losses, the
+    z-loss total and the accuracy are 0, everything per row is empty, the linear gradients of
+    the weight and bias are 0 (or untouched with accumulate), the queries say 0 bytes. Negative
+    sizes cannot be made from arrays; the library's check is test_api / test_empty's."""
+    z, y = np.zeros((0, V), np.float32), np.zeros(0, np.int64)
+    assert fusedce.forward_workspace_size(0, V) == 0
+    assert fusedce.backward_workspace_size(0, V) == 0
+    assert fusedce.linear_ce_workspace_size(0, LIN_D, LIN_V) == (0, 0)
+    for reduction in REDUCTIONS:
+        for opts in ({}, OPTION_SETS["everything-0.3"]):
+            r = fusedce.forward(z, y, reduction=reduction, return_grad=True, return_lse=True,
+                                return_z_loss=True, return_argmax=True, return_accuracy=True,
+                                **opts)
+            none = reduction == "none"
+            assert r.loss.shape == ((0,) if none else ())
+            assert none or (float(r.loss) == 0.0 and not np.signbit(r.loss))
+            assert float(r.z_loss) == 0.0
+            assert r.accuracy.shape == ((0,) if none else ()) and (none or r.accuracy == 0)
+            assert r.grad_logits.shape == (0, V) and r.lse.shape == (0,)
+            assert r.argmax.shape == (0,) and int(r.error_flags[0]) == 0
+            g = fusedce.backward(z, y, r.lse, reduction=reduction, **opts)
+            assert g.shape == (0, V)
+        h, W, b, _ = make_linear()
+        for accumulate in (False, True):
+            gw = np.full_like(W, 3.0)
+            lr = fusedce.linear_ce(h[:0], W, y, b, reduction=reduction, return_grad=True,
+                                   accumulate=accumulate, grad_weight=gw, return_z_loss=True)
+            assert lr.grad_hidden.shape == (0, LIN_D)
+            assert np.all(lr.grad_weight == (3.0 if accumulate else 0.0))
+            assert np.all(lr.grad_bias == 0.0)  # allocated as zeros under accumulate
+            assert float(lr.z_loss) == 0.0 and (reduction == "none" or float(lr.loss) == 0.0)
+
+
+def test_query_errors_name_the_call():
+    """An option that the workspace query the call makes first finds wrong is reported under the
+    call's name (the user never called the query); the public queries keep their own."""
+    from fusedce import vocab_parallel as vp
+    z, y = make_inputs()
+    h, W, b, yl = make_linear()
+    g = np.zeros((2, N, vp.VP_STATS), np.float32)
+    lse = np.zeros(N, np.float32)
+    calls = {
+        "fce_forward": lambda **k: fusedce.forward(z, y, **k),
+        "fce_backward": lambda **k: fusedce.backward(z, y, lse, **k),
+        "fce_linear_ce": lambda **k: fusedce.linear_ce(h, W, yl, b, **k),
+        "fce_vp_loss": lambda **k: vp.vp_loss(g, y, vocab_total=2 * V, **k),
+        "fce_vp_backward": lambda **k: vp.vp_backward(z, y, g, vocab_total=2 * V, vocab_start=0,
+                                                      **k),
+        "fce_vp_linear_stats": lambda **k: vp.vp_linear_stats(h, W, yl, vocab_total=LIN_V + 3,
+                                                              vocab_start=0, **k),
+        "fce_vp_linear_backward": lambda **k: vp.vp_linear_backward(
+            h, W, yl, np.zeros((1, LIN_N, vp.VP_STATS), np.float32), vocab_total=LIN_V,
+            vocab_start=0, return_grad=True, **k),
+        "fce_forward_workspace_size": lambda **k: fusedce.forward_workspace_size(N, V, **k),
+        "fce_linear_ce_workspace_size": lambda **k: fusedce.linear_ce_workspace_size(4, 5, 6, **k),
+    }
+    for name, call in calls.items():
+        with pytest.raises(fusedce.InvalidArgumentError) as e:
+            call(label_smoothing=1.5)
+        assert e.value.message == name + ": options->label_smoothing (1.5) must be in [0, 1)"
+        assert e.value.function == name
+
+
+def test_float64_is_refused_clearly():
+    """float64 is no dtype of the library: refused with the call, the argument and the cast, in
+    the words fusedce.torch uses."""
+    from fusedce import vocab_parallel as vp
+    z, y = make_inputs()
+    h, W, b, yl = make_linear()
+    cases = [
+        ("fusedce.forward: logits", lambda: fusedce.forward(z.astype(np.float64), y)),
+        ("fusedce.backward: logits", lambda: fusedce.backward(z.astype(np.float64), y,
+                                                              np.zeros(N, np.float32))),
+        ("fusedce.linear_ce: hidden", lambda: fusedce.linear_ce(h.astype(np.float64), W, yl)),
+        ("fusedce.linear_ce: weight", lambda: fusedce.linear_ce(h, W.astype(np.float64), yl)),
+        ("fusedce.vocab_parallel.vp_stats: logits",
+         lambda: vp.vp_stats(z.astype(np.float64), y, vocab_total=V, vocab_start=0)),
+    ]
+    for where, call in cases:
+        with pytest.raises(TypeError) as e:
+            call()
+        assert str(e.value) == (where + " dtype float64 is not supported; supported: float32, "
+                                "float16, bfloat16 (cast with .astype(numpy.float32))")
 
 
 def test_invalid_target_nan_and_flag():
@@ -722,7 +818,8 @@ class FakeCudaArray:
 
 
 def test_cuda_array_interface_validation():
-    with pytest.raises(TypeError, match="float32, float16 or bfloat16"):
+    with pytest.raises(TypeError, match="float64 is not supported; supported: float32, float16, "
+                                        "bfloat16"):
         fusedce.forward(FakeCudaArray((4, 10), "<f8"), FakeCudaArray((4,), "<i8"))
     with pytest.raises(TypeError, match="int32 or int64"):
         fusedce.forward(FakeCudaArray((4, 10), "<f4"), FakeCudaArray((4,), "<f4"))
@@ -825,9 +922,11 @@ def test_library_rejects_option_values(kwargs, needle):
     err = e.value
     assert isinstance(err, ValueError) and isinstance(err, fusedce.FusedCEError)
     assert err.status == _lib.FCE_ERROR_INVALID_ARGUMENT
-    assert needle in err.message and "fce_forward" in err.message
+    # the call the user made, never the workspace query it runs first
+    assert needle in err.message and err.message.startswith("fce_forward: ")
+    assert "workspace_size" not in err.message
     assert err.message in str(err)
-    with pytest.raises(fusedce.InvalidArgumentError, match=needle):
+    with pytest.raises(fusedce.InvalidArgumentError, match="^fce_linear_ce: .*" + needle):
         fusedce.linear_ce(*make_linear()[:2], make_linear()[3], **kwargs)
 
 
@@ -867,10 +966,13 @@ def test_library_checks_reach_the_user(case):
         logits = np.lib.stride_tricks.as_strided(z, shape=z.shape, strides=(12, 4))
         error = fusedce.InvalidArgumentError
         needle = r"options->row_stride \(3\) is less than vocab"
-    with pytest.raises(error, match="fce_forward(_workspace_size)?: " + needle) as e:
+    with pytest.raises(error, match="^fce_forward: " + needle) as e:
         fusedce.forward(logits, targets, **kw)
     assert isinstance(e.value, ValueError) and e.value.message in str(e.value)
-    assert e.value.message == fusedce.last_error()
+    # the library's own message (an option is checked by the workspace query fusedce.forward
+    # makes first: its message, under the name of the call made)
+    assert e.value.message == fusedce.last_error().replace("fce_forward_workspace_size: ",
+                                                           "fce_forward: ")
 
 
 def test_status_exceptions():

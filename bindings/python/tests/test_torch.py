@@ -175,21 +175,116 @@ def test_input_shapes_like_torch():
 
 
 def test_gradcheck_float64_inputs_cpu():
-    """gradcheck on float64 inputs: fusedce computes in float32 (the cast is part of autograd),
-    so finite differences use a large step and float32-sized tolerances."""
+    """gradcheck on float64 inputs cast to float32 by the caller (fusedce computes in float32 and
+    refuses float64 itself: the cast is part of autograd), so finite differences use a large
+    step and float32-sized tolerances."""
     z, y, w = make(n=6, v=7, std=2.0)
     z = z.double().requires_grad_(True)
     for reduction in REDUCTIONS:
-        fn = lambda t: cross_entropy(t, y, w, reduction=reduction, label_smoothing=0.1,  # noqa
-                                     z_loss=1e-2, softcap=4.0)
+        fn = lambda t: cross_entropy(t.float(), y, w, reduction=reduction,  # noqa: E731
+                                     label_smoothing=0.1, z_loss=1e-2, softcap=4.0)
         assert torch.autograd.gradcheck(fn, (z,), eps=1e-3, atol=2e-3, rtol=2e-2)
     h = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
     W = torch.randn(7, 5, dtype=torch.float64, requires_grad=True)
     b = torch.randn(7, dtype=torch.float64, requires_grad=True)
     for reduction in REDUCTIONS:
-        fn = lambda h, W, b: linear_cross_entropy(h, W, y, linear_bias=b, weight=w,  # noqa
-                                                  reduction=reduction, label_smoothing=0.1)
+        fn = lambda h, W, b: linear_cross_entropy(  # noqa: E731
+            h.float(), W.float(), y, linear_bias=b.float(), weight=w, reduction=reduction,
+            label_smoothing=0.1)
         assert torch.autograd.gradcheck(fn, (h, W, b), eps=1e-3, atol=2e-3, rtol=2e-2)
+
+
+def test_float64_is_refused_clearly_cpu():
+    """float64 is no dtype of the library: torch would compute in it, fusedce cannot, and it
+    casts nothing behind the caller's back (under autocast too, which leaves float64 alone). The
+    message names the function and the argument and says how to cast; NumPy's says the same."""
+    z, y, w = make(n=6, v=7)
+    h, W, b = torch.randn(6, 5), torch.randn(7, 5), torch.randn(7)
+    msg = (" dtype float64 is not supported; supported: float32, float16, bfloat16 "
+           "(cast with .float())")
+    cases = [
+        ("fusedce.torch.cross_entropy: input", lambda: cross_entropy(z.double(), y)),
+        ("fusedce.torch.cross_entropy: input", lambda: CrossEntropyLoss()(z.double(), y)),
+        ("fusedce.torch.linear_cross_entropy: input",
+         lambda: linear_cross_entropy(h.double(), W.double(), y)),
+        ("fusedce.torch.linear_cross_entropy: linear_weight",
+         lambda: linear_cross_entropy(h, W.double(), y)),
+        ("fusedce.torch.linear_cross_entropy: linear_bias",
+         lambda: linear_cross_entropy(h, W, y, linear_bias=b.double())),
+    ]
+    for where, call in cases:
+        with pytest.raises(TypeError) as e:
+            call()
+        assert str(e.value) == where + msg
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(TypeError, match="linear_cross_entropy: input dtype float64"):
+            linear_cross_entropy(h.double(), W, y)
+    with pytest.raises(TypeError) as e:
+        fusedce.forward(z.double(), y)
+    assert str(e.value) == "fusedce.forward: logits" + msg
+
+
+def test_option_errors_name_the_call_cpu():
+    """An option the workspace query (made first) finds wrong is reported under the C call the
+    function runs, never the query's name."""
+    z, y, w = make(n=6, v=7)
+    for kw in ({}, {"reduction": "none"}):
+        x = z.clone().requires_grad_(True)
+        for t in (z, x):
+            with pytest.raises(fusedce.InvalidArgumentError) as e:
+                cross_entropy(t, y, label_smoothing=1.5, **kw)
+            assert e.value.message.startswith("fce_forward: options->label_smoothing (1.5)")
+    with pytest.raises(fusedce.InvalidArgumentError) as e:
+        linear_cross_entropy(torch.randn(6, 5), torch.randn(7, 5), y, label_smoothing=1.5)
+    assert e.value.message.startswith("fce_linear_ce: options->label_smoothing (1.5)")
+
+
+def check_empty_batch(device):
+    """Zero rows (docs/semantics.md "Zero rows"): the losses of an empty batch, 0 for mean and
+    sum (torch: NaN for the mean, 0 for the sum) and empty for none, and the backward through
+    every path: an empty logits gradient, zero linear weight and bias gradients."""
+    v, d = 11, 5
+    for reduction in REDUCTIONS:
+        for kw in ({}, {"inplace_backward": True}, {"return_lse": True, "return_z_loss": True,
+                                                     "return_token_accuracy": True,
+                                                     "return_predicted_tokens": True}):
+            if kw.get("inplace_backward") and reduction == "none":
+                continue
+            z = torch.randn(0, v, device=device, requires_grad=True)
+            y = torch.zeros(0, dtype=torch.int64, device=device)
+            out = cross_entropy(z, y, reduction=reduction, label_smoothing=0.1, z_loss=1e-3, **kw)
+            loss = out.loss if isinstance(out, tuple) else out
+            assert loss.dtype == torch.float32
+            assert loss.shape == ((0,) if reduction == "none" else ())
+            if reduction != "none":
+                assert loss.item() == 0.0
+            if isinstance(out, tuple):
+                assert out.lse.shape == (0,) and out.predicted_tokens.shape == (0,)
+                if reduction != "none":
+                    assert out.z_loss.item() == 0.0 and out.token_accuracy.item() == 0.0
+            (g,) = torch.autograd.grad(loss.sum(), z)
+            assert g.shape == (0, v)
+        h = torch.randn(0, d, device=device, requires_grad=True)
+        W = torch.randn(v, d, device=device, requires_grad=True)
+        b = torch.randn(v, device=device, requires_grad=True)
+        y = torch.zeros(0, dtype=torch.int64, device=device)
+        loss = linear_cross_entropy(h, W, y, linear_bias=b, reduction=reduction)
+        gh, gw, gb = torch.autograd.grad(loss.sum(), (h, W, b))
+        assert gh.shape == (0, d) and torch.all(gw == 0) and torch.all(gb == 0)
+        if reduction != "none":
+            assert loss.item() == 0.0
+        with torch.no_grad():
+            assert cross_entropy(z.detach(), y, reduction=reduction).numel() == (
+                0 if reduction == "none" else 1)
+
+
+def test_empty_batch_cpu():
+    check_empty_batch("cpu")
+
+
+@needs_cuda
+def test_empty_batch_cuda():
+    check_empty_batch("cuda")
 
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)
@@ -715,19 +810,19 @@ def test_extras_buffers_are_per_call():
 
 
 def test_gradcheck_shift_and_z_loss_cpu():
-    """gradcheck (finite differences, float64 inputs computed in float32) through shift=k and
+    """gradcheck (finite differences, float64 inputs cast to float32) through shift=k and
     the z-loss, every reduction (token scaling is left out: its p_y is a constant on purpose)."""
     z, y, w = make(n=6, v=7, std=2.0)
     z = z.double().requires_grad_(True)
     for reduction in REDUCTIONS:
-        fn = lambda t: cross_entropy(t, y, w, reduction=reduction, z_loss=1e-2,  # noqa: E731
-                                     shift_seq_len=3, shift=2, label_smoothing=0.1)
+        fn = lambda t: cross_entropy(t.float(), y, w, reduction=reduction,  # noqa: E731
+                                     z_loss=1e-2, shift_seq_len=3, shift=2, label_smoothing=0.1)
         assert torch.autograd.gradcheck(fn, (z,), eps=1e-3, atol=2e-3, rtol=2e-2)
     h = torch.randn(2, 3, 5, dtype=torch.float64, requires_grad=True)
     W = torch.randn(7, 5, dtype=torch.float64, requires_grad=True)
     for reduction in REDUCTIONS:
-        fn = lambda h, W: linear_cross_entropy(h, W, y.view(2, 3), reduction=reduction,  # noqa
-                                               z_loss=1e-2, shift=1)
+        fn = lambda h, W: linear_cross_entropy(h.float(), W.float(), y.view(2, 3),  # noqa
+                                               reduction=reduction, z_loss=1e-2, shift=1)
         assert torch.autograd.gradcheck(fn, (h, W), eps=1e-3, atol=2e-3, rtol=2e-2)
 
 
@@ -740,12 +835,13 @@ def test_adversarial_rows_cpu(dtype, reduction):
 
 def adversarial_rows(dtype, device):
     """Logits no float32 lse can round-trip: rows sharing a huge offset (the largest magnitude
-    of the dtype), -inf entries, a -inf target logit (loss +inf), a 1e4 spread, a NaN row."""
+    of the dtype), -inf entries, a -inf target logit (loss +inf), a 1e4 spread, a NaN row, and
+    rows holding a +inf (elsewhere, at the target: NaN loss and gradient, as torch's)."""
     big = {torch.float32: 1e30, torch.bfloat16: 3e38, torch.float16: 6e4}[dtype]
     v = 37
     gen = torch.Generator().manual_seed(9)
-    z = torch.randn(10, v, generator=gen, dtype=torch.float64)
-    y = torch.randint(0, v, (10,), generator=gen)
+    z = torch.randn(12, v, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, v, (12,), generator=gen)
     z[0] = -big
     z[1] = big
     z[2] = -big
@@ -757,7 +853,17 @@ def adversarial_rows(dtype, device):
     z[7] = big * (torch.rand(v, generator=gen, dtype=torch.float64) - 0.5) / 4
     z[8, 3] = float("nan")
     y[3] = 2
+    z[10, (y[10] + 1) % v] = float("inf")
+    z[11, y[11]] = float("inf")
+    z[11, (y[11] + 5) % v] = -float("inf")
     return z.to(dtype).to(device), y.to(device)
+
+
+def torch_lse(z):
+    """The lse fusedce writes: torch.logsumexp's, but NaN on a row holding a +inf, where
+    torch.logsumexp gives +inf and log_softmax NaN (docs/semantics.md rule 10)."""
+    lse = torch.logsumexp(z, 1)
+    return torch.where(torch.isposinf(z).any(1), torch.full_like(lse, float("nan")), lse)
 
 
 def adversarial_check(device, dtype, reduction):
@@ -776,8 +882,7 @@ def adversarial_check(device, dtype, reduction):
         tol = {torch.float32: 1e-5, torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11}[dtype]
         assert_matches_with_nonfinite(g, rg, tol, "grad")
         if kw:
-            lse = torch.logsumexp(z.double(), 1)
-            assert_matches_with_nonfinite(out.lse, lse, 1e-6, "lse")
+            assert_matches_with_nonfinite(out.lse, torch_lse(z.double()), 1e-6, "lse")
 
 
 def assert_matches_with_nonfinite(x, ref, tol, what):

@@ -211,6 +211,22 @@ end
 # message read is the one the failing call left on this thread.
 @noinline _throw_status(status::Cint) = throw(FusedCEError(status, last_error()))
 
+# A workspace query (`query`, an fce_*_workspace_size) run by `f` to size the workspace of the
+# call `call` this package makes next: its failure thrown as that call's, the message's leading
+# "query: " made "call: ". The query checks the options and sizes the call checks, in the
+# library's words, but the caller called `call` (through this package), not the query.
+function _query_for(f, call::AbstractString, query::AbstractString)
+    try
+        f()
+    catch err
+        err isa FusedCEError || rethrow()
+        prefix = query * ": "
+        startswith(err.message, prefix) || rethrow()
+        throw(FusedCEError(err.status, call * ": " * err.message[ncodeunits(prefix)+1:end]))
+    end
+    return nothing
+end
+
 # ------------------------------------------------------------------------------ generated
 
 include("libfusedce.jl")
@@ -621,7 +637,9 @@ function forward!(loss::AbstractVector{Float32}, logits::AbstractMatrix, targets
             opts = _options(options, derived, dense, buffer_pointer(cw),
                             _output_pointers(argmax, accuracy))
             nbytes = Ref{Csize_t}(0)
-            fce_forward_workspace_size(opts, rows, vocab, nbytes)
+            _query_for("fce_forward", "fce_forward_workspace_size") do
+                fce_forward_workspace_size(opts, rows, vocab, nbytes)
+            end
             ws, owned = _workspace(logits, workspace, nbytes[])
             GC.@preserve ws begin
                 wsp, wsn = _workspace_args(ws)
@@ -751,7 +769,9 @@ function _backward!(cfunction, grad_logits, logits, targets, lse, grad_output, e
         GC.@preserve grad_logits logits targets lse grad_output error_flags cw begin
             opts = _options(options, derived, dense, buffer_pointer(cw))
             nbytes = Ref{Csize_t}(0)
-            fce_backward_workspace_size(opts, rows, vocab, nbytes)
+            _query_for(string(nameof(cfunction)), "fce_backward_workspace_size") do
+                fce_backward_workspace_size(opts, rows, vocab, nbytes)
+            end
             ws, owned = _workspace(logits, workspace, nbytes[])
             GC.@preserve ws begin
                 wsp, wsn = _workspace_args(ws)
@@ -871,8 +891,10 @@ function linear_ce!(loss::AbstractVector{Float32}, hidden::AbstractMatrix, weigh
                             _output_pointers(argmax, accuracy))
             min_bytes = Ref{Csize_t}(0)
             optimal_bytes = Ref{Csize_t}(0)
-            fce_linear_ce_workspace_size(opts, rows, dim, vocab, Cint(with_grad), min_bytes,
-                                         optimal_bytes)
+            _query_for("fce_linear_ce", "fce_linear_ce_workspace_size") do
+                fce_linear_ce_workspace_size(opts, rows, dim, vocab, Cint(with_grad), min_bytes,
+                                             optimal_bytes)
+            end
             nbytes = workspace === :min ? min_bytes[] : optimal_bytes[]
             ws, owned = _workspace(hidden, given_ws, nbytes)
             GC.@preserve ws begin

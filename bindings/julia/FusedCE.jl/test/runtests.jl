@@ -631,8 +631,39 @@ end
     @test A[:, 1] == ones(Float32, 4)
 end
 
+@testset "zero rows: the empty problem" begin
+    z, y = zeros(Float32, V, 0), Int64[]
+    for red in (:mean, :sum, :none)
+        res = forward(z, y; grad=true, reduction=red, label_smoothing=0.1, z_loss_scale=1e-3)
+        @test red === :none ? length(res.loss) == 0 : res.loss == 0
+        @test size(res.grad) == (V, 0)
+        @test size(backward(z, y, Float32[]; reduction=red)) == (V, 0)
+        D = 4
+        W = randn(rng, Float32, D, V)
+        res = linear_ce(zeros(Float32, D, 0), W, y; bias=ones(Float32, V), reduction=red)
+        @test red === :none ? length(res.loss) == 0 : res.loss == 0
+        @test size(res.grad_hidden) == (D, 0)
+        @test all(iszero, res.grad_weight) && all(iszero, res.grad_bias)
+    end
+end
+
 @testset "errors" begin
     z, y = make_data(rng, V, N)
+    # an option the workspace query (run first, to size the workspace) finds wrong is reported
+    # under the call made, never the query's name
+    for (call, name) in ((() -> forward(z, y; label_smoothing=1.5), "fce_forward"),
+                         (() -> backward(z, y, zeros(Float32, N); label_smoothing=1.5),
+                          "fce_backward"),
+                         (() -> linear_ce(randn(rng, Float32, 4, N), randn(rng, Float32, 4, V), y;
+                                          label_smoothing=1.5), "fce_linear_ce"))
+        err = try
+            call()
+        catch e
+            e
+        end
+        @test err isa FusedCEError
+        @test startswith(err.message, name * ": options->label_smoothing (1.5)")
+    end
     err = try
         forward(z, y; label_smoothing=1.5)
     catch e

@@ -163,3 +163,17 @@ pub(crate) fn check(status: sys::fce_status) -> Result<()> {
         Err(Error::last(status))
     }
 }
+
+/// [`check`] for a workspace query (`query`, an `fce_*_workspace_size`) made to size the
+/// workspace of the compute call `call`: a failure is reported as that call's, its message's
+/// leading "query: " made "call: ". The query checks the options and sizes the call checks, in
+/// the library's words, but the caller called `call` (through this crate), not the query.
+pub(crate) fn check_query(status: sys::fce_status, query: &str, call: &str) -> Result<()> {
+    check(status).map_err(|e| {
+        let message = match e.message.strip_prefix(query) {
+            Some(rest) if rest.starts_with(": ") => format!("{call}{rest}"),
+            _ => e.message,
+        };
+        Error::new(e.status, message)
+    })
+}

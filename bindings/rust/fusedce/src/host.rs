@@ -4,7 +4,7 @@
 use std::ffi::c_void;
 use std::ptr;
 
-use crate::error::{check, Error, Result};
+use crate::error::{check, check_query, Error, Result};
 use crate::options::{Dtype, Options, Reduction, TargetDtype};
 use crate::raw::BackwardFn;
 use crate::sys;
@@ -527,7 +527,11 @@ fn forward_impl<T: Element, I: Target>(
         logits_and_grad(func, logits, grad_logits, logits_span, grad_span, false)?;
     let mut ws_bytes = 0usize;
     // SAFETY: valid options struct and out pointer.
-    check(unsafe { sys::fce_forward_workspace_size(&raw, r, v, &mut ws_bytes) })?;
+    check_query(
+        unsafe { sys::fce_forward_workspace_size(&raw, r, v, &mut ws_bytes) },
+        "fce_forward_workspace_size",
+        "fce_forward",
+    )?;
     let mut local = HostWorkspace::new();
     let (ws, ws_len) = workspace_ptr(workspace, &mut local, ws_bytes, ws_bytes);
     // SAFETY: every pointer is null or a live host buffer at least as long as the library
@@ -733,7 +737,15 @@ fn backward_impl<T: Element, I: Target>(
         logits_and_grad(func, logits, grad_logits, logits_span, grad_span, !rescale)?;
     let mut ws_bytes = 0usize;
     // SAFETY: valid options struct and out pointer.
-    check(unsafe { sys::fce_backward_workspace_size(&raw, r, v, &mut ws_bytes) })?;
+    check_query(
+        unsafe { sys::fce_backward_workspace_size(&raw, r, v, &mut ws_bytes) },
+        "fce_backward_workspace_size",
+        if rescale {
+            "fce_backward_rescale"
+        } else {
+            "fce_backward"
+        },
+    )?;
     let mut local = HostWorkspace::new();
     let (ws, ws_len) = workspace_ptr(workspace, &mut local, ws_bytes, ws_bytes);
     let call: BackwardFn = if rescale {
@@ -1010,9 +1022,21 @@ pub fn linear_ce<T: Element, I: Target>(
     let with_grad = grad_hidden.is_some() || grad_weight.is_some() || grad_bias.is_some();
     let (mut min, mut optimal) = (0usize, 0usize);
     // SAFETY: valid options struct and out pointers.
-    check(unsafe {
-        sys::fce_linear_ce_workspace_size(&raw, r, h, v, with_grad as i32, &mut min, &mut optimal)
-    })?;
+    check_query(
+        unsafe {
+            sys::fce_linear_ce_workspace_size(
+                &raw,
+                r,
+                h,
+                v,
+                with_grad as i32,
+                &mut min,
+                &mut optimal,
+            )
+        },
+        "fce_linear_ce_workspace_size",
+        "fce_linear_ce",
+    )?;
     let mut local = HostWorkspace::new();
     let (ws, ws_len) = workspace_ptr(workspace, &mut local, min, optimal.max(min));
     // SAFETY: every pointer is null or a live host buffer at least as long as the library

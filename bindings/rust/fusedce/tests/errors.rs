@@ -14,6 +14,12 @@ fn inputs() -> (Vec<f32>, Vec<i64>) {
     (logits, vec![1, 5, 7])
 }
 
+/// linear_ce over ROWS rows of hidden size 4, no bias, targets [0, 1, 2], into `bufs`.
+fn small_linear_ce(opts: &Options<'_>, bufs: LinearCeBuffers<'_, f32>) -> fusedce::Result<()> {
+    let (h, w) = (vec![0.5f32; ROWS * 4], vec![0.25f32; VOCAB * 4]);
+    linear_ce(opts, ROWS, 4, VOCAB, &h, &w, None, &[0i64, 1, 2], bufs)
+}
+
 /// Runs forward with `opts`; returns the error and checks the loss was left alone.
 fn forward_err(opts: &Options<'_>) -> Error {
     let (logits, targets) = inputs();
@@ -53,6 +59,41 @@ fn row_stride_below_vocab_is_an_error_naming_row_stride() {
     assert!(
         shown.contains("row_stride") && shown.contains("FCE_ERROR_INVALID_ARGUMENT"),
         "{shown}"
+    );
+}
+
+#[test]
+fn an_option_is_reported_under_the_call_made_not_its_workspace_query() {
+    // The safe calls size their workspace with the fce_*_workspace_size query first; the
+    // query's check is reported under the name of the call made.
+    let opts = Options::new().label_smoothing(1.5);
+    let want = "options->label_smoothing (1.5) must be in [0, 1)";
+    let e = forward_err(&opts);
+    assert_eq!(e.message(), format!("fce_forward: {want}"), "{e}");
+    let (logits, targets) = inputs();
+    let lse = [0.0f32; ROWS];
+    for (rescale, name) in [(false, "fce_backward"), (true, "fce_backward_rescale")] {
+        let mut grad = vec![f32::NAN; ROWS * VOCAB];
+        let bufs = BackwardBuffers::new()
+            .grad_logits(&mut grad)
+            .grad_output(&[0.5]);
+        let e = if rescale {
+            fusedce::backward_rescale(&opts, ROWS, VOCAB, &logits, &targets, &lse, bufs)
+        } else {
+            backward(&opts, ROWS, VOCAB, &logits, &targets, &lse, bufs)
+        }
+        .unwrap_err();
+        assert_eq!(e.message(), format!("{name}: {want}"), "{e}");
+    }
+    let mut loss = [f32::NAN];
+    let e = small_linear_ce(&opts, LinearCeBuffers::new(&mut loss)).unwrap_err();
+    assert_eq!(e.message(), format!("fce_linear_ce: {want}"), "{e}");
+    // the query called on its own keeps its name
+    let e = fusedce::forward_workspace_size(&opts, ROWS, VOCAB).unwrap_err();
+    assert_eq!(
+        e.message(),
+        format!("fce_forward_workspace_size: {want}"),
+        "{e}"
     );
 }
 
@@ -199,18 +240,9 @@ fn backward_needs_a_gradient_buffer() {
 
 #[test]
 fn linear_ce_grad_bias_without_bias() {
-    let (h, w) = (vec![0.5f32; ROWS * 4], vec![0.25f32; VOCAB * 4]);
-    let targets = [0i64, 1, 2];
     let (mut loss, mut gb) = ([f32::NAN], vec![f32::NAN; VOCAB]);
-    let e = linear_ce(
+    let e = small_linear_ce(
         &Options::new(),
-        ROWS,
-        4,
-        VOCAB,
-        &h,
-        &w,
-        None,
-        &targets,
         LinearCeBuffers::new(&mut loss).grad_bias(&mut gb),
     )
     .unwrap_err();
