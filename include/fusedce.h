@@ -342,7 +342,7 @@ FCE_API fce_status fce_backward_rescale(const fce_options* options, int64_t rows
  *   No gradient output may overlap another buffer.
  * The logits are produced piece by piece in the workspace, never beyond workspace_bytes: they
  * exist whole only when the caller's workspace holds all N×V of them. On CUDA the plan follows
- * from the sizes, the options, the gradients asked for and workspace_bytes (bench/NOTES.md):
+ * from the sizes, the options, the gradients asked for and workspace_bytes (dev/NOTES.md):
  *   - token chunks (6·N·D·V FLOPs): a float32 grad_weight (or none) accumulates over any number
  *     of chunks; a 16-bit grad_weight accumulates in place over at most 4 chunks (one rounding
  *     per chunk: measured within 2× torch eager's error against float64), one chunk = one

@@ -43,6 +43,8 @@ echo "make test: $(sed -n 's/^#define FCE_VERSION_\(MAJOR\|MINOR\|PATCH\) //p' "
 suite "words (tools/check_words.py)" "$PYTHON" "$ROOT/tools/check_words.py" --self-test "$ROOT"
 suite "ruff (ruff.toml)" in_root "$PYTHON" -m ruff check .
 suite "clang-format (tools/format_files.txt)" bash "$ROOT/tools/check_format.sh"
+suite "tables: README and docs match bench/results (bench/tables.py --check)" \
+  "$PYTHON" "$ROOT/bench/tables.py" --check
 suite "ctest: C ABI suites, CPU backend" ctest --test-dir "$BUILD" --output-on-failure -j 2
 if [ -d "$ROOT/bindings/python/tests" ]; then
   suite "pytest: Python binding (NumPy, CPU backend)" env PYTHONPATH="$ROOT/bindings/python" \

@@ -7,7 +7,7 @@
 // row, so the kernel is a pure read stream and should run at the copy bandwidth. The register
 // path (ce_kernels.cu) loads a CTA's slice, reduces it, exchanges and exits: between the last
 // load of one CTA and the first of the next on that SM no bytes are in flight, which measured
-// 45-88 % of copy on rows up to 128 KB (H100: bench/NOTES.md); the two-pass kernel's first
+// 45-88 % of copy on rows up to 128 KB (H100: dev/NOTES.md); the two-pass kernel's first
 // pass keeps 64 KB in flight per SM with loads the threads issue, 84-94 % on longer rows. Here a
 // persistent CTA per SM keeps its ring of copies in flight all the time:
 //   * warp 0 (the producer) walks the CTA's rows (blockIdx.x, + gridDim.x, …) 32 at a time: its

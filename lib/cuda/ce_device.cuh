@@ -558,7 +558,7 @@ __device__ __forceinline__ void grad_vector(const uint4& raw, I j0, bool full, b
   const bool weighted = use_smooth<MODE>(p) && p.class_weights != nullptr;
   // 16-bit logits: the target element (at most one per row) is computed after the loop and
   // stored over the vector's value, instead of a per-element `q == dy` test (a compare and a
-  // predicated chain on every element). Measured (bench/NOTES.md, version 3): up to 4 % faster
+  // predicated chain on every element). Measured (dev/NOTES.md, version 3): up to 4 % faster
   // on 16-bit rows, but 8 % slower on float32 rows, which keep the test in the loop.
   constexpr bool kTargetAfter = E == 8;
   float zy = 0.f;

@@ -22,7 +22,7 @@ constexpr int kRegVpt = 8;            // 16-byte vectors per thread (32 register
 constexpr int kRegVecsPerCta = kRegThreads * kRegVpt;  // 4096 vectors = 64 KB
 // On sm_90 a register-path CTA of kRegThreads may also hold up to kRegSmemVptMax more vectors
 // per thread in shared memory (loaded with cp.async, read back for the fold and the gradient):
-// 96 KB more per CTA, two CTAs per SM still fit (bench/NOTES.md, "shared-memory slots"). Rows
+// 96 KB more per CTA, two CTAs per SM still fit (dev/NOTES.md, "shared-memory slots"). Rows
 // then fit clusters of fewer CTAs and an SM keeps more of them resident than its register
 // file's 128 KB.
 constexpr int kRegSmemVptMax = 12;
@@ -30,7 +30,7 @@ constexpr int kRegSmemBytesMax = kRegSmemVptMax * kRegThreads * 16;
 constexpr int64_t kRegVecsPerCtaMax = int64_t(kRegThreads) * (kRegVpt + kRegSmemVptMax);
 // Clusters of any size up to 16 CTAs: 8 is the portable limit, up to 16 a "non-portable" size
 // sm_90 allows for a kernel that opts in (allow_cluster, ce_path.cu): float32 rows of 512 KB to
-// 1 MB stay in registers instead of taking the two-pass kernel (bench/NOTES.md,
+// 1 MB stay in registers instead of taking the two-pass kernel (dev/NOTES.md,
 // "clusters of 16"). The size need not be a power of two (choose_reg_config).
 constexpr int kMaxCluster = 16;
 constexpr int64_t kRegMaxVocab = kRegVecsPerCtaMax * kMaxCluster * 8;  // loose bound
@@ -49,15 +49,15 @@ constexpr int64_t kMaxRowsPerLaunch = int64_t(1) << 26;  // × 16 CTAs stays bel
 // shared-memory slots a wave holds up to twice the bytes, and an eighth measured faster than a
 // quarter on every slot shape and slower on the registers-only ones (H100: 4096×151936 bf16
 // 89.6 → 92.5 % of copy, float32 8192×128256 95.0 → 96.5; 4096×128256 bf16 93.6 → 92.8;
-// bench/NOTES.md, "prefetch distance with slots"): 4-5 MB of rows ahead on an H100 either way.
+// dev/NOTES.md, "prefetch distance with slots"): 4-5 MB of rows ahead on an H100 either way.
 constexpr float kDefaultPrefetchWaves = 0.25f;
 constexpr float kSlotPrefetchWaves = 0.125f;
 // The forward-only bulk-copy kernel of sm_90 (ce_bulk.cuh): one CTA per SM of a producer warp,
 // kBulkConsumerWarps consumer warps and a finisher warp, a ring of kBulkStages chunks of
 // kBulkChunkBytes in shared memory (64 KB × 3 measured best on an H100 among 16×12, 32×6, 40×5,
-// 48×4 and 64×3: fewer, larger copies; bench/NOTES.md); rows shorter than kBulkMinRowBytes keep
+// 48×4 and 64×3: fewer, larger copies; dev/NOTES.md); rows shorter than kBulkMinRowBytes keep
 // the register path. 8 consumer warps measured as fast as 12 or 16, two gradient stages of a
-// whole row as fast as 3 or 4 smaller ones (bench/NOTES.md, H100, 2026-11-24).
+// whole row as fast as 3 or 4 smaller ones (dev/NOTES.md, H100, 2026-11-24).
 constexpr int kBulkConsumerWarps = 8;
 constexpr int kBulkChunkBytes = 64 << 10;
 constexpr int kBulkStages = 3;
@@ -68,7 +68,7 @@ constexpr int kBulkRowBytes = 104 << 10;
 constexpr int kBulkGradStages = 2;
 // Each stage has 128 bytes more than its copy: the copy lands at the source's offset modulo
 // 128 (a bulk copy whose source and destination differ modulo 128 streamed 5-6 % slower on an
-// H100: bench/tma_align.cu, bench/NOTES.md "bulk copies' alignment").
+// H100: dev/tma_align.cu, dev/NOTES.md "bulk copies' alignment").
 constexpr int kBulkStageSlack = 128;
 constexpr int bulk_ring_bytes(bool grad) {
   return grad ? kBulkGradStages * (kBulkRowBytes + kBulkStageSlack)
@@ -151,12 +151,12 @@ bool reg_config(int64_t vocab, int elem_bytes, int lead_max, int k, int smem_max
 // max_k); for 16-bit rows another size instead where its CTAs have at least kRegFullThreads
 // threads and keep over 5 % more row bytes resident per SM (CTAs of `regs` registers per
 // thread; the register file holds at most 128 KB of rows per SM). Measured on an H100
-// (bench/NOTES.md, "cluster sizes that are not powers of two"): 151936 bf16 in 5 CTAs of 480
+// (dev/NOTES.md, "cluster sizes that are not powers of two"): 151936 bf16 in 5 CTAs of 480
 // threads 83 → 88 % of copy, 300001 in 10 CTAs 70 → 75 %; but clusters of small CTAs lost
 // (36000 bf16 in 3 CTAs of 192 threads 90 → 79 %; 50257 in 5 of 160, 79 → 75) and float32 rows
 // did not gain (151936 in 10 CTAs of 480: 80 → 78 %). smem_max > 0: the smallest cluster whose
 // CTAs hold their slice with at most smem_max vectors per thread in shared memory, where that
-// is fewer CTAs than the rule above gives (bench/NOTES.md, "shared-memory slots"). force_k ≥ 1:
+// is fewer CTAs than the rule above gives (dev/NOTES.md, "shared-memory slots"). force_k ≥ 1:
 // that size wherever the slices fit it (FCE_CUDA_CE_CLUSTER); pow2_only: the powers-of-two rule
 // of 0.4 (measurement).
 bool choose_reg_config(int64_t vocab, int elem_bytes, int lead_max, int max_k, int force_k,

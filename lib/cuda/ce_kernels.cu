@@ -16,7 +16,7 @@
 //     folds the k partials in rank order, so all agree bit for bit on the lse. No cluster
 //     barrier sits on that path: the release a cluster barrier needs (barrier.cluster.arrive.
 //     release) compiles to a GPU-wide memory barrier in every warp, which ncu found was the
-//     largest stall of the kernel (H100: bench/NOTES.md); with the argmax outputs, and in
+//     largest stall of the kernel (H100: dev/NOTES.md); with the argmax outputs, and in
 //     the persistent variant, the exchange keeps the cluster barriers. The gradient is then
 //     computed from the registers and stored with 16-byte stores. ≤ 64 registers per thread
 //     (launch bounds 512 × 2) keep two CTAs per SM: one CTA's loads overlap the other's math
@@ -29,7 +29,7 @@
 //     copied with cp.async in flight with the register loads, read back by the same thread for
 //     the fold and the gradient; up to 96 KB more per CTA, still two CTAs per SM): such rows then
 //     take clusters of fewer CTAs, and an SM holds more of them than its register file's 128 KB
-//     (choose_reg_config; bench/NOTES.md, "shared-memory slots"). Four compiled modes per
+//     (choose_reg_config; dev/NOTES.md, "shared-memory slots"). Four compiled modes per
 //     dtype pair (unit = plain with s = 1, plain, softcap, general = label smoothing) keep the
 //     hot ones lean (unit: no multiply per element; for 16-bit rows held in registers only, a
 //     fold in two passes, the thread's maximum first, two elements per compare); the general
@@ -49,7 +49,7 @@
 //     ce_bulk.cuh): a pure read stream; one persistent CTA per SM keeps three 64 KB bulk copies
 //     of its rows in flight through a shared-memory ring (a producer warp, 8 consumer warps, a
 //     finisher warp for the row ends), 91-101 % of copy at N = 16384 where the register and
-//     two-pass kernels gave 61-95 % (H100: bench/NOTES.md). With a gradient the same kernel
+//     two-pass kernels gave 61-95 % (H100: dev/NOTES.md). With a gradient the same kernel
 //     holds a whole row per stage (two stages) for rows of 64-104 KB that are unaligned or over
 //     88 KB, where the register path needs a cluster (V = 50257 bf16: 79 → 88 %) rather than
 //     one CTA with shared-memory slots (that shape from 16 waves of rows: 88 → 92.5 % at
@@ -216,7 +216,7 @@ __device__ __forceinline__ void regs_row(const KParams& p, int64_t lrow, int64_t
     }
   }
   // The row's target and its logit (load_row_info, thread 0): for 16-bit rows before the fold,
-  // for float32 rows after it. Measured on an H100 (bench/NOTES.md, 2026-11-25):
+  // for float32 rows after it. Measured on an H100 (dev/NOTES.md, 2026-11-25):
   // after the fold, float32 forward + gradient at 4096×32000 ran 91.5 → 94.5 % of copy and
   // 8192×32000 93.9 → 96.7 %, while 16-bit rows lost up to 9 points (16384×128256 bf16 95.7 →
   // 86.6 %).
@@ -230,7 +230,7 @@ __device__ __forceinline__ void regs_row(const KParams& p, int64_t lrow, int64_t
   int am = -1;
   // kUnit, 16-bit, registers only: two passes (max_vector, sumexp_vector: ce_device.cuh), the
   // thread's maximum (two elements per compare) and then the sum. Measured on an H100 against the
-  // online fold of the same kernels (bench/NOTES.md, 2026-11-28): forward + gradient
+  // online fold of the same kernels (dev/NOTES.md, 2026-11-28): forward + gradient
   // 1024×32000 bf16 64.0 → 65.6 % of copy, 1024×128256 84.4 → 85.3, 4096×32000 87.3 → 87.7, the
   // other shapes within 0.5 point; with shared-memory slots (read twice) 16384×50257 bf16 fell
   // 93.3 → 89.2 and float32 rows 0.5-1.1 points, so those keep the online fold.

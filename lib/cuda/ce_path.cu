@@ -293,7 +293,7 @@ int bulk_ctas(const DeviceInfo& dev, const void* kernel, int slot, bool grad) {
 // Row bytes a streaming multiprocessor holds at once in that shape: the slice times the CTAs of
 // `threads` threads of `regs` registers each that fit its register file and thread slots. The
 // register path reads at the copy rate when this is near the register file's half that holds
-// data (128 KB on sm_80/sm_90), and measurably slower below (bench/NOTES.md, H100,
+// data (128 KB on sm_80/sm_90), and measurably slower below (dev/NOTES.md, H100,
 // 2026-11-24: 100 KB resident ran at 87-89 % of copy, 111 KB at 83 %, 125-128 KB at 92-98 %).
 // (The CTAs of `threads` threads of `regs` registers an SM's register file and thread slots
 // hold: regs_ctas_per_sm.)
@@ -467,7 +467,7 @@ bool choose_regs_shape(const DeviceInfo& dev, const RowsQuery& q, RegConfig* out
   // query: the idle CTA slots of clusters that do not pack the GPCs count): measured on an
   // H100, 128256 bf16 in 4 CTAs (117.7 KiB) ran at 96 % of copy and in 2 with slots at 90 %,
   // while 256000 bf16 (8 CTAs, 113.6 KiB: 92 % → 4 with slots: 96 %), 151936 bf16 (5 CTAs:
-  // 89 → 93 %) and float32 rows (80-90 → 92-95 %) gained (bench/NOTES.md, "shared-memory
+  // 89 → 93 %) and float32 rows (80-90 → 92-95 %) gained (dev/NOTES.md, "shared-memory
   // slots"). Nor for launches of fewer than kSmemMinWaves waves of its (longer-lived) CTAs: the
   // last wave's idle slots cost more (1024×151936 bf16, 7.8 waves: 80 → 77 %). A forced
   // cluster size, or FCE_CUDA_CE_SMEM_ALWAYS=1, keeps the choice above.
@@ -503,7 +503,7 @@ fce_status choose_rows_path(const char* fn, const RowsQuery& q, RowsChoice* out)
   out->xmbar = overrides().xmbar != 0;
   // Forward without a gradient elsewhere (sm_80, short rows, FCE_CUDA_CE_BULK=0) reads each row
   // once whatever the path; on rows of 128 KB or more the streaming kernel (many loads in
-  // flight, no register-resident slice to drain) measured faster on an H100 (bench/NOTES.md:
+  // flight, no register-resident slice to drain) measured faster on an H100 (dev/NOTES.md:
   // 16384×128256 bf16 1.50 ms against 1.76 ms), on shorter rows the register path
   // (32768×32000 bf16 0.76 ms against 1.02 ms).
   const bool long_forward_only = !q.with_grad && q.vocab * q.elem_bytes >= (int64_t{128} << 10);
@@ -516,10 +516,10 @@ fce_status choose_rows_path(const char* fn, const RowsQuery& q, RowsChoice* out)
   // are either not 16-byte aligned or over 88 KB: measured faster there (V = 50257 bf16, rows
   // unaligned: 79 → 88 % of copy; float32 rows of 98 KB: 85 → 88 %), not on aligned rows of
   // 70-78 KB (−2 to +1 point) or on rows one register-path CTA holds (32000 bf16: 97 → 94 %;
-  // bench/NOTES.md). Nor where the register path takes one CTA with shared-memory slots for
+  // dev/NOTES.md). Nor where the register path takes one CTA with shared-memory slots for
   // them (its rule below: rows of 16 waves or more): measured faster there from 8192 rows
   // (16384×50257 bf16 89.7 → 92.5 %, 16384×49152 90.3 → 95.2, float32 16384×25000 90.8 →
-  // 94.2; bench/NOTES.md, 2026-11-24). FCE_CUDA_CE_BULK_GRAD=0 / 1: never / for every row that
+  // 94.2; dev/NOTES.md, 2026-11-24). FCE_CUDA_CE_BULK_GRAD=0 / 1: never / for every row that
   // fits (16 KB+).
   const int64_t row_bytes = q.vocab * q.elem_bytes;
   const bool grad_fits = row_bytes + 16 <= kBulkRowBytes;
@@ -550,7 +550,7 @@ fce_status choose_rows_path(const char* fn, const RowsQuery& q, RowsChoice* out)
     out->rc = rc;
     // fce_backward_rescale runs persistent: its CTAs usually only read the upstream 1 and
     // exit, and a grid of one CTA cluster per row costs more in launches than the call is
-    // worth (bench/NOTES.md, H100, 2026-11-24)
+    // worth (dev/NOTES.md, H100, 2026-11-24)
     out->persistent = q.rescale || overrides().persist;
     const void* kernel = out->persistent ? (smem ? q.regs_smem_loop_kernel : q.regs_loop_kernel)
                                          : (smem ? q.regs_smem_kernel : q.regs_kernel);

@@ -40,7 +40,7 @@ constexpr int64_t kVocabPad = 64;            // Z_c rows padded to 64 elements (
 
 // A 16-bit grad_weight accumulated in place over token chunks (kChunked16) is rounded once per
 // chunk. docs/semantics.md allows it for "few" chunks, with an error within 2× torch eager's against float64:
-// bench/accuracy_dw.py measured it against the chunk count k (H200, bench/NOTES.md): ratio to
+// bench/accuracy_dw.py measured it against the chunk count k (H200, dev/NOTES.md): ratio to
 // eager ≤ 1.79 at k = 4 for N up to 65536, but 2.2 at k = 8 (N = 32768, D = 1024); more
 // chunks than this take the vocab-sliced plan (one rounding).
 constexpr int64_t kMaxChunks16 = 4;

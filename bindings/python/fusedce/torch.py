@@ -271,7 +271,7 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
     workspace_bytes  the memory budget of the call beyond the inputs and the gradients it
                   returns (its scratch workspace); None = FUSEDCE_WORKSPACE_BYTES from the
                   environment (e.g. "512M"), else 1 GiB (fusedce.torch.DEFAULT_WORKSPACE_BYTES).
-                  The library picks its fastest plan within it (bench/NOTES.md): token chunks of
+                  The library picks its fastest plan within it (dev/NOTES.md): token chunks of
                   the logits when they fit with few enough chunks, else the vocab-sliced plan
                   (8·N·D·V instead of 6·N·D·V FLOPs; its float32 [N, D] ∂h accumulator counts
                   towards the budget). A budget below the library's minimum (a few MiB) gets
