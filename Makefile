@@ -10,19 +10,22 @@
 #                   clang, ASan+UBSan; tests/fuzz): FUZZ_SECONDS (300) of it, from the corpus in
 #                   tests/fuzz/corpus; FUZZ_MERGE=1 adds what it found there. make test: 60 s
 #   make test-asan  the CPU test suites built with AddressSanitizer + UBSan (build-asan/)
+#   make wheels     the manylinux wheels fusedce-cu13 (and fusedce-cu12 where a CUDA 12.8+ toolkit
+#                   is) into WHEELHOUSE (.wheelhouse): tools/build_wheels.sh, docs/install.md
 #   make install PREFIX=/usr/local
 BUILD ?= build
 PREFIX ?= /usr/local
 JOBS ?= $(shell nproc)
-CUDA_ARCHS ?= 80;90
+CUDA_ARCHS ?= 80-real;90-real;100-real;120
 NVCC := $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
 WITH_CUDA ?= $(if $(NVCC),ON,OFF)
 PYTHON ?= python3
 FUZZ_BUILD ?= build-fuzz
 FUZZ_SECONDS ?= 300
 ASAN_BUILD ?= build-asan
+WHEELHOUSE ?= .wheelhouse
 
-.PHONY: all setup setup-demo configure build demo test test-gpu bench bench-cpu tables install clean fuzz test-asan
+.PHONY: all setup setup-demo configure build demo test test-gpu bench bench-cpu tables install clean fuzz test-asan wheels
 
 all: build
 
@@ -71,6 +74,9 @@ bench-cpu: build
 
 tables:
 	$(PYTHON) bench/tables.py --write
+
+wheels:
+	@CUDA_ARCHS="$(CUDA_ARCHS)" bash tools/build_wheels.sh $(WHEELHOUSE)
 
 install: build
 	cmake --install $(BUILD) --prefix $(PREFIX)

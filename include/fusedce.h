@@ -592,13 +592,20 @@ FCE_API fce_status fce_scale_gradient(int32_t backend, int32_t dtype, int64_t co
                                       const float* grad_output, void* stream);
 
 /* ---------------------------------------------------------------- backends ---- */
-/* 1 when this build has the CUDA backend and a CUDA device is visible, else 0. */
+/* 1 when this build has the CUDA backend, a CUDA device is visible and cuBLASLt is loaded,
+ * else 0. cuBLASLt is not linked: the first call that needs the CUDA backend looks for
+ * libcublasLt.so.<CUDA major> (FUSEDCE_CUBLASLT=<file> when set; else one already loaded in the
+ * process; the nvidia-cublas wheel beside the library; the dynamic loader's path; for a source
+ * build, the toolkit it was built with). Without it the CPU backend works and every CUDA call
+ * returns FCE_ERROR_BACKEND_UNAVAILABLE naming the library and where it looked. */
 FCE_API int fce_cuda_available(void);
 
-/* One line naming what this library was built with and runs on, e.g. "fusedce 0.4.0; backends:
- * cpu, cuda (sm 80 90, CUDA 13.0.48; device visible); BLAS: OpenBLAS (OpenBLAS 0.3.21 DYNAMIC_ARCH
- * NO_AFFINITY Haswell MAX_THREADS=64, 2 threads)". Static storage: valid for the library's
- * lifetime. (0.3) */
+/* One line naming what this library was built with and runs on, e.g. "fusedce 0.5.0; backends:
+ * cpu, cuda (sm 80-real 90-real 100-real 120, CUDA 13.0.88; device visible); cuBLASLt:
+ * /usr/local/cuda/lib64/libcublasLt.so.13; BLAS: OpenBLAS (OpenBLAS 0.3.21 DYNAMIC_ARCH
+ * NO_AFFINITY Haswell MAX_THREADS=64, 2 threads)" (a build with the CUDA backend looks for
+ * cuBLASLt here, and names the file or why none loaded). Static storage: valid for the
+ * library's lifetime. (0.3) */
 FCE_API const char* fce_build_info(void);
 
 #ifdef __cplusplus

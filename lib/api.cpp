@@ -47,8 +47,8 @@ FCE_API fce_status fce_scale_gradient(int32_t backend, int32_t dtype, int64_t co
   FCE_TRY(check_args(fn, args));
   if (count == 0) return FCE_SUCCESS;
   if (backend == FCE_BACKEND_CPU) return fce::cpu_scale_gradient(dtype, count, grad, grad_output);
-  if (!fce::cuda_available())
-    return fail(FCE_ERROR_BACKEND_UNAVAILABLE, "%s: no CUDA device or no CUDA backend", fn);
+  if (const char* why = fce::cuda_unavailable_reason())
+    return fail(FCE_ERROR_BACKEND_UNAVAILABLE, "%s: backend is FCE_BACKEND_CUDA but %s", fn, why);
   FCE_TRY(check_device_pointers(fn, args));
   return fce::cuda_scale_gradient(dtype, count, grad, grad_output, stream);
 }

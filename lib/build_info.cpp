@@ -1,6 +1,7 @@
 // build_info.cpp — fce_build_info(): what this library was built with and runs on, one line,
 // for bug reports, `python -m fusedce` and the demo: version, backends (CUDA architectures and
-// toolkit, whether a device is visible), and the CPU backend's BLAS (for OpenBLAS its own
+// toolkit, whether a device is visible, the cuBLASLt file loaded or why none was), and the CPU
+// backend's BLAS (for OpenBLAS its own
 // configuration string and thread count, read at run time from the library actually loaded).
 #include <cstdio>
 #include <mutex>
@@ -10,8 +11,7 @@
 #include "internal.h"
 
 #if defined(FCE_BLAS_OPENBLAS)
-extern "C" char* openblas_get_config(void);
-extern "C" int openblas_get_num_threads(void);
+#include "cpu/blas.h"  // openblas_get_config, openblas_get_num_threads (OpenBLAS's cblas.h)
 #endif
 
 #ifndef FCE_BLAS_NAME
@@ -31,7 +31,12 @@ FCE_API const char* fce_build_info(void) {
     info = head;
 #if defined(FCE_WITH_CUDA)
     info += "; backends: cpu, cuda (sm " FCE_CUDA_ARCHS ", CUDA " FCE_CUDA_TOOLKIT "; device ";
-    info += fce::cuda_available() ? "visible)" : "not visible)";
+    info += fce::cuda_device_visible() ? "visible)" : "not visible)";
+    const char* why = nullptr;
+    const char* cublaslt = fce::cuda_cublaslt(&why);
+    info += "; cuBLASLt: ";
+    info += cublaslt ? cublaslt : "not loaded: ";
+    if (!cublaslt) info += why;
 #else
     info += "; backends: cpu (built without CUDA)";
 #endif

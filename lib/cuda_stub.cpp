@@ -6,11 +6,21 @@
 namespace fce {
 namespace {
 fce_status unavailable(const char* fn) {
-  return fail(FCE_ERROR_BACKEND_UNAVAILABLE, "%s: this build has no CUDA backend", fn);
+  return fail(FCE_ERROR_BACKEND_UNAVAILABLE, "%s: %s", fn, cuda_unavailable_reason());
 }
 }  // namespace
 
 bool cuda_available() { return false; }
+bool cuda_device_visible() { return false; }
+const char* cuda_unavailable_reason() {
+  return "this build has no CUDA backend (it was built without nvcc: build from source with the "
+         "CUDA toolkit, or from Python install a wheel with it, pip install fusedce-cu13 or "
+         "fusedce-cu12)";
+}
+const char* cuda_cublaslt(const char** why) {
+  if (why) *why = "this build has no CUDA backend";
+  return nullptr;
+}
 fce_status cuda_check_pointers(const char* fn, const Arg*, int) { return unavailable(fn); }
 size_t cuda_ce_workspace_size(const CeOptions&, int64_t, int64_t, bool) { return 0; }
 fce_status cuda_ce(const CeProblem& p) { return unavailable(p.fn); }

@@ -263,10 +263,20 @@ void cpu_vp_linear_workspace_size(const CeOptions& opt, int64_t ranks, int64_t r
 fce_status cpu_vp_linear(const VpLinearProblem& p);  // stats, or backward (p.backward)
 
 // ---- CUDA backend (lib/cuda/); stubs returning FCE_ERROR_BACKEND_UNAVAILABLE when not built --
+// Whether the CUDA backend can run: built in, a device visible, cuBLASLt loaded (the first call
+// looks for it: lib/cuda/cublaslt_loader.cpp). cuda_unavailable_reason() is nullptr when it can,
+// else why not, for the messages of FCE_ERROR_BACKEND_UNAVAILABLE ("no CUDA device is visible
+// (...)", "libcublasLt.so.13 (cuBLASLt) not found; ... Looked: ...", "this build has no CUDA
+// backend ..."); valid until the next call on this thread.
 bool cuda_available();
+const char* cuda_unavailable_reason();
+bool cuda_device_visible();  // built in and a device visible (cuBLASLt not looked at)
+// The file of the cuBLASLt loaded (looking for it on the first call), or nullptr with *why
+// saying what was tried (for fce_build_info; only in a build with the CUDA backend).
+const char* cuda_cublaslt(const char** why);
 // Every present buffer of some bytes in the call's argument table must be memory the current
-// device can dereference (FCE_ERROR_INVALID_ARGUMENT naming fn and the argument otherwise). The ABI layer
-// calls it once per CUDA call, before dispatching; the backend does not check again.
+// device can dereference (FCE_ERROR_INVALID_ARGUMENT naming fn and the argument otherwise). The ABI
+// layer calls it once per CUDA call, before dispatching; the backend does not check again.
 fce_status cuda_check_pointers(const char* fn, const Arg* args, int count);
 size_t cuda_ce_workspace_size(const CeOptions& opt, int64_t rows, int64_t vocab, bool backward);
 // fce_forward, fce_backward, fce_backward_rescale on the CUDA backend (by p.mode).

@@ -5,7 +5,7 @@
 #include "internal.h"
 
 namespace {
-thread_local char g_last_error[512] = "";
+thread_local char g_last_error[1024] = "";  // room for the paths a missing cuBLASLt names
 }
 
 namespace fce {

@@ -115,15 +115,11 @@ fce_status check_options(const char* fn, const fce_options* o, int64_t rows, int
                 fn, (long long)o->shift);
   // Here, not in the argument tables' check: the workspace queries take class weights too.
   FCE_TRY(check_alignment(fn, "options->class_weights", o->class_weights, 4));
-  if (o->backend == FCE_BACKEND_CUDA && !cuda_available())
-    return fail(FCE_ERROR_BACKEND_UNAVAILABLE,
-                "%s: options->backend is FCE_BACKEND_CUDA but %s", fn,
-#if defined(FCE_WITH_CUDA)
-                "no CUDA device is visible"
-#else
-                "this build has no CUDA backend"
-#endif
-    );
+  if (o->backend == FCE_BACKEND_CUDA) {
+    if (const char* why = cuda_unavailable_reason())
+      return fail(FCE_ERROR_BACKEND_UNAVAILABLE, "%s: options->backend is FCE_BACKEND_CUDA but %s",
+                  fn, why);
+  }
   out->dtype = o->dtype;
   out->targets_int64 = o->target_dtype == FCE_INT64;
   out->reduction = o->reduction;

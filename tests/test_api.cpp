@@ -21,8 +21,9 @@ TEST(Api, Version) {
       << "library built from another header version";
 }
 
-// fce_build_info: one line naming the version, the backends and the CPU backend's BLAS; the same
-// pointer on every call.
+// fce_build_info: one line naming the version, the backends, the cuBLASLt a CUDA build loaded
+// (its file, or why none: it is loaded at run time, never linked) and the CPU backend's BLAS;
+// the same pointer on every call.
 TEST(Api, BuildInfo) {
   const char* info = fce_build_info();
   ASSERT_NE(info, nullptr);
@@ -31,6 +32,15 @@ TEST(Api, BuildInfo) {
                 FCE_VERSION_MINOR, FCE_VERSION_PATCH);
   EXPECT_EQ(std::string(info).rfind(want, 0), 0u) << info;
   EXPECT_NE(std::string(info).find("; BLAS: "), std::string::npos) << info;
+  const bool cuda_built = std::string(info).find("backends: cpu, cuda (") != std::string::npos;
+  const size_t lt = std::string(info).find("; cuBLASLt: ");
+  EXPECT_EQ(lt != std::string::npos, cuda_built) << info;
+  if (cuda_built && lt != std::string::npos) {
+    const std::string what = std::string(info).substr(lt + 12);
+    EXPECT_TRUE(what.rfind("/", 0) == 0 || what.rfind("not loaded: libcublasLt.so.", 0) == 0)
+        << info;
+    if (fce_cuda_available()) EXPECT_EQ(what.rfind("/", 0), 0u) << info;
+  }
   EXPECT_EQ(std::string(info).find('\n'), std::string::npos) << info;
   EXPECT_EQ(fce_build_info(), info);
 }

@@ -69,10 +69,12 @@ if [ -x "$BUILD/examples/cpp_example" ]; then
 fi
 suite "documentation code blocks (tools/check_readme.py)" \
   "$PYTHON" "$ROOT/tools/check_readme.py" "$BUILD"
-# pip install ./bindings/python into a fresh virtual environment (CPU-only build), then the
-# Python tests against that installed package with no FUSEDCE_LIBRARY set
-suite "pip install ./bindings/python (fresh venv, CPU-only)" env -u FUSEDCE_LIBRARY \
+# the sdist, pip-installed into a fresh virtual environment with nvcc hidden (CPU-only, with the
+# warning), then the Python tests against that installed package with no FUSEDCE_LIBRARY set
+suite "pip install <sdist> (fresh venv, nvcc hidden: CPU-only)" env -u FUSEDCE_LIBRARY \
   bash "$ROOT/tools/test_pip_install.sh"
+suite "fusedce-cu13 wheel (build, auditwheel, fresh venv, CPU tests)" env -u FUSEDCE_LIBRARY \
+  bash "$ROOT/tools/test_wheel.sh"
 # The CPU backend under the sanitizers: the libFuzzer target over every entry point's argument
 # checks for FCE_FUZZ_SECONDS (60; make fuzz runs longer), and the C suites built with
 # AddressSanitizer + UBSan (make test-asan). Each in a build directory of its own.

@@ -1,21 +1,25 @@
 #!/usr/bin/env bash
-# `pip install ./bindings/python` with nothing else set, tested the way a user gets it: a fresh
-# virtual environment in a temporary folder, the package built there by pip (scikit-build-core
-# runs CMake on the repository; CPU-only here to keep CI time down), then, with FUSEDCE_LIBRARY
-# unset and the working directory outside the repository, `python -m fusedce` and the binding's
-# tests (a copy of bindings/python/tests: run in place, their conftest.py would import the
-# package from the source tree) against the installed package and the library inside it.
+# A source install tested the way a user gets it: the sdist of the repository (`python -m build
+# --sdist`: the C++/CUDA sources, CMake files and the package), then `pip install <sdist>` into a
+# fresh virtual environment in a temporary folder (scikit-build-core runs CMake on the unpacked
+# sources, as for `pip install .` or `pip install git+...`), then, with FUSEDCE_LIBRARY unset and
+# the working directory outside the repository, `python -m fusedce` and the binding's tests (a
+# copy of bindings/python/tests: run in place, their conftest.py would import the package from
+# the source tree) against the installed package and the library inside it.
 #
-#   tools/test_pip_install.sh              # CPU-only build (FCE_WITH_CUDA=OFF)
+#   tools/test_pip_install.sh              # nvcc hidden (FCE_NVCC=<missing file>): the build
+#                                          # must go CPU-only, warn, and record why (_build.py)
+#   FCE_PIP_CUDA=OFF tools/test_pip_install.sh    # CPU-only, chosen (no warning)
 #   FCE_PIP_CUDA=auto tools/test_pip_install.sh   # let CMake decide (CUDA when nvcc is found)
 #   KEEP=1 tools/test_pip_install.sh       # keep the temporary folder (the venv) afterwards
 #
 # Needs: python3 with venv, CMake >= 3.24, a C++ compiler, OpenBLAS (`make setup` installs them)
-# and PyPI (or a pip index/find-links set in pip's config) for scikit-build-core, numpy, pytest.
+# and PyPI (or a pip index/find-links set in pip's config) for build, scikit-build-core, numpy,
+# pytest.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PYTHON=${PYTHON:-python3}
-FCE_PIP_CUDA=${FCE_PIP_CUDA:-OFF}   # OFF, ON, or auto
+FCE_PIP_CUDA=${FCE_PIP_CUDA:-hidden}   # hidden, OFF, ON, or auto
 start=$SECONDS
 phase_start=$SECONDS
 phase() {  # phase NAME: print the time the previous phase took, announce the next
@@ -41,10 +45,34 @@ if ! "$PYTHON" -m venv "$TMP/venv"; then
 fi
 VPY="$TMP/venv/bin/python"
 
-phase "pip install ./bindings/python (FCE_WITH_CUDA=$FCE_PIP_CUDA) pytest"
+phase "python -m build --sdist (the repository)"
+"$VPY" -m pip install -q --progress-bar off build "scikit-build-core>=0.10"
+"$VPY" -m build --sdist --no-isolation --outdir "$TMP/sdist" "$ROOT" >"$TMP/sdist.log" 2>&1 ||
+  { cat "$TMP/sdist.log"; exit 1; }
+SDIST=$(ls "$TMP"/sdist/fusedce-*.tar.gz)
+echo "$(basename "$SDIST"): $(du -k "$SDIST" | cut -f1) KB, $(tar -tzf "$SDIST" | wc -l) files"
+for f in CMakeLists.txt include/fusedce.h lib/cuda/gemm.cu lib/cuda/cublaslt_loader.cpp \
+         lib/cpu/ce.cpp bindings/python/fusedce/_lib.py cmake/_build.py.in; do
+  tar -tzf "$SDIST" | grep -q "^fusedce-[0-9.]*/$f$" || { echo "sdist lacks $f" >&2; exit 1; }
+done
+
+phase "pip install <sdist> (FCE_WITH_CUDA: $FCE_PIP_CUDA) pytest"
 cuda_define=()
-[ "$FCE_PIP_CUDA" = auto ] || cuda_define=(--config-settings="cmake.define.FCE_WITH_CUDA=$FCE_PIP_CUDA")
-"$VPY" -m pip install --progress-bar off "${cuda_define[@]}" "$ROOT/bindings/python" pytest
+case $FCE_PIP_CUDA in
+  hidden) cuda_define=(--config-settings=cmake.define.FCE_NVCC=/nonexistent/bin/nvcc) ;;
+  auto) ;;
+  *) cuda_define=(--config-settings="cmake.define.FCE_WITH_CUDA=$FCE_PIP_CUDA") ;;
+esac
+# -v: pip shows the build's output (CMake's warning) only then; the log is checked below
+"$VPY" -m pip install -v --progress-bar off "${cuda_define[@]}" "$SDIST" pytest >"$TMP/pip.log" 2>&1 ||
+  { tail -80 "$TMP/pip.log"; exit 1; }
+grep -E "^Successfully installed|Building wheel for fusedce" "$TMP/pip.log" || true
+if [ "$FCE_PIP_CUDA" = hidden ]; then
+  grep -A3 "CMake Warning" "$TMP/pip.log" | grep -q "nvcc not found" ||
+    { echo "test_pip_install: no CMake warning about the missing nvcc in pip -v's output" >&2; exit 1; }
+  "$VPY" -c 'from fusedce import _build; assert not _build.CUDA_BACKEND and "nvcc" in _build.CUDA_SKIPPED, vars(_build)'
+  echo "the build warned that nvcc is missing, and fusedce/_build.py records it"
+fi
 
 phase "python -m fusedce"
 "$VPY" -m fusedce

@@ -7,6 +7,10 @@
 #   3. tests/cuda.rs's harness on the CPU backend over host memory (FUSEDCE_CUDA_TESTS_ON_CPU=1),
 #      so that it is exercised without a GPU too
 #   4. the example: cargo run --example cross_entropy
+#   5. the `bundled` feature: fusedce-sys builds libfusedce from the repository's sources with
+#      cmake into its OUT_DIR (CPU-only here, FUSEDCE_BUNDLED_CUDA=OFF: a CUDA build would add
+#      minutes for no GPU to run it on; FUSEDCE_BUNDLED_CUDA=ON or auto selects it), links that,
+#      and the workspace's tests run against it (FUSEDCE_LIB_DIR unset)
 # On a GPU machine without cargo: bindings/rust/run_gpu_tests.sh (pack here, run there).
 # Usage: bindings/rust/run_tests.sh BUILD_DIR
 # Cargo writes only under BUILD_DIR/rust-target (CARGO_TARGET_DIR); --offline --locked: no
@@ -41,5 +45,10 @@ FUSEDCE_CUDA_TESTS_ON_CPU=1 "$CARGO" test "${cargo_flags[@]}" -p fusedce --test 
 
 step "example: cargo run --example cross_entropy"
 "$CARGO" run "${cargo_flags[@]}" -p fusedce --example cross_entropy
+
+step "cargo test --features fusedce-sys/bundled (libfusedce built by build.rs, FUSEDCE_BUNDLED_CUDA=${FUSEDCE_BUNDLED_CUDA:-OFF})"
+env -u FUSEDCE_LIB_DIR -u FUSEDCE_INCLUDE_DIR FUSEDCE_BUNDLED_CUDA="${FUSEDCE_BUNDLED_CUDA:-OFF}" \
+  LD_LIBRARY_PATH= CARGO_TARGET_DIR="$build/rust-target-bundled" \
+  "$CARGO" test "${cargo_flags[@]}" --workspace --features fusedce-sys/bundled
 
 echo "--- rust: all passed"

@@ -9,13 +9,12 @@
 // workspace, so every workspace of at least min_bytes gives bit for bit the same result (BLAS
 // results depend on the shapes they are called with, ∂W on how its sum over rows is split). The
 // chunk's buffers live in the workspace when it holds optimal_bytes, else in host memory.
-#include <cblas.h>
-
 #include <climits>
 #include <new>
 #include <vector>
 
 #include "ce_row.h"
+#include "cpu/blas.h"
 #include "linear_chunks.h"
 
 namespace fce {

@@ -5,13 +5,12 @@
 // workspace; its buffers live in the workspace when it is large enough, else in host memory.
 #pragma once
 
-#include <cblas.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <vector>
 
 #include "common.h"
+#include "cpu/blas.h"
 
 namespace fce {
 namespace cpu {

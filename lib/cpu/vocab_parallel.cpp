@@ -15,14 +15,13 @@
 // (not to the unrounded double maximum of the double path), so that the combination's algebra
 // (S = Σ s_r exp(m_r − M), U = Σ u_r + W_r (M − m_r)) is exact in the stored values and the
 // gradient's p_j = exp((a_j − M) − ls) sums to 1 over the shards.
-#include <cblas.h>
-
 #include <atomic>
 #include <climits>
 #include <new>
 #include <vector>
 
 #include "ce_row.h"
+#include "cpu/blas.h"
 #include "linear_chunks.h"
 
 namespace fce {

@@ -57,16 +57,6 @@ WsLayout ws_layout(const CeOptions& opt, int64_t rows, bool backward) {
 
 }  // namespace
 
-bool cuda_available() {
-  int n = 0;
-  const cudaError_t e = cudaGetDeviceCount(&n);
-  if (e != cudaSuccess) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  return n > 0;
-}
-
 size_t cuda_ce_workspace_size(const CeOptions& opt, int64_t rows, int64_t /*vocab*/,
                               bool backward) {
   return ws_layout(opt, rows, backward).total;

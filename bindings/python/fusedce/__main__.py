@@ -1,6 +1,7 @@
 """``python -m fusedce``: what this installation is made of, for bug reports (in the spirit of
 ``python -m torch.utils.collect_env``): the package and library versions, the library's path and
-where it was found, the backends, the BLAS, the GPU, the Python side.
+where it was found, the backends, the cuBLASLt the CUDA backend loaded (the library's answer,
+and the files /proc/self/maps shows in the process), the BLAS, the GPU, the Python side.
 
 Exit status: 0 when the library loads, 1 when it does not (the report says why).
 """
@@ -65,13 +66,14 @@ def _gpu() -> str:
     return "none found (no torch, no cupy, no nvidia-smi)"
 
 
-def _blas(info) -> str:
+def _info_part(info, key: str, absent: str) -> str:
+    """The part "<key>: ..." of fce_build_info's line (``absent`` when it has none)."""
     if info is None:
         return "unknown (library older than 0.3)"
     for part in info.split("; "):
-        if part.startswith("BLAS: "):
-            return part[len("BLAS: "):]
-    return "unknown (not in fce_build_info)"
+        if part.startswith(key + ": "):
+            return part[len(key) + 2:]
+    return absent
 
 
 def _backends(lib, info) -> str:
@@ -79,12 +81,26 @@ def _backends(lib, info) -> str:
     if cuda:
         return "cpu, cuda (fce_cuda_available: 1)"
     if info is not None and "built without CUDA" in info:
-        why = "this library was built without CUDA"
-    elif info is not None and "cuda" in info:
+        why = ("this library was built without CUDA: pip install fusedce-cu13 (or fusedce-cu12) "
+               "for one with it")
+    elif info is not None and "device not visible" in info:
         why = "built with CUDA, but no CUDA device is visible"
+    elif info is not None and "cuBLASLt: not loaded" in info:
+        why = "built with CUDA, but cuBLASLt could not be loaded (see cuBLASLt below)"
     else:
         why = "no CUDA backend in this library, or no CUDA device visible"
     return "cpu (cuda: not available: %s)" % why
+
+
+def _mapped(name: str) -> str:
+    """The files whose name holds ``name`` mapped into this process (/proc/self/maps)."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split(None, 5)[5].strip() for line in f if len(line.split(None, 5)) == 6}
+    except OSError as e:
+        return "unknown (%s)" % e
+    found = sorted(p for p in paths if name in os.path.basename(p))
+    return ", ".join(found) if found else "none"
 
 
 def _version_of(name: str) -> str:
@@ -122,7 +138,10 @@ def main(argv=None) -> int:
         info = _lib.build_info()
         row("build info", info if info is not None else "unknown (library older than 0.3)")
         row("backends", _backends(lib, info))
-        row("BLAS", _blas(info))
+        row("cuBLASLt", _info_part(info, "cuBLASLt", "none (no CUDA backend)"))
+        row("cuBLASLt preload", _lib.cublaslt_preload())
+        row("cuBLASLt in process", _mapped("libcublasLt"))
+        row("BLAS", _info_part(info, "BLAS", "unknown (not in fce_build_info)"))
     row("FUSEDCE_LIBRARY", env if env else "(not set)")
     row("GPU", _gpu())
     row("Python", "%s (%s)" % (platform.python_version(), sys.executable))

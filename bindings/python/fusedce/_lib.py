@@ -20,12 +20,24 @@ The library is searched in this order:
   1. the path in the environment variable FUSEDCE_LIBRARY (a file, or a folder holding
      libfusedce.so or libfusedce.so.0), when it is set: an explicit choice, never silently
      replaced by another library;
-  2. inside this package: fusedce/lib/libfusedce.so* (where ``pip install``/``pip wheel`` of
-     bindings/python put the library they build), then fusedce/libfusedce.so* (where a developer
+  2. inside this package: fusedce/lib/libfusedce.so* (where the wheels, ``pip install .`` and
+     ``pip wheel`` put the library), then fusedce/libfusedce.so* (where a developer
      may copy one);
   3. the system: ctypes.util.find_library("fusedce"), then "libfusedce.so.0" (the soname) and
      "libfusedce.so" through the dynamic loader's own path (LD_LIBRARY_PATH, ldconfig).
 :func:`library_origin` says which of them the loaded library came from.
+
+cuBLASLt (the CUDA backend's GEMMs) is not linked into libfusedce: the library loads
+libcublasLt.so.<CUDA major> itself the first time the CUDA backend is asked for
+(lib/cuda/cublaslt_loader.cpp: FUSEDCE_CUBLASLT, a copy already in the process, the nvidia-cublas
+wheel in the package's own site-packages, the dynamic loader's path). Before loading a library
+that pip built with the CUDA backend (fusedce/_build.py says which cuBLASLt), this module
+preloads that cuBLASLt from the ``nvidia`` namespace package wherever it is on sys.path, as
+torch does for its own CUDA libraries, so that fusedce and nvidia-cublas installed into two
+different site-packages folders still find each other (:func:`cublaslt_preload` says what
+happened). Skipped when FUSEDCE_CUBLASLT is set, when the soname is already loaded, and on a
+machine with no NVIDIA driver (no /proc/driver/nvidia, /dev/nvidiactl or /dev/dxg), where the
+~0.5 GB library would cost an import second for nothing.
 """
 
 from __future__ import annotations
@@ -34,6 +46,7 @@ import ctypes
 import ctypes.util
 import glob
 import os
+import sys
 import threading
 
 # fce_status and the exception of each status: fusedce/_errors.py (re-exported here)
@@ -124,6 +137,7 @@ _LIB_PATH = None
 _LIB_ORIGIN = None
 _LIB_VERSION = 0
 _LIB_MISSING = frozenset()  # the functions added after 0.1 that the loaded library lacks
+_CUBLASLT_PRELOAD = "not tried"
 _LOCK = threading.Lock()
 
 # where the package's own copy of the library lives (CMakeLists.txt's last block installs it)
@@ -152,6 +166,65 @@ def _candidates():
         yield ("ctypes.util.find_library", found)
     yield ("system loader", "libfusedce.so.%d" % HEADER_VERSION_MAJOR)
     yield ("system loader", "libfusedce.so")
+
+
+_DRIVER_MARKERS = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/dxg")
+
+
+def _preload_cublaslt() -> str:
+    """Load the cuBLASLt this package's library was built for from an ``nvidia`` namespace
+    package on sys.path (see the module's docstring); returns what happened, in words."""
+    try:
+        from . import _build
+    except ImportError:
+        return "not needed (no fusedce/_build.py: a source tree; the library looks itself)"
+    if not _build.CUDA_BACKEND:
+        return "not needed (the packaged library has no CUDA backend)"
+    if os.environ.get("FUSEDCE_CUBLASLT"):
+        return "skipped: FUSEDCE_CUBLASLT is set (the library loads that file)"
+    soname = _build.CUBLASLT_SONAME
+    try:
+        ctypes.CDLL(soname, mode=os.RTLD_NOLOAD)
+        return "not needed: %s is already loaded in the process" % soname
+    except OSError:
+        pass
+    if not any(os.path.exists(m) for m in _DRIVER_MARKERS):
+        return "skipped: no NVIDIA driver on this machine (%s)" % ", ".join(_DRIVER_MARKERS)
+    failures = []
+    for entry in sys.path:
+        path = os.path.join(entry or os.getcwd(), _build.CUBLASLT_WHEEL_DIR, soname)
+        if not os.path.isfile(path):
+            continue
+        try:
+            ctypes.CDLL(path)
+            return "loaded %s" % path
+        except OSError as e:
+            failures.append("%s: %s" % (path, e))
+    return "not found: no %s/%s on sys.path%s" % (
+        _build.CUBLASLT_WHEEL_DIR, soname, ("; " + "; ".join(failures)) if failures else "")
+
+
+def _warn_if_cuda_skipped() -> None:
+    """A package that pip built from source without the CUDA backend because nvcc was missing
+    says so once, on a machine with an NVIDIA driver (pip shows no build output)."""
+    try:
+        from . import _build
+    except ImportError:
+        return
+    why = getattr(_build, "CUDA_SKIPPED", None)
+    if why and not _build.CUDA_BACKEND and any(os.path.exists(m) for m in _DRIVER_MARKERS):
+        import warnings
+        warnings.warn(
+            "fusedce: this package has no CUDA backend: %s. CUDA arrays will raise "
+            "BackendUnavailableError. pip install fusedce-cu13 (or fusedce-cu12) has it ready-made; "
+            "or install the CUDA toolkit and build again (pip install --force-reinstall "
+            "--no-cache-dir ...)." % why, UserWarning, stacklevel=3)
+
+
+def cublaslt_preload() -> str:
+    """What :func:`load` did to preload cuBLASLt, in words (the module's docstring)."""
+    load()
+    return _CUBLASLT_PRELOAD
 
 
 # The functions appended to the C ABI after 0.1, with the FCE_VERSION_NUMBER that added them.
@@ -315,13 +388,16 @@ def format_version(number: int) -> str:
 
 def load(reload: bool = False):
     """The loaded ctypes.CDLL (loading it on first use). Raises LibraryNotFoundError."""
-    global _LIB, _LIB_PATH, _LIB_ORIGIN, _LIB_VERSION, _LIB_MISSING
+    global _LIB, _LIB_PATH, _LIB_ORIGIN, _LIB_VERSION, _LIB_MISSING, _CUBLASLT_PRELOAD
     lib = _LIB  # every call of every binding comes here: no lock once loaded (_LIB is set last)
     if lib is not None and not reload:
         return lib
     with _LOCK:
         if _LIB is not None and not reload:
             return _LIB
+        if _CUBLASLT_PRELOAD == "not tried":
+            _CUBLASLT_PRELOAD = _preload_cublaslt()
+            _warn_if_cuda_skipped()
         tried = []
         for origin, path in _candidates():
             if os.sep in path and not os.path.exists(path):
@@ -356,8 +432,9 @@ def load(reload: bool = False):
             _LIB = lib
             return lib
         raise LibraryNotFoundError(
-            "libfusedce not found; `pip install ./bindings/python` builds it into the package, "
-            "or set FUSEDCE_LIBRARY to the path of libfusedce.so (e.g. build/libfusedce.so). "
+            "libfusedce not found; `pip install fusedce-cu13` (or -cu12) installs a package with "
+            "it, `pip install .` in the repository builds it into the package, or set "
+            "FUSEDCE_LIBRARY to the path of libfusedce.so (e.g. build/libfusedce.so). "
             "Tried:\n  " + "\n  ".join(tried or ["(nothing: no candidate)"]))
 
 

@@ -1,11 +1,16 @@
 //! Finds libfusedce for the linker, in this order:
+//!   0. with the `bundled` feature: builds it from the repository's sources (FUSEDCE_SOURCE_DIR,
+//!      default the CMakeLists.txt two folders above this crate) by running cmake into OUT_DIR,
+//!      and links that: FUSEDCE_BUNDLED_CUDA=ON/OFF/auto (auto, the default: the CUDA backend
+//!      when nvcc is found, as `make` decides), FUSEDCE_BUNDLED_CUDA_ARCHS (CMake's
+//!      CMAKE_CUDA_ARCHITECTURES, default the library's), CMAKE (the cmake program);
 //!   1. FUSEDCE_LIB_DIR: the directory holding libfusedce.so (a CMake build dir, or
 //!      <prefix>/lib); FUSEDCE_INCLUDE_DIR optionally names the directory of fusedce.h.
 //!   2. `pkg-config --libs --cflags fusedce` (the fusedce.pc that `make install` puts in
 //!      <prefix>/lib/pkgconfig; PKG_CONFIG_PATH reaches other prefixes).
 //!
 //! Nothing else: no bindgen here (src/bindings.rs is pre-generated and committed) and no
-//! dependency (pkg-config runs through std::process::Command).
+//! dependency (pkg-config and cmake run through std::process::Command).
 //!
 //! For crates that depend on this one (`links = "fusedce"`), it exports DEP_FUSEDCE_LIB_DIR
 //! and, when known, DEP_FUSEDCE_INCLUDE (the directory of fusedce.h). It also adds an rpath to
@@ -16,6 +21,10 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 const ENV_VARS: &[&str] = &[
+    "FUSEDCE_SOURCE_DIR",
+    "FUSEDCE_BUNDLED_CUDA",
+    "FUSEDCE_BUNDLED_CUDA_ARCHS",
+    "CMAKE",
     "FUSEDCE_LIB_DIR",
     "FUSEDCE_INCLUDE_DIR",
     "PKG_CONFIG",
@@ -32,6 +41,12 @@ fn main() {
     }
     // docs.rs-style builds have no library to link against; the declarations document fine.
     if env::var_os("DOCS_RS").is_some() {
+        return;
+    }
+
+    if env::var_os("CARGO_FEATURE_BUNDLED").is_some() {
+        let (lib_dir, include_dir) = build_bundled();
+        link(&[lib_dir], Some(include_dir));
         return;
     }
 
@@ -66,6 +81,112 @@ fn main() {
              At run time the dynamic loader must find libfusedce.so too (LD_LIBRARY_PATH, or \
              an installed library).\n\n"
         ),
+    }
+}
+
+/// The `bundled` feature: configures and builds the library target of the repository's
+/// CMakeLists.txt into OUT_DIR/build (no tests, examples or NCCL companion); returns the
+/// directory holding libfusedce.so and the one holding fusedce.h.
+fn build_bundled() -> (PathBuf, PathBuf) {
+    let manifest = PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").expect("CARGO_MANIFEST_DIR"));
+    let source = env::var_os("FUSEDCE_SOURCE_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| manifest.join("../../.."));
+    let source = source.canonicalize().unwrap_or(source);
+    if !source.join("CMakeLists.txt").is_file() || !source.join("include/fusedce.h").is_file() {
+        panic!(
+            "\n\nfusedce-sys (bundled): no fusedce sources in {} (CMakeLists.txt, \
+             include/fusedce.h). The `bundled` feature builds the repository this crate sits in \
+             (a path or git dependency); set FUSEDCE_SOURCE_DIR to a checkout otherwise.\n\n",
+            source.display()
+        );
+    }
+    for dir in ["lib", "include", "cmake"] {
+        println!("cargo:rerun-if-changed={}", source.join(dir).display());
+    }
+    println!(
+        "cargo:rerun-if-changed={}",
+        source.join("CMakeLists.txt").display()
+    );
+
+    let build = PathBuf::from(env::var_os("OUT_DIR").expect("OUT_DIR")).join("build");
+    let cmake = env::var("CMAKE").unwrap_or_else(|_| "cmake".to_string());
+    let mut configure = Command::new(&cmake);
+    configure
+        .arg("-S")
+        .arg(&source)
+        .arg("-B")
+        .arg(&build)
+        .args([
+            "-DCMAKE_BUILD_TYPE=Release",
+            "-DFCE_BUILD_TESTS=OFF",
+            "-DFCE_BUILD_EXAMPLES=OFF",
+            "-DFCE_WITH_NCCL=OFF",
+        ]);
+    let cuda = env::var("FUSEDCE_BUNDLED_CUDA").unwrap_or_else(|_| "auto".to_string());
+    match cuda.as_str() {
+        "ON" | "on" | "1" => {
+            configure.arg("-DFCE_WITH_CUDA=ON");
+        }
+        "OFF" | "off" | "0" => {
+            configure.arg("-DFCE_WITH_CUDA=OFF");
+        }
+        "auto" => {
+            let nvcc = find_nvcc();
+            configure.arg(format!(
+                "-DFCE_WITH_CUDA={}",
+                if nvcc.is_some() { "ON" } else { "OFF" }
+            ));
+            match nvcc {
+                Some(nvcc) => {
+                    configure.arg(format!("-DCMAKE_CUDA_COMPILER={}", nvcc.display()));
+                }
+                None => println!(
+                    "cargo:warning=fusedce-sys (bundled): nvcc not found (PATH, CUDA_HOME, \
+                     /usr/local/cuda/bin): libfusedce is built without its CUDA backend \
+                     (FUSEDCE_BUNDLED_CUDA=ON to require it)"
+                ),
+            }
+        }
+        other => panic!("fusedce-sys (bundled): FUSEDCE_BUNDLED_CUDA={other}: ON, OFF or auto"),
+    }
+    if let Ok(archs) = env::var("FUSEDCE_BUNDLED_CUDA_ARCHS") {
+        configure.arg(format!("-DCMAKE_CUDA_ARCHITECTURES={archs}"));
+    }
+    run(&mut configure, "configure");
+    let jobs = env::var("NUM_JOBS").unwrap_or_else(|_| "2".to_string());
+    run(
+        Command::new(&cmake)
+            .arg("--build")
+            .arg(&build)
+            .args(["--target", "fusedce", "-j", &jobs]),
+        "build",
+    );
+    (build, source.join("include"))
+}
+
+fn find_nvcc() -> Option<PathBuf> {
+    let mut dirs: Vec<PathBuf> = env::var_os("PATH")
+        .map(|p| env::split_paths(&p).collect())
+        .unwrap_or_default();
+    if let Some(home) = env::var_os("CUDA_HOME") {
+        dirs.push(PathBuf::from(home).join("bin"));
+    }
+    dirs.push(PathBuf::from("/usr/local/cuda/bin"));
+    dirs.into_iter()
+        .map(|d| d.join("nvcc"))
+        .find(|p| p.is_file())
+}
+
+fn run(command: &mut Command, what: &str) {
+    let status = command
+        .status()
+        .unwrap_or_else(|e| panic!("fusedce-sys (bundled): cannot run cmake ({what}): {e}"));
+    if !status.success() {
+        panic!(
+            "\n\nfusedce-sys (bundled): cmake {what} failed ({status}): {command:?}\n\
+             It needs CMake >= 3.24, a C++ compiler and OpenBLAS (libopenblas-dev).\n\n"
+        );
     }
 }
 

@@ -102,3 +102,22 @@ fn cuda_available_is_a_boolean() {
     let a = unsafe { fce_cuda_available() };
     assert!(a == 0 || a == 1);
 }
+
+/// With the `bundled` feature the library this process runs is the one build.rs built in
+/// OUT_DIR, not an installed one (and not the FUSEDCE_LIB_DIR of another build).
+#[cfg(all(feature = "bundled", target_os = "linux"))]
+#[test]
+fn bundled_library_is_the_one_loaded() {
+    let _ = unsafe { fce_version() }; // the library is mapped by now
+    let maps = std::fs::read_to_string("/proc/self/maps").expect("/proc/self/maps");
+    let loaded: Vec<&str> = maps
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(5))
+        .filter(|p| p.contains("libfusedce.so"))
+        .collect();
+    let out_dir = env!("OUT_DIR");
+    assert!(
+        !loaded.is_empty() && loaded.iter().all(|p| p.starts_with(out_dir)),
+        "libfusedce mapped from {loaded:?}, not from {out_dir}"
+    );
+}
