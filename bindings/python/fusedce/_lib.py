@@ -216,9 +216,9 @@ def _warn_if_cuda_skipped() -> None:
         import warnings
         warnings.warn(
             "fusedce: this package has no CUDA backend: %s. CUDA arrays will raise "
-            "BackendUnavailableError. pip install fusedce-cu13 (or fusedce-cu12) has it ready-made; "
-            "or install the CUDA toolkit and build again (pip install --force-reinstall "
-            "--no-cache-dir ...)." % why, UserWarning, stacklevel=3)
+            "BackendUnavailableError. pip install fusedce-cu13 (or fusedce-cu12) has it "
+            "ready-made; or install the CUDA toolkit and build again (pip install "
+            "--force-reinstall --no-cache-dir ...)." % why, UserWarning, stacklevel=3)
 
 
 def cublaslt_preload() -> str:
