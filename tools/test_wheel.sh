@@ -7,7 +7,8 @@
 # for GPU machines; the library must load without it), then, outside the repository and with
 # FUSEDCE_LIBRARY unset, `python -m fusedce` and a copy of the binding's tests against it.
 #
-#   tools/test_wheel.sh                      # builds into a temporary folder
+#   tools/test_wheel.sh                      # builds it into WHEELHOUSE (.wheelhouse), where
+#                                            # it stays for tools/wheel_gpu_check.sh
 #   FCE_WHEEL=path/to/fusedce_cu13-*.whl tools/test_wheel.sh   # test a wheel already built
 #   CUDA_ARCHS=90-real tools/test_wheel.sh   # a faster build (the wheel's default: all four;
 #                                            # with FCE_WHEEL: the architectures it was built for)
@@ -30,9 +31,10 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 
 whl=${FCE_WHEEL:-}
 if [ -z "$whl" ]; then
-  phase "tools/build_wheels.sh (fusedce-cu13)"
-  WHEELS=cu13 bash "$ROOT/tools/build_wheels.sh" "$TMP/wheelhouse"
-  whl=$(ls "$TMP"/wheelhouse/fusedce_cu13-*.whl)
+  house=${WHEELHOUSE:-$ROOT/.wheelhouse}
+  phase "tools/build_wheels.sh (fusedce-cu13) into $house"
+  WHEELS=cu13 bash "$ROOT/tools/build_wheels.sh" "$house"
+  whl=$(ls "$house"/fusedce_cu13-*.whl)
 fi
 whl=$(cd "$(dirname "$whl")" && pwd)/$(basename "$whl")
 
