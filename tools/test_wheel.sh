@@ -7,7 +7,8 @@
 # for GPU machines; the library must load without it), then, outside the repository and with
 # FUSEDCE_LIBRARY unset, `python -m fusedce` and a copy of the binding's tests against it.
 #
-#   tools/test_wheel.sh                      # builds into a temporary folder
+#   tools/test_wheel.sh                      # builds it into WHEELHOUSE (.wheelhouse), where
+#                                            # it stays for tools/wheel_gpu_check.sh
 #   FCE_WHEEL=path/to/fusedce_cu13-*.whl tools/test_wheel.sh   # test a wheel already built
 #   CUDA_ARCHS=90-real tools/test_wheel.sh   # a faster build (the wheel's default: all four;
 #                                            # with FCE_WHEEL: the architectures it was built for)
@@ -30,9 +31,10 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 
 whl=${FCE_WHEEL:-}
 if [ -z "$whl" ]; then
-  phase "tools/build_wheels.sh (fusedce-cu13)"
-  WHEELS=cu13 bash "$ROOT/tools/build_wheels.sh" "$TMP/wheelhouse"
-  whl=$(ls "$TMP"/wheelhouse/fusedce_cu13-*.whl)
+  house=${WHEELHOUSE:-$ROOT/.wheelhouse}
+  phase "tools/build_wheels.sh (fusedce-cu13) into $house"
+  WHEELS=cu13 bash "$ROOT/tools/build_wheels.sh" "$house"
+  whl=$(ls "$house"/fusedce_cu13-*.whl)
 fi
 whl=$(cd "$(dirname "$whl")" && pwd)/$(basename "$whl")
 
@@ -45,7 +47,7 @@ case $(basename "$whl") in
   *-manylinux_2_[0-9]*_x86_64.whl) ;;
   *) echo "test_wheel: $(basename "$whl") has no manylinux x86_64 tag" >&2; exit 1 ;;
 esac
-echo "$show" | grep -q 'is consistent with the following platform tag: *"manylinux_' ||
+tr -s '\n ' '  ' <<<"$show" | grep -q 'is consistent with the following platform tag: "manylinux_' ||
   { echo "test_wheel: auditwheel does not find the wheel consistent with a manylinux tag" >&2; exit 1; }
 if echo "$show" | grep -E "libcublas|libcudart\.so|libopenblas\.so|/usr/local/cuda"; then
   echo "test_wheel: the wheel depends on the line(s) above" >&2

@@ -103,6 +103,14 @@ def _mapped(name: str) -> str:
     return ", ".join(found) if found else "none"
 
 
+def _distribution() -> str:
+    """The installed distributions that hold the package (fusedce, fusedce-cu13, fusedce-cu12:
+    one name for the import, several for pip), with their versions."""
+    names = ("fusedce", "fusedce-cu13", "fusedce-cu12")
+    found = ["%s %s" % (n, _version_of(n)) for n in names if _version_of(n) != "not installed"]
+    return ", ".join(found) if found else "not installed (a source tree)"
+
+
 def _version_of(name: str) -> str:
     try:
         from importlib.metadata import version
@@ -120,7 +128,7 @@ def main(argv=None) -> int:
     from . import _lib
     from . import __version__
     row("fusedce", "%s (package %s, distribution %s)" % (
-        __version__, os.path.dirname(os.path.abspath(_lib.__file__)), _version_of("fusedce")))
+        __version__, os.path.dirname(os.path.abspath(_lib.__file__)), _distribution()))
     env = os.environ.get("FUSEDCE_LIBRARY")
     status = 0
     try:

@@ -28,7 +28,7 @@ The library is searched in this order:
 :func:`library_origin` says which of them the loaded library came from.
 
 cuBLASLt (the CUDA backend's GEMMs) is not linked into libfusedce: the library loads
-libcublasLt.so.<CUDA major> itself the first time the CUDA backend is asked for
+libcublasLt.so.<CUDA major> itself the first time the CUDA backend is asked for with a device
 (lib/cuda/cublaslt_loader.cpp: FUSEDCE_CUBLASLT, a copy already in the process, the nvidia-cublas
 wheel in the package's own site-packages, the dynamic loader's path). Before loading a library
 that pip built with the CUDA backend (fusedce/_build.py says which cuBLASLt), this module
@@ -216,9 +216,9 @@ def _warn_if_cuda_skipped() -> None:
         import warnings
         warnings.warn(
             "fusedce: this package has no CUDA backend: %s. CUDA arrays will raise "
-            "BackendUnavailableError. pip install fusedce-cu13 (or fusedce-cu12) has it ready-made; "
-            "or install the CUDA toolkit and build again (pip install --force-reinstall "
-            "--no-cache-dir ...)." % why, UserWarning, stacklevel=3)
+            "BackendUnavailableError. pip install fusedce-cu13 (or fusedce-cu12) has it "
+            "ready-made; or install the CUDA toolkit and build again (pip install "
+            "--force-reinstall --no-cache-dir ...)." % why, UserWarning, stacklevel=3)
 
 
 def cublaslt_preload() -> str:
