@@ -105,28 +105,41 @@ def clean(reason):
 
 
 def runs_line(doc, recs):
-    """Which runs the records come from: date, ceilings, versions."""
+    """Which runs the records come from: date, ceilings, versions of what has rows here."""
     by_id = {r["id"]: r for r in doc["runs"]}
-    ids = list(dict.fromkeys(r.get("run") for r in recs))
-    parts = []
-    for n, rid in enumerate(ids):
-        run = by_id.get(rid, {})
-        what = [f"copy {run['copy_tbps']:.2f} TB/s" if run.get("copy_tbps") else None,
-                f"bf16 GEMM {run['gemm_tflops']:.0f} TFLOP/s" if run.get("gemm_tflops") else None]
-        soft = [f"torch {run['torch'].split('+')[0]}" if run.get("torch") else None,
-                f"fusedce {run['fusedce']}" if run.get("fusedce") else None]
-        soft += [f"{DIST_NAME.get(k, k)} {v}" for k, v in (run.get("peers") or {}).items()
-                 if k != "triton"]
-        text = run.get("date", "date unknown")
-        if any(what):
-            text += ", " + ", ".join(w for w in what if w) + " measured in the same run"
-        if any(soft):
-            text += "; " + ", ".join(s for s in soft if s)
-        if n and len(ids) > 1:
-            impls = sorted({r["impl"] for r in recs if r.get("run") == rid})
-            text = f"the rows of {', '.join(impls)} from a second run on the same machine: " + text
-        parts.append(text)
-    return "; ".join(parts)
+    runs = [by_id.get(rid, {}) for rid in dict.fromkeys(r.get("run") for r in recs)]
+    impls = {r["impl"] for r in recs if r.get("ms") is not None}
+    # a peer's version is named only where one of its rows was measured
+    peer_impls = {"liger-kernel": {"liger"}, "cut-cross-entropy": {"cce", "cce-exact"},
+                  "quack-kernels": {"quack"}, "nvidia-cutlass-dsl": {"quack", "liger-cute"},
+                  "torch-lce": {"torch-lce"}}
+
+    def span(key, fmt):
+        vals = sorted({fmt % run[key] for run in runs if run.get(key)}, key=float)
+        return "–".join([vals[0], vals[-1]] if len(vals) > 1 else vals)
+
+    dates = sorted({run.get("date", "date unknown") for run in runs})
+    text = ", ".join(dates)
+    if len(runs) > 1:
+        text += f", {len(runs)} runs back to back on one machine"
+    what = [f"copy {span('copy_tbps', '%.2f')} TB/s" if any(r.get("copy_tbps") for r in runs)
+            else None,
+            f"bf16 GEMM {span('gemm_tflops', '%.0f')} TFLOP/s"
+            if any(r.get("gemm_tflops") for r in runs) else None]
+    if any(what):
+        text += ", " + ", ".join(w for w in what if w) + " measured in each"
+    soft = {}
+    for run in runs:
+        if run.get("torch"):
+            soft.setdefault("torch", f"torch {run['torch'].split('+')[0]}")
+        if run.get("fusedce"):
+            soft.setdefault("fusedce", f"fusedce {run['fusedce']}")
+        for k, v in (run.get("peers") or {}).items():
+            if k != "triton" and (k not in peer_impls or peer_impls[k] & impls):
+                soft.setdefault(k, f"{DIST_NAME.get(k, k)} {v}")
+    if soft:
+        text += "; " + ", ".join(soft.values())
+    return text
 
 
 def by_impl_table(doc, op, cell, note, failures=True):
