@@ -187,7 +187,10 @@ def lin_loss_fn(impl):
     if impl == "torch-lce":
         t = torch_lce()
         opts = t.LinearCrossEntropyOptions()
-        return noted(lambda h, W, y: t.linear_cross_entropy(h, W, y, options=opts),
+        # bound once: the first call imports the submodule torch_lce.linear_cross_entropy,
+        # which then shadows the package attribute of the same name
+        from torch_lce.functional import linear_cross_entropy as lce
+        return noted(lambda h, W, y: lce(h, W, y, options=opts),
                      f"torch {t.SOURCE_VERSION}'s module, options=LinearCrossEntropyOptions()")
     if impl == "quack":
         from quack.linear_cross_entropy import chunked_linear_cross_entropy as qlce

@@ -325,7 +325,35 @@ def t_cpu(device):
     return lines
 
 
-TABLES = {"ce": t_ce, "linear": t_linear, "linear-dw": t_linear_dw, "vp": t_vp,
+def t_headline(device):
+    """Two lines for the README's first screen: fusedce against the fastest peer measured, at
+    the first shape of each op, from the same file as the full tables below it."""
+    doc = doc_of("torch", device)
+    out = []
+    for op, what in (("ce", "cross-entropy over logits"), ("linear_ce", "linear + cross-entropy")):
+        recs = [r for r in doc["records"] if r["op"] == op and r.get("ms") is not None]
+        if not recs:
+            continue
+        first = shape(recs[0])
+        at = [r for r in recs if shape(r) == first]
+        ours = next((r for r in at if r["impl"] == "fusedce"), None)
+        peers = sorted((r for r in at if not r["impl"].startswith("fusedce")), key=lambda r: r["ms"])
+        if ours is None or not peers:
+            continue
+        def pmem(r, op=op):
+            return (f" ({mib(r['extra_mib'])})"
+                    if op == "linear_ce" and r.get("extra_mib") is not None else "")
+        extra = (f" in {mib(ours['extra_mib'])} beyond the gradients"
+                 if op == "linear_ce" and ours.get("extra_mib") is not None else "")
+        out.append(f"- {what}, {first} bf16: **{ms(ours['ms'])} ms**{extra}; fastest peer "
+                   f"{IMPL_NAME.get(peers[0]['impl'], peers[0]['impl'])} {ms(peers[0]['ms'])} ms"
+                   f"{pmem(peers[0])}, "
+                   f"torch eager {ms(next((r['ms'] for r in at if r['impl'] == 'torch-eager'), float('nan')))} ms")
+    return [f"Loss + `.backward()` through torch on one {device_words(doc['device'])} "
+            f"({doc['date']}; full tables below):", ""] + out
+
+
+TABLES = {"headline": t_headline, "ce": t_ce, "linear": t_linear, "linear-dw": t_linear_dw, "vp": t_vp,
           "ce-raw": t_ce_raw, "linear-raw": t_linear_raw, "options": t_options,
           "accuracy-dw": t_accuracy_dw, "cpu": t_cpu}
 
