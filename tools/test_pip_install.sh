@@ -50,10 +50,11 @@ phase "python -m build --sdist (the repository)"
 "$VPY" -m build --sdist --no-isolation --outdir "$TMP/sdist" "$ROOT" >"$TMP/sdist.log" 2>&1 ||
   { cat "$TMP/sdist.log"; exit 1; }
 SDIST=$(ls "$TMP"/sdist/fusedce-*.tar.gz)
-echo "$(basename "$SDIST"): $(du -k "$SDIST" | cut -f1) KB, $(tar -tzf "$SDIST" | wc -l) files"
+tar -tzf "$SDIST" >"$TMP/sdist.files"
+echo "$(basename "$SDIST"): $(du -k "$SDIST" | cut -f1) KB, $(wc -l <"$TMP/sdist.files") files"
 for f in CMakeLists.txt include/fusedce.h lib/cuda/gemm.cu lib/cuda/cublaslt_loader.cpp \
          lib/cpu/ce.cpp bindings/python/fusedce/_lib.py cmake/_build.py.in; do
-  tar -tzf "$SDIST" | grep -q "^fusedce-[0-9.]*/$f$" || { echo "sdist lacks $f" >&2; exit 1; }
+  grep -q "^fusedce-[0-9.]*/$f$" "$TMP/sdist.files" || { echo "sdist lacks $f" >&2; exit 1; }
 done
 
 phase "pip install <sdist> (FCE_WITH_CUDA: $FCE_PIP_CUDA) pytest"
@@ -68,7 +69,7 @@ esac
   { tail -80 "$TMP/pip.log"; exit 1; }
 grep -E "^Successfully installed|Building wheel for fusedce" "$TMP/pip.log" || true
 if [ "$FCE_PIP_CUDA" = hidden ]; then
-  grep -A3 "CMake Warning" "$TMP/pip.log" | grep -q "nvcc not found" ||
+  grep -A3 "CMake Warning" "$TMP/pip.log" | grep "nvcc not found" >/dev/null ||
     { echo "test_pip_install: no CMake warning about the missing nvcc in pip -v's output" >&2; exit 1; }
   "$VPY" -c 'from fusedce import _build; assert not _build.CUDA_BACKEND and "nvcc" in _build.CUDA_SKIPPED, vars(_build)'
   echo "the build warned that nvcc is missing, and fusedce/_build.py records it"

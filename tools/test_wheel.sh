@@ -47,7 +47,7 @@ case $(basename "$whl") in
   *-manylinux_2_[0-9]*_x86_64.whl) ;;
   *) echo "test_wheel: $(basename "$whl") has no manylinux x86_64 tag" >&2; exit 1 ;;
 esac
-tr -s '\n ' '  ' <<<"$show" | grep -q 'is consistent with the following platform tag: "manylinux_' ||
+tr -s '\n ' '  ' <<<"$show" | grep 'is consistent with the following platform tag: "manylinux_' >/dev/null ||
   { echo "test_wheel: auditwheel does not find the wheel consistent with a manylinux tag" >&2; exit 1; }
 if echo "$show" | grep -E "libcublas|libcudart\.so|libopenblas\.so|/usr/local/cuda"; then
   echo "test_wheel: the wheel depends on the line(s) above" >&2
