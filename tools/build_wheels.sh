@@ -126,17 +126,18 @@ check_wheel() {
   local dyn
   dyn=$(readelf -d "$so")
   echo "$dyn" | grep -E "NEEDED|RUNPATH|RPATH" | sed 's/^ */  /'
-  ! echo "$dyn" | grep -q "NEEDED.*libcublas" || die "$tag: libfusedce NEEDs cuBLAS"
-  ! echo "$dyn" | grep -q "NEEDED.*\[libopenblas" || die "$tag: libfusedce NEEDs a system OpenBLAS"
-  ! echo "$dyn" | grep -q "NEEDED.*libcudart.so" || die "$tag: libfusedce NEEDs a shared cudart"
-  ! echo "$dyn" | grep -qi "R.*PATH.*cuda" ||
+  ! echo "$dyn" | grep "NEEDED.*libcublas" >/dev/null || die "$tag: libfusedce NEEDs cuBLAS"
+  ! echo "$dyn" | grep "NEEDED.*\[libopenblas" >/dev/null || die "$tag: libfusedce NEEDs a system OpenBLAS"
+  ! echo "$dyn" | grep "NEEDED.*libcudart.so" >/dev/null || die "$tag: libfusedce NEEDs a shared cudart"
+  ! echo "$dyn" | grep -i "R.*PATH.*cuda" >/dev/null ||
     die "$tag: libfusedce has a run path into a CUDA toolkit"
-  ! strings "$so" | grep -qE "^/.*cuda[^/]*/(lib|lib64|targets/.*/lib)$" ||
+  ! strings "$so" | grep -E "^/.*cuda[^/]*/(lib|lib64|targets/.*/lib)$" >/dev/null ||
     die "$tag: libfusedce holds a CUDA toolkit library directory (FCE_CUBLASLT_TOOLKIT_DIR)"
   ls "$x"/*.libs/libscipy_openblas*.so >/dev/null 2>&1 || die "$tag: scipy-openblas is not bundled"
   grep -q "^Requires-Dist: nvidia-cublas" "$x"/*.dist-info/METADATA ||
     die "$tag: METADATA does not require nvidia-cublas"
-  local meta=("$x"/*.dist-info/METADATA)
+  local meta
+  meta=$(ls "$x"/*.dist-info/METADATA)
   echo "  libfusedce.so: $(du -k "$so" | cut -f1) KB; $(grep ^Name: "$meta");" \
        "$(grep ^Requires-Dist: "$meta" | grep -v extra | paste -sd' ')"
 }

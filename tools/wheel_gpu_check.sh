@@ -47,7 +47,9 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader ||
 mkdir -p "$HIDDEN"
 for d in /usr/local/cuda*; do [ -e "$d" ] && mv "$d" "$HIDDEN/"; done
 strip_cuda() { tr ':' '\n' <<<"${1:-}" | grep -v -i "/cuda" | paste -sd: -; }
-export PATH=$(strip_cuda "$PATH") LD_LIBRARY_PATH=$(strip_cuda "${LD_LIBRARY_PATH:-}")
+PATH=$(strip_cuda "$PATH")
+LD_LIBRARY_PATH=$(strip_cuda "${LD_LIBRARY_PATH:-}")
+export PATH LD_LIBRARY_PATH
 unset CUDA_HOME CUDA_PATH CUDACXX FUSEDCE_LIBRARY FUSEDCE_CUBLASLT
 echo "=== toolkit hidden in $HIDDEN: nvcc $(command -v nvcc || echo 'not on PATH');" \
      "ldconfig still lists: $(ldconfig -p | grep -c 'libcublasLt') libcublasLt entries (their files are gone)"
