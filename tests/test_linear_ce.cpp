@@ -640,7 +640,8 @@ TEST_F(Linear, ManyChunksAccumulateInFloat32) {
 //     there for a 16-bit grad_weight and for grad_hidden only; one chunk at mid and optimal;
 //   5000 x 32 x 64: more rows than a full-speed chunk (4096): 2 balanced chunks of 2560 even at
 //     the optimum for loss only and a float32 grad_weight (40 of 128 at the minimum); a 16-bit
-//     grad_weight accumulated in place over 4 chunks of 1280 at the minimum, one chunk above;
+//     grad_weight may take one chunk only (3·V / N < 1 chunks, linear_plan.cuh): the
+//     vocab-sliced plan at the minimum, one chunk above;
 //   64 x 256 x 3000: fewer rows than 128: one chunk (the vocab-sliced plan at the minimum for a
 //     16-bit grad_weight and for grad_hidden only).
 // On the CPU: chunks of 1024 rows (5 at 5000 rows), in host memory below the optimum.
@@ -1269,9 +1270,10 @@ TEST_F(Linear, CudaGraphCapture) {
 // Each plan captured into a CUDA graph and replayed (the call enqueues everything on the one
 // stream: no allocation, no synchronisation): the replay matches the reference and the eager
 // call bit for bit. The first two problems of kPlanShapes with a bias and grad_output, at the
-// minimum and the optimal workspace (token chunks of 128 and 2560 rows, a 16-bit grad_weight
-// accumulated over 4 chunks, the vocab-sliced plan, one chunk), with each gradient set; lse,
-// z_loss and error_flags included.
+// minimum and the optimal workspace (token chunks of 128 and 2560 rows, the vocab-sliced plan,
+// one chunk), and the workspace sweep's problem at a tenth of the way to its optimum (a 16-bit
+// grad_weight accumulated in place over several chunks), with each gradient set; lse, z_loss
+// and error_flags included.
 TEST_F(Linear, CudaGraphCaptureEveryPlan) {
   if (!on_cuda()) {
     std::printf("SKIPPED: graph capture is a CUDA backend test (FCE_TEST_BACKEND=cuda)\n");
@@ -1293,6 +1295,21 @@ TEST_F(Linear, CudaGraphCaptureEveryPlan) {
         }
       }
     }
+  for (int dtype : kDtypes) {
+    const PlanShape s = {1023, 24, 3001, 0};
+    LinCase c = plan_case(dtype, s, 0, 4321);
+    c.ws_frac = 0.1;
+    LinRunner r(c);
+    for (const GradSet& g : kGradSets) {
+      if (!applies(g, dtype)) continue;
+      r.set_gradients(g.gh, g.gw, g.gb, g.accumulate, g.gw_fp32);
+      SCOPED_TRACE(plan_trace(dtype, s, g, kWsFrac));
+      LinOut eager, replay;
+      ASSERT_NO_FATAL_FAILURE(r.run(&eager, kWsFrac, 0xFF));
+      ASSERT_NO_FATAL_FAILURE(r.run(&replay, kWsFrac, 0xFF, /*as_graph=*/true));
+      expect_same_bits(eager, replay, "graph replay vs eager");
+    }
+  }
 }
 #endif
 

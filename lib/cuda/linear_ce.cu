@@ -35,9 +35,9 @@
 //                 float32 grad_weight is the accumulator, beta = 1 after the first chunk), or
 //                 no grad_weight. Full speed: Nc ≤ 4096 within kChunkBudget = 1 GiB.
 //   kChunked16    f16/bf16 ∂W accumulated in grad_weight itself (beta = 1 after the first
-//                 chunk): one rounding per chunk, so at most kMaxChunks16 chunks (one chunk when
+//                 chunk): one rounding per chunk, so at most max_chunks16 chunks (one chunk when
 //                 all rows fit: ∂W is then one GEMM over all N rows, one rounding). Full speed:
-//                 chunks as large as 1 GiB holds (fewer roundings), at most kMaxChunks16 of them.
+//                 chunks as large as 1 GiB holds (fewer roundings), at most max_chunks16 of them.
 //                 No [V, D] float32 buffer anywhere: at 8192×4096×128256 bf16 two chunks of
 //                 4096 rows in 1.0 GiB.
 //   kVocabSliced  f16/bf16 ∂W in any workspace too small for kChunked16 (down to a few MiB), 8·N·D·V: a first

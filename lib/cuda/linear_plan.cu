@@ -99,9 +99,16 @@ int64_t full_speed_rows(const Sizes& s) {
   return std::max(std::min(s.rows, kFullSpeedRows), budget_rows(s, kMaxChunkRows));
 }
 
-// The fewest rows a kChunked16 chunk may have: at most kMaxChunks16 chunks.
+// The most chunks a 16-bit grad_weight may be summed over (the rule at kMaxChunks16).
+int64_t max_chunks16(int64_t rows, int64_t vocab) {
+  if (rows <= 0) return 1;
+  return std::max<int64_t>(1, std::min<int64_t>(kMaxChunks16, 3 * vocab / rows));
+}
+
+// The fewest rows a kChunked16 chunk may have: at most max_chunks16 chunks.
 int64_t min_rows16(const Sizes& s) {
-  const int64_t even = (s.rows + kMaxChunks16 - 1) / kMaxChunks16;
+  const int64_t k = max_chunks16(s.rows, s.vocab);
+  const int64_t even = (s.rows + k - 1) / k;
   return std::min(s.rows, std::max(kMinChunkRows, (even + kRowQuantum - 1) / kRowQuantum * kRowQuantum));
 }
 
@@ -185,7 +192,7 @@ bool plan_sliced(const Sizes& s, size_t workspace_bytes, Plan* out) {
 
 // need_dw: grad_weight is asked for; dw_fp32: it is float32 (grad_weight_fp32 or dtype f32).
 // A float32 ∂W (or none) accumulates over token chunks at any workspace. A 16-bit ∂W, in order
-// of preference: token chunks accumulated in grad_weight (≤ kMaxChunks16 roundings; one chunk
+// of preference: token chunks accumulated in grad_weight (≤ max_chunks16 roundings; one chunk
 // when all rows fit), then the vocab-sliced plan (8·N·D·V, one rounding, any workspace from a
 // few MiB). FCE_LINEAR_CE_PLAN=sliced in the environment (read on every call) takes the
 // vocab-sliced plan whenever it fits: the tests and benchmarks use it to run that plan at any
@@ -217,7 +224,7 @@ size_t min_workspace(const Sizes& s, bool need_dw, bool dw_fp32) {
 }
 
 // The workspace of the full-speed plan: kChunked with full-speed chunks; for a 16-bit ∂W,
-// kChunked16 with chunks as large as the 1 GiB budget allows, but at most kMaxChunks16 of them.
+// kChunked16 with chunks as large as the 1 GiB budget allows, but at most max_chunks16 of them.
 size_t optimal_workspace(const Sizes& s, bool need_dw, bool dw_fp32) {
   if (!need_dw || dw_fp32) {
     Plan p;
