@@ -8,15 +8,17 @@ against float64 at N up to 65536". This script measures it.
 
 Per case (N, D, V) and per logit regime (std ~2, where eager's own error is dominated by rounding
 the logits to bf16, and std ~0.5), the relative Frobenius error ||X - ref|| / ||ref|| against a
-float64 reference (mean cross-entropy of the exact h·Wᵀ of the bf16 inputs, 5 % ignored rows) of:
+float64 reference (mean cross-entropy of the exact h·Wᵀ of the bf16 inputs, 5 % ignored rows), and
+the max-abs error max |X - ref| / max |ref|, of:
   eager        torch eager bf16: F.linear -> F.cross_entropy(logits.float()) -> backward
   bf16-accum   dW = 0 (bf16); dW.addmm_(dZ16[c].t(), h[c]) over k equal row chunks
   fp32-accum   the same into a float32 buffer (float32 inputs, no TF32), one final cast to bf16
   fusedce-*    fusedce's own ∂W and ∂h, when the library loads (FUSEDCE_LIBRARY)
 dZ16 is eager's own gradient of the bf16 logits (logits.retain_grad()), so the ∂W plans share it
-and differ only in how ∂W is summed. ratio = err / eager's err for the same gradient.
+and differ only in how ∂W is summed. ratio = err / eager's err for the same gradient, max_ratio the
+same for the max-abs error.
 
-  FUSEDCE_LIBRARY=build/libfusedce.so python3 bench/accuracy_dw.py [--out DIR] [--no-big]
+  FUSEDCE_LIBRARY=build/libfusedce.so python3 bench/accuracy_dw.py [--out DIR] [--no-big | --study]
 Writes bench/results/accuracy-dw-<device>.json (and DIR/ or $OUT/); bench/tables.py --op
 accuracy-dw prints its table.
 """
@@ -33,18 +35,27 @@ from harness import print_table
 
 CASES = [(8192, 1024, 32000), (32768, 1024, 32000), (65536, 1024, 32000)]
 BIG = (8192, 4096, 128256)
+# The chunk rule's study (docs/performance.md): N up to 65536, V from 32000 to 256000, N / V from
+# 0.06 to 2 (--study: these and CASES[1:] + BIG)
+STUDY = [(32768, 4096, 151936), (65536, 4096, 151936), (65536, 4096, 128256),
+         (65536, 2304, 256000), (65536, 4096, 50257), (65536, 4096, 32000)]
 REGIMES = {"std2": 2.0, "std0.5": 0.5}  # target standard deviation of the logits
-KS = [1, 2, 4, 8, 16, 32, 64]
+KS = [1, 2, 4, 8, 12, 16, 24, 32, 64]
 WORKSPACES = [None, 256 << 20, 64 << 20]  # None: the library's optimal size
 IGNORE = -100
 
 
-def rel_err(x, ref, ref_norm, rows=8192):
-    """||x - ref||_F / ||ref||_F in float64, by row chunks (no whole float64 copy of x)."""
+def rel_err(x, ref, ref_norm, ref_max, rows=8192):
+    """(||x - ref||_F / ||ref||_F, max |x - ref| / max |ref|) in float64, by row chunks (no
+    whole float64 copy of x)."""
     acc = torch.zeros((), dtype=torch.float64, device=ref.device)
+    top = torch.zeros((), dtype=torch.float64, device=ref.device)
     for i in range(0, ref.shape[0], rows):
-        acc += (x[i:i + rows].double() - ref[i:i + rows]).pow(2).sum()
-    return math.sqrt(acc.item()) / ref_norm
+        d = x[i:i + rows].double() - ref[i:i + rows]
+        acc += d.pow(2).sum()
+        top = torch.maximum(top, d.abs().max())
+        del d
+    return math.sqrt(acc.item()) / ref_norm, top.item() / ref_max
 
 
 def reference(h, W, y, n_valid):
@@ -156,12 +167,18 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT"), help="also write the JSON here ($OUT)")
     ap.add_argument("--cases", default=None, help="NxDxV,... (default: the three D=1024 cases)")
     ap.add_argument("--no-big", action="store_true", help=f"skip {'x'.join(map(str, BIG))}")
+    ap.add_argument("--study", action="store_true",
+                    help="the chunk rule's study: CASES[1:], BIG and STUDY (about 4 minutes)")
     ap.add_argument("--no-fusedce", action="store_true")
     ap.add_argument("--eager-full-gb", type=float, default=40.0,
                     help="one eager autograd graph when ~16*N*V bytes fit in this; else by chunks")
     args = ap.parse_args()
-    cases = ([tuple(int(v) for v in s.split("x")) for s in args.cases.split(",")] if args.cases
-             else CASES + ([] if args.no_big else [BIG]))
+    if args.cases:
+        cases = [tuple(int(v) for v in s.split("x")) for s in args.cases.split(",")]
+    elif args.study:
+        cases = CASES[1:] + [BIG] + STUDY
+    else:
+        cases = CASES + ([] if args.no_big else [BIG])
     torch.set_float32_matmul_precision("highest")  # fp32-accum: true float32 GEMMs, no TF32
     dev = harness.device_name()
     red16 = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
@@ -184,26 +201,33 @@ def main():
             W = (W0 * (std / math.sqrt(D))).to(torch.bfloat16)
             dW64, dh64, logit_std = reference(h, W, y, n_valid)
             nW, nh = dW64.norm().item(), dh64.norm().item()
+            mW, mh = dW64.abs().max().item(), dh64.abs().max().item()
             base = dict(case=case, N=N, D=D, V=V, regime=regime, logit_std=round(logit_std, 3),
                         n_valid=n_valid, device=dev, torch=torch.__version__,
                         bf16_reduced_precision_reduction=bool(red16))
 
             def rec(method, grad, err, ref_err, k="", ws=False, **extra):
+                (err, maxerr), (ref_err, ref_maxerr) = err, ref_err
                 r = dict(base, method=method, grad=grad, k=k, ws=ws_label(ws), err=err,
-                         ratio=err / ref_err, **extra)
+                         ratio=err / ref_err, maxerr=maxerr, max_ratio=maxerr / ref_maxerr,
+                         **extra)
                 case_recs.append(r)
                 records.append(r)
 
             gW, gh, dZ16 = eager(h, W, y, n_valid, full)
-            eW, eh = rel_err(gW, dW64, nW), rel_err(gh, dh64, nh)
+            eW, eh = rel_err(gW, dW64, nW, mW), rel_err(gh, dh64, nh, mh)
             rec("eager", "dW", eW, eW, eager_graph="full" if full else "row-chunks")
             rec("eager", "dh", eh, eh, eager_graph="full" if full else "row-chunks")
             del gh
             for k in KS:
+                # (the float32 sum, a baseline, at the ends of the range only: true float32
+                # GEMMs are slow at the large shapes)
                 for method, fp32 in (("bf16-accum", False), ("fp32-accum", True)):
+                    if fp32 and k not in (KS[0], KS[-1]):
+                        continue
                     dW = chunked_dw(dZ16, h, k, fp32)
                     extra = {"bitwise_eq_eager": torch.equal(dW, gW)} if k == 1 and not fp32 else {}
-                    rec(method, "dW", rel_err(dW, dW64, nW), eW, k=k, **extra)
+                    rec(method, "dW", rel_err(dW, dW64, nW, mW), eW, k=k, **extra)
                     del dW
             del dZ16, gW
             torch.cuda.empty_cache()
@@ -212,8 +236,8 @@ def main():
                 for note in notes:
                     print(f"  {case} {regime}: {note}")
                 for method, ws, fW, fh in runs:
-                    rec(method, "dW", rel_err(fW, dW64, nW), eW, ws=ws)
-                    rec(method, "dh", rel_err(fh, dh64, nh), eh, ws=ws)
+                    rec(method, "dW", rel_err(fW, dW64, nW, mW), eW, ws=ws)
+                    rec(method, "dh", rel_err(fh, dh64, nh, mh), eh, ws=ws)
                 del runs
             del W, dW64, dh64
             torch.cuda.empty_cache()
@@ -221,14 +245,17 @@ def main():
         torch.cuda.empty_cache()
         for r in case_recs:
             r["err"], r["ratio"] = float(f"{r['err']:.4e}"), round(r["ratio"], 3)
+            r["maxerr"], r["max_ratio"] = float(f"{r['maxerr']:.4e}"), round(r["max_ratio"], 3)
         print(f"\n{case} (eager: {'one graph' if full else 'row chunks'}; "
               f"{time.time() - t0:.0f} s so far)")
         print_table(case_recs, ["regime", "logit_std", "method", "grad", "k", "ws", "err", "ratio",
-                                "bitwise_eq_eager"])
-        ratio = {(r["regime"], r["k"]): r["ratio"] for r in case_recs if r["method"] == "bf16-accum"}
+                                "maxerr", "max_ratio", "bitwise_eq_eager"])
+        ratio = {(r["regime"], r["k"]): max(r["ratio"], r["max_ratio"])
+                 for r in case_recs if r["method"] == "bf16-accum"}
         ok = [k for k in KS if all(ratio[(g, k)] <= 2.0 for g in REGIMES)]
         first_bad = next((k for k in KS if k not in ok), None)
-        verdicts.append(f"verdict {case}: largest k with bf16-accum dW ratio <= 2 in both regimes: "
+        verdicts.append(f"verdict {case}: largest k with bf16-accum dW ratios (Frobenius and max) "
+                        f"<= 2 in both regimes: "
                         f"{max(ok) if ok else 'none'} (passing k: {ok}"
                         f"{'' if first_bad is None else f'; first failing k: {first_bad}'})")
         print(verdicts[-1])

@@ -12,15 +12,16 @@
 #                 parts of the CuTe DSL runtime); the CuTe DSL runtime's libraries as an xz tar
 #                 split in two: .cutlA/cutl.part.aa and .cutlB/cutl.part.ab
 #   GPU, call 1:  bash bench/frontdoor.sh 1              (with .device .whl .cutlA .peers)
-#                 the raw CE grid (bench_ce.py), the ∂W accuracy study (accuracy_dw.py), the
-#                 torch-level CE and linear CE side by side with every peer but those that need
-#                 the CuTe DSL runtime (bench_torch.py), the plot
-#   GPU, call 2:  bash bench/frontdoor.sh 2              (with .cutlB; the same machine, /tmp kept)
-#                 the CuTe DSL peers (Liger-Kernel's CuTe DSL path, Quack), merged into the file
+#                 the torch-level CE and linear CE side by side with every peer but those that
+#                 need the CuTe DSL runtime (bench_torch.py), the plot
+#   GPU, call 2:  bash bench/frontdoor.sh 2              (with .device .cutlB; the same machine,
+#                 /tmp kept) the CuTe DSL peers (Liger-Kernel's CuTe DSL path, Quack), merged into
+#                 the file; the ∂W accuracy study behind the chunk rule (accuracy_dw.py --study);
+#                 the raw CE grid (bench_ce.py) if the time limit leaves room for it
 # Each call copies the result files and its log into $OUT (default /tmp/fce-out); put the JSON
 # and PNG files into bench/results/ and run `python3 bench/tables.py --write` here. `make bench`
 # runs every benchmark instead.
-# Time limits: FCE_FRONTDOOR_SECONDS (call 1: 520, call 2: 280) bound the benchmarks so that the
+# Time limits: FCE_FRONTDOOR_SECONDS (call 1: 520, call 2: 520) bound the benchmarks so that the
 # files are written before a 10-minute limit.
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -102,8 +103,6 @@ case "$step" in
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
     fi
     [ -f .cutlA/cutl.part.aa ] && cp .cutlA/cutl.part.aa /tmp/  # for call 2
-    run bench_ce 90 python3 bench/bench_ce.py
-    run accuracy_dw 120 python3 bench/accuracy_dw.py
     # every impl but the CuTe DSL peers (and the in-place variant, whose leaf-gradient copy
     # in this benchmark says nothing about its use after a layer)
     run bench_torch "$(left $((budget - 40)))" python3 bench/bench_torch.py \
@@ -111,7 +110,7 @@ case "$step" in
     run plot 60 python3 bench/plot.py
     collect ;;
   2)
-    budget=${FCE_FRONTDOOR_SECONDS:-280}
+    budget=${FCE_FRONTDOOR_SECONDS:-520}
     mkdir -p "$OUT"
     LOG=$OUT/frontdoor-2.log
     [ -d "$SITE" ] || { echo "frontdoor: $SITE is missing: call 2 runs on call 1's machine"; exit 2; }
@@ -122,9 +121,11 @@ case "$step" in
     else
       echo "frontdoor: no CuTe DSL runtime parts (/tmp/cutl.part.aa from call 1, .cutlB/cutl.part.ab)"
     fi
-    run bench_torch_cute "$(left $((budget - 30)))" python3 bench/bench_torch.py --merge \
+    run bench_torch_cute "$(left $((budget - 300)))" python3 bench/bench_torch.py --merge \
       --impls liger-cute,quack
     run plot 60 python3 bench/plot.py
+    run accuracy_dw "$(left $((budget - 60)))" python3 bench/accuracy_dw.py --study
+    [ $(( budget - (SECONDS - t0) )) -gt 100 ] && run bench_ce "$(left $((budget - 10)))" python3 bench/bench_ce.py
     collect ;;
   *) echo "usage: bench/frontdoor.sh pack|1|2"; exit 2 ;;
 esac
