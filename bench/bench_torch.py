@@ -5,7 +5,9 @@ one-pass C call.
 
 One iteration = every input's .grad set to None, loss = f(inputs), loss.backward().
 Time: cross-entropy over logits ("ce"): harness.time_ms (CUDA events around each iteration, L2
-flushed before each, median over ~100 ms of iterations); linear + cross-entropy ("linear_ce",
+flushed before each, median over ~100 ms of iterations), and harness.time_back_to_back
+(ms_back_to_back: 200 iterations back to back, no flush, where host time shows if the host
+cannot keep ahead; host_ms: the host's own time per iteration); linear + cross-entropy ("linear_ce",
 20 ms to 1 s an iteration): the median of --lin-reps event-timed iterations after one warm-up.
 An impl whose iteration takes more than SLOW_MS is timed once. Every impl first runs one untimed
 iteration (torch.compile compiles, Triton / CuTe DSL kernels are built).
@@ -255,7 +257,9 @@ def measure(step, leaves, slow, lin_reps):
     if first > SLOW_MS:
         return dict(out, ms=first, timing="1 iteration (slow)")
     if not slow:
-        return dict(out, ms=harness.time_ms(step, warmup_ms=10, rep_ms=100), timing="events, median")
+        b2b, host = harness.time_back_to_back(step)
+        return dict(out, ms=harness.time_ms(step, warmup_ms=10, rep_ms=100), timing="events, median",
+                    ms_back_to_back=round(b2b, 4), host_ms=round(host, 4))
     return dict(out, ms=harness.time_iters_ms(step, warmup=0, reps=lin_reps),
                 timing=f"events, median of {lin_reps}")
 
@@ -338,8 +342,10 @@ def run_ce(N, V, dt, impls, ceil, records):
             if impl == "fusedce-c-abi":  # fce_forward, one pass, gradient into a buffer
                 grad = torch.empty_like(z)
                 _, forward_grad, ws_mib = harness.ce_calls(z, y, grad)
+                b2b, host = harness.time_back_to_back(forward_grad)
                 return dict(ms=harness.time_ms(forward_grad, warmup_ms=10, rep_ms=100),
                             timing="events, median", extra_mib=ws_mib,
+                            ms_back_to_back=round(b2b, 4), host_ms=round(host, 4),
                             note="the C call alone: extra_mib = its workspace, gradient into a preallocated buffer")
             z.requires_grad_(True)
             fn = ce_loss_fn(impl)
@@ -479,8 +485,8 @@ def main():
         rows = [dict(r, shape=shape_str(r)) for r in records if r["op"] == op]
         if rows:
             print(f"\n{op} ({dev})")
-            harness.print_table(rows, ["impl", "shape", "ms", "extra_mib", col, "dw_rel_fro",
-                                       "dw_max_rel", "error"])
+            harness.print_table(rows, ["impl", "shape", "ms", "extra_mib", col, "ms_back_to_back",
+                                       "host_ms", "dw_rel_fro", "dw_max_rel", "error"])
 
 
 if __name__ == "__main__":

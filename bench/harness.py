@@ -7,6 +7,7 @@ Timing (CUDA events, medians; every call gets fresh L2 unless said otherwise):
                      What a user meets: the host's work per call is inside the span when the host
                      is slower than the GPU.
   time_iters_ms(fn)  the same for calls of 20 ms to 1 s: a fixed number of warm-up and timed calls.
+  time_back_to_back(fn)  ms and host ms per call of back-to-back calls (no flush between)
   time_graph_ms(fn)  the median per call of CUDA graph replays of `per_graph` back-to-back calls:
                      the GPU's time alone, no host work per call (the raw C ABI calls).
 Ceilings, measured in the same run as the kernels they bound:
@@ -97,6 +98,28 @@ def time_ms(fn, warmup_ms=25.0, rep_ms=100.0, flush=True, min_reps=5, max_reps=1
         fn()
     reps = min(max_reps, max(min_reps, int(rep_ms / max(est, 1e-3))))
     return statistics.median(_timed_calls(fn, reps, flush))
+
+
+def time_back_to_back(fn, calls=200, warmup=20):
+    """(ms, host_ms) per call of `calls` back-to-back calls with no flush and no event between
+    them: ms spans the first call's start to the last one's end on the GPU, so host time shows
+    wherever the host cannot keep ahead of the GPU; host_ms is the host's own time per call
+    (perf_counter around the loop, before the final synchronisation)."""
+    import time
+
+    import torch
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    a.record()
+    for _ in range(calls):
+        fn()
+    b.record()
+    host = (time.perf_counter() - t0) * 1e3 / calls
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / calls, host
 
 
 def time_iters_ms(fn, warmup=1, reps=5, flush=True):
