@@ -38,11 +38,9 @@
 // of each vector and the reduction trees depend only on V and the row's alignment.
 // Graph-capturable: no allocation, no host sync.
 //
-// Chosen by choose_rows_path (ce/path.cu) on sm_90 for V ≤ 2^30 (element indices are int):
-// without a gradient for rows of at least kBulkMinRowBytes, with one for the rows where it
-// measured faster (see there);
-// FCE_CUDA_CE_BULK=0 turns it off, =2 forces it on every row that fits (the tests),
-// FCE_CUDA_CE_BULK_GRAD=0 / 1 the gradient variant (measurement).
+// Chosen by the table of ce/policy.h on sm_90 for V ≤ 2^30 (element indices are int): without
+// a gradient for rows of at least 16 KiB, with one for the rows where it measured faster; the
+// knobs FCE_CUDA_CE_BULK and FCE_CUDA_CE_BULK_GRAD (common/knobs.h) force it on or off.
 #pragma once
 
 #include <cstdint>

@@ -1,9 +1,10 @@
 // ce/geometry.cuh — the shapes of the cross-entropy row kernels (ce/kernels.cu): their block
-// sizes, how the register path splits a row over the CTAs of a cluster, and the host-side choice
-// of a path (ce/path.cu). The index arithmetic below is compiled for both sides on purpose: the
-// kernels run it, and the host self-test ce_rows_selftest (ce/path.cu; the ctest target
-// CudaCeRowsSelftest, no GPU needed) checks the very same functions: every element of a row
-// owned exactly once, every 16-byte access aligned and inside its row.
+// sizes, how the register path splits a row over the CTAs of a cluster, and the launch helpers
+// (the choice of a kernel is ce/policy.h). The index arithmetic below is compiled for both sides
+// on purpose: the kernels run it, and the host self-test ce_rows_selftest
+// (ce/geometry_selftest.cpp; the ctest target CudaCeRowsSelftest, no GPU needed) checks the very
+// same functions: every element of a row owned exactly once, every 16-byte access aligned and
+// inside its row.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -128,7 +129,7 @@ __host__ __device__ __forceinline__ RegSlice reg_slice(uintptr_t row_addr, int e
   return g;
 }
 
-// ====================================================== host side (ce/path.cu) ====
+// ================================================ host side (ce/policy.cpp) ====
 // The register path's shape for rows of `vocab` elements of elem_bytes whose starts have at most
 // lead_max elements before them in their 16-byte vector, split over a cluster of exactly k CTAs:
 // the threads per CTA (a CTA's slice ⌈nvec/k⌉ in kRegVpt vectors per thread, whole warps) and,
@@ -146,21 +147,6 @@ struct RegConfig {
 // Dynamic shared memory of a register-path CTA of that shape (its slots).
 inline int reg_smem_bytes(const RegConfig& c) { return c.smem * c.threads * 16; }
 bool reg_config(int64_t vocab, int elem_bytes, int lead_max, int k, int smem_max, RegConfig* c);
-
-// The cluster size for the register path: the smallest power of two whose slices fit (at most
-// max_k); for 16-bit rows another size instead where its CTAs have at least kRegFullThreads
-// threads and keep over 5 % more row bytes resident per SM (CTAs of `regs` registers per
-// thread; the register file holds at most 128 KB of rows per SM). Measured on an H100
-// (dev/NOTES.md, "cluster sizes that are not powers of two"): 151936 bf16 in 5 CTAs of 480
-// threads 83 → 88 % of copy, 300001 in 10 CTAs 70 → 75 %; but clusters of small CTAs lost
-// (36000 bf16 in 3 CTAs of 192 threads 90 → 79 %; 50257 in 5 of 160, 79 → 75) and float32 rows
-// did not gain (151936 in 10 CTAs of 480: 80 → 78 %). smem_max > 0: the smallest cluster whose
-// CTAs hold their slice with at most smem_max vectors per thread in shared memory, where that
-// is fewer CTAs than the rule above gives (dev/NOTES.md, "shared-memory slots"). force_k ≥ 1:
-// that size wherever the slices fit it (FCE_CUDA_CE_CLUSTER); pow2_only: the powers-of-two rule
-// of 0.4 (measurement).
-bool choose_reg_config(int64_t vocab, int elem_bytes, int lead_max, int max_k, int force_k,
-                       int regs, bool pow2_only, int smem_max, RegConfig* c);
 
 // Threads of a streaming CTA: enough for kStreamUnroll vectors each on the longest row, ≤ cap.
 int64_t stream_threads(int64_t vocab, int E, int cap);
@@ -211,54 +197,6 @@ inline void make_launch(unsigned grid, unsigned threads, int k, bool pdl, cudaSt
 // Whether the current device takes programmatic dependent launches (sm_90+), asked once per
 // device (ce/path.cu).
 bool pdl_supported();
-
-// Whether the CE row kernels take the kUnit mode where s = 1 (FCE_CUDA_CE_UNIT=0: never, for
-// measurement: the kPlain kernels then run s = 1 too); read once (ce/path.cu).
-bool unit_mode_enabled();
-
-// Which kernel runs the rows of one launch_ce_rows call, decided once per call on the host.
-enum class RowsPath {
-  kBackward,   // ce_rows_stream_kernel<…, BWD = true>: lse_in / stats_in given
-  kRegisters,  // ce_rows_regs_kernel in clusters of RowsChoice::rc.k CTAs of rc.threads
-  kTwoPass,    // ce_rows_stream_kernel<…, BWD = false>
-  kBulk,       // ce_rows_bulk_kernel (forward only, sm_90), RowsChoice::wave_rows CTAs at most
-};
-struct RowsQuery {
-  bool backward;            // lse_in or stats_in given
-  bool with_grad;           // a gradient is written
-  int64_t rows;             // rows of the call (the register path's waves)
-  int64_t vocab;            // elements of a row
-  int elem_bytes;           // of the logits
-  bool aligned_rows;        // every row of the logits starts 16-byte aligned
-  bool rescale;             // fce_backward_rescale (the register path then runs persistent)
-  int slot;                 // (dtype pair) · 4 + mode: the occupancy cache's cell of the kernel
-  const void* regs_kernel;       // ce_rows_regs_kernel<TZ, TG, mode, false, false>, for queries
-  const void* regs_loop_kernel;  // ce_rows_regs_kernel<TZ, TG, mode, true, false>
-  const void* regs_smem_kernel;       // … <…, false, true>: with shared-memory slots
-  const void* regs_smem_loop_kernel;  // … <…, true, true>
-  const void* bulk_kernel;       // ce_rows_bulk_kernel<TZ, TG, mode, with_grad>, or nullptr
-};
-struct RowsChoice {
-  RowsPath path;
-  RegConfig rc;             // kRegisters: the cluster size and the threads per CTA
-  bool persistent;          // kRegisters: the LOOP kernel over at most wave_rows clusters
-  int64_t wave_rows;        // kRegisters: rows (clusters) resident at once on this device;
-                            // kBulk: the CTAs of the grid (one per SM)
-  int64_t prefetch_rows;    // kRegisters: KParams::prefetch_rows (0 = no prefetch)
-  bool xmbar;               // kRegisters: KParams::xmbar_ok
-};
-// The path of docs/semantics.md's promises (ce/kernels.cu's header): the backward kernel for a backward;
-// else the register path when the row fits a cluster that can be resident on this device (and
-// the FCE_CUDA_CE_PATH / FCE_CUDA_CE_CLUSTER overrides allow it), otherwise the two-pass
-// kernel. Host-side queries only, answered once per (device, kernel, cluster size) and
-// remembered. FCE_ERROR_CUDA naming fn when there is no usable device.
-fce_status choose_rows_path(const char* fn, const RowsQuery& q, RowsChoice* out);
-
-#if defined(FCE_CE_SELFTEST)
-// Host-only check of the register path's index arithmetic (ce/path.cu); returns the number of
-// failures, each printed. Built only with -DFCE_CE_SELFTEST (tests/CMakeLists.txt); needs no GPU.
-int ce_rows_selftest();
-#endif
 
 }  // namespace cuda
 }  // namespace fce

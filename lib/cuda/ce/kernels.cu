@@ -91,6 +91,7 @@
 #include "cuda/ce/bulk_kernel.cuh"
 #include "cuda/ce/device.cuh"
 #include "cuda/ce/geometry.cuh"
+#include "cuda/ce/policy.h"
 #include "cuda/ce/rows.cuh"
 #include "cuda/common/launch_check.cuh"
 
@@ -417,7 +418,7 @@ __device__ __forceinline__ void regs_row(const KParams& p, int64_t lrow, int64_t
 // launch's rows; without the argmax outputs the cluster's partials go through st.async and an
 // mbarrier (initialised here, then a relaxed cluster arrival that regs_row waits for before the
 // first remote store). LOOP = true (persistent: fce_backward_rescale, whose CTAs usually have
-// nothing to do, and the FCE_CUDA_CE_PERSIST measurement): at most a wave of clusters, cluster
+// nothing to do): at most a wave of clusters, cluster
 // c takes rows c, c + G, c + 2G, … (G = the grid's rows), exchanging through cluster barriers;
 // every CTA of a cluster walks the same rows, so the barriers pair up. p.prefetch_rows > 0:
 // each CTA first asks the L2 for its slice of the row that distance ahead (the next row of its
@@ -672,21 +673,19 @@ fce_status launch_rows_typed(const CeRowsArgs& a, KParams p, int pair, cudaStrea
   p.z_row_bytes = a.row_stride * Ty<TZ>::kBytes;
   p.g_row_bytes = a.grad ? a.grad_row_stride * Ty<TG>::kBytes : 0;
   // kUnit (s = 1, the default): the register path and the bulk kernel without a multiply per
-  // element (regs_row: 16-bit rows in registers fold in two passes); FCE_CUDA_CE_UNIT=0: kPlain
-  const int mode = p.smooth ? kGeneral
-                 : p.cap    ? kCap
-                 : (p.scale == 1.f && unit_mode_enabled()) ? kUnit
-                                                            : kPlain;
+  // element (regs_row: 16-bit rows in registers fold in two passes)
+  const int mode = p.smooth ? kGeneral : p.cap ? kCap : p.scale == 1.f ? kUnit : kPlain;
 
-  // The path: backward / register (cluster) / two-pass (ce/path.cu).
+  // The kernel and its shape (ce/policy.h).
   RowsQuery rq;
-  rq.backward = a.lse_in || a.stats_in;
-  rq.with_grad = a.grad != nullptr;
-  rq.rows = a.row_count;
-  rq.vocab = a.vocab;
-  rq.elem_bytes = Ty<TZ>::kBytes;
-  rq.aligned_rows = (reinterpret_cast<uintptr_t>(a.logits) & 15) == 0 && (p.z_row_bytes & 15) == 0;
-  rq.rescale = p.rescale != 0;
+  rq.shape.backward = a.lse_in || a.stats_in;
+  rq.shape.with_grad = a.grad != nullptr;
+  rq.shape.rows = a.row_count;
+  rq.shape.vocab = a.vocab;
+  rq.shape.elem_bytes = Ty<TZ>::kBytes;
+  rq.shape.aligned_rows =
+      (reinterpret_cast<uintptr_t>(a.logits) & 15) == 0 && (p.z_row_bytes & 15) == 0;
+  rq.shape.rescale = p.rescale != 0;
   rq.slot = pair * 4 + mode;
   rq.regs_kernel = regs_kernel<TZ, TG, false, false>(mode);
   rq.regs_loop_kernel = regs_kernel<TZ, TG, true, false>(mode);
