@@ -109,6 +109,27 @@ inline CeRowsArgs all_rows_args(const char* fn, const CeOptions& opt, int64_t ro
   return a;
 }
 
+// The backward in place over logits z of opt.dtype (ld elements between rows) holding rows
+// [row_begin, row_begin + row_count) of total_rows and the column slice [col_begin, col_begin +
+// cols) of rows of vocab_total classes, from saved row statistics (fce_linear_ce's vocab-sliced
+// pass, fce_vp_linear_ce's chunks); no error flags: the pass that made the statistics has flagged
+// invalid targets already.
+inline CeRowsArgs slice_backward_args(const char* fn, const CeOptions& opt, int64_t total_rows,
+                                      int64_t row_begin, int64_t row_count, int64_t vocab_total,
+                                      int64_t col_begin, int64_t cols, void* z, int64_t ld,
+                                      const void* targets, const CeDenoms* denoms,
+                                      const float* grad_output, const CeRowStats* stats) {
+  CeRowsArgs a = all_rows_args(fn, opt, total_rows, cols, z, ld, z, ld, targets, denoms,
+                               grad_output);
+  a.row_begin = row_begin;
+  a.row_count = row_count;
+  a.vocab_total = vocab_total;
+  a.col_begin = col_begin;
+  a.stats_in = stats;
+  a.error_flags = nullptr;
+  return a;
+}
+
 // Supported (logits_dtype, grad_dtype): (f32, f32), (f16, f16), (bf16, bf16), (f32, f16),
 // (f32, bf16); without a gradient any logits dtype. Backward (lse_in or stats_in) needs grad and
 // writes only the gradient (and error_flags). Rows of at most 1 MB (64 KB on sm_80) take the

@@ -69,6 +69,7 @@
 
 #include "cuda/ce/rows.cuh"
 #include "cuda/common/gemm.cuh"
+#include "cuda/linear/chunk_args.cuh"
 #include "cuda/linear/kernels.cuh"
 #include "cuda/linear/plan.cuh"
 #include "internal.h"
@@ -165,27 +166,10 @@ fce_status slice_pass(const SlicePass& sp, cudaStream_t stream) {
                         sp.lt_bytes, stream));
 
     // b. ∂Z_s from the saved row statistics, in place (the backward kernel on a column slice)
-    CeRowsArgs a{};
-    a.fn = sp.fn;
-    a.opt = opt;
-    a.vocab = vc;
-    a.vocab_total = sp.vocab_total;
-    a.col_begin = sp.col_offset + v0;
-    a.total_rows = N;
-    a.row_begin = 0;
-    a.row_count = N;
-    a.logits = z;
-    a.logits_dtype = dtype;
-    a.row_stride = lds;
-    a.grad = z;
-    a.grad_dtype = dtype;
-    a.grad_row_stride = lds;
-    a.targets = sp.targets;
-    a.denoms = sp.denoms;
-    a.grad_output = sp.grad_output;
-    a.stats_in = sp.stats;
-    a.error_flags = nullptr;  // the lse pass has flagged invalid targets already
-    FCE_TRY(launch_ce_rows(a, stream));
+    FCE_TRY(launch_ce_rows(slice_backward_args(sp.fn, opt, N, 0, N, sp.vocab_total,
+                                               sp.col_offset + v0, vc, z, lds, sp.targets,
+                                               sp.denoms, sp.grad_output, sp.stats),
+                           stream));
     if (sp.fix_dz) FCE_TRY(sp.fix_dz(sp.fix_ctx, z, N, vc, lds, stream));
 
     // c. ∂W_s[vc, D] = ∂Z_sᵀ · h over all N rows: one GEMM, one rounding
@@ -288,7 +272,6 @@ fce_status cuda_linear_ce(const LinearCeProblem& p) {
   for (int64_t c = 0; c < plan.chunks; ++c) {
     const int64_t r0 = c * plan.chunk_rows;
     const int64_t rc = std::min(plan.chunk_rows, N - r0);
-    const bool first = c == 0;
     const void* h_c = hidden + static_cast<size_t>(r0) * static_cast<size_t>(hs) * e;
 
     // 1. Z_c[rc, V] = h_c[rc, D] · W[V, D]ᵀ + b   (in dtype, float32 accumulation, ld = ldz)
@@ -325,30 +308,9 @@ fce_status cuda_linear_ce(const LinearCeProblem& p) {
 
     // 3-5. ∂h_c straight into grad_hidden, ∂W (+)= ∂Z_cᵀ·h_c (kChunked16: the 16-bit
     // grad_weight itself, one rounding per chunk; kChunked: the caller's float32 one), ∂b
-    ChunkGrads g{};
-    g.fn = fn;
-    g.dtype = dtype;
-    g.rc = rc;
-    g.cols = V;
-    g.hidden = D;
-    g.dz = cs.z;
-    g.ldz = ldz;
-    g.h_c = h_c;
-    g.hs = hs;
-    g.weight = p.weight;
-    g.grad_hidden = p.grad_hidden ? static_cast<char*>(p.grad_hidden) +
-                                        static_cast<size_t>(r0) * static_cast<size_t>(D) * e
-                                  : nullptr;
-    g.grad_hidden_dtype = dtype;
-    g.grad_weight = p.grad_weight;
-    g.grad_weight_dtype = grad_w_dtype;
-    g.grad_bias = p.grad_bias;
-    g.db32 = cs.db32;
-    g.first = first;
-    g.accumulate = p.accumulate;
-    g.lt_ws = cs.lt;
-    g.lt_bytes = plan.lt_bytes;
-    FCE_TRY(chunk_grads(g, stream));
+    FCE_TRY(chunk_grads(
+        chunk_grads_args(p, dtype, dtype, grad_w_dtype, V, cs, ldz, plan.lt_bytes, r0, rc),
+        stream));
   }
 
   // ---- the vocab-sliced gradient pass: per slice of columns [v0, v0 + vc), for all N rows

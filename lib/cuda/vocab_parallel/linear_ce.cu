@@ -29,6 +29,7 @@
 #include <cstdint>
 
 #include "cuda/ce/rows.cuh"
+#include "cuda/linear/chunk_args.cuh"
 #include "cuda/linear/kernels.cuh"
 #include "cuda/linear/plan.cuh"
 #include "cuda/vocab_parallel/kernels.cuh"
@@ -63,7 +64,6 @@ fce_status cuda_vp_linear_ce(const VpLinearCeProblem& P) {
   const bool dw_fp32 = p.grad_weight_fp32 || dtype == FCE_FLOAT32;
   const int grad_w_dtype = dw_fp32 ? FCE_FLOAT32 : dtype;
   const size_t e = dtype_size(dtype);
-  const size_t ghe = dtype_size(p.grad_hidden_dtype);
 
   // ---- everything that can fail before any work is enqueued
   vp_plan::FusedPlan fp;
@@ -106,7 +106,6 @@ fce_status cuda_vp_linear_ce(const VpLinearCeProblem& P) {
   for (int64_t c = 0; c < plan.chunks; ++c) {
     const int64_t r0 = c * plan.chunk_rows;
     const int64_t rc = std::min(plan.chunk_rows, N - r0);
-    const bool first = c == 0;
     const void* h_c = hidden + static_cast<size_t>(r0) * static_cast<size_t>(hs) * e;
     float* send = own + r0 * FCE_VP_STATS;
     float* recv = gathered + r0 * P_ * FCE_VP_STATS;
@@ -147,55 +146,17 @@ fce_status cuda_vp_linear_ce(const VpLinearCeProblem& P) {
     FCE_TRY(launch_vp_combine(cb, stream));
 
     // 5. ∂Z_c in place: the backward row kernel on the shard's column slice
-    CeRowsArgs r{};
-    r.fn = fn;
-    r.opt = opt;
-    r.vocab = Vs;
-    r.vocab_total = p.vocab_total;
-    r.col_begin = p.vocab_start;
-    r.total_rows = N;
-    r.row_begin = r0;
-    r.row_count = rc;
-    r.logits = cs.z;
-    r.logits_dtype = dtype;
-    r.row_stride = ldz;
-    r.grad = cs.z;
-    r.grad_dtype = dtype;
-    r.grad_row_stride = ldz;
-    r.targets = p.targets;
-    r.denoms = cs.denoms;
-    r.grad_output = p.grad_output;
-    r.stats_in = rowstats;
-    r.error_flags = nullptr;  // the combination flagged invalid targets already
-    FCE_TRY(launch_ce_rows(r, stream));
+    FCE_TRY(launch_ce_rows(slice_backward_args(fn, opt, N, r0, rc, p.vocab_total, p.vocab_start,
+                                               Vs, cs.z, ldz, p.targets, cs.denoms,
+                                               p.grad_output, rowstats),
+                           stream));
     FCE_TRY(launch_vp_nan_rows(fn, rowstats + r0, rc, cs.z, dtype, Vs, ldz, stream));
 
     // 6-7. this rank's ∂h_c = ∂Z_c · W_s (grad_hidden_dtype), ∂W_s (+)= ∂Z_cᵀ · h_c, ∂b_s:
     // fce_linear_ce's very steps 3-5 (chunk_grads)
-    ChunkGrads g{};
-    g.fn = fn;
-    g.dtype = dtype;
-    g.rc = rc;
-    g.cols = Vs;
-    g.hidden = D;
-    g.dz = cs.z;
-    g.ldz = ldz;
-    g.h_c = h_c;
-    g.hs = hs;
-    g.weight = p.weight;
-    g.grad_hidden = p.grad_hidden ? static_cast<char*>(p.grad_hidden) +
-                                        static_cast<size_t>(r0) * static_cast<size_t>(D) * ghe
-                                  : nullptr;
-    g.grad_hidden_dtype = p.grad_hidden_dtype;
-    g.grad_weight = p.grad_weight;
-    g.grad_weight_dtype = grad_w_dtype;
-    g.grad_bias = p.grad_bias;
-    g.db32 = cs.db32;
-    g.first = first;
-    g.accumulate = p.accumulate;
-    g.lt_ws = cs.lt;
-    g.lt_bytes = plan.lt_bytes;
-    FCE_TRY(chunk_grads(g, stream));
+    FCE_TRY(chunk_grads(chunk_grads_args(p, dtype, p.grad_hidden_dtype, grad_w_dtype, Vs, cs, ldz,
+                                         plan.lt_bytes, r0, rc),
+                        stream));
   }
 
   // ---- a 16-bit ∂b out of its float32 accumulator (one rounding, + the old value)
