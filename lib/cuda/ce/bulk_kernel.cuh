@@ -1,15 +1,20 @@
-// ce/bulk_kernel.cuh — the bulk-copy row kernel of sm_90 (ce_rows_bulk_kernel): the logits streamed
-// through shared memory by bulk copies (cp.async.bulk, the TMA engine) instead of loaded by the
-// threads. GRAD = false: a row's loss, lse, z-loss, statistics and argmax without a gradient.
-// GRAD = true: the same and the gradient, for rows a register-path CTA cannot hold alone.
-//
-// Why. Without a gradient each logit is read once and nothing is written but a few floats per
-// row, so the kernel is a pure read stream and should run at the copy bandwidth. The register
-// path (ce/kernels.cu) loads a CTA's slice, reduces it, exchanges and exits: between the last
-// load of one CTA and the first of the next on that SM no bytes are in flight, which measured
-// 45-88 % of copy on rows up to 128 KB (H100: dev/NOTES.md); the two-pass kernel's first
-// pass keeps 64 KB in flight per SM with loads the threads issue, 84-94 % on longer rows. Here a
-// persistent CTA per SM keeps its ring of copies in flight all the time:
+// ce/bulk_kernel.cuh — the bulk-copy row kernel of sm_90 (ce_rows_bulk_kernel): the logits
+// streamed through shared memory by bulk copies (cp.async.bulk, the TMA engine) instead of loaded
+// by the threads. GRAD = false: a row's loss, lse, z-loss, statistics and argmax without a
+// gradient. GRAD = true: the same and the gradient, for rows a register-path CTA cannot hold
+// alone. Why it is fast: without a gradient the op is a pure read stream, and one persistent
+// CTA per SM keeps its ring of copies in flight all the time (a producer warp, consumer warps,
+// a finisher warp), where the register path leaves no bytes in flight between one CTA's last
+// load and the next one's first (45-88 % of copy on rows up to 128 KB on an H100; this kernel
+// 91-101 %). Chosen by the table of ce/policy.h.
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/ce/device.cuh"
+#include "cuda/ce/geometry.cuh"
+
+// How it runs:
 //   * warp 0 (the producer) walks the CTA's rows (blockIdx.x, + gridDim.x, …) 32 at a time: its
 //     lanes read each row's target, target logit, smoothing reference and ≤ 2 partial end
 //     vectors (their stalls delay only the copies issued ahead, never the consumers), then
@@ -41,12 +46,6 @@
 // Chosen by the table of ce/policy.h on sm_90 for V ≤ 2^30 (element indices are int): without
 // a gradient for rows of at least 16 KiB, with one for the rows where it measured faster; the
 // knobs FCE_CUDA_CE_BULK and FCE_CUDA_CE_BULK_GRAD (common/knobs.h) force it on or off.
-#pragma once
-
-#include <cstdint>
-
-#include "cuda/ce/device.cuh"
-#include "cuda/ce/geometry.cuh"
 
 namespace fce {
 namespace cuda {

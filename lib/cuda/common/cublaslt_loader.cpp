@@ -1,9 +1,20 @@
-// common/cublaslt_loader.cpp — cuBLASLt, loaded at run time instead of linked: libfusedce has no
-// DT_NEEDED on libcublasLt, so a machine without it (no CUDA toolkit, no nvidia-cublas wheel)
+// common/cublaslt_loader.cpp — cuBLASLt, loaded at run time instead of linked: libfusedce has
+// no DT_NEEDED on libcublasLt, so a machine without it (no CUDA toolkit, no nvidia-cublas wheel)
 // still loads the library and runs the CPU backend; the CUDA backend then reports what is
-// missing. common/gemm.cu keeps calling cublasLt* by name: this file defines those functions (hidden,
-// like everything but fce_*) as forwarders to the ones dlsym found.
-//
+// missing. common/gemm.cu keeps calling cublasLt* by name: this file defines those functions
+// (hidden, like everything but fce_*) as forwarders to the ones dlsym found.
+#include <cublasLt.h>
+#include <dlfcn.h>
+#include <link.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <mutex>
+#include <string>
+#include <sys/stat.h>
+
+#include "internal.h"
+
 // The search, first success wins (cublaslt_load, once per process):
 //   1. FUSEDCE_CUBLASLT=<file>: that file and nothing else (an explicit choice is never
 //      replaced by another library; a name that cannot load switches the CUDA backend off);
@@ -17,17 +28,6 @@
 //   4. the soname through the dynamic loader's own path (LD_LIBRARY_PATH, ldconfig);
 //   5. source builds only (FCE_CUBLASLT_TOOLKIT_DIR, never in a wheel): the toolkit's library
 //      directory the library was built against.
-#include <cublasLt.h>
-#include <dlfcn.h>
-#include <link.h>
-
-#include <cstdio>
-#include <cstdlib>
-#include <mutex>
-#include <string>
-#include <sys/stat.h>
-
-#include "internal.h"
 
 namespace fce {
 namespace cuda {

@@ -1,13 +1,17 @@
-// common/gemm.cuh — a small cuBLASLt wrapper for the fused linear + CE path: row-major problems in,
-// column-major cuBLASLt calls out. One cublasLtHandle_t per device, created lazily under a
+// common/gemm.cuh — a small cuBLASLt wrapper for the fused linear + CE path: row-major problems
+// in, column-major cuBLASLt calls out. One cublasLtHandle_t per device, created lazily under a
 // mutex the first time a device is used (host-side only; kept for the life of the process).
-//
-// Every GEMM is  C[M, N] = alpha · op(A)[M, K] · op(B)[K, N] + beta · C  (+ bias[N] on each row)
-// with A, B, C row-major (the layout of the library's tensors), accumulation and scaling in
-// float32 (CUBLAS_COMPUTE_32F, never TF32), A and B of one dtype (f32, f16 or bf16), C of any
-// of the three (cuBLASLt rounds its float32 result once when C is f16/bf16: the fused linear + CE
-// path uses that for its f16/bf16 logits chunk).
-//
+// Every GEMM is C[M, N] = alpha · op(A)[M, K] · op(B)[K, N] + beta · C (+ bias[N] on each row),
+// A, B, C row-major, float32 accumulation (never TF32), C of f32, f16 or bf16 (one rounding).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "internal.h"
+
 // The row-major → column-major mapping (common/gemm.cu implements exactly this):
 //   A row-major matrix X[r, c] with row stride ld is, byte for byte, the column-major matrix
 //   Xᵀ[c, r] with leading dimension ld. So the row-major product C = op(A)·op(B) is computed as
@@ -27,14 +31,6 @@
 // adds it to the float32 accumulator before the one rounding to the C type (cublasLt computes
 // D = alpha·A·B + beta·C + bias in the compute type, then converts), exactly what torch's
 // addmm/linear with a bias does through the same epilogue.
-#pragma once
-
-#include <cuda_runtime.h>
-
-#include <cstddef>
-#include <cstdint>
-
-#include "internal.h"
 
 namespace fce {
 namespace cuda {

@@ -1,8 +1,24 @@
-// vocab_parallel/kernels.cu — the kernels of the vocabulary-parallel calls (docs/semantics.md rule 16) and their
-// launchers (vocab_parallel/kernels.cuh), shared by fce_vp_stats / fce_vp_loss / fce_vp_backward
-// (vocab_parallel/vocab_parallel.cu) and fce_vp_linear_stats / fce_vp_linear_backward (vocab_parallel/linear.cu). The
-// device helpers (row reads, the transform, phase 1's partials and their tree): vocab_parallel/device.cuh.
-//
+// vocab_parallel/kernels.cu — the kernels of the vocabulary-parallel calls (docs/semantics.md
+// rule 16) and their launchers (vocab_parallel/kernels.cuh): phase 1, each row's statistics of
+// this rank's shard (vp_stats_kernel); phase 3, their combination across the ranks
+// (vp_combine_kernel), for fce_vp_stats / fce_vp_loss / fce_vp_backward and the linear calls.
+// Why it is fast: phase 1 reads the shard ONCE, one CTA per row in 16-byte vectors, with the
+// label-smoothing sums kept relative to the running maximum (no second pass, no cancellation);
+// phase 3 is one thread per row over P × 32 bytes. Fixed-order trees, no float atomics:
+// deterministic. The device helpers: vocab_parallel/device.cuh.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <climits>
+#include <cstdint>
+#include <cstring>
+
+#include "cuda/ce/rows.cuh"
+#include "cuda/common/launch_check.cuh"
+#include "cuda/vocab_parallel/device.cuh"
+#include "cuda/vocab_parallel/kernels.cuh"
+#include "internal.h"
+
 // Phase 1, vp_stats_kernel: one CTA per row of the shard, ONE read of it (16-byte vectors where
 // the row allows, its ≤ 2 partial vectors element by element, never a byte outside the row; the
 // same vector split as ce/kernels.cu's streaming kernels). Per thread, over its vectors in
@@ -29,18 +45,6 @@
 // Every launcher enqueues on the given stream only (no allocation, no host synchronisation:
 // graph-capturable) and names the public function (`fn`) first in its messages; every reduction
 // has a fixed order: deterministic.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
-#include <climits>
-#include <cstdint>
-#include <cstring>
-
-#include "cuda/ce/rows.cuh"
-#include "cuda/common/launch_check.cuh"
-#include "cuda/vocab_parallel/device.cuh"
-#include "cuda/vocab_parallel/kernels.cuh"
-#include "internal.h"
 
 namespace fce {
 namespace cuda {

@@ -1,8 +1,22 @@
-// vocab_parallel/linear.cu — the CUDA backend of fce_vp_linear_stats and fce_vp_linear_backward: the
-// vocabulary-parallel fused linear + CE (docs/semantics.md rules 13, 16) over this rank's weight rows
-// W_s = W[vocab_start : vocab_start + vocab_local, :] (and bias b_s), never holding more of
-// z = h·W_sᵀ + b_s than the caller's workspace.
-//
+// vocab_parallel/linear.cu — the CUDA backend of fce_vp_linear_stats and fce_vp_linear_backward:
+// the vocabulary-parallel fused linear + CE (docs/semantics.md rules 13, 16) over this rank's
+// weight rows W_s = W[vocab_start : vocab_start + vocab_local, :] (and bias b_s), never holding
+// more of z = h·W_sᵀ + b_s than the caller's workspace. Why it is fast: both phases are
+// fce_linear_ce's own plans on the shard (cuBLASLt GEMMs, the row kernels between them): phase 1
+// its loss-only token chunks (2·N·D·V_s FLOPs), phase 3 its vocabulary-sliced gradient pass
+// (6·N·D·V_s). One stream, no allocation, no host synchronisation: graph-capturable.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "cuda/ce/rows.cuh"
+#include "cuda/linear/kernels.cuh"
+#include "cuda/linear/plan.cuh"
+#include "cuda/vocab_parallel/kernels.cuh"
+#include "cuda/vocab_parallel/linear_plan.cuh"
+#include "internal.h"
+
 // Phase 1 (fce_vp_linear_stats), 2·N·D·V_s FLOPs: fce_linear_ce's loss-only plan for a [N, D] ×
 // [V_s, D] problem (linear/plan.cuh: plan_mode(kChunked), the same workspace arithmetic, query
 // and chunk sizes): per token chunk of Nc rows, Z_c = h_c·W_sᵀ + b_s in the dtype (logits_gemm:
@@ -29,17 +43,6 @@
 // One stream, no allocation, no host synchronisation (after the first call's cuBLASLt handle):
 // graph-capturable. The ABI layer has checked every argument, the device pointers included
 // (cuda_check_pointers); every message starts with p.fn.
-#include <cuda_runtime.h>
-
-#include <algorithm>
-#include <cstdint>
-
-#include "cuda/ce/rows.cuh"
-#include "cuda/linear/kernels.cuh"
-#include "cuda/linear/plan.cuh"
-#include "cuda/vocab_parallel/kernels.cuh"
-#include "cuda/vocab_parallel/linear_plan.cuh"
-#include "internal.h"
 
 namespace fce {
 namespace cuda {

@@ -1,8 +1,22 @@
-// vocab_parallel/linear_ce.cu — fce_vp_linear_ce's token-chunk plan on CUDA: the vocabulary-parallel fused
-// linear + CE (docs/semantics.md rules 13, 16) with the logits of this rank's shard made ONCE
-// (6·N·D·V_s FLOPs), the all-gather of each chunk's statistics issued through the caller's
-// function between the chunk's statistics and its gradient.
-//
+// vocab_parallel/linear_ce.cu — fce_vp_linear_ce's token-chunk plan on CUDA: the
+// vocabulary-parallel fused linear + CE (docs/semantics.md rules 13, 16) with the logits of this
+// rank's shard made ONCE (6·N·D·V_s FLOPs), the all-gather of each chunk's statistics issued
+// through the caller's function between the chunk's statistics and its gradient. Why it is
+// fast: fce_linear_ce's token-chunk steps on the shard with 32 bytes per row and rank gathered
+// in between, where the two-phase calls make the logits twice (8·N·D·V_s).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "cuda/ce/rows.cuh"
+#include "cuda/linear/chunk_args.cuh"
+#include "cuda/linear/kernels.cuh"
+#include "cuda/linear/plan.cuh"
+#include "cuda/vocab_parallel/kernels.cuh"
+#include "cuda/vocab_parallel/linear_plan.cuh"
+#include "internal.h"
+
 // fce_linear_ce's token-chunk plans (linear/linear_ce.cu), planned for a shard ⌈vocab_total / ranks⌉
 // wide so that every rank takes the same chunks (vocab_parallel/linear_plan.cu: fused_plan). Per chunk c of
 // rc rows [r0, r0 + rc):
@@ -23,18 +37,6 @@
 // One stream (the collective is the caller's, on that stream), no allocation, no host
 // synchronisation: graph-capturable when the caller's all-gather is. The ABI layer has checked
 // every argument, the device pointers included, and chosen this plan (cuda_vp_linear_ce_chunked).
-#include <cuda_runtime.h>
-
-#include <algorithm>
-#include <cstdint>
-
-#include "cuda/ce/rows.cuh"
-#include "cuda/linear/chunk_args.cuh"
-#include "cuda/linear/kernels.cuh"
-#include "cuda/linear/plan.cuh"
-#include "cuda/vocab_parallel/kernels.cuh"
-#include "cuda/vocab_parallel/linear_plan.cuh"
-#include "internal.h"
 
 namespace fce {
 
