@@ -1,6 +1,6 @@
-"""Times fusedce's CE kernels under each path / cluster-size / prefetch override
-(FCE_CUDA_CE_PATH, FCE_CUDA_CE_CLUSTER, FCE_CUDA_CE_PREFETCH, FCE_CUDA_CE_PERSIST are read once
-per process, so each setting runs in a child process).
+"""Times fusedce's CE kernels under each setting of the knobs of lib/cuda/common/knobs.h
+(FCE_CUDA_CE_PATH, FCE_CUDA_CE_CLUSTER, FCE_CUDA_CE_PREFETCH, ... are read once per process, so
+each setting runs in a child process).
     python3 tune_ce.py [--settings default,pf1,...] [--shapes ...]   # the table
     python3 tune_ce.py --child SHAPES                                # one setting (internal)
 """
@@ -14,7 +14,6 @@ SHAPES = "16384x128256xbf16,8192x256000xbf16,32768x32000xbf16,8192x151936xbf16,4
 ALL_SETTINGS = {"default": {}, "twopass": {"FCE_CUDA_CE_PATH": "twopass"},
                 "k>=2": {"FCE_CUDA_CE_CLUSTER": "2"}, "k>=4": {"FCE_CUDA_CE_CLUSTER": "4"},
                 "k=8": {"FCE_CUDA_CE_CLUSTER": "8"}, "k=16": {"FCE_CUDA_CE_CLUSTER": "16"},
-                "kpow2": {"FCE_CUDA_CE_KRULE": "pow2"},
                 "pf0": {"FCE_CUDA_CE_PREFETCH": "0"}, "pf0.125": {"FCE_CUDA_CE_PREFETCH": "0.125"},
                 "pf0.25": {"FCE_CUDA_CE_PREFETCH": "0.25"},
                 "pf0.5": {"FCE_CUDA_CE_PREFETCH": "0.5"}, "pf0.75": {"FCE_CUDA_CE_PREFETCH": "0.75"},
@@ -22,8 +21,6 @@ ALL_SETTINGS = {"default": {}, "twopass": {"FCE_CUDA_CE_PATH": "twopass"},
                 "xmbar0": {"FCE_CUDA_CE_XMBAR": "0"}, "bulk0": {"FCE_CUDA_CE_BULK": "0"},
                 "bulk2": {"FCE_CUDA_CE_BULK": "2"}, "bulkgrad": {"FCE_CUDA_CE_BULK_GRAD": "1"},
                 "bulkgrad0": {"FCE_CUDA_CE_BULK_GRAD": "0"}, "pdl0": {"FCE_CUDA_CE_PDL": "0"},
-                "persist": {"FCE_CUDA_CE_PERSIST": "1", "FCE_CUDA_CE_PREFETCH": "0"},
-                "persist+pf": {"FCE_CUDA_CE_PERSIST": "1", "FCE_CUDA_CE_PREFETCH": "1"},
                 "smem0": {"FCE_CUDA_CE_SMEM": "0"}, "smem4": {"FCE_CUDA_CE_SMEM": "4"},
                 "smem8": {"FCE_CUDA_CE_SMEM": "8"},
                 "smem12bg0": {"FCE_CUDA_CE_BULK_GRAD": "0"},
@@ -32,8 +29,7 @@ ALL_SETTINGS = {"default": {}, "twopass": {"FCE_CUDA_CE_PATH": "twopass"},
                 "smem0bg0": {"FCE_CUDA_CE_SMEM": "0", "FCE_CUDA_CE_BULK_GRAD": "0"},
                 "k1": {"FCE_CUDA_CE_CLUSTER": "1"}, "k2": {"FCE_CUDA_CE_CLUSTER": "2"},
                 "k3": {"FCE_CUDA_CE_CLUSTER": "3"}, "k4": {"FCE_CUDA_CE_CLUSTER": "4"},
-                "k5": {"FCE_CUDA_CE_CLUSTER": "5"}, "k6": {"FCE_CUDA_CE_CLUSTER": "6"},
-                "unit0": {"FCE_CUDA_CE_UNIT": "0"}}
+                "k5": {"FCE_CUDA_CE_CLUSTER": "5"}, "k6": {"FCE_CUDA_CE_CLUSTER": "6"}}
 # (FCE_CUDA_CE_CLUSTER=k: that cluster size wherever a row's slices fit it, else the chosen one;
 # the "k>=" names are from when it meant the smallest size to use)
 SETTINGS = "default,twopass,k>=2,k>=4,k=8"

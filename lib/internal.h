@@ -230,7 +230,7 @@ struct VpLinearProblem {
 
 // fce_vp_linear_ce: both phases in one call, the all-gather through the caller's function
 // (lib/api_vp_linear_ce.cpp runs the gather-once plan from the calls above; the CUDA
-// token-chunk plan is lib/cuda/vp_linear_ce.cu).
+// token-chunk plan is lib/cuda/vocab_parallel/linear_ce.cu).
 struct VpLinearCeProblem {
   VpLinearProblem lin;        // fn "fce_vp_linear_ce"; stats and gathered unused
   float* loss;                // [1] or [rows]
@@ -264,7 +264,7 @@ fce_status cpu_vp_linear(const VpLinearProblem& p);  // stats, or backward (p.ba
 
 // ---- CUDA backend (lib/cuda/); stubs returning FCE_ERROR_BACKEND_UNAVAILABLE when not built --
 // Whether the CUDA backend can run: built in, a device visible, cuBLASLt loaded (the first call
-// looks for it: lib/cuda/cublaslt_loader.cpp). cuda_unavailable_reason() is nullptr when it can,
+// looks for it: lib/cuda/common/cublaslt_loader.cpp). cuda_unavailable_reason() is nullptr when it can,
 // else why not, for the messages of FCE_ERROR_BACKEND_UNAVAILABLE ("no CUDA device is visible
 // (...)", "libcublasLt.so.13 (cuBLASLt) not found; ... Looked: ...", "this build has no CUDA
 // backend ..."); valid until the next call on this thread.
@@ -288,9 +288,9 @@ fce_status cuda_linear_ce(const LinearCeProblem& p);
 fce_status cuda_scale_gradient(int dtype, int64_t count, void* grad, const float* scale,
                                void* stream);
 // Zero bytes over each span (present, bytes > 0, aligned to 2 bytes), one kernel on the stream
-// (lib/cuda/empty.cu: the empty problem's outputs; pointers checked by the ABI layer).
+// (lib/cuda/common/empty.cu: the empty problem's outputs; pointers checked by the ABI layer).
 fce_status cuda_write_zeros(const char* fn, const ZeroSpan* spans, int count, void* stream);
-// vocabulary-parallel (lib/cuda/vocab_parallel.cu, lib/cuda/vp_linear.cu)
+// vocabulary-parallel (lib/cuda/vocab_parallel/vocab_parallel.cu, lib/cuda/vocab_parallel/linear.cu)
 fce_status cuda_vp_stats(const VpStatsProblem& p);
 size_t cuda_vp_workspace_size(const CeOptions& opt, int64_t ranks, int64_t rows,
                               int64_t vocab_total, int64_t vocab_local, bool backward);
@@ -300,7 +300,7 @@ void cuda_vp_linear_workspace_size(const CeOptions& opt, int64_t ranks, int64_t 
                                    bool backward, int grad_hidden_dtype, bool grad_weight_fp32,
                                    size_t* min_bytes, size_t* optimal_bytes);
 fce_status cuda_vp_linear(const VpLinearProblem& p);
-// fce_vp_linear_ce's token-chunk plan (lib/cuda/vp_linear_ce.cu): whether it runs at
+// fce_vp_linear_ce's token-chunk plan (lib/cuda/vocab_parallel/linear_ce.cu): whether it runs at
 // workspace_bytes (rank-invariant: planned for shards plan_width = ⌈vocab_total / ranks⌉ wide;
 // with_grad true), *threshold the workspace from which it does, *need what this rank's shard of
 // `width` classes needs then (may exceed workspace_bytes for a shard wider than plan_width).

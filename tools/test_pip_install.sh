@@ -52,7 +52,7 @@ phase "python -m build --sdist (the repository)"
 SDIST=$(ls "$TMP"/sdist/fusedce-*.tar.gz)
 tar -tzf "$SDIST" >"$TMP/sdist.files"
 echo "$(basename "$SDIST"): $(du -k "$SDIST" | cut -f1) KB, $(wc -l <"$TMP/sdist.files") files"
-for f in CMakeLists.txt include/fusedce.h lib/cuda/gemm.cu lib/cuda/cublaslt_loader.cpp \
+for f in CMakeLists.txt include/fusedce.h lib/cuda/common/gemm.cu lib/cuda/common/cublaslt_loader.cpp \
          lib/cpu/ce.cpp bindings/python/fusedce/_lib.py cmake/_build.py.in; do
   grep -q "^fusedce-[0-9.]*/$f$" "$TMP/sdist.files" || { echo "sdist lacks $f" >&2; exit 1; }
 done

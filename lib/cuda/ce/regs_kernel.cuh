@@ -1,0 +1,390 @@
+// ce/regs_kernel.cuh — ce_rows_regs_kernel, the register path: a row split over a cluster of
+// k ≤ 16 CTAs (k = 1 on sm_80), each CTA holding its ≤ 64 KB slice in registers (≤ 512 threads ×
+// 8 uint4) and on sm_90 up to 96 KB more in shared-memory slots (cp.async, in flight with the
+// register loads). A thread issues all its loads before the first use; an online (max, Σexp)
+// per thread and a warp/CTA tree; each CTA stores its partial into every CTA of the cluster with
+// st.async on an mbarrier (no cluster barrier, whose release is a GPU-wide memory barrier in
+// every warp: the kernel's largest stall), every warp folds the k partials in rank order (all
+// agree bit for bit), and the gradient is written from the registers with 16-byte stores. ≤ 64
+// registers keep two CTAs per SM, one's loads under the other's math (the general mode, label
+// smoothing, runs one). Each CTA first asks the L2 for a later row's slice. Four modes per dtype
+// pair (unit: s = 1, plain, softcap, general) keep the hot ones lean. Included by ce/kernels.cu
+// alone (its anonymous namespace). The measurements behind each choice: dev/NOTES.md.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/ce/device.cuh"
+#include "cuda/ce/geometry.cuh"
+
+namespace fce {
+namespace cuda {
+namespace {
+
+// ============================================================ register path ====
+// (The split of a row over the CTAs of a cluster, RegSlice / reg_slice: ce/geometry.cuh.)
+//
+// grid.x = rows × k, clusters of (k,1,1) when k > 1. CTA `rank` of a row holds its vectors
+// [rank·per, min((rank+1)·per, nvec)); thread t the vectors rank·per + t + i·blockDim,
+// i < kRegVpt. The host guarantees blockDim·kRegVpt ≥ per for every row (reg_config) and
+// V ≤ kRegMaxVocab (int indices).
+// Two CTAs per SM (≤ 64 registers) for the plain and softcap modes; the general mode (label
+// smoothing: ω_j loads and a double sum per vector) needs more registers than 64 − 32 and runs
+// one CTA per SM instead of spilling.
+// The shared memory of a register-path CTA (one row at a time).
+struct RegShared {
+  Partial warp[32];
+  Partial fin;  // the row's (the barrier exchange)
+  RowInfo info;
+  uint64_t wmin[32];
+  uint32_t cand[kRegThreads];  // each thread's argmax candidate (with slots: its key, pack_key)
+  Partial part;                // this CTA's, read by the cluster (the barrier exchange)
+  uint64_t best_part;
+  alignas(16) Partial slots[kMaxCluster];  // the cluster's partials (the mbarrier exchange)
+  uint64_t mbar;
+};
+
+// Asks the L2 to fetch this CTA's slice of row lrow (of this launch) now: the full 16-byte
+// vectors of [rank·per, vend) of that row, one bulk prefetch (sm_90; a no-op elsewhere).
+// Nothing is read into the SM and nothing outside the row is touched; a later CTA's loads of
+// that slice then find it in L2 instead of waiting for DRAM.
+template <class TZ>
+__device__ __forceinline__ void prefetch_slice(const KParams& p, int64_t lrow, int k, int rank) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int eb = Ty<TZ>::kBytes;
+  const char* zrow = p.logits + lrow * p.z_row_bytes;
+  const RegSlice g = reg_slice(reinterpret_cast<uintptr_t>(zrow), eb, p.vocab, k, rank, 0, 1);
+  const int first_full = g.lead ? 1 : 0;
+  const int last_full = (g.nvec * vec_elems<TZ>() - g.lead > p.vocab) ? g.nvec - 1 : g.nvec;
+  const int v0 = g.v0 > first_full ? g.v0 : first_full;
+  const int v1 = g.vend < last_full ? g.vend : last_full;
+  if (v1 <= v0) return;
+  const char* base = zrow - g.lead * eb + int64_t(v0) * 16;
+  const uint32_t bytes = static_cast<uint32_t>(v1 - v0) * 16u;
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(base), "r"(bytes) : "memory");
+#else
+  (void)p, (void)lrow, (void)k, (void)rank;
+#endif
+}
+
+// An argmax key (argmax_vector: j for a NaN, 2^32 | j for a maximum, kNoArgmax; j < 2^30 on the
+// register path) in 32 bits and back, order kept: j, 2^31 | j, 0xffffffff.
+__device__ __forceinline__ uint32_t pack_key(uint64_t key) {
+  return key == kNoArgmax
+             ? 0xffffffffu
+             : (static_cast<uint32_t>(key >> 32) << 31) | static_cast<uint32_t>(key & 0x7fffffffu);
+}
+__device__ __forceinline__ uint64_t unpack_key(uint32_t k) {
+  return k == 0xffffffffu ? kNoArgmax
+                          : (uint64_t(k >> 31) << 32) | static_cast<uint64_t>(k & 0x7fffffffu);
+}
+
+// One row (lrow, of this launch) by one CTA of its cluster: the body of ce_rows_regs_kernel.
+// xmbar: the cluster's partials are exchanged through st.async and this CTA's mbarrier (one
+// row per CTA, no argmax: ce_rows_regs_kernel set it up), else through cluster barriers.
+// SMEM: the CTA also holds p.reg_smem slots per thread in shared memory, svec (slot kRegVpt + i
+// of thread t at svec[i·blockDim + t]); only their own thread reads them. Without (the shape
+// of rows a CTA's registers hold) the kernel is the registers-only one, compiled apart.
+template <class TZ, class TG, int MODE, bool SMEM>
+__device__ __forceinline__ void regs_row(const KParams& p, int64_t lrow, int64_t next_lrow,
+                                         bool xmbar, RegShared& sh, uint4* svec) {
+  constexpr int E = vec_elems<TZ>();
+  constexpr int eb = Ty<TZ>::kBytes;
+  constexpr bool SW = MODE == kGeneral;
+  Partial* s_warp = sh.warp;
+  uint64_t* s_wmin = sh.wmin;
+  uint32_t* s_cand = sh.cand;
+  RowInfo& s_info = sh.info;
+
+  const int k = p.cluster;
+  const int rank = static_cast<int>(blockIdx.x % static_cast<unsigned>(k));
+  const int64_t row = p.row_begin + lrow;
+  const char* zrow = p.logits + lrow * p.z_row_bytes;
+  const int V = p.vocab;
+  const int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31;
+  const RegSlice g = reg_slice(reinterpret_cast<uintptr_t>(zrow), eb, V, k, rank, tid, nt);
+  const int lead = g.lead, v0 = g.v0, vend = g.vend, j00 = g.j00, jstep = g.jstep;
+  if (p.rescale) {  // fce_backward_rescale: every CTA of the cluster decides the same way
+    const int64_t per = (int64_t(V) + k - 1) / k, c0 = rank * per, c1 = c0 + per < V ? c0 + per : V;
+    if (rescale_prologue<TG>(p, row, p.grad + lrow * p.g_row_bytes, c0, c1)) return;
+  }
+  if (tid == 0 && next_lrow < p.rows_in_launch) prefetch_slice<TZ>(p, next_lrow, k, rank);
+  const bool want_argmax = p.argmax_out != nullptr || p.row_correct != nullptr;
+  // ---- all loads of the slice in flight at once
+  uint4 buf[kRegVpt];
+#pragma unroll
+  for (int i = 0; i < kRegVpt; ++i) {
+    const int j0 = j00 + i * jstep;
+    buf[i] = make_uint4(0u, 0u, 0u, 0u);
+    if (v0 + i * nt < vend)
+      buf[i] = load_vector<TZ, kStreaming>(zrow, j0, is_full<int, E>(j0, V), V);
+  }
+  // the argmax keys of the registers' elements against the row's maximum m (a row with a NaN or
+  // +inf: the argmax note above)
+  auto scan_registers = [&](float m, uint64_t& best) {
+#pragma unroll
+    for (int i = 0; i < kRegVpt; ++i) {
+      const int j0 = j00 + i * jstep;
+      if (v0 + i * nt < vend)
+        argmax_vector<TZ, MODE>(buf[i], j0, is_full<int, E>(j0, V), p, m, best);
+    }
+  };
+  // the slots past the registers, copied into shared memory, in flight with them (a slot is
+  // past the CTA's slice from the first one that is: they increase)
+  int ns_used = 0;
+  if constexpr (SMEM) {
+    const int ns = p.reg_smem;
+    const uint64_t pol = evict_first_policy();
+#pragma unroll 1
+    for (; ns_used < ns && v0 + (kRegVpt + ns_used) * nt < vend; ++ns_used) {
+      const int j0 = j00 + (kRegVpt + ns_used) * jstep;
+      copy_vector_async<TZ>(svec + ns_used * nt + tid, zrow, j0, is_full<int, E>(j0, V), V, pol);
+    }
+  }
+  // The row's target and its logit (load_row_info, thread 0): for 16-bit rows before the fold,
+  // for float32 rows after it. Measured on an H100 (dev/NOTES.md, 2026-11-25):
+  // after the fold, float32 forward + gradient at 4096×32000 ran 91.5 → 94.5 % of copy and
+  // 8192×32000 93.9 → 96.7 %, while 16-bit rows lost up to 9 points (16384×128256 bf16 95.7 →
+  // 86.6 %).
+  constexpr bool kInfoAfterFold = Ty<TZ>::kBytes == 4;
+  if (!kInfoAfterFold && tid == 0)
+    s_info = load_row_info<TZ, MODE>(p, row, zrow, rank == 0 || p.token_scaling);
+  const float c = smoothing_reference<TZ, MODE>(p, zrow);
+
+  // ---- phase 1: (max, Σexp[, Σω·(a − c)]) of the slice
+  Partial acc = partial_identity();
+  int am = -1;
+  // kUnit, 16-bit, registers only: two passes (max_vector, sumexp_vector: ce/device.cuh), the
+  // thread's maximum (two elements per compare) and then the sum. Measured on an H100 against the
+  // online fold of the same kernels (dev/NOTES.md, 2026-11-28): forward + gradient
+  // 1024×32000 bf16 64.0 → 65.6 % of copy, 1024×128256 84.4 → 85.3, 4096×32000 87.3 → 87.7, the
+  // other shapes within 0.5 point; with shared-memory slots (read twice) 16384×50257 bf16 fell
+  // 93.3 → 89.2 and float32 rows 0.5-1.1 points, so those keep the online fold.
+  if constexpr (MODE == kUnit && !SMEM && E == 8) {
+    uint32_t pm = packed_neg_inf<TZ>();
+    float fm = neg_inf();
+#pragma unroll
+    for (int i = 0; i < kRegVpt; ++i) {
+      const int j0 = j00 + i * jstep;
+      if (v0 + i * nt < vend) max_vector<TZ>(buf[i], j0, is_full<int, E>(j0, V), V, pm, fm);
+    }
+    const float m = max_total<TZ>(pm, fm);
+    const float ms = m == neg_inf() ? 0.f : m;  // all −inf: every term is exp(−inf) = 0
+    float sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < kRegVpt; ++i) {
+      const int j0 = j00 + i * jstep;
+      if (v0 + i * nt < vend) sumexp_vector<TZ>(buf[i], j0, is_full<int, E>(j0, V), V, ms, sum);
+    }
+    if (want_argmax && m != neg_inf()) {  // the first element equal to m
+#pragma unroll
+      for (int i = 0; i < kRegVpt; ++i) {
+        const int j0 = j00 + i * jstep;
+        if (am < 0 && v0 + i * nt < vend)
+          first_max_vector<TZ>(buf[i], j0, is_full<int, E>(j0, V), V, m, am);
+      }
+    }
+    acc = Partial{m, sum, 0.0};
+  } else {
+#pragma unroll
+    for (int i = 0; i < kRegVpt; ++i) {
+      const int j0 = j00 + i * jstep;
+      if (v0 + i * nt < vend)
+        online_vector<TZ, MODE>(buf[i], j0, is_full<int, E>(j0, V), p, c, acc, want_argmax, am);
+    }
+    if constexpr (SMEM) {
+      async_copies_wait();
+#pragma unroll 1
+      for (int i = 0; i < ns_used; ++i) {
+        const int j0 = j00 + (kRegVpt + i) * jstep;
+        online_vector<TZ, MODE>(svec[i * nt + tid], j0, is_full<int, E>(j0, V), p, c, acc,
+                                want_argmax, am);
+      }
+    }
+  }
+  if (kInfoAfterFold && tid == 0)
+    s_info = load_row_info<TZ, MODE>(p, row, zrow, rank == 0 || p.token_scaling);
+  // every warp ends with the CTA's partial (and, after the barrier inside, s_info is there)
+  const Partial blk = block_reduce_all<SW>(acc, s_warp);
+
+  // ---- the row's partial: this CTA's, or the cluster's folded in rank order
+  Partial fin = blk;
+  bool bar_pending = false;  // a cluster barrier arrival to wait for before exit
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (k > 1) {
+    if (xmbar) {
+      cluster_wait();  // every CTA's mbarrier is initialised (ce_rows_regs_kernel)
+      if (tid == 0) mbar_expect(&sh.mbar, static_cast<uint32_t>(k * sizeof(Partial)));
+      if (tid < k) st_async_partial(blk, &sh.slots[rank], &sh.mbar, tid);
+      mbar_wait(&sh.mbar, 0);
+      // every warp folds the k partials in rank order (lane r holds rank r's): the same bits
+      Partial mine = partial_identity();
+      if (lane < k) mine = sh.slots[lane];
+      Partial f = partial_identity();
+      for (int r = 0; r < k; ++r)
+        combine<SW>(f, __shfl_sync(0xffffffffu, mine.m, r), __shfl_sync(0xffffffffu, mine.s, r),
+                    SW ? __shfl_sync(0xffffffffu, mine.sw, r) : 0.0);
+      fin = f;
+    } else {
+      if (tid == 0) sh.part = blk;
+      cluster_sync_release_acquire();
+      if (tid < 32) {
+        Partial mine = partial_identity();
+        if (tid < k) mine = *cooperative_groups::this_cluster().map_shared_rank(&sh.part, tid);
+        Partial f = partial_identity();
+        for (int r = 0; r < k; ++r)
+          combine<SW>(f, __shfl_sync(0xffffffffu, mine.m, r), __shfl_sync(0xffffffffu, mine.s, r),
+                      SW ? __shfl_sync(0xffffffffu, mine.sw, r) : 0.0);
+        if (tid == 0) sh.fin = f;
+      }
+      // waited for before exit (or the next row): nobody reads the part of an exited CTA (with
+      // the argmax, the exchange below does that)
+      if (!want_argmax) {
+        cluster_arrive_relaxed();
+        bar_pending = true;
+      }
+      __syncthreads();
+      fin = sh.fin;
+    }
+  }
+#endif
+  // k > 1 never reaches code built without clusters (the host checks the kernel's PTX version);
+  // were it to, the row would be NaN rather than silently wrong.
+#if !(defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900)
+  if (k > 1) fin = Partial{qnan(), qnan(), 0.0};
+#endif
+  const RowInfo ri = s_info;
+  const RowVals vals = row_vals(p, ri, fin);
+  if (rank == 0 && tid == 0) write_row_outputs<MODE>(p, row, ri, fin, vals, c);
+  // the argmax's reduction comes after the gradient: this thread's candidate waits in shared
+  // memory (no register held through the gradient). With SMEM a row with a NaN or +inf (the
+  // argmax note above) scans its elements for the candidate first, while the registers hold the
+  // logits: then nothing reads the registers after the gradient and the shared-memory slots'
+  // gradient loop runs with them free.
+  if constexpr (!SMEM) {
+    if (want_argmax)
+      s_cand[tid] = (am >= 0 && acc.m == fin.m) ? static_cast<uint32_t>(am) : 0xffffffffu;
+  } else if (want_argmax) {
+    uint64_t best =
+        (am >= 0 && acc.m == fin.m) ? ((uint64_t(1) << 32) | static_cast<uint32_t>(am)) : kNoArgmax;
+    if (isnan(fin.s)) {
+      best = kNoArgmax;
+      scan_registers(fin.m, best);
+#pragma unroll 1
+      for (int i = 0; i < ns_used; ++i) {
+        const int j0 = j00 + (kRegVpt + i) * jstep;
+        argmax_vector<TZ, MODE>(svec[i * nt + tid], j0, is_full<int, E>(j0, V), p, fin.m, best);
+      }
+    }
+    s_cand[tid] = pack_key(best);
+  }
+
+  // ---- phase 2: the gradient, from the registers
+  if (p.grad) {
+    char* grow = p.grad + lrow * p.g_row_bytes;
+    const bool vec_ok = grad_vec_ok<TZ, TG>(grow, lead);
+    if (ri.kind == kValid) {
+      const RowGrad rg = make_row_grad<MODE>(p, ri, vals);
+      const int yl = local_target<int, E>(p, ri.y);
+#pragma unroll
+      for (int i = 0; i < kRegVpt; ++i) {
+        const int j0 = j00 + i * jstep;
+        if (v0 + i * nt < vend)
+          grad_vector<TZ, TG, MODE>(buf[i], j0, is_full<int, E>(j0, V), vec_ok, p, rg, yl, grow);
+      }
+      if constexpr (SMEM) {
+#pragma unroll 1
+        for (int i = 0; i < ns_used; ++i) {
+          const int j0 = j00 + (kRegVpt + i) * jstep;
+          grad_vector<TZ, TG, MODE>(svec[i * nt + tid], j0, is_full<int, E>(j0, V), vec_ok, p, rg,
+                                    yl, grow);
+        }
+      }
+    } else {
+      const float value = ri.kind == kInvalid ? qnan() : 0.f;
+#pragma unroll 1
+      for (int i = 0; i < (SMEM ? kRegVpt + ns_used : kRegVpt); ++i) {
+        const int j0 = j00 + i * jstep;
+        if (v0 + i * nt < vend)
+          fill_vector<TG, E>(j0, is_full<int, E>(j0, V), vec_ok, V, value, grow);
+      }
+    }
+  }
+  // ---- the argmax, once the gradient is out: the candidates to the CTA, then the cluster
+  // (registers only: a row with a NaN or +inf scans the registers, still holding the row, now)
+  if (want_argmax) {
+    const uint32_t cand = s_cand[tid];
+    uint64_t best = SMEM                  ? unpack_key(cand)
+                    : cand == 0xffffffffu ? kNoArgmax
+                                          : ((uint64_t(1) << 32) | cand);
+    if (!SMEM && isnan(fin.s)) {
+      best = kNoArgmax;
+      scan_registers(fin.m, best);
+    }
+    best = block_min_u64(best, s_wmin);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (k > 1) {
+      if (tid == 0) sh.best_part = best;
+      cluster_sync_release_acquire();
+      if (tid < 32) {
+        uint64_t mine = kNoArgmax;
+        if (tid < k) mine = *cooperative_groups::this_cluster().map_shared_rank(&sh.best_part, tid);
+        best = warp_min_u64(mine);
+      }
+      cluster_arrive_relaxed();  // waited for before exit
+      bar_pending = true;
+    }
+#endif
+    if (rank == 0 && tid == 0) write_argmax_outputs(p, row, ri, best);
+  }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (bar_pending) cluster_wait();
+#endif
+}
+
+// grid.x = (rows of the grid) × k. LOOP = false: one row per cluster, the grid covers the
+// launch's rows; without the argmax outputs the cluster's partials go through st.async and an
+// mbarrier (initialised here, then a relaxed cluster arrival that regs_row waits for before the
+// first remote store). LOOP = true (persistent: fce_backward_rescale, whose CTAs usually have
+// nothing to do): at most a wave of clusters, cluster
+// c takes rows c, c + G, c + 2G, … (G = the grid's rows), exchanging through cluster barriers;
+// every CTA of a cluster walks the same rows, so the barriers pair up. p.prefetch_rows > 0:
+// each CTA first asks the L2 for its slice of the row that distance ahead (the next row of its
+// own loop when LOOP).
+template <class TZ, class TG, int MODE, bool LOOP, bool SMEM>
+__global__ void __launch_bounds__(kRegThreads, MODE == kGeneral ? 1 : 2)
+    ce_rows_regs_kernel(const KParams p) {
+  pdl_trigger();  // the finalize may start once every CTA has (it waits for our values)
+  __shared__ RegShared sh;
+  extern __shared__ __align__(16) uint4 reg_svec[];  // p.reg_smem × blockDim vectors
+  const unsigned k = static_cast<unsigned>(p.cluster);
+  const int64_t first = blockIdx.x / k;
+  if constexpr (!LOOP) {
+    const int64_t next = p.prefetch_rows > 0 ? first + p.prefetch_rows : INT64_MAX;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    const bool want_argmax = p.argmax_out != nullptr || p.row_correct != nullptr;
+    const bool xmbar = p.xmbar_ok && k > 1 && !want_argmax && !p.rescale;
+    if (xmbar) {
+      if (threadIdx.x == 0) mbar_init(&sh.mbar);
+      cluster_arrive_relaxed();
+    }
+#else
+    const bool xmbar = false;
+#endif
+    regs_row<TZ, TG, MODE, SMEM>(p, first, next, xmbar, sh, reg_svec);
+  } else {
+    if (p.rescale && *p.grad_output == 1.f) return;  // the usual case: nothing to do anywhere
+    const int64_t stride = gridDim.x / k;
+    for (int64_t lrow = first; lrow < p.rows_in_launch; lrow += stride) {
+      regs_row<TZ, TG, MODE, SMEM>(p, lrow, p.prefetch_rows > 0 ? lrow + stride : INT64_MAX, false,
+                                   sh, reg_svec);
+      __syncthreads();  // the next row reuses the shared scalars
+    }
+  }
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace fce
