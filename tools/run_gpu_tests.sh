@@ -57,6 +57,11 @@ for t in test_ce test_linear_ce test_adversarial test_rescale; do
   suite "$t, bulk kernel on every row (CUDA)" env FCE_TEST_BACKEND=cuda \
     FCE_CUDA_CE_BULK=2 "$BUILD/tests/$t"
 done
+# the path of a GPU without clusters, bulk copies or dependent launches (FCE_CUDA_PORTABLE=1: the
+# device is treated as compute capability 8.x), on this one
+for t in test_ce test_linear_ce test_adversarial test_rescale; do
+  suite "$t, portable path (CUDA)" env FCE_TEST_BACKEND=cuda FCE_CUDA_PORTABLE=1 "$BUILD/tests/$t"
+done
 # the register path's shared-memory slots (sm_90) wherever they take fewer CTAs than registers
 # alone, also on the tests' few rows (the default takes them only on launches of many waves)
 for t in test_ce test_adversarial test_rescale; do

@@ -27,6 +27,7 @@ fce_status device_info(const char* fn, DeviceInfo* d) {
     e = cudaDeviceGetAttribute(&d->major, cudaDevAttrComputeCapabilityMajor, d->device);
   if (e != cudaSuccess)
     return fail(FCE_ERROR_CUDA, "%s: no usable CUDA device: %s", fn, cudaGetErrorString(e));
+  d->major = policy_major(d->major);
   return FCE_SUCCESS;
 }
 
@@ -228,7 +229,7 @@ DeviceProps query_props(int device) {
     }
     return v;
   };
-  p.major = attr(cudaDevAttrComputeCapabilityMajor, 0);
+  p.major = policy_major(attr(cudaDevAttrComputeCapabilityMajor, 0));
   p.sms = attr(cudaDevAttrMultiProcessorCount, 0);
   p.regs_per_sm = attr(cudaDevAttrMaxRegistersPerMultiprocessor, p.regs_per_sm);
   p.max_threads_per_sm = attr(cudaDevAttrMaxThreadsPerMultiProcessor, p.max_threads_per_sm);
@@ -306,6 +307,7 @@ bool pdl_supported() {
     (void)cudaGetLastError();
     return false;
   }
+  major = policy_major(major);
   if (cached) g_pdl[device].store(major >= 9 ? 1 : -1, std::memory_order_relaxed);
   return major >= 9;
 }

@@ -33,6 +33,7 @@ Knobs read_knobs() {
     if (v >= 0 && v <= 12) k.reg_smem = v;
   }
   if (const char* s = std::getenv("FCE_CUDA_CE_SMEM_ALWAYS")) k.smem_always = std::atoi(s) == 1;
+  if (const char* s = std::getenv("FCE_CUDA_PORTABLE")) k.portable = std::atoi(s) == 1;
   return k;
 }
 

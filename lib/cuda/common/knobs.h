@@ -18,12 +18,18 @@ struct Knobs {
   int bulk_grad = -1;  // FCE_CUDA_CE_BULK_GRAD=0|1: bulk kernel with a gradient never / always
   int reg_smem = 12;   // FCE_CUDA_CE_SMEM=0-12: the most shared-memory slots per thread (0: none)
   bool smem_always = false;  // FCE_CUDA_CE_SMEM_ALWAYS=1: slots wherever they take fewer CTAs
+  bool portable = false;  // FCE_CUDA_PORTABLE=1: a device of compute capability 9+ is treated as 8
+                          // (no clusters, bulk copies or dependent launches): the path any GPU
+                          // without them takes, testable on a Hopper
 };
 // (FCE_LINEAR_CE_PLAN=sliced: fce_linear_ce takes its vocabulary-sliced plan whenever it fits;
 // read on every call by linear/plan.cu, force_sliced.)
 
 // The knobs of this process, read from the environment on the first call (thread-safe).
 const Knobs& knobs();
+
+// The compute capability major the policy sees: the device's, or 8 under FCE_CUDA_PORTABLE=1.
+inline int policy_major(int major) { return knobs().portable && major > 8 ? 8 : major; }
 
 }  // namespace cuda
 }  // namespace fce
