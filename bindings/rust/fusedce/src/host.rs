@@ -214,6 +214,24 @@ fn extra_outputs(
     Ok(ptrs)
 }
 
+/// The `fce_outputs` of a loss call on host slices (`extras`: argmax and accuracy pointers).
+fn loss_outputs(
+    loss: &mut [f32],
+    lse: Option<&mut [f32]>,
+    z_loss: Option<&mut f32>,
+    extras: (*mut i64, *mut f32),
+    error_flags: Option<&mut u32>,
+) -> sys::fce_outputs {
+    crate::raw::outputs(
+        loss.as_mut_ptr(),
+        lse.map_or(ptr::null_mut(), |x| x.as_mut_ptr()),
+        z_loss.map_or(ptr::null_mut(), |x| x as *mut f32),
+        extras.0,
+        extras.1,
+        error_flags.map_or(ptr::null_mut(), |x| x as *mut u32),
+    )
+}
+
 fn workspace_ptr(
     given: Option<&mut HostWorkspace>,
     local: &mut HostWorkspace,
@@ -533,21 +551,8 @@ fn forward_impl<T: Element, I: Target>(
     let (ws, ws_len) = workspace_ptr(workspace, &mut local, ws_bytes, ws_bytes);
     // SAFETY: every pointer is null or a live host buffer at least as long as the library
     // reads or writes (checked above); the mutable ones are exclusive borrows.
-    let out = crate::raw::outputs(
-        loss.as_mut_ptr(),
-        lse.map_or(ptr::null_mut(), |x| x.as_mut_ptr()),
-        z_loss.map_or(ptr::null_mut(), |x| x as *mut f32),
-        argmax_ptr,
-        accuracy_ptr,
-        error_flags.map_or(ptr::null_mut(), |x| x as *mut u32),
-    );
-    let g = crate::raw::gradients(
-        grad_output.map_or(ptr::null(), |x| x.as_ptr()),
-        grad_ptr,
-        ptr::null_mut(),
-        ptr::null_mut(),
-        ptr::null_mut(),
-    );
+    let out = loss_outputs(loss, lse, z_loss, (argmax_ptr, accuracy_ptr), error_flags);
+    let g = crate::raw::logit_gradients(grad_output.map_or(ptr::null(), |x| x.as_ptr()), grad_ptr);
     check(unsafe {
         sys::fce_forward(
             &raw,
@@ -761,22 +766,8 @@ fn backward_impl<T: Element, I: Target>(
     } else {
         sys::fce_backward
     };
-    let null = ptr::null_mut();
-    let out = crate::raw::outputs(
-        null,
-        null,
-        null,
-        ptr::null_mut(),
-        null,
-        error_flags.map_or(ptr::null_mut(), |x| x as *mut u32),
-    );
-    let g = crate::raw::gradients(
-        grad_output.map_or(ptr::null(), |x| x.as_ptr()),
-        grad_ptr,
-        ptr::null_mut(),
-        ptr::null_mut(),
-        ptr::null_mut(),
-    );
+    let out = crate::raw::flag_outputs(error_flags.map_or(ptr::null_mut(), |x| x as *mut u32));
+    let g = crate::raw::logit_gradients(grad_output.map_or(ptr::null(), |x| x.as_ptr()), grad_ptr);
     // SAFETY: as in forward_impl.
     check(unsafe {
         call(
@@ -1064,17 +1055,9 @@ pub fn linear_ce<T: Element, I: Target>(
     let (ws, ws_len) = workspace_ptr(workspace, &mut local, min, optimal.max(min));
     // SAFETY: every pointer is null or a live host buffer at least as long as the library
     // reads or writes (checked above); the mutable ones are exclusive borrows.
-    let out = crate::raw::outputs(
-        loss.as_mut_ptr(),
-        lse.map_or(ptr::null_mut(), |x| x.as_mut_ptr()),
-        z_loss.map_or(ptr::null_mut(), |x| x as *mut f32),
-        argmax_ptr,
-        accuracy_ptr,
-        error_flags.map_or(ptr::null_mut(), |x| x as *mut u32),
-    );
-    let g = crate::raw::gradients(
+    let out = loss_outputs(loss, lse, z_loss, (argmax_ptr, accuracy_ptr), error_flags);
+    let g = crate::raw::linear_gradients(
         grad_output.map_or(ptr::null(), |x| x.as_ptr()),
-        ptr::null_mut(),
         grad_hidden.map_or(ptr::null_mut(), |g| g.as_mut_ptr().cast()),
         grad_weight.map_or(ptr::null_mut(), |mut g| g.ptr()),
         grad_bias.map_or(ptr::null_mut(), |mut g| g.ptr()),

@@ -209,23 +209,51 @@ pub(crate) fn outputs(
     }
 }
 
-/// An `fce_gradients` of these pointers (null: not asked for; grad_hidden_dtype FCE_FLOAT32).
-pub(crate) fn gradients(
+/// An `fce_outputs` that writes the error flags alone (the gradient-only calls).
+pub(crate) fn flag_outputs(error_flags: *mut u32) -> sys::fce_outputs {
+    let null = ptr::null_mut();
+    outputs(null, null, null, ptr::null_mut(), null, error_flags)
+}
+
+/// An `fce_gradients` asking for nothing (grad_hidden_dtype FCE_FLOAT32, upstream 1).
+fn no_gradients() -> sys::fce_gradients {
+    sys::fce_gradients {
+        struct_size: std::mem::size_of::<sys::fce_gradients>(),
+        grad_output: ptr::null(),
+        grad_logits: ptr::null_mut(),
+        grad_hidden: ptr::null_mut(),
+        grad_weight: ptr::null_mut(),
+        grad_bias: ptr::null_mut(),
+        grad_hidden_dtype: sys::FCE_FLOAT32 as i32,
+        reserved0: 0,
+    }
+}
+
+/// The gradient over the logits (null: none) for the upstream `grad_output` (null: 1).
+pub(crate) fn logit_gradients(
     grad_output: *const f32,
     grad_logits: *mut c_void,
+) -> sys::fce_gradients {
+    sys::fce_gradients {
+        grad_output,
+        grad_logits,
+        ..no_gradients()
+    }
+}
+
+/// The linear layer's gradients (each null: not asked for) for the upstream `grad_output`.
+pub(crate) fn linear_gradients(
+    grad_output: *const f32,
     grad_hidden: *mut c_void,
     grad_weight: *mut c_void,
     grad_bias: *mut c_void,
 ) -> sys::fce_gradients {
     sys::fce_gradients {
-        struct_size: std::mem::size_of::<sys::fce_gradients>(),
         grad_output,
-        grad_logits,
         grad_hidden,
         grad_weight,
         grad_bias,
-        grad_hidden_dtype: sys::FCE_FLOAT32 as i32,
-        reserved0: 0,
+        ..no_gradients()
     }
 }
 
@@ -239,13 +267,7 @@ pub(crate) fn gradients(
 pub unsafe fn forward(opts: &Options<'_>, rows: i64, vocab: i64, a: &ForwardArgs) -> Result<()> {
     let raw = crate::options_for_library(*opts.as_raw())?;
     let out = outputs(a.loss, a.lse, a.z_loss, a.argmax, a.accuracy, a.error_flags);
-    let g = gradients(
-        a.grad_output,
-        a.grad_logits,
-        ptr::null_mut(),
-        ptr::null_mut(),
-        ptr::null_mut(),
-    );
+    let g = logit_gradients(a.grad_output, a.grad_logits);
     check(sys::fce_forward(
         &raw,
         rows,
@@ -316,15 +338,8 @@ unsafe fn backward_call(
     a: &BackwardArgs,
 ) -> Result<()> {
     let raw = crate::options_for_library(*opts.as_raw())?;
-    let null = ptr::null_mut();
-    let out = outputs(null, null, null, ptr::null_mut(), null, a.error_flags);
-    let g = gradients(
-        a.grad_output,
-        a.grad_logits,
-        ptr::null_mut(),
-        ptr::null_mut(),
-        ptr::null_mut(),
-    );
+    let out = flag_outputs(a.error_flags);
+    let g = logit_gradients(a.grad_output, a.grad_logits);
     check(call(
         &raw,
         rows,
@@ -353,13 +368,7 @@ pub unsafe fn linear_ce(
 ) -> Result<()> {
     let raw = crate::options_for_library(*opts.as_raw())?;
     let out = outputs(a.loss, a.lse, a.z_loss, a.argmax, a.accuracy, a.error_flags);
-    let g = gradients(
-        a.grad_output,
-        ptr::null_mut(),
-        a.grad_hidden,
-        a.grad_weight,
-        a.grad_bias,
-    );
+    let g = linear_gradients(a.grad_output, a.grad_hidden, a.grad_weight, a.grad_bias);
     check(sys::fce_linear_ce(
         &raw,
         rows,
