@@ -18,7 +18,8 @@
  *   fce_vp_*       the same with the vocabulary sharded over ranks (0.4): per-shard statistics,
  *                  a collective the caller runs, then the loss and the shard's gradients;
  *                  fce_vp_linear_ce (0.5) does it in one call through the caller's all-gather.
- * Every option lives in fce_options.
+ * Every option lives in fce_options; what a call writes, in fce_outputs and fce_gradients;
+ * where a vocabulary shard lies, in fce_vp_shard.
  *
  * Conventions (the same for every call):
  *   - Every compute call and workspace query returns an fce_status. On failure
@@ -72,8 +73,11 @@ extern "C" {
 #endif
 
 /* ---------------------------------------------------------------- version ---- */
-#define FCE_VERSION_MAJOR 0
-#define FCE_VERSION_MINOR 5
+/* From 1.0 the ABI is append-only: no function, enum value, macro or struct field is ever
+ * removed, renumbered or changed in meaning; new calls and new struct fields (at the end of the
+ * versioned structs, known to the library by their struct_size) are added. */
+#define FCE_VERSION_MAJOR 1
+#define FCE_VERSION_MINOR 0
 #define FCE_VERSION_PATCH 0
 #define FCE_VERSION_NUMBER (FCE_VERSION_MAJOR * 10000 + FCE_VERSION_MINOR * 100 + FCE_VERSION_PATCH)
 
@@ -131,8 +135,8 @@ typedef enum fce_backend { FCE_BACKEND_CUDA = 0, FCE_BACKEND_CPU = 1 } fce_backe
 /* ---------------------------------------------------------------- options ---- */
 /* Every option of every call. Start from FCE_OPTIONS_INIT or fce_options_default(); fields are
  * only ever appended, and struct_size tells the library which ones the caller knows: it must be
- * the size of some version's struct (FCE_OPTIONS_SIZE_V0_1 or FCE_OPTIONS_SIZE_V0_3); the fields
- * past it take their defaults. */
+ * the size of some 1.x version's struct (FCE_OPTIONS_SIZE_V1_0); the fields past it take their
+ * defaults. The outputs of a call are not options: they are fce_outputs and fce_gradients. */
 typedef struct fce_options {
   size_t struct_size;         /* sizeof(fce_options) */
   const float* class_weights; /* w [vocab] float32 in the backend's memory, or NULL (all 1);
@@ -169,27 +173,10 @@ typedef struct fce_options {
                                  and grad_bias are float32 whatever dtype is; 0 = they have
                                  dtype */
   int32_t reserved0;          /* must be 0 */
-  /* ---- appended in 0.3 (a 0.1/0.2 caller's smaller struct_size gets the defaults) ---- */
   int64_t shift;              /* k >= 0, with shift_seq_len T > 0: row b*T+t is scored against
                                  target b*T+t+k and rows with t >= T-k are ignored (CCE's
                                  integer shift). 0 = 1 (the shift of 0.2). k >= T ignores
                                  every row. Must be 0 when T = 0 */
-  int64_t* argmax;            /* fce_forward, fce_linear_ce, fce_vp_loss: optional int64 [rows]
-                                 in the backend's memory: each row's predicted class, the
-                                 argmax of its scaled, capped logits a (lowest index among
-                                 equal maxima, a NaN counts as the largest, as torch.argmax);
-                                 -1 for ignored rows. NULL: not computed. The gradient-only
-                                 calls (fce_backward, fce_backward_rescale, fce_vp_backward,
-                                 fce_vp_linear_backward) and the phase-1 calls (fce_vp_stats,
-                                 fce_vp_linear_stats) never write it (they accept the options
-                                 of the forward). */
-  float* accuracy;            /* fce_forward, fce_linear_ce, fce_vp_loss: optional float32 in
-                                 the backend's memory: for mean and sum [1], the fraction of
-                                 non-ignored rows whose argmax equals the target (invalid rows
-                                 count, never correct; 0 when every row is ignored); for none
-                                 [rows], 1 or 0 per row (0 for ignored and invalid rows).
-                                 Unweighted. NULL: not computed. The calls that never write
-                                 argmax never write it either. */
   int32_t token_scaling;      /* nonzero: each scored row's loss (its z-loss term included) and
                                  gradient are multiplied by p_y (exp((a_y - m) - log s), see
                                  fce_forward's precision note), treated as a
@@ -224,22 +211,120 @@ typedef struct fce_options {
     0,                   /* grad_weight_fp32: 0 (gradients of dtype) */       \
     0,                   /* reserved0: must be 0 */                           \
     0,                   /* shift: 0 (= 1 with shift_seq_len) (0.3) */        \
-    NULL,                /* argmax: not computed (0.3) */                     \
-    NULL,                /* accuracy: not computed (0.3) */                   \
     0,                   /* token_scaling: off (0.3) */                       \
     0                    /* reserved1: must be 0 (0.3) */                     \
   }
 
-/* sizeof(fce_options) in version 0.1, the first: the smallest struct_size any library accepts. */
-#define FCE_OPTIONS_SIZE_V0_1 104
-/* sizeof(fce_options) in version 0.3 (shift, argmax, accuracy, token_scaling). */
-#define FCE_OPTIONS_SIZE_V0_3 136
+/* sizeof(fce_options) in version 1.0, the first of the stable ABI: the smallest struct_size any
+ * 1.x library accepts. (The 0.x structs, which held argmax and accuracy, are refused with a
+ * message saying so.) */
+#define FCE_OPTIONS_SIZE_V1_0 120
 
 /* Fills *options with the defaults above (for bindings that cannot use the macro). It writes
  * options->struct_size bytes at most, so set struct_size to the size of your fce_options first;
- * a struct_size of 0 means FCE_OPTIONS_SIZE_V0_1 (what a 0.1 caller's zeroed struct holds). A
- * newer library therefore never writes past an older caller's struct. */
+ * a struct_size of 0 means FCE_OPTIONS_SIZE_V1_0. A newer library therefore never writes past an
+ * older caller's struct. */
 FCE_API void fce_options_default(fce_options* options);
+
+/* ---------------------------------------------------------------- outputs ---- */
+/* What a call writes besides the gradients, all in the backend's memory. Start from
+ * FCE_OUTPUTS_INIT (every output absent); fields are only ever appended (later: per-row
+ * entropy, log-probs, distillation terms), and struct_size tells the library which ones the
+ * caller knows: it must be the size of some version's struct (FCE_OUTPUTS_SIZE_V1_0), and the
+ * fields past it are absent (NULL).
+ *
+ * Which calls read it: fce_forward, fce_linear_ce, fce_vp_loss and fce_vp_linear_ce write every
+ * field (loss required, the others optional); the gradient-only calls (fce_backward,
+ * fce_backward_rescale, fce_vp_backward, fce_vp_linear_backward) write error_flags only, and
+ * refuse a structure with any other output set. The pointer itself may be NULL where no output is
+ * required: for the gradient-only calls (then no error flags are written); never for the calls
+ * that write a loss (their message: "<call>: outputs is NULL"). */
+typedef struct fce_outputs {
+  size_t struct_size;    /* sizeof(fce_outputs) */
+  float* loss;           /* float32: [1] for mean/sum, [rows] for none (ignored rows get 0). */
+  float* lse;            /* optional float32 [rows]: log-sum-exp of each row's (scaled, capped)
+                            logits, written for every row, ignored ones too; what fce_backward
+                            needs. */
+  float* z_loss;         /* optional float32 [1]: lambda * sum lse_i^2 over non-ignored rows
+                            (each valid row's times p_y with token_scaling), divided by the
+                            number of non-ignored rows for mean (summed for sum and none): the
+                            part of the loss that is z-loss, for logging. */
+  int64_t* argmax;       /* optional int64 [rows]: each row's predicted class, the argmax of its
+                            scaled, capped logits a (lowest index among equal maxima, a NaN
+                            counts as the largest, as torch.argmax); -1 for ignored rows. */
+  float* accuracy;       /* optional float32: for mean and sum [1], the fraction of non-ignored
+                            rows whose argmax equals the target (invalid rows count, never
+                            correct; 0 when every row is ignored); for none [rows], 1 or 0 per
+                            row (0 for ignored and invalid rows). Unweighted. */
+  uint32_t* error_flags; /* optional uint32: the call ORs FCE_FLAG_* bits into it and never
+                            clears it (zero it once, read it whenever convenient). A row whose
+                            target is out of range gets loss NaN and a NaN gradient row; it counts
+                            1 (not its class weight) in the mean's denominator. */
+} fce_outputs;
+
+#define FCE_OUTPUTS_INIT                                          \
+  {                                                               \
+    sizeof(fce_outputs), /* struct_size: this header's struct */  \
+    NULL,                /* loss */                               \
+    NULL,                /* lse: not written */                   \
+    NULL,                /* z_loss: not written */                \
+    NULL,                /* argmax: not computed */               \
+    NULL,                /* accuracy: not computed */             \
+    NULL                 /* error_flags: not written */           \
+  }
+
+/* sizeof(fce_outputs) in version 1.0 (on LP64 and LLP64 targets). */
+#define FCE_OUTPUTS_SIZE_V1_0 56
+
+/* -------------------------------------------------------------- gradients ---- */
+/* The gradients a call writes and the upstream gradient it scales them by, in the backend's
+ * memory. Start from FCE_GRADIENTS_INIT (nothing asked for); fields are only ever appended
+ * (later: upstream gradients of the lse and of the entropy), and struct_size must be the size of
+ * some version's struct (FCE_GRADIENTS_SIZE_V1_0); the fields past it are absent.
+ *
+ * Which calls read which fields (a field a call does not take must be NULL, so that a gradient
+ * asked for is never silently left unwritten):
+ *   fce_forward, fce_backward, fce_backward_rescale, fce_vp_backward: grad_logits, grad_output;
+ *   fce_linear_ce, fce_vp_linear_backward, fce_vp_linear_ce: grad_hidden, grad_weight,
+ *   grad_bias, grad_output (and, for the fce_vp_linear_* calls, grad_hidden_dtype).
+ * The pointer itself may be NULL: no gradient (the loss only, for fce_forward, fce_linear_ce and
+ * fce_vp_linear_ce); the calls that compute nothing else (fce_backward, fce_backward_rescale,
+ * fce_vp_backward, fce_vp_linear_backward) refuse it ("<call>: gradients is NULL"). */
+typedef struct fce_gradients {
+  size_t struct_size;       /* sizeof(fce_gradients) */
+  const float* grad_output; /* upstream gradient g, float32: one value for mean/sum, [rows]
+                               values for none; NULL means g = 1 (each row, for none). Being a
+                               pointer, it can be written by earlier work on the stream. */
+  void* grad_logits;        /* dloss/dz [rows, options->grad_row_stride] of options->dtype. It
+                               may be the logits themselves (in place; then grad_row_stride must
+                               equal row_stride); any other overlap is an error. */
+  void* grad_hidden;        /* dloss/dh [rows, hidden] dense, of dtype (fce_vp_linear_*: of
+                               grad_hidden_dtype), always overwritten. */
+  void* grad_weight;        /* dloss/dW [vocab, hidden] dense, of dtype or float32
+                               (options->grad_weight_fp32); overwritten, or added to with
+                               options->accumulate. */
+  void* grad_bias;          /* dloss/db [vocab], the dtype of grad_weight; only with a bias. */
+  int32_t grad_hidden_dtype; /* fce_vp_linear_*: FCE_FLOAT32 or options->dtype, the dtype of
+                               the partial grad_hidden (FCE_FLOAT32 keeps the all-reduce exact to
+                               float32). The other calls require FCE_FLOAT32 (the default) here:
+                               their grad_hidden has options->dtype. */
+  int32_t reserved0;        /* must be 0 */
+} fce_gradients;
+
+#define FCE_GRADIENTS_INIT                                          \
+  {                                                                 \
+    sizeof(fce_gradients), /* struct_size: this header's struct */  \
+    NULL,                  /* grad_output: g = 1 */                 \
+    NULL,                  /* grad_logits */                        \
+    NULL,                  /* grad_hidden */                        \
+    NULL,                  /* grad_weight */                        \
+    NULL,                  /* grad_bias */                          \
+    FCE_FLOAT32,           /* grad_hidden_dtype */                  \
+    0                      /* reserved0: must be 0 */               \
+  }
+
+/* sizeof(fce_gradients) in version 1.0 (on LP64 and LLP64 targets). */
+#define FCE_GRADIENTS_SIZE_V1_0 56
 
 /* ---------------------------------------------------------- cross-entropy ---- */
 /*
@@ -248,16 +333,10 @@ FCE_API void fce_options_default(fce_options* options);
  *                 1 <= V <= 2^31-1 classes.
  *   logits        z [rows, row_stride] of options->dtype (read only).
  *   targets       y [rows] of options->target_dtype.
- *   grad_output   upstream gradient g, float32 in the backend's memory: one value for
- *                 mean/sum, [rows] values for none; NULL means g = 1 (each row, for none).
- *                 Being a pointer, it can be written by earlier work on the stream.
- *   grad_logits   dloss/dz [rows, grad_row_stride] of options->dtype. It may be logits itself
- *                 (in place; then grad_row_stride must equal row_stride); any other overlap
- *                 with an input or output is an error.
- *   error_flags   optional uint32 in the backend's memory: the call ORs FCE_FLAG_* bits into
- *                 it and never clears it (zero it once, read it whenever convenient). A row
- *                 whose target is out of range gets loss NaN and a NaN gradient row; it counts
- *                 1 (not its class weight) in the mean's denominator.
+ *   outputs       what the call writes (fce_outputs above: loss, lse, z_loss, argmax, accuracy,
+ *                 error_flags).
+ *   gradients     gradients->grad_logits, dloss/dz, for the upstream gradients->grad_output
+ *                 (fce_gradients above); grad_logits may be logits itself (in place).
  *   workspace     scratch of at least the size the matching *_workspace_size query returned
  *                 for the same options and sizes; NULL is fine when that size is 0. Its
  *                 contents on entry and exit are meaningless.
@@ -269,23 +348,18 @@ FCE_API void fce_options_default(fce_options* options);
 FCE_API fce_status fce_forward_workspace_size(const fce_options* options, int64_t rows,
                                               int64_t vocab, size_t* workspace_bytes);
 
-/* Loss (and optionally lse, the z-loss total and the gradient) in one pass over the logits.
- *   loss      float32: [1] for mean/sum, [rows] for none (ignored rows get 0). Required.
- *   lse       optional float32 [rows]: log-sum-exp of each row's (scaled, capped) logits, written
- *             for every row, ignored ones too; what fce_backward needs.
- *   z_loss    optional float32 [1]: lambda * sum lse_i^2 over non-ignored rows (each valid row's
- *             times p_y with token_scaling), divided by the number of non-ignored rows for mean (summed
- *             for sum and none): the part of the loss that is z-loss, for logging.
- *   Also options->argmax and options->accuracy when set.
+/* Loss (and optionally lse, the z-loss total, argmax, accuracy and the gradient) in one pass
+ * over the logits.
+ *   outputs    required; outputs->loss required, every other field optional.
+ *   gradients  optional (NULL: the loss only). With gradients->grad_logits, the gradient of the
+ *              loss scaled by gradients->grad_output is written in the same pass: the training
+ *              path.
  * Precision: each p_j is exp((a_j - m) - log s) with the row maximum m and s = sum exp(a_j - m)
- * kept apart, so rows whose logits share a huge offset (all -1e30, all 3e38) are exact.
- *   grad_logits, grad_output: when grad_logits is not NULL, the gradient of the loss scaled by
- *             grad_output is written in the same pass: the training path. */
+ * kept apart, so rows whose logits share a huge offset (all -1e30, all 3e38) are exact. */
 FCE_API fce_status fce_forward(const fce_options* options, int64_t rows, int64_t vocab,
-                               const void* logits, const void* targets, float* loss, float* lse,
-                               float* z_loss, void* grad_logits, const float* grad_output,
-                               uint32_t* error_flags, void* workspace, size_t workspace_bytes,
-                               void* stream);
+                               const void* logits, const void* targets,
+                               const fce_outputs* outputs, const fce_gradients* gradients,
+                               void* workspace, size_t workspace_bytes, void* stream);
 
 /* Workspace bytes fce_backward needs for these options and sizes. */
 FCE_API fce_status fce_backward_workspace_size(const fce_options* options, int64_t rows,
@@ -297,12 +371,12 @@ FCE_API fce_status fce_backward_workspace_size(const fce_options* options, int64
  * up to |lse| * 2^-24 (at most 2^-14): the same values as fce_forward's gradient to that
  * rounding, not bit for bit (fce_backward_rescale is). Rows with |lse| >= 1024 (huge logits,
  * where that rounding would lose log s) are reduced again from the logits, so they are exact at
- * the cost of a second read of those rows. options->argmax and ->accuracy are not written. */
+ * the cost of a second read of those rows. outputs: NULL, or error_flags alone; gradients (required):
+ * grad_logits (required) and grad_output. */
 FCE_API fce_status fce_backward(const fce_options* options, int64_t rows, int64_t vocab,
                                 const void* logits, const void* targets, const float* lse,
-                                const float* grad_output, void* grad_logits,
-                                uint32_t* error_flags, void* workspace, size_t workspace_bytes,
-                                void* stream);
+                                const fce_outputs* outputs, const fce_gradients* gradients,
+                                void* workspace, size_t workspace_bytes, void* stream);
 
 /* The gradient fce_forward wrote for an upstream gradient of 1 (grad_output NULL), made the
  * gradient for the upstream scalar *grad_output, rounded ONCE to the dtype, as if fce_forward had
@@ -324,9 +398,9 @@ FCE_API fce_status fce_backward(const fce_options* options, int64_t rows, int64_
  * Workspace: fce_backward_workspace_size. */
 FCE_API fce_status fce_backward_rescale(const fce_options* options, int64_t rows, int64_t vocab,
                                         const void* logits, const void* targets,
-                                        const float* lse, const float* grad_output,
-                                        void* grad_logits, uint32_t* error_flags,
-                                        void* workspace, size_t workspace_bytes, void* stream);
+                                        const float* lse, const fce_outputs* outputs,
+                                        const fce_gradients* gradients, void* workspace,
+                                        size_t workspace_bytes, void* stream);
 
 /* ------------------------------------------------------ fused linear + CE ---- */
 /*
@@ -365,9 +439,8 @@ FCE_API fce_status fce_linear_ce_workspace_size(const fce_options* options, int6
 
 FCE_API fce_status fce_linear_ce(const fce_options* options, int64_t rows, int64_t hidden,
                                  int64_t vocab, const void* hidden_states, const void* weight,
-                                 const void* bias, const void* targets, float* loss, float* lse,
-                                 float* z_loss, void* grad_hidden, void* grad_weight,
-                                 void* grad_bias, const float* grad_output, uint32_t* error_flags,
+                                 const void* bias, const void* targets,
+                                 const fce_outputs* outputs, const fce_gradients* gradients,
                                  void* workspace, size_t workspace_bytes, void* stream);
 
 /* ---------------------------------------------------- vocabulary-parallel ---- */
@@ -394,7 +467,7 @@ FCE_API fce_status fce_linear_ce(const fce_options* options, int64_t rows, int64
  * their gathered order), lse = M + log S, and the target logit from the one shard that holds
  * the target. Every call below has the same options as the one-GPU calls (reduction, ignore_index,
  * class_weights [vocab_total] — the WHOLE vocabulary's weights on every rank —, label
- * smoothing, z-loss, softcap, logit_scale, shift, token_scaling; argmax and accuracy are written by
+ * smoothing, z-loss, softcap, logit_scale, shift, token_scaling; outputs->argmax and ->accuracy are written by
  * fce_vp_loss), and the loss, the gradients and the mean's denominator are those of the
  * unsharded call to float32 rounding. All ranks must pass the same options, rows, vocab_total
  * and targets. If the gathered statistics do not tile [0, vocab_total) — their vocab_local do
@@ -415,12 +488,25 @@ FCE_API fce_status fce_linear_ce(const fce_options* options, int64_t rows, int64
 /* Bit of error_flags: gathered statistics that do not tile the vocabulary (see above). */
 #define FCE_FLAG_SHARDS_INCONSISTENT 2u
 
+/* Where this rank's shard lies, given to every fce_vp_* compute call by pointer (required):
+ * classes [vocab_start, vocab_start + vocab_local) of vocab_total, on one of `ranks` ranks. A
+ * call reads only the fields it needs: fce_vp_stats and fce_vp_linear_stats do not read ranks,
+ * fce_vp_loss reads ranks and vocab_total only. Plain sizes, fixed for the 1.x series (no
+ * struct_size: a shard has nothing to append). */
+typedef struct fce_vp_shard {
+  int64_t ranks;       /* P >= 1: ranks of the step (the leading size of gathered_stats) */
+  int64_t vocab_total; /* classes of the whole vocabulary, in [1, 2^31-1] */
+  int64_t vocab_start; /* first class of this rank's shard, >= 0 */
+  int64_t vocab_local; /* classes of this rank's shard, >= 1, vocab_start + vocab_local <=
+                          vocab_total */
+} fce_vp_shard;
+
 /* Phase 1 over this rank's logits [rows, vocab_local] (options->row_stride apart): writes
  * stats [rows, FCE_VP_STATS]. One read of the logits; no workspace. targets are the global
  * class indices (the same array on every rank). */
-FCE_API fce_status fce_vp_stats(const fce_options* options, int64_t rows, int64_t vocab_total,
-                                int64_t vocab_start, int64_t vocab_local, const void* logits,
-                                const void* targets, float* stats, void* stream);
+FCE_API fce_status fce_vp_stats(const fce_options* options, const fce_vp_shard* shard,
+                                int64_t rows, const void* logits, const void* targets,
+                                float* stats, void* stream);
 
 /* Workspace bytes fce_vp_loss needs. */
 FCE_API fce_status fce_vp_loss_workspace_size(const fce_options* options, int64_t ranks,
@@ -428,14 +514,13 @@ FCE_API fce_status fce_vp_loss_workspace_size(const fce_options* options, int64_
                                               size_t* workspace_bytes);
 
 /* Phase 3, the loss: loss ([1] for mean/sum, [rows] for none; required), lse [rows], z_loss [1]
- * (optional), options->argmax and ->accuracy (optional), as fce_forward writes them for the
+ * argmax, accuracy (optional), all in outputs (required), as fce_forward writes them for the
  * unsharded logits. error_flags as fce_forward (targets outside [0, vocab_total)) plus
  * FCE_FLAG_SHARDS_INCONSISTENT. Reads gathered_stats, the targets and, with class weights,
  * their targets' weights: never the logits. */
-FCE_API fce_status fce_vp_loss(const fce_options* options, int64_t ranks, int64_t rows,
-                               int64_t vocab_total, const void* targets,
-                               const float* gathered_stats, float* loss, float* lse,
-                               float* z_loss, uint32_t* error_flags, void* workspace,
+FCE_API fce_status fce_vp_loss(const fce_options* options, const fce_vp_shard* shard,
+                               int64_t rows, const void* targets, const float* gathered_stats,
+                               const fce_outputs* outputs, void* workspace,
                                size_t workspace_bytes, void* stream);
 
 /* Workspace bytes fce_vp_backward needs. */
@@ -446,11 +531,10 @@ FCE_API fce_status fce_vp_backward_workspace_size(const fce_options* options, in
 /* Phase 3, the gradient of this rank's logits: grad_logits [rows, vocab_local]
  * (options->grad_row_stride apart; may be logits itself, in place, as for fce_backward), for
  * the upstream grad_output (as fce_backward: NULL = 1). One read of the logits, one write. */
-FCE_API fce_status fce_vp_backward(const fce_options* options, int64_t ranks, int64_t rows,
-                                   int64_t vocab_total, int64_t vocab_start, int64_t vocab_local,
-                                   const void* logits, const void* targets,
-                                   const float* gathered_stats, const float* grad_output,
-                                   void* grad_logits, uint32_t* error_flags, void* workspace,
+FCE_API fce_status fce_vp_backward(const fce_options* options, const fce_vp_shard* shard,
+                                   int64_t rows, const void* logits, const void* targets,
+                                   const float* gathered_stats, const fce_outputs* outputs,
+                                   const fce_gradients* gradients, void* workspace,
                                    size_t workspace_bytes, void* stream);
 
 /* Workspace of fce_vp_linear_stats (phase 1 of the fused linear + CE; min_bytes required,
@@ -462,9 +546,8 @@ FCE_API fce_status fce_vp_linear_stats_workspace_size(const fce_options* options
 /* Phase 1 of the fused linear + CE: the statistics of z = hidden · weightᵀ + bias over this
  * rank's weight [vocab_local, hidden] and bias [vocab_local] (or NULL), the logits made piece
  * by piece in the workspace as fce_linear_ce makes them (2·N·D·vocab_local FLOPs). */
-FCE_API fce_status fce_vp_linear_stats(const fce_options* options, int64_t rows, int64_t hidden,
-                                       int64_t vocab_total, int64_t vocab_start,
-                                       int64_t vocab_local, const void* hidden_states,
+FCE_API fce_status fce_vp_linear_stats(const fce_options* options, const fce_vp_shard* shard,
+                                       int64_t rows, int64_t hidden, const void* hidden_states,
                                        const void* weight, const void* bias, const void* targets,
                                        float* stats, void* workspace, size_t workspace_bytes,
                                        void* stream);
@@ -488,15 +571,13 @@ FCE_API fce_status fce_vp_linear_backward_workspace_size(const fce_options* opti
  *                 fce_linear_ce's (dtype or float32 by grad_weight_fp32; options->accumulate).
  * At least one gradient pointer must be given (with rows = 0 none need be: a grad_hidden of no
  * element may be NULL). */
-FCE_API fce_status fce_vp_linear_backward(const fce_options* options, int64_t ranks, int64_t rows,
-                                          int64_t hidden, int64_t vocab_total,
-                                          int64_t vocab_start, int64_t vocab_local,
-                                          const void* hidden_states, const void* weight,
-                                          const void* bias, const void* targets,
-                                          const float* gathered_stats, const float* grad_output,
-                                          void* grad_hidden, int32_t grad_hidden_dtype,
-                                          void* grad_weight, void* grad_bias,
-                                          uint32_t* error_flags, void* workspace,
+FCE_API fce_status fce_vp_linear_backward(const fce_options* options,
+                                          const fce_vp_shard* shard, int64_t rows,
+                                          int64_t hidden, const void* hidden_states,
+                                          const void* weight, const void* bias,
+                                          const void* targets, const float* gathered_stats,
+                                          const fce_outputs* outputs,
+                                          const fce_gradients* gradients, void* workspace,
                                           size_t workspace_bytes, void* stream);
 
 /* The fused step (0.5): phases 1 to 3 of the linear CE in ONE call that runs the collective
@@ -537,8 +618,8 @@ FCE_API fce_status fce_vp_linear_backward(const fce_options* options, int64_t ra
  * The CPU backend always runs the gather-once plan.
  *
  * Arguments: those of fce_vp_linear_stats and fce_vp_linear_backward together (the same checks
- * and messages, naming fce_vp_linear_ce): loss (required), lse, z_loss, options->argmax and
- * ->accuracy as fce_vp_loss writes them (identical on every rank); grad_output, error_flags,
+ * and messages, naming fce_vp_linear_ce): outputs (required; loss required), lse, z_loss, argmax
+ * and accuracy as fce_vp_loss writes them (identical on every rank); grad_output, error_flags,
  * grad_hidden (this rank's PARTIAL dloss/dh of grad_hidden_dtype: all-reduce it), grad_weight,
  * grad_bias as fce_vp_linear_backward; all gradient pointers NULL: the loss only. The loss and
  * the gradients are those of the unsharded fce_linear_ce to float32 rounding (and of the
@@ -558,16 +639,12 @@ FCE_API fce_status fce_vp_linear_ce_workspace_size(const fce_options* options, i
                                                    int with_grad, int32_t grad_hidden_dtype,
                                                    size_t* min_bytes, size_t* optimal_bytes);
 
-FCE_API fce_status fce_vp_linear_ce(const fce_options* options, int64_t ranks, int64_t rows,
-                                    int64_t hidden, int64_t vocab_total, int64_t vocab_start,
-                                    int64_t vocab_local, const void* hidden_states,
+FCE_API fce_status fce_vp_linear_ce(const fce_options* options, const fce_vp_shard* shard,
+                                    int64_t rows, int64_t hidden, const void* hidden_states,
                                     const void* weight, const void* bias, const void* targets,
-                                    float* loss, float* lse, float* z_loss,
-                                    const float* grad_output, void* grad_hidden,
-                                    int32_t grad_hidden_dtype, void* grad_weight, void* grad_bias,
-                                    uint32_t* error_flags, fce_vp_all_gather_fn all_gather,
-                                    void* context, void* workspace, size_t workspace_bytes,
-                                    void* stream);
+                                    const fce_outputs* outputs, const fce_gradients* gradients,
+                                    fce_vp_all_gather_fn all_gather, void* context,
+                                    void* workspace, size_t workspace_bytes, void* stream);
 
 /* --------------------------------------------------------- upstream scale ---- */
 /*

@@ -103,25 +103,26 @@ FCE_API fce_status fce_nccl_cross_entropy_workspace_size(const fce_options* opti
                                                          int with_grad, size_t* workspace_bytes);
 
 /* Cross-entropy over logits sharded by the vocabulary: this rank holds the columns
- * [vocab_start, vocab_start + vocab_local) of vocab_total.
+ * [shard->vocab_start, shard->vocab_start + shard->vocab_local) of shard->vocab_total;
+ * shard->ranks must be the communicator's number of ranks.
  *   logits       this rank's z [rows, vocab_local] of options->dtype, options->row_stride apart
  *   targets      y [rows] (global class indices; the same on every rank)
- *   loss, lse, z_loss, options->argmax, options->accuracy: as fce_forward writes them for the
- *                unsharded logits (loss required); identical on every rank
- *   grad_logits  optional: dloss/dz of this rank's columns [rows, vocab_local],
+ *   outputs      (required) loss, lse, z_loss, argmax, accuracy: as fce_forward writes them for
+ *                the unsharded logits (loss required); identical on every rank
+ *   gradients    optional (NULL: the loss only). gradients->grad_logits:
+ *                dloss/dz of this rank's columns [rows, vocab_local],
  *                options->grad_row_stride apart, for the upstream grad_output (as fce_forward:
  *                NULL = 1); may be logits itself (in place: then grad_row_stride must equal
  *                row_stride). NULL: the loss only (no backward call).
- *   error_flags  optional, as fce_vp_loss / fce_vp_backward (FCE_FLAG_TARGET_OUT_OF_RANGE,
+ *   outputs->error_flags  optional, as fce_vp_loss / fce_vp_backward (FCE_FLAG_TARGET_OUT_OF_RANGE,
  *                FCE_FLAG_SHARDS_INCONSISTENT when the ranks' shards do not tile the vocabulary)
  * Reads the logits twice when grad_logits is given (phase 1 and the gradient). */
 FCE_API fce_status fce_nccl_cross_entropy(const fce_options* options, struct ncclComm* comm,
-                                          int64_t rows, int64_t vocab_total, int64_t vocab_start,
-                                          int64_t vocab_local, const void* logits,
-                                          const void* targets, float* loss, float* lse,
-                                          float* z_loss, void* grad_logits,
-                                          const float* grad_output, uint32_t* error_flags,
-                                          void* workspace, size_t workspace_bytes, void* stream);
+                                          const fce_vp_shard* shard, int64_t rows,
+                                          const void* logits, const void* targets,
+                                          const fce_outputs* outputs,
+                                          const fce_gradients* gradients, void* workspace,
+                                          size_t workspace_bytes, void* stream);
 
 /* ------------------------------------------------------ fused linear + CE ---- */
 /* Workspace of fce_nccl_linear_ce: min_bytes (required) works, optimal_bytes (may be NULL) runs
@@ -138,8 +139,9 @@ FCE_API fce_status fce_nccl_linear_ce_workspace_size(const fce_options* options,
  *                  every rank)
  *   weight, bias   this rank's W[vocab_start : vocab_start + vocab_local, :] [vocab_local,
  *                  hidden] and b [vocab_local] (or NULL)
- *   loss, lse, z_loss, targets, grad_output, error_flags, options->argmax, ->accuracy: as
- *                  fce_nccl_cross_entropy
+ *   targets, outputs: as fce_nccl_cross_entropy; shard as there (the weight's rows)
+ *   gradients      optional (NULL: the loss only); grad_output as fce_nccl_cross_entropy;
+ *                  grad_hidden_dtype must be FCE_FLOAT32 (the default); grad_logits NULL
  *   grad_hidden    the FULL dloss/dh [rows, hidden] dense, of dtype (the sum over ranks of
  *                  every rank's share, all-reduced in float32 and rounded once to dtype),
  *                  always overwritten, identical on every rank; or NULL (on every rank)
@@ -148,13 +150,10 @@ FCE_API fce_status fce_nccl_linear_ce_workspace_size(const fce_options* options,
  *                  options->grad_weight_fp32; options->accumulate adds); or NULL
  * With the three gradient pointers NULL: the loss only. */
 FCE_API fce_status fce_nccl_linear_ce(const fce_options* options, struct ncclComm* comm,
-                                      int64_t rows, int64_t hidden, int64_t vocab_total,
-                                      int64_t vocab_start, int64_t vocab_local,
+                                      const fce_vp_shard* shard, int64_t rows, int64_t hidden,
                                       const void* hidden_states, const void* weight,
-                                      const void* bias, const void* targets, float* loss,
-                                      float* lse, float* z_loss, void* grad_hidden,
-                                      void* grad_weight, void* grad_bias,
-                                      const float* grad_output, uint32_t* error_flags,
+                                      const void* bias, const void* targets,
+                                      const fce_outputs* outputs, const fce_gradients* gradients,
                                       void* workspace, size_t workspace_bytes, void* stream);
 
 #ifdef __cplusplus

@@ -15,11 +15,11 @@ FCE_API unsigned fce_version(void) { return FCE_VERSION_NUMBER; }
 
 FCE_API void fce_options_default(fce_options* options) {
   if (!options) return;
-  size_t size = options->struct_size ? options->struct_size : FCE_OPTIONS_SIZE_V0_1;
+  size_t size = options->struct_size ? options->struct_size : FCE_OPTIONS_SIZE_V1_0;
   if (size < sizeof(size_t)) return;
   if (size > sizeof(fce_options)) size = sizeof(fce_options);
   fce_options defaults = FCE_OPTIONS_INIT;
-  defaults.struct_size = options->struct_size ? options->struct_size : FCE_OPTIONS_SIZE_V0_1;
+  defaults.struct_size = options->struct_size ? options->struct_size : FCE_OPTIONS_SIZE_V1_0;
   std::memcpy(options, &defaults, size);
 }
 

@@ -26,18 +26,21 @@ fce_status ce_workspace_query(const char* fn, const fce_options* options, int64_
   return FCE_SUCCESS;
 }
 
-// Shared by fce_forward (mode kForward; loss checked here, where its size is known), fce_backward
-// and fce_backward_rescale (lse_in set, loss/lse/z_loss NULL, options->argmax and ->accuracy
-// ignored), once each entry point has checked its own required pointers.
-fce_status ce_call(const char* fn, fce::CeMode mode, const fce_options* options, int64_t rows,
-                   int64_t vocab, const void* logits, const void* targets, float* loss,
-                   float* lse, float* z_loss, void* grad, const float* grad_output,
-                   const float* lse_in, uint32_t* error_flags, void* workspace,
-                   size_t workspace_bytes, void* stream) {
+// Shared by fce_forward (mode kForward; outputs->loss checked here, where its size is known),
+// fce_backward and fce_backward_rescale (lse_in set, out holding error_flags alone), once each
+// entry point has read its structs and checked its own required pointers.
+fce_status ce_call(const char* fn, fce::CeMode mode, const CallArgs& a, int64_t rows,
+                   int64_t vocab, const void* logits, const void* targets, const float* lse_in,
+                   void* workspace, size_t workspace_bytes, void* stream) {
   const bool forward = mode == fce::CeMode::kForward;
-  fce_options local;
-  FCE_TRY(begin_call(fn, options, &local));
-  const fce_options* o = &local;
+  const fce_outputs& out = a.out;
+  const fce_gradients& g = a.g;
+  float* loss = out.loss;
+  float* z_loss = out.z_loss;
+  void* grad = g.grad_logits;
+  const float* grad_output = g.grad_output;
+  uint32_t* error_flags = out.error_flags;
+  const fce_options* o = &a.o;
   fce::CeProblem p{};
   FCE_TRY(check_options(fn, o, rows, vocab, &p.opt));
   if (mode == fce::CeMode::kRescale && o->reduction == FCE_REDUCTION_NONE)
@@ -46,7 +49,7 @@ fce_status ce_call(const char* fn, fce::CeMode mode, const fce_options* options,
                 "needs fce_backward", fn);
   const Entries e(*o, rows);
   const bool empty = rows == 0;  // per-row buffers of no elements may be NULL
-  if (forward) FCE_TRY(check_required(fn, {{"loss", loss, e.reduced_floats() == 0}}));
+  if (forward) FCE_TRY(check_required(fn, {{"outputs->loss", loss, e.reduced_floats() == 0}}));
   FCE_TRY(check_required(fn, {{"logits", logits, empty}, {"targets", targets, empty}}));
   FCE_TRY(check_stride(fn, "options->row_stride", o->row_stride, vocab, &p.row_stride));
   FCE_TRY(
@@ -64,13 +67,13 @@ fce_status ce_call(const char* fn, fce::CeMode mode, const fce_options* options,
       e.grad_output(grad_output),
       e.lse(lse_in, false),
       e.loss(loss),
-      e.lse(lse, true),
-      scalar_output("z_loss", z_loss),
-      {"grad_logits", grad, static_cast<uint64_t>(grad_bytes), e.esize, true},
-      scalar_output("error_flags", error_flags),
+      e.lse(out.lse, true),
+      z_loss_arg(z_loss),
+      {"gradients->grad_logits", grad, static_cast<uint64_t>(grad_bytes), e.esize, true},
+      error_flags_arg(error_flags),
       workspace_arg(workspace, workspace_bytes),
-      e.argmax(forward),  // the forward's optional outputs; never written by the backward calls
-      e.accuracy(forward),
+      e.argmax(out.argmax),  // NULL for the backward calls (read_outputs kFlagsOnly)
+      e.accuracy(out.accuracy),
   };
   // grad_logits may be logits itself (same start, same stride); any other overlap is an error,
   // an output inside the logits of an in-place call included.
@@ -81,7 +84,7 @@ fce_status ce_call(const char* fn, fce::CeMode mode, const fce_options* options,
   if (empty)  // the forward's reduced outputs are 0; the gradient has no element
     return empty_problem(fn, *o, args,
                          {e.reduced_zeros(loss), {z_loss, 4},
-                          e.reduced_zeros(forward ? o->accuracy : nullptr)},
+                          e.reduced_zeros(out.accuracy)},
                          stream);
   p.fn = fn;
   p.mode = mode;
@@ -89,7 +92,7 @@ fce_status ce_call(const char* fn, fce::CeMode mode, const fce_options* options,
   p.vocab = vocab;
   p.logits = logits;
   p.targets = targets;
-  if (forward) set_loss_outputs(&p, *o, loss, lse, z_loss);  // the backward calls: all NULL
+  if (forward) set_loss_outputs(&p, out);  // the backward calls: all NULL
   p.grad = grad;
   p.grad_output = grad_output;
   p.lse_in = lse_in;
@@ -115,45 +118,48 @@ FCE_API fce_status fce_backward_workspace_size(const fce_options* options, int64
 }
 
 FCE_API fce_status fce_forward(const fce_options* options, int64_t rows, int64_t vocab,
-                               const void* logits, const void* targets, float* loss, float* lse,
-                               float* z_loss, void* grad_logits, const float* grad_output,
-                               uint32_t* error_flags, void* workspace, size_t workspace_bytes,
-                               void* stream) {
+                               const void* logits, const void* targets,
+                               const fce_outputs* outputs, const fce_gradients* gradients,
+                               void* workspace, size_t workspace_bytes, void* stream) {
   const char* fn = "fce_forward";
-  return ce_call(fn, fce::CeMode::kForward, options, rows, vocab, logits, targets, loss, lse,
-                 z_loss, grad_logits, grad_output, nullptr, error_flags, workspace,
+  CallArgs a;
+  FCE_TRY(begin_compute(fn, options, nullptr, false, outputs, gradients, kLossCall, &a));
+  return ce_call(fn, fce::CeMode::kForward, a, rows, vocab, logits, targets, nullptr, workspace,
                  workspace_bytes, stream);
 }
 
 FCE_API fce_status fce_backward(const fce_options* options, int64_t rows, int64_t vocab,
                                 const void* logits, const void* targets, const float* lse,
-                                const float* grad_output, void* grad_logits,
-                                uint32_t* error_flags, void* workspace, size_t workspace_bytes,
-                                void* stream) {
+                                const fce_outputs* outputs, const fce_gradients* gradients,
+                                void* workspace, size_t workspace_bytes, void* stream) {
   const char* fn = "fce_backward";
-  fce::clear_error();
-  FCE_TRY(check_required(fn, {{"lse", lse, rows == 0}, {"grad_logits", grad_logits, rows == 0}}));
-  return ce_call(fn, fce::CeMode::kBackward, options, rows, vocab, logits, targets, nullptr,
-                 nullptr, nullptr, grad_logits, grad_output, lse, error_flags, workspace,
+  CallArgs a;
+  FCE_TRY(begin_compute(fn, options, nullptr, false, outputs, gradients, kLogitsGradCall, &a));
+  FCE_TRY(check_required(
+      fn, {{"lse", lse, rows == 0}, {"gradients->grad_logits", a.g.grad_logits, rows == 0}}));
+  return ce_call(fn, fce::CeMode::kBackward, a, rows, vocab, logits, targets, lse, workspace,
                  workspace_bytes, stream);
 }
 
 FCE_API fce_status fce_backward_rescale(const fce_options* options, int64_t rows, int64_t vocab,
                                         const void* logits, const void* targets,
-                                        const float* lse, const float* grad_output,
-                                        void* grad_logits, uint32_t* error_flags,
-                                        void* workspace, size_t workspace_bytes, void* stream) {
+                                        const float* lse, const fce_outputs* outputs,
+                                        const fce_gradients* gradients, void* workspace,
+                                        size_t workspace_bytes, void* stream) {
   const char* fn = "fce_backward_rescale";
-  fce::clear_error();
-  FCE_TRY(check_required(fn, {{"lse", lse, rows == 0}, {"grad_logits", grad_logits, rows == 0}}));
-  if (!grad_output)
-    return fail(FCE_ERROR_NULL_POINTER, "%s: grad_output is NULL (the upstream scalar)", fn);
-  if (rows > 0 && grad_logits == logits)  // (no row: two pointers to nothing, whatever they are)
+  CallArgs a;
+  FCE_TRY(begin_compute(fn, options, nullptr, false, outputs, gradients, kLogitsGradCall, &a));
+  const fce_gradients& g = a.g;
+  FCE_TRY(check_required(
+      fn, {{"lse", lse, rows == 0}, {"gradients->grad_logits", g.grad_logits, rows == 0}}));
+  if (!g.grad_output)
+    return fail(FCE_ERROR_NULL_POINTER,
+                "%s: gradients->grad_output is NULL (the upstream scalar)", fn);
+  if (rows > 0 && g.grad_logits == logits)  // (no row: two pointers to nothing, whatever they are)
     return fail(FCE_ERROR_INVALID_ARGUMENT,
-                "%s: grad_logits is logits: a gradient written over the logits cannot be "
-                "recomputed; scale it with fce_scale_gradient", fn);
-  return ce_call(fn, fce::CeMode::kRescale, options, rows, vocab, logits, targets, nullptr,
-                 nullptr, nullptr, grad_logits, grad_output, lse, error_flags, workspace,
+                "%s: gradients->grad_logits is logits: a gradient written over the logits "
+                "cannot be recomputed; scale it with fce_scale_gradient", fn);
+  return ce_call(fn, fce::CeMode::kRescale, a, rows, vocab, logits, targets, lse, workspace,
                  workspace_bytes, stream);
 }
 

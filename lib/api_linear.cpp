@@ -44,13 +44,21 @@ FCE_API fce_status fce_linear_ce_workspace_size(const fce_options* options, int6
 
 FCE_API fce_status fce_linear_ce(const fce_options* options, int64_t rows, int64_t hidden,
                                  int64_t vocab, const void* hidden_states, const void* weight,
-                                 const void* bias, const void* targets, float* loss, float* lse,
-                                 float* z_loss, void* grad_hidden, void* grad_weight,
-                                 void* grad_bias, const float* grad_output, uint32_t* error_flags,
+                                 const void* bias, const void* targets,
+                                 const fce_outputs* outputs, const fce_gradients* gradients,
                                  void* workspace, size_t workspace_bytes, void* stream) {
   const char* fn = "fce_linear_ce";
-  fce_options local;
-  FCE_TRY(begin_call(fn, options, &local));
+  CallArgs a;
+  FCE_TRY(begin_compute(fn, options, nullptr, false, outputs, gradients,
+                        {OutputsUse::kLoss, GradientsUse::kLinear, false}, &a));
+  const fce_options local = a.o;
+  const fce_outputs& out = a.out;
+  const fce_gradients& g = a.g;
+  float* loss = out.loss;
+  float* z_loss = out.z_loss;
+  void* grad_hidden = g.grad_hidden;
+  void* grad_weight = g.grad_weight;
+  void* grad_bias = g.grad_bias;
   const fce_options* o = &local;
   fce::LinearCeProblem p{};
   FCE_TRY(check_options(fn, o, rows, vocab, &p.opt));
@@ -60,9 +68,10 @@ FCE_API fce_status fce_linear_ce(const fce_options* options, int64_t rows, int64
   FCE_TRY(check_required(fn, {{"hidden_states", hidden_states, empty},
                               {"weight", weight},
                               {"targets", targets, empty},
-                              {"loss", loss, e.reduced_floats() == 0}}));
+                              {"outputs->loss", loss, e.reduced_floats() == 0}}));
   if (grad_bias && !bias)
-    return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: grad_bias is given but bias is NULL", fn);
+    return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: gradients->grad_bias is given but bias is NULL",
+                fn);
   FCE_TRY(check_stride(fn, "options->hidden_row_stride", o->hidden_row_stride, hidden,
                        &p.hidden_row_stride));
   // One row has no "next row": its stride is never used, whatever it is (the header allows any
@@ -85,17 +94,17 @@ FCE_API fce_status fce_linear_ce(const fce_options* options, int64_t rows, int64
       {"bias", bias, v * e.esize, e.esize, false},
       e.targets(targets),
       e.class_weights(vocab),
-      e.grad_output(grad_output),
+      e.grad_output(g.grad_output),
       e.loss(loss),
-      e.lse(lse, true),
-      scalar_output("z_loss", z_loss),
-      {"grad_hidden", grad_hidden, static_cast<uint64_t>(gh_bytes), e.esize, true},
-      {"grad_weight", grad_weight, vd * gw_size, gw_size, true},
-      {"grad_bias", grad_bias, v * gw_size, gw_size, true},
-      scalar_output("error_flags", error_flags),
+      e.lse(out.lse, true),
+      z_loss_arg(z_loss),
+      {"gradients->grad_hidden", grad_hidden, static_cast<uint64_t>(gh_bytes), e.esize, true},
+      {"gradients->grad_weight", grad_weight, vd * gw_size, gw_size, true},
+      {"gradients->grad_bias", grad_bias, v * gw_size, gw_size, true},
+      error_flags_arg(out.error_flags),
       workspace_arg(workspace, workspace_bytes),
-      e.argmax(),
-      e.accuracy(),
+      e.argmax(out.argmax),
+      e.accuracy(out.accuracy),
   };
   FCE_TRY(check_args(fn, args));
   const bool with_grad = grad_hidden || grad_weight || grad_bias;
@@ -104,7 +113,7 @@ FCE_API fce_status fce_linear_ce(const fce_options* options, int64_t rows, int64
   FCE_TRY(check_workspace(fn, min_bytes, workspace, workspace_bytes));
   if (empty)  // the reduced outputs are 0, and so are ∂W and ∂b (sums over no rows)
     return empty_problem(fn, *o, args,
-                         {e.reduced_zeros(loss), {z_loss, 4}, e.reduced_zeros(o->accuracy),
+                         {e.reduced_zeros(loss), {z_loss, 4}, e.reduced_zeros(out.accuracy),
                           weight_grad_zeros(*o, grad_weight, vd * gw_size),
                           weight_grad_zeros(*o, grad_bias, v * gw_size)},
                          stream);
@@ -113,10 +122,10 @@ FCE_API fce_status fce_linear_ce(const fce_options* options, int64_t rows, int64
   p.hidden = hidden;
   p.vocab = vocab;
   set_linear_inputs(&p, hidden_states, weight, bias, targets);
-  set_loss_outputs(&p, *o, loss, lse, z_loss);
+  set_loss_outputs(&p, out);
   set_linear_grads(&p, *o, grad_hidden, grad_weight, grad_bias);
-  p.grad_output = grad_output;
-  p.error_flags = error_flags;
+  p.grad_output = g.grad_output;
+  p.error_flags = out.error_flags;
   set_workspace(&p, workspace, workspace_bytes, stream);
   return dispatch(*o, args, p, fce::cpu_linear_ce, fce::cuda_linear_ce);
 }

@@ -45,12 +45,15 @@ fce_status shard_bytes(const char* fn, int64_t rows, int64_t vocab_local, int64_
 
 extern "C" {
 
-FCE_API fce_status fce_vp_stats(const fce_options* options, int64_t rows, int64_t vocab_total,
-                                int64_t vocab_start, int64_t vocab_local, const void* logits,
-                                const void* targets, float* stats, void* stream) {
+FCE_API fce_status fce_vp_stats(const fce_options* options, const fce_vp_shard* shard,
+                                int64_t rows, const void* logits, const void* targets,
+                                float* stats, void* stream) {
   const char* fn = "fce_vp_stats";
   fce_options local;
   FCE_TRY(begin_call(fn, options, &local));
+  FCE_TRY(check_shard(fn, shard));
+  const int64_t vocab_total = shard->vocab_total, vocab_start = shard->vocab_start,
+                vocab_local = shard->vocab_local;
   const fce_options* o = &local;
   fce::VpStatsProblem p{};
   FCE_TRY(check_vp_vocab(fn, vocab_total, vocab_start, vocab_local, true));
@@ -91,15 +94,18 @@ FCE_API fce_status fce_vp_loss_workspace_size(const fce_options* options, int64_
                             false, workspace_bytes);
 }
 
-FCE_API fce_status fce_vp_loss(const fce_options* options, int64_t ranks, int64_t rows,
-                               int64_t vocab_total, const void* targets,
-                               const float* gathered_stats, float* loss, float* lse,
-                               float* z_loss, uint32_t* error_flags, void* workspace,
+FCE_API fce_status fce_vp_loss(const fce_options* options, const fce_vp_shard* shard,
+                               int64_t rows, const void* targets, const float* gathered_stats,
+                               const fce_outputs* outputs, void* workspace,
                                size_t workspace_bytes, void* stream) {
   const char* fn = "fce_vp_loss";
-  fce_options local;
-  FCE_TRY(begin_call(fn, options, &local));
-  const fce_options* o = &local;
+  CallArgs a;
+  FCE_TRY(begin_compute(fn, options, shard, true, outputs, nullptr, kLossCall, &a));
+  const fce_outputs& out = a.out;
+  const int64_t ranks = a.shard.ranks, vocab_total = a.shard.vocab_total;
+  float* loss = out.loss;
+  float* z_loss = out.z_loss;
+  const fce_options* o = &a.o;
   fce::VpProblem p{};
   FCE_TRY(check_vocab_total(fn, vocab_total));
   FCE_TRY(check_options(fn, o, rows, vocab_total, &p.opt));
@@ -108,25 +114,25 @@ FCE_API fce_status fce_vp_loss(const fce_options* options, int64_t ranks, int64_
   const bool empty = rows == 0;  // per-row buffers of no elements may be NULL
   FCE_TRY(check_required(fn, {{"targets", targets, empty},
                               {"gathered_stats", gathered_stats, empty},
-                              {"loss", loss, e.reduced_floats() == 0}}));
+                              {"outputs->loss", loss, e.reduced_floats() == 0}}));
   const fce::Arg args[] = {
       e.targets(targets),
       e.class_weights(vocab_total),
       e.gathered_stats(gathered_stats, ranks),
       e.loss(loss),
-      e.lse(lse, true),
-      scalar_output("z_loss", z_loss),
-      scalar_output("error_flags", error_flags),
+      e.lse(out.lse, true),
+      z_loss_arg(z_loss),
+      error_flags_arg(out.error_flags),
       workspace_arg(workspace, workspace_bytes),
-      e.argmax(),
-      e.accuracy(),
+      e.argmax(out.argmax),
+      e.accuracy(out.accuracy),
   };
   FCE_TRY(check_args(fn, args));
   FCE_TRY(check_workspace(fn, vp_workspace(*o, p.opt, ranks, rows, vocab_total, 0, false),
                           workspace, workspace_bytes));
   if (empty)  // the reduced outputs are 0
     return empty_problem(fn, *o, args,
-                         {e.reduced_zeros(loss), {z_loss, 4}, e.reduced_zeros(o->accuracy)},
+                         {e.reduced_zeros(loss), {z_loss, 4}, e.reduced_zeros(out.accuracy)},
                          stream);
   p.fn = fn;
   p.backward = false;
@@ -135,8 +141,8 @@ FCE_API fce_status fce_vp_loss(const fce_options* options, int64_t ranks, int64_
   p.vocab_total = vocab_total;
   p.targets = targets;
   p.gathered = gathered_stats;
-  set_loss_outputs(&p, *o, loss, lse, z_loss);
-  p.error_flags = error_flags;
+  set_loss_outputs(&p, out);
+  p.error_flags = out.error_flags;
   set_workspace(&p, workspace, workspace_bytes, stream);
   return dispatch(*o, args, p, fce::cpu_vp, fce::cuda_vp);
 }
@@ -148,16 +154,21 @@ FCE_API fce_status fce_vp_backward_workspace_size(const fce_options* options, in
                             vocab_local, true, workspace_bytes);
 }
 
-FCE_API fce_status fce_vp_backward(const fce_options* options, int64_t ranks, int64_t rows,
-                                   int64_t vocab_total, int64_t vocab_start, int64_t vocab_local,
-                                   const void* logits, const void* targets,
-                                   const float* gathered_stats, const float* grad_output,
-                                   void* grad_logits, uint32_t* error_flags, void* workspace,
+FCE_API fce_status fce_vp_backward(const fce_options* options, const fce_vp_shard* shard,
+                                   int64_t rows, const void* logits, const void* targets,
+                                   const float* gathered_stats, const fce_outputs* outputs,
+                                   const fce_gradients* gradients, void* workspace,
                                    size_t workspace_bytes, void* stream) {
   const char* fn = "fce_vp_backward";
-  fce_options local;
-  FCE_TRY(begin_call(fn, options, &local));
-  const fce_options* o = &local;
+  CallArgs a;
+  FCE_TRY(begin_compute(fn, options, shard, true, outputs, gradients, kLogitsGradCall, &a));
+  const fce_outputs& out = a.out;
+  const fce_gradients& g = a.g;
+  const auto [ranks, vocab_total, vocab_start, vocab_local] = a.shard;
+  void* grad_logits = g.grad_logits;
+  const float* grad_output = g.grad_output;
+  uint32_t* error_flags = out.error_flags;
+  const fce_options* o = &a.o;
   fce::VpProblem p{};
   FCE_TRY(check_vp_vocab(fn, vocab_total, vocab_start, vocab_local, true));
   FCE_TRY(check_options(fn, o, rows, vocab_total, &p.opt));
@@ -166,7 +177,7 @@ FCE_API fce_status fce_vp_backward(const fce_options* options, int64_t ranks, in
   FCE_TRY(check_required(fn, {{"logits", logits, empty},
                               {"targets", targets, empty},
                               {"gathered_stats", gathered_stats, empty},
-                              {"grad_logits", grad_logits, empty}}));
+                              {"gradients->grad_logits", grad_logits, empty}}));
   FCE_TRY(check_stride(fn, "options->row_stride", o->row_stride, vocab_local, &p.row_stride,
                        "vocab_local"));
   FCE_TRY(check_stride(fn, "options->grad_row_stride", o->grad_row_stride, vocab_local,
@@ -181,8 +192,8 @@ FCE_API fce_status fce_vp_backward(const fce_options* options, int64_t ranks, in
       e.class_weights(vocab_total),
       e.gathered_stats(gathered_stats, ranks),
       e.grad_output(grad_output),
-      {"grad_logits", grad_logits, grad_bytes, e.esize, true},
-      scalar_output("error_flags", error_flags),
+      {"gradients->grad_logits", grad_logits, grad_bytes, e.esize, true},
+      error_flags_arg(error_flags),
       workspace_arg(workspace, workspace_bytes),
   };
   const InPlace in_place{p.row_stride, p.grad_row_stride};

@@ -98,15 +98,17 @@ FCE_API fce_status fce_vp_linear_stats_workspace_size(const fce_options* options
   return FCE_SUCCESS;
 }
 
-FCE_API fce_status fce_vp_linear_stats(const fce_options* options, int64_t rows, int64_t hidden,
-                                       int64_t vocab_total, int64_t vocab_start,
-                                       int64_t vocab_local, const void* hidden_states,
+FCE_API fce_status fce_vp_linear_stats(const fce_options* options, const fce_vp_shard* shard,
+                                       int64_t rows, int64_t hidden, const void* hidden_states,
                                        const void* weight, const void* bias, const void* targets,
                                        float* stats, void* workspace, size_t workspace_bytes,
                                        void* stream) {
   const char* fn = "fce_vp_linear_stats";
   fce_options local;
   FCE_TRY(begin_call(fn, options, &local));
+  FCE_TRY(check_shard(fn, shard));
+  const int64_t vocab_total = shard->vocab_total, vocab_start = shard->vocab_start,
+                vocab_local = shard->vocab_local;
   const fce_options* o = &local;
   fce::VpLinearProblem p{};
   FCE_TRY(check_sizes(fn, *o, nullptr, rows, hidden, vocab_total, vocab_start, vocab_local, &p));
@@ -166,20 +168,24 @@ FCE_API fce_status fce_vp_linear_backward_workspace_size(const fce_options* opti
   return FCE_SUCCESS;
 }
 
-FCE_API fce_status fce_vp_linear_backward(const fce_options* options, int64_t ranks, int64_t rows,
-                                          int64_t hidden, int64_t vocab_total,
-                                          int64_t vocab_start, int64_t vocab_local,
-                                          const void* hidden_states, const void* weight,
-                                          const void* bias, const void* targets,
-                                          const float* gathered_stats, const float* grad_output,
-                                          void* grad_hidden, int32_t grad_hidden_dtype,
-                                          void* grad_weight, void* grad_bias,
-                                          uint32_t* error_flags, void* workspace,
+FCE_API fce_status fce_vp_linear_backward(const fce_options* options,
+                                          const fce_vp_shard* shard, int64_t rows,
+                                          int64_t hidden, const void* hidden_states,
+                                          const void* weight, const void* bias,
+                                          const void* targets, const float* gathered_stats,
+                                          const fce_outputs* outputs,
+                                          const fce_gradients* gradients, void* workspace,
                                           size_t workspace_bytes, void* stream) {
   const char* fn = "fce_vp_linear_backward";
-  fce_options local;
-  FCE_TRY(begin_call(fn, options, &local));
-  const fce_options* o = &local;
+  CallArgs a;
+  FCE_TRY(begin_compute(fn, options, shard, true, outputs, gradients,
+                        {OutputsUse::kFlagsOnly, GradientsUse::kVpLinear, true}, &a));
+  const fce_outputs& out = a.out;
+  const auto [ranks, vocab_total, vocab_start, vocab_local] = a.shard;
+  const auto [g_size, grad_output, g_logits, grad_hidden, grad_weight, grad_bias,
+              grad_hidden_dtype, g_reserved] = a.g;
+  uint32_t* error_flags = out.error_flags;
+  const fce_options* o = &a.o;
   fce::VpLinearProblem p{};
   FCE_TRY(check_sizes(fn, *o, &ranks, rows, hidden, vocab_total, vocab_start, vocab_local, &p));
   FCE_TRY(check_grad_hidden_dtype(fn, grad_hidden_dtype, o->dtype));
@@ -191,11 +197,12 @@ FCE_API fce_status fce_vp_linear_backward(const fce_options* options, int64_t ra
   // (with no row, a grad_hidden of no element may be NULL: all three NULL is then no error)
   if (!empty && !grad_hidden && !grad_weight && !grad_bias)
     return fail(FCE_ERROR_NULL_POINTER,
-                "%s: grad_hidden, grad_weight and grad_bias are all NULL: at least one gradient "
-                "is needed",
+                "%s: gradients->grad_hidden, ->grad_weight and ->grad_bias are all NULL: at least "
+                "one gradient is needed",
                 fn);
   if (grad_bias && !bias)
-    return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: grad_bias is given but bias is NULL", fn);
+    return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: gradients->grad_bias is given but bias is NULL",
+                fn);
   uint64_t h_bytes = 0;
   FCE_TRY(check_hidden_spans(fn, *o, 4, &p, &h_bytes));  // largest: float32 gradients
   const Entries e(*o, rows);
@@ -212,10 +219,10 @@ FCE_API fce_status fce_vp_linear_backward(const fce_options* options, int64_t ra
       e.class_weights(vocab_total),
       e.gathered_stats(gathered_stats, ranks),
       e.grad_output(grad_output),
-      {"grad_hidden", grad_hidden, nd * gh_size, gh_size, true},
-      {"grad_weight", grad_weight, vd * gw_size, gw_size, true},
-      {"grad_bias", grad_bias, v * gw_size, gw_size, true},
-      scalar_output("error_flags", error_flags),
+      {"gradients->grad_hidden", grad_hidden, nd * gh_size, gh_size, true},
+      {"gradients->grad_weight", grad_weight, vd * gw_size, gw_size, true},
+      {"gradients->grad_bias", grad_bias, v * gw_size, gw_size, true},
+      error_flags_arg(error_flags),
       workspace_arg(workspace, workspace_bytes),
   };
   FCE_TRY(check_args(fn, args));
@@ -381,20 +388,24 @@ FCE_API fce_status fce_vp_linear_ce_workspace_size(const fce_options* options, i
   return FCE_SUCCESS;
 }
 
-FCE_API fce_status fce_vp_linear_ce(const fce_options* options, int64_t ranks, int64_t rows,
-                                    int64_t hidden, int64_t vocab_total, int64_t vocab_start,
-                                    int64_t vocab_local, const void* hidden_states,
+FCE_API fce_status fce_vp_linear_ce(const fce_options* options, const fce_vp_shard* shard,
+                                    int64_t rows, int64_t hidden, const void* hidden_states,
                                     const void* weight, const void* bias, const void* targets,
-                                    float* loss, float* lse, float* z_loss,
-                                    const float* grad_output, void* grad_hidden,
-                                    int32_t grad_hidden_dtype, void* grad_weight, void* grad_bias,
-                                    uint32_t* error_flags, fce_vp_all_gather_fn all_gather,
-                                    void* context, void* workspace, size_t workspace_bytes,
-                                    void* stream) {
+                                    const fce_outputs* outputs, const fce_gradients* gradients,
+                                    fce_vp_all_gather_fn all_gather, void* context,
+                                    void* workspace, size_t workspace_bytes, void* stream) {
   const char* fn = "fce_vp_linear_ce";
-  fce_options local;
-  FCE_TRY(begin_call(fn, options, &local));
-  const fce_options* o = &local;
+  CallArgs a;
+  FCE_TRY(begin_compute(fn, options, shard, true, outputs, gradients,
+                        {OutputsUse::kLoss, GradientsUse::kVpLinear, false}, &a));
+  const fce_outputs& out = a.out;
+  const auto [ranks, vocab_total, vocab_start, vocab_local] = a.shard;
+  float* loss = out.loss;
+  float* z_loss = out.z_loss;
+  const auto [g_size, grad_output, g_logits, grad_hidden, grad_weight, grad_bias,
+              grad_hidden_dtype, g_reserved] = a.g;
+  uint32_t* error_flags = out.error_flags;
+  const fce_options* o = &a.o;
   fce::VpLinearCeProblem P{};
   fce::VpLinearProblem& p = P.lin;
   FCE_TRY(check_sizes(fn, *o, &ranks, rows, hidden, vocab_total, vocab_start, vocab_local, &p));
@@ -404,12 +415,13 @@ FCE_API fce_status fce_vp_linear_ce(const fce_options* options, int64_t ranks, i
   FCE_TRY(check_required(fn, {{"hidden_states", hidden_states, empty},
                               {"weight", weight},
                               {"targets", targets, empty},
-                              {"loss", loss, e.reduced_floats() == 0}}));
+                              {"outputs->loss", loss, e.reduced_floats() == 0}}));
   if (!all_gather)
     return fail(FCE_ERROR_NULL_POINTER, "%s: all_gather is NULL (the call runs the collective "
                 "through it)", fn);
   if (grad_bias && !bias)
-    return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: grad_bias is given but bias is NULL", fn);
+    return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: gradients->grad_bias is given but bias is NULL",
+                fn);
   uint64_t h_bytes = 0;
   FCE_TRY(check_hidden_spans(fn, *o, 4, &p, &h_bytes));  // largest: float32 gradients
   const size_t gw_size = o->grad_weight_fp32 ? 4 : e.esize;
@@ -425,21 +437,21 @@ FCE_API fce_status fce_vp_linear_ce(const fce_options* options, int64_t ranks, i
       e.class_weights(vocab_total),
       e.grad_output(grad_output),
       e.loss(loss),
-      e.lse(lse, true),
-      scalar_output("z_loss", z_loss),
-      {"grad_hidden", grad_hidden, nd * gh_size, gh_size, true},
-      {"grad_weight", grad_weight, vd * gw_size, gw_size, true},
-      {"grad_bias", grad_bias, v * gw_size, gw_size, true},
-      scalar_output("error_flags", error_flags),
+      e.lse(out.lse, true),
+      z_loss_arg(z_loss),
+      {"gradients->grad_hidden", grad_hidden, nd * gh_size, gh_size, true},
+      {"gradients->grad_weight", grad_weight, vd * gw_size, gw_size, true},
+      {"gradients->grad_bias", grad_bias, v * gw_size, gw_size, true},
+      error_flags_arg(error_flags),
       workspace_arg(workspace, workspace_bytes),
-      e.argmax(),
-      e.accuracy(),
+      e.argmax(out.argmax),
+      e.accuracy(out.accuracy),
   };
   FCE_TRY(check_args(fn, args));
   if (empty) {  // no statistics to gather (all_gather is not called), the outputs 0
     FCE_TRY(check_workspace(fn, 0, workspace, workspace_bytes));
     return empty_problem(fn, *o, args,
-                         {e.reduced_zeros(loss), {z_loss, 4}, e.reduced_zeros(o->accuracy),
+                         {e.reduced_zeros(loss), {z_loss, 4}, e.reduced_zeros(out.accuracy),
                           weight_grad_zeros(*o, grad_weight, vd * gw_size),
                           weight_grad_zeros(*o, grad_bias, v * gw_size)},
                          stream);
@@ -464,7 +476,7 @@ FCE_API fce_status fce_vp_linear_ce(const fce_options* options, int64_t ranks, i
   p.grad_hidden_dtype = grad_hidden_dtype;
   p.error_flags = error_flags;
   set_workspace(&p, workspace, workspace_bytes, stream);
-  set_loss_outputs(&P, *o, loss, lse, z_loss);
+  set_loss_outputs(&P, out);
   P.all_gather = all_gather;
   P.context = context;
   if (o->backend != FCE_BACKEND_CPU) FCE_TRY(check_device_pointers(fn, args));

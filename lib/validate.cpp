@@ -9,29 +9,48 @@ namespace abi {
 
 namespace {
 
-// struct_size must be the size of some version's struct.
+// struct_size must be the size of some 1.x version's struct.
 fce_status read_options(const char* fn, const fce_options* o, fce_options* local) {
-  static_assert(sizeof(fce_options) == FCE_OPTIONS_SIZE_V0_3, "fce_options changed size");
+  static_assert(sizeof(fce_options) == FCE_OPTIONS_SIZE_V1_0, "fce_options changed size");
   if (!o) return fail(FCE_ERROR_NULL_POINTER, "%s: options is NULL", fn);
   const size_t size = o->struct_size;
-  if (size < FCE_OPTIONS_SIZE_V0_1)
+  if (size < FCE_OPTIONS_SIZE_V1_0)
     return fail(FCE_ERROR_INVALID_ARGUMENT,
-                "%s: options->struct_size (%zu) is smaller than the smallest fce_options (%d): "
-                "initialise it with FCE_OPTIONS_INIT or fce_options_default()",
-                fn, size, FCE_OPTIONS_SIZE_V0_1);
+                "%s: options->struct_size (%zu) is not the size of any version of fce_options "
+                "(%d in 1.0; the 0.x structs are not accepted since 1.0: argmax and accuracy "
+                "moved to fce_outputs): initialise it with FCE_OPTIONS_INIT or "
+                "fce_options_default()",
+                fn, size, FCE_OPTIONS_SIZE_V1_0);
   if (size > sizeof(fce_options))
     return fail(FCE_ERROR_INVALID_ARGUMENT,
                 "%s: options->struct_size (%zu) is larger than this library's fce_options "
                 "(%zu): the caller's header is newer than the library (version %u)",
                 fn, size, sizeof(fce_options), (unsigned)FCE_VERSION_NUMBER);
-  if (size != FCE_OPTIONS_SIZE_V0_1 && size != FCE_OPTIONS_SIZE_V0_3)
-    return fail(FCE_ERROR_INVALID_ARGUMENT,
-                "%s: options->struct_size (%zu) is the size of no version's fce_options "
-                "(%d for 0.1 and 0.2, %d for 0.3)",
-                fn, size, FCE_OPTIONS_SIZE_V0_1, FCE_OPTIONS_SIZE_V0_3);
   const fce_options defaults = FCE_OPTIONS_INIT;
   *local = defaults;
   std::memcpy(local, o, size);
+  return FCE_SUCCESS;
+}
+
+// A versioned output struct of the caller (struct_size first) into *local: its defaults, then
+// the caller's struct_size bytes, which must be the size of a version (v1_0 the only one yet).
+template <class T>
+fce_status read_versioned(const char* fn, const char* name, const T* in, size_t v1_0, T* local,
+                          const T& defaults) {
+  *local = defaults;
+  if (!in) return FCE_SUCCESS;
+  const size_t size = in->struct_size;
+  if (size > sizeof(T))
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "%s: %s->struct_size (%zu) is larger than this library's struct (%zu): the "
+                "caller's header is newer than the library (version %u)",
+                fn, name, size, sizeof(T), (unsigned)FCE_VERSION_NUMBER);
+  if (size != v1_0)
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "%s: %s->struct_size (%zu) is not the size of any version (%zu in 1.0): "
+                "initialise it with its _INIT macro",
+                fn, name, size, v1_0);
+  std::memcpy(local, in, size);
   return FCE_SUCCESS;
 }
 
@@ -233,7 +252,7 @@ fce_status check_args(const char* fn, ArgTable args, const InPlace* in_place) {
     FCE_TRY(check_alignment(fn, r[i].name, r[i].ptr, r[i].align));
   // a, b: the positions of logits and grad_logits when the call writes one over the other
   int a = in_place ? position(args, "logits") : -1;
-  int b = in_place ? position(args, "grad_logits") : -1;
+  int b = in_place ? position(args, "gradients->grad_logits") : -1;
   if (a < 0 || b < 0 || !r[a].ptr || r[a].ptr != r[b].ptr || r[a].bytes == 0) a = b = -1;
   if (a >= 0 && in_place->grad_row_stride != in_place->row_stride)
     return fail(FCE_ERROR_INVALID_ARGUMENT,
@@ -312,6 +331,81 @@ fce_status check_size_outputs(const char* fn, const size_t* min_bytes,
   if (!min_bytes) return fail(FCE_ERROR_NULL_POINTER, "%s: min_bytes is NULL", fn);
   FCE_TRY(check_alignment(fn, "min_bytes", min_bytes, alignof(size_t)));
   return check_alignment(fn, "optimal_bytes", optimal_bytes, alignof(size_t));
+}
+
+fce_status read_outputs(const char* fn, const fce_outputs* outputs, OutputsUse use,
+                        fce_outputs* local) {
+  static_assert(sizeof(fce_outputs) == FCE_OUTPUTS_SIZE_V1_0, "fce_outputs changed size");
+  const fce_outputs defaults = FCE_OUTPUTS_INIT;
+  if (!outputs && use == OutputsUse::kLoss)
+    return fail(FCE_ERROR_NULL_POINTER, "%s: outputs is NULL (the loss is required)", fn);
+  FCE_TRY(read_versioned(fn, "outputs", outputs, FCE_OUTPUTS_SIZE_V1_0, local, defaults));
+  if (use == OutputsUse::kFlagsOnly) {
+    const struct {
+      const char* name;
+      const void* ptr;
+    } unused[] = {{"loss", local->loss},
+                  {"lse", local->lse},
+                  {"z_loss", local->z_loss},
+                  {"argmax", local->argmax},
+                  {"accuracy", local->accuracy}};
+    for (const auto& u : unused)
+      if (u.ptr)
+        return fail(FCE_ERROR_INVALID_ARGUMENT,
+                    "%s: outputs->%s is given, but %s writes only outputs->error_flags", fn,
+                    u.name, fn);
+  }
+  return FCE_SUCCESS;
+}
+
+fce_status read_gradients(const char* fn, const fce_gradients* gradients, GradientsUse use,
+                          bool required, fce_gradients* local) {
+  static_assert(sizeof(fce_gradients) == FCE_GRADIENTS_SIZE_V1_0, "fce_gradients changed size");
+  const fce_gradients defaults = FCE_GRADIENTS_INIT;
+  if (!gradients && required)
+    return fail(FCE_ERROR_NULL_POINTER, "%s: gradients is NULL (%s computes gradients only)",
+                fn, fn);
+  FCE_TRY(read_versioned(fn, "gradients", gradients, FCE_GRADIENTS_SIZE_V1_0, local, defaults));
+  if (local->reserved0 != 0)
+    return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: gradients->reserved0 (%d) must be 0", fn,
+                local->reserved0);
+  const bool logits = use == GradientsUse::kLogits;
+  const char* taken = logits ? "grad_logits and grad_output"
+                             : "grad_hidden, grad_weight, grad_bias and grad_output";
+  const struct {
+    const char* name;
+    const void* ptr;
+  } unused[] = {{"grad_logits", logits ? nullptr : local->grad_logits},
+                {"grad_hidden", logits ? local->grad_hidden : nullptr},
+                {"grad_weight", logits ? local->grad_weight : nullptr},
+                {"grad_bias", logits ? local->grad_bias : nullptr}};
+  for (const auto& u : unused)
+    if (u.ptr)
+      return fail(FCE_ERROR_INVALID_ARGUMENT,
+                  "%s: gradients->%s is given, but %s writes only %s", fn, u.name, fn, taken);
+  if (use != GradientsUse::kVpLinear && local->grad_hidden_dtype != FCE_FLOAT32)
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "%s: gradients->grad_hidden_dtype (%d) must be FCE_FLOAT32 (the default): only "
+                "the fce_vp_linear_* calls read it",
+                fn, local->grad_hidden_dtype);
+  return FCE_SUCCESS;
+}
+
+fce_status check_shard(const char* fn, const fce_vp_shard* shard) {
+  return check_required(fn, {{"shard", shard}});
+}
+
+fce_status begin_compute(const char* fn, const fce_options* options, const fce_vp_shard* shard,
+                         bool vp, const fce_outputs* outputs, const fce_gradients* gradients,
+                         StructUse use, CallArgs* a) {
+  FCE_TRY(begin_call(fn, options, &a->o));
+  a->shard = fce_vp_shard{1, 0, 0, 0};
+  if (vp) {
+    FCE_TRY(check_shard(fn, shard));
+    a->shard = *shard;
+  }
+  FCE_TRY(read_outputs(fn, outputs, use.outputs, &a->out));
+  return read_gradients(fn, gradients, use.gradients, use.gradients_required, &a->g);
 }
 
 }  // namespace abi

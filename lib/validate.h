@@ -25,9 +25,43 @@ constexpr int64_t kStatsBytes = FCE_VP_STATS * 4;  // one row of a shard's stati
 // ---- options and sizes ----
 
 // Starts a call: clears the last error and copies the caller's options into *local (the
-// defaults, overwritten by the struct_size bytes the caller's struct has: a 0.1/0.2 caller gets
-// the defaults of the fields appended in 0.3; nothing past the caller's struct is read).
+// defaults, overwritten by the struct_size bytes the caller's struct has: a caller of an older
+// 1.x version gets the defaults of the fields appended since; nothing past its struct is read).
 fce_status begin_call(const char* fn, const fce_options* options, fce_options* local);
+
+// The caller's fce_outputs into *local (NULL: every output absent), struct_size checked. kLoss:
+// a call that writes a loss (outputs required); kFlagsOnly: a gradient-only call, which writes
+// error_flags alone and refuses any other output.
+enum class OutputsUse { kLoss, kFlagsOnly };
+fce_status read_outputs(const char* fn, const fce_outputs* outputs, OutputsUse use,
+                        fce_outputs* local);
+
+// The caller's fce_gradients into *local (NULL: none, unless required), struct_size checked,
+// with the fields the call does not take absent: kLogits (grad_logits, grad_output), kLinear
+// (grad_hidden, grad_weight, grad_bias, grad_output), kVpLinear (those and grad_hidden_dtype).
+enum class GradientsUse { kLogits, kLinear, kVpLinear };
+fce_status read_gradients(const char* fn, const fce_gradients* gradients, GradientsUse use,
+                          bool required, fce_gradients* local);
+
+// What a compute call reads through its structures, each read and checked once: the options
+// (begin_call), the shard of an fce_vp_* call, the outputs and the gradients.
+struct StructUse {
+  OutputsUse outputs;
+  GradientsUse gradients;
+  bool gradients_required;
+};
+constexpr StructUse kLossCall{OutputsUse::kLoss, GradientsUse::kLogits, false};
+constexpr StructUse kLogitsGradCall{OutputsUse::kFlagsOnly, GradientsUse::kLogits, true};
+struct CallArgs {
+  fce_options o;
+  fce_outputs out;
+  fce_gradients g;
+  fce_vp_shard shard;  // {1, 0, 0, 0} for a call without one
+};
+// begin_call, then (vp: the call takes a shard) check_shard, read_outputs and read_gradients.
+fce_status begin_compute(const char* fn, const fce_options* options, const fce_vp_shard* shard,
+                         bool vp, const fce_outputs* outputs, const fce_gradients* gradients,
+                         StructUse use, CallArgs* a);
 
 // The options (a local copy from begin_call) and the sizes every call shares; fills *out.
 fce_status check_options(const char* fn, const fce_options* o, int64_t rows, int64_t vocab,
@@ -53,6 +87,8 @@ fce_status check_vp_vocab(const char* fn, int64_t vocab_total, int64_t vocab_sta
 inline fce_status check_vocab_total(const char* fn, int64_t vocab_total) {
   return check_vp_vocab(fn, vocab_total, 0, 1, false);
 }
+// The fce_vp_shard pointer of a compute call (its sizes are checked by the call's own checks).
+fce_status check_shard(const char* fn, const fce_vp_shard* shard);
 // rows (checked >= 0 by check_options) of stats fit a 64-bit byte offset, and, when the call
 // has a ranks argument (ranks not NULL), ranks >= 1 of them do (gathered_stats [ranks, rows,
 // FCE_VP_STATS]).
@@ -147,15 +183,14 @@ void set_linear_inputs(Problem* p, const void* hidden_states, const void* weight
   p->bias = bias;
   p->targets = targets;
 }
-// The loss outputs, options->argmax and ->accuracy included (CeProblem of fce_forward,
-// LinearCeProblem, VpProblem of fce_vp_loss).
+// The loss outputs (CeProblem of fce_forward, LinearCeProblem, VpProblem of fce_vp_loss).
 template <class Problem>
-void set_loss_outputs(Problem* p, const fce_options& o, float* loss, float* lse, float* z_loss) {
-  p->loss = loss;
-  p->lse = lse;
-  p->z_loss = z_loss;
-  p->argmax = o.argmax;
-  p->accuracy = o.accuracy;
+void set_loss_outputs(Problem* p, const fce_outputs& out) {
+  p->loss = out.loss;
+  p->lse = out.lse;
+  p->z_loss = out.z_loss;
+  p->argmax = out.argmax;
+  p->accuracy = out.accuracy;
 }
 // The gradients of the linear layer, with options->grad_weight_fp32 and ->accumulate
 // (LinearCeProblem, VpLinearProblem of fce_vp_linear_backward).
@@ -194,19 +229,21 @@ struct Entries {
   Arg class_weights(int64_t vocab) const {
     return {"options->class_weights", o.class_weights, static_cast<uint64_t>(vocab) * 4, 4, false};
   }
-  Arg grad_output(const float* p) const { return {"grad_output", p, reduced_floats(), 4, false}; }
-  Arg loss(const float* p) const { return {"loss", p, reduced_floats(), 4, true}; }
-  Arg lse(const float* p, bool output) const { return {"lse", p, row_floats(), 4, output}; }
-  // options->argmax and ->accuracy of a call that writes them (present false: absent, as for the
-  // backward calls, which accept the forward's options and never write them)
-  Arg argmax(bool present = true) const {
-    return {"options->argmax", present ? o.argmax : nullptr, static_cast<uint64_t>(rows) * 8, 8,
-            true};
+  Arg grad_output(const float* p) const {
+    return {"gradients->grad_output", p, reduced_floats(), 4, false};
   }
-  Arg accuracy(bool present = true) const {
-    return {"options->accuracy", present ? o.accuracy : nullptr, reduced_floats(), 4, true};
+  Arg loss(const float* p) const { return {"outputs->loss", p, reduced_floats(), 4, true}; }
+  // lse: the input of the backward calls, or the output outputs->lse
+  Arg lse(const float* p, bool output) const {
+    return {output ? "outputs->lse" : "lse", p, row_floats(), 4, output};
   }
-  // An empty problem's zeros of a reduced output (loss, options->accuracy): none for reduction
+  Arg argmax(const int64_t* p) const {
+    return {"outputs->argmax", p, static_cast<uint64_t>(rows) * 8, 8, true};
+  }
+  Arg accuracy(const float* p) const {
+    return {"outputs->accuracy", p, reduced_floats(), 4, true};
+  }
+  // An empty problem's zeros of a reduced output (loss, accuracy): none for reduction
   // none (no row, no element), [1] for mean and sum.
   ZeroSpan reduced_zeros(void* p) const { return {p, static_cast<size_t>(reduced_floats())}; }
   Arg gathered_stats(const float* p, int64_t ranks) const {
@@ -220,6 +257,8 @@ struct Entries {
 
 // One float32 written (z_loss) or one uint32 ORed into (error_flags).
 inline Arg scalar_output(const char* name, const void* p) { return {name, p, 4, 4, true}; }
+inline Arg z_loss_arg(const float* p) { return scalar_output("outputs->z_loss", p); }
+inline Arg error_flags_arg(const uint32_t* p) { return scalar_output("outputs->error_flags", p); }
 // The workspace's 16-byte alignment is checked with its size (check_workspace, after the
 // overlaps), not by check_alignment: align 1 here.
 inline Arg workspace_arg(const void* p, size_t bytes) { return {"workspace", p, bytes, 1, true}; }

@@ -29,7 +29,7 @@ inline std::vector<bool> ambiguous_argmax_rows(const fceref::CeResult& ref, int6
   return amb;
 }
 
-// options->argmax against the reference: −1 exactly for ignored rows, the first NaN for a NaN
+// outputs->argmax against the reference: −1 exactly for ignored rows, the first NaN for a NaN
 // row, otherwise the reference's index, or in an ambiguous row (above) any entry within delta
 // of the maximum.
 inline ::testing::AssertionResult argmax_matches(const std::vector<int64_t>& got,
@@ -57,7 +57,7 @@ inline ::testing::AssertionResult argmax_matches(const std::vector<int64_t>& got
   return ::testing::AssertionFailure() << "argmax: " << bad << " rows wrong" << msg.str();
 }
 
-// options->accuracy: for none [N] 1/0 per row, for mean/sum [1] the fraction of the n
+// outputs->accuracy: for none [N] 1/0 per row, for mean/sum [1] the fraction of the n
 // non-ignored rows whose argmax is their target (docs/semantics.md rule 15). With the call's own argmax
 // (argmax non-null) the accuracy must be exactly what that argmax implies (within one float32
 // rounding of the quotient); without it, it may differ from the reference only on ambiguous

@@ -355,7 +355,7 @@ struct Problem {
   std::vector<double> z, w, g;
   std::vector<int64_t> y;
   fceref::Options ro;
-  fce_options o;
+  TestOptions o;
   Buf targets, weights;
 
   Problem(const Family& f, int dt, int red, const OptionSet& s, uint64_t seed)
@@ -412,13 +412,13 @@ Outputs forward(Problem& p, const Buf& logits, const Buf* gout, bool with_grad) 
   Buf loss = poisoned(loss_m), zl = poisoned(one), acc = poisoned(loss_m), am = poisoned(am_m);
   out.lse_buf = poisoned(lse_m);
   Buf grad = with_grad ? poisoned(gm) : Buf();
-  fce_options o = p.o;
+  TestOptions o = p.o;
   o.argmax = am.p<int64_t>();
   o.accuracy = acc.p<float>();
   size_t wsb = 0;
   EXPECT_EQ(fce_forward_workspace_size(&o, kN, kV, &wsb), FCE_SUCCESS) << fce_last_error();
   Buf ws = workspace_buf(wsb);
-  const fce_status st = fce_forward(&o, kN, kV, logits.ptr(), p.targets.ptr(), loss.p<float>(),
+  const fce_status st = flat::forward(&o, kN, kV, logits.ptr(), p.targets.ptr(), loss.p<float>(),
                                     out.lse_buf.p<float>(), zl.p<float>(), grad.ptr(),
                                     gout ? gout->p<float>() : nullptr, nullptr, ws.ptr(), wsb,
                                     test_stream());
@@ -427,7 +427,7 @@ Outputs forward(Problem& p, const Buf& logits, const Buf* gout, bool with_grad) 
   for (Buf* b : {&loss, &zl, &acc, &am, &out.lse_buf, &grad}) b->pull();
   EXPECT_TRUE(all_written(loss, loss_m, "loss"));
   EXPECT_TRUE(all_written(out.lse_buf, lse_m, "lse"));
-  EXPECT_TRUE(all_written(am, am_m, "options->argmax"));
+  EXPECT_TRUE(all_written(am, am_m, "outputs->argmax"));
   out.loss = read_mat(loss, loss_m);
   out.lse = read_mat(out.lse_buf, lse_m);
   out.z_loss = read_mat(zl, one);
@@ -484,7 +484,7 @@ void run_problem(Report& rep, const Family& f, Problem& p) {
     EXPECT_EQ(fce_backward_workspace_size(&p.o, kN, kV, &wsb), FCE_SUCCESS) << fce_last_error();
     Buf ws = workspace_buf(wsb);
     const fce_status st =
-        fce_backward(&p.o, kN, kV, logits.ptr(), p.targets.ptr(), fo.lse_buf.p<float>(),
+        flat::backward(&p.o, kN, kV, logits.ptr(), p.targets.ptr(), fo.lse_buf.p<float>(),
                      gout.p<float>(), grad.ptr(), nullptr, ws.ptr(), wsb, test_stream());
     EXPECT_EQ(st, FCE_SUCCESS) << fce_status_string(st) << ": " << fce_last_error();
     EXPECT_TRUE(finish());
@@ -511,7 +511,7 @@ void run_problem(Report& rep, const Family& f, Problem& p) {
     EXPECT_EQ(fce_backward_workspace_size(&p.o, kN, kV, &wsb), FCE_SUCCESS) << fce_last_error();
     Buf ws = workspace_buf(wsb);
     const fce_status st =
-        fce_backward_rescale(&p.o, kN, kV, logits.ptr(), p.targets.ptr(), one.lse_buf.p<float>(),
+        flat::backward_rescale(&p.o, kN, kV, logits.ptr(), p.targets.ptr(), one.lse_buf.p<float>(),
                              gb.p<float>(), grad.ptr(), nullptr, ws.ptr(), wsb, test_stream());
     EXPECT_EQ(st, FCE_SUCCESS) << fce_status_string(st) << ": " << fce_last_error();
     EXPECT_TRUE(finish());
@@ -653,7 +653,7 @@ TEST_F(Adversarial, LinearHugeConstantRows) {
                                   dtype_name(dtype) + " " + reduction_name(red) +
                                   (eps > 0 ? " smoothing" : "") + " [" + backend_name() + "]";
         SCOPED_TRACE(where);
-        fce_options o = test_options();
+        TestOptions o = test_options();
         o.dtype = dtype;
         o.reduction = red;
         o.label_smoothing = static_cast<float>(eps);
@@ -674,7 +674,7 @@ TEST_F(Adversarial, LinearHugeConstantRows) {
           ASSERT_EQ(fce_linear_ce_workspace_size(&o, N, D, V, with_grad, &mn, &op), FCE_SUCCESS)
               << fce_last_error();
           Buf ws = workspace_buf(op);
-          const fce_status st = fce_linear_ce(&o, N, D, V, hb.ptr(), wb.ptr(), nullptr, yb.ptr(),
+          const fce_status st = flat::linear_ce(&o, N, D, V, hb.ptr(), wb.ptr(), nullptr, yb.ptr(),
                                               loss.p<float>(), lse.p<float>(), nullptr, gh.ptr(),
                                               gw.ptr(), nullptr, gb.p<float>(), nullptr, ws.ptr(),
                                               op, test_stream());
@@ -736,7 +736,7 @@ TEST_F(Adversarial, LinearPositiveInfinityRow) {
                               backend_name() + "]";
     SCOPED_TRACE(where);
     ASSERT_TRUE(std::isnan(ref.ce.row_loss[1]));
-    fce_options o = test_options();
+    TestOptions o = test_options();
     o.dtype = dtype;
     o.reduction = FCE_REDUCTION_NONE;
     const Mat hm = mat(dtype, N, D), wm = mat(dtype, V, D), bm = vec(dtype, V);
@@ -754,7 +754,7 @@ TEST_F(Adversarial, LinearPositiveInfinityRow) {
     ASSERT_EQ(fce_linear_ce_workspace_size(&o, N, D, V, 1, &mn, &op), FCE_SUCCESS)
         << fce_last_error();
     Buf ws = workspace_buf(op);
-    const fce_status st = fce_linear_ce(&o, N, D, V, hb.ptr(), wb.ptr(), bb.ptr(), yb.ptr(),
+    const fce_status st = flat::linear_ce(&o, N, D, V, hb.ptr(), wb.ptr(), bb.ptr(), yb.ptr(),
                                         loss.p<float>(), lse.p<float>(), nullptr, gh.ptr(),
                                         gw.ptr(), gb.ptr(), nullptr, nullptr, ws.ptr(), op,
                                         test_stream());

@@ -1,5 +1,5 @@
 // test_api.cpp — the ABI itself: version, status strings, the options initialiser and
-// fce_options_default, a 0.1/0.2 caller's smaller fce_options, the per-thread last error,
+// fce_options_default, a 0.1/0.2 caller's smaller TestOptions, the per-thread last error,
 // workspace queries, backend availability, and bad input to fce_forward / fce_backward: for each
 // invalid argument the status, a message naming the function and the argument, and every output
 // left untouched (overlaps included: an output inside the logits of an in-place call).
@@ -102,19 +102,20 @@ void expect_defaults(const fce_options& o, size_t struct_size = sizeof(fce_optio
   EXPECT_EQ(o.accumulate, 0);
   EXPECT_EQ(o.grad_weight_fp32, 0);
   EXPECT_EQ(o.reserved0, 0);
-  if (struct_size < FCE_OPTIONS_SIZE_V0_3) return;
   EXPECT_EQ(o.shift, 0);
-  EXPECT_EQ(o.argmax, nullptr);
-  EXPECT_EQ(o.accuracy, nullptr);
   EXPECT_EQ(o.token_scaling, 0);
   EXPECT_EQ(o.reserved1, 0);
 }
 
 TEST(Api, OptionsLayout) {
-  // Appended fields only: the 0.1 struct is a prefix of this one, and the sizes are the header's.
-  EXPECT_EQ(sizeof(fce_options), (size_t)FCE_OPTIONS_SIZE_V0_3);
-  EXPECT_EQ(offsetof(fce_options, shift), (size_t)FCE_OPTIONS_SIZE_V0_1);
-  EXPECT_EQ(offsetof(fce_options, reserved1) + sizeof(int32_t), (size_t)FCE_OPTIONS_SIZE_V0_3);
+  // The sizes are the header's, and the outputs leave the options (they are fce_outputs').
+  EXPECT_EQ(sizeof(fce_options), (size_t)FCE_OPTIONS_SIZE_V1_0);
+  EXPECT_EQ(offsetof(fce_options, reserved1) + sizeof(int32_t), (size_t)FCE_OPTIONS_SIZE_V1_0);
+  EXPECT_EQ(sizeof(fce_outputs), (size_t)FCE_OUTPUTS_SIZE_V1_0);
+  EXPECT_EQ(offsetof(fce_outputs, error_flags) + sizeof(void*), (size_t)FCE_OUTPUTS_SIZE_V1_0);
+  EXPECT_EQ(sizeof(fce_gradients), (size_t)FCE_GRADIENTS_SIZE_V1_0);
+  EXPECT_EQ(offsetof(fce_gradients, reserved0) + sizeof(int32_t),
+            (size_t)FCE_GRADIENTS_SIZE_V1_0);
 }
 
 TEST(Api, OptionsInitialiser) {
@@ -162,23 +163,11 @@ TEST(Api, OptionsDefaultWritesNoMoreThanStructSize) {
   EXPECT_EQ(o->class_weights, nullptr);
   for (size_t i = offsetof(fce_options, ignore_index); i < sizeof raw; ++i)
     ASSERT_EQ(raw[i], 0xAB) << "byte " << i << " written past struct_size";
-  // A zeroed struct (struct_size 0) is a 0.1 caller's: FCE_OPTIONS_SIZE_V0_1 bytes, the 0.3
-  // fields (past its end) untouched.
-  unsigned char zraw[sizeof(fce_options)];
-  std::memset(zraw, 0, sizeof zraw);
-  std::memset(zraw + FCE_OPTIONS_SIZE_V0_1, 0xCD, sizeof zraw - FCE_OPTIONS_SIZE_V0_1);
-  fce_options* z = reinterpret_cast<fce_options*>(zraw);
-  fce_options_default(z);
-  expect_defaults(*z, FCE_OPTIONS_SIZE_V0_1);
-  for (size_t i = FCE_OPTIONS_SIZE_V0_1; i < sizeof zraw; ++i)
-    ASSERT_EQ(zraw[i], 0xCD) << "byte " << i << " written past a 0.1 caller's struct";
-  // A 0.1 caller that sets struct_size: the same.
-  std::memset(zraw, 0xAB, sizeof zraw);
-  z->struct_size = FCE_OPTIONS_SIZE_V0_1;
-  fce_options_default(z);
-  expect_defaults(*z, FCE_OPTIONS_SIZE_V0_1);
-  for (size_t i = FCE_OPTIONS_SIZE_V0_1; i < sizeof zraw; ++i)
-    ASSERT_EQ(zraw[i], 0xAB) << "byte " << i << " written past a 0.1 caller's struct";
+  // A zeroed struct (struct_size 0) is this version's: every field written, struct_size too.
+  fce_options z;
+  std::memset(&z, 0, sizeof z);
+  fce_options_default(&z);
+  expect_defaults(z, FCE_OPTIONS_SIZE_V1_0);
 }
 
 // ------------------------------------------------------------------ last error --------------
@@ -203,7 +192,7 @@ TEST(Api, LastErrorIsPerThread) {
   EXPECT_EQ(other, "");
   // And a failure elsewhere does not change this thread's message.
   std::thread([&] {
-    fce_options o = FCE_OPTIONS_INIT;
+    TestOptions o = FCE_OPTIONS_INIT;
     o.reduction = 77;
     size_t b = 0;
     fce_forward_workspace_size(&o, 4, 4, &b);
@@ -213,7 +202,7 @@ TEST(Api, LastErrorIsPerThread) {
 
 // ------------------------------------------------------------------ workspace queries -------
 TEST(Api, WorkspaceQueries) {
-  fce_options o = FCE_OPTIONS_INIT;
+  TestOptions o = FCE_OPTIONS_INIT;
   o.backend = FCE_BACKEND_CPU;
   size_t b = 0, mn = 0, op = 0;
   EXPECT_EQ(fce_forward_workspace_size(&o, 16, 100, &b), FCE_SUCCESS) << fce_last_error();
@@ -239,7 +228,7 @@ TEST(Api, WorkspaceQueries) {
   EXPECT_TRUE(error_mentions("vocab"));
   EXPECT_EQ(fce_linear_ce_workspace_size(&o, 16, 0, 100, 1, &mn, &op), FCE_ERROR_INVALID_ARGUMENT);
   EXPECT_TRUE(error_mentions("hidden"));
-  fce_options bad = o;
+  TestOptions bad = o;
   bad.dtype = 42;
   EXPECT_EQ(fce_forward_workspace_size(&bad, 16, 100, &b), FCE_ERROR_INVALID_ARGUMENT);
   EXPECT_TRUE(error_mentions("dtype"));
@@ -258,12 +247,12 @@ TEST(Api, CudaAvailability) {
   }
   if (avail) return;
   // No CUDA backend here: a CUDA call is refused, host buffers untouched.
-  fce_options o = FCE_OPTIONS_INIT;  // backend CUDA
+  TestOptions o = FCE_OPTIONS_INIT;  // backend CUDA
   std::vector<float> z(4 * 8, 1.0f), loss(1, -7.0f);
   std::vector<int64_t> y = {0, 1, 2, 3};
   size_t b = 0;
   EXPECT_EQ(fce_forward_workspace_size(&o, 4, 8, &b), FCE_ERROR_BACKEND_UNAVAILABLE);
-  EXPECT_EQ(fce_forward(&o, 4, 8, z.data(), y.data(), loss.data(), nullptr, nullptr, nullptr,
+  EXPECT_EQ(flat::forward(&o, 4, 8, z.data(), y.data(), loss.data(), nullptr, nullptr, nullptr,
                         nullptr, nullptr, nullptr, 0, nullptr),
             FCE_ERROR_BACKEND_UNAVAILABLE);
   EXPECT_TRUE(error_mentions("backend|CUDA|cuda"));
@@ -278,7 +267,7 @@ TEST(Api, CudaBackendRejectsHostPointers) {
     std::printf("SKIPPED: CUDA backend test (FCE_TEST_BACKEND=cuda)\n");
     GTEST_SKIP() << "CUDA backend only";
   }
-  fce_options o = test_options();
+  TestOptions o = test_options();
   std::vector<float> z(4 * 8, 1.0f);
   std::vector<int64_t> y = {0, 1, 2, 3};
   Buf loss = poisoned(vec(FCE_FLOAT32, 1));
@@ -287,7 +276,7 @@ TEST(Api, CudaBackendRejectsHostPointers) {
   size_t b = 0;
   ASSERT_EQ(fce_forward_workspace_size(&o, 4, 8, &b), FCE_SUCCESS);
   Buf ws = workspace_buf(b);
-  fce_status st = fce_forward(&o, 4, 8, z.data(), yb.ptr(), loss.p<float>(), nullptr, nullptr,
+  fce_status st = flat::forward(&o, 4, 8, z.data(), yb.ptr(), loss.p<float>(), nullptr, nullptr,
                               nullptr, nullptr, nullptr, ws.ptr(), b, test_stream());
   EXPECT_NE(st, FCE_SUCCESS);
   EXPECT_TRUE(error_mentions("logits"));
@@ -299,8 +288,8 @@ TEST(Api, CudaBackendRejectsHostPointers) {
 
 // ------------------------------------------------------------------ bad input ---------------
 struct FwdArgs {
-  fce_options o;
-  const fce_options* opts;
+  TestOptions o;
+  const TestOptions* opts;
   int64_t rows, vocab;
   const void* logits;
   const void* targets;
@@ -361,12 +350,12 @@ class BadInput : public BackendTest {
     a.wsb = wf;
   }
   fce_status forward(const FwdArgs& x) {
-    return fce_forward(x.opts, x.rows, x.vocab, x.logits, x.targets, x.loss, x.lse, x.z_loss,
+    return flat::forward(x.opts, x.rows, x.vocab, x.logits, x.targets, x.loss, x.lse, x.z_loss,
                        x.grad, x.gout, x.flags, x.ws, x.wsb, test_stream());
   }
   // fce_backward reads lse (lse_in here) and writes grad.
   fce_status backward(const FwdArgs& x) {
-    return fce_backward(x.opts, x.rows, x.vocab, x.logits, x.targets, x.lse, x.gout, x.grad,
+    return flat::backward(x.opts, x.rows, x.vocab, x.logits, x.targets, x.lse, x.gout, x.grad,
                         x.flags, x.ws, x.wsb, test_stream());
   }
   FwdArgs backward_args() {
@@ -498,9 +487,9 @@ TEST_F(BadInput, ScalarOptions) {
       expect_rejected(f, ("shift_seq_len " + std::to_string(t) + " with rows 8").c_str(),
                       FCE_ERROR_INVALID_ARGUMENT, "shift_seq_len",
                       [t](FwdArgs& x) { x.o.shift_seq_len = t; });
-    // Sizes of no version: too small, between 0.1's and 0.3's, larger than this library's.
-    for (size_t sz : {size_t{0}, size_t{8}, size_t{FCE_OPTIONS_SIZE_V0_1} - 8,
-                      size_t{FCE_OPTIONS_SIZE_V0_1} + 8, sizeof(fce_options) - 4,
+    // Sizes of no version: too small, the 0.x structs' (104, 136: refused since 1.0), larger
+    // than this library's.
+    for (size_t sz : {size_t{0}, size_t{8}, size_t{104}, size_t{136}, sizeof(fce_options) - 4,
                       sizeof(fce_options) + 8})
       expect_rejected(f, ("struct_size " + std::to_string(sz)).c_str(), FCE_ERROR_INVALID_ARGUMENT,
                       "struct_size", [sz](FwdArgs& x) { x.o.struct_size = sz; });
@@ -539,11 +528,11 @@ TEST_F(BadInput, Misaligned) {
       [&](FwdArgs& x) { x.o.class_weights = (const float*)off(x.o.class_weights, 1); });
   fwd("grad_output +1 byte", FCE_ERROR_MISALIGNED, "grad_output", [&](FwdArgs& x) { x.gout = (const float*)off(x.gout, 1); });
   fwd("error_flags +1 byte", FCE_ERROR_MISALIGNED, "error_flags", [&](FwdArgs& x) { x.flags = (uint32_t*)off(x.flags, 1); });
-  fwd("options->argmax +4 bytes", FCE_ERROR_MISALIGNED, "options->argmax",
+  fwd("outputs->argmax +4 bytes", FCE_ERROR_MISALIGNED, "outputs->argmax",
       [&](FwdArgs& x) { x.o.argmax = (int64_t*)off(am.ptr(), 4); });
-  fwd("options->argmax +1 byte", FCE_ERROR_MISALIGNED, "options->argmax",
+  fwd("outputs->argmax +1 byte", FCE_ERROR_MISALIGNED, "outputs->argmax",
       [&](FwdArgs& x) { x.o.argmax = (int64_t*)off(am.ptr(), 1); });
-  fwd("options->accuracy +2 bytes", FCE_ERROR_MISALIGNED, "options->accuracy",
+  fwd("outputs->accuracy +2 bytes", FCE_ERROR_MISALIGNED, "outputs->accuracy",
       [&](FwdArgs& x) { x.o.accuracy = (float*)off(acc.ptr(), 2); });
   if (fwd_ws > 0)
     fwd("workspace +8 bytes", FCE_ERROR_MISALIGNED, "workspace", [&](FwdArgs& x) { x.ws = (void*)off(x.ws, 8); });
@@ -589,23 +578,23 @@ TEST_F(BadInput, Overlap) {
 
 // The optional forward outputs overlapping another buffer (or each other).
 TEST_F(BadInput, OverlapOfArgmaxAndAccuracy) {
-  fwd("options->argmax over loss", FCE_ERROR_INVALID_ARGUMENT, "options->argmax",
+  fwd("outputs->argmax over loss", FCE_ERROR_INVALID_ARGUMENT, "outputs->argmax",
       [](FwdArgs& x) { x.o.argmax = reinterpret_cast<int64_t*>(x.loss); });
-  fwd("options->argmax over the logits", FCE_ERROR_INVALID_ARGUMENT, "options->argmax",
+  fwd("outputs->argmax over the logits", FCE_ERROR_INVALID_ARGUMENT, "outputs->argmax",
       [](FwdArgs& x) { x.o.argmax = static_cast<int64_t*>(const_cast<void*>(x.logits)) + 5; });
-  fwd("options->argmax over targets", FCE_ERROR_INVALID_ARGUMENT, "options->argmax",
+  fwd("outputs->argmax over targets", FCE_ERROR_INVALID_ARGUMENT, "outputs->argmax",
       [](FwdArgs& x) { x.o.argmax = static_cast<int64_t*>(const_cast<void*>(x.targets)); });
-  fwd("options->accuracy inside lse", FCE_ERROR_INVALID_ARGUMENT, "options->accuracy",
+  fwd("outputs->accuracy inside lse", FCE_ERROR_INVALID_ARGUMENT, "outputs->accuracy",
       [](FwdArgs& x) { x.o.accuracy = x.lse + 2; });
-  fwd("options->accuracy inside grad_logits", FCE_ERROR_INVALID_ARGUMENT, "options->accuracy",
+  fwd("outputs->accuracy inside grad_logits", FCE_ERROR_INVALID_ARGUMENT, "outputs->accuracy",
       [](FwdArgs& x) { x.o.accuracy = static_cast<float*>(x.grad) + 7; });
-  fwd("options->accuracy inside options->argmax", FCE_ERROR_INVALID_ARGUMENT,
-      "options->accuracy", [this](FwdArgs& x) {
+  fwd("outputs->accuracy inside outputs->argmax", FCE_ERROR_INVALID_ARGUMENT,
+      "outputs->accuracy", [this](FwdArgs& x) {
         x.o.argmax = am.p<int64_t>();
         x.o.accuracy = reinterpret_cast<float*>(am.p<int64_t>() + 3);
       });
   // Per row (none): accuracy is [rows]: one that starts inside it overlaps the next buffer.
-  fwd("options->accuracy [rows] over z_loss", FCE_ERROR_INVALID_ARGUMENT, "options->accuracy",
+  fwd("outputs->accuracy [rows] over z_loss", FCE_ERROR_INVALID_ARGUMENT, "outputs->accuracy",
       [](FwdArgs& x) {
         x.o.reduction = FCE_REDUCTION_NONE;
         x.gout = nullptr;
@@ -638,8 +627,8 @@ TEST_F(BadInput, InPlaceRejectsOtherOutputsInsideTheLogits) {
         {"lse", [z](FwdArgs& x) { x.lse = z; }},
         {"z_loss", [z](FwdArgs& x) { x.z_loss = z; }},
         {"error_flags", [z](FwdArgs& x) { x.flags = reinterpret_cast<uint32_t*>(z); }},
-        {"options->argmax", [z](FwdArgs& x) { x.o.argmax = reinterpret_cast<int64_t*>(z); }},
-        {"options->accuracy", [z](FwdArgs& x) { x.o.accuracy = z; }},
+        {"outputs->argmax", [z](FwdArgs& x) { x.o.argmax = reinterpret_cast<int64_t*>(z); }},
+        {"outputs->accuracy", [z](FwdArgs& x) { x.o.accuracy = z; }},
         {"loss", [z](FwdArgs& x) { x.loss = z + V + 1; }},  // inside, not at the start
     };
     for (const auto& out : outputs) {
@@ -671,48 +660,6 @@ TEST_F(BadInput, InPlaceRejectsOtherOutputsInsideTheLogits) {
   ASSERT_TRUE(finish());
 }
 
-// A caller of 0.1/0.2 passes its smaller struct (struct_size FCE_OPTIONS_SIZE_V0_1): the library
-// reads no byte past it and uses the defaults of the 0.3 fields. Garbage after the struct
-// (a negative shift, a wild argmax pointer, a non-zero reserved1 if it were read) changes
-// nothing: the same results as a 0.3 caller's defaults.
-TEST_F(BadInput, OlderCallerGetsDefaultsForNewFields) {
-  alignas(fce_options) unsigned char raw[sizeof(fce_options)];
-  std::memcpy(raw, &a.o, sizeof a.o);
-  std::memset(raw + FCE_OPTIONS_SIZE_V0_1, 0xAB, sizeof raw - FCE_OPTIONS_SIZE_V0_1);
-  fce_options* old = reinterpret_cast<fce_options*>(raw);
-  old->struct_size = FCE_OPTIONS_SIZE_V0_1;
-  size_t wf = 1, wb = 1;
-  ASSERT_EQ(fce_forward_workspace_size(old, N, V, &wf), FCE_SUCCESS) << fce_last_error();
-  ASSERT_EQ(fce_backward_workspace_size(old, N, V, &wb), FCE_SUCCESS) << fce_last_error();
-  EXPECT_EQ(wf, fwd_ws);
-  EXPECT_EQ(wb, bwd_ws);
-  std::vector<uint8_t> first_loss, first_lse, first_grad;
-  for (int pass = 0; pass < 2; ++pass) {  // 0: the 0.3 defaults, 1: the 0.1 struct
-    FwdArgs x = a;
-    x.opts = pass == 0 ? &x.o : old;
-    poison_all(loss, FCE_FLOAT32), loss.push();
-    poison_all(lse, FCE_FLOAT32), lse.push();
-    poison_all(grad, FCE_FLOAT32), grad.push();
-    ASSERT_EQ(forward(x), FCE_SUCCESS) << fce_last_error();
-    ASSERT_TRUE(finish());
-    for (Buf* b : {&loss, &lse, &grad}) b->pull();
-    if (pass == 0) {
-      first_loss = loss.mirror(), first_lse = lse.mirror(), first_grad = grad.mirror();
-      continue;
-    }
-    EXPECT_TRUE(bitwise_equal(loss.mirror(), first_loss, "loss (0.1 struct vs 0.3 defaults)"));
-    EXPECT_TRUE(bitwise_equal(lse.mirror(), first_lse, "lse (0.1 struct vs 0.3 defaults)"));
-    EXPECT_TRUE(bitwise_equal(grad.mirror(), first_grad, "grad (0.1 struct vs 0.3 defaults)"));
-    FwdArgs y = backward_args();
-    y.opts = old;
-    ASSERT_EQ(backward(y), FCE_SUCCESS) << fce_last_error();
-    ASSERT_TRUE(finish());
-  }
-  for (size_t i = FCE_OPTIONS_SIZE_V0_1; i < sizeof raw; ++i)
-    ASSERT_EQ(raw[i], 0xAB) << "byte " << i << " past the 0.1 struct changed";
-}
-
-// Out-of-range targets are not bad input: found on the device, reported through the flag
 // (test_ce.cpp checks the numbers); here only that the call succeeds.
 TEST_F(BadInput, OutOfRangeTargetIsNotAnArgumentError) {
   std::vector<int64_t> y(N, 1);
@@ -729,6 +676,132 @@ TEST_F(BadInput, OutOfRangeTargetIsNotAnArgumentError) {
   uint32_t v;
   std::memcpy(&v, f.h(), 4);
   EXPECT_EQ(v, FCE_FLAG_TARGET_OUT_OF_RANGE);
+}
+
+// ------------------------------------------------------- outputs, gradients, shard ----------
+// The structures themselves, on the CPU backend: their NULL pointers, their struct_size, and the
+// fields a call does not take (refused, never silently ignored). The suites' flat calls
+// (flat_calls.h) always pass well-formed structures; these go to the C calls directly.
+class Structs : public ::testing::Test {
+ protected:
+  static constexpr int64_t N = 4, V = 8, D = 3;
+  std::vector<float> z = std::vector<float>(N * V, 0.25f), lse = std::vector<float>(N, 0.0f);
+  std::vector<float> h = std::vector<float>(N * D, 0.5f), w = std::vector<float>(V * D, 0.125f);
+  std::vector<float> grad = std::vector<float>(N * V, 0.0f), gh = std::vector<float>(N * D, 0.0f);
+  std::vector<float> stats = std::vector<float>(N * FCE_VP_STATS, 0.0f);
+  std::vector<int64_t> y = {1, 2, 3, 4}, am = std::vector<int64_t>(N, -7);
+  float loss = -1.0f;
+  fce_options o = FCE_OPTIONS_INIT;
+  fce_outputs out = FCE_OUTPUTS_INIT;
+  fce_gradients g = FCE_GRADIENTS_INIT;
+  void SetUp() override {
+    o.backend = FCE_BACKEND_CPU;
+    out.loss = &loss;
+  }
+  fce_status forward(const fce_outputs* po, const fce_gradients* pg) {
+    return fce_forward(&o, N, V, z.data(), y.data(), po, pg, nullptr, 0, nullptr);
+  }
+  fce_status backward(const fce_outputs* po, const fce_gradients* pg) {
+    return fce_backward(&o, N, V, z.data(), y.data(), lse.data(), po, pg, nullptr, 0, nullptr);
+  }
+  fce_status linear(const fce_outputs* po, const fce_gradients* pg) {
+    size_t mn = 0;
+    EXPECT_EQ(fce_linear_ce_workspace_size(&o, N, D, V, 1, &mn, nullptr), FCE_SUCCESS);
+    ws.assign(mn, 0);
+    return fce_linear_ce(&o, N, D, V, h.data(), w.data(), nullptr, y.data(), po, pg, ws.data(),
+                         ws.size(), nullptr);
+  }
+  std::vector<unsigned char> ws;
+};
+
+TEST_F(Structs, OutputsAndGradientsArePassedByStructure) {
+  // The loss only (gradients NULL), with argmax from outputs; then the gradient in the same pass.
+  out.argmax = am.data();
+  ASSERT_EQ(forward(&out, nullptr), FCE_SUCCESS) << fce_last_error();
+  EXPECT_NEAR(loss, std::log(double(V)), 1e-6);  // constant logits: log V
+  for (int64_t r = 0; r < N; ++r) EXPECT_EQ(am[r], 0) << "row " << r;  // ties: lowest index
+  g.grad_logits = grad.data();
+  ASSERT_EQ(forward(&out, &g), FCE_SUCCESS) << fce_last_error();
+  EXPECT_NEAR(grad[1], (1.0 / V - 1.0) / N, 1e-7);  // row 0, its target
+  EXPECT_NEAR(grad[0], 1.0 / V / N, 1e-7);
+}
+
+TEST_F(Structs, NullStructures) {
+  EXPECT_EQ(forward(nullptr, nullptr), FCE_ERROR_NULL_POINTER);
+  EXPECT_TRUE(error_mentions("fce_forward: outputs is NULL"));
+  EXPECT_EQ(linear(nullptr, nullptr), FCE_ERROR_NULL_POINTER);
+  EXPECT_TRUE(error_mentions("fce_linear_ce: outputs is NULL"));
+  // The gradient-only calls: outputs may be NULL (no error flags), gradients may not.
+  g.grad_logits = grad.data();
+  EXPECT_EQ(backward(nullptr, &g), FCE_SUCCESS) << fce_last_error();
+  EXPECT_EQ(backward(nullptr, nullptr), FCE_ERROR_NULL_POINTER);
+  EXPECT_TRUE(error_mentions("fce_backward: gradients is NULL"));
+  const fce_vp_shard sh{1, V, 0, V};
+  EXPECT_EQ(fce_vp_stats(&o, nullptr, N, z.data(), y.data(), stats.data(), nullptr),
+            FCE_ERROR_NULL_POINTER);
+  EXPECT_TRUE(error_mentions("fce_vp_stats: shard is NULL"));
+  EXPECT_EQ(fce_vp_stats(&o, &sh, N, z.data(), y.data(), stats.data(), nullptr), FCE_SUCCESS)
+      << fce_last_error();
+  EXPECT_EQ(fce_vp_loss(&o, &sh, N, y.data(), stats.data(), nullptr, nullptr, 0, nullptr),
+            FCE_ERROR_NULL_POINTER);
+  EXPECT_TRUE(error_mentions("fce_vp_loss: outputs is NULL"));
+  EXPECT_EQ(loss, -1.0f);  // nothing written by the refused calls
+}
+
+TEST_F(Structs, StructSizes) {
+  out.struct_size = 8;
+  EXPECT_EQ(forward(&out, nullptr), FCE_ERROR_INVALID_ARGUMENT);
+  EXPECT_TRUE(
+      error_mentions("fce_forward: outputs->struct_size (8) is not the size of any version"));
+  out.struct_size = sizeof out + 8;
+  EXPECT_EQ(forward(&out, nullptr), FCE_ERROR_INVALID_ARGUMENT);
+  EXPECT_TRUE(error_mentions("fce_forward: outputs->struct_size"));
+  out.struct_size = sizeof out;
+  g.struct_size = 0;
+  EXPECT_EQ(forward(&out, &g), FCE_ERROR_INVALID_ARGUMENT);
+  EXPECT_TRUE(
+      error_mentions("fce_forward: gradients->struct_size (0) is not the size of any version"));
+  g.struct_size = sizeof g;
+  o.struct_size = 136;  // a 0.3 caller's fce_options, argmax and accuracy inside: refused
+  EXPECT_EQ(forward(&out, &g), FCE_ERROR_INVALID_ARGUMENT);
+  EXPECT_TRUE(error_mentions("fce_forward: options->struct_size (136)"));
+  o.struct_size = 104;
+  EXPECT_EQ(forward(&out, &g), FCE_ERROR_INVALID_ARGUMENT);
+  EXPECT_TRUE(error_mentions("fce_forward: options->struct_size (104) is not the size of any "
+                             "version of fce_options"));
+  EXPECT_EQ(loss, -1.0f);
+}
+
+TEST_F(Structs, FieldsACallDoesNotTakeAreRefused) {
+  g.grad_logits = grad.data();
+  out.argmax = am.data();  // the gradient-only calls write error_flags alone
+  EXPECT_EQ(backward(&out, &g), FCE_ERROR_INVALID_ARGUMENT);
+  EXPECT_TRUE(error_mentions("fce_backward: outputs->loss is given"));
+  fce_outputs only_argmax = FCE_OUTPUTS_INIT;
+  only_argmax.argmax = am.data();
+  EXPECT_EQ(backward(&only_argmax, &g), FCE_ERROR_INVALID_ARGUMENT);
+  EXPECT_TRUE(error_mentions("fce_backward: outputs->argmax is given"));
+  for (int64_t r = 0; r < N; ++r) EXPECT_EQ(am[r], -7);
+  out.argmax = nullptr;
+  g.grad_hidden = gh.data();  // a linear-layer gradient to a call over logits
+  EXPECT_EQ(forward(&out, &g), FCE_ERROR_INVALID_ARGUMENT);
+  EXPECT_TRUE(error_mentions("fce_forward: gradients->grad_hidden is given"));
+  g.grad_hidden = nullptr;  // grad_logits to fce_linear_ce
+  EXPECT_EQ(linear(&out, &g), FCE_ERROR_INVALID_ARGUMENT);
+  EXPECT_TRUE(error_mentions("fce_linear_ce: gradients->grad_logits is given"));
+  g.grad_logits = nullptr;
+  g.grad_hidden = gh.data();
+  g.grad_hidden_dtype = FCE_FLOAT16;  // read by the fce_vp_linear_* calls only
+  EXPECT_EQ(linear(&out, &g), FCE_ERROR_INVALID_ARGUMENT);
+  EXPECT_TRUE(error_mentions("fce_linear_ce: gradients->grad_hidden_dtype (1)"));
+  g.grad_hidden_dtype = FCE_FLOAT32;
+  g.reserved0 = 3;
+  EXPECT_EQ(linear(&out, &g), FCE_ERROR_INVALID_ARGUMENT);
+  EXPECT_TRUE(error_mentions("fce_linear_ce: gradients->reserved0"));
+  g.reserved0 = 0;
+  EXPECT_EQ(loss, -1.0f);
+  ASSERT_EQ(linear(&out, &g), FCE_SUCCESS) << fce_last_error();
+  EXPECT_NEAR(loss, std::log(double(V)), 1e-6);  // every weight row equal: constant logits
 }
 
 }  // namespace

@@ -7,7 +7,7 @@
 // tolerance()), exact zeros for ignored rows, error flags, argmax and accuracy (check_ce.h),
 // and fce_backward from the saved lse agreeing with the gradient fce_forward wrote: to the
 // rounding of the saved lse on every backend (check_ce.h), bit for bit on the CPU backend; the
-// backward leaves options->argmax and ->accuracy alone.
+// backward leaves outputs->argmax and ->accuracy alone.
 #include <atomic>
 #include <functional>
 #include <thread>
@@ -157,7 +157,7 @@ class CeRunner {
   const CeCase& c() const { return c_; }
   const CeData& data() const { return d_; }
   const fceref::CeResult& ref() const { return ref_; }
-  fce_options& options() { return o_; }
+  TestOptions& options() { return o_; }
   double tol() const { return tolerance(c_.dtype); }
   int64_t loss_len() const { return c_.reduction == FCE_REDUCTION_NONE ? c_.N : 1; }
   bool any_invalid() const {
@@ -210,7 +210,7 @@ class CeRunner {
          b_zl = zl.mirror(), b_grad = grad.mirror(), b_am = argmax_.mirror(),
          b_acc = accuracy_.mirror();
 
-    st = fce_forward(&o_, c_.N, c_.V, logits.ptr(), targets_.ptr(), loss.p<float>(),
+    st = flat::forward(&o_, c_.N, c_.V, logits.ptr(), targets_.ptr(), loss.p<float>(),
                      lse_.p<float>(), zl.p<float>(), grad_ptr, gout_.p<float>(),
                      c_.flags ? flags.p<uint32_t>() : nullptr, ws.ptr(), wsb, test_stream());
     ASSERT_EQ(st, FCE_SUCCESS) << fce_status_string(st) << ": " << fce_last_error();
@@ -275,14 +275,14 @@ class CeRunner {
     // Argmax and accuracy (docs/semantics.md rule 15).
     std::vector<int64_t> am;
     if (c_.argmax) {
-      EXPECT_TRUE(only_elements_changed(argmax_, b_am, &am_m, "options->argmax"));
-      EXPECT_TRUE(all_written(argmax_, am_m, "options->argmax"));
+      EXPECT_TRUE(only_elements_changed(argmax_, b_am, &am_m, "outputs->argmax"));
+      EXPECT_TRUE(all_written(argmax_, am_m, "outputs->argmax"));
       am = read_i64(argmax_, c_.N);
       EXPECT_TRUE(argmax_matches(am, ref_, c_.V, kArgmaxTie, nullptr));
     }
     if (c_.accuracy) {
-      EXPECT_TRUE(only_elements_changed(accuracy_, b_acc, &acc_m, "options->accuracy"));
-      EXPECT_TRUE(all_written(accuracy_, acc_m, "options->accuracy"));
+      EXPECT_TRUE(only_elements_changed(accuracy_, b_acc, &acc_m, "outputs->accuracy"));
+      EXPECT_TRUE(all_written(accuracy_, acc_m, "outputs->accuracy"));
       EXPECT_TRUE(accuracy_matches(read_mat(accuracy_, acc_m), c_.reduction, ref_,
                                    c_.argmax ? &am : nullptr, c_.V, kArgmaxTie));
     }
@@ -304,7 +304,7 @@ class CeRunner {
                 uint8_t ws_fill = 0xFF) {
     SCOPED_TRACE(case_label(c_) + (inplace ? " fce_backward (in place)" : " fce_backward"));
     ASSERT_FALSE(lse_.empty()) << "backward() needs forward() with lse first";
-    fce_options o = o_;
+    TestOptions o = o_;
     Mat gm = inplace ? lm_ : gm_;
     if (inplace) o.grad_row_stride = lm_.stride, o.row_stride = lm_.stride;
     Buf logits = make_logits();
@@ -318,7 +318,7 @@ class CeRunner {
     auto b_logits = logits.mirror(), b_lse = lse_.mirror(), b_targets = targets_.mirror(),
          b_grad = grad.mirror(), b_g = gout_.mirror(), b_am = argmax_.mirror(),
          b_acc = accuracy_.mirror();
-    st = fce_backward(&o, c_.N, c_.V, logits.ptr(), targets_.ptr(), lse_.p<float>(),
+    st = flat::backward(&o, c_.N, c_.V, logits.ptr(), targets_.ptr(), lse_.p<float>(),
                       gout_.p<float>(), grad_ptr, flags.p<uint32_t>(), ws.ptr(), wsb,
                       test_stream());
     ASSERT_EQ(st, FCE_SUCCESS) << fce_status_string(st) << ": " << fce_last_error();
@@ -326,8 +326,8 @@ class CeRunner {
     for (Buf* b : {&logits, &lse_, &targets_, &grad, &flags, &ws, &gout_, &argmax_, &accuracy_})
       b->pull();
     EXPECT_TRUE(unchanged(lse_, b_lse, "lse (input of fce_backward)"));
-    EXPECT_TRUE(unchanged(argmax_, b_am, "options->argmax (not an output of fce_backward)"));
-    EXPECT_TRUE(unchanged(accuracy_, b_acc, "options->accuracy (not an output of fce_backward)"));
+    EXPECT_TRUE(unchanged(argmax_, b_am, "outputs->argmax (not an output of fce_backward)"));
+    EXPECT_TRUE(unchanged(accuracy_, b_acc, "outputs->accuracy (not an output of fce_backward)"));
     EXPECT_TRUE(unchanged(targets_, b_targets, "targets"));
     EXPECT_TRUE(unchanged(gout_, b_g, "grad_output"));
     if (!ws.empty()) { EXPECT_TRUE(guards_intact(ws, "workspace")); }
@@ -377,7 +377,7 @@ class CeRunner {
   CeCase c_;
   CeData d_;
   Mat lm_, gm_;
-  fce_options o_;
+  TestOptions o_;
   fceref::CeResult ref_;
   Buf targets_, weights_, gout_, lse_, argmax_, accuracy_;
 };
@@ -831,8 +831,8 @@ TEST_F(Ce, Deterministic) {
       EXPECT_TRUE(bitwise_equal(a.lse, b.lse, "lse"));
       EXPECT_TRUE(bitwise_equal(a.zloss, b.zloss, "z_loss"));
       EXPECT_TRUE(bitwise_equal(a.grad, b.grad, "grad_logits"));
-      EXPECT_TRUE(bitwise_equal(a.argmax, b.argmax, "options->argmax"));
-      EXPECT_TRUE(bitwise_equal(a.accuracy, b.accuracy, "options->accuracy"));
+      EXPECT_TRUE(bitwise_equal(a.argmax, b.argmax, "outputs->argmax"));
+      EXPECT_TRUE(bitwise_equal(a.accuracy, b.accuracy, "outputs->accuracy"));
       std::vector<uint8_t> g1, g2;
       ASSERT_NO_FATAL_FAILURE(run.backward(false, &a.grad, &g1, 0xFF));
       ASSERT_NO_FATAL_FAILURE(run.backward(false, &a.grad, &g2, 0x5A));
@@ -849,10 +849,10 @@ struct HandOut {
 };
 
 // fce_forward on dense logits (the dtype of o), every output asked for, upstream NULL (= 1).
-HandOut hand_forward(const fce_options& opts, int64_t N, int64_t V, const std::vector<double>& z,
+HandOut hand_forward(const TestOptions& opts, int64_t N, int64_t V, const std::vector<double>& z,
                      const std::vector<int64_t>& y, const std::vector<double>& weights = {}) {
   HandOut out;
-  fce_options o = opts;
+  TestOptions o = opts;
   const bool per_row = o.reduction == FCE_REDUCTION_NONE;
   const Mat lm = mat(o.dtype, N, V), loss_m = vec(FCE_FLOAT32, per_row ? N : 1),
             lse_m = vec(FCE_FLOAT32, N), one = vec(FCE_FLOAT32, 1),
@@ -871,7 +871,7 @@ HandOut hand_forward(const fce_options& opts, int64_t N, int64_t V, const std::v
   EXPECT_EQ(fce_forward_workspace_size(&o, N, V, &wsb), FCE_SUCCESS) << fce_last_error();
   Buf ws = workspace_buf(wsb);
   const fce_status st =
-      fce_forward(&o, N, V, logits.ptr(), targets.ptr(), loss.p<float>(), lse.p<float>(),
+      flat::forward(&o, N, V, logits.ptr(), targets.ptr(), loss.p<float>(), lse.p<float>(),
                   zl.p<float>(), grad.ptr(), nullptr, nullptr, ws.ptr(), wsb, test_stream());
   EXPECT_EQ(st, FCE_SUCCESS) << fce_status_string(st) << ": " << fce_last_error();
   EXPECT_TRUE(finish());
@@ -891,7 +891,7 @@ HandOut hand_forward(const fce_options& opts, int64_t N, int64_t V, const std::v
 TEST_F(Ce, ZLossMeanDividesByRowCount) {
   const int64_t N = 3, V = 4;
   const double lam = 0.01, w = 2.0, L = std::log(4.0);
-  fce_options o = test_options();
+  TestOptions o = test_options();
   o.z_loss_scale = static_cast<float>(lam);
   o.reduction = FCE_REDUCTION_MEAN;
   const std::vector<int64_t> y = {1, 2, -100};  // n = 2, D = 2 w = 4
@@ -921,7 +921,7 @@ TEST_F(Ce, ZLossMeanDividesByRowCount) {
 TEST_F(Ce, MeanWithCancellingOrNegativeWeights) {
   const int64_t N = 3, V = 4;
   const double L = std::log(4.0);  // every row's nll: zero logits
-  fce_options o = test_options();
+  TestOptions o = test_options();
   o.reduction = FCE_REDUCTION_MEAN;
   const std::vector<double> z(N * V, 0.0);
   // targets 0 (ω = 1) and 1 (ω = -1), one ignored row: D = 0, Σ ω nll = 0
@@ -947,7 +947,7 @@ TEST_F(Ce, TokenScalingByHand) {
   const int64_t N = 2, V = 2;
   const double l3 = static_cast<float>(std::log(3.0));  // what the float32 logits hold
   const double p1 = 1.0 / (1.0 + std::exp(-l3)), p0 = 1.0 - p1;
-  fce_options o = test_options();
+  TestOptions o = test_options();
   o.token_scaling = 1;
   o.reduction = FCE_REDUCTION_NONE;
   HandOut h = hand_forward(o, N, V, {0.0, l3, 0.0, l3}, {1, 0});
@@ -985,7 +985,7 @@ TEST_F(Ce, ArgmaxTiesAndNaN) {
   for (int dtype : kDtypes)
     for (int red : kReductions) {
       SCOPED_TRACE(std::string(dtype_name(dtype)) + " " + reduction_name(red));
-      fce_options o = test_options();
+      TestOptions o = test_options();
       o.dtype = dtype;
       o.reduction = red;
       HandOut h = hand_forward(o, N, V, z, y);
@@ -1032,7 +1032,7 @@ TEST_F(Ce, ArgmaxNaNOnLongRows) {
       at(2, mid) = inf;
       at(3, later) = 100;  // row 3: one largest value near the end (no scan) → later
       const std::vector<int64_t> y = {0, 1, mid, later};
-      fce_options o = test_options();
+      TestOptions o = test_options();
       o.dtype = dtype;
       o.reduction = FCE_REDUCTION_NONE;
       HandOut h = hand_forward(o, N, V, z, y);
@@ -1117,7 +1117,7 @@ TEST_F(Ce, ConcurrentCallsFromThreads) {
 
 // The workspace query answers for every option set, and repeated queries agree.
 TEST_F(Ce, WorkspaceQueryIsStable) {
-  fce_options o = test_options();
+  TestOptions o = test_options();
   size_t a = 1, b = 2;
   ASSERT_EQ(fce_forward_workspace_size(&o, 1000, 50257, &a), FCE_SUCCESS) << fce_last_error();
   ASSERT_EQ(fce_forward_workspace_size(&o, 1000, 50257, &b), FCE_SUCCESS) << fce_last_error();
@@ -1147,7 +1147,7 @@ TEST_F(Ce, CudaGraphCapture) {
   c.ignore_frac = 0.1;
   CeData d = make_data(c);
   auto ref = fceref::cross_entropy(ref_options(c, d), c.N, c.V, d.z, d.y, &d.g, true);
-  fce_options o = test_options();
+  TestOptions o = test_options();
   o.reduction = c.reduction;
   o.label_smoothing = c.eps;
   o.z_loss_scale = c.lambda;
@@ -1165,7 +1165,7 @@ TEST_F(Ce, CudaGraphCapture) {
   ASSERT_EQ(fce_forward_workspace_size(&o, c.N, c.V, &wsb), FCE_SUCCESS);
   Buf ws = workspace_buf(wsb);
   auto call = [&] {
-    return fce_forward(&o, c.N, c.V, logits.ptr(), targets.ptr(), loss.p<float>(),
+    return flat::forward(&o, c.N, c.V, logits.ptr(), targets.ptr(), loss.p<float>(),
                        lse.p<float>(), zl.p<float>(), grad.ptr(), gout.p<float>(),
                        flags.p<uint32_t>(), ws.ptr(), wsb, test_stream());
   };
@@ -1272,13 +1272,13 @@ TEST_F(Ce, CudaLargeOffsets) {
   const double tol = tolerance(dt);
 
   // 1) sum with lse, no gradient.
-  fce_options o = test_options();
+  TestOptions o = test_options();
   o.dtype = dt;
   o.reduction = FCE_REDUCTION_SUM;
   size_t wsb = 0;
   ASSERT_EQ(fce_forward_workspace_size(&o, N, V, &wsb), FCE_SUCCESS) << fce_last_error();
   Buf ws = workspace_buf(wsb);
-  fce_status st = fce_forward(&o, N, V, dlog, targets.ptr(), loss_sum.p<float>(), lse.p<float>(),
+  fce_status st = flat::forward(&o, N, V, dlog, targets.ptr(), loss_sum.p<float>(), lse.p<float>(),
                               nullptr, nullptr, nullptr, flags.p<uint32_t>(), ws.ptr(), wsb,
                               test_stream());
   ASSERT_EQ(st, FCE_SUCCESS) << fce_last_error();
@@ -1298,7 +1298,7 @@ TEST_F(Ce, CudaLargeOffsets) {
   o.grad_row_stride = V;
   ASSERT_EQ(fce_forward_workspace_size(&o, N, V, &wsb), FCE_SUCCESS) << fce_last_error();
   Buf ws2 = workspace_buf(wsb);
-  st = fce_forward(&o, N, V, dlog, targets.ptr(), loss_rows.p<float>(), nullptr, nullptr, dlog,
+  st = flat::forward(&o, N, V, dlog, targets.ptr(), loss_rows.p<float>(), nullptr, nullptr, dlog,
                    nullptr, flags.p<uint32_t>(), ws2.ptr(), wsb, test_stream());
   ASSERT_EQ(st, FCE_SUCCESS) << fce_last_error();
   ASSERT_TRUE(finish());

@@ -69,7 +69,7 @@ const int kReductions[] = {FCE_REDUCTION_MEAN, FCE_REDUCTION_SUM, FCE_REDUCTION_
 
 TEST_F(Empty, WorkspaceQueriesReturnZero) {
   for (int red : kReductions) {
-    fce_options o = test_options();
+    TestOptions o = test_options();
     o.reduction = red;
     o.label_smoothing = 0.1f;
     size_t b = 1, lo = 1, hi = 1;
@@ -127,7 +127,7 @@ TEST_F(Empty, ForwardBackwardRescale) {
                                    (null_rows ? " per-row NULL" : " per-row 0-byte buffers") +
                                    (T ? " shift_seq_len 4" : "") + " [" + backend_name() + "]";
           SCOPED_TRACE(what);
-          fce_options o = test_options();
+          TestOptions o = test_options();
           o.dtype = dtype;
           o.reduction = red;
           o.label_smoothing = 0.1f;
@@ -138,7 +138,7 @@ TEST_F(Empty, ForwardBackwardRescale) {
           o.argmax = out.am.p<int64_t>();
           o.accuracy = out.acc.p<float>();
           void* rows_ptr = null_rows ? nullptr : out.grad.ptr();  // logits, targets: no element
-          fce_status st = fce_forward(&o, 0, kV, rows_ptr, rows_ptr, out.loss.p<float>(),
+          fce_status st = flat::forward(&o, 0, kV, rows_ptr, rows_ptr, out.loss.p<float>(),
                                       out.lse.p<float>(), out.zl.p<float>(), out.grad.ptr(),
                                       gout.p<float>(), out.flags.p<uint32_t>(), nullptr, 0,
                                       test_stream());
@@ -149,14 +149,14 @@ TEST_F(Empty, ForwardBackwardRescale) {
 
           // the backward calls: nothing to write at all
           Outputs b(none, null_rows);
-          st = fce_backward(&o, 0, kV, rows_ptr, rows_ptr, b.lse.p<float>(),
+          st = flat::backward(&o, 0, kV, rows_ptr, rows_ptr, b.lse.p<float>(),
                             none ? nullptr : gout.p<float>(), b.grad.ptr(),
                             b.flags.p<uint32_t>(), nullptr, 0, test_stream());
           ASSERT_EQ(st, FCE_SUCCESS) << "fce_backward: " << fce_last_error();
           ASSERT_TRUE(finish());
           b.check("fce_backward", false);
           if (none) continue;
-          st = fce_backward_rescale(&o, 0, kV, rows_ptr, rows_ptr, b.lse.p<float>(),
+          st = flat::backward_rescale(&o, 0, kV, rows_ptr, rows_ptr, b.lse.p<float>(),
                                     gout.p<float>(), b.grad.ptr(), b.flags.p<uint32_t>(),
                                     nullptr, 0, test_stream());
           ASSERT_EQ(st, FCE_SUCCESS) << "fce_backward_rescale: " << fce_last_error();
@@ -164,45 +164,45 @@ TEST_F(Empty, ForwardBackwardRescale) {
           b.check("fce_backward_rescale", false);
           // two pointers to no element are no buffer: not "grad_logits is logits" (whatever the
           // strides), as equal pointers of empty arrays may be (Rust's dangling slices)
-          fce_options so = o;
+          TestOptions so = o;
           so.grad_row_stride = kV + 3;
-          st = fce_backward_rescale(&so, 0, kV, b.grad.ptr(), rows_ptr, nullptr, gout.p<float>(),
+          st = flat::backward_rescale(&so, 0, kV, b.grad.ptr(), rows_ptr, nullptr, gout.p<float>(),
                                     b.grad.ptr(), nullptr, nullptr, 0, test_stream());
           EXPECT_EQ(st, FCE_SUCCESS) << fce_last_error();
-          st = fce_backward(&so, 0, kV, b.grad.ptr(), rows_ptr, nullptr, gout.p<float>(),
+          st = flat::backward(&so, 0, kV, b.grad.ptr(), rows_ptr, nullptr, gout.p<float>(),
                             b.grad.ptr(), nullptr, nullptr, 0, test_stream());
           EXPECT_EQ(st, FCE_SUCCESS) << fce_last_error();
           ASSERT_TRUE(finish());
           b.check("fce_backward_rescale (grad_logits at the logits' address)", false);
           // still required with no row: the reduced loss, the upstream scalar of the rescale
-          EXPECT_EQ(fce_forward(&o, 0, kV, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
+          EXPECT_EQ(flat::forward(&o, 0, kV, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
                                 nullptr, nullptr, nullptr, 0, test_stream()),
                     FCE_ERROR_NULL_POINTER);
-          EXPECT_TRUE(error_mentions("fce_forward: loss is NULL"));
-          EXPECT_EQ(fce_backward_rescale(&o, 0, kV, nullptr, nullptr, nullptr, nullptr, nullptr,
+          EXPECT_TRUE(error_mentions("fce_forward: outputs->loss is NULL"));
+          EXPECT_EQ(flat::backward_rescale(&o, 0, kV, nullptr, nullptr, nullptr, nullptr, nullptr,
                                          nullptr, nullptr, 0, test_stream()),
                     FCE_ERROR_NULL_POINTER);
-          EXPECT_TRUE(error_mentions("fce_backward_rescale: grad_output is NULL"));
+          EXPECT_TRUE(error_mentions("fce_backward_rescale: gradients->grad_output is NULL"));
         }
 }
 
 TEST_F(Empty, NegativeRowsStayAnError) {
-  fce_options o = test_options();
+  TestOptions o = test_options();
   Buf loss = poisoned(vec(FCE_FLOAT32, 1)), lse = poisoned(vec(FCE_FLOAT32, 1));
   const auto before = loss.mirror();
-  EXPECT_EQ(fce_forward(&o, -1, kV, lse.ptr(), lse.ptr(), loss.p<float>(), nullptr, nullptr,
+  EXPECT_EQ(flat::forward(&o, -1, kV, lse.ptr(), lse.ptr(), loss.p<float>(), nullptr, nullptr,
                         nullptr, nullptr, nullptr, nullptr, 0, test_stream()),
             FCE_ERROR_INVALID_ARGUMENT);
   EXPECT_TRUE(error_mentions("fce_forward: rows (-1) must be >= 0"));
   ASSERT_TRUE(finish());
   loss.pull();
   EXPECT_TRUE(unchanged(loss, before, "loss of the refused call"));
-  EXPECT_EQ(fce_linear_ce(&o, -3, kD, kV, lse.ptr(), lse.ptr(), nullptr, lse.ptr(),
+  EXPECT_EQ(flat::linear_ce(&o, -3, kD, kV, lse.ptr(), lse.ptr(), nullptr, lse.ptr(),
                           loss.p<float>(), nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
                           nullptr, nullptr, 0, test_stream()),
             FCE_ERROR_INVALID_ARGUMENT);
   EXPECT_TRUE(error_mentions("fce_linear_ce: rows (-3) must be >= 0"));
-  EXPECT_EQ(fce_vp_loss(&o, 2, -1, kV, lse.ptr(), lse.p<float>(), loss.p<float>(), nullptr,
+  EXPECT_EQ(flat::vp_loss(&o, 2, -1, kV, lse.ptr(), lse.p<float>(), loss.p<float>(), nullptr,
                         nullptr, nullptr, nullptr, 0, test_stream()),
             FCE_ERROR_INVALID_ARGUMENT);
   EXPECT_TRUE(error_mentions("fce_vp_loss: rows (-1) must be >= 0"));
@@ -220,7 +220,7 @@ TEST_F(Empty, LinearCe) {
           SCOPED_TRACE(std::string(dtype_name(dtype)) + " " + reduction_name(red) +
                        (accumulate ? " accumulate" : "") + (fp32 ? " grad_weight_fp32" : "") +
                        " [" + backend_name() + "]");
-          fce_options o = test_options();
+          TestOptions o = test_options();
           o.dtype = dtype;
           o.reduction = red;
           o.accumulate = accumulate;
@@ -242,7 +242,7 @@ TEST_F(Empty, LinearCe) {
           Outputs out(none, true);
           o.accuracy = out.acc.p<float>();
           const fce_status st =
-              fce_linear_ce(&o, 0, kD, kV, nullptr, w.ptr(), b.ptr(), nullptr,
+              flat::linear_ce(&o, 0, kD, kV, nullptr, w.ptr(), b.ptr(), nullptr,
                             out.loss.p<float>(), nullptr, out.zl.p<float>(), nullptr, gw.ptr(),
                             gb.ptr(), nullptr, out.flags.p<uint32_t>(), nullptr, 0,
                             test_stream());
@@ -274,31 +274,31 @@ TEST_F(Empty, VocabParallel) {
   for (int red : kReductions) {
     const bool none = red == FCE_REDUCTION_NONE;
     SCOPED_TRACE(std::string(reduction_name(red)) + " [" + backend_name() + "]");
-    fce_options o = test_options();
+    TestOptions o = test_options();
     o.reduction = red;
     const Mat wm = mat(FCE_FLOAT32, VL, kD);
     Buf w(wm);
     write_mat(w, wm, std::vector<double>(VL * kD, 0.5));
     w.push();
-    fce_status st = fce_vp_stats(&o, 0, kV, VS, VL, nullptr, nullptr, nullptr, test_stream());
+    fce_status st = flat::vp_stats(&o, 0, kV, VS, VL, nullptr, nullptr, nullptr, test_stream());
     EXPECT_EQ(st, FCE_SUCCESS) << "fce_vp_stats: " << fce_last_error();
-    st = fce_vp_linear_stats(&o, 0, kD, kV, VS, VL, nullptr, w.ptr(), nullptr, nullptr, nullptr,
+    st = flat::vp_linear_stats(&o, 0, kD, kV, VS, VL, nullptr, w.ptr(), nullptr, nullptr, nullptr,
                              nullptr, 0, test_stream());
     EXPECT_EQ(st, FCE_SUCCESS) << "fce_vp_linear_stats: " << fce_last_error();
     Outputs out(none, true);
     o.accuracy = out.acc.p<float>();
-    st = fce_vp_loss(&o, P, 0, kV, nullptr, nullptr, out.loss.p<float>(), nullptr,
+    st = flat::vp_loss(&o, P, 0, kV, nullptr, nullptr, out.loss.p<float>(), nullptr,
                      out.zl.p<float>(), out.flags.p<uint32_t>(), nullptr, 0, test_stream());
     ASSERT_EQ(st, FCE_SUCCESS) << "fce_vp_loss: " << fce_last_error();
     ASSERT_TRUE(finish());
     out.check("fce_vp_loss", true);
     o.accuracy = nullptr;
     Outputs b(none, true);
-    st = fce_vp_backward(&o, P, 0, kV, VS, VL, nullptr, nullptr, nullptr, nullptr, nullptr,
+    st = flat::vp_backward(&o, P, 0, kV, VS, VL, nullptr, nullptr, nullptr, nullptr, nullptr,
                          b.flags.p<uint32_t>(), nullptr, 0, test_stream());
     ASSERT_EQ(st, FCE_SUCCESS) << "fce_vp_backward: " << fce_last_error();
     Buf gw = poisoned(wm);
-    st = fce_vp_linear_backward(&o, P, 0, kD, kV, VS, VL, nullptr, w.ptr(), nullptr, nullptr,
+    st = flat::vp_linear_backward(&o, P, 0, kD, kV, VS, VL, nullptr, w.ptr(), nullptr, nullptr,
                                 nullptr, nullptr, nullptr, FCE_FLOAT32, gw.ptr(), nullptr,
                                 b.flags.p<uint32_t>(), nullptr, 0, test_stream());
     ASSERT_EQ(st, FCE_SUCCESS) << "fce_vp_linear_backward: " << fce_last_error();
@@ -306,7 +306,7 @@ TEST_F(Empty, VocabParallel) {
     gw.pull();
     for (double v : read_mat(gw, wm)) ASSERT_EQ(v, 0.0) << "grad_weight (fce_vp_linear_backward)";
     // no gradient asked for at all: with no row, not an error (grad_hidden may be NULL)
-    st = fce_vp_linear_backward(&o, P, 0, kD, kV, VS, VL, nullptr, w.ptr(), nullptr, nullptr,
+    st = flat::vp_linear_backward(&o, P, 0, kD, kV, VS, VL, nullptr, w.ptr(), nullptr, nullptr,
                                 nullptr, nullptr, nullptr, FCE_FLOAT32, nullptr, nullptr,
                                 nullptr, nullptr, 0, test_stream());
     EXPECT_EQ(st, FCE_SUCCESS) << fce_last_error();
@@ -315,7 +315,7 @@ TEST_F(Empty, VocabParallel) {
     Outputs f(none, true);
     o.accuracy = f.acc.p<float>();
     gw = poisoned(wm);
-    st = fce_vp_linear_ce(&o, P, 0, kD, kV, VS, VL, nullptr, w.ptr(), nullptr, nullptr,
+    st = flat::vp_linear_ce(&o, P, 0, kD, kV, VS, VL, nullptr, w.ptr(), nullptr, nullptr,
                           f.loss.p<float>(), nullptr, f.zl.p<float>(), nullptr, nullptr,
                           FCE_FLOAT32, gw.ptr(), nullptr, f.flags.p<uint32_t>(), no_gather,
                           &gathers, nullptr, 0, test_stream());
@@ -336,20 +336,20 @@ TEST_F(Empty, CudaGraphCapture) {
     std::printf("SKIPPED: graph capture is a CUDA backend test (FCE_TEST_BACKEND=cuda)\n");
     GTEST_SKIP() << "CUDA backend only";
   }
-  fce_options o = test_options();
+  TestOptions o = test_options();
   o.reduction = FCE_REDUCTION_MEAN;
   const Mat one = vec(FCE_FLOAT32, 1), wm = mat(FCE_BFLOAT16, kV, kD);
   Buf loss = poisoned(one), zl = poisoned(one), w(wm), gw = poisoned(wm);
   w.push();
   CapturedGraph graph;
   ASSERT_TRUE(graph.capture([&] {
-    const fce_status st = fce_forward(&o, 0, kV, nullptr, nullptr, loss.p<float>(), nullptr,
+    const fce_status st = flat::forward(&o, 0, kV, nullptr, nullptr, loss.p<float>(), nullptr,
                                       zl.p<float>(), nullptr, nullptr, nullptr, nullptr, 0,
                                       test_stream());
     if (st != FCE_SUCCESS) return st;
-    fce_options lo = o;
+    TestOptions lo = o;
     lo.dtype = FCE_BFLOAT16;
-    return fce_linear_ce(&lo, 0, kD, kV, nullptr, w.ptr(), nullptr, nullptr, loss.p<float>(),
+    return flat::linear_ce(&lo, 0, kD, kV, nullptr, w.ptr(), nullptr, nullptr, loss.p<float>(),
                          nullptr, nullptr, nullptr, gw.ptr(), nullptr, nullptr, nullptr, nullptr,
                          0, test_stream());
   }));

@@ -214,7 +214,7 @@ class LinRunner {
 
   const fceref::LinearResult& ref() const { return ref_; }
   double tol() const { return tol_; }
-  fce_options& options() { return o_; }
+  TestOptions& options() { return o_; }
   bool with_grad() const { return c_.gh || c_.gw || c_.gb; }
   bool any_invalid() const {
     for (auto k : ref_.ce.kind)
@@ -283,7 +283,7 @@ class LinRunner {
          b_loss = loss.mirror(), b_lse = lse.mirror(), b_zl = zl.mirror(), b_gh = gh.mirror(),
          b_gw = gw.mirror(), b_gb = gb.mirror(), b_am = am.mirror(), b_acc = acc.mirror();
     auto call = [&] {
-      return fce_linear_ce(&o_, N, D, V, hidden_.ptr(), weight_.ptr(), bias_.ptr(),
+      return flat::linear_ce(&o_, N, D, V, hidden_.ptr(), weight_.ptr(), bias_.ptr(),
                            targets_.ptr(), loss.p<float>(), lse.p<float>(), zl.p<float>(),
                            gh.ptr(), gw.ptr(), gb.ptr(), gout_.p<float>(),
                            c_.flags ? flags.p<uint32_t>() : nullptr, ws.ptr(), wsb,
@@ -388,14 +388,14 @@ class LinRunner {
     // Argmax and accuracy (docs/semantics.md rule 15) of the logits h W^T + b.
     std::vector<int64_t> amv;
     if (c_.argmax) {
-      EXPECT_TRUE(only_elements_changed(am, b_am, &am_m, "options->argmax"));
-      EXPECT_TRUE(all_written(am, am_m, "options->argmax"));
+      EXPECT_TRUE(only_elements_changed(am, b_am, &am_m, "outputs->argmax"));
+      EXPECT_TRUE(all_written(am, am_m, "outputs->argmax"));
       amv = read_i64(am, N);
       EXPECT_TRUE(argmax_matches(amv, ce, V, argmax_tie(c_.dtype), nullptr));
     }
     if (c_.accuracy) {
-      EXPECT_TRUE(only_elements_changed(acc, b_acc, &acc_m, "options->accuracy"));
-      EXPECT_TRUE(all_written(acc, acc_m, "options->accuracy"));
+      EXPECT_TRUE(only_elements_changed(acc, b_acc, &acc_m, "outputs->accuracy"));
+      EXPECT_TRUE(all_written(acc, acc_m, "outputs->accuracy"));
       EXPECT_TRUE(accuracy_matches(read_mat(acc, acc_m), c_.reduction, ce,
                                    c_.argmax ? &amv : nullptr, V, argmax_tie(c_.dtype)));
     }
@@ -427,7 +427,7 @@ class LinRunner {
   int gdt_ = FCE_FLOAT32;
   double tol_ = 0;
   Mat hm_;
-  fce_options o_;
+  TestOptions o_;
   Buf hidden_, weight_, bias_, targets_, cw_, gout_;
 };
 
@@ -773,7 +773,7 @@ TEST_F(Linear, WorkspaceOneByteShortIsRefused) {
                 gbm = vec(gdt, V);
       Buf loss = poisoned(one), gh = g.gh ? poisoned(ghm) : Buf(), gw = g.gw ? poisoned(gwm) : Buf(),
           gb = g.gb ? poisoned(gbm) : Buf();
-      fce_options o = test_options();
+      TestOptions o = test_options();
       o.dtype = dtype;
       o.grad_weight_fp32 = g.gw_fp32;
       size_t mn = 0, op = 0;
@@ -783,7 +783,7 @@ TEST_F(Linear, WorkspaceOneByteShortIsRefused) {
       ASSERT_GT(mn, 0u) << "min_bytes 0: cannot test a too-small workspace";
       Buf ws = workspace_buf(mn);
       auto call = [&](size_t bytes) {
-        return fce_linear_ce(&o, N, D, V, h.ptr(), w.ptr(), b.ptr(), y.ptr(), loss.p<float>(),
+        return flat::linear_ce(&o, N, D, V, h.ptr(), w.ptr(), b.ptr(), y.ptr(), loss.p<float>(),
                              nullptr, nullptr, gh.ptr(), gw.ptr(), gb.ptr(), nullptr, nullptr,
                              ws.ptr(), bytes, test_stream());
       };
@@ -893,8 +893,8 @@ TEST_F(Linear, Deterministic) {
     EXPECT_TRUE(bitwise_equal(a.gh, b.gh, "grad_hidden"));
     EXPECT_TRUE(bitwise_equal(a.gw, b.gw, "grad_weight"));
     EXPECT_TRUE(bitwise_equal(a.gb, b.gb, "grad_bias"));
-    EXPECT_TRUE(bitwise_equal(a.argmax, b.argmax, "options->argmax"));
-    EXPECT_TRUE(bitwise_equal(a.accuracy, b.accuracy, "options->accuracy"));
+    EXPECT_TRUE(bitwise_equal(a.argmax, b.argmax, "outputs->argmax"));
+    EXPECT_TRUE(bitwise_equal(a.accuracy, b.accuracy, "outputs->accuracy"));
   }
 }
 
@@ -911,7 +911,7 @@ TEST_F(Linear, AgreesWithForwardOnMaterialisedLogits) {
   LinRunner r(c);
   ASSERT_NO_FATAL_FAILURE(r.run());
   // Feed the reference logits (float32) to fce_forward: both agree with the same reference.
-  fce_options o = r.options();
+  TestOptions o = r.options();
   o.hidden_row_stride = 0;
   Mat zm = mat(FCE_FLOAT32, c.N, c.V);
   Buf z(zm);
@@ -928,7 +928,7 @@ TEST_F(Linear, AgreesWithForwardOnMaterialisedLogits) {
   size_t wsb = 0;
   ASSERT_EQ(fce_forward_workspace_size(&o, c.N, c.V, &wsb), FCE_SUCCESS) << fce_last_error();
   Buf ws = workspace_buf(wsb);
-  ASSERT_EQ(fce_forward(&o, c.N, c.V, z.ptr(), y.ptr(), loss.p<float>(), nullptr, nullptr,
+  ASSERT_EQ(flat::forward(&o, c.N, c.V, z.ptr(), y.ptr(), loss.p<float>(), nullptr, nullptr,
                         nullptr, nullptr, nullptr, ws.ptr(), wsb, test_stream()),
             FCE_SUCCESS)
       << fce_last_error();
@@ -941,8 +941,8 @@ TEST_F(Linear, AgreesWithForwardOnMaterialisedLogits) {
 // A valid call, mutated one argument at a time: the status, the message naming the argument,
 // and every output untouched.
 struct LinArgs {
-  fce_options o;
-  const fce_options* opts;
+  TestOptions o;
+  const TestOptions* opts;
   int64_t rows, hidden, vocab;
   const void *h, *W, *b, *y;
   float *loss, *lse, *zl;
@@ -998,7 +998,7 @@ class LinearBadInput : public BackendTest {
     a.wsb = op;
   }
   fce_status call(const LinArgs& x) {
-    return fce_linear_ce(x.opts, x.rows, x.hidden, x.vocab, x.h, x.W, x.b, x.y, x.loss, x.lse,
+    return flat::linear_ce(x.opts, x.rows, x.hidden, x.vocab, x.h, x.W, x.b, x.y, x.loss, x.lse,
                          x.zl, x.gh, x.gw, x.gb, x.gout, x.flags, x.ws, x.wsb, test_stream());
   }
   // Runs the mutated call and checks status, message and untouched outputs.
@@ -1103,8 +1103,8 @@ TEST_F(LinearBadInput, Options) {
   expect_rejected("reserved0", FCE_ERROR_INVALID_ARGUMENT, "reserved0", [](LinArgs& x) { x.o.reserved0 = 1; });
   expect_rejected("reserved1", FCE_ERROR_INVALID_ARGUMENT, "options->reserved1",
                   [](LinArgs& x) { x.o.reserved1 = 1; });
-  expect_rejected("struct_size between versions", FCE_ERROR_INVALID_ARGUMENT, "struct_size",
-                  [](LinArgs& x) { x.o.struct_size = FCE_OPTIONS_SIZE_V0_1 + 16; });
+  expect_rejected("struct_size of 0.x", FCE_ERROR_INVALID_ARGUMENT, "struct_size",
+                  [](LinArgs& x) { x.o.struct_size = 104; });  // a 0.x struct
   expect_rejected("shift -2", FCE_ERROR_INVALID_ARGUMENT, "options->shift",
                   [](LinArgs& x) { x.o.shift_seq_len = 4; x.o.shift = -2; });
   expect_rejected("shift without shift_seq_len", FCE_ERROR_INVALID_ARGUMENT, "options->shift",
@@ -1112,25 +1112,25 @@ TEST_F(LinearBadInput, Options) {
 }
 
 TEST_F(LinearBadInput, ArgmaxAndAccuracy) {
-  expect_rejected("options->argmax misaligned", FCE_ERROR_MISALIGNED, "options->argmax",
+  expect_rejected("outputs->argmax misaligned", FCE_ERROR_MISALIGNED, "outputs->argmax",
                   [this](LinArgs& x) { x.o.argmax = (int64_t*)(am.p<char>() + 4); });
-  expect_rejected("options->accuracy misaligned", FCE_ERROR_MISALIGNED, "options->accuracy",
+  expect_rejected("outputs->accuracy misaligned", FCE_ERROR_MISALIGNED, "outputs->accuracy",
                   [this](LinArgs& x) { x.o.accuracy = (float*)(acc.p<char>() + 1); });
-  expect_rejected("options->argmax over grad_hidden", FCE_ERROR_INVALID_ARGUMENT,
-                  "options->argmax", [](LinArgs& x) { x.o.argmax = static_cast<int64_t*>(x.gh) + 2; });
-  expect_rejected("options->argmax over weight", FCE_ERROR_INVALID_ARGUMENT, "options->argmax",
+  expect_rejected("outputs->argmax over grad_hidden", FCE_ERROR_INVALID_ARGUMENT,
+                  "outputs->argmax", [](LinArgs& x) { x.o.argmax = static_cast<int64_t*>(x.gh) + 2; });
+  expect_rejected("outputs->argmax over weight", FCE_ERROR_INVALID_ARGUMENT, "outputs->argmax",
                   [](LinArgs& x) { x.o.argmax = static_cast<int64_t*>(const_cast<void*>(x.W)); });
-  expect_rejected("options->accuracy over loss", FCE_ERROR_INVALID_ARGUMENT,
-                  "options->accuracy", [](LinArgs& x) { x.o.accuracy = x.loss; });
-  expect_rejected("options->accuracy [rows] (none) over z_loss", FCE_ERROR_INVALID_ARGUMENT,
-                  "options->accuracy", [](LinArgs& x) {
+  expect_rejected("outputs->accuracy over loss", FCE_ERROR_INVALID_ARGUMENT,
+                  "outputs->accuracy", [](LinArgs& x) { x.o.accuracy = x.loss; });
+  expect_rejected("outputs->accuracy [rows] (none) over z_loss", FCE_ERROR_INVALID_ARGUMENT,
+                  "outputs->accuracy", [](LinArgs& x) {
                     x.o.reduction = FCE_REDUCTION_NONE;
                     x.loss = x.lse;  // [rows] for none
                     x.lse = nullptr;
                     x.o.accuracy = x.zl - 3;
                   });
-  expect_rejected("options->accuracy inside options->argmax", FCE_ERROR_INVALID_ARGUMENT,
-                  "options->accuracy", [this](LinArgs& x) {
+  expect_rejected("outputs->accuracy inside outputs->argmax", FCE_ERROR_INVALID_ARGUMENT,
+                  "outputs->accuracy", [this](LinArgs& x) {
                     x.o.argmax = am.p<int64_t>();
                     x.o.accuracy = reinterpret_cast<float*>(am.p<int64_t>() + 1);
                   });
@@ -1141,40 +1141,6 @@ TEST_F(LinearBadInput, ArgmaxAndAccuracy) {
   x.o.accuracy = acc.p<float>();
   ASSERT_EQ(call(x), FCE_SUCCESS) << fce_last_error();
   ASSERT_TRUE(finish());
-}
-
-// A 0.1/0.2 caller's struct (struct_size FCE_OPTIONS_SIZE_V0_1) with garbage after it: the
-// library reads nothing past it (the garbage would be a negative shift, a wild argmax pointer, a
-// non-zero reserved1) and gives the 0.3 defaults' results.
-TEST_F(LinearBadInput, OlderCallerGetsDefaultsForNewFields) {
-  alignas(fce_options) unsigned char raw[sizeof(fce_options)];
-  std::memcpy(raw, &a.o, sizeof a.o);
-  std::memset(raw + FCE_OPTIONS_SIZE_V0_1, 0xAB, sizeof raw - FCE_OPTIONS_SIZE_V0_1);
-  fce_options* old = reinterpret_cast<fce_options*>(raw);
-  old->struct_size = FCE_OPTIONS_SIZE_V0_1;
-  size_t mn = 0, op = 0, mn0 = 0, op0 = 0;
-  ASSERT_EQ(fce_linear_ce_workspace_size(old, N, D, V, 1, &mn, &op), FCE_SUCCESS) << fce_last_error();
-  ASSERT_EQ(fce_linear_ce_workspace_size(&a.o, N, D, V, 1, &mn0, &op0), FCE_SUCCESS);
-  EXPECT_EQ(mn, mn0);
-  EXPECT_EQ(op, op0);
-  std::vector<uint8_t> first_loss, first_gh;
-  for (int pass = 0; pass < 2; ++pass) {
-    LinArgs x = a;
-    x.opts = pass == 0 ? &x.o : old;
-    ASSERT_EQ(call(x), FCE_SUCCESS) << fce_last_error();
-    ASSERT_TRUE(finish());
-    loss.pull();
-    gh.pull();
-    if (pass == 0) {
-      first_loss = loss.mirror();
-      first_gh = gh.mirror();
-    } else {
-      EXPECT_TRUE(bitwise_equal(loss.mirror(), first_loss, "loss (0.1 struct vs 0.3 defaults)"));
-      EXPECT_TRUE(bitwise_equal(gh.mirror(), first_gh, "grad_hidden (0.1 struct vs 0.3 defaults)"));
-    }
-  }
-  for (size_t i = FCE_OPTIONS_SIZE_V0_1; i < sizeof raw; ++i)
-    ASSERT_EQ(raw[i], 0xAB) << "byte " << i << " past the 0.1 struct changed";
 }
 
 TEST_F(LinearBadInput, BuffersAndWorkspace) {
@@ -1223,7 +1189,7 @@ TEST_F(Linear, CudaGraphCapture) {
   hb.push();
   wb.push();
   Buf yb = targets_buf(y, FCE_INT64);
-  fce_options o = test_options();
+  TestOptions o = test_options();
   o.dtype = FCE_BFLOAT16;
   o.grad_weight_fp32 = 1;
   o.label_smoothing = 0.1f;
@@ -1233,7 +1199,7 @@ TEST_F(Linear, CudaGraphCapture) {
   ASSERT_EQ(fce_linear_ce_workspace_size(&o, N, D, V, 1, &mn, &op), FCE_SUCCESS);
   Buf ws = workspace_buf(op);
   auto call = [&] {
-    return fce_linear_ce(&o, N, D, V, hb.ptr(), wb.ptr(), nullptr, yb.ptr(), loss.p<float>(),
+    return flat::linear_ce(&o, N, D, V, hb.ptr(), wb.ptr(), nullptr, yb.ptr(), loss.p<float>(),
                          nullptr, nullptr, gh.ptr(), gw.ptr(), nullptr, nullptr, nullptr,
                          ws.ptr(), op, test_stream());
   };

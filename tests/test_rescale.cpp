@@ -17,7 +17,7 @@
 // And: g == 1 leaves G bitwise as it was (not even rewritten); the values within test_ce.cpp's
 // bounds of the float64 reference (ref.h) for g = 2 and g = 3 (one of each kind); ignored rows
 // +0, the out-of-range target's row NaN; row gaps, guards and every input untouched, and
-// options->argmax / ->accuracy (outputs of fce_forward only) never written.
+// outputs->argmax / ->accuracy (outputs of fce_forward only) never written.
 // Then which of the three things is done (a pattern in G that is no gradient shows it), bad
 // input (status, a message naming fce_backward_rescale and the argument, nothing written), and
 // on CUDA graph capture with the scalar changed between replays.
@@ -47,14 +47,14 @@ struct RsCase {
   // the rows), int32 targets, a causal shift (T = N for N = 37, T = 20 for N = 300; none for
   // N = 1), one target out of range (N > 1), strided logits and gradient (row gaps).
   bool rich = false;
-  // v03 (with rich): the options of 0.3 too: shift k = 2, token scaling, and options->argmax
+  // v03 (with rich): the options of 0.3 too: shift k = 2, token scaling, and outputs->argmax
   // and ->accuracy set (fce_forward writes them, fce_backward_rescale must not).
   bool v03 = false;
 };
 
 void PrintTo(const RsCase& c, std::ostream* os) { *os << c.name << " [" << backend_name() << "]"; }
 
-constexpr uint8_t kUnwrittenByte = 0x3C;  // options->argmax / ->accuracy of the v03 cases
+constexpr uint8_t kUnwrittenByte = 0x3C;  // outputs->argmax / ->accuracy of the v03 cases
 
 // One problem: its data, the buffers of its inputs, the float64 reference for an upstream 1.
 class Problem {
@@ -138,7 +138,7 @@ class Problem {
   const RsCase& c() const { return c_; }
   const Mat& gm() const { return gm_; }
   const fceref::CeResult& ref() const { return ref_; }
-  fce_options& options() { return o_; }
+  TestOptions& options() { return o_; }
   Buf& logits() { return logits_; }
   Buf& targets() { return targets_; }
   Buf& lse() { return lse_; }
@@ -158,7 +158,7 @@ class Problem {
     ASSERT_EQ(fce_forward_workspace_size(&o_, c_.N, c_.V, &wsb), FCE_SUCCESS) << fce_last_error();
     Buf ws = workspace_buf(wsb);
     const fce_status st =
-        fce_forward(&o_, c_.N, c_.V, logits_.ptr(), targets_.ptr(), loss.p<float>(),
+        flat::forward(&o_, c_.N, c_.V, logits_.ptr(), targets_.ptr(), loss.p<float>(),
                     first ? lse_.p<float>() : nullptr, nullptr, grad.ptr(),
                     gout ? gout->p<float>() : nullptr, first ? flags_.p<uint32_t>() : nullptr,
                     ws.ptr(), wsb, test_stream());
@@ -178,7 +178,7 @@ class Problem {
 
   // fce_backward_rescale of grad with upstream *gout (error flags into *flags).
   fce_status rescale(Buf& grad, const Buf& gout, Buf* flags) {
-    return fce_backward_rescale(&o_, c_.N, c_.V, logits_.ptr(), targets_.ptr(), lse_.p<float>(),
+    return flat::backward_rescale(&o_, c_.N, c_.V, logits_.ptr(), targets_.ptr(), lse_.p<float>(),
                                 gout.p<float>(), grad.ptr(),
                                 flags ? flags->p<uint32_t>() : nullptr, ws_.ptr(), wsb_,
                                 test_stream());
@@ -186,7 +186,7 @@ class Problem {
 
  private:
   RsCase c_;
-  fce_options o_;
+  TestOptions o_;
   std::vector<double> z_, w_;
   std::vector<int64_t> y_;
   Mat lm_, gm_;
@@ -352,8 +352,8 @@ TEST_P(RescaleMatrix, MatchesForwardGivenThatUpstream) {
     for (Buf* b : {&grad, &flags, &gout, &pb.logits(), &pb.targets(), &pb.lse(), &pb.argmax(),
                    &pb.accuracy()})
       b->pull();
-    EXPECT_TRUE(unchanged(pb.argmax(), b_argmax, "options->argmax"));
-    EXPECT_TRUE(unchanged(pb.accuracy(), b_accuracy, "options->accuracy"));
+    EXPECT_TRUE(unchanged(pb.argmax(), b_argmax, "outputs->argmax"));
+    EXPECT_TRUE(unchanged(pb.accuracy(), b_accuracy, "outputs->accuracy"));
     EXPECT_TRUE(unchanged(pb.logits(), b_logits, "logits"));
     EXPECT_TRUE(unchanged(pb.targets(), b_targets, "targets"));
     EXPECT_TRUE(unchanged(pb.lse(), b_lse, "lse"));
@@ -451,7 +451,7 @@ TEST_F(Rescale, TheScalarDecidesWhatIsDone) {
 
 // ------------------------------------------------------------------ bad input ---------------
 struct RsArgs {
-  fce_options o;
+  TestOptions o;
   const void* logits;
   const void* targets;
   const float* lse;
@@ -481,7 +481,7 @@ class RescaleBadInput : public BackendTest {
           flags_.p<uint32_t>(), pb_->workspace().ptr(), pb_->workspace_bytes()};
   }
   static fce_status call(const RsArgs& x) {
-    return fce_backward_rescale(&x.o, 8, 33, x.logits, x.targets, x.lse, x.gout, x.grad, x.flags,
+    return flat::backward_rescale(&x.o, 8, 33, x.logits, x.targets, x.lse, x.gout, x.grad, x.flags,
                                 x.ws, x.wsb, test_stream());
   }
   void expect_rejected(const char* what, fce_status expected, const char* names,

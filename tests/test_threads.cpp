@@ -6,7 +6,7 @@
 // fce_linear_ce, fce_scale_gradient, fce_options_default, the status strings, version and build
 // info) on inputs of their own: other sizes, dtypes, reductions, options (label smoothing, class
 // weights, z-loss, softcap, logit scale, shift, token scaling, strides, argmax/accuracy, a
-// 0.1-sized fce_options, out-of-range targets with error_flags, accumulation, float32
+// 0.1-sized TestOptions, out-of-range targets with error_flags, accumulation, float32
 // grad_weight), for a few rounds. Every output must be bitwise what the same calls give one thread at a time (every
 // path is deterministic), every input untouched, every call's fce_last_error() "" after its
 // success; and each thread's own failing call leaves its own message, intact while the seven
@@ -117,7 +117,7 @@ class Job {
   void* stream_ = nullptr;
   int64_t N_ = 0, V_ = 0, LN_ = 0, LD_ = 0, LV_ = 0, count_ = 0;
   int dtype_ = FCE_FLOAT32, scale_dtype_ = FCE_FLOAT32;
-  fce_options o_{}, ro_{}, lo_{};
+  TestOptions o_{}, ro_{}, lo_{};
   size_t ws_f_ = 0, ws_b_ = 0, ws_l_ = 0;
   size_t ws_fr_ = 0, ws_br_ = 0;  // the rescale pair's (ro_: mean/sum where o_ may be none)
   std::vector<std::unique_ptr<Slot>> slots_;
@@ -157,7 +157,7 @@ void Job::build() {
 #endif
 
   // ---- cross-entropy options: a different set per thread
-  fce_options o = test_options();
+  TestOptions o = test_options();
   o.dtype = dtype_;
   o.target_dtype = tdt;
   o.reduction = red;
@@ -176,7 +176,7 @@ void Job::build() {
       o.label_smoothing = 0.05f; o.z_loss_scale = 1e-4f; o.softcap = 20.0f; weights = true;
       extras = true; o.row_stride = V_ + 8;
       break;
-    case 6: o.struct_size = FCE_OPTIONS_SIZE_V0_1; bad_targets = true; break;  // a 0.1 caller
+    case 6: bad_targets = true; break;
     default: o.shift_seq_len = 10; weights = true; o.token_scaling = 1; break;
   }
   const Mat lm = mat(dtype_, N_, V_, o.row_stride), gm = mat(dtype_, N_, V_, o.grad_row_stride);
@@ -233,10 +233,8 @@ void Job::build() {
   // fce_backward_rescale: mean or sum, the forward's gradient for an upstream 1, then g
   ro_ = o;
   if (ro_.reduction == FCE_REDUCTION_NONE) ro_.reduction = FCE_REDUCTION_SUM;
-  if (ro_.struct_size == FCE_OPTIONS_SIZE_V0_3) {
-    ro_.argmax = nullptr;
-    ro_.accuracy = nullptr;
-  }
+  ro_.argmax = nullptr;
+  ro_.accuracy = nullptr;
   loss_r_ = &add("loss (rescale's forward)", poisoned(one), kOutput);
   lse_r_ = &add("lse (rescale's forward)", poisoned(rows_f32), kOutput);
   grad_r_ = &add("grad_logits (rescaled)", poisoned(gm), kOutput);
@@ -247,7 +245,7 @@ void Job::build() {
   LN_ = 32 + 8 * t;
   LD_ = 24 + 8 * t;
   LV_ = 200 + 37 * t;
-  fce_options lo = test_options();
+  TestOptions lo = test_options();
   lo.dtype = dtype_;
   lo.target_dtype = tdt;
   lo.reduction = reductions[t % 3];
@@ -357,32 +355,30 @@ void Job::run(Result* out) {
 
   uint32_t* flags = flags_->buf.p<uint32_t>();
   // the one-pass training forward: loss, lse, z_loss, gradient (+ argmax, accuracy)
-  expect_ok(fce_forward(&o_, N_, V_, p(logits_), p(targets_), f(loss_), f(lse_), f(zl_), p(grad_),
+  expect_ok(flat::forward(&o_, N_, V_, p(logits_), p(targets_), f(loss_), f(lse_), f(zl_), p(grad_),
                         f(gout_), flags, p(ws_fs_), ws_f_, stream_),
             "fce_forward");
   // in place: the gradient over the logits (argmax/accuracy off: they are the first call's)
-  fce_options ip = o_;
-  if (ip.struct_size == FCE_OPTIONS_SIZE_V0_3) {
-    ip.argmax = nullptr;
-    ip.accuracy = nullptr;
-  }
+  TestOptions ip = o_;
+  ip.argmax = nullptr;
+  ip.accuracy = nullptr;
   ip.grad_row_stride = ip.row_stride;
-  expect_ok(fce_forward(&ip, N_, V_, p(logits_ip_), p(targets_), f(loss_ip_), nullptr, nullptr,
+  expect_ok(flat::forward(&ip, N_, V_, p(logits_ip_), p(targets_), f(loss_ip_), nullptr, nullptr,
                         p(logits_ip_), f(gout_), flags, p(ws_fs_), ws_f_, stream_),
             "fce_forward (in place)");
   // the backward from the saved lse (the options of the forward, argmax and accuracy included:
   // it must not write them)
-  expect_ok(fce_backward(&o_, N_, V_, p(logits_), p(targets_), f(lse_), f(gout_), p(grad_b_),
+  expect_ok(flat::backward(&o_, N_, V_, p(logits_), p(targets_), f(lse_), f(gout_), p(grad_b_),
                          flags, p(ws_bs_), ws_b_, stream_),
             "fce_backward");
   // the gradient for an upstream 1, then made the gradient for g
-  expect_ok(fce_forward(&ro_, N_, V_, p(logits_), p(targets_), f(loss_r_), f(lse_r_), nullptr,
+  expect_ok(flat::forward(&ro_, N_, V_, p(logits_), p(targets_), f(loss_r_), f(lse_r_), nullptr,
                         p(grad_r_), nullptr, flags, p(ws_fs_), ws_fr_, stream_),
             "fce_forward (upstream 1)");
-  expect_ok(fce_backward_rescale(&ro_, N_, V_, p(logits_), p(targets_), f(lse_r_), f(g_r_),
+  expect_ok(flat::backward_rescale(&ro_, N_, V_, p(logits_), p(targets_), f(lse_r_), f(g_r_),
                                  p(grad_r_), flags, p(ws_bs_), ws_br_, stream_),
             "fce_backward_rescale");
-  expect_ok(fce_linear_ce(&lo_, LN_, LD_, LV_, p(hidden_), p(weight_), p(bias_), p(ltargets_),
+  expect_ok(flat::linear_ce(&lo_, LN_, LD_, LV_, p(hidden_), p(weight_), p(bias_), p(ltargets_),
                           f(lloss_), f(llse_), f(lzl_), p(gh_), p(gw_), p(gb_), nullptr,
                           lflags_->buf.p<uint32_t>(), p(ws_ls_), ws_l_, stream_),
             "fce_linear_ce");
@@ -390,11 +386,11 @@ void Job::run(Result* out) {
                                stream_),
             "fce_scale_gradient");
   // the calls that touch no buffer of the backend
-  fce_options def{};
-  def.struct_size = t_ % 2 ? FCE_OPTIONS_SIZE_V0_1 : sizeof(fce_options);
+  TestOptions def{};
+  def.struct_size = t_ % 2 ? 0 : sizeof(fce_options);  // 0: FCE_OPTIONS_SIZE_V1_0
   fce_options_default(&def);
   EXPECT_EQ(def.ignore_index, -100);
-  EXPECT_EQ(def.struct_size, t_ % 2 ? size_t(FCE_OPTIONS_SIZE_V0_1) : sizeof(fce_options));
+  EXPECT_EQ(def.struct_size, size_t(FCE_OPTIONS_SIZE_V1_0));
   EXPECT_EQ(std::string(fce_status_string(FCE_ERROR_NULL_POINTER)).rfind("FCE_ERROR_NULL_POINTER", 0),
             0u);
   EXPECT_EQ(fce_version(), static_cast<unsigned>(FCE_VERSION_NUMBER));
@@ -420,19 +416,19 @@ void Job::last_error(Barrier* barrier, const char** message_address) {
   switch (t_ % 4) {
     case 0:
       want = "fce_forward";
-      st = fce_forward(&o_, -(1000 + t_), V_, p(logits_), p(targets_), f(loss_), nullptr, nullptr,
+      st = flat::forward(&o_, -(1000 + t_), V_, p(logits_), p(targets_), f(loss_), nullptr, nullptr,
                        nullptr, nullptr, nullptr, nullptr, 0, stream_);
       want += "|" + std::to_string(-(1000 + t_));
       break;
     case 1:
       want = "fce_backward";
-      st = fce_backward(&o_, N_, -(2000 + t_), p(logits_), p(targets_), f(lse_), nullptr,
+      st = flat::backward(&o_, N_, -(2000 + t_), p(logits_), p(targets_), f(lse_), nullptr,
                         p(grad_b_), nullptr, nullptr, 0, stream_);
       want += "|" + std::to_string(-(2000 + t_));
       break;
     case 2:
       want = "fce_linear_ce";
-      st = fce_linear_ce(&lo_, LN_, -(3000 + t_), LV_, p(hidden_), p(weight_), nullptr,
+      st = flat::linear_ce(&lo_, LN_, -(3000 + t_), LV_, p(hidden_), p(weight_), nullptr,
                          p(ltargets_), f(lloss_), nullptr, nullptr, nullptr, nullptr, nullptr,
                          nullptr, nullptr, nullptr, 0, stream_);
       want += "|" + std::to_string(-(3000 + t_));
@@ -528,7 +524,7 @@ TEST_F(Threads, LastErrorIsPerThread) {
   std::vector<int> mismatches(kThreads, 0);
   for (int t = 0; t < kThreads; ++t)
     threads.emplace_back([&, t] {
-      fce_options o = test_options();
+      TestOptions o = test_options();
       size_t bytes = 0;
       barrier.wait();
       for (int i = 0; i < 2000; ++i) {

@@ -25,6 +25,7 @@
 #include <utility>
 #include <vector>
 
+#include "flat_calls.h"
 #include "fusedce.h"
 
 #if FCE_TEST_HAVE_CUDA
@@ -181,8 +182,8 @@ class BackendTest : public ::testing::Test {
 };
 
 // Options with the backend under test selected.
-inline fce_options test_options() {
-  fce_options o = FCE_OPTIONS_INIT;
+inline TestOptions test_options() {
+  TestOptions o = FCE_OPTIONS_INIT;
   o.backend = backend_id();
   return o;
 }

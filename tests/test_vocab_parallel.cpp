@@ -275,14 +275,14 @@ class VpCeRunner {
     Buf loss = poisoned(loss_m), lse = poisoned(vec(FCE_FLOAT32, c_.N)),
         zl = poisoned(vec(FCE_FLOAT32, 1)), grad = poisoned(lm),
         am = poisoned(vec(FCE_INT64, c_.N)), acc = poisoned(loss_m), flags = flags_buf(0);
-    fce_options o = o_;
+    TestOptions o = o_;
     o.argmax = am.p<int64_t>();
     o.accuracy = acc.p<float>();
     size_t wsb = 0;
     ASSERT_EQ(fce_forward_workspace_size(&o, c_.N, c_.V, &wsb), FCE_SUCCESS) << fce_last_error();
     Buf ws = workspace_buf(wsb);
     const fce_status st =
-        fce_forward(&o, c_.N, c_.V, logits.ptr(), targets_.ptr(), loss.p<float>(),
+        flat::forward(&o, c_.N, c_.V, logits.ptr(), targets_.ptr(), loss.p<float>(),
                     lse.p<float>(), zl.p<float>(), grad.ptr(), gout_.p<float>(),
                     flags.p<uint32_t>(), ws.ptr(), wsb, test_stream());
     ASSERT_EQ(st, FCE_SUCCESS) << fce_status_string(st) << ": " << fce_last_error();
@@ -313,8 +313,8 @@ class VpCeRunner {
     return b;
   }
 
-  fce_options shard_options(const Mat& lm, const Mat& gm) const {
-    fce_options o = o_;
+  TestOptions shard_options(const Mat& lm, const Mat& gm) const {
+    TestOptions o = o_;
     if (c_.row_pad || c_.inplace) o.row_stride = lm.stride;
     if (c_.grad_pad || c_.inplace) o.grad_row_stride = gm.stride;
     return o;
@@ -327,10 +327,10 @@ class VpCeRunner {
     Buf logits = shard_logits(s, &lm);
     const Mat sm = vec(FCE_FLOAT32, c_.N * FCE_VP_STATS);
     Buf st = poisoned(sm);
-    fce_options o = shard_options(lm, lm);
+    TestOptions o = shard_options(lm, lm);
     auto b_logits = logits.mirror(), b_y = targets_.mirror(), b_w = weights_.mirror(),
          b_st = st.mirror();
-    const fce_status status = fce_vp_stats(&o, c_.N, c_.V, s.start, s.local, logits.ptr(),
+    const fce_status status = flat::vp_stats(&o, c_.N, c_.V, s.start, s.local, logits.ptr(),
                                            targets_.ptr(), st.p<float>(), test_stream());
     EXPECT_EQ(status, FCE_SUCCESS) << fce_status_string(status) << ": " << fce_last_error();
     if (ok) *ok = status == FCE_SUCCESS;
@@ -351,7 +351,7 @@ class VpCeRunner {
     Buf loss = poisoned(loss_m), lse = poisoned(lse_m), zl = poisoned(zl_m);
     Buf am = c_.argmax ? poisoned(am_m) : Buf(), acc = c_.accuracy ? poisoned(loss_m) : Buf();
     Buf flags = flags_buf(preset);
-    fce_options o = o_;
+    TestOptions o = o_;
     o.argmax = am.p<int64_t>();
     o.accuracy = acc.p<float>();
     size_t wsb = 1;
@@ -360,7 +360,7 @@ class VpCeRunner {
     Buf ws = workspace_buf(wsb);
     auto b_g = gathered.mirror(), b_y = targets_.mirror(), b_loss = loss.mirror(),
          b_lse = lse.mirror(), b_zl = zl.mirror(), b_am = am.mirror(), b_acc = acc.mirror();
-    const fce_status st = fce_vp_loss(&o, ranks, c_.N, c_.V, targets_.ptr(), gathered.p<float>(),
+    const fce_status st = flat::vp_loss(&o, ranks, c_.N, c_.V, targets_.ptr(), gathered.p<float>(),
                                       loss.p<float>(), lse.p<float>(), zl.p<float>(),
                                       flags.p<uint32_t>(), ws.ptr(), wsb, test_stream());
     EXPECT_EQ(st, FCE_SUCCESS) << fce_status_string(st) << ": " << fce_last_error();
@@ -381,13 +381,13 @@ class VpCeRunner {
     out.lse = read_mat(lse, lse_m);
     out.zl = read_mat(zl, zl_m);
     if (c_.argmax) {
-      EXPECT_TRUE(only_elements_changed(am, b_am, &am_m, "options->argmax"));
-      EXPECT_TRUE(all_written(am, am_m, "options->argmax"));
+      EXPECT_TRUE(only_elements_changed(am, b_am, &am_m, "outputs->argmax"));
+      EXPECT_TRUE(all_written(am, am_m, "outputs->argmax"));
       out.am = read_i64(am, c_.N);
     }
     if (c_.accuracy) {
-      EXPECT_TRUE(only_elements_changed(acc, b_acc, &loss_m, "options->accuracy"));
-      EXPECT_TRUE(all_written(acc, loss_m, "options->accuracy"));
+      EXPECT_TRUE(only_elements_changed(acc, b_acc, &loss_m, "outputs->accuracy"));
+      EXPECT_TRUE(all_written(acc, loss_m, "outputs->accuracy"));
       out.acc = read_mat(acc, loss_m);
     }
     out.flags = read_flags(flags);
@@ -436,7 +436,7 @@ class VpCeRunner {
     const Mat gm = c_.inplace ? lm : mat(c_.dtype, c_.N, s.local, s.local + c_.grad_pad);
     Buf gbuf = c_.inplace ? Buf() : poisoned(gm);
     void* gptr = c_.inplace ? logits.ptr() : gbuf.ptr();
-    fce_options o = shard_options(lm, gm);
+    TestOptions o = shard_options(lm, gm);
     // The forward outputs are not outputs of the backward: never written.
     Buf am = poisoned(vec(FCE_INT64, c_.N)), acc = poisoned(vec(FCE_FLOAT32, loss_len()));
     o.argmax = am.p<int64_t>();
@@ -448,7 +448,7 @@ class VpCeRunner {
     Buf ws = workspace_buf(wsb);
     auto b_logits = logits.mirror(), b_g = gathered.mirror(), b_y = targets_.mirror(),
          b_go = gout_.mirror(), b_grad = gbuf.mirror(), b_am = am.mirror(), b_acc = acc.mirror();
-    const fce_status st = fce_vp_backward(&o, ranks, c_.N, c_.V, s.start, s.local, logits.ptr(),
+    const fce_status st = flat::vp_backward(&o, ranks, c_.N, c_.V, s.start, s.local, logits.ptr(),
                                           targets_.ptr(), gathered.p<float>(), gout_.p<float>(),
                                           gptr, flags.p<uint32_t>(), ws.ptr(), wsb, test_stream());
     ASSERT_EQ(st, FCE_SUCCESS) << fce_status_string(st) << ": " << fce_last_error();
@@ -457,8 +457,8 @@ class VpCeRunner {
     EXPECT_TRUE(unchanged(gathered, b_g, "gathered_stats (fce_vp_backward)"));
     EXPECT_TRUE(unchanged(targets_, b_y, "targets (fce_vp_backward)"));
     EXPECT_TRUE(unchanged(gout_, b_go, "grad_output"));
-    EXPECT_TRUE(unchanged(am, b_am, "options->argmax (not an output of fce_vp_backward)"));
-    EXPECT_TRUE(unchanged(acc, b_acc, "options->accuracy (not an output of fce_vp_backward)"));
+    EXPECT_TRUE(unchanged(am, b_am, "outputs->argmax (not an output of fce_vp_backward)"));
+    EXPECT_TRUE(unchanged(acc, b_acc, "outputs->accuracy (not an output of fce_vp_backward)"));
     EXPECT_TRUE(guards_intact(ws, "workspace (fce_vp_backward)"));
     Buf& gb = c_.inplace ? logits : gbuf;
     if (c_.inplace) {
@@ -532,7 +532,7 @@ class VpCeRunner {
   }
 
   const VpCase& c() const { return c_; }
-  fce_options& options() { return o_; }
+  TestOptions& options() { return o_; }
   const LossOut& whole() const { return whole_; }
   const std::vector<double>& whole_grad() const { return whole_grad_; }
   const std::vector<uint8_t>& raw_loss() const { return raw_loss_; }
@@ -543,7 +543,7 @@ class VpCeRunner {
   std::vector<int64_t> y_;
   fceref::CeResult ref_;
   Buf targets_, weights_, gout_;
-  fce_options o_;
+  TestOptions o_;
   LossOut whole_;
   std::vector<double> whole_grad_;
   std::vector<uint8_t> raw_loss_;
@@ -1165,7 +1165,7 @@ class VpLinRunner {
       write_mat(gw, gw_m, gw0_), gw.push();
       if (c_.bias) write_mat(gb, gb_m, gb0_), gb.push();
     }
-    fce_options o = o_;
+    TestOptions o = o_;
     o.argmax = am.p<int64_t>();
     o.accuracy = acc.p<float>();
     size_t mn = 0, op = 0;
@@ -1173,7 +1173,7 @@ class VpLinRunner {
         << fce_last_error();
     Buf ws = workspace_buf(op);
     const fce_status st =
-        fce_linear_ce(&o, N, D, V, hidden_.ptr(), weight.ptr(), bias.ptr(), targets_.ptr(),
+        flat::linear_ce(&o, N, D, V, hidden_.ptr(), weight.ptr(), bias.ptr(), targets_.ptr(),
                       loss.p<float>(), lse.p<float>(), zl.p<float>(), gh.ptr(), gw.ptr(),
                       gb.ptr(), gout_.p<float>(), flags.p<uint32_t>(), ws.ptr(), op,
                       test_stream());
@@ -1216,7 +1216,7 @@ class VpLinRunner {
     auto b_h = hidden_.mirror(), b_w = weight.mirror(), b_b = bias.mirror(),
          b_st = st.mirror();
     const fce_status status =
-        fce_vp_linear_stats(&o_, c_.N, c_.D, c_.V, s.start, s.local, hidden_.ptr(), weight.ptr(),
+        flat::vp_linear_stats(&o_, c_.N, c_.D, c_.V, s.start, s.local, hidden_.ptr(), weight.ptr(),
                             bias.ptr(), targets_.ptr(), st.p<float>(), ws.ptr(), wsb,
                             test_stream());
     EXPECT_EQ(status, FCE_SUCCESS) << fce_status_string(status) << ": " << fce_last_error();
@@ -1267,7 +1267,7 @@ class VpLinRunner {
     auto b_h = hidden_.mirror(), b_w = weight.mirror(), b_b = bias.mirror(),
          b_g = gathered.mirror(), b_go = gout_.mirror(), b_gh = gh.mirror(), b_gw = gw.mirror(),
          b_gb = gb.mirror();
-    const fce_status st = fce_vp_linear_backward(
+    const fce_status st = flat::vp_linear_backward(
         &o_, ranks, c_.N, c_.D, c_.V, s.start, s.local, hidden_.ptr(), weight.ptr(), bias.ptr(),
         targets_.ptr(), gathered.p<float>(), gout_.p<float>(), gh.ptr(), ghdt_, gw.ptr(),
         gb.ptr(), flags.p<uint32_t>(), ws.ptr(), wsb, test_stream());
@@ -1308,13 +1308,13 @@ class VpLinRunner {
     Buf loss = poisoned(loss_m), lse = poisoned(vec(FCE_FLOAT32, c_.N)),
         zl = poisoned(vec(FCE_FLOAT32, 1)), am = poisoned(vec(FCE_INT64, c_.N)),
         acc = poisoned(loss_m), flags = flags_buf(0);
-    fce_options o = o_;
+    TestOptions o = o_;
     o.argmax = c_.argmax ? am.p<int64_t>() : nullptr;
     o.accuracy = c_.accuracy ? acc.p<float>() : nullptr;
     size_t wsb = 1;
     EXPECT_EQ(fce_vp_loss_workspace_size(&o, ranks, c_.N, c_.V, &wsb), FCE_SUCCESS);
     Buf ws = workspace_buf(wsb);
-    const fce_status st = fce_vp_loss(&o, ranks, c_.N, c_.V, targets_.ptr(), gathered.p<float>(),
+    const fce_status st = flat::vp_loss(&o, ranks, c_.N, c_.V, targets_.ptr(), gathered.p<float>(),
                                       loss.p<float>(), lse.p<float>(), zl.p<float>(),
                                       flags.p<uint32_t>(), ws.ptr(), wsb, test_stream());
     EXPECT_EQ(st, FCE_SUCCESS) << fce_status_string(st) << ": " << fce_last_error();
@@ -1471,10 +1471,10 @@ class VpLinRunner {
       threads.emplace_back([&, r] {
         const Shard& s = shards[static_cast<size_t>(r)];
         RankBufs& b = rb[static_cast<size_t>(r)];
-        fce_options o = o_;
+        TestOptions o = o_;
         o.argmax = c_.argmax ? b.am.p<int64_t>() : nullptr;
         o.accuracy = c_.accuracy ? b.acc.p<float>() : nullptr;
-        b.st = fce_vp_linear_ce(&o, P, N, D, c_.V, s.start, s.local, hidden_.ptr(), b.weight.ptr(),
+        b.st = flat::vp_linear_ce(&o, P, N, D, c_.V, s.start, s.local, hidden_.ptr(), b.weight.ptr(),
                                 b.bias.ptr(), targets_.ptr(), b.loss.p<float>(), b.lse.p<float>(),
                                 b.zl.p<float>(), gout_.p<float>(), b.gh.ptr(), ghdt_, b.gw.ptr(),
                                 b.gb.ptr(), b.flags.p<uint32_t>(), SimGather::fn,
@@ -1584,7 +1584,7 @@ class VpLinRunner {
     size_t mn = 0, op = 0;
     EXPECT_EQ(fce_vp_linear_ce_workspace_size(&o_, 1, N, D, V, V, 1, ghdt_, &mn, &op), FCE_SUCCESS);
     Buf ws = workspace_buf(op);
-    const fce_status st = fce_vp_linear_ce(
+    const fce_status st = flat::vp_linear_ce(
         &o_, 1, N, D, V, 0, V, hidden_.ptr(), weight.ptr(), nullptr, targets_.ptr(),
         loss.p<float>(), nullptr, nullptr, gout_.p<float>(), gh.ptr(), ghdt_, nullptr, nullptr,
         flags.p<uint32_t>(), gather, context, ws.ptr(), op, test_stream());
@@ -1606,7 +1606,7 @@ class VpLinRunner {
   }
 
   LinVpCase& c() { return c_; }
-  fce_options& options() { return o_; }
+  TestOptions& options() { return o_; }
 
  private:
   LinVpCase c_;
@@ -1617,7 +1617,7 @@ class VpLinRunner {
   double tol_ = 0;
   Mat hm_;
   Buf hidden_, targets_, cw_, gout_;
-  fce_options o_;
+  TestOptions o_;
   LossOut whole_;
   std::vector<double> whole_gh_, whole_gw_, whole_gb_;
 };
@@ -1797,8 +1797,8 @@ const char* fn_name(VpFn f) {
 }
 
 struct VpArgs {
-  fce_options o;
-  const fce_options* opts;
+  TestOptions o;
+  const TestOptions* opts;
   int64_t ranks, rows, hidden, vocab_total, vocab_start, vocab_local;
   const void* logits;
   const void* hidden_states;
@@ -1861,16 +1861,16 @@ class VpBadInput : public BackendTest {
     // Real gathered stats of the two shards [0, 16) and [16, 40).
     Buf st0 = poisoned(vec(FCE_FLOAT32, N * FCE_VP_STATS));
     Buf st1 = poisoned(vec(FCE_FLOAT32, N * FCE_VP_STATS));
-    ASSERT_EQ(fce_vp_stats(&a.o, N, V, 0, S0, logits0.ptr(), targets.ptr(), st0.p<float>(),
+    ASSERT_EQ(flat::vp_stats(&a.o, N, V, 0, S0, logits0.ptr(), targets.ptr(), st0.p<float>(),
                            test_stream()), FCE_SUCCESS) << fce_last_error();
-    ASSERT_EQ(fce_vp_stats(&a.o, N, V, S0, VL, arena.ptr(), targets.ptr(), st1.p<float>(),
+    ASSERT_EQ(flat::vp_stats(&a.o, N, V, S0, VL, arena.ptr(), targets.ptr(), st1.p<float>(),
                            test_stream()), FCE_SUCCESS) << fce_last_error();
     ASSERT_TRUE(finish());
     st0.pull();
     st1.pull();
     gathered = gather({&st0, &st1}, N);
     size_t b = 0, mn = 0, op = 0;
-    fce_options loss_o = a.o;  // fce_vp_loss is called with reduction none (args())
+    TestOptions loss_o = a.o;  // fce_vp_loss is called with reduction none (args())
     loss_o.reduction = FCE_REDUCTION_NONE;
     ASSERT_EQ(fce_vp_loss_workspace_size(&loss_o, 2, N, V, &b), FCE_SUCCESS) << fce_last_error();
     ws_need[kLoss] = b;
@@ -1948,26 +1948,26 @@ class VpBadInput : public BackendTest {
   fce_status call(VpFn f, const VpArgs& x) {
     switch (f) {
       case kStats:
-        return fce_vp_stats(x.opts, x.rows, x.vocab_total, x.vocab_start, x.vocab_local, x.logits,
+        return flat::vp_stats(x.opts, x.rows, x.vocab_total, x.vocab_start, x.vocab_local, x.logits,
                             x.targets, x.stats, test_stream());
       case kLoss:
-        return fce_vp_loss(x.opts, x.ranks, x.rows, x.vocab_total, x.targets, x.gathered, x.loss,
+        return flat::vp_loss(x.opts, x.ranks, x.rows, x.vocab_total, x.targets, x.gathered, x.loss,
                            x.lse, x.z_loss, x.flags, x.ws, x.wsb, test_stream());
       case kBackward:
-        return fce_vp_backward(x.opts, x.ranks, x.rows, x.vocab_total, x.vocab_start,
+        return flat::vp_backward(x.opts, x.ranks, x.rows, x.vocab_total, x.vocab_start,
                                x.vocab_local, x.logits, x.targets, x.gathered, x.gout, x.grad,
                                x.flags, x.ws, x.wsb, test_stream());
       case kLinStats:
-        return fce_vp_linear_stats(x.opts, x.rows, x.hidden, x.vocab_total, x.vocab_start,
+        return flat::vp_linear_stats(x.opts, x.rows, x.hidden, x.vocab_total, x.vocab_start,
                                    x.vocab_local, x.hidden_states, x.weight, x.bias, x.targets,
                                    x.stats, x.ws, x.wsb, test_stream());
       case kLinBackward:
-        return fce_vp_linear_backward(x.opts, x.ranks, x.rows, x.hidden, x.vocab_total,
+        return flat::vp_linear_backward(x.opts, x.ranks, x.rows, x.hidden, x.vocab_total,
                                       x.vocab_start, x.vocab_local, x.hidden_states, x.weight,
                                       x.bias, x.targets, x.gathered, x.gout, x.gh, x.gh_dtype,
                                       x.gw, x.gb, x.flags, x.ws, x.wsb, test_stream());
       default:
-        return fce_vp_linear_ce(x.opts, x.ranks, x.rows, x.hidden, x.vocab_total, x.vocab_start,
+        return flat::vp_linear_ce(x.opts, x.ranks, x.rows, x.hidden, x.vocab_total, x.vocab_start,
                                 x.vocab_local, x.hidden_states, x.weight, x.bias, x.targets,
                                 x.loss, x.lse, x.z_loss, x.gout, x.gh, x.gh_dtype, x.gw, x.gb,
                                 x.flags, x.all_gather, x.context, x.ws, x.wsb, test_stream());
@@ -2175,9 +2175,9 @@ TEST_F(VpBadInput, Misaligned) {
            [&](VpArgs& x) { x.loss = reinterpret_cast<float*>(off(x.loss, 2)); });
   rejected(kLoss, "lse +1 byte", FCE_ERROR_MISALIGNED, "lse",
            [&](VpArgs& x) { x.lse = reinterpret_cast<float*>(off(x.lse, 1)); });
-  rejected(kLoss, "options->argmax +4 bytes", FCE_ERROR_MISALIGNED, "options->argmax",
+  rejected(kLoss, "outputs->argmax +4 bytes", FCE_ERROR_MISALIGNED, "outputs->argmax",
            [&](VpArgs& x) { x.o.argmax = reinterpret_cast<int64_t*>(off(am.ptr(), 4)); });
-  rejected(kLoss, "options->accuracy +2 bytes", FCE_ERROR_MISALIGNED, "options->accuracy",
+  rejected(kLoss, "outputs->accuracy +2 bytes", FCE_ERROR_MISALIGNED, "outputs->accuracy",
            [&](VpArgs& x) { x.o.accuracy = reinterpret_cast<float*>(off(acc.ptr(), 2)); });
   for (VpFn f : {kLinStats, kLinBackward, kLinCe}) {
     rejected(f, "hidden_states +1 byte", FCE_ERROR_MISALIGNED, "hidden_states",
@@ -2205,9 +2205,9 @@ TEST_F(VpBadInput, Overlap) {
            [](VpArgs& x) { x.loss = const_cast<float*>(x.gathered) + 8; });
   rejected(kLoss, "lse over loss", FCE_ERROR_INVALID_ARGUMENT, "lse|loss",
            [](VpArgs& x) { x.lse = x.loss + 2; });
-  rejected(kLoss, "options->argmax over the targets", FCE_ERROR_INVALID_ARGUMENT,
-           "options->argmax", [](VpArgs& x) { x.o.argmax = static_cast<int64_t*>(const_cast<void*>(x.targets)); });
-  rejected(kLoss, "options->accuracy inside lse", FCE_ERROR_INVALID_ARGUMENT, "options->accuracy",
+  rejected(kLoss, "outputs->argmax over the targets", FCE_ERROR_INVALID_ARGUMENT,
+           "outputs->argmax", [](VpArgs& x) { x.o.argmax = static_cast<int64_t*>(const_cast<void*>(x.targets)); });
+  rejected(kLoss, "outputs->accuracy inside lse", FCE_ERROR_INVALID_ARGUMENT, "outputs->accuracy",
            [](VpArgs& x) { x.o.accuracy = x.lse + 3; });
   rejected(kLoss, "error_flags inside class_weights", FCE_ERROR_INVALID_ARGUMENT, "error_flags",
            [](VpArgs& x) { x.flags = reinterpret_cast<uint32_t*>(const_cast<float*>(x.o.class_weights) + 5); });
@@ -2262,7 +2262,7 @@ TEST_F(VpBadInput, Workspace) {
 
 // The workspace queries: their own bad input, and consistent answers.
 TEST_F(VpBadInput, WorkspaceQueries) {
-  fce_options o = a.o;
+  TestOptions o = a.o;
   size_t b = 7, mn = 7, op = 7;
   EXPECT_EQ(fce_vp_loss_workspace_size(nullptr, 2, N, V, &b), FCE_ERROR_NULL_POINTER);
   EXPECT_TRUE(error_mentions("fce_vp_loss_workspace_size: options"));
@@ -2327,7 +2327,7 @@ TEST_F(VpBadInput, WorkspaceQueries) {
   EXPECT_EQ(n0, n1);
   EXPECT_EQ(o0, o1);
   EXPECT_GE(o1, n1);
-  fce_options bad = o;
+  TestOptions bad = o;
   bad.dtype = 42;
   EXPECT_EQ(fce_vp_loss_workspace_size(&bad, 2, N, V, &b), FCE_ERROR_INVALID_ARGUMENT);
   EXPECT_TRUE(error_mentions("dtype"));
@@ -2341,7 +2341,7 @@ TEST_F(VpBadInput, WorkspaceQueries) {
   EXPECT_EQ(fce_vp_linear_backward_workspace_size(&o, 2, N, D, V, VL, FCE_FLOAT32, &mn2, nullptr),
             FCE_SUCCESS);
   EXPECT_EQ(mn2, mn);
-  fce_options h = o;
+  TestOptions h = o;
   h.dtype = FCE_BFLOAT16;
   for (int32_t ghd : {FCE_FLOAT32, FCE_BFLOAT16}) {
     EXPECT_EQ(fce_vp_linear_backward_workspace_size(&h, 2, N, D, V, VL, ghd, &mn, &op), FCE_SUCCESS)

@@ -128,39 +128,35 @@ HARNESS_FN fce_status w_linear_ce_workspace_size(const fce_options* o, int64_t r
   return s;
 }
 HARNESS_FN fce_status w_forward(const fce_options* o, int64_t rows, int64_t vocab, const void* logits,
-                            const void* targets, float* loss, float* lse, float* z_loss,
-                            void* grad_logits, const float* grad_output, uint32_t* error_flags,
-                            void* ws, size_t ws_bytes, void* stream) {
-  return note(fce_forward(o, rows, vocab, logits, targets, loss, lse, z_loss, grad_logits,
-                          grad_output, error_flags, ws, ws_bytes, stream),
+                            const void* targets, const fce_outputs* outputs,
+                            const fce_gradients* gradients, void* ws, size_t ws_bytes,
+                            void* stream) {
+  return note(fce_forward(o, rows, vocab, logits, targets, outputs, gradients, ws, ws_bytes, stream),
               "fce_forward");
 }
 HARNESS_FN fce_status w_backward(const fce_options* o, int64_t rows, int64_t vocab,
                              const void* logits, const void* targets, const float* lse,
-                             const float* grad_output, void* grad_logits, uint32_t* error_flags,
+                             const fce_outputs* outputs, const fce_gradients* gradients,
                              void* ws, size_t ws_bytes, void* stream) {
-  return note(fce_backward(o, rows, vocab, logits, targets, lse, grad_output, grad_logits,
-                           error_flags, ws, ws_bytes, stream),
+  return note(fce_backward(o, rows, vocab, logits, targets, lse, outputs, gradients, ws, ws_bytes,
+                           stream),
               "fce_backward");
 }
 HARNESS_FN fce_status w_backward_rescale(const fce_options* o, int64_t rows, int64_t vocab,
                                      const void* logits, const void* targets, const float* lse,
-                                     const float* grad_output, void* grad_logits,
-                                     uint32_t* error_flags, void* ws, size_t ws_bytes,
-                                     void* stream) {
-  return note(fce_backward_rescale(o, rows, vocab, logits, targets, lse, grad_output,
-                                   grad_logits, error_flags, ws, ws_bytes, stream),
+                                     const fce_outputs* outputs, const fce_gradients* gradients,
+                                     void* ws, size_t ws_bytes, void* stream) {
+  return note(fce_backward_rescale(o, rows, vocab, logits, targets, lse, outputs, gradients, ws,
+                                   ws_bytes, stream),
               "fce_backward_rescale");
 }
 HARNESS_FN fce_status w_linear_ce(const fce_options* o, int64_t rows, int64_t hidden, int64_t vocab,
                               const void* hidden_states, const void* weight, const void* bias,
-                              const void* targets, float* loss, float* lse, float* z_loss,
-                              void* grad_hidden, void* grad_weight, void* grad_bias,
-                              const float* grad_output, uint32_t* error_flags, void* ws,
-                              size_t ws_bytes, void* stream) {
-  return note(fce_linear_ce(o, rows, hidden, vocab, hidden_states, weight, bias, targets, loss,
-                            lse, z_loss, grad_hidden, grad_weight, grad_bias, grad_output,
-                            error_flags, ws, ws_bytes, stream),
+                              const void* targets, const fce_outputs* outputs,
+                              const fce_gradients* gradients, void* ws, size_t ws_bytes,
+                              void* stream) {
+  return note(fce_linear_ce(o, rows, hidden, vocab, hidden_states, weight, bias, targets, outputs,
+                            gradients, ws, ws_bytes, stream),
               "fce_linear_ce");
 }
 #define fce_forward_workspace_size w_forward_workspace_size

@@ -116,8 +116,12 @@ int main(int argc, char** argv) {
     size_t ws_bytes = 0;
     fce::check(fce_forward_workspace_size(opt.get(), N, V, &ws_bytes));
     fce::Buffer ws(ws_bytes, gpu);
-    fce::check(fce_forward(opt.get(), N, V, logits.get(), targets.get(), loss.as<float>(),
-                           lse.as<float>(), nullptr, grad.get(), nullptr, nullptr, ws.get(),
+    fce_outputs out = FCE_OUTPUTS_INIT;
+    out.loss = loss.as<float>();
+    out.lse = lse.as<float>();
+    fce_gradients grads = FCE_GRADIENTS_INIT;
+    grads.grad_logits = grad.get();
+    fce::check(fce_forward(opt.get(), N, V, logits.get(), targets.get(), &out, &grads, ws.get(),
                            ws_bytes, nullptr));
     float l = 0;
     loss.download(&l, 4);
@@ -130,9 +134,8 @@ int main(int argc, char** argv) {
 
     // Bad input becomes an exception that names the argument.
     try {
-      fce::check(fce_forward(opt.get(), N, -1, logits.get(), targets.get(), loss.as<float>(),
-                             nullptr, nullptr, nullptr, nullptr, nullptr, ws.get(), ws_bytes,
-                             nullptr));
+      fce::check(fce_forward(opt.get(), N, -1, logits.get(), targets.get(), &out, nullptr,
+                             ws.get(), ws_bytes, nullptr));
       std::printf("error: a negative vocab was accepted\n");
       return 1;
     } catch (const fce::Error& e) {

@@ -100,15 +100,47 @@ size_t elem_size(int dtype) {
 fce_status read_options(const char* fn, const fce_options* o, fce_options* local) {
   if (!o) return fail(FCE_ERROR_NULL_POINTER, "%s: options is NULL", fn);
   const size_t size = o->struct_size;
-  if (size < FCE_OPTIONS_SIZE_V0_1 || size > sizeof(fce_options))
+  if (size < FCE_OPTIONS_SIZE_V1_0 || size > sizeof(fce_options))
     return fail(FCE_ERROR_INVALID_ARGUMENT,
-                "%s: options->struct_size (%zu) is not the size of an fce_options (%d to %zu): "
-                "initialise it with FCE_OPTIONS_INIT or fce_options_default()",
-                fn, size, FCE_OPTIONS_SIZE_V0_1, sizeof(fce_options));
+                "%s: options->struct_size (%zu) is not the size of any version of fce_options "
+                "(%d to %zu): initialise it with FCE_OPTIONS_INIT or fce_options_default()",
+                fn, size, FCE_OPTIONS_SIZE_V1_0, sizeof(fce_options));
   const fce_options defaults = FCE_OPTIONS_INIT;
   *local = defaults;
   std::memcpy(static_cast<void*>(local), o, size);
   return FCE_SUCCESS;
+}
+
+// The caller's fce_outputs / fce_gradients (NULL: all absent) as this library's struct, for the
+// pointers this library checks and passes on; the libfusedce calls check the rest.
+template <class T>
+fce_status read_versioned(const char* fn, const char* name, const T* in, size_t v1_0,
+                          const T& defaults, T* local) {
+  *local = defaults;
+  if (!in) return FCE_SUCCESS;
+  if (in->struct_size != v1_0)
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "%s: %s->struct_size (%zu) is not the size of any version (%zu in 1.0): "
+                "initialise it with its _INIT macro",
+                fn, name, in->struct_size, v1_0);
+  std::memcpy(static_cast<void*>(local), in, in->struct_size);
+  return FCE_SUCCESS;
+}
+
+fce_status read_structs(const char* fn, const fce_vp_shard* shard, int ranks,
+                        const fce_outputs* outputs, const fce_gradients* gradients,
+                        fce_outputs* out, fce_gradients* g) {
+  if (!shard) return fail(FCE_ERROR_NULL_POINTER, "%s: shard is NULL", fn);
+  if (shard->ranks != ranks)
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "%s: shard->ranks (%lld) is not the communicator's number of ranks (%d)", fn,
+                (long long)shard->ranks, ranks);
+  if (!outputs) return fail(FCE_ERROR_NULL_POINTER, "%s: outputs is NULL (the loss is required)", fn);
+  const fce_outputs out0 = FCE_OUTPUTS_INIT;
+  const fce_gradients g0 = FCE_GRADIENTS_INIT;
+  const fce_status st = read_versioned(fn, "outputs", outputs, FCE_OUTPUTS_SIZE_V1_0, out0, out);
+  if (st != FCE_SUCCESS) return st;
+  return read_versioned(fn, "gradients", gradients, FCE_GRADIENTS_SIZE_V1_0, g0, g);
 }
 
 struct CommInfo {
@@ -223,11 +255,25 @@ fce_status check_ranges(const char* fn, const Range* r, int n, int in_place_a, i
   return FCE_SUCCESS;
 }
 
-// The optional forward outputs of options (0.3 fields: the defaults, NULL, for an older struct).
-void forward_output_ranges(const fce_options& o, int64_t rows, Range* argmax, Range* accuracy) {
+// The upstream gradient (when a gradient is asked for) and the outputs loss, lse, z_loss and
+// error_flags: five entries from r on.
+void loss_ranges(const fce_options& o, const fce_outputs& out, int64_t rows,
+                 const float* grad_output, Range* r) {
   const bool per_row = o.reduction == FCE_REDUCTION_NONE;
-  *argmax = {"options->argmax", o.argmax, static_cast<uint64_t>(rows) * 8, true, 8};
-  *accuracy = {"options->accuracy", o.accuracy,
+  const uint64_t rows4 = static_cast<uint64_t>(rows) * 4;
+  r[0] = {"gradients->grad_output", grad_output, per_row ? rows4 : 4, false, 4};
+  r[1] = {"outputs->loss", out.loss, per_row ? rows4 : 4, true, 4};
+  r[2] = {"outputs->lse", out.lse, rows4, true, 4};
+  r[3] = {"outputs->z_loss", out.z_loss, 4, true, 4};
+  r[4] = {"outputs->error_flags", out.error_flags, 4, true, 4};
+}
+
+// The optional forward outputs outputs->argmax and ->accuracy.
+void forward_output_ranges(const fce_options& o, const fce_outputs& out, int64_t rows,
+                           Range* argmax, Range* accuracy) {
+  const bool per_row = o.reduction == FCE_REDUCTION_NONE;
+  *argmax = {"outputs->argmax", out.argmax, static_cast<uint64_t>(rows) * 8, true, 8};
+  *accuracy = {"outputs->accuracy", out.accuracy,
                per_row ? static_cast<uint64_t>(rows) * 4 : 4, true, 4};
 }
 
@@ -370,17 +416,24 @@ FCE_API fce_status fce_nccl_cross_entropy_workspace_size(const fce_options* opti
 }
 
 FCE_API fce_status fce_nccl_cross_entropy(const fce_options* options, ncclComm_t comm,
-                                          int64_t rows, int64_t vocab_total, int64_t vocab_start,
-                                          int64_t vocab_local, const void* logits,
-                                          const void* targets, float* loss, float* lse,
-                                          float* z_loss, void* grad_logits,
-                                          const float* grad_output, uint32_t* error_flags,
-                                          void* workspace, size_t workspace_bytes, void* stream) {
+                                          const fce_vp_shard* shard, int64_t rows,
+                                          const void* logits, const void* targets,
+                                          const fce_outputs* outputs,
+                                          const fce_gradients* gradients, void* workspace,
+                                          size_t workspace_bytes, void* stream) {
   const char* fn = "fce_nccl_cross_entropy";
   g_last_error[0] = '\0';
   fce_options o;
   CommInfo ci;
   FCE_NCCL_TRY(check_common(fn, options, comm, true, &o, &ci));
+  fce_outputs out;
+  fce_gradients gr;
+  FCE_NCCL_TRY(read_structs(fn, shard, ci.ranks, outputs, gradients, &out, &gr));
+  const int64_t vocab_total = shard->vocab_total, vocab_start = shard->vocab_start,
+                vocab_local = shard->vocab_local;
+  float* loss = out.loss;
+  void* grad_logits = gr.grad_logits;
+  const float* grad_output = gr.grad_output;
   size_t gathered_bytes = 0;
   FCE_NCCL_TRY(check_sizes(fn, rows, vocab_total, vocab_start, vocab_local, true, ci.ranks,
                            &gathered_bytes));
@@ -393,7 +446,8 @@ FCE_API fce_status fce_nccl_cross_entropy(const fce_options* options, ncclComm_t
   const bool per_row = o.reduction == FCE_REDUCTION_NONE, empty = rows == 0;
   if (!logits && !empty) return fail(FCE_ERROR_NULL_POINTER, "%s: logits is NULL", fn);
   if (!targets && !empty) return fail(FCE_ERROR_NULL_POINTER, "%s: targets is NULL", fn);
-  if (!loss && !(empty && per_row)) return fail(FCE_ERROR_NULL_POINTER, "%s: loss is NULL", fn);
+  if (!loss && !(empty && per_row))
+    return fail(FCE_ERROR_NULL_POINTER, "%s: outputs->loss is NULL", fn);
   const size_t es = elem_size(o.dtype), ts = elem_size(o.target_dtype);
   const int64_t rs = o.row_stride ? o.row_stride : vocab_local;
   const int64_t grs = o.grad_row_stride ? o.grad_row_stride : vocab_local;
@@ -407,30 +461,30 @@ FCE_API fce_status fce_nccl_cross_entropy(const fce_options* options, ncclComm_t
                 (long long)grs, (long long)vocab_local);
   if (with_grad && grad_logits == logits && grs != rs)
     return fail(FCE_ERROR_INVALID_ARGUMENT,
-                "%s: grad_logits is logits (in place) but options->grad_row_stride (%lld) is not "
+                "%s: gradients->grad_logits is logits (in place) but options->grad_row_stride (%lld) is not "
                 "options->row_stride (%lld)",
                 fn, (long long)grs, (long long)rs);
   const int64_t logits_bytes = span_bytes(rows, vocab_local, rs, es);
   const int64_t grad_bytes = with_grad ? span_bytes(rows, vocab_local, grs, es) : 0;
   if (logits_bytes < 0 || grad_bytes < 0)
     return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: rows x row stride overflow", fn);
-  const uint64_t rows4 = static_cast<uint64_t>(rows) * 4;
   Range r[12] = {
       {"logits", logits, static_cast<uint64_t>(logits_bytes), false, es},
-      {"grad_logits", grad_logits, static_cast<uint64_t>(grad_bytes), true, es},
+      {"gradients->grad_logits", grad_logits, static_cast<uint64_t>(grad_bytes), true, es},
       {"targets", targets, static_cast<uint64_t>(rows) * ts, false, ts},
       {"options->class_weights", o.class_weights, static_cast<uint64_t>(vocab_total) * 4, false,
        4},
-      {"grad_output", with_grad ? grad_output : nullptr, per_row ? rows4 : 4, false, 4},
-      {"loss", loss, per_row ? rows4 : 4, true, 4},
-      {"lse", lse, rows4, true, 4},
-      {"z_loss", z_loss, 4, true, 4},
-      {"error_flags", error_flags, 4, true, 4},
+      {},  // grad_output, then outputs->loss, ->lse, ->z_loss, ->error_flags: loss_ranges
+      {},
+      {},
+      {},
+      {},
       {"workspace", workspace, workspace_bytes, true, 16},
       {},
       {},
   };
-  forward_output_ranges(o, rows, &r[10], &r[11]);
+  loss_ranges(o, out, rows, with_grad ? grad_output : nullptr, &r[4]);
+  forward_output_ranges(o, out, rows, &r[10], &r[11]);
   FCE_NCCL_TRY(check_workspace(fn, workspace, workspace_bytes, l.total()));
   FCE_NCCL_TRY(check_ranges(fn, r, 12, 0, 1));
 
@@ -441,18 +495,19 @@ FCE_API fce_status fce_nccl_cross_entropy(const fce_options* options, ncclComm_t
   float* stats = gathered + static_cast<size_t>(ci.rank) * count;
   void* scratch = static_cast<char*>(workspace) + l.scratch_off;
   const size_t scratch_bytes = workspace_bytes - l.scratch_off;
-  FCE_NCCL_CORE(fn, fce_vp_stats(options, rows, vocab_total, vocab_start, vocab_local, logits,
-                                 targets, stats, stream));
+  FCE_NCCL_CORE(fn, fce_vp_stats(options, shard, rows, logits, targets, stats, stream));
   if (count > 0) {  // (no row: nothing to gather, on every rank alike)
     const ncclResult_t nr = ncclAllGather(stats, gathered, count, ncclFloat32, comm, s);
     if (nr != ncclSuccess) return nccl_fail(fn, "ncclAllGather (statistics)", nr, comm);
   }
-  if (with_grad)
-    FCE_NCCL_CORE(fn, fce_vp_backward(options, ci.ranks, rows, vocab_total, vocab_start,
-                                      vocab_local, logits, targets, gathered, grad_output,
-                                      grad_logits, error_flags, scratch, scratch_bytes, stream));
-  FCE_NCCL_CORE(fn, fce_vp_loss(options, ci.ranks, rows, vocab_total, targets, gathered, loss,
-                                lse, z_loss, error_flags, scratch, scratch_bytes, stream));
+  if (with_grad) {
+    fce_outputs flags = FCE_OUTPUTS_INIT;
+    flags.error_flags = out.error_flags;
+    FCE_NCCL_CORE(fn, fce_vp_backward(options, shard, rows, logits, targets, gathered, &flags,
+                                      &gr, scratch, scratch_bytes, stream));
+  }
+  FCE_NCCL_CORE(fn, fce_vp_loss(options, shard, rows, targets, gathered, &out, scratch,
+                                scratch_bytes, stream));
   return FCE_SUCCESS;
 }
 
@@ -477,19 +532,35 @@ FCE_API fce_status fce_nccl_linear_ce_workspace_size(const fce_options* options,
   return FCE_SUCCESS;
 }
 
-FCE_API fce_status fce_nccl_linear_ce(const fce_options* options, ncclComm_t comm, int64_t rows,
-                                      int64_t hidden, int64_t vocab_total, int64_t vocab_start,
-                                      int64_t vocab_local, const void* hidden_states,
-                                      const void* weight, const void* bias, const void* targets,
-                                      float* loss, float* lse, float* z_loss, void* grad_hidden,
-                                      void* grad_weight, void* grad_bias,
-                                      const float* grad_output, uint32_t* error_flags,
+FCE_API fce_status fce_nccl_linear_ce(const fce_options* options, ncclComm_t comm,
+                                      const fce_vp_shard* shard, int64_t rows, int64_t hidden,
+                                      const void* hidden_states, const void* weight,
+                                      const void* bias, const void* targets,
+                                      const fce_outputs* outputs, const fce_gradients* gradients,
                                       void* workspace, size_t workspace_bytes, void* stream) {
   const char* fn = "fce_nccl_linear_ce";
   g_last_error[0] = '\0';
   fce_options o;
   CommInfo ci;
   FCE_NCCL_TRY(check_common(fn, options, comm, true, &o, &ci));
+  fce_outputs out;
+  fce_gradients gr;
+  FCE_NCCL_TRY(read_structs(fn, shard, ci.ranks, outputs, gradients, &out, &gr));
+  if (gr.grad_logits)
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "%s: gradients->grad_logits is given, but %s writes only grad_hidden, "
+                "grad_weight and grad_bias", fn, fn);
+  if (gr.grad_hidden_dtype != FCE_FLOAT32)
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "%s: gradients->grad_hidden_dtype (%d) must be FCE_FLOAT32 (the default): "
+                "grad_hidden is the full gradient, of options->dtype", fn, gr.grad_hidden_dtype);
+  const int64_t vocab_total = shard->vocab_total, vocab_start = shard->vocab_start,
+                vocab_local = shard->vocab_local;
+  float* loss = out.loss;
+  void* grad_hidden = gr.grad_hidden;
+  void* grad_weight = gr.grad_weight;
+  void* grad_bias = gr.grad_bias;
+  const float* grad_output = gr.grad_output;
   size_t gathered_bytes = 0;
   FCE_NCCL_TRY(check_sizes(fn, rows, vocab_total, vocab_start, vocab_local, true, ci.ranks,
                            &gathered_bytes));
@@ -503,9 +574,11 @@ FCE_API fce_status fce_nccl_linear_ce(const fce_options* options, ncclComm_t com
     return fail(FCE_ERROR_NULL_POINTER, "%s: hidden_states is NULL", fn);
   if (!weight) return fail(FCE_ERROR_NULL_POINTER, "%s: weight is NULL", fn);
   if (!targets && !empty) return fail(FCE_ERROR_NULL_POINTER, "%s: targets is NULL", fn);
-  if (!loss && !(empty && per_row)) return fail(FCE_ERROR_NULL_POINTER, "%s: loss is NULL", fn);
+  if (!loss && !(empty && per_row))
+    return fail(FCE_ERROR_NULL_POINTER, "%s: outputs->loss is NULL", fn);
   if (grad_bias && !bias)
-    return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: grad_bias is given but bias is NULL", fn);
+    return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: gradients->grad_bias is given but bias is NULL",
+                fn);
   const size_t es = elem_size(o.dtype), ts = elem_size(o.target_dtype);
   const size_t gws = o.grad_weight_fp32 ? 4 : es;
   const int64_t hrs = o.hidden_row_stride ? o.hidden_row_stride : hidden;
@@ -519,7 +592,6 @@ FCE_API fce_status fce_nccl_linear_ce(const fce_options* options, ncclComm_t com
   const int64_t gw_bytes = span_bytes(vocab_local, hidden, hidden, gws);
   if (h_bytes < 0 || w_bytes < 0 || gh_bytes < 0 || gw_bytes < 0)
     return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: rows, hidden or vocab_local too large", fn);
-  const uint64_t rows4 = static_cast<uint64_t>(rows) * 4;
   Range r[17] = {
       {"hidden_states", hidden_states, static_cast<uint64_t>(h_bytes), false, es},
       {"weight", weight, static_cast<uint64_t>(w_bytes), false, es},
@@ -527,20 +599,21 @@ FCE_API fce_status fce_nccl_linear_ce(const fce_options* options, ncclComm_t com
       {"targets", targets, static_cast<uint64_t>(rows) * ts, false, ts},
       {"options->class_weights", o.class_weights, static_cast<uint64_t>(vocab_total) * 4, false,
        4},
-      {"grad_output", with_grad ? grad_output : nullptr, per_row ? rows4 : 4, false, 4},
-      {"loss", loss, per_row ? rows4 : 4, true, 4},
-      {"lse", lse, rows4, true, 4},
-      {"z_loss", z_loss, 4, true, 4},
-      {"error_flags", error_flags, 4, true, 4},
-      {"grad_hidden", grad_hidden, static_cast<uint64_t>(gh_bytes), true, es},
-      {"grad_weight", grad_weight, static_cast<uint64_t>(gw_bytes), true, gws},
-      {"grad_bias", grad_bias, static_cast<uint64_t>(vocab_local) * gws, true, gws},
+      {},  // grad_output, then outputs->loss, ->lse, ->z_loss, ->error_flags: loss_ranges
+      {},
+      {},
+      {},
+      {},
+      {"gradients->grad_hidden", grad_hidden, static_cast<uint64_t>(gh_bytes), true, es},
+      {"gradients->grad_weight", grad_weight, static_cast<uint64_t>(gw_bytes), true, gws},
+      {"gradients->grad_bias", grad_bias, static_cast<uint64_t>(vocab_local) * gws, true, gws},
       {"workspace", workspace, workspace_bytes, true, 16},
       {},
       {},
       {},
   };
-  forward_output_ranges(o, rows, &r[14], &r[15]);
+  loss_ranges(o, out, rows, with_grad ? grad_output : nullptr, &r[5]);
+  forward_output_ranges(o, out, rows, &r[14], &r[15]);
   FCE_NCCL_TRY(check_workspace(fn, workspace, workspace_bytes, l.min_total()));
   FCE_NCCL_TRY(check_ranges(fn, r, 16, -1, -1));
 
@@ -553,15 +626,14 @@ FCE_API fce_status fce_nccl_linear_ce(const fce_options* options, ncclComm_t com
     float* gathered = reinterpret_cast<float*>(ws);
     const size_t count = static_cast<size_t>(rows) * FCE_VP_STATS;
     float* stats = gathered + static_cast<size_t>(ci.rank) * count;
-    FCE_NCCL_CORE(fn, fce_vp_linear_stats(options, rows, hidden, vocab_total, vocab_start,
-                                          vocab_local, hidden_states, weight, bias, targets,
-                                          stats, scratch, scratch_bytes, stream));
+    FCE_NCCL_CORE(fn, fce_vp_linear_stats(options, shard, rows, hidden, hidden_states, weight,
+                                          bias, targets, stats, scratch, scratch_bytes, stream));
     if (count > 0) {  // (no row: nothing to gather, on every rank alike)
       const ncclResult_t nr = ncclAllGather(stats, gathered, count, ncclFloat32, comm, s);
       if (nr != ncclSuccess) return nccl_fail(fn, "ncclAllGather (statistics)", nr, comm);
     }
-    FCE_NCCL_CORE(fn, fce_vp_loss(options, ci.ranks, rows, vocab_total, targets, gathered, loss,
-                                  lse, z_loss, error_flags, scratch, scratch_bytes, stream));
+    FCE_NCCL_CORE(fn, fce_vp_loss(options, shard, rows, targets, gathered, &out, scratch,
+                                  scratch_bytes, stream));
     return FCE_SUCCESS;
   }
   // This rank's share of ∂h in float32: in grad_hidden itself for a float32 dtype, else in the
@@ -571,10 +643,12 @@ FCE_API fce_status fce_nccl_linear_ce(const fce_options* options, ncclComm_t com
     gh32 = o.dtype == FCE_FLOAT32 ? static_cast<float*>(grad_hidden)
                                   : reinterpret_cast<float*>(ws + l.gh_off);
   GatherCtx g{comm, ncclSuccess};
-  const fce_status st = fce_vp_linear_ce(
-      options, ci.ranks, rows, hidden, vocab_total, vocab_start, vocab_local, hidden_states,
-      weight, bias, targets, loss, lse, z_loss, grad_output, gh32, FCE_FLOAT32, grad_weight,
-      grad_bias, error_flags, nccl_all_gather, &g, scratch, scratch_bytes, stream);
+  fce_gradients partial = gr;  // this rank's share of dloss/dh, in float32
+  partial.grad_hidden = gh32;
+  partial.grad_hidden_dtype = FCE_FLOAT32;
+  const fce_status st =
+      fce_vp_linear_ce(options, shard, rows, hidden, hidden_states, weight, bias, targets, &out,
+                       &partial, nccl_all_gather, &g, scratch, scratch_bytes, stream);
   if (g.result != ncclSuccess) return nccl_fail(fn, "ncclAllGather (statistics)", g.result, comm);
   FCE_NCCL_CORE(fn, st);
   if (grad_hidden && rows > 0) {  // (no row: no dloss/dh to reduce, on every rank alike)

@@ -240,8 +240,8 @@ enum BufId {
   B_GW,
   B_GB,
   B_FLAGS,
-  B_ARGMAX,   // options->argmax
-  B_ACC,      // options->accuracy
+  B_ARGMAX,   // outputs->argmax
+  B_ACC,      // outputs->accuracy
   B_WS,
   B_Q0,       // the queries' workspace_bytes / min_bytes
   B_Q1,       // optimal_bytes
@@ -250,7 +250,7 @@ enum BufId {
 const char* const kBufName[kNumBuf] = {
     "logits", "targets", "options->class_weights", "grad_output", "lse (saved)", "hidden_states",
     "weight", "bias", "loss", "lse", "z_loss", "grad_logits", "grad_hidden", "grad_weight",
-    "grad_bias", "error_flags", "options->argmax", "options->accuracy", "workspace",
+    "grad_bias", "error_flags", "outputs->argmax", "outputs->accuracy", "workspace",
     "query output", "optimal_bytes"};
 
 enum Role {
@@ -465,7 +465,7 @@ void gen_options(Input& in, Case& c) {
   if (bits & 8192u) o.accumulate = 1;
   if (bits & 16384u) o.grad_weight_fp32 = 1;
   if (bits & 32768u) o.deterministic = 1;
-  if (((bits >> 16) & 7u) == 7u) o.struct_size = FCE_OPTIONS_SIZE_V0_1;
+  if (((bits >> 16) & 7u) == 7u) o.struct_size = 104;  // a 0.x caller's: refused since 1.0
   // Then defects: a few fields set to interesting (often invalid) values.
   const uint8_t m = in.byte();
   const int n = m < 128 ? 0 : m < 200 ? 1 : m < 240 ? 2 : 3 + m % 3;
@@ -503,7 +503,7 @@ void gen_options(Input& in, Case& c) {
   // What the library sees: the defaults, overwritten by the caller's struct_size bytes.
   const fce_options defaults = FCE_OPTIONS_INIT;
   c.eff = defaults;
-  const bool known = s == FCE_OPTIONS_SIZE_V0_1 || s == FCE_OPTIONS_SIZE_V0_3;
+  const bool known = s == FCE_OPTIONS_SIZE_V1_0;
   std::memcpy(&c.eff, &c.opt, known ? s : size_t(c.opt_bytes));
 }
 
@@ -524,14 +524,14 @@ void declare_call(Input& in, Case& c) {
   const int64_t reduced = none ? R : 1;
   const uint32_t bits = in.u32();
   auto declare_forward_extras = [&](bool written) {
-    // options->class_weights, argmax, accuracy: in the caller's struct (NULL past struct_size)
-    const bool v03 = o.struct_size == FCE_OPTIONS_SIZE_V0_3;
+    // options->class_weights; outputs->argmax and ->accuracy, passed to the calls that write
+    // them (the gradient-only calls refuse them)
     c.b[B_CW].present = bit(bits, 10);
     declare(c, B_CW, kIn, FCE_FLOAT32, 1, V, V, kFillWeights);
-    c.b[B_ARGMAX].present = v03 && bit(bits, 11);
+    c.b[B_ARGMAX].present = written && bit(bits, 11);
     declare(c, B_ARGMAX, written ? kOut : kIgnored, FCE_INT64, 1, R, R, kFillPoison, false,
             written);
-    c.b[B_ACC].present = v03 && bit(bits, 12);
+    c.b[B_ACC].present = written && bit(bits, 12);
     declare(c, B_ACC, written ? kOut : kIgnored, FCE_FLOAT32, 1, reduced, reduced, kFillPoison,
             false, written);
   };
@@ -644,8 +644,6 @@ void declare_call(Input& in, Case& c) {
 void query_workspace(Case& c) {
   fce_options q = c.opt;
   q.class_weights = nullptr;
-  q.argmax = nullptr;
-  q.accuracy = nullptr;
   size_t need = 0, opt = 0;
   fce_status st = FCE_ERROR_INTERNAL;
   if (c.opt_null) return;
@@ -800,7 +798,7 @@ void judge(Case& c) {
   if (compute || query) {
     if (c.opt_null) add(c, kInvalid, FCE_ERROR_NULL_POINTER, false, "options is NULL");
     const size_t s = c.opt.struct_size;
-    if (s != FCE_OPTIONS_SIZE_V0_1 && s != FCE_OPTIONS_SIZE_V0_3)
+    if (s != FCE_OPTIONS_SIZE_V1_0)
       add(c, kInvalid, INV, false, "struct_size is no version's size");
     if (o.reserved0 != 0) add(c, kInvalid, INV, false, "reserved0 != 0");
     if (o.reserved1 != 0) add(c, kInvalid, INV, false, "reserved1 != 0");
@@ -1206,24 +1204,38 @@ void derived_fill(Case& c) {
 fce_status invoke(Case& c, const fce_options* o) {
   auto P = [&](BufId id) -> void* { return c.b[id].present ? c.b[id].ptr : nullptr; };
   auto F = [&](BufId id) { return static_cast<float*>(P(id)); };
+  // The outputs (argmax and accuracy only for the calls that write them: declare_call) and the
+  // gradients, each in its structure.
+  fce_outputs out = FCE_OUTPUTS_INIT;
+  out.loss = F(B_LOSS);
+  out.lse = F(B_LSE);
+  out.z_loss = F(B_ZLOSS);
+  out.argmax = static_cast<int64_t*>(P(B_ARGMAX));
+  out.accuracy = F(B_ACC);
+  out.error_flags = static_cast<uint32_t*>(P(B_FLAGS));
+  fce_outputs flags = FCE_OUTPUTS_INIT;
+  flags.error_flags = out.error_flags;
+  fce_gradients g = FCE_GRADIENTS_INIT;
+  g.grad_output = F(B_GOUT);
+  g.grad_logits = P(B_GRAD);
+  fce_gradients lg = FCE_GRADIENTS_INIT;
+  lg.grad_output = F(B_GOUT);
+  lg.grad_hidden = P(B_GH);
+  lg.grad_weight = P(B_GW);
+  lg.grad_bias = P(B_GB);
   switch (c.fn) {
     case kForward:
-      return fce_forward(o, c.rows, c.vocab, P(B_LOGITS), P(B_TARGETS), F(B_LOSS), F(B_LSE),
-                         F(B_ZLOSS), P(B_GRAD), F(B_GOUT), static_cast<uint32_t*>(P(B_FLAGS)),
-                         P(B_WS), c.ws_bytes, c.stream);
+      return fce_forward(o, c.rows, c.vocab, P(B_LOGITS), P(B_TARGETS), &out, &g, P(B_WS),
+                         c.ws_bytes, c.stream);
     case kBackward:
-      return fce_backward(o, c.rows, c.vocab, P(B_LOGITS), P(B_TARGETS), F(B_LSE_IN), F(B_GOUT),
-                          P(B_GRAD), static_cast<uint32_t*>(P(B_FLAGS)), P(B_WS), c.ws_bytes,
-                          c.stream);
+      return fce_backward(o, c.rows, c.vocab, P(B_LOGITS), P(B_TARGETS), F(B_LSE_IN), &flags, &g,
+                          P(B_WS), c.ws_bytes, c.stream);
     case kRescale:
       return fce_backward_rescale(o, c.rows, c.vocab, P(B_LOGITS), P(B_TARGETS), F(B_LSE_IN),
-                                  F(B_GOUT), P(B_GRAD), static_cast<uint32_t*>(P(B_FLAGS)),
-                                  P(B_WS), c.ws_bytes, c.stream);
+                                  &flags, &g, P(B_WS), c.ws_bytes, c.stream);
     case kLinear:
       return fce_linear_ce(o, c.rows, c.hidden, c.vocab, P(B_HIDDEN), P(B_WEIGHT), P(B_BIAS),
-                           P(B_TARGETS), F(B_LOSS), F(B_LSE), F(B_ZLOSS), P(B_GH), P(B_GW),
-                           P(B_GB), F(B_GOUT), static_cast<uint32_t*>(P(B_FLAGS)), P(B_WS),
-                           c.ws_bytes, c.stream);
+                           P(B_TARGETS), &out, &lg, P(B_WS), c.ws_bytes, c.stream);
     case kScale:
       return fce_scale_gradient(c.sg_backend, c.sg_dtype, c.count, P(B_GRAD), F(B_GOUT), c.stream);
     case kQueryForward:
@@ -1369,16 +1381,15 @@ void check_error_flags(const Case& c, const std::vector<uint8_t>& snapshot) {
 
 // ------------------------------------------------------------------ one input --------------
 void run_options_default(Input& in) {
-  // fce_options_default writes options->struct_size bytes at most (0: FCE_OPTIONS_SIZE_V0_1),
+  // fce_options_default writes options->struct_size bytes at most (0: FCE_OPTIONS_SIZE_V1_0),
   // the defaults of FCE_OPTIONS_INIT; nothing when options is NULL.
-  const size_t sizes[] = {0, FCE_OPTIONS_SIZE_V0_1, FCE_OPTIONS_SIZE_V0_3, 8, 16, 100, 112, 120,
-                          200, 4, 1};
+  const size_t sizes[] = {0, FCE_OPTIONS_SIZE_V1_0, 104, 136, 8, 16, 100, 112, 200, 4, 1};
   const size_t s = sizes[in.below(sizeof sizes / sizeof sizes[0])];
   if (in.below(16) == 15) {
     fce_options_default(nullptr);
     return;
   }
-  const size_t n = s == 0 ? FCE_OPTIONS_SIZE_V0_1 : s;
+  const size_t n = s == 0 ? FCE_OPTIONS_SIZE_V1_0 : s;
   const size_t room = std::max<size_t>(8, (std::min<size_t>(n, 256) + 7) & ~size_t(7));
   std::vector<uint8_t> mem(room + 64, 0xA5);
   uint8_t* p = mem.data();  // 8-aligned (vector of new'ed memory: 16)
@@ -1387,7 +1398,7 @@ void run_options_default(Input& in) {
   fce_options_default(reinterpret_cast<fce_options*>(p));
   FUZZ_UNPOISON(p + room, 64);
   fce_options want = FCE_OPTIONS_INIT;
-  want.struct_size = s == 0 ? FCE_OPTIONS_SIZE_V0_1 : s;
+  want.struct_size = s == 0 ? FCE_OPTIONS_SIZE_V1_0 : s;
   const uint8_t* w = reinterpret_cast<const uint8_t*>(&want);
   const size_t limit = std::min(n, sizeof(fce_options));
   Case dummy;
@@ -1399,7 +1410,7 @@ void run_options_default(Input& in) {
       if (p[i] != before) fail(dummy, "fce_options_default wrote byte " + std::to_string(i));
       continue;
     }
-    const bool full = s == 0 || s == FCE_OPTIONS_SIZE_V0_1 || s == FCE_OPTIONS_SIZE_V0_3;
+    const bool full = s == 0 || s == FCE_OPTIONS_SIZE_V1_0;
     if (full ? p[i] != w[i] : (p[i] != before && p[i] != w[i]))
       fail(dummy, "fce_options_default: byte " + std::to_string(i) + " is not the default");
   }
@@ -1529,14 +1540,7 @@ int run_one(const uint8_t* data, size_t size) {
   auto ptr_or_null = [&](BufId id) { return c.b[id].present ? c.b[id].ptr : nullptr; };
   if (c.fn != kScale) {
     c.opt.class_weights = reinterpret_cast<const float*>(ptr_or_null(B_CW));
-    c.opt.argmax = reinterpret_cast<int64_t*>(ptr_or_null(B_ARGMAX));
-    c.opt.accuracy = reinterpret_cast<float*>(ptr_or_null(B_ACC));
     c.eff.class_weights = c.opt.class_weights;
-    if (c.eff.struct_size == FCE_OPTIONS_SIZE_V0_3 ||
-        (c.eff.struct_size != FCE_OPTIONS_SIZE_V0_1 && c.opt_bytes >= FCE_OPTIONS_SIZE_V0_3)) {
-      c.eff.argmax = c.opt.argmax;
-      c.eff.accuracy = c.opt.accuracy;
-    }
     std::memcpy(opt_ptr, &c.opt, size_t(std::min<uint64_t>(c.opt_bytes, sizeof(fce_options))));
   }
 

@@ -22,6 +22,46 @@
 #include "fusedce_nccl.h"
 #include "test_util.h"
 
+// The suites' flat argument lists of the two calls (flat_calls.h does the same for libfusedce's):
+// packed into fce_vp_shard, fce_outputs and fce_gradients here; shard->ranks is the communicator's.
+namespace flat {
+
+inline int64_t comm_ranks(ncclComm_t comm) {
+  int n = 0;
+  if (comm && ncclCommCount(comm, &n) != ncclSuccess) n = 0;
+  return n;
+}
+
+inline fce_status nccl_cross_entropy(const TestOptions* o, ncclComm_t comm, int64_t rows,
+                                     int64_t vocab_total, int64_t vocab_start,
+                                     int64_t vocab_local, const void* logits, const void* targets,
+                                     float* loss, float* lse, float* z_loss, void* grad_logits,
+                                     const float* grad_output, uint32_t* error_flags,
+                                     void* workspace, size_t workspace_bytes, void* stream) {
+  const fce_vp_shard sh = shard(comm_ranks(comm), vocab_total, vocab_start, vocab_local);
+  const fce_outputs out = outputs(o, loss, lse, z_loss, error_flags);
+  const fce_gradients g = logit_grads(grad_logits, grad_output);
+  return fce_nccl_cross_entropy(o, comm, &sh, rows, logits, targets, &out,
+                                grad_logits ? &g : nullptr, workspace, workspace_bytes, stream);
+}
+
+inline fce_status nccl_linear_ce(const TestOptions* o, ncclComm_t comm, int64_t rows,
+                                 int64_t hidden, int64_t vocab_total, int64_t vocab_start,
+                                 int64_t vocab_local, const void* hidden_states,
+                                 const void* weight, const void* bias, const void* targets,
+                                 float* loss, float* lse, float* z_loss, void* grad_hidden,
+                                 void* grad_weight, void* grad_bias, const float* grad_output,
+                                 uint32_t* error_flags, void* workspace, size_t workspace_bytes,
+                                 void* stream) {
+  const fce_vp_shard sh = shard(comm_ranks(comm), vocab_total, vocab_start, vocab_local);
+  const fce_outputs out = outputs(o, loss, lse, z_loss, error_flags);
+  const fce_gradients g = linear_grads(grad_hidden, grad_weight, grad_bias, grad_output);
+  return fce_nccl_linear_ce(o, comm, &sh, rows, hidden, hidden_states, weight, bias, targets,
+                            &out, &g, workspace, workspace_bytes, stream);
+}
+
+}  // namespace flat
+
 using namespace fcet;
 
 namespace {
@@ -168,7 +208,7 @@ struct CeCase {
   float eps = 0, lambda = 0, softcap = 0, scale = 1;
   bool weights = false;
   double ignore = 0;
-  bool argmax = false;  // options->argmax and ->accuracy
+  bool argmax = false;  // outputs->argmax and ->accuracy
   bool grad = true;
   bool in_place = false;
   int64_t N = 64, V = 1003;
@@ -199,8 +239,8 @@ CeData ce_data(const CeCase& c) {
   return d;
 }
 
-fce_options ce_options(const CeCase& c) {
-  fce_options o = FCE_OPTIONS_INIT;
+TestOptions ce_options(const CeCase& c) {
+  TestOptions o = FCE_OPTIONS_INIT;
   o.backend = FCE_BACKEND_CUDA;
   o.dtype = c.dtype;
   o.target_dtype = c.tdtype;
@@ -258,7 +298,7 @@ CeDev ce_alloc(const CeCase& c, const CeData& d, cudaStream_t s) {
   CeCase rc = c;
   rc.in_place = false;
   CeDev b = ce_alloc(rc, d, s);
-  fce_options o = ce_options(c);
+  TestOptions o = ce_options(c);
   o.class_weights = c.weights ? b.w.p<float>() : nullptr;
   if (c.argmax) {
     o.argmax = b.argmax.p<int64_t>();
@@ -269,7 +309,7 @@ CeDev ce_alloc(const CeCase& c, const CeData& d, cudaStream_t s) {
   if (st != FCE_SUCCESS) return ok(st, "fce_forward_workspace_size");
   b.ws = Dev(wsb, s);
   b.poison();
-  st = fce_forward(&o, c.N, c.V, b.z.ptr(), b.y.ptr(), b.loss.p<float>(), b.lse.p<float>(),
+  st = flat::forward(&o, c.N, c.V, b.z.ptr(), b.y.ptr(), b.loss.p<float>(), b.lse.p<float>(),
                    b.zl.p<float>(), c.grad ? b.grad.ptr() : nullptr, b.g.p<float>(),
                    b.flags.p<uint32_t>(), b.ws.ptr(), wsb, s);
   if (st != FCE_SUCCESS) return ok(st, "fce_forward (reference)");
@@ -320,7 +360,7 @@ std::string replay_matches(cudaStream_t s, Call call, Poison poison, Download do
   cudaStream_t s = stream0();
   ncclComm_t comm = comm1();
   CeDev b = ce_alloc(c, d, s);
-  fce_options o = ce_options(c);
+  TestOptions o = ce_options(c);
   o.class_weights = c.weights ? b.w.p<float>() : nullptr;
   if (c.argmax) {
     o.argmax = b.argmax.p<int64_t>();
@@ -333,7 +373,7 @@ std::string replay_matches(cudaStream_t s, Call call, Poison poison, Download do
   b.poison();
   void* grad = c.grad ? (c.in_place ? b.z.ptr() : b.grad.ptr()) : nullptr;
   auto call = [&] {
-    return fce_nccl_cross_entropy(&o, comm, c.N, c.V, 0, c.V, b.z.ptr(), b.y.ptr(),
+    return flat::nccl_cross_entropy(&o, comm, c.N, c.V, 0, c.V, b.z.ptr(), b.y.ptr(),
                                   b.loss.p<float>(), b.lse.p<float>(), b.zl.p<float>(), grad,
                                   b.g.p<float>(), b.flags.p<uint32_t>(), b.ws.ptr(), wsb, s);
   };
@@ -474,8 +514,8 @@ LinData lin_data(const LinCase& c) {
   return d;
 }
 
-fce_options lin_options(const LinCase& c) {
-  fce_options o = FCE_OPTIONS_INIT;
+TestOptions lin_options(const LinCase& c) {
+  TestOptions o = FCE_OPTIONS_INIT;
   o.backend = FCE_BACKEND_CUDA;
   o.dtype = c.dtype;
   o.reduction = c.reduction;
@@ -544,7 +584,7 @@ bool lin_with_grad(const LinCase& c) { return c.gh || c.gw || (c.gb && c.bias); 
 ::testing::AssertionResult lin_reference(const LinCase& c, const LinData& d, LinOut* out) {
   cudaStream_t s = stream0();
   LinDev b = lin_alloc(c, d, s);
-  fce_options o = lin_options(c);
+  TestOptions o = lin_options(c);
   if (c.argmax) {
     o.argmax = b.argmax.p<int64_t>();
     o.accuracy = b.acc.p<float>();
@@ -554,7 +594,7 @@ bool lin_with_grad(const LinCase& c) { return c.gh || c.gw || (c.gb && c.bias); 
   if (st != FCE_SUCCESS) return ok(st, "fce_linear_ce_workspace_size");
   b.ws = Dev(opt, s);
   b.poison();
-  st = fce_linear_ce(&o, c.N, c.D, c.V, b.h.ptr(), b.W.ptr(), b.b.ptr(), b.y.ptr(),
+  st = flat::linear_ce(&o, c.N, c.D, c.V, b.h.ptr(), b.W.ptr(), b.b.ptr(), b.y.ptr(),
                      b.loss.p<float>(), b.lse.p<float>(), b.zl.p<float>(), b.gh.ptr(), b.gw.ptr(),
                      b.gb.ptr(), b.g.p<float>(), b.flags.p<uint32_t>(), b.ws.ptr(), opt, s);
   if (st != FCE_SUCCESS) return ok(st, "fce_linear_ce (reference)");
@@ -568,7 +608,7 @@ bool lin_with_grad(const LinCase& c) { return c.gh || c.gw || (c.gb && c.bias); 
   cudaStream_t s = stream0();
   ncclComm_t comm = comm1();
   LinDev b = lin_alloc(c, d, s);
-  fce_options o = lin_options(c);
+  TestOptions o = lin_options(c);
   if (c.argmax) {
     o.argmax = b.argmax.p<int64_t>();
     o.accuracy = b.acc.p<float>();
@@ -583,7 +623,7 @@ bool lin_with_grad(const LinCase& c) { return c.gh || c.gw || (c.gb && c.bias); 
   b.ws = Dev(wsb, s);
   b.poison();
   auto call = [&] {
-    return fce_nccl_linear_ce(&o, comm, c.N, c.D, c.V, 0, c.V, b.h.ptr(), b.W.ptr(), b.b.ptr(),
+    return flat::nccl_linear_ce(&o, comm, c.N, c.D, c.V, 0, c.V, b.h.ptr(), b.W.ptr(), b.b.ptr(),
                               b.y.ptr(), b.loss.p<float>(), b.lse.p<float>(), b.zl.p<float>(),
                               b.gh.ptr(), b.gw.ptr(), b.gb.ptr(), b.g.p<float>(),
                               b.flags.p<uint32_t>(), b.ws.ptr(), wsb, s);
@@ -711,7 +751,7 @@ TEST(Nccl, VersionAndBuildInfo) {
 
 // The checks that need no device: run everywhere.
 TEST(Nccl, BadArgumentsWithoutDevice) {
-  fce_options o = FCE_OPTIONS_INIT;
+  TestOptions o = FCE_OPTIONS_INIT;
   size_t ws = 12345, mn = 12345;
   float loss = -1.0f;
   const ncclComm_t no_comm = nullptr;
@@ -722,13 +762,13 @@ TEST(Nccl, BadArgumentsWithoutDevice) {
             std::string::npos)
       << fce_nccl_last_error();
   EXPECT_EQ(ws, 12345u);
-  EXPECT_EQ(fce_nccl_cross_entropy(&o, no_comm, 4, 8, 0, 8, &loss, &loss, &loss, nullptr, nullptr,
+  EXPECT_EQ(flat::nccl_cross_entropy(&o, no_comm, 4, 8, 0, 8, &loss, &loss, &loss, nullptr, nullptr,
                                    nullptr, nullptr, nullptr, nullptr, 0, nullptr),
             FCE_ERROR_NULL_POINTER);
   EXPECT_NE(std::string(fce_nccl_last_error()).find("fce_nccl_cross_entropy: comm is NULL"),
             std::string::npos)
       << fce_nccl_last_error();
-  EXPECT_EQ(fce_nccl_linear_ce(&o, no_comm, 4, 8, 16, 0, 16, &loss, &loss, nullptr, &loss, &loss,
+  EXPECT_EQ(flat::nccl_linear_ce(&o, no_comm, 4, 8, 16, 0, 16, &loss, &loss, nullptr, &loss, &loss,
                                nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
                                nullptr, 0, nullptr),
             FCE_ERROR_NULL_POINTER);
@@ -744,14 +784,14 @@ TEST(Nccl, BadArgumentsWithoutDevice) {
                                                     "options->backend"),
             std::string::npos)
       << fce_nccl_last_error();
-  EXPECT_EQ(fce_nccl_linear_ce(&o, no_comm, 4, 8, 16, 0, 16, &loss, &loss, nullptr, &loss, &loss,
+  EXPECT_EQ(flat::nccl_linear_ce(&o, no_comm, 4, 8, 16, 0, 16, &loss, &loss, nullptr, &loss, &loss,
                                nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
                                nullptr, 0, nullptr),
             FCE_ERROR_UNSUPPORTED);
   EXPECT_NE(std::string(fce_nccl_last_error()).find("fce_nccl_linear_ce: options->backend"),
             std::string::npos)
       << fce_nccl_last_error();
-  EXPECT_EQ(fce_nccl_cross_entropy(&o, no_comm, 4, 8, 0, 8, &loss, &loss, &loss, nullptr,
+  EXPECT_EQ(flat::nccl_cross_entropy(&o, no_comm, 4, 8, 0, 8, &loss, &loss, &loss, nullptr,
                                    nullptr, nullptr, nullptr, nullptr, nullptr, 0, nullptr),
             FCE_ERROR_UNSUPPORTED);
   EXPECT_NE(std::string(fce_nccl_last_error()).find("fce_nccl_cross_entropy: options->backend"),
@@ -794,7 +834,7 @@ TEST(Nccl, BadArgumentsOnDevice) {
   cudaStream_t s = stream0();
   ncclComm_t comm = comm1();
   const int64_t N = 8, V = 40, D = 16;
-  fce_options o = FCE_OPTIONS_INIT;
+  TestOptions o = FCE_OPTIONS_INIT;
   std::mt19937_64 rng(5);
   Dev z(encode(FCE_FLOAT32, random_logits(rng, FCE_FLOAT32, N, V)), s);
   Dev y(encode_targets(FCE_INT64, random_targets(rng, N, V)), s);
@@ -809,7 +849,7 @@ TEST(Nccl, BadArgumentsOnDevice) {
   grad.fill(kPoisonByte);
   const std::vector<uint8_t> loss0 = loss.download(), grad0 = grad.download();
   auto ce = [&](float* l, void* g, void* w, size_t b, int64_t vs = 0, int64_t vl = 40) {
-    return fce_nccl_cross_entropy(&o, comm, N, V, vs, vl, z.ptr(), y.ptr(), l, nullptr, nullptr,
+    return flat::nccl_cross_entropy(&o, comm, N, V, vs, vl, z.ptr(), y.ptr(), l, nullptr, nullptr,
                                   g, nullptr, nullptr, w, b, s);
   };
   auto mentions = [](const char* a, const char* b) {
@@ -844,7 +884,7 @@ TEST(Nccl, BadArgumentsOnDevice) {
             FCE_ERROR_INVALID_ARGUMENT);
   EXPECT_TRUE(mentions("fce_nccl_cross_entropy_workspace_size: options->label_smoothing", ""))
       << fce_nccl_last_error();
-  EXPECT_EQ(fce_nccl_linear_ce(&o, comm, N, D, V, 0, V, h.ptr(), W.ptr(), nullptr, y.ptr(),
+  EXPECT_EQ(flat::nccl_linear_ce(&o, comm, N, D, V, 0, V, h.ptr(), W.ptr(), nullptr, y.ptr(),
                                loss.p<float>(), nullptr, nullptr, nullptr, nullptr, nullptr,
                                nullptr, nullptr, ws.ptr(), wsb, s),
             FCE_ERROR_INVALID_ARGUMENT);
@@ -859,7 +899,7 @@ TEST(Nccl, BadArgumentsOnDevice) {
   ASSERT_TRUE(ok(fce_nccl_linear_ce_workspace_size(&o, comm, N, D, V, V, 1, &mn, nullptr), "q"));
   Dev lws(mn, s), gh(4 * N * D, s);
   auto lin = [&](const void* bias, void* gb, void* w, size_t b) {
-    return fce_nccl_linear_ce(&o, comm, N, D, V, 0, V, h.ptr(), W.ptr(), bias, y.ptr(),
+    return flat::nccl_linear_ce(&o, comm, N, D, V, 0, V, h.ptr(), W.ptr(), bias, y.ptr(),
                               loss.p<float>(), nullptr, nullptr, gh.ptr(), nullptr, gb, nullptr,
                               nullptr, w, b, s);
   };
@@ -867,7 +907,7 @@ TEST(Nccl, BadArgumentsOnDevice) {
   EXPECT_TRUE(mentions("fce_nccl_linear_ce: ", "workspace_bytes")) << fce_nccl_last_error();
   EXPECT_EQ(lin(nullptr, grad.ptr(), lws.ptr(), mn), FCE_ERROR_INVALID_ARGUMENT);
   EXPECT_TRUE(mentions("fce_nccl_linear_ce: ", "bias is NULL")) << fce_nccl_last_error();
-  EXPECT_EQ(fce_nccl_linear_ce(&o, comm, N, D, V, 0, V, nullptr, W.ptr(), nullptr, y.ptr(),
+  EXPECT_EQ(flat::nccl_linear_ce(&o, comm, N, D, V, 0, V, nullptr, W.ptr(), nullptr, y.ptr(),
                                loss.p<float>(), nullptr, nullptr, nullptr, nullptr, nullptr,
                                nullptr, nullptr, lws.ptr(), mn, s),
             FCE_ERROR_NULL_POINTER);
@@ -887,7 +927,7 @@ TEST(Nccl, EmptyBatch) {
   cudaStream_t s = stream0();
   ncclComm_t comm = comm1();
   const int64_t V = 40, D = 16;
-  fce_options o = FCE_OPTIONS_INIT;
+  TestOptions o = FCE_OPTIONS_INIT;
   size_t wsb = 1, mn = 1, op = 1;
   ASSERT_TRUE(ok(fce_nccl_cross_entropy_workspace_size(&o, comm, 0, V, V, 1, &wsb), "query"));
   ASSERT_TRUE(ok(fce_nccl_linear_ce_workspace_size(&o, comm, 0, D, V, V, 1, &mn, &op), "query"));
@@ -898,14 +938,14 @@ TEST(Nccl, EmptyBatch) {
   loss.fill(kPoisonByte);
   gw.fill(kPoisonByte);
   W.fill(0);
-  ASSERT_TRUE(ok(fce_nccl_cross_entropy(&o, comm, 0, V, 0, V, nullptr, nullptr, loss.p<float>(),
+  ASSERT_TRUE(ok(flat::nccl_cross_entropy(&o, comm, 0, V, 0, V, nullptr, nullptr, loss.p<float>(),
                                         nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0,
                                         s),
                  "fce_nccl_cross_entropy"));
   std::vector<uint8_t> l = loss.download();
   EXPECT_EQ(l, std::vector<uint8_t>(4, 0)) << "loss of no row";
   loss.fill(kPoisonByte);
-  ASSERT_TRUE(ok(fce_nccl_linear_ce(&o, comm, 0, D, V, 0, V, nullptr, W.ptr(), nullptr, nullptr,
+  ASSERT_TRUE(ok(flat::nccl_linear_ce(&o, comm, 0, D, V, 0, V, nullptr, W.ptr(), nullptr, nullptr,
                                     loss.p<float>(), nullptr, nullptr, nullptr, gw.ptr(),
                                     nullptr, nullptr, nullptr, nullptr, 0, s),
                  "fce_nccl_linear_ce"));
@@ -913,10 +953,10 @@ TEST(Nccl, EmptyBatch) {
   EXPECT_EQ(l, std::vector<uint8_t>(4, 0)) << "loss of no row (linear)";
   EXPECT_EQ(gw.download(), std::vector<uint8_t>(4 * V * D, 0)) << "grad_weight of no row";
   o.reduction = FCE_REDUCTION_NONE;
-  EXPECT_TRUE(ok(fce_nccl_cross_entropy(&o, comm, 0, V, 0, V, nullptr, nullptr, nullptr, nullptr,
+  EXPECT_TRUE(ok(flat::nccl_cross_entropy(&o, comm, 0, V, 0, V, nullptr, nullptr, nullptr, nullptr,
                                         nullptr, nullptr, nullptr, nullptr, nullptr, 0, s),
                  "fce_nccl_cross_entropy (none)"));
-  EXPECT_EQ(fce_nccl_cross_entropy(&o, comm, -1, V, 0, V, nullptr, nullptr, nullptr, nullptr,
+  EXPECT_EQ(flat::nccl_cross_entropy(&o, comm, -1, V, 0, V, nullptr, nullptr, nullptr, nullptr,
                                    nullptr, nullptr, nullptr, nullptr, nullptr, 0, s),
             FCE_ERROR_INVALID_ARGUMENT);
   EXPECT_NE(std::string(fce_nccl_last_error()).find("fce_nccl_cross_entropy: rows (-1)"),
@@ -1020,14 +1060,14 @@ void run_rank(ncclComm_t comm, int dev, int64_t start, int64_t local, int64_t ls
     pc.V = local;  // the shard's buffers (sizes of the outputs: per row / scalar)
     CeDev b = ce_alloc(pc, part, s);
     if (c.weights) b.w = Dev(encode(FCE_FLOAT32, cd.w), s);  // the WHOLE vocabulary's
-    fce_options o = ce_options(c);
+    TestOptions o = ce_options(c);
     o.class_weights = c.weights ? b.w.p<float>() : nullptr;
     o.argmax = b.argmax.p<int64_t>();
     o.accuracy = b.acc.p<float>();
     size_t wsb = 0;
     fce_status st = fce_nccl_cross_entropy_workspace_size(&o, comm, c.N, c.V, local, 1, &wsb);
     auto call = [&] {
-      return fce_nccl_cross_entropy(&o, comm, c.N, c.V, start, local, b.z.ptr(), b.y.ptr(),
+      return flat::nccl_cross_entropy(&o, comm, c.N, c.V, start, local, b.z.ptr(), b.y.ptr(),
                                     b.loss.p<float>(), b.lse.p<float>(), b.zl.p<float>(),
                                     b.grad.ptr(), b.g.p<float>(), b.flags.p<uint32_t>(),
                                     b.ws.ptr(), wsb, s);
@@ -1061,14 +1101,14 @@ void run_rank(ncclComm_t comm, int dev, int64_t start, int64_t local, int64_t ls
     LinCase pc = l;
     pc.V = llocal;
     LinDev b = lin_alloc(pc, part, s);
-    fce_options o = lin_options(l);
+    TestOptions o = lin_options(l);
     o.argmax = b.argmax.p<int64_t>();
     o.accuracy = b.acc.p<float>();
     size_t mn = 0, opt = 0;
     fce_status st =
         fce_nccl_linear_ce_workspace_size(&o, comm, l.N, l.D, l.V, llocal, 1, &mn, &opt);
     auto call = [&] {
-      return fce_nccl_linear_ce(&o, comm, l.N, l.D, l.V, lstart, llocal, b.h.ptr(), b.W.ptr(),
+      return flat::nccl_linear_ce(&o, comm, l.N, l.D, l.V, lstart, llocal, b.h.ptr(), b.W.ptr(),
                                 b.b.ptr(), b.y.ptr(), b.loss.p<float>(), b.lse.p<float>(),
                                 b.zl.p<float>(), b.gh.ptr(), b.gw.ptr(), b.gb.ptr(),
                                 b.g.p<float>(), b.flags.p<uint32_t>(), b.ws.ptr(), opt, s);

@@ -100,12 +100,15 @@ def test_accepted_spellings_pass(pkg: Path):
     # CuPtr for device buffers, aliases (fce_options, fce_status), Int32 for Cint, @ccall forms
     plant(pkg, "ext/spellings.jl", """
         const CuPtr = Ptr   # stands in for CUDA.jl's type in this self-test only
-        g(o, rows, vocab, z, y, loss, ws, nws, s) =
+        g(o, rows, vocab, z, y, out, grads, ws, nws, s) =
             ccall(libfusedce_symbol(:fce_forward), fce_status,
-                  (Ref{fce_options}, Int64, Int64, CuPtr{Cvoid}, PtrOrCuPtr{Cvoid}, CuPtr{Float32},
-                   Ptr{Cfloat}, Ptr{Cfloat}, CuPtr{Cvoid}, CuPtr{Cfloat}, CuPtr{UInt32},
-                   CuPtr{Cvoid}, Csize_t, CUstream),
-                  o, rows, vocab, z, y, loss, C_NULL, C_NULL, C_NULL, C_NULL, C_NULL, ws, nws, s)
+                  (Ref{fce_options}, Int64, Int64, CuPtr{Cvoid}, PtrOrCuPtr{Cvoid},
+                   Ref{fce_outputs}, Ref{FceGradients}, CuPtr{Cvoid}, Csize_t, CUstream),
+                  o, rows, vocab, z, y, out, grads, ws, nws, s)
+        st(o, sh, rows, z, y, stats, s) =
+            ccall(libfusedce_symbol(:fce_vp_stats), Cint,
+                  (Ref{FceOptions}, Ref{FceVpShard}, Int64, CuPtr{Cvoid}, CuPtr{Cvoid},
+                   CuPtr{Float32}, CUstream), o, sh, rows, z, y, stats, s)
         h() = @ccall libfusedce.fce_cuda_available()::Int32
         k(s) = @ccall $(libfusedce_symbol(:fce_status_string))(s::Cint)::Ptr{UInt8}
         m(o) = ccall((:fce_options_default, "libfusedce"), Cvoid, (Ptr{FceOptions},), o)
@@ -160,22 +163,27 @@ def test_wrong_scalar_type_fails(pkg: Path):
     assert only(problems(pkg), "argument 2 (int64_t rows) is typed Int32", "expected Int64")
 
 
-@pytest.mark.parametrize("position,wrong,needle", [
-    (4, "Ptr{Cfloat}", "argument 4 (const void* logits)"),          # void* as float*
-    (6, "Ptr{Cdouble}", "argument 6 (float* loss)"),               # float* as double*
-    (11, "Ptr{Int32}", "argument 11 (uint32_t* error_flags)"),    # uint32_t* as int32_t*
-    (13, "Cint", "argument 13 (size_t workspace_bytes)"),          # size_t as int
-    (1, "FceOptions", "argument 1 (const fce_options* options)"),  # struct by value
-    (6, "Ref{Cfloat}", "argument 6 (float* loss)"),                # Ref for a device buffer
+@pytest.mark.parametrize("function,position,wrong,needle", [
+    ("fce_forward", 4, "Ptr{Cfloat}", "argument 4 (const void* logits)"),  # void* as float*
+    ("fce_vp_stats", 6, "Ptr{Cdouble}", "argument 6 (float* stats)"),     # float* as double*
+    ("fce_forward", 9, "Cint", "argument 9 (size_t workspace_bytes)"),    # size_t as int
+    ("fce_forward", 1, "FceOptions", "argument 1 (const fce_options* options)"),  # by value
+    ("fce_forward", 6, "FceOutputs", "argument 6 (const fce_outputs* outputs)"),  # by value
+    ("fce_forward", 7, "Ptr{Cfloat}", "argument 7 (const fce_gradients* gradients)"),  # a float*
+    ("fce_vp_stats", 6, "Ref{Cfloat}", "argument 6 (float* stats)"),      # Ref for a device buffer
 ])
-def test_wrong_pointer_and_struct_types_fail(pkg: Path, position, wrong, needle):
-    types = ["Ref{FceOptions}", "Int64", "Int64", "Ptr{Cvoid}", "Ptr{Cvoid}", "Ptr{Cfloat}",
-             "Ptr{Cfloat}", "Ptr{Cfloat}", "Ptr{Cvoid}", "Ptr{Cfloat}", "Ptr{UInt32}", "Ptr{Cvoid}",
-             "Csize_t", "Ptr{Cvoid}"]
+def test_wrong_pointer_and_struct_types_fail(pkg: Path, function, position, wrong, needle):
+    types = {
+        "fce_forward": ["Ref{FceOptions}", "Int64", "Int64", "Ptr{Cvoid}", "Ptr{Cvoid}",
+                        "Ref{FceOutputs}", "Ref{FceGradients}", "Ptr{Cvoid}", "Csize_t",
+                        "Ptr{Cvoid}"],
+        "fce_vp_stats": ["Ref{FceOptions}", "Ref{FceVpShard}", "Int64", "Ptr{Cvoid}",
+                         "Ptr{Cvoid}", "Ptr{Cfloat}", "Ptr{Cvoid}"],
+    }[function]
     types[position - 1] = wrong
     args = ", ".join(f"a{i}" for i in range(len(types)))
     plant(pkg, "src/bad.jl", f"""
-        f({args}) = ccall(libfusedce_symbol(:fce_forward), Cint,
+        f({args}) = ccall(libfusedce_symbol(:{function}), Cint,
                      ({", ".join(types)}), {args})
     """)
     found = problems(pkg)

@@ -76,23 +76,16 @@ def _build_options(*, backend, dtype, target_dtype, reduction, ignore_index, cla
                    label_smoothing, z_loss_scale, softcap, logit_scale, shift_seq_len,
                    deterministic, row_stride=0, grad_row_stride=0, hidden_row_stride=0,
                    accumulate=False, grad_weight_fp32=False, shift=0, token_scaling=False,
-                   argmax_ptr=0, accuracy_ptr=0) -> _lib.Options:
+                   ) -> _lib.Options:
     """The fce_options of a call. Values out of their domain (a negative shift or shift_seq_len,
     epsilon outside [0, 1), a negative softcap, rows that are no whole number of sequences, ...)
-    are the library's to reject: it names the argument in InvalidArgumentError. What a library
-    older than 0.3 lacks raises UnsupportedError here (it would not even see those fields)."""
+    are the library's to reject: it names the argument in InvalidArgumentError. The outputs
+    (argmax, accuracy, ...) are not options: they travel in _lib.outputs()."""
     o = _lib.default_options()  # struct_size: _lib.options_size()
     shift = _int_option(shift, "shift")
-    for on, what in ((shift, "shift"), (token_scaling, "token_scaling"),
-                     (argmax_ptr, "argmax"), (accuracy_ptr, "accuracy")):
-        if on:
-            _lib.require_options_v0_3(what)
-    if o.struct_size >= _lib.FCE_OPTIONS_SIZE_V0_3:
-        o.shift = shift
-        o.argmax = argmax_ptr or None
-        o.accuracy = accuracy_ptr or None
-        o.token_scaling = 1 if token_scaling else 0
-        o.reserved1 = 0
+    o.shift = shift
+    o.token_scaling = 1 if token_scaling else 0
+    o.reserved1 = 0
     o.class_weights = class_weights_ptr or None
     o.ignore_index = _int_option(ignore_index, "ignore_index")
     o.row_stride = row_stride

@@ -161,17 +161,8 @@ def _query_options(cfg: _Cfg, backend: int, dtype, target_dtype, class_weights: 
     placeholder = _PLACEHOLDER.ctypes.data
     if class_weights:
         o.class_weights = placeholder
-    if o.struct_size >= _lib.FCE_OPTIONS_SIZE_V0_3:
-        o.shift = cfg.shift
-        o.token_scaling = 1 if cfg.token_scaling else 0
-        o.argmax = placeholder if argmax else None
-        o.accuracy = placeholder if accuracy else None
-    else:  # the shim refuses these with a 0.1/0.2 library; say so now
-        for on, what in ((cfg.shift, "shift"), (cfg.token_scaling, "use_token_scaling"),
-                         (argmax, "return_predicted_tokens"),
-                         (accuracy, "return_token_accuracy")):
-            if on:
-                _lib.require_options_v0_3(what)
+    o.shift = cfg.shift
+    o.token_scaling = 1 if cfg.token_scaling else 0
     return o
 
 

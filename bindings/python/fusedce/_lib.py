@@ -1,6 +1,6 @@
 """The ctypes core: find and load libfusedce, mirror include/fusedce.h, raise on statuses.
 
-Everything here is a one-to-one image of the C header written for FCE_VERSION 0.5.0; nothing
+Everything here is a one-to-one image of the C header written for FCE_VERSION 1.0.0; nothing
 above the C ABI (arrays, allocation, frameworks) lives in this module (see core.py); the status
 codes and their exceptions are in _errors.py.
 
@@ -8,10 +8,7 @@ Library versions (the rule every binding follows, bindings/README.md "Library ve
 library's major version must equal the binding's (:class:`VersionMismatchError` otherwise); an
 older minor is accepted, and what it lacks raises :class:`UnsupportedError` "<feature>: needs
 libfusedce >= 0.x; the loaded library (...) is 0.y.z" when asked for; a newer minor is accepted.
-What "lacks" means here: an fce_options field appended later (``shift``, ``argmax``,
-``accuracy``, ``token_scaling``: 0.3; :func:`options_size` is then the struct_size the library
-knows, FCE_OPTIONS_SIZE_V0_1, and :func:`require_options_v0_3` refuses those options instead of
-letting the library ignore them), and a function added later (:data:`SINCE`: calling one the
+What "lacks" means here: a function added later (:data:`SINCE`: calling one the
 library does not have raises, and :func:`require_vp` / :func:`has_vp` for the
 vocabulary-parallel calls, 0.4; :func:`has_vp_linear_ce` for their one-call fused linear CE,
 fce_vp_linear_ce, 0.5, which fusedce.torch.distributed uses when it is there).
@@ -61,8 +58,8 @@ from ._errors import (FCE_ERROR_BACKEND_UNAVAILABLE, FCE_ERROR_CUBLAS, FCE_ERROR
 from ._errors import ERRORS as _ERRORS  # noqa: F401
 
 # ---------------------------------------------------------------- the header we mirror ----
-HEADER_VERSION_MAJOR = 0
-HEADER_VERSION_MINOR = 5
+HEADER_VERSION_MAJOR = 1
+HEADER_VERSION_MINOR = 0
 HEADER_VERSION_PATCH = 0
 HEADER_VERSION_NUMBER = (HEADER_VERSION_MAJOR * 10000 + HEADER_VERSION_MINOR * 100
                          + HEADER_VERSION_PATCH)
@@ -114,21 +111,82 @@ class Options(ctypes.Structure):
         ("accumulate", ctypes.c_int32),
         ("grad_weight_fp32", ctypes.c_int32),
         ("reserved0", ctypes.c_int32),
-        # ---- appended in 0.3 ----
         ("shift", ctypes.c_int64),
-        ("argmax", ctypes.c_void_p),     # int64_t* [rows] in the backend's memory, or NULL
-        ("accuracy", ctypes.c_void_p),   # float* [1] (mean/sum) or [rows] (none), or NULL
         ("token_scaling", ctypes.c_int32),
         ("reserved1", ctypes.c_int32),
     ]
 
 
-# sizeof(fce_options) on every LP64 platform the library supports.
-FCE_OPTIONS_SIZE_V0_1 = 104   # 8+8+5*8+4*4+4*4+4*4: version 0.1 / 0.2
-FCE_OPTIONS_SIZE_V0_3 = 136   # + shift, argmax, accuracy (3*8) + token_scaling, reserved1 (2*4)
-OPTIONS_C_SIZEOF = FCE_OPTIONS_SIZE_V0_3
+class Outputs(ctypes.Structure):
+    """fce_outputs: what a call writes besides the gradients (addresses in the backend's memory,
+    None for NULL). Only ever appended to, like the C struct."""
+
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("loss", ctypes.c_void_p),         # float* [1] (mean/sum) or [rows] (none)
+        ("lse", ctypes.c_void_p),          # float* [rows], or NULL
+        ("z_loss", ctypes.c_void_p),       # float* [1], or NULL
+        ("argmax", ctypes.c_void_p),       # int64_t* [rows], or NULL
+        ("accuracy", ctypes.c_void_p),     # float* [1] (mean/sum) or [rows] (none), or NULL
+        ("error_flags", ctypes.c_void_p),  # uint32_t* [1], or NULL
+    ]
+
+
+class Gradients(ctypes.Structure):
+    """fce_gradients: the gradients a call writes and the upstream gradient (addresses in the
+    backend's memory, None for NULL). Only ever appended to, like the C struct."""
+
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("grad_output", ctypes.c_void_p),
+        ("grad_logits", ctypes.c_void_p),
+        ("grad_hidden", ctypes.c_void_p),
+        ("grad_weight", ctypes.c_void_p),
+        ("grad_bias", ctypes.c_void_p),
+        ("grad_hidden_dtype", ctypes.c_int32),
+        ("reserved0", ctypes.c_int32),
+    ]
+
+
+class VpShard(ctypes.Structure):
+    """fce_vp_shard: where this rank's vocabulary shard lies."""
+
+    _fields_ = [
+        ("ranks", ctypes.c_int64),
+        ("vocab_total", ctypes.c_int64),
+        ("vocab_start", ctypes.c_int64),
+        ("vocab_local", ctypes.c_int64),
+    ]
+
+
+# sizeof of the versioned structs on every LP64 platform the library supports.
+FCE_OPTIONS_SIZE_V1_0 = 120
+FCE_OUTPUTS_SIZE_V1_0 = 56
+FCE_GRADIENTS_SIZE_V1_0 = 56
+OPTIONS_C_SIZEOF = FCE_OPTIONS_SIZE_V1_0
 assert ctypes.sizeof(Options) == OPTIONS_C_SIZEOF, ctypes.sizeof(Options)
-assert Options.reserved0.offset + 4 == FCE_OPTIONS_SIZE_V0_1
+assert ctypes.sizeof(Outputs) == FCE_OUTPUTS_SIZE_V1_0, ctypes.sizeof(Outputs)
+assert ctypes.sizeof(Gradients) == FCE_GRADIENTS_SIZE_V1_0, ctypes.sizeof(Gradients)
+
+
+def outputs(loss=None, lse=None, z_loss=None, argmax=None, accuracy=None,
+            error_flags=None) -> Outputs:
+    """An fce_outputs of these addresses (ints, or None / 0 for NULL), by name."""
+    return Outputs(FCE_OUTPUTS_SIZE_V1_0, loss or None, lse or None, z_loss or None,
+                   argmax or None, accuracy or None, error_flags or None)
+
+
+def gradients(grad_output=None, grad_logits=None, grad_hidden=None, grad_weight=None,
+              grad_bias=None, grad_hidden_dtype=FCE_FLOAT32) -> Gradients:
+    """An fce_gradients of these addresses (ints, or None / 0 for NULL), by name."""
+    return Gradients(FCE_GRADIENTS_SIZE_V1_0, grad_output or None, grad_logits or None,
+                     grad_hidden or None, grad_weight or None, grad_bias or None,
+                     int(grad_hidden_dtype), 0)
+
+
+def shard(ranks, vocab_total, vocab_start, vocab_local) -> VpShard:
+    """An fce_vp_shard."""
+    return VpShard(int(ranks), int(vocab_total), int(vocab_start), int(vocab_local))
 
 
 # --------------------------------------------------------------------------- loading ----
@@ -253,6 +311,7 @@ def _declare(lib) -> frozenset:
     c = ctypes
     i64, sz, vp, fp = c.c_int64, c.c_size_t, c.c_void_p, c.c_void_p
     opt = c.POINTER(Options)
+    out, grd, shd = c.POINTER(Outputs), c.POINTER(Gradients), c.POINTER(VpShard)
     psz = c.POINTER(sz)
     st = c.c_int  # fce_status: a C enum, int-sized
     sigs = {
@@ -261,36 +320,31 @@ def _declare(lib) -> frozenset:
         "fce_last_error": (c.c_char_p, []),
         "fce_options_default": (None, [opt]),
         "fce_forward_workspace_size": (st, [opt, i64, i64, psz]),
-        "fce_forward": (st, [opt, i64, i64, vp, vp, fp, fp, fp, vp, fp, vp, vp, sz, vp]),
+        "fce_forward": (st, [opt, i64, i64, vp, vp, out, grd, vp, sz, vp]),
         "fce_backward_workspace_size": (st, [opt, i64, i64, psz]),
-        "fce_backward": (st, [opt, i64, i64, vp, vp, fp, fp, vp, vp, vp, sz, vp]),
+        "fce_backward": (st, [opt, i64, i64, vp, vp, fp, out, grd, vp, sz, vp]),
         "fce_linear_ce_workspace_size": (st, [opt, i64, i64, i64, c.c_int, psz, psz]),
-        "fce_linear_ce": (
-            st, [opt, i64, i64, i64, vp, vp, vp, vp, fp, fp, fp, vp, vp, vp, fp, vp, vp, sz, vp]),
+        "fce_linear_ce": (st, [opt, i64, i64, i64, vp, vp, vp, vp, out, grd, vp, sz, vp]),
         "fce_cuda_available": (c.c_int, []),
         # ---- added later (SINCE); absent from older libraries of the same major version
         "fce_scale_gradient": (st, [c.c_int32, c.c_int32, i64, vp, fp, vp]),
-        "fce_backward_rescale": (st, [opt, i64, i64, vp, vp, fp, fp, vp, vp, vp, sz, vp]),
+        "fce_backward_rescale": (st, [opt, i64, i64, vp, vp, fp, out, grd, vp, sz, vp]),
         "fce_build_info": (c.c_char_p, []),
-        "fce_vp_stats": (st, [opt, i64, i64, i64, i64, vp, vp, fp, vp]),
+        "fce_vp_stats": (st, [opt, shd, i64, vp, vp, fp, vp]),
         "fce_vp_loss_workspace_size": (st, [opt, i64, i64, i64, psz]),
-        "fce_vp_loss": (st, [opt, i64, i64, i64, vp, fp, fp, fp, fp, vp, vp, sz, vp]),
+        "fce_vp_loss": (st, [opt, shd, i64, vp, fp, out, vp, sz, vp]),
         "fce_vp_backward_workspace_size": (st, [opt, i64, i64, i64, i64, psz]),
-        "fce_vp_backward": (
-            st, [opt, i64, i64, i64, i64, i64, vp, vp, fp, fp, vp, vp, vp, sz, vp]),
+        "fce_vp_backward": (st, [opt, shd, i64, vp, vp, fp, out, grd, vp, sz, vp]),
         "fce_vp_linear_stats_workspace_size": (st, [opt, i64, i64, i64, psz, psz]),
-        "fce_vp_linear_stats": (
-            st, [opt, i64, i64, i64, i64, i64, vp, vp, vp, vp, fp, vp, sz, vp]),
+        "fce_vp_linear_stats": (st, [opt, shd, i64, i64, vp, vp, vp, vp, fp, vp, sz, vp]),
         "fce_vp_linear_backward_workspace_size": (
             st, [opt, i64, i64, i64, i64, i64, c.c_int32, psz, psz]),
         "fce_vp_linear_backward": (
-            st, [opt, i64, i64, i64, i64, i64, i64, vp, vp, vp, vp, fp, fp, vp, c.c_int32, vp,
-                 vp, vp, vp, sz, vp]),
+            st, [opt, shd, i64, i64, vp, vp, vp, vp, fp, out, grd, vp, sz, vp]),
         "fce_vp_linear_ce_workspace_size": (
             st, [opt, i64, i64, i64, i64, i64, c.c_int, c.c_int32, psz, psz]),
         "fce_vp_linear_ce": (
-            st, [opt, i64, i64, i64, i64, i64, i64, vp, vp, vp, vp, fp, fp, fp, fp, vp, c.c_int32,
-                 vp, vp, vp, VP_ALL_GATHER_FN, vp, vp, sz, vp]),
+            st, [opt, shd, i64, i64, vp, vp, vp, vp, out, grd, VP_ALL_GATHER_FN, vp, vp, sz, vp]),
     }
     missing = []
     for name, (restype, argtypes) in sigs.items():
@@ -340,22 +394,16 @@ def require(what: str, since: int, detail: str = "") -> None:
 
 
 def _options_size_of(library_version: int) -> int:
-    """The struct_size to pass a library of this FCE_VERSION_NUMBER: ours, or the 0.1 struct
-    for a library older than 0.3 (which rejects a struct_size larger than its own)."""
-    return FCE_OPTIONS_SIZE_V0_3 if int(library_version) >= 300 else FCE_OPTIONS_SIZE_V0_1
+    """The struct_size to pass a library of this FCE_VERSION_NUMBER: the 1.0 struct (a library
+    of another major version is refused before any call)."""
+    del library_version
+    return FCE_OPTIONS_SIZE_V1_0
 
 
 def options_size() -> int:
-    """The struct_size every fce_options this binding passes carries: sizeof(Options) for a
-    library of version 0.3 or later, FCE_OPTIONS_SIZE_V0_1 for an older one."""
+    """The struct_size every fce_options this binding passes carries: FCE_OPTIONS_SIZE_V1_0."""
     load()
     return _options_size_of(_LIB_VERSION)
-
-
-def require_options_v0_3(what: str) -> None:
-    """Raise UnsupportedError when the loaded library predates the 0.3 options (``what`` names
-    the option asked for)."""
-    require(what, 300)
 
 
 def has_vp() -> bool:
@@ -418,11 +466,11 @@ def load(reload: bool = False):
             size = _options_size_of(lib_version)
             probe = Options()
             probe.struct_size = size
-            probe.reserved1 = 7  # past a 0.1/0.2 struct: must stay untouched by such a library
+            probe.reserved1 = 7  # overwritten with its default 0
             lib.fce_options_default(ctypes.byref(probe))
             if (probe.struct_size != size or probe.ignore_index != -100
                     or probe.logit_scale != 1.0 or probe.target_dtype != FCE_INT64
-                    or probe.reserved1 != (0 if size == FCE_OPTIONS_SIZE_V0_3 else 7)):
+                    or probe.reserved1 != 0):
                 raise VersionMismatchError(
                     "fce_options_default() of libfusedce %s (struct_size %d) does not fill the "
                     "defaults this binding expects: the header and this binding disagree" %
@@ -509,8 +557,10 @@ def backward_rescale(options: Options, rows: int, vocab: int, logits_ptr, target
     ``options`` is an Options struct (the forward's); the pointers are addresses (ints, or None
     for NULL) in the backend's memory, the workspace fce_backward_workspace_size's, stream a
     cudaStream_t address or None; raises the FusedCEError subclass for a failing status."""
+    out = outputs(error_flags=error_flags_ptr)
+    grads = gradients(grad_output=grad_output_ptr, grad_logits=grad_logits_ptr)
     call("fce_backward_rescale", ctypes.byref(options), int(rows), int(vocab), logits_ptr,
-         targets_ptr, lse_ptr, grad_output_ptr, grad_logits_ptr, error_flags_ptr, workspace_ptr,
+         targets_ptr, lse_ptr, ctypes.byref(out), ctypes.byref(grads), workspace_ptr,
          int(workspace_bytes), stream)
 
 

@@ -44,23 +44,18 @@ def options(backend: int, dtype: int, target_dtype: int, reduction: int, ignore_
             grad_weight_fp32: bool = False) -> Tuple[tuple, _lib.Options]:
     """(key, fce_options) for this option set: a copy of the struct built once for it, the
     caller's own (a C call reads it with the GIL released, so no struct another thread may be
-    setting is handed out). Per-call fields (class_weights, strides, argmax, accuracy) are set
-    by the caller on it before the call."""
+    setting is handed out). Per-call fields (class_weights, strides) are set by the caller on it
+    before the call; the outputs travel in an fce_outputs (_lib.outputs)."""
     key = (backend, dtype, target_dtype, reduction, ignore_index, label_smoothing, z_loss,
            softcap, logit_scale, shift_seq_len, shift, token_scaling, grad_weight_fp32)
     o = _OPTIONS.get(key)
     if o is None:
-        if shift:
-            _lib.require_options_v0_3("shift")
-        if token_scaling:
-            _lib.require_options_v0_3("use_token_scaling")
         o = _lib.default_options()
         o.backend, o.dtype, o.target_dtype, o.reduction = backend, dtype, target_dtype, reduction
         o.ignore_index, o.label_smoothing, o.z_loss_scale = ignore_index, label_smoothing, z_loss
         o.softcap, o.logit_scale, o.shift_seq_len = softcap, logit_scale, shift_seq_len
         o.grad_weight_fp32 = int(grad_weight_fp32)
-        if o.struct_size >= _lib.FCE_OPTIONS_SIZE_V0_3:
-            o.shift, o.token_scaling = shift, int(bool(token_scaling))
+        o.shift, o.token_scaling = shift, int(bool(token_scaling))
         if len(_OPTIONS) > 256:
             _OPTIONS.clear()
         _OPTIONS[key] = o
@@ -95,15 +90,6 @@ def _workspace(nbytes: int, like: Tensor) -> Optional[Tensor]:
 
 def _ptr(t: Optional[Tensor]) -> Optional[int]:
     return t.data_ptr() if t is not None else None
-
-
-def _set_outputs(o: _lib.Options, argmax: Optional[Tensor], accuracy: Optional[Tensor]) -> None:
-    """The per-call output pointers of fce_options (None where not asked for: a struct may be
-    used again)."""
-    if argmax is not None or accuracy is not None:
-        _lib.require_options_v0_3("return_predicted_tokens / return_token_accuracy")
-    if o.struct_size >= _lib.FCE_OPTIONS_SIZE_V0_3:
-        o.argmax, o.accuracy = _ptr(argmax), _ptr(accuracy)
 
 
 def _extras(extras: int, n: int, reduction: int, device):
@@ -167,16 +153,14 @@ _PLANS: Dict[tuple, Tuple[_lib.Options, int, int]] = {}
 
 
 def _ce_plan(which: str, logits: Tensor, targets: Tensor, class_weights: Optional[Tensor],
-             opts: tuple, grad_row_stride: int, argmax: Optional[Tensor] = None,
-             accuracy: Optional[Tensor] = None) -> Tuple[_lib.Options, int, int]:
+             opts: tuple, grad_row_stride: int) -> Tuple[_lib.Options, int, int]:
     """(fce_options, workspace bytes, room) of an fce_forward ('fwd') / fce_backward ('bwd')
-    call on these tensors (argmax / accuracy: the forward's optional outputs). The options and
-    the workspace queries are made once per option set, shape, strides and outputs asked for."""
+    call on these tensors. The options and the workspace queries are made once per option set,
+    shape and strides."""
     n, v = logits.shape
     row_stride = logits.stride(0) if n > 1 else v
     pkey = (which, logits.dtype, targets.dtype, logits.is_cuda, opts, n, v, row_stride,
-            grad_row_stride, class_weights is not None, argmax is not None,
-            accuracy is not None)
+            grad_row_stride, class_weights is not None)
     plan = _PLANS.get(pkey)
     if plan is None:
         _, o = options(_backend(logits), _CODE[logits.dtype], _CODE[targets.dtype], *opts)
@@ -187,12 +171,10 @@ def _ce_plan(which: str, logits: Tensor, targets: Tensor, class_weights: Optiona
         o.class_weights = _ptr(class_weights)
         o.row_stride, o.grad_row_stride = row_stride, grad_row_stride
         if which == "fwd":
-            _set_outputs(o, argmax, accuracy)
             _alloc.check_query(
                 lib.fce_forward_workspace_size(ctypes.byref(o), n, v, ctypes.byref(size)),
                 "fce_forward_workspace_size", "fce_forward")
             ws_bytes = size.value
-            _set_outputs(o, None, None)
             o.grad_row_stride = 0  # the backward's query (a failure there is the backward's)
             bad = lib.fce_backward_workspace_size(ctypes.byref(o), n, v, ctypes.byref(size))
             room = max(ws_bytes, 0 if bad else size.value)
@@ -206,10 +188,9 @@ def _ce_plan(which: str, logits: Tensor, targets: Tensor, class_weights: Optiona
         if len(_PLANS) > 1024:
             _PLANS.clear()
         plan = _PLANS[pkey] = (o, ws_bytes, room)
-    if class_weights is not None or argmax is not None or accuracy is not None:
+    if class_weights is not None:
         o = type(plan[0]).from_buffer_copy(plan[0])
         o.class_weights = _ptr(class_weights)
-        _set_outputs(o, argmax, accuracy)
         return o, plan[1], plan[2]
     return plan
 
@@ -239,8 +220,7 @@ def ce_forward(logits: Tensor, targets: Tensor, class_weights: Optional[Tensor],
     reduction = opts[0]
     dev = logits.device
     z_loss, accuracy, argmax = _extras(extras, n, reduction, dev)
-    o, ws_bytes, room = _ce_plan("fwd", logits, targets, class_weights, opts, grad_stride,
-                                 argmax, accuracy)
+    o, ws_bytes, room = _ce_plan("fwd", logits, targets, class_weights, opts, grad_stride)
     loss = torch.empty((n,) if reduction == _lib.FCE_REDUCTION_NONE else (), dtype=torch.float32,
                        device=dev)
     if lse_workspace:
@@ -252,9 +232,12 @@ def ce_forward(logits: Tensor, targets: Tensor, class_weights: Optional[Tensor],
         ws = _workspace(ws_bytes, logits)
         ws_ptr = _ptr(ws)
     flags = _flags(check_targets, logits)
+    out = _lib.outputs(loss=loss.data_ptr(), lse=_ptr(lse), z_loss=_ptr(z_loss),
+                       argmax=_ptr(argmax), accuracy=_ptr(accuracy), error_flags=_ptr(flags))
+    grads = _lib.gradients(grad_logits=_ptr(grad))
     _check(_lib.load().fce_forward(ctypes.byref(o), n, v, logits.data_ptr(), targets.data_ptr(),
-                               loss.data_ptr(), _ptr(lse), _ptr(z_loss), _ptr(grad), None,
-                               _ptr(flags), ws_ptr, ws_bytes, _stream(logits)), "fce_forward")
+                                   ctypes.byref(out), ctypes.byref(grads), ws_ptr, ws_bytes,
+                                   _stream(logits)), "fce_forward")
     if flags is not None:
         check_flags(flags, targets, v, opts)
     return loss, lse, z_loss, accuracy, argmax
@@ -283,9 +266,9 @@ def ce_backward(logits: Tensor, targets: Tensor, lse: Tensor, grad_output: Tenso
         fn, call = "fce_backward_rescale", lib.fce_backward_rescale
     else:
         fn, call = "fce_backward", lib.fce_backward
+    grads = _lib.gradients(grad_output=grad_output.data_ptr(), grad_logits=grad.data_ptr())
     _check(call(ctypes.byref(o), n, v, logits.data_ptr(), targets.data_ptr(), lse.data_ptr(),
-                grad_output.data_ptr(), grad.data_ptr(), None, ws_ptr, ws_bytes,
-                _stream(logits)), fn)
+                None, ctypes.byref(grads), ws_ptr, ws_bytes, _stream(logits)), fn)
     return grad
 
 
@@ -340,7 +323,6 @@ def linear_ce(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: T
     dev = hidden.device
     reduction = opts[0]
     z_loss, accuracy, argmax = _extras(extras, n, reduction, dev)
-    _set_outputs(o, argmax, accuracy)  # before the workspace query: they may need workspace
     # the budget covers everything this call allocates beyond the gradients: the workspace,
     # and lse / loss (and room for a targets conversion), 16 bytes a row, 12 more with extras
     row_bytes = 16 + (12 if extras else 0)  # + argmax and accuracy
@@ -355,10 +337,13 @@ def linear_ce(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: T
     gb = torch.empty((v,), dtype=gw_dtype, device=dev) if need[2] and bias is not None else None
     flags = _flags(check_targets, hidden)
     ws = _workspace(ws_bytes, hidden)
+    out = _lib.outputs(loss=loss.data_ptr(), lse=lse.data_ptr(), z_loss=_ptr(z_loss),
+                       argmax=_ptr(argmax), accuracy=_ptr(accuracy), error_flags=_ptr(flags))
+    grads = _lib.gradients(grad_output=_ptr(grad_output), grad_hidden=_ptr(gh),
+                           grad_weight=_ptr(gw), grad_bias=_ptr(gb))
     _check(_lib.load().fce_linear_ce(
         ctypes.byref(o), n, d, v, hidden.data_ptr(), weight.data_ptr(), _ptr(bias),
-        targets.data_ptr(), loss.data_ptr(), lse.data_ptr(), _ptr(z_loss), _ptr(gh), _ptr(gw),
-        _ptr(gb), _ptr(grad_output), _ptr(flags), _ptr(ws), ws_bytes, _stream(hidden)),
-        "fce_linear_ce")
+        targets.data_ptr(), ctypes.byref(out), ctypes.byref(grads), _ptr(ws), ws_bytes,
+        _stream(hidden)), "fce_linear_ce")
     check_flags(flags, targets, v, opts)
     return loss, lse, gh, gw, gb, z_loss, accuracy, argmax

@@ -296,7 +296,7 @@ def forward(logits, targets, *, reduction="mean", ignore_index: int = -100, clas
             label_smoothing=label_smoothing, z_loss_scale=z_loss_scale, softcap=softcap,
             logit_scale=logit_scale, shift_seq_len=shift_seq_len, deterministic=deterministic,
             row_stride=rs, grad_row_stride=grs if g_a is not None else 0, shift=shift,
-            token_scaling=token_scaling, argmax_ptr=_ptr(am_a), accuracy_ptr=_ptr(acc_a))
+            token_scaling=token_scaling)
         need = ctypes.c_size_t(0)
         query_for("fce_forward", "fce_forward_workspace_size", ctypes.byref(opts), rows, vocab,
                   ctypes.byref(need))
@@ -304,9 +304,11 @@ def forward(logits, targets, *, reduction="mean", ignore_index: int = -100, clas
             ws_ptr, ws_bytes, ws_keep = alloc.workspace(int(need.value))
         else:
             ws_ptr, ws_bytes, ws_keep = _user_workspace(workspace, z)
-        _lib.call("fce_forward", ctypes.byref(opts), rows, vocab, z.ptr, y.ptr, la.ptr,
-                  _ptr(lse_a), _ptr(zl_a), _ptr(g_a), go_ptr, flags_ptr, ws_ptr, ws_bytes,
-                  call_stream)
+        out = _lib.outputs(loss=la.ptr, lse=_ptr(lse_a), z_loss=_ptr(zl_a), argmax=_ptr(am_a),
+                           accuracy=_ptr(acc_a), error_flags=flags_ptr)
+        grads = _lib.gradients(grad_output=go_ptr, grad_logits=_ptr(g_a))
+        _lib.call("fce_forward", ctypes.byref(opts), rows, vocab, z.ptr, y.ptr, ctypes.byref(out),
+                  ctypes.byref(grads), ws_ptr, ws_bytes, call_stream)
         del ws_keep, go_keep
     if check_targets:
         check_error_flags(flags)
@@ -379,8 +381,10 @@ def backward(logits, targets, lse, grad_output=None, *, reduction="mean",
             ws_ptr, ws_bytes, ws_keep = alloc.workspace(int(need.value))
         else:
             ws_ptr, ws_bytes, ws_keep = _user_workspace(workspace, z)
-        _lib.call("fce_backward", ctypes.byref(opts), rows, vocab, z.ptr, y.ptr, l.ptr, go_ptr,
-                  g_a.ptr, flags_ptr, ws_ptr, ws_bytes, call_stream)
+        out = _lib.outputs(error_flags=flags_ptr)
+        grads = _lib.gradients(grad_output=go_ptr, grad_logits=g_a.ptr)
+        _lib.call("fce_backward", ctypes.byref(opts), rows, vocab, z.ptr, y.ptr, l.ptr,
+                  ctypes.byref(out), ctypes.byref(grads), ws_ptr, ws_bytes, call_stream)
         del ws_keep, go_keep
     return grad_logits
 
@@ -475,16 +479,18 @@ def linear_ce(hidden, weight, targets, bias=None, *, reduction="mean", ignore_in
             label_smoothing=label_smoothing, z_loss_scale=z_loss_scale, softcap=softcap,
             logit_scale=logit_scale, shift_seq_len=shift_seq_len, deterministic=deterministic,
             hidden_row_stride=hrs, accumulate=accumulate, grad_weight_fp32=grad_weight_fp32,
-            shift=shift, token_scaling=token_scaling, argmax_ptr=_ptr(am_a),
-            accuracy_ptr=_ptr(acc_a))
+            shift=shift, token_scaling=token_scaling)
         lo, hi = ctypes.c_size_t(0), ctypes.c_size_t(0)
         query_for("fce_linear_ce", "fce_linear_ce_workspace_size", ctypes.byref(opts), rows, dim,
                   vocab, 1 if with_grad else 0, ctypes.byref(lo), ctypes.byref(hi))
         ws_ptr, ws_bytes, ws_keep = _workspace(workspace, alloc, h, int(lo.value), int(hi.value),
                                                workspace_size)
+        out = _lib.outputs(loss=la.ptr, lse=_ptr(lse_a), z_loss=_ptr(zl_a), argmax=_ptr(am_a),
+                           accuracy=_ptr(acc_a), error_flags=flags_ptr)
+        grads = _lib.gradients(grad_output=go_ptr, grad_hidden=_ptr(gh_a),
+                               grad_weight=_ptr(gw_a), grad_bias=_ptr(gb_a))
         _lib.call("fce_linear_ce", ctypes.byref(opts), rows, dim, vocab, h.ptr, W.ptr, _ptr(b),
-                  y.ptr, la.ptr, _ptr(lse_a), _ptr(zl_a), _ptr(gh_a), _ptr(gw_a), _ptr(gb_a),
-                  go_ptr, flags_ptr, ws_ptr, ws_bytes, call_stream)
+                  y.ptr, ctypes.byref(out), ctypes.byref(grads), ws_ptr, ws_bytes, call_stream)
         del ws_keep, go_keep
     if check_targets:
         check_error_flags(flags)

@@ -244,8 +244,6 @@ def _vp_loss(o, key, size: int, n: int, vt: int, targets: Tensor, gathered: Tens
     """fce_vp_loss: (loss, lse, z_loss, accuracy, argmax, flags)."""
     dev = gathered.device
     z_loss, accuracy, argmax = _tc._extras(extras, n, reduction, dev)
-    if argmax is not None or accuracy is not None:
-        o.argmax, o.accuracy = _tc._ptr(argmax), _tc._ptr(accuracy)
     skey = ("vp_loss", key, size, n, vt, argmax is not None, accuracy is not None)
     ws_bytes = _query(skey, "fce_vp_loss_workspace_size", ctypes.byref(o), size, n, vt)[0]
     loss = torch.empty((n,) if reduction == _lib.FCE_REDUCTION_NONE else (),
@@ -253,9 +251,13 @@ def _vp_loss(o, key, size: int, n: int, vt: int, targets: Tensor, gathered: Tens
     lse = torch.empty((n,), dtype=torch.float32, device=dev) if want_lse else None
     flags = torch.zeros((1,), dtype=torch.int32, device=dev) if check else None
     ws = _tc._workspace(ws_bytes, gathered)
+    shard = _lib.shard(size, vt, 0, vt)
+    out = _lib.outputs(loss=loss.data_ptr(), lse=_tc._ptr(lse), z_loss=_tc._ptr(z_loss),
+                       argmax=_tc._ptr(argmax), accuracy=_tc._ptr(accuracy),
+                       error_flags=_tc._ptr(flags))
     status = _lib.load().fce_vp_loss(
-        ctypes.byref(o), size, n, vt, targets.data_ptr(), gathered.data_ptr(), loss.data_ptr(),
-        _tc._ptr(lse), _tc._ptr(z_loss), _tc._ptr(flags), _tc._ptr(ws), ws_bytes, stream)
+        ctypes.byref(o), ctypes.byref(shard), n, targets.data_ptr(), gathered.data_ptr(),
+        ctypes.byref(out), _tc._ptr(ws), ws_bytes, stream)
     _check(status, "fce_vp_loss")
     return loss, lse, z_loss, accuracy, argmax, flags
 
@@ -285,7 +287,8 @@ def _ce_forward(logits, targets, cw, layout, opts, extras, check, want_lse, stre
     key, o = _opts_struct(logits, logits.dtype, targets, opts, cw)
     o.row_stride = logits.stride(0) if n > 1 else vl
     stats = torch.empty((n, VP_STATS), dtype=torch.float32, device=logits.device)
-    _check(_lib.load().fce_vp_stats(ctypes.byref(o), n, vt, vs, vl, logits.data_ptr(),
+    shard = _lib.shard(size, vt, vs, vl)
+    _check(_lib.load().fce_vp_stats(ctypes.byref(o), ctypes.byref(shard), n, logits.data_ptr(),
                                     targets.data_ptr(), stats.data_ptr(), stream), "fce_vp_stats")
     gathered = _all_gather(stats, group, size)
     out = _vp_loss(o, key, size, n, vt, targets, gathered, opts[0], extras, want_lse, check,
@@ -329,9 +332,11 @@ class _VocabParallelCE(torch.autograd.Function):
         ws_bytes = _query(("vp_bwd", key, size, n, vt, vl), "fce_vp_backward_workspace_size",
                           ctypes.byref(o), size, n, vt, vl)[0]
         ws = _tc._workspace(ws_bytes, logits)
+        shard = _lib.shard(size, vt, vs, vl)
+        grads = _lib.gradients(grad_output=up.data_ptr(), grad_logits=grad.data_ptr())
         _check(_lib.load().fce_vp_backward(
-            ctypes.byref(o), size, n, vt, vs, vl, logits.data_ptr(), targets.data_ptr(),
-            gathered.data_ptr(), up.data_ptr(), grad.data_ptr(), None, _tc._ptr(ws), ws_bytes,
+            ctypes.byref(o), ctypes.byref(shard), n, logits.data_ptr(), targets.data_ptr(),
+            gathered.data_ptr(), None, ctypes.byref(grads), _tc._ptr(ws), ws_bytes,
             _tc._stream(logits)), "fce_vp_backward")
         return (grad,) + nones
 
@@ -476,8 +481,9 @@ def _linear_forward(hidden, weight, bias, targets, cw, layout, opts, cdt, budget
     ws_bytes = max(lo, min(hi, max(0, budget)))
     ws = _tc._workspace(ws_bytes, h)
     stats = torch.empty((n, VP_STATS), dtype=torch.float32, device=h.device)
+    shard = _lib.shard(size, vt, vs, vl)
     _check(_lib.load().fce_vp_linear_stats(
-        ctypes.byref(o), n, d, vt, vs, vl, h.data_ptr(), w.data_ptr(), _tc._ptr(b),
+        ctypes.byref(o), ctypes.byref(shard), n, d, h.data_ptr(), w.data_ptr(), _tc._ptr(b),
         targets.data_ptr(), stats.data_ptr(), _tc._ptr(ws), ws_bytes, stream),
         "fce_vp_linear_stats")
     del ws
@@ -537,11 +543,13 @@ class _VocabParallelLinearCE(torch.autograd.Function):
                         vl, _lib.FCE_FLOAT32, pair=True)
         ws_bytes = max(lo, min(hi, max(0, ctx.budget)))
         ws = _tc._workspace(ws_bytes, h)
+        shard = _lib.shard(size, vt, vs, vl)
+        grads = _lib.gradients(grad_output=up.data_ptr(), grad_hidden=_tc._ptr(gh),
+                               grad_weight=_tc._ptr(gw), grad_bias=_tc._ptr(gb))
         _check(_lib.load().fce_vp_linear_backward(
-            ctypes.byref(o), size, n, d, vt, vs, vl, h.data_ptr(), w.data_ptr(), _tc._ptr(b),
-            targets.data_ptr(), gathered.data_ptr(), up.data_ptr(), _tc._ptr(gh),
-            _lib.FCE_FLOAT32, _tc._ptr(gw), _tc._ptr(gb), None, _tc._ptr(ws), ws_bytes,
-            _tc._stream(h)), "fce_vp_linear_backward")
+            ctypes.byref(o), ctypes.byref(shard), n, d, h.data_ptr(), w.data_ptr(),
+            _tc._ptr(b), targets.data_ptr(), gathered.data_ptr(), None, ctypes.byref(grads),
+            _tc._ptr(ws), ws_bytes, _tc._stream(h)), "fce_vp_linear_backward")
         del ws
         if gh is not None:
             if ctx.reduce_grad_hidden:
@@ -640,8 +648,6 @@ def _linear_fused(hidden, weight, bias, targets, cw, layout, opts, cdt, budget, 
     dev = h.device
     reduction = opts[0]
     z_loss, accuracy, argmax = _tc._extras(extras, n, reduction, dev)
-    if argmax is not None or accuracy is not None:
-        o.argmax, o.accuracy = _tc._ptr(argmax), _tc._ptr(accuracy)
     ws_bytes = _fused_workspace(o, key, size, n, d, vt, vl, max(0, budget), h.is_cuda,
                                 (cw is not None, argmax is not None, accuracy is not None))
     loss = torch.empty((n,) if reduction == _lib.FCE_REDUCTION_NONE else (),
@@ -657,11 +663,16 @@ def _linear_fused(hidden, weight, bias, targets, cw, layout, opts, cdt, budget, 
     # float32 elements, so that the all-gathers' buffers are views of it
     ws = torch.empty(((ws_bytes + 3) // 4,), dtype=torch.float32, device=dev) if ws_bytes else None
     gather = _AllGather(ws, group, size, stream)
+    shard = _lib.shard(size, vt, vs, vl)
+    out = _lib.outputs(loss=loss.data_ptr(), lse=_tc._ptr(lse), z_loss=_tc._ptr(z_loss),
+                       argmax=_tc._ptr(argmax), accuracy=_tc._ptr(accuracy),
+                       error_flags=_tc._ptr(flags))
+    grads = _lib.gradients(grad_output=_tc._ptr(grad_output), grad_hidden=_tc._ptr(gh),
+                           grad_weight=_tc._ptr(gw), grad_bias=_tc._ptr(gb))
     status = _lib.load().fce_vp_linear_ce(
-        ctypes.byref(o), size, n, d, vt, vs, vl, h.data_ptr(), w.data_ptr(), _tc._ptr(b),
-        targets.data_ptr(), loss.data_ptr(), _tc._ptr(lse), _tc._ptr(z_loss),
-        _tc._ptr(grad_output), _tc._ptr(gh), _lib.FCE_FLOAT32, _tc._ptr(gw), _tc._ptr(gb),
-        _tc._ptr(flags), gather.fn, None, _tc._ptr(ws), ws_bytes, stream)
+        ctypes.byref(o), ctypes.byref(shard), n, d, h.data_ptr(), w.data_ptr(), _tc._ptr(b),
+        targets.data_ptr(), ctypes.byref(out), ctypes.byref(grads), gather.fn, None,
+        _tc._ptr(ws), ws_bytes, stream)
     gather.ws = ws = None  # the workspace goes before the gradients' reduction and casts
     del h, w, b  # (copies under autocast)
     if gather.error is not None:

@@ -189,8 +189,9 @@ def vp_stats(logits, targets, *, vocab_total: int, vocab_start: int, reduction="
     with _device_of(z):
         stats, sa = _stats_out(stats, alloc, z, rows)
         opts = _options(z, dtype_code, tcode, red, kw, w, row_stride=rs)
-        _lib.call("fce_vp_stats", ctypes.byref(opts), rows, vt, vs, vl, z.ptr, y.ptr, sa.ptr,
-                  call_stream)
+        shard = _lib.shard(1, vt, vs, vl)
+        _lib.call("fce_vp_stats", ctypes.byref(opts), ctypes.byref(shard), rows, z.ptr, y.ptr,
+                  sa.ptr, call_stream)
     return stats
 
 
@@ -230,8 +231,9 @@ def vp_linear_stats(hidden, weight, targets, bias=None, *, vocab_total: int, voc
                   rows, dim, vl, ctypes.byref(lo), ctypes.byref(hi))
         ws_ptr, ws_bytes, ws_keep = _workspace(workspace, alloc, h, int(lo.value),
                                                int(hi.value), workspace_size)
-        _lib.call("fce_vp_linear_stats", ctypes.byref(opts), rows, dim, vt, vs, vl, h.ptr, W.ptr,
-                  _ptr(b), y.ptr, sa.ptr, ws_ptr, ws_bytes, call_stream)
+        shard = _lib.shard(1, vt, vs, vl)
+        _lib.call("fce_vp_linear_stats", ctypes.byref(opts), ctypes.byref(shard), rows, dim,
+                  h.ptr, W.ptr, _ptr(b), y.ptr, sa.ptr, ws_ptr, ws_bytes, call_stream)
         del ws_keep
     return stats
 
@@ -309,8 +311,7 @@ def vp_loss(gathered_stats, targets, *, vocab_total: int, reduction="mean",
         argmax, am_a, accuracy, acc_a = _argmax_accuracy(argmax, return_argmax, accuracy,
                                                          return_accuracy, alloc, g, rows, red)
         flags, flags_ptr = _error_flags(error_flags, alloc, g)
-        opts = _options(g, dtype_code, tcode, red, kw, w, argmax_ptr=_ptr(am_a),
-                        accuracy_ptr=_ptr(acc_a))
+        opts = _options(g, dtype_code, tcode, red, kw, w)
         need = ctypes.c_size_t(0)
         query_for("fce_vp_loss", "fce_vp_loss_workspace_size", ctypes.byref(opts), ranks, rows,
                   vt, ctypes.byref(need))
@@ -318,8 +319,11 @@ def vp_loss(gathered_stats, targets, *, vocab_total: int, reduction="mean",
             ws_ptr, ws_bytes, ws_keep = alloc.workspace(int(need.value))
         else:
             ws_ptr, ws_bytes, ws_keep = _user_workspace(workspace, g)
-        _lib.call("fce_vp_loss", ctypes.byref(opts), ranks, rows, vt, y.ptr, g.ptr, la.ptr,
-                  _ptr(lse_a), _ptr(zl_a), flags_ptr, ws_ptr, ws_bytes, call_stream)
+        shard = _lib.shard(ranks, vt, 0, vt)
+        out = _lib.outputs(loss=la.ptr, lse=_ptr(lse_a), z_loss=_ptr(zl_a), argmax=_ptr(am_a),
+                           accuracy=_ptr(acc_a), error_flags=flags_ptr)
+        _lib.call("fce_vp_loss", ctypes.byref(opts), ctypes.byref(shard), rows, y.ptr, g.ptr,
+                  ctypes.byref(out), ws_ptr, ws_bytes, call_stream)
         del ws_keep
     if check_targets:
         check_error_flags(flags)
@@ -385,8 +389,11 @@ def vp_backward(logits, targets, gathered_stats, grad_output=None, *, vocab_tota
             ws_ptr, ws_bytes, ws_keep = alloc.workspace(int(need.value))
         else:
             ws_ptr, ws_bytes, ws_keep = _user_workspace(workspace, z)
-        _lib.call("fce_vp_backward", ctypes.byref(opts), ranks, rows, vt, vs, vl, z.ptr, y.ptr,
-                  g.ptr, go_ptr, g_a.ptr, flags_ptr, ws_ptr, ws_bytes, call_stream)
+        shard = _lib.shard(ranks, vt, vs, vl)
+        out = _lib.outputs(error_flags=flags_ptr)
+        grads = _lib.gradients(grad_output=go_ptr, grad_logits=g_a.ptr)
+        _lib.call("fce_vp_backward", ctypes.byref(opts), ctypes.byref(shard), rows, z.ptr, y.ptr,
+                  g.ptr, ctypes.byref(out), ctypes.byref(grads), ws_ptr, ws_bytes, call_stream)
         del ws_keep, go_keep
     return grad_logits
 
@@ -453,9 +460,14 @@ def vp_linear_backward(hidden, weight, targets, gathered_stats, bias=None, grad_
                   ctypes.byref(hi))
         ws_ptr, ws_bytes, ws_keep = _workspace(workspace, alloc, h, int(lo.value),
                                                int(hi.value), workspace_size)
-        _lib.call("fce_vp_linear_backward", ctypes.byref(opts), ranks, rows, dim, vt, vs, vl,
-                  h.ptr, W.ptr, _ptr(b), y.ptr, g.ptr, go_ptr, _ptr(gh_a), gh_code, _ptr(gw_a),
-                  _ptr(gb_a), flags_ptr, ws_ptr, ws_bytes, call_stream)
+        shard = _lib.shard(ranks, vt, vs, vl)
+        out = _lib.outputs(error_flags=flags_ptr)
+        grads = _lib.gradients(grad_output=go_ptr, grad_hidden=_ptr(gh_a),
+                               grad_weight=_ptr(gw_a), grad_bias=_ptr(gb_a),
+                               grad_hidden_dtype=gh_code)
+        _lib.call("fce_vp_linear_backward", ctypes.byref(opts), ctypes.byref(shard), rows, dim,
+                  h.ptr, W.ptr, _ptr(b), y.ptr, g.ptr, ctypes.byref(out), ctypes.byref(grads),
+                  ws_ptr, ws_bytes, call_stream)
         del ws_keep, go_keep
     return VPLinearGrads(grad_hidden, grad_weight, grad_bias,
                          error_flags if error_flags is not False else None)

@@ -243,7 +243,7 @@ def test_linear_partial_gradients_and_workspace_sizes():
     _close(only_w.grad_weight, ref.grad_weight[:10], rtol=1e-4)
     # no gradient asked for: the library refuses it, naming the three buffers
     with pytest.raises(fusedce.NullPointerError,
-                       match="fce_vp_linear_backward: grad_hidden, grad_weight and grad_bias"):
+                       match="fce_vp_linear_backward: gradients->grad_hidden, ->grad_weight and ->grad_bias"):
         vp.vp_linear_backward(h, w[:10], y, gathered, vocab_start=0, vocab_total=vocab,
                               return_grad=False)
 
@@ -314,8 +314,8 @@ def test_older_library_refuses_clearly(monkeypatch):
 
 
 def test_header_version_and_constants():
-    assert (_lib.HEADER_VERSION_MAJOR, _lib.HEADER_VERSION_MINOR) == (0, 5)
-    assert fusedce.__version__ == "0.5.0"
+    assert (_lib.HEADER_VERSION_MAJOR, _lib.HEADER_VERSION_MINOR) == (1, 0)
+    assert fusedce.__version__ == "1.0.0"
     assert _lib.FCE_VP_STATS == vp.VP_STATS == 8
     assert _lib.FCE_FLAG_SHARDS_INCONSISTENT == 2
 

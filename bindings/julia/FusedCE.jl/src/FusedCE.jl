@@ -315,13 +315,12 @@ end
 The `fce_options` fields the high-level functions take as keywords. `backend`, `dtype`,
 `target_dtype` and the strides are read off the arrays (a value given must agree with them;
 describe strided memory with a view), `class_weights` is a `Float32` vector of `vocab` weights
-on the data's backend, `struct_size` is `sizeof(FceOptions)` (`FCE_OPTIONS_SIZE_V0_1` for a
-library older than 0.3, which then refuses the 0.3 options) and `reserved0` and `reserved1`
-always 0. Since 0.3: `shift` (the k of the causal shift: row b·T+t against target
+on the data's backend, `struct_size` is `sizeof(FceOptions)` (`FCE_OPTIONS_SIZE_V1_0`) and
+`reserved0` and `reserved1` always 0. `shift` (the k of the causal shift: row b·T+t against target
 b·T+t+k, the last k rows of each sequence of `shift_seq_len` T ignored; 0 means 1, and it must
 be 0 without `shift_seq_len`) and `token_scaling` (each scored row's loss, z-loss term included,
-and gradient times p_y = exp(a_y - lse), a constant for the gradient). The two outputs that live
-in `fce_options`, `argmax` and `accuracy`, are not options here but output arrays of
+and gradient times p_y = exp(a_y - lse), a constant for the gradient). The outputs (`fce_outputs`:
+`argmax`, `accuracy`, ...) are not options but output arrays of
 [`forward!`](@ref) and [`linear_ce!`](@ref) (`argmax=true`, `accuracy=true` for
 [`forward`](@ref) and [`linear_ce`](@ref)).
 """
@@ -330,10 +329,8 @@ const OPTION_KEYWORDS = (:class_weights, :ignore_index, :row_stride, :grad_row_s
                          :reduction, :label_smoothing, :z_loss_scale, :softcap, :logit_scale,
                          :deterministic, :accumulate, :grad_weight_fp32, :shift, :token_scaling)
 
-# The options of one call: the caller's keywords, checked, then what the arrays say; `outputs`
-# the argmax / accuracy pointers of a forward call (C_NULL when not asked for).
-function _options(kw, derived::NamedTuple, dense::NamedTuple, class_weights::Ptr,
-                  outputs::NamedTuple=(argmax=C_NULL, accuracy=C_NULL))
+# The options of one call: the caller's keywords, checked, then what the arrays say.
+function _options(kw, derived::NamedTuple, dense::NamedTuple, class_weights::Ptr)
     values = Dict{Symbol,Any}()
     for (k, v) in pairs(kw)
         k in OPTION_KEYWORDS ||
@@ -354,24 +351,19 @@ function _options(kw, derived::NamedTuple, dense::NamedTuple, class_weights::Ptr
         values[k] = v
     end
     values[:class_weights] = class_weights
-    values[:argmax] = outputs.argmax
-    values[:accuracy] = outputs.accuracy
-    return _for_library(_fce_options(values))
-end
-
-# The struct to pass the loaded library: as built for a library of 0.3 or later; for an older one
-# (which rejects a struct_size larger than its own) the 0.1 struct, after refusing the fields
-# appended in 0.3, which it would not see.
-function _for_library(o::FceOptions)
-    library_version() >= v"0.3" && return o
-    for (on, what) in ((o.shift != 0, "shift"), (o.token_scaling != 0, "token_scaling"),
-                       (o.argmax != C_NULL, "argmax"), (o.accuracy != C_NULL, "accuracy"))
-        on && throw(_needs(what, v"0.3"))
-    end
-    values = Dict{Symbol,Any}(k => getfield(o, k) for k in fieldnames(FceOptions))
-    values[:struct_size] = Csize_t(FCE_OPTIONS_SIZE_V0_1)
     return _fce_options(values)
 end
+
+# The fce_outputs and fce_gradients of one call from the pointers given (C_NULL: absent).
+_outputs(; loss=C_NULL, lse=C_NULL, z_loss=C_NULL, argmax=C_NULL, accuracy=C_NULL,
+         error_flags=C_NULL) =
+    FceOutputs(sizeof(FceOutputs), Ptr{Cfloat}(loss), Ptr{Cfloat}(lse), Ptr{Cfloat}(z_loss),
+               Ptr{Int64}(argmax), Ptr{Cfloat}(accuracy), Ptr{UInt32}(error_flags))
+_gradients(; grad_output=C_NULL, grad_logits=C_NULL, grad_hidden=C_NULL, grad_weight=C_NULL,
+           grad_bias=C_NULL) =
+    FceGradients(sizeof(FceGradients), Ptr{Cfloat}(grad_output), Ptr{Cvoid}(grad_logits),
+                 Ptr{Cvoid}(grad_hidden), Ptr{Cvoid}(grad_weight), Ptr{Cvoid}(grad_bias),
+                 Int32(FCE_FLOAT32), Int32(0))
 
 _reduction(kw) = reduction_code(get(kw, :reduction, :mean))
 _flag(kw, key::Symbol) = get(kw, key, false) != 0
@@ -547,8 +539,11 @@ function _check_outputs(argmax, accuracy, rows, per_row)
     return nothing
 end
 
-_output_pointers(argmax, accuracy) = (argmax=buffer_pointer(argmax),
-                                      accuracy=buffer_pointer(accuracy))
+# The fce_outputs of a forward call on these arrays (`nothing`: not written).
+_loss_outputs(loss, lse, z_loss, argmax, accuracy, error_flags) =
+    _outputs(loss=buffer_pointer(loss), lse=buffer_pointer(lse), z_loss=buffer_pointer(z_loss),
+             argmax=buffer_pointer(argmax), accuracy=buffer_pointer(accuracy),
+             error_flags=buffer_pointer(error_flags))
 
 function _class_weights(kw, be, vocab)
     cw = get(kw, :class_weights, nothing)
@@ -634,8 +629,10 @@ function forward!(loss::AbstractVector{Float32}, logits::AbstractMatrix, targets
                    grad_row_stride=grad_row_stride)
         dense = (row_stride=vocab, grad_row_stride=vocab)
         GC.@preserve logits targets loss lse z_loss argmax accuracy grad_logits grad_output error_flags cw begin
-            opts = _options(options, derived, dense, buffer_pointer(cw),
-                            _output_pointers(argmax, accuracy))
+            opts = _options(options, derived, dense, buffer_pointer(cw))
+            outs = _loss_outputs(loss, lse, z_loss, argmax, accuracy, error_flags)
+            grads = _gradients(grad_output=buffer_pointer(grad_output),
+                               grad_logits=buffer_pointer(grad_logits))
             nbytes = Ref{Csize_t}(0)
             _query_for("fce_forward", "fce_forward_workspace_size") do
                 fce_forward_workspace_size(opts, rows, vocab, nbytes)
@@ -644,9 +641,7 @@ function forward!(loss::AbstractVector{Float32}, logits::AbstractMatrix, targets
             GC.@preserve ws begin
                 wsp, wsn = _workspace_args(ws)
                 fce_forward(opts, rows, vocab, buffer_pointer(logits), buffer_pointer(targets),
-                            buffer_pointer(loss), buffer_pointer(lse), buffer_pointer(z_loss),
-                            buffer_pointer(grad_logits), buffer_pointer(grad_output),
-                            buffer_pointer(error_flags), wsp, wsn, current_stream(logits))
+                            outs, grads, wsp, wsn, current_stream(logits))
             end
             owned && release_workspace!(ws)
         end
@@ -775,10 +770,11 @@ function _backward!(cfunction, grad_logits, logits, targets, lse, grad_output, e
             ws, owned = _workspace(logits, workspace, nbytes[])
             GC.@preserve ws begin
                 wsp, wsn = _workspace_args(ws)
+                outs = _outputs(error_flags=buffer_pointer(error_flags))
+                grads = _gradients(grad_output=buffer_pointer(grad_output),
+                                   grad_logits=buffer_pointer(grad_logits))
                 cfunction(opts, rows, vocab, buffer_pointer(logits), buffer_pointer(targets),
-                          buffer_pointer(lse), buffer_pointer(grad_output),
-                          buffer_pointer(grad_logits), buffer_pointer(error_flags), wsp, wsn,
-                          current_stream(logits))
+                          buffer_pointer(lse), outs, grads, wsp, wsn, current_stream(logits))
             end
             owned && release_workspace!(ws)
         end
@@ -887,8 +883,12 @@ function linear_ce!(loss::AbstractVector{Float32}, hidden::AbstractMatrix, weigh
                    hidden_row_stride=hidden_row_stride)
         dense = (hidden_row_stride=dim,)
         GC.@preserve hidden weight bias targets loss lse z_loss argmax accuracy grad_hidden grad_weight grad_bias grad_output error_flags cw begin
-            opts = _options(options, derived, dense, buffer_pointer(cw),
-                            _output_pointers(argmax, accuracy))
+            opts = _options(options, derived, dense, buffer_pointer(cw))
+            outs = _loss_outputs(loss, lse, z_loss, argmax, accuracy, error_flags)
+            grads = _gradients(grad_output=buffer_pointer(grad_output),
+                               grad_hidden=buffer_pointer(grad_hidden),
+                               grad_weight=buffer_pointer(grad_weight),
+                               grad_bias=buffer_pointer(grad_bias))
             min_bytes = Ref{Csize_t}(0)
             optimal_bytes = Ref{Csize_t}(0)
             _query_for("fce_linear_ce", "fce_linear_ce_workspace_size") do
@@ -901,10 +901,7 @@ function linear_ce!(loss::AbstractVector{Float32}, hidden::AbstractMatrix, weigh
                 wsp, wsn = _workspace_args(ws)
                 fce_linear_ce(opts, rows, dim, vocab, buffer_pointer(hidden),
                               buffer_pointer(weight), buffer_pointer(bias),
-                              buffer_pointer(targets), buffer_pointer(loss), buffer_pointer(lse),
-                              buffer_pointer(z_loss), buffer_pointer(grad_hidden),
-                              buffer_pointer(grad_weight), buffer_pointer(grad_bias),
-                              buffer_pointer(grad_output), buffer_pointer(error_flags), wsp, wsn,
+                              buffer_pointer(targets), outs, grads, wsp, wsn,
                               current_stream(hidden))
             end
             owned && release_workspace!(ws)

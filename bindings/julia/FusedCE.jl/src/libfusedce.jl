@@ -18,14 +18,15 @@
 #     ENV["FUSEDCE_LIBRARY"], else "libfusedce" on the library search path.
 
 # ---------------------------------------------------------------- #define constants
-const FCE_VERSION_MAJOR = 0
-const FCE_VERSION_MINOR = 5
+const FCE_VERSION_MAJOR = 1
+const FCE_VERSION_MINOR = 0
 const FCE_VERSION_PATCH = 0
 # FCE_VERSION_NUMBER = (FCE_VERSION_MAJOR * 10000 + FCE_VERSION_MINOR * 100 + FCE_VERSION_PATCH)
-const FCE_VERSION_NUMBER = 500
+const FCE_VERSION_NUMBER = 10000
 const FCE_FLAG_TARGET_OUT_OF_RANGE = Cuint(1)  # 1u
-const FCE_OPTIONS_SIZE_V0_1 = 104
-const FCE_OPTIONS_SIZE_V0_3 = 136
+const FCE_OPTIONS_SIZE_V1_0 = 120
+const FCE_OUTPUTS_SIZE_V1_0 = 56
+const FCE_GRADIENTS_SIZE_V1_0 = 56
 const FCE_VP_STATS = 8
 const FCE_FLAG_SHARDS_INCONSISTENT = Cuint(2)  # 2u
 
@@ -85,24 +86,84 @@ struct FceOptions
     grad_weight_fp32::Int32     # int32_t grad_weight_fp32 (offset 96)
     reserved0::Int32            # int32_t reserved0 (offset 100)
     shift::Int64                # int64_t shift (offset 104)
-    argmax::Ptr{Int64}          # int64_t* argmax (offset 112)
-    accuracy::Ptr{Cfloat}       # float* accuracy (offset 120)
-    token_scaling::Int32        # int32_t token_scaling (offset 128)
-    reserved1::Int32            # int32_t reserved1 (offset 132)
+    token_scaling::Int32        # int32_t token_scaling (offset 112)
+    reserved1::Int32            # int32_t reserved1 (offset 116)
 end
 const fce_options = FceOptions
 
-# The C layout under the LP64 ABI (x86-64, aarch64): 136 bytes.
+# The C layout under the LP64 ABI (x86-64, aarch64): 120 bytes.
 @assert Sys.WORD_SIZE == 64 "fusedce's Julia binding needs a 64-bit platform"
-@assert sizeof(FceOptions) == 136 "FceOptions does not have the size of C's fce_options"
+@assert sizeof(FceOptions) == 120 "FceOptions does not have the size of C's fce_options"
 @assert Int[fieldoffset(FceOptions, i) for i in 1:fieldcount(FceOptions)] ==
-        [0, 8, 16, 24, 32, 40, 48, 56, 60, 64, 68, 72, 76, 80, 84, 88, 92, 96, 100, 104, 112, 120,
-         128, 132]
+        [0, 8, 16, 24, 32, 40, 48, 56, 60, 64, 68, 72, 76, 80, 84, 88, 92, 96, 100, 104, 112, 116]
+
+# ---------------------------------------------------------------- struct fce_outputs
+# Field for field the C struct (same names, order and types): pass it as Ref{FceOutputs}.
+struct FceOutputs
+    struct_size::Csize_t      # size_t struct_size (offset 0)
+    loss::Ptr{Cfloat}         # float* loss (offset 8)
+    lse::Ptr{Cfloat}          # float* lse (offset 16)
+    z_loss::Ptr{Cfloat}       # float* z_loss (offset 24)
+    argmax::Ptr{Int64}        # int64_t* argmax (offset 32)
+    accuracy::Ptr{Cfloat}     # float* accuracy (offset 40)
+    error_flags::Ptr{UInt32}  # uint32_t* error_flags (offset 48)
+end
+const fce_outputs = FceOutputs
+
+# The C layout under the LP64 ABI (x86-64, aarch64): 56 bytes.
+@assert Sys.WORD_SIZE == 64 "fusedce's Julia binding needs a 64-bit platform"
+@assert sizeof(FceOutputs) == 56 "FceOutputs does not have the size of C's fce_outputs"
+@assert Int[fieldoffset(FceOutputs, i) for i in 1:fieldcount(FceOutputs)] ==
+        [0, 8, 16, 24, 32, 40, 48]
+
+# ---------------------------------------------------------------- struct fce_gradients
+# Field for field the C struct (same names, order and types): pass it as Ref{FceGradients}.
+struct FceGradients
+    struct_size::Csize_t      # size_t struct_size (offset 0)
+    grad_output::Ptr{Cfloat}  # const float* grad_output (offset 8)
+    grad_logits::Ptr{Cvoid}   # void* grad_logits (offset 16)
+    grad_hidden::Ptr{Cvoid}   # void* grad_hidden (offset 24)
+    grad_weight::Ptr{Cvoid}   # void* grad_weight (offset 32)
+    grad_bias::Ptr{Cvoid}     # void* grad_bias (offset 40)
+    grad_hidden_dtype::Int32  # int32_t grad_hidden_dtype (offset 48)
+    reserved0::Int32          # int32_t reserved0 (offset 52)
+end
+const fce_gradients = FceGradients
+
+# The C layout under the LP64 ABI (x86-64, aarch64): 56 bytes.
+@assert Sys.WORD_SIZE == 64 "fusedce's Julia binding needs a 64-bit platform"
+@assert sizeof(FceGradients) == 56 "FceGradients does not have the size of C's fce_gradients"
+@assert Int[fieldoffset(FceGradients, i) for i in 1:fieldcount(FceGradients)] ==
+        [0, 8, 16, 24, 32, 40, 48, 52]
+
+# ---------------------------------------------------------------- struct fce_vp_shard
+# Field for field the C struct (same names, order and types): pass it as Ref{FceVpShard}.
+struct FceVpShard
+    ranks::Int64        # int64_t ranks (offset 0)
+    vocab_total::Int64  # int64_t vocab_total (offset 8)
+    vocab_start::Int64  # int64_t vocab_start (offset 16)
+    vocab_local::Int64  # int64_t vocab_local (offset 24)
+end
+const fce_vp_shard = FceVpShard
+
+# The C layout under the LP64 ABI (x86-64, aarch64): 32 bytes.
+@assert Sys.WORD_SIZE == 64 "fusedce's Julia binding needs a 64-bit platform"
+@assert sizeof(FceVpShard) == 32 "FceVpShard does not have the size of C's fce_vp_shard"
+@assert Int[fieldoffset(FceVpShard, i) for i in 1:fieldcount(FceVpShard)] ==
+        [0, 8, 16, 24]
 
 # FCE_OPTIONS_INIT: the C initialiser, item for item.
 const FCE_OPTIONS_INIT = FceOptions(sizeof(FceOptions), C_NULL, -100, 0, 0, 0, 0, FCE_BACKEND_CUDA,
                                     FCE_FLOAT32, FCE_INT64, FCE_REDUCTION_MEAN, 0.0f0, 0.0f0, 0.0f0,
-                                    1.0f0, 0, 0, 0, 0, 0, C_NULL, C_NULL, 0, 0)
+                                    1.0f0, 0, 0, 0, 0, 0, 0, 0)
+
+# FCE_OUTPUTS_INIT: the C initialiser, item for item.
+const FCE_OUTPUTS_INIT = FceOutputs(sizeof(FceOutputs), C_NULL, C_NULL, C_NULL, C_NULL, C_NULL,
+                                    C_NULL)
+
+# FCE_GRADIENTS_INIT: the C initialiser, item for item.
+const FCE_GRADIENTS_INIT = FceGradients(sizeof(FceGradients), C_NULL, C_NULL, C_NULL, C_NULL,
+                                        C_NULL, FCE_FLOAT32, 0)
 
 # ---------------------------------------------------------------- callback fce_vp_all_gather_fn
 # typedef fce_status (*fce_vp_all_gather_fn)(void* context, const float* send, float* recv,
@@ -156,17 +217,15 @@ function fce_forward_workspace_size(options, rows, vocab, workspace_bytes)
 end
 
 # fce_status fce_forward(const fce_options* options, int64_t rows, int64_t vocab,
-#     const void* logits, const void* targets, float* loss, float* lse, float* z_loss,
-#     void* grad_logits, const float* grad_output, uint32_t* error_flags, void* workspace,
-#     size_t workspace_bytes, void* stream)
-function fce_forward(options, rows, vocab, logits, targets, loss, lse, z_loss, grad_logits,
-                     grad_output, error_flags, workspace, workspace_bytes, stream)
+#     const void* logits, const void* targets, const fce_outputs* outputs,
+#     const fce_gradients* gradients, void* workspace, size_t workspace_bytes, void* stream)
+function fce_forward(options, rows, vocab, logits, targets, outputs, gradients, workspace,
+                     workspace_bytes, stream)
     status = ccall(libfusedce_symbol(:fce_forward), Cint,
-                   (Ref{FceOptions}, Int64, Int64, Ptr{Cvoid}, Ptr{Cvoid}, Ptr{Cfloat}, Ptr{Cfloat},
-                    Ptr{Cfloat}, Ptr{Cvoid}, Ptr{Cfloat}, Ptr{UInt32}, Ptr{Cvoid}, Csize_t,
-                    Ptr{Cvoid}),
-                   options, rows, vocab, logits, targets, loss, lse, z_loss, grad_logits,
-                   grad_output, error_flags, workspace, workspace_bytes, stream)
+                   (Ref{FceOptions}, Int64, Int64, Ptr{Cvoid}, Ptr{Cvoid}, Ref{FceOutputs},
+                    Ref{FceGradients}, Ptr{Cvoid}, Csize_t, Ptr{Cvoid}),
+                   options, rows, vocab, logits, targets, outputs, gradients, workspace,
+                   workspace_bytes, stream)
     return check_status(status)
 end
 
@@ -180,30 +239,28 @@ function fce_backward_workspace_size(options, rows, vocab, workspace_bytes)
 end
 
 # fce_status fce_backward(const fce_options* options, int64_t rows, int64_t vocab,
-#     const void* logits, const void* targets, const float* lse, const float* grad_output,
-#     void* grad_logits, uint32_t* error_flags, void* workspace, size_t workspace_bytes,
-#     void* stream)
-function fce_backward(options, rows, vocab, logits, targets, lse, grad_output, grad_logits,
-                      error_flags, workspace, workspace_bytes, stream)
+#     const void* logits, const void* targets, const float* lse, const fce_outputs* outputs,
+#     const fce_gradients* gradients, void* workspace, size_t workspace_bytes, void* stream)
+function fce_backward(options, rows, vocab, logits, targets, lse, outputs, gradients, workspace,
+                      workspace_bytes, stream)
     status = ccall(libfusedce_symbol(:fce_backward), Cint,
-                   (Ref{FceOptions}, Int64, Int64, Ptr{Cvoid}, Ptr{Cvoid}, Ptr{Cfloat}, Ptr{Cfloat},
-                    Ptr{Cvoid}, Ptr{UInt32}, Ptr{Cvoid}, Csize_t, Ptr{Cvoid}),
-                   options, rows, vocab, logits, targets, lse, grad_output, grad_logits,
-                   error_flags, workspace, workspace_bytes, stream)
+                   (Ref{FceOptions}, Int64, Int64, Ptr{Cvoid}, Ptr{Cvoid}, Ptr{Cfloat},
+                    Ref{FceOutputs}, Ref{FceGradients}, Ptr{Cvoid}, Csize_t, Ptr{Cvoid}),
+                   options, rows, vocab, logits, targets, lse, outputs, gradients, workspace,
+                   workspace_bytes, stream)
     return check_status(status)
 end
 
 # fce_status fce_backward_rescale(const fce_options* options, int64_t rows, int64_t vocab,
-#     const void* logits, const void* targets, const float* lse, const float* grad_output,
-#     void* grad_logits, uint32_t* error_flags, void* workspace, size_t workspace_bytes,
-#     void* stream)
-function fce_backward_rescale(options, rows, vocab, logits, targets, lse, grad_output, grad_logits,
-                              error_flags, workspace, workspace_bytes, stream)
+#     const void* logits, const void* targets, const float* lse, const fce_outputs* outputs,
+#     const fce_gradients* gradients, void* workspace, size_t workspace_bytes, void* stream)
+function fce_backward_rescale(options, rows, vocab, logits, targets, lse, outputs, gradients,
+                              workspace, workspace_bytes, stream)
     status = ccall(libfusedce_symbol(:fce_backward_rescale), Cint,
-                   (Ref{FceOptions}, Int64, Int64, Ptr{Cvoid}, Ptr{Cvoid}, Ptr{Cfloat}, Ptr{Cfloat},
-                    Ptr{Cvoid}, Ptr{UInt32}, Ptr{Cvoid}, Csize_t, Ptr{Cvoid}),
-                   options, rows, vocab, logits, targets, lse, grad_output, grad_logits,
-                   error_flags, workspace, workspace_bytes, stream)
+                   (Ref{FceOptions}, Int64, Int64, Ptr{Cvoid}, Ptr{Cvoid}, Ptr{Cfloat},
+                    Ref{FceOutputs}, Ref{FceGradients}, Ptr{Cvoid}, Csize_t, Ptr{Cvoid}),
+                   options, rows, vocab, logits, targets, lse, outputs, gradients, workspace,
+                   workspace_bytes, stream)
     return check_status(status)
 end
 
@@ -219,32 +276,26 @@ end
 
 # fce_status fce_linear_ce(const fce_options* options, int64_t rows, int64_t hidden, int64_t vocab,
 #     const void* hidden_states, const void* weight, const void* bias, const void* targets,
-#     float* loss, float* lse, float* z_loss, void* grad_hidden, void* grad_weight, void* grad_bias,
-#     const float* grad_output, uint32_t* error_flags, void* workspace, size_t workspace_bytes,
-#     void* stream)
-function fce_linear_ce(options, rows, hidden, vocab, hidden_states, weight, bias, targets, loss,
-                       lse, z_loss, grad_hidden, grad_weight, grad_bias, grad_output, error_flags,
-                       workspace, workspace_bytes, stream)
+#     const fce_outputs* outputs, const fce_gradients* gradients, void* workspace,
+#     size_t workspace_bytes, void* stream)
+function fce_linear_ce(options, rows, hidden, vocab, hidden_states, weight, bias, targets, outputs,
+                       gradients, workspace, workspace_bytes, stream)
     status = ccall(libfusedce_symbol(:fce_linear_ce), Cint,
                    (Ref{FceOptions}, Int64, Int64, Int64, Ptr{Cvoid}, Ptr{Cvoid}, Ptr{Cvoid},
-                    Ptr{Cvoid}, Ptr{Cfloat}, Ptr{Cfloat}, Ptr{Cfloat}, Ptr{Cvoid}, Ptr{Cvoid},
-                    Ptr{Cvoid}, Ptr{Cfloat}, Ptr{UInt32}, Ptr{Cvoid}, Csize_t, Ptr{Cvoid}),
-                   options, rows, hidden, vocab, hidden_states, weight, bias, targets, loss, lse,
-                   z_loss, grad_hidden, grad_weight, grad_bias, grad_output, error_flags, workspace,
-                   workspace_bytes, stream)
+                    Ptr{Cvoid}, Ref{FceOutputs}, Ref{FceGradients}, Ptr{Cvoid}, Csize_t,
+                    Ptr{Cvoid}),
+                   options, rows, hidden, vocab, hidden_states, weight, bias, targets, outputs,
+                   gradients, workspace, workspace_bytes, stream)
     return check_status(status)
 end
 
-# fce_status fce_vp_stats(const fce_options* options, int64_t rows, int64_t vocab_total,
-#     int64_t vocab_start, int64_t vocab_local, const void* logits, const void* targets,
-#     float* stats, void* stream)
-function fce_vp_stats(options, rows, vocab_total, vocab_start, vocab_local, logits, targets, stats,
-                      stream)
+# fce_status fce_vp_stats(const fce_options* options, const fce_vp_shard* shard, int64_t rows,
+#     const void* logits, const void* targets, float* stats, void* stream)
+function fce_vp_stats(options, shard, rows, logits, targets, stats, stream)
     status = ccall(libfusedce_symbol(:fce_vp_stats), Cint,
-                   (Ref{FceOptions}, Int64, Int64, Int64, Int64, Ptr{Cvoid}, Ptr{Cvoid},
-                    Ptr{Cfloat}, Ptr{Cvoid}),
-                   options, rows, vocab_total, vocab_start, vocab_local, logits, targets, stats,
-                   stream)
+                   (Ref{FceOptions}, Ref{FceVpShard}, Int64, Ptr{Cvoid}, Ptr{Cvoid}, Ptr{Cfloat},
+                    Ptr{Cvoid}),
+                   options, shard, rows, logits, targets, stats, stream)
     return check_status(status)
 end
 
@@ -257,17 +308,16 @@ function fce_vp_loss_workspace_size(options, ranks, rows, vocab_total, workspace
     return check_status(status)
 end
 
-# fce_status fce_vp_loss(const fce_options* options, int64_t ranks, int64_t rows,
-#     int64_t vocab_total, const void* targets, const float* gathered_stats, float* loss,
-#     float* lse, float* z_loss, uint32_t* error_flags, void* workspace, size_t workspace_bytes,
-#     void* stream)
-function fce_vp_loss(options, ranks, rows, vocab_total, targets, gathered_stats, loss, lse, z_loss,
-                     error_flags, workspace, workspace_bytes, stream)
+# fce_status fce_vp_loss(const fce_options* options, const fce_vp_shard* shard, int64_t rows,
+#     const void* targets, const float* gathered_stats, const fce_outputs* outputs, void* workspace,
+#     size_t workspace_bytes, void* stream)
+function fce_vp_loss(options, shard, rows, targets, gathered_stats, outputs, workspace,
+                     workspace_bytes, stream)
     status = ccall(libfusedce_symbol(:fce_vp_loss), Cint,
-                   (Ref{FceOptions}, Int64, Int64, Int64, Ptr{Cvoid}, Ptr{Cfloat}, Ptr{Cfloat},
-                    Ptr{Cfloat}, Ptr{Cfloat}, Ptr{UInt32}, Ptr{Cvoid}, Csize_t, Ptr{Cvoid}),
-                   options, ranks, rows, vocab_total, targets, gathered_stats, loss, lse, z_loss,
-                   error_flags, workspace, workspace_bytes, stream)
+                   (Ref{FceOptions}, Ref{FceVpShard}, Int64, Ptr{Cvoid}, Ptr{Cfloat},
+                    Ref{FceOutputs}, Ptr{Cvoid}, Csize_t, Ptr{Cvoid}),
+                   options, shard, rows, targets, gathered_stats, outputs, workspace,
+                   workspace_bytes, stream)
     return check_status(status)
 end
 
@@ -281,20 +331,17 @@ function fce_vp_backward_workspace_size(options, ranks, rows, vocab_total, vocab
     return check_status(status)
 end
 
-# fce_status fce_vp_backward(const fce_options* options, int64_t ranks, int64_t rows,
-#     int64_t vocab_total, int64_t vocab_start, int64_t vocab_local, const void* logits,
-#     const void* targets, const float* gathered_stats, const float* grad_output, void* grad_logits,
-#     uint32_t* error_flags, void* workspace, size_t workspace_bytes, void* stream)
-function fce_vp_backward(options, ranks, rows, vocab_total, vocab_start, vocab_local, logits,
-                         targets, gathered_stats, grad_output, grad_logits, error_flags, workspace,
-                         workspace_bytes, stream)
+# fce_status fce_vp_backward(const fce_options* options, const fce_vp_shard* shard, int64_t rows,
+#     const void* logits, const void* targets, const float* gathered_stats,
+#     const fce_outputs* outputs, const fce_gradients* gradients, void* workspace,
+#     size_t workspace_bytes, void* stream)
+function fce_vp_backward(options, shard, rows, logits, targets, gathered_stats, outputs, gradients,
+                         workspace, workspace_bytes, stream)
     status = ccall(libfusedce_symbol(:fce_vp_backward), Cint,
-                   (Ref{FceOptions}, Int64, Int64, Int64, Int64, Int64, Ptr{Cvoid}, Ptr{Cvoid},
-                    Ptr{Cfloat}, Ptr{Cfloat}, Ptr{Cvoid}, Ptr{UInt32}, Ptr{Cvoid}, Csize_t,
-                    Ptr{Cvoid}),
-                   options, ranks, rows, vocab_total, vocab_start, vocab_local, logits, targets,
-                   gathered_stats, grad_output, grad_logits, error_flags, workspace,
-                   workspace_bytes, stream)
+                   (Ref{FceOptions}, Ref{FceVpShard}, Int64, Ptr{Cvoid}, Ptr{Cvoid}, Ptr{Cfloat},
+                    Ref{FceOutputs}, Ref{FceGradients}, Ptr{Cvoid}, Csize_t, Ptr{Cvoid}),
+                   options, shard, rows, logits, targets, gathered_stats, outputs, gradients,
+                   workspace, workspace_bytes, stream)
     return check_status(status)
 end
 
@@ -308,18 +355,16 @@ function fce_vp_linear_stats_workspace_size(options, rows, hidden, vocab_local, 
     return check_status(status)
 end
 
-# fce_status fce_vp_linear_stats(const fce_options* options, int64_t rows, int64_t hidden,
-#     int64_t vocab_total, int64_t vocab_start, int64_t vocab_local, const void* hidden_states,
-#     const void* weight, const void* bias, const void* targets, float* stats, void* workspace,
-#     size_t workspace_bytes, void* stream)
-function fce_vp_linear_stats(options, rows, hidden, vocab_total, vocab_start, vocab_local,
-                             hidden_states, weight, bias, targets, stats, workspace,
-                             workspace_bytes, stream)
+# fce_status fce_vp_linear_stats(const fce_options* options, const fce_vp_shard* shard,
+#     int64_t rows, int64_t hidden, const void* hidden_states, const void* weight, const void* bias,
+#     const void* targets, float* stats, void* workspace, size_t workspace_bytes, void* stream)
+function fce_vp_linear_stats(options, shard, rows, hidden, hidden_states, weight, bias, targets,
+                             stats, workspace, workspace_bytes, stream)
     status = ccall(libfusedce_symbol(:fce_vp_linear_stats), Cint,
-                   (Ref{FceOptions}, Int64, Int64, Int64, Int64, Int64, Ptr{Cvoid}, Ptr{Cvoid},
+                   (Ref{FceOptions}, Ref{FceVpShard}, Int64, Int64, Ptr{Cvoid}, Ptr{Cvoid},
                     Ptr{Cvoid}, Ptr{Cvoid}, Ptr{Cfloat}, Ptr{Cvoid}, Csize_t, Ptr{Cvoid}),
-                   options, rows, hidden, vocab_total, vocab_start, vocab_local, hidden_states,
-                   weight, bias, targets, stats, workspace, workspace_bytes, stream)
+                   options, shard, rows, hidden, hidden_states, weight, bias, targets, stats,
+                   workspace, workspace_bytes, stream)
     return check_status(status)
 end
 
@@ -337,24 +382,19 @@ function fce_vp_linear_backward_workspace_size(options, ranks, rows, hidden, voc
     return check_status(status)
 end
 
-# fce_status fce_vp_linear_backward(const fce_options* options, int64_t ranks, int64_t rows,
-#     int64_t hidden, int64_t vocab_total, int64_t vocab_start, int64_t vocab_local,
-#     const void* hidden_states, const void* weight, const void* bias, const void* targets,
-#     const float* gathered_stats, const float* grad_output, void* grad_hidden,
-#     int32_t grad_hidden_dtype, void* grad_weight, void* grad_bias, uint32_t* error_flags,
-#     void* workspace, size_t workspace_bytes, void* stream)
-function fce_vp_linear_backward(options, ranks, rows, hidden, vocab_total, vocab_start, vocab_local,
-                                hidden_states, weight, bias, targets, gathered_stats, grad_output,
-                                grad_hidden, grad_hidden_dtype, grad_weight, grad_bias, error_flags,
-                                workspace, workspace_bytes, stream)
+# fce_status fce_vp_linear_backward(const fce_options* options, const fce_vp_shard* shard,
+#     int64_t rows, int64_t hidden, const void* hidden_states, const void* weight, const void* bias,
+#     const void* targets, const float* gathered_stats, const fce_outputs* outputs,
+#     const fce_gradients* gradients, void* workspace, size_t workspace_bytes, void* stream)
+function fce_vp_linear_backward(options, shard, rows, hidden, hidden_states, weight, bias, targets,
+                                gathered_stats, outputs, gradients, workspace, workspace_bytes,
+                                stream)
     status = ccall(libfusedce_symbol(:fce_vp_linear_backward), Cint,
-                   (Ref{FceOptions}, Int64, Int64, Int64, Int64, Int64, Int64, Ptr{Cvoid},
-                    Ptr{Cvoid}, Ptr{Cvoid}, Ptr{Cvoid}, Ptr{Cfloat}, Ptr{Cfloat}, Ptr{Cvoid}, Int32,
-                    Ptr{Cvoid}, Ptr{Cvoid}, Ptr{UInt32}, Ptr{Cvoid}, Csize_t, Ptr{Cvoid}),
-                   options, ranks, rows, hidden, vocab_total, vocab_start, vocab_local,
-                   hidden_states, weight, bias, targets, gathered_stats, grad_output, grad_hidden,
-                   grad_hidden_dtype, grad_weight, grad_bias, error_flags, workspace,
-                   workspace_bytes, stream)
+                   (Ref{FceOptions}, Ref{FceVpShard}, Int64, Int64, Ptr{Cvoid}, Ptr{Cvoid},
+                    Ptr{Cvoid}, Ptr{Cvoid}, Ptr{Cfloat}, Ref{FceOutputs}, Ref{FceGradients},
+                    Ptr{Cvoid}, Csize_t, Ptr{Cvoid}),
+                   options, shard, rows, hidden, hidden_states, weight, bias, targets,
+                   gathered_stats, outputs, gradients, workspace, workspace_bytes, stream)
     return check_status(status)
 end
 
@@ -371,26 +411,20 @@ function fce_vp_linear_ce_workspace_size(options, ranks, rows, hidden, vocab_tot
     return check_status(status)
 end
 
-# fce_status fce_vp_linear_ce(const fce_options* options, int64_t ranks, int64_t rows,
-#     int64_t hidden, int64_t vocab_total, int64_t vocab_start, int64_t vocab_local,
-#     const void* hidden_states, const void* weight, const void* bias, const void* targets,
-#     float* loss, float* lse, float* z_loss, const float* grad_output, void* grad_hidden,
-#     int32_t grad_hidden_dtype, void* grad_weight, void* grad_bias, uint32_t* error_flags,
+# fce_status fce_vp_linear_ce(const fce_options* options, const fce_vp_shard* shard, int64_t rows,
+#     int64_t hidden, const void* hidden_states, const void* weight, const void* bias,
+#     const void* targets, const fce_outputs* outputs, const fce_gradients* gradients,
 #     fce_vp_all_gather_fn all_gather, void* context, void* workspace, size_t workspace_bytes,
 #     void* stream)
-function fce_vp_linear_ce(options, ranks, rows, hidden, vocab_total, vocab_start, vocab_local,
-                          hidden_states, weight, bias, targets, loss, lse, z_loss, grad_output,
-                          grad_hidden, grad_hidden_dtype, grad_weight, grad_bias, error_flags,
-                          all_gather, context, workspace, workspace_bytes, stream)
+function fce_vp_linear_ce(options, shard, rows, hidden, hidden_states, weight, bias, targets,
+                          outputs, gradients, all_gather, context, workspace, workspace_bytes,
+                          stream)
     status = ccall(libfusedce_symbol(:fce_vp_linear_ce), Cint,
-                   (Ref{FceOptions}, Int64, Int64, Int64, Int64, Int64, Int64, Ptr{Cvoid},
-                    Ptr{Cvoid}, Ptr{Cvoid}, Ptr{Cvoid}, Ptr{Cfloat}, Ptr{Cfloat}, Ptr{Cfloat},
-                    Ptr{Cfloat}, Ptr{Cvoid}, Int32, Ptr{Cvoid}, Ptr{Cvoid}, Ptr{UInt32}, Ptr{Cvoid},
+                   (Ref{FceOptions}, Ref{FceVpShard}, Int64, Int64, Ptr{Cvoid}, Ptr{Cvoid},
+                    Ptr{Cvoid}, Ptr{Cvoid}, Ref{FceOutputs}, Ref{FceGradients}, Ptr{Cvoid},
                     Ptr{Cvoid}, Ptr{Cvoid}, Csize_t, Ptr{Cvoid}),
-                   options, ranks, rows, hidden, vocab_total, vocab_start, vocab_local,
-                   hidden_states, weight, bias, targets, loss, lse, z_loss, grad_output,
-                   grad_hidden, grad_hidden_dtype, grad_weight, grad_bias, error_flags, all_gather,
-                   context, workspace, workspace_bytes, stream)
+                   options, shard, rows, hidden, hidden_states, weight, bias, targets, outputs,
+                   gradients, all_gather, context, workspace, workspace_bytes, stream)
     return check_status(status)
 end
 

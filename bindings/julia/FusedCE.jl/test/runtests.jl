@@ -174,13 +174,13 @@ const CASES = [
     @test FusedCE.cuda_available() isa Bool
     @test startswith(build_info(), "fusedce $(FusedCE.library_version().major).")
     @test occursin("BLAS: ", build_info())
-    @test sizeof(FceOptions) >= FusedCE.FCE_OPTIONS_SIZE_V0_1
-    @test sizeof(FceOptions) == FusedCE.FCE_OPTIONS_SIZE_V0_3
+    @test sizeof(FceOptions) == FusedCE.FCE_OPTIONS_SIZE_V1_0
+    @test sizeof(FusedCE.FceOutputs) == FusedCE.FCE_OUTPUTS_SIZE_V1_0
+    @test sizeof(FusedCE.FceGradients) == FusedCE.FCE_GRADIENTS_SIZE_V1_0
     # fce_options_default writes exactly FCE_OPTIONS_INIT over a struct of junk
     junk = FceOptions(; ignore_index=7, row_stride=7, shift_seq_len=3, backend=1, dtype=2,
                       reduction=:none, label_smoothing=0.5, softcap=2, logit_scale=3,
-                      deterministic=1, accumulate=1, shift=4, token_scaling=1,
-                      argmax=Ptr{Int64}(16), accuracy=Ptr{Cfloat}(32))
+                      deterministic=1, accumulate=1, shift=4, token_scaling=1)
     r = Ref(junk)
     FusedCE.fce_options_default(r)
     @test r[] == FCE_OPTIONS_INIT
@@ -188,7 +188,6 @@ const CASES = [
     @test FceOptions(reduction=:sum).reduction == FusedCE.FCE_REDUCTION_SUM
     o3 = FceOptions(shift=2, token_scaling=1)
     @test o3.shift == 2 && o3.token_scaling == 1 && o3.reserved1 == 0
-    @test o3.argmax == C_NULL && o3.accuracy == C_NULL
     @test :shift in FusedCE.OPTION_KEYWORDS && :token_scaling in FusedCE.OPTION_KEYWORDS
     @test_throws ArgumentError FceOptions(no_such_field=1)
     @test startswith(FusedCE.status_string(FusedCE.FCE_ERROR_NULL_POINTER),

@@ -76,7 +76,7 @@ namespace ffi = xla::ffi;
 #define FCE_JAX_API extern "C" __attribute__((visibility("default")))
 
 // Bumped whenever the handlers' arguments or attributes change: fusedce/jax.py checks it.
-#define FCE_JAX_ABI 2  // 2: the workspace is the last result (1: ScratchAllocator)
+#define FCE_JAX_ABI 3  // 3: libfusedce 1.0's calls (2: the workspace is the last result)
 
 namespace {
 
@@ -86,16 +86,17 @@ struct Api {
   const char* (*last_error)(void);
   const char* (*status_string)(fce_status);
   void (*options_default)(fce_options*);
-  fce_status (*forward)(const fce_options*, int64_t, int64_t, const void*, const void*, float*,
-                        float*, float*, void*, const float*, uint32_t*, void*, size_t, void*);
+  fce_status (*forward)(const fce_options*, int64_t, int64_t, const void*, const void*,
+                        const fce_outputs*, const fce_gradients*, void*, size_t, void*);
   fce_status (*backward)(const fce_options*, int64_t, int64_t, const void*, const void*,
-                         const float*, const float*, void*, uint32_t*, void*, size_t, void*);
+                         const float*, const fce_outputs*, const fce_gradients*, void*, size_t,
+                         void*);
   fce_status (*backward_rescale)(const fce_options*, int64_t, int64_t, const void*, const void*,
-                                 const float*, const float*, void*, uint32_t*, void*, size_t,
-                                 void*);
+                                 const float*, const fce_outputs*, const fce_gradients*, void*,
+                                 size_t, void*);
   fce_status (*linear_ce)(const fce_options*, int64_t, int64_t, int64_t, const void*,
-                          const void*, const void*, const void*, float*, float*, float*, void*,
-                          void*, void*, const float*, uint32_t*, void*, size_t, void*);
+                          const void*, const void*, const void*, const fce_outputs*,
+                          const fce_gradients*, void*, size_t, void*);
   fce_status (*scale_gradient)(int32_t, int32_t, int64_t, void*, const float*, void*);
 };
 
@@ -227,13 +228,8 @@ ffi::Error MakeOptions(ffi::Span<const int64_t> iopts, ffi::Span<const float> fo
   o->z_loss_scale = fopts[1];
   o->softcap = fopts[2];
   o->logit_scale = fopts[3];
-  bool v03 = g_options_size >= FCE_OPTIONS_SIZE_V0_3;
-  if (!v03 && (iopts[kShift] != 0 || iopts[kTokenScaling] != 0))
-    return NeedsError("shift / use_token_scaling", "0.3");
-  if (v03) {
-    o->shift = iopts[kShift];
-    o->token_scaling = static_cast<int32_t>(iopts[kTokenScaling] != 0);
-  }
+  o->shift = iopts[kShift];
+  o->token_scaling = static_cast<int32_t>(iopts[kTokenScaling] != 0);
   if (class_weights.element_count()) {
     if (class_weights.element_type() != ffi::DataType::F32 ||
         static_cast<int64_t>(class_weights.element_count()) != vocab)
@@ -243,14 +239,17 @@ ffi::Error MakeOptions(ffi::Span<const int64_t> iopts, ffi::Span<const float> fo
   return ffi::Error::Success();
 }
 
-// argmax / accuracy: fields of the 0.3 options.
-ffi::Error SetExtras(fce_options* o, void* argmax, void* accuracy) {
-  if (!argmax && !accuracy) return ffi::Error::Success();
-  if (g_options_size < FCE_OPTIONS_SIZE_V0_3)
-    return NeedsError("return_predicted_tokens / return_token_accuracy", "0.3");
-  o->argmax = static_cast<int64_t*>(argmax);
-  o->accuracy = static_cast<float*>(accuracy);
-  return ffi::Error::Success();
+// The outputs of a loss call (loss required; the others NULL when empty).
+fce_outputs LossOutputs(ffi::Result<ffi::AnyBuffer>& loss, ffi::Result<ffi::AnyBuffer>& lse,
+                        ffi::Result<ffi::AnyBuffer>& z_loss, ffi::Result<ffi::AnyBuffer>& accuracy,
+                        ffi::Result<ffi::AnyBuffer>& argmax) {
+  fce_outputs out = FCE_OUTPUTS_INIT;
+  out.loss = static_cast<float*>(loss->untyped_data());
+  out.lse = static_cast<float*>(Opt(lse));
+  out.z_loss = static_cast<float*>(Opt(z_loss));
+  out.argmax = static_cast<int64_t*>(Opt(argmax));
+  out.accuracy = static_cast<float*>(Opt(accuracy));
+  return out;
 }
 
 // Every buffer the library reads or writes is checked against the sizes it will use: on a GPU
@@ -318,15 +317,14 @@ ffi::Error CeForward(int32_t backend, void* stream, ffi::AnyBuffer logits, ffi::
                               *accuracy, *argmax);
       e.failure())
     return e;
-  if (auto e = SetExtras(&o, Opt(argmax), Opt(accuracy)); e.failure()) return e;
+  const fce_outputs out = LossOutputs(loss, lse, z_loss, accuracy, argmax);
+  fce_gradients grads = FCE_GRADIENTS_INIT;
+  grads.grad_logits = g;
   void* ws;
   size_t ws_bytes;
   if (auto e = Workspace(workspace, &ws, &ws_bytes); e.failure()) return e;
   if (fce_status st = g_api.forward(&o, n, v, logits.untyped_data(), targets.untyped_data(),
-                                    static_cast<float*>(loss->untyped_data()),
-                                    static_cast<float*>(Opt(lse)),
-                                    static_cast<float*>(Opt(z_loss)), g, nullptr, nullptr, ws,
-                                    ws_bytes, stream))
+                                    &out, &grads, ws, ws_bytes, stream))
     return Fail(st, "fce_forward");
   return ffi::Error::Success();
 }
@@ -368,10 +366,12 @@ ffi::Error CeBackward(int32_t backend, void* stream, ffi::AnyBuffer logits,
   if (auto e = Workspace(workspace, &ws, &ws_bytes); e.failure()) return e;
   auto fn = rescale ? g_api.backward_rescale : g_api.backward;
   if (!fn) return NeedsError("fce_backward_rescale", "0.2");
+  fce_gradients grads = FCE_GRADIENTS_INIT;
+  grads.grad_output = static_cast<const float*>(grad_output.untyped_data());
+  grads.grad_logits = grad->untyped_data();
   if (fce_status st = fn(&o, n, v, logits.untyped_data(), targets.untyped_data(),
-                         static_cast<const float*>(lse.untyped_data()),
-                         static_cast<const float*>(grad_output.untyped_data()),
-                         grad->untyped_data(), nullptr, ws, ws_bytes, stream))
+                         static_cast<const float*>(lse.untyped_data()), nullptr, &grads, ws,
+                         ws_bytes, stream))
     return Fail(st, rescale ? "fce_backward_rescale" : "fce_backward");
   return ffi::Error::Success();
 }
@@ -431,7 +431,12 @@ ffi::Error LinearCe(int32_t backend, void* stream, ffi::AnyBuffer hidden,
   if (auto e = ForwardOutputs(n, none, *loss, *lse, *z_loss, *accuracy, *argmax); e.failure())
     return e;
   if (auto e = F32(grad_output, "grad_output", none ? n : 1, true); e.failure()) return e;
-  if (auto e = SetExtras(&o, Opt(argmax), Opt(accuracy)); e.failure()) return e;
+  const fce_outputs out = LossOutputs(loss, lse, z_loss, accuracy, argmax);
+  fce_gradients grads = FCE_GRADIENTS_INIT;
+  grads.grad_output = static_cast<const float*>(Opt(grad_output));
+  grads.grad_hidden = gh;
+  grads.grad_weight = gw;
+  grads.grad_bias = gb;
   // The whole workspace result, whose size decides the plan: fusedce/jax.py sized it (CUDA: the
   // fastest plan within the budget, never below min_bytes; CPU: min_bytes, the workspace only
   // deciding where the chunk buffers live). Below min_bytes the library refuses it, never a
@@ -439,11 +444,9 @@ ffi::Error LinearCe(int32_t backend, void* stream, ffi::AnyBuffer hidden,
   void* ws;
   size_t ws_bytes;
   if (auto e = Workspace(workspace, &ws, &ws_bytes); e.failure()) return e;
-  if (fce_status st = g_api.linear_ce(
-          &o, n, d, v, hidden.untyped_data(), weight.untyped_data(), Opt(bias),
-          targets.untyped_data(), static_cast<float*>(loss->untyped_data()),
-          static_cast<float*>(Opt(lse)), static_cast<float*>(Opt(z_loss)), gh, gw, gb,
-          static_cast<const float*>(Opt(grad_output)), nullptr, ws, ws_bytes, stream))
+  if (fce_status st = g_api.linear_ce(&o, n, d, v, hidden.untyped_data(), weight.untyped_data(),
+                                      Opt(bias), targets.untyped_data(), &out, &grads, ws,
+                                      ws_bytes, stream))
     return Fail(st, "fce_linear_ce");
   return ffi::Error::Success();
 }
@@ -547,14 +550,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedceScaleCuda, ScaleCuda,
 // ------------------------------------------------------------- set-up from Python ----
 // Binds the shim to libfusedce: library_path is the library the Python binding loaded (dlopen
 // of an already loaded path returns that same library), options_size the fce_options
-// struct_size to pass it (fusedce._lib.options_size(): 136 for 0.3+, 104 for 0.1/0.2).
+// struct_size to pass it (fusedce._lib.options_size(): FCE_OPTIONS_SIZE_V1_0).
 // Returns 0, or -1 with fce_jax_init_error() saying why. Idempotent.
 FCE_JAX_API int fce_jax_init(const char* library_path, size_t options_size) {
   std::lock_guard<std::mutex> lock(g_init_mutex);
   if (g_ready) return 0;
-  if (options_size < FCE_OPTIONS_SIZE_V0_1 || options_size > sizeof(fce_options)) {
+  if (options_size < FCE_OPTIONS_SIZE_V1_0 || options_size > sizeof(fce_options)) {
     g_init_error = "options_size " + std::to_string(options_size) + " is not a size this shim "
-                   "knows (" + std::to_string(FCE_OPTIONS_SIZE_V0_1) + ".." +
+                   "knows (" + std::to_string(FCE_OPTIONS_SIZE_V1_0) + ".." +
                    std::to_string(sizeof(fce_options)) + ")";
     return -1;
   }

@@ -54,28 +54,34 @@ fn options_default_matches_the_header_initialiser() {
         ),
         (0, 0, 0, 0)
     );
-    // appended in 0.3
     assert_eq!(o.shift, 0);
-    assert!(o.argmax.is_null() && o.accuracy.is_null());
     assert_eq!((o.token_scaling, o.reserved1), (0, 0));
 }
 
 #[test]
-fn options_sizes_of_each_version() {
+fn struct_sizes_of_version_1_0() {
     assert_eq!(
         std::mem::size_of::<fce_options>(),
-        FCE_OPTIONS_SIZE_V0_3 as usize
+        FCE_OPTIONS_SIZE_V1_0 as usize
     );
-    // A 0.1/0.2 caller's struct_size: fce_options_default writes no byte past it.
+    assert_eq!(
+        std::mem::size_of::<fce_outputs>(),
+        FCE_OUTPUTS_SIZE_V1_0 as usize
+    );
+    assert_eq!(
+        std::mem::size_of::<fce_gradients>(),
+        FCE_GRADIENTS_SIZE_V1_0 as usize
+    );
+    // A caller that knows only struct_size and class_weights: nothing past them is written.
     let size = std::mem::size_of::<fce_options>();
-    let v01 = FCE_OPTIONS_SIZE_V0_1 as usize;
+    let known = 16usize;
     let mut words = vec![0xa5a5_a5a5_a5a5_a5a5u64; size / 8]; // 8-aligned, as fce_options
-    words[0] = v01 as u64; // struct_size
+    words[0] = known as u64; // struct_size
     unsafe { fce_options_default(words.as_mut_ptr().cast()) };
     let after: Vec<u8> = words.iter().flat_map(|w| w.to_ne_bytes()).collect();
     assert!(
-        after[v01..].iter().all(|&b| b == 0xa5),
-        "fce_options_default wrote past struct_size {v01}"
+        after[known..].iter().all(|&b| b == 0xa5),
+        "fce_options_default wrote past struct_size {known}"
     );
 }
 

@@ -173,10 +173,6 @@ fn host_options<T: Element, I: Target>(
         let raw = o.raw_mut();
         raw.backend = sys::FCE_BACKEND_CPU as i32;
         raw.target_dtype = I::DTYPE.raw();
-        // Outputs come from the call's buffers only (set by the forward calls), never from
-        // pointers an Options::from_raw struct may carry.
-        raw.argmax = ptr::null_mut();
-        raw.accuracy = ptr::null_mut();
     }
     if let Some(d) = Dtype::from_raw(o.as_raw().dtype) {
         slices_hold::<T>(func, "options dtype", d)?;
@@ -196,25 +192,44 @@ fn per_call(raw: &sys::fce_options, rows: usize) -> (usize, &'static str) {
     }
 }
 
-/// Puts the argmax `[rows]` and accuracy (`[1]`, or `[rows]` for none) slices of a forward
-/// call into its options struct, after checking their lengths.
-fn set_outputs(
+/// The argmax `[rows]` and accuracy (`[1]`, or `[rows]` for none) pointers of a forward call
+/// (null where not asked for), after checking their lengths.
+fn extra_outputs(
     func: &str,
-    raw: &mut sys::fce_options,
+    raw: &sys::fce_options,
     rows: usize,
     argmax: Option<&mut [i64]>,
     accuracy: Option<&mut [f32]>,
-) -> Result<()> {
+) -> Result<(*mut i64, *mut f32)> {
     let (per, per_how) = per_call(raw, rows);
+    let mut ptrs = (ptr::null_mut(), ptr::null_mut());
     if let Some(a) = argmax {
         need(func, "argmax", a.len(), Some(rows), "rows")?;
-        raw.argmax = a.as_mut_ptr();
+        ptrs.0 = a.as_mut_ptr();
     }
     if let Some(a) = accuracy {
         need(func, "accuracy", a.len(), Some(per), per_how)?;
-        raw.accuracy = a.as_mut_ptr();
+        ptrs.1 = a.as_mut_ptr();
     }
-    Ok(())
+    Ok(ptrs)
+}
+
+/// The `fce_outputs` of a loss call on host slices (`extras`: argmax and accuracy pointers).
+fn loss_outputs(
+    loss: &mut [f32],
+    lse: Option<&mut [f32]>,
+    z_loss: Option<&mut f32>,
+    extras: (*mut i64, *mut f32),
+    error_flags: Option<&mut u32>,
+) -> sys::fce_outputs {
+    crate::raw::outputs(
+        loss.as_mut_ptr(),
+        lse.map_or(ptr::null_mut(), |x| x.as_mut_ptr()),
+        z_loss.map_or(ptr::null_mut(), |x| x as *mut f32),
+        extras.0,
+        extras.1,
+        error_flags.map_or(ptr::null_mut(), |x| x as *mut u32),
+    )
 }
 
 fn workspace_ptr(
@@ -497,7 +512,7 @@ fn forward_impl<T: Element, I: Target>(
     targets: &[I],
     bufs: ForwardBuffers<'_, T>,
 ) -> Result<()> {
-    let mut raw = host_options::<T, I>(func, opts, vocab)?;
+    let raw = host_options::<T, I>(func, opts, vocab)?;
     let (r, v) = (to_i64("rows", rows)?, to_i64("vocab", vocab)?);
     let (per, per_how) = per_call(&raw, rows);
     let logits_span = span(rows, vocab, raw.row_stride);
@@ -510,7 +525,7 @@ fn forward_impl<T: Element, I: Target>(
     if let Some(g) = &bufs.grad_output {
         need(func, "grad_output", g.len(), Some(per), per_how)?;
     }
-    set_outputs(func, &mut raw, rows, bufs.argmax, bufs.accuracy)?;
+    let (argmax_ptr, accuracy_ptr) = extra_outputs(func, &raw, rows, bufs.argmax, bufs.accuracy)?;
     let raw = crate::options_for_library(raw)?;
     let ForwardBuffers {
         loss,
@@ -536,6 +551,8 @@ fn forward_impl<T: Element, I: Target>(
     let (ws, ws_len) = workspace_ptr(workspace, &mut local, ws_bytes, ws_bytes);
     // SAFETY: every pointer is null or a live host buffer at least as long as the library
     // reads or writes (checked above); the mutable ones are exclusive borrows.
+    let out = loss_outputs(loss, lse, z_loss, (argmax_ptr, accuracy_ptr), error_flags);
+    let g = crate::raw::logit_gradients(grad_output.map_or(ptr::null(), |x| x.as_ptr()), grad_ptr);
     check(unsafe {
         sys::fce_forward(
             &raw,
@@ -543,12 +560,8 @@ fn forward_impl<T: Element, I: Target>(
             v,
             logits_ptr,
             targets.as_ptr().cast(),
-            loss.as_mut_ptr(),
-            lse.map_or(ptr::null_mut(), |x| x.as_mut_ptr()),
-            z_loss.map_or(ptr::null_mut(), |x| x as *mut f32),
-            grad_ptr,
-            grad_output.map_or(ptr::null(), |x| x.as_ptr()),
-            error_flags.map_or(ptr::null_mut(), |x| x as *mut u32),
+            &out,
+            &g,
             ws,
             ws_len,
             ptr::null_mut(),
@@ -753,6 +766,8 @@ fn backward_impl<T: Element, I: Target>(
     } else {
         sys::fce_backward
     };
+    let out = crate::raw::flag_outputs(error_flags.map_or(ptr::null_mut(), |x| x as *mut u32));
+    let g = crate::raw::logit_gradients(grad_output.map_or(ptr::null(), |x| x.as_ptr()), grad_ptr);
     // SAFETY: as in forward_impl.
     check(unsafe {
         call(
@@ -762,9 +777,8 @@ fn backward_impl<T: Element, I: Target>(
             logits_ptr,
             targets.as_ptr().cast(),
             lse.as_ptr(),
-            grad_output.map_or(ptr::null(), |x| x.as_ptr()),
-            grad_ptr,
-            error_flags.map_or(ptr::null_mut(), |x| x as *mut u32),
+            &out,
+            &g,
             ws,
             ws_len,
             ptr::null_mut(),
@@ -1002,7 +1016,7 @@ pub fn linear_ce<T: Element, I: Target>(
         error_flags,
         workspace,
     } = bufs;
-    set_outputs(func, &mut raw, rows, argmax, accuracy)?;
+    let (argmax_ptr, accuracy_ptr) = extra_outputs(func, &raw, rows, argmax, accuracy)?;
     // grad_weight_fp32 follows the kind of slices given (for f32 both kinds are the same).
     let kinds = [
         grad_weight.as_ref().map(Grad::is_f32),
@@ -1041,6 +1055,13 @@ pub fn linear_ce<T: Element, I: Target>(
     let (ws, ws_len) = workspace_ptr(workspace, &mut local, min, optimal.max(min));
     // SAFETY: every pointer is null or a live host buffer at least as long as the library
     // reads or writes (checked above); the mutable ones are exclusive borrows.
+    let out = loss_outputs(loss, lse, z_loss, (argmax_ptr, accuracy_ptr), error_flags);
+    let g = crate::raw::linear_gradients(
+        grad_output.map_or(ptr::null(), |x| x.as_ptr()),
+        grad_hidden.map_or(ptr::null_mut(), |g| g.as_mut_ptr().cast()),
+        grad_weight.map_or(ptr::null_mut(), |mut g| g.ptr()),
+        grad_bias.map_or(ptr::null_mut(), |mut g| g.ptr()),
+    );
     check(unsafe {
         sys::fce_linear_ce(
             &raw,
@@ -1051,14 +1072,8 @@ pub fn linear_ce<T: Element, I: Target>(
             weight.as_ptr().cast(),
             bias.map_or(ptr::null(), |b| b.as_ptr().cast()),
             targets.as_ptr().cast(),
-            loss.as_mut_ptr(),
-            lse.map_or(ptr::null_mut(), |x| x.as_mut_ptr()),
-            z_loss.map_or(ptr::null_mut(), |x| x as *mut f32),
-            grad_hidden.map_or(ptr::null_mut(), |g| g.as_mut_ptr().cast()),
-            grad_weight.map_or(ptr::null_mut(), |mut g| g.ptr()),
-            grad_bias.map_or(ptr::null_mut(), |mut g| g.ptr()),
-            grad_output.map_or(ptr::null(), |x| x.as_ptr()),
-            error_flags.map_or(ptr::null_mut(), |x| x as *mut u32),
+            &out,
+            &g,
             ws,
             ws_len,
             ptr::null_mut(),

@@ -116,26 +116,9 @@ pub(crate) fn require(what: &str, since: u32) -> Result<()> {
     ))
 }
 
-/// The struct to pass the loaded library: as built, for a library of 0.3 or later; for an older
-/// one (which rejects a `struct_size` larger than its own) the 0.1 struct, after refusing the
-/// fields appended in 0.3, which it would not see. A struct whose `struct_size` is not this
-/// crate's (an [`Options::from_raw`] one) goes as it is.
-pub(crate) fn options_for_library(mut raw: sys::fce_options) -> Result<sys::fce_options> {
-    if raw.struct_size != std::mem::size_of::<sys::fce_options>() || version() >= 300 {
-        return Ok(raw);
-    }
-    let appended = [
-        (raw.shift != 0, "shift"),
-        (raw.token_scaling != 0, "token_scaling"),
-        (!raw.argmax.is_null(), "argmax"),
-        (!raw.accuracy.is_null(), "accuracy"),
-    ];
-    for (on, what) in appended {
-        if on {
-            require(what, 300)?;
-        }
-    }
-    raw.struct_size = sys::FCE_OPTIONS_SIZE_V0_1 as usize;
+/// The struct to pass the loaded library: as built (a library of another major version is
+/// refused when it is loaded; every 1.x library knows the 1.0 struct).
+pub(crate) fn options_for_library(raw: sys::fce_options) -> Result<sys::fce_options> {
     Ok(raw)
 }
 
@@ -166,15 +149,15 @@ mod tests {
     fn version_rule() {
         check_version().unwrap(); // the library these tests run against: the same major
         assert!(require("anything", 100).is_ok()); // every library has 0.1's
-        let e = require("a feature of 0.99", 9900).unwrap_err();
+        let e = require("a feature of 1.99", 19900).unwrap_err();
         assert_eq!(e.status(), Status::Unsupported);
         let want = format!(
-            "a feature of 0.99: needs libfusedce >= 0.99; the loaded library is {}",
+            "a feature of 1.99: needs libfusedce >= 1.99; the loaded library is {}",
             format_version(version())
         );
         assert_eq!(e.message(), want);
         let raw = *Options::new().shift_seq_len(4).shift(2).as_raw();
-        let passed = options_for_library(raw).unwrap(); // a library of 0.3 or later
+        let passed = options_for_library(raw).unwrap(); // any 1.x library: the 1.0 struct
         assert_eq!(passed.struct_size, std::mem::size_of::<sys::fce_options>());
         assert_eq!(format_version(30102), "3.1.2");
     }

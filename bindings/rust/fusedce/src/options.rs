@@ -181,8 +181,6 @@ impl<'w> Options<'w> {
             grad_weight_fp32: 0,
             reserved0: 0,
             shift: 0,
-            argmax: std::ptr::null_mut(),
-            accuracy: std::ptr::null_mut(),
             token_scaling: 0,
             reserved1: 0,
         };

@@ -189,16 +189,72 @@ impl Default for LinearCeArgs {
     }
 }
 
-/// `opts`' struct with the argmax / accuracy outputs of one call (null: the options' own).
-fn with_outputs(opts: &Options<'_>, argmax: *mut i64, accuracy: *mut f32) -> sys::fce_options {
-    let mut raw = *opts.as_raw();
-    if !argmax.is_null() {
-        raw.argmax = argmax;
+/// An `fce_outputs` of these pointers (null: not written).
+pub(crate) fn outputs(
+    loss: *mut f32,
+    lse: *mut f32,
+    z_loss: *mut f32,
+    argmax: *mut i64,
+    accuracy: *mut f32,
+    error_flags: *mut u32,
+) -> sys::fce_outputs {
+    sys::fce_outputs {
+        struct_size: std::mem::size_of::<sys::fce_outputs>(),
+        loss,
+        lse,
+        z_loss,
+        argmax,
+        accuracy,
+        error_flags,
     }
-    if !accuracy.is_null() {
-        raw.accuracy = accuracy;
+}
+
+/// An `fce_outputs` that writes the error flags alone (the gradient-only calls).
+pub(crate) fn flag_outputs(error_flags: *mut u32) -> sys::fce_outputs {
+    let null = ptr::null_mut();
+    outputs(null, null, null, ptr::null_mut(), null, error_flags)
+}
+
+/// An `fce_gradients` asking for nothing (grad_hidden_dtype FCE_FLOAT32, upstream 1).
+fn no_gradients() -> sys::fce_gradients {
+    sys::fce_gradients {
+        struct_size: std::mem::size_of::<sys::fce_gradients>(),
+        grad_output: ptr::null(),
+        grad_logits: ptr::null_mut(),
+        grad_hidden: ptr::null_mut(),
+        grad_weight: ptr::null_mut(),
+        grad_bias: ptr::null_mut(),
+        grad_hidden_dtype: sys::FCE_FLOAT32 as i32,
+        reserved0: 0,
     }
-    raw
+}
+
+/// The gradient over the logits (null: none) for the upstream `grad_output` (null: 1).
+pub(crate) fn logit_gradients(
+    grad_output: *const f32,
+    grad_logits: *mut c_void,
+) -> sys::fce_gradients {
+    sys::fce_gradients {
+        grad_output,
+        grad_logits,
+        ..no_gradients()
+    }
+}
+
+/// The linear layer's gradients (each null: not asked for) for the upstream `grad_output`.
+pub(crate) fn linear_gradients(
+    grad_output: *const f32,
+    grad_hidden: *mut c_void,
+    grad_weight: *mut c_void,
+    grad_bias: *mut c_void,
+) -> sys::fce_gradients {
+    sys::fce_gradients {
+        grad_output,
+        grad_hidden,
+        grad_weight,
+        grad_bias,
+        ..no_gradients()
+    }
 }
 
 /// `fce_forward` on `opts`' backend.
@@ -209,19 +265,17 @@ fn with_outputs(opts: &Options<'_>, argmax: *mut i64, accuracy: *mut f32) -> sys
 /// it, live until the work completes (CUDA: asynchronous, ordered on `stream`), and the outputs
 /// must not be accessed concurrently. `stream` must be a valid CUDA stream or null.
 pub unsafe fn forward(opts: &Options<'_>, rows: i64, vocab: i64, a: &ForwardArgs) -> Result<()> {
-    let raw = crate::options_for_library(with_outputs(opts, a.argmax, a.accuracy))?;
+    let raw = crate::options_for_library(*opts.as_raw())?;
+    let out = outputs(a.loss, a.lse, a.z_loss, a.argmax, a.accuracy, a.error_flags);
+    let g = logit_gradients(a.grad_output, a.grad_logits);
     check(sys::fce_forward(
         &raw,
         rows,
         vocab,
         a.logits,
         a.targets,
-        a.loss,
-        a.lse,
-        a.z_loss,
-        a.grad_logits,
-        a.grad_output,
-        a.error_flags,
+        &out,
+        &g,
         a.workspace,
         a.workspace_bytes,
         a.stream,
@@ -236,9 +290,8 @@ pub(crate) type BackwardFn = unsafe extern "C" fn(
     *const c_void,
     *const c_void,
     *const f32,
-    *const f32,
-    *mut c_void,
-    *mut u32,
+    *const sys::fce_outputs,
+    *const sys::fce_gradients,
     *mut c_void,
     usize,
     *mut c_void,
@@ -258,8 +311,8 @@ pub unsafe fn backward(opts: &Options<'_>, rows: i64, vocab: i64, a: &BackwardAr
 /// writes given that scalar. Decided on the device, without a host synchronisation: exactly 1
 /// writes nothing, 0 or ±2^k scales `a.grad_logits` in place (ignored rows stay +0), anything
 /// else computes the gradient again from `a.logits` by the kernel [`forward`] runs (which
-/// `a.grad_logits` must not overwrite: not in place). `fce_options::argmax` and `accuracy`
-/// are never written by the backward calls. The workspace is [`crate::backward_workspace_size`]'s.
+/// `a.grad_logits` must not overwrite: not in place). Only `error_flags` of the outputs is
+/// written by the backward calls. The workspace is [`crate::backward_workspace_size`]'s.
 ///
 /// # Safety
 /// As for [`forward`].
@@ -285,6 +338,8 @@ unsafe fn backward_call(
     a: &BackwardArgs,
 ) -> Result<()> {
     let raw = crate::options_for_library(*opts.as_raw())?;
+    let out = flag_outputs(a.error_flags);
+    let g = logit_gradients(a.grad_output, a.grad_logits);
     check(call(
         &raw,
         rows,
@@ -292,9 +347,8 @@ unsafe fn backward_call(
         a.logits,
         a.targets,
         a.lse,
-        a.grad_output,
-        a.grad_logits,
-        a.error_flags,
+        &out,
+        &g,
         a.workspace,
         a.workspace_bytes,
         a.stream,
@@ -312,7 +366,9 @@ pub unsafe fn linear_ce(
     vocab: i64,
     a: &LinearCeArgs,
 ) -> Result<()> {
-    let raw = crate::options_for_library(with_outputs(opts, a.argmax, a.accuracy))?;
+    let raw = crate::options_for_library(*opts.as_raw())?;
+    let out = outputs(a.loss, a.lse, a.z_loss, a.argmax, a.accuracy, a.error_flags);
+    let g = linear_gradients(a.grad_output, a.grad_hidden, a.grad_weight, a.grad_bias);
     check(sys::fce_linear_ce(
         &raw,
         rows,
@@ -322,14 +378,8 @@ pub unsafe fn linear_ce(
         a.weight,
         a.bias,
         a.targets,
-        a.loss,
-        a.lse,
-        a.z_loss,
-        a.grad_hidden,
-        a.grad_weight,
-        a.grad_bias,
-        a.grad_output,
-        a.error_flags,
+        &out,
+        &g,
         a.workspace,
         a.workspace_bytes,
         a.stream,
