@@ -152,6 +152,10 @@ FCE_API fce_status fce_backward_rescale(const fce_options* options, int64_t rows
   const fce_gradients& g = a.g;
   FCE_TRY(check_required(
       fn, {{"lse", lse, rows == 0}, {"gradients->grad_logits", g.grad_logits, rows == 0}}));
+  if (a.o.reduction == FCE_REDUCTION_NONE)  // (before grad_output, which is then no scalar)
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "%s: options->reduction is FCE_REDUCTION_NONE: a per-row upstream gradient "
+                "needs fce_backward", fn);
   if (!g.grad_output)
     return fail(FCE_ERROR_NULL_POINTER,
                 "%s: gradients->grad_output is NULL (the upstream scalar)", fn);
