@@ -110,7 +110,7 @@ import json, sys, types
 build = types.ModuleType("fusedce._build")
 build.CUDA_BACKEND, build.CUBLASLT_SONAME, build.CUBLASLT_WHEEL_DIR = True, %r, %r
 sys.modules["fusedce._build"] = build  # what pip writes into an installed package
-sys.path.append(%r)
+sys.path.insert(0, %r)  # before any nvidia package already on the path (torch's)
 import fusedce
 from fusedce import _lib
 _lib._DRIVER_MARKERS = ("/",)  # as on a machine with an NVIDIA driver
@@ -157,7 +157,7 @@ def test_python_m_fusedce_reports_cublaslt():
     if not HAS_CUDA_BACKEND:
         assert "no CUDA backend" in rows["cuBLASLt"], out.stdout
         assert "pip install fusedce-cu13" in rows["backends"], out.stdout
-    elif "cuBLASLt: /" in INFO:  # the file the library loaded is the one the process maps
-        loaded = re.search(r"cuBLASLt: (/[^;]*)", INFO).group(1)
+    elif rows["cuBLASLt"].strip().startswith("/"):  # the file that process's library loaded
+        loaded = rows["cuBLASLt"].strip()            # is one that process maps
         mapped = [p.strip() for p in rows["cuBLASLt in process"].split(",")]
         assert os.path.realpath(loaded) in {os.path.realpath(p) for p in mapped}, out.stdout
