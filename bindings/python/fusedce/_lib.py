@@ -56,6 +56,7 @@ from ._errors import (FCE_ERROR_BACKEND_UNAVAILABLE, FCE_ERROR_CUBLAS, FCE_ERROR
                       UnsupportedError, VersionMismatchError, WorkspaceTooSmallError,
                       error_for_status)
 from ._errors import ERRORS as _ERRORS  # noqa: F401
+from ._errors import set_status_lookup as _set_status_lookup
 
 # ---------------------------------------------------------------- the header we mirror ----
 HEADER_VERSION_MAJOR = 1
@@ -478,6 +479,7 @@ def load(reload: bool = False):
             _LIB_PATH, _LIB_ORIGIN = path, origin
             _LIB_VERSION, _LIB_MISSING = int(lib_version), missing
             _LIB = lib
+            _set_status_lookup(status_string)  # exceptions name the status in its words
             return lib
         raise LibraryNotFoundError(
             "libfusedce not found; `pip install fusedce-cu13` (or -cu12) installs a package with "

@@ -545,7 +545,7 @@ def _cases_misc(group, grank, gsize):
     b = vpce(local, y, tp_group=group)
     assert torch.equal(a, b)
     # the all_gather fallback (for backends without all_gather_into_tensor): the same loss
-    from fusedce import torch_distributed as td
+    from fusedce.torch import _distributed_calls as td
     backend = str(dist.get_backend(group))
     td._GATHER_FALLBACK.add(backend)
     try:
@@ -636,7 +636,7 @@ class _CountGathers:
     the block runs."""
 
     def __enter__(self):
-        from fusedce import torch_distributed as td
+        from fusedce.torch import _distributed_calls as td
         self.calls, self._td, self._orig = 0, td, td._AllGather._call
 
         def call(gather, *args):
@@ -735,7 +735,7 @@ def _check_fused(group, grank, gsize, *, vocab, dtype, reduction, bias=False, we
 
 
 def _cases_fused(group, grank, gsize):
-    from fusedce import torch_distributed as td
+    from fusedce.torch import _distributed_calls as td
     from fusedce.torch import linear_cross_entropy
     from fusedce.torch.distributed import vocab_parallel_linear_cross_entropy as vplce
     vocab = 10 * gsize
@@ -956,10 +956,10 @@ def test_fused_linear_single_process(monkeypatch):
     plans with, and a shard wider than vocab_total / ranks."""
     if dist.is_available() and dist.is_initialized():
         pytest.skip("torch.distributed is initialised in this process")
-    from fusedce import _torch_ops as to
-    from fusedce import torch_distributed as td
+    from fusedce._options import CEOptions
+    from fusedce.torch import _distributed_calls as td
     from fusedce.torch import linear_cross_entropy
-    vplce = td.vocab_parallel_linear_cross_entropy
+    from fusedce.torch.distributed import vocab_parallel_linear_cross_entropy as vplce
     gen = torch.Generator().manual_seed(3)
     h0 = torch.randn(12, 8, generator=gen)
     w0 = torch.randn(17, 8, generator=gen) / 3
@@ -1021,7 +1021,7 @@ def test_fused_linear_single_process(monkeypatch):
     # the workspace: the same for every shard up to ⌈vt / P⌉ wide; a wider one gets its own
     # minimum on the CPU backend (always gather-once) and its full-speed size on CUDA when the
     # budget gives every rank the full-speed size; below that on CUDA it raises
-    opts = to._opts(-100, _lib.FCE_REDUCTION_MEAN, 0.0, 0.0, 0.0, 1.0, 0, 0, False)
+    opts = CEOptions(reduction=_lib.FCE_REDUCTION_MEAN, ignore_index=-100)
     key, o = td._opts_struct(h0, torch.float32, y, opts, None)
 
     def sizes(width):

@@ -1128,3 +1128,17 @@ def test_backward_rescale_raw_call():
         assert "fce_backward_rescale" in message and needle in message, message
         np.testing.assert_array_equal(grad, kept)
         np.testing.assert_array_equal(z, z_kept)
+
+
+def test_errors_do_not_import_lib():
+    """_lib.py imports _errors.py, never the other way round: a status reads as a number until
+    the library is loaded, then in the library's words."""
+    import ast
+    import fusedce._errors as errors
+    with open(errors.__file__) as f:
+        tree = ast.parse(f.read())
+    names = [a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names]
+    assert "_lib" not in names
+    _lib.load()
+    assert errors.FusedCEError(_lib.FCE_ERROR_NULL_POINTER, "m").status_string.startswith(
+        "FCE_ERROR_NULL_POINTER")
