@@ -106,7 +106,7 @@ from ._calls import _stream
 from ._distributed_calls import SCATTER, Layout, _ce_forward, _gather_tokens, _linear_forward
 
 __all__ = ["vocab_parallel_cross_entropy", "vocab_parallel_linear_cross_entropy",
-           "shard_range", "VP_STATS"]
+           "megatron_linear_cross_entropy", "use_in_megatron", "shard_range", "VP_STATS"]
 
 
 def _eager_only(fn):
@@ -420,3 +420,72 @@ def vocab_parallel_linear_cross_entropy(hidden: Tensor, weight_shard: Tensor, ta
     return _ta._finish(want, red, tuple(target.shape), loss, lse, zl, acc, am,
                        lambda: _z_rows_from_stats(lse, tgt, vt, opts, gathered, size))
 
+
+# ============================================== Megatron-Core's fused linear CE ====
+_REDUCTIONS = ("none", "sum", "mean")
+
+
+def megatron_linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor,
+                                  tp_group=None, reduction: str = "mean",
+                                  ignore_index: int = -100,
+                                  sequence_parallel: bool = False) -> Tensor:
+    """A drop-in for Megatron-Core's ``megatron.core.fusions.fused_linear_cross_entropy.
+    linear_cross_entropy(hidden, weight, labels, tp_group=None, reduction="mean",
+    ignore_index=-100, sequence_parallel=False)``, the same arguments and results, on any GPU
+    and on the CPU (:func:`use_in_megatron` plugs it in).
+
+    hidden   [num_tokens, D] or [s, b, D] (its rows flattened); with ``sequence_parallel`` this
+             rank's equal share of the rows ([num_tokens / P, D], [s / P, b, D]).
+    weight   [V / P, D]: this rank's equal share of the output layer's rows (rank r: classes
+             [r·V/P, (r+1)·V/P)); the whole [V, D] when ``tp_group`` is None.
+    labels   [num_tokens] or [s, b]: every token's label, the same on every rank.
+    tp_group None: the plain call (:func:`fusedce.torch.linear_cross_entropy`, each rank its own
+             tokens, as data parallelism); else the group the vocabulary is sharded over.
+    Returns the float32 loss: [num_tokens] for 'none' (0 for ignored tokens), a 0-d tensor for
+    'sum' and 'mean' (the mean over tokens whose label is not ignore_index; 0 when there is
+    none), the same on every rank. Gradients: ∂weight of this rank's shard; ∂hidden the same
+    on every rank (all-reduced) without sequence parallelism, this rank's rows (reduce-scattered)
+    with it; the upstream gradient must be the same on every rank, as Megatron requires."""
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if hidden.dim() < 2:
+        raise ValueError(f"hidden must be [num_tokens, dim] or [s, b, dim], got "
+                         f"{tuple(hidden.shape)}")
+    h = hidden.reshape(-1, hidden.shape[-1])
+    y = labels.reshape(-1)
+    if tp_group is None:  # Megatron: no tensor parallelism, sequence_parallel has no effect
+        from . import linear_cross_entropy
+        return linear_cross_entropy(h, weight, y, reduction=reduction,
+                                    ignore_index=int(ignore_index))
+    return vocab_parallel_linear_cross_entropy(h, weight, y, group=tp_group, reduction=reduction,
+                                               ignore_index=int(ignore_index),
+                                               sequence_parallel=bool(sequence_parallel))
+
+
+_MEGATRON_LCE = "megatron.core.fusions.fused_linear_cross_entropy"
+
+
+def use_in_megatron() -> list:
+    """Make Megatron-Core's fused linear cross-entropy (``--cross-entropy-loss-fusion
+    --cross-entropy-fusion-impl linear``: ``config.cross_entropy_loss_fusion=True``,
+    ``config.cross_entropy_fusion_impl="linear"``) run :func:`megatron_linear_cross_entropy`:
+    ``linear_cross_entropy`` is rebound in ``megatron.core.fusions.fused_linear_cross_entropy``
+    and in every loaded ``megatron.*`` module that imported it by name (e.g.
+    ``megatron.core.transformer.linear_cross_entropy``, whose ``LinearCrossEntropyModule`` is
+    GPTModel's output layer then); modules imported later take the rebound name. Call it once
+    per process, before the first forward. Returns the modules rebound."""
+    import importlib
+    source = importlib.import_module(_MEGATRON_LCE)
+    original = getattr(source, "linear_cross_entropy")
+    if original is megatron_linear_cross_entropy:
+        original = getattr(source, "_fusedce_original", original)
+    source._fusedce_original = original
+    rebound = []
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "megatron" or name.startswith("megatron.")):
+            continue
+        if getattr(module, "linear_cross_entropy", None) in (original,
+                                                              megatron_linear_cross_entropy):
+            module.linear_cross_entropy = megatron_linear_cross_entropy
+            rebound.append(name)
+    return sorted(rebound)
