@@ -90,10 +90,12 @@ from .._options import OUTPUT_FIELDS, CEOptions
 from ._ops import (_compiling, _CrossEntropyInPlace, _CrossEntropyOnePass,
                    _CrossEntropySavedLse, _ce_forward, _ce_forward_grad, _cw, _linear_ce)
 from . import _calls as _tc
+from . import _dtensor
 from ._args import (_finish, _float_input, _linear_dtype, _reduction, _resolve_shift, _targets,
                     _z_loss_rows, want as _want)
 
-__all__ = ["cross_entropy", "linear_cross_entropy", "CrossEntropyLoss",
+__all__ = ["cross_entropy", "linear_cross_entropy", "module_linear_cross_entropy",
+           "CrossEntropyLoss",
            "LinearCrossEntropyLoss", "DEFAULT_WORKSPACE_BYTES", "OUTPUT_FIELDS"]
 
 # the linear CE budget without env or kwarg (FUSEDCE_WORKSPACE_BYTES, else 1 GiB), as fusedce.jax
@@ -266,6 +268,16 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
     runs in the autocast dtype. The loss is float32; for reduction 'none' it has the shape of
     target (so have the per-row outputs).
 
+    DTensor arguments (``torch.distributed.tensor``): a replicated ``linear_weight`` is used
+    as its local tensor; one sharded over the vocabulary (``Shard(0)``, e.g. ``parallelize_module``
+    with ``ColwiseParallel``) takes the vocabulary-parallel path
+    (:func:`fusedce.torch.distributed.vocab_parallel_linear_cross_entropy`) over its mesh's
+    group by itself, ``input`` a plain tensor the same on every rank of it or a DTensor
+    (``Shard(0)`` over the rows: sequence parallelism); gradients come back as DTensors in the
+    parameters' placements; other placements raise ValueError (docs/vocab-parallel.md). A weight
+    that FSDP2 or ZeRO-3 shards must be read inside its module's forward:
+    :func:`module_linear_cross_entropy`.
+
     workspace_bytes  the memory budget of the call beyond the inputs and the gradients it
                   returns (its scratch workspace); None = FUSEDCE_WORKSPACE_BYTES from the
                   environment (e.g. "512M"), else 1 GiB (fusedce.torch.DEFAULT_WORKSPACE_BYTES).
@@ -275,6 +287,15 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
                   towards the budget). A budget below the library's minimum (a few MiB) gets
                   the minimum.
     """
+    if _dtensor.any_dtensor(input, linear_weight, linear_bias):
+        return _dtensor.linear_cross_entropy(
+            input, linear_weight, target, linear_bias, weight, dict(
+                reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing,
+                z_loss=z_loss, softcap=softcap, logit_scale=logit_scale,
+                shift_seq_len=shift_seq_len, shift=shift, use_token_scaling=use_token_scaling,
+                return_z_loss=return_z_loss, return_token_accuracy=return_token_accuracy,
+                return_predicted_tokens=return_predicted_tokens, return_lse=return_lse,
+                check_targets=check_targets, workspace_bytes=workspace_bytes))
     red = _reduction(reduction)
     if input.dim() < 1:
         raise ValueError("input must be [..., D]")
@@ -325,6 +346,25 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
 
     return _finish(want, red, tuple(target.shape), loss, lse, zl, acc, am,
                    lambda: _z_loss_rows(lse, tgt, vocab, opts, target_logit))
+
+
+def module_linear_cross_entropy(module: torch.nn.Module, input: Tensor, target: Tensor,
+                                **kwargs):
+    """``linear_cross_entropy(input, module.weight, target, linear_bias=module.bias, **kwargs)``
+    computed as ``module(input)``: the module's forward is replaced for this one call, so its
+    hooks run around the loss as around its own forward. For an output layer whose weight a
+    framework gathers in forward hooks: FSDP2 (``fully_shard(lm_head)``: the pre-forward
+    all-gather, the reshard after it, and in the backward the all-gather again if it was
+    resharded and the reduce-scatter of ∂weight into the sharded parameter's gradient) and
+    DeepSpeed ZeRO-3 (its parameter fetch and release). Nothing beyond what the framework
+    itself gathers and the workspace budget is held. The weight read there may be a DTensor
+    (FSDP2 over a tensor-parallel weight): handled as :func:`linear_cross_entropy` does.
+    ``module``: an ``nn.Linear`` (or any module with ``weight`` [V, D] and ``bias`` [V] or None);
+    forward hooks that change the output (tensor-parallel ones) do not apply to a loss."""
+    def forward(hidden):
+        return linear_cross_entropy(hidden, module.weight, target,
+                                    linear_bias=getattr(module, "bias", None), **kwargs)
+    return _dtensor.module_forward(module, forward, input)
 
 
 class _LossOptions(torch.nn.Module):

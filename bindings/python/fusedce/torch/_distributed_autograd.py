@@ -10,10 +10,17 @@ import torch
 
 from .._options import NOTHING
 from . import _calls as _tc
-from ._distributed_calls import (_ce_backward, _ce_forward, _linear_backward, _linear_forward,
-                                 _linear_fused)
+from ._distributed_calls import (SCATTER, _ce_backward, _ce_forward, _gather_tokens,
+                                 _linear_backward, _linear_forward, _linear_fused)
 from ._ops import _f32, _hand_out_once, _non_differentiable
 
+
+def _all_rows(hidden, layout, reduce_grad_hidden):
+    """hidden's rows of the whole group under sequence parallelism (reduce_grad_hidden ==
+    SCATTER: each rank holds its own rows, gathered here), else hidden itself."""
+    if reduce_grad_hidden == SCATTER:
+        return _gather_tokens(hidden, layout.group, layout.size)
+    return hidden
 
 
 class _VocabParallelCE(torch.autograd.Function):
@@ -52,9 +59,11 @@ class _VocabParallelLinearCE(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, targets, cw, layout, opts, cdt, budget, want,
                 check, reduce_grad_hidden):
         stream = _tc._stream(hidden)
+        hidden = _all_rows(hidden, layout, reduce_grad_hidden)
         (loss, lse, zl, acc, am), gathered = _linear_forward(
             hidden, weight, bias, targets, cw, layout, opts, cdt, budget, want, check, stream)
-        # the inputs (alive anyway: parameters and the [N, D] activations) and the statistics
+        # the inputs (alive anyway: parameters and the [N, D] activations; under sequence
+        # parallelism the gathered rows, as Megatron keeps them) and the statistics
         ctx.save_for_backward(hidden, weight, bias, targets, cw, gathered)
         ctx.layout, ctx.opts, ctx.cdt, ctx.budget = layout, opts, cdt, budget
         ctx.reduce_grad_hidden = reduce_grad_hidden
@@ -91,8 +100,8 @@ class _VocabParallelLinearCEFused(torch.autograd.Function):
         need = (bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1]),
                 bias is not None and bool(ctx.needs_input_grad[2]))
         loss, lse, zl, acc, am, grads = _linear_fused(
-            hidden, weight, bias, targets, cw, layout, opts, cdt, budget, want, check, need,
-            reduce_grad_hidden, None, _tc._stream(hidden))
+            _all_rows(hidden, layout, reduce_grad_hidden), weight, bias, targets, cw, layout,
+            opts, cdt, budget, want, check, need, reduce_grad_hidden, None, _tc._stream(hidden))
         # the gradients, not version-tracked (scaled in place, handed out once); the inputs
         # (alive anyway) for a second backward only
         ctx.grads, ctx.computed = grads, need
@@ -120,7 +129,7 @@ class _VocabParallelLinearCEFused(torch.autograd.Function):
         else:
             hidden, weight, bias, targets, cw = ctx.saved_tensors
             layout, opts, cdt, budget, reduce_grad_hidden = ctx.args
-            out = _linear_fused(hidden, weight, bias, targets, cw, layout, opts, cdt, budget,
-                                NOTHING, False, need, reduce_grad_hidden, _f32(grad_loss),
-                                _tc._stream(hidden))[5]
+            out = _linear_fused(_all_rows(hidden, layout, reduce_grad_hidden), weight, bias,
+                                targets, cw, layout, opts, cdt, budget, NOTHING, False, need,
+                                reduce_grad_hidden, _f32(grad_loss), _tc._stream(hidden))[5]
         return out + nones

@@ -67,6 +67,47 @@ def _all_reduce_sum(t: Tensor, group, size: int) -> None:
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
 
 
+SCATTER = "scatter"  # reduce_grad_hidden's sequence-parallel mode: hidden's rows sharded
+
+
+def _gather_tokens(hidden: Tensor, group, size: int) -> Tensor:
+    """[size * n, D]: the group's hidden rows [n, D], rank-major (sequence parallelism: rank r
+    holds rows [r·n, (r+1)·n)), by one all_gather_into_tensor on the current stream."""
+    if group is None:
+        return hidden
+    h = hidden.contiguous()
+    out = h.new_empty((size * h.shape[0],) + tuple(h.shape[1:]))
+    _gather_into(out, h, group, size)
+    return out
+
+
+_SCATTER_FALLBACK = set()  # backends whose reduce_scatter_tensor raised: all_reduce, then narrow
+
+
+def _reduce_grad_hidden(gh: Tensor, group, size: int, mode) -> Tensor:
+    """This rank's float32 partial ∂hidden [N, D] reduced over the group (sum): all of it
+    (mode True), this rank's rows [N / size, D] (SCATTER: reduce_scatter_tensor, the backward
+    of the sequence-parallel all-gather), or left as it is (False)."""
+    if group is None or not mode:
+        return gh
+    if mode != SCATTER:
+        _all_reduce_sum(gh, group, size)
+        return gh
+    n = gh.shape[0] // size
+    backend = str(dist.get_backend(group))
+    if backend not in _SCATTER_FALLBACK and hasattr(dist, "reduce_scatter_tensor"):
+        out = gh.new_empty((n,) + tuple(gh.shape[1:]))
+        try:
+            dist.reduce_scatter_tensor(out, gh, op=dist.ReduceOp.SUM, group=group)
+            return out
+        except (RuntimeError, NotImplementedError):
+            if backend == "nccl":
+                raise
+            _SCATTER_FALLBACK.add(backend)
+    _all_reduce_sum(gh, group, size)
+    return gh.narrow(0, dist.get_rank(group) * n, n).clone()
+
+
 # ================================================================ the C calls ====
 def _check(status: int, fn: str) -> None:
     if status:
@@ -255,10 +296,8 @@ def _linear_backward(hidden, weight, bias, targets, cw, gathered, layout: Layout
         _tc._ptr(b), targets.data_ptr(), gathered.data_ptr(), None, ctypes.byref(grads),
         _tc._ptr(ws), ws_bytes, _tc._stream(h)), "fce_vp_linear_backward")
     del ws
-    if gh is not None:
-        if reduce_grad_hidden:
-            _all_reduce_sum(gh, group, size)  # float32: the sum exact to float32
-        gh = gh.to(hidden.dtype)
+    if gh is not None:  # float32: the sum exact to float32
+        gh = _reduce_grad_hidden(gh, group, size, reduce_grad_hidden).to(hidden.dtype)
     if gw is not None:
         gw = gw.to(weight.dtype)
     if gb is not None:
@@ -385,10 +424,8 @@ def _linear_fused(hidden, weight, bias, targets, cw, layout: Layout, opts: CEOpt
         raise error  # the all-gather's own exception (the library's status only follows it)
     _check(status, "fce_vp_linear_ce")
     _check_flags(flags, targets, vt, opts)
-    if gh is not None:
-        if reduce_grad_hidden:
-            _all_reduce_sum(gh, group, size)  # float32: the sum exact to float32
-        gh = gh.to(hidden.dtype)  # (the float32 partial is dropped here when they differ)
+    if gh is not None:  # float32: the sum exact to float32 (the partial then dropped)
+        gh = _reduce_grad_hidden(gh, group, size, reduce_grad_hidden).to(hidden.dtype)
     if gw is not None:
         gw = gw.to(weight.dtype)
     if gb is not None:

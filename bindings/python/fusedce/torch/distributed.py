@@ -103,10 +103,10 @@ from . import _args as _ta  # argument handling, the return convention
 from ._distributed_autograd import (_VocabParallelCE, _VocabParallelLinearCE,
                                     _VocabParallelLinearCEFused)
 from ._calls import _stream
-from ._distributed_calls import Layout, _ce_forward, _linear_forward
+from ._distributed_calls import SCATTER, Layout, _ce_forward, _gather_tokens, _linear_forward
 
 __all__ = ["vocab_parallel_cross_entropy", "vocab_parallel_linear_cross_entropy",
-           "shard_range", "VP_STATS"]
+           "megatron_linear_cross_entropy", "use_in_megatron", "shard_range", "VP_STATS"]
 
 
 def _eager_only(fn):
@@ -195,6 +195,10 @@ def _class_weights(weight: Optional[Tensor], vt: int, device) -> Optional[Tensor
         raise ValueError(f"weight (class weights) must have shape ({vt},): the whole "
                          f"vocabulary's, on every rank; got {tuple(weight.shape)}")
     return weight.to(device=device, dtype=torch.float32).contiguous()
+
+
+def _grad_mode(reduce_grad_hidden):
+    return SCATTER if reduce_grad_hidden == SCATTER else bool(reduce_grad_hidden)
 
 
 def _targets(target: Tensor, n: int, what: str, device) -> Tensor:
@@ -310,7 +314,8 @@ def vocab_parallel_linear_cross_entropy(hidden: Tensor, weight_shard: Tensor, ta
                                         return_predicted_tokens: bool = False,
                                         return_lse: bool = False, check_targets: bool = False,
                                         reduce_grad_hidden: bool = True,
-                                        workspace_bytes: Optional[int] = None):
+                                        workspace_bytes: Optional[int] = None,
+                                        sequence_parallel: bool = False):
     """The output layer and its cross-entropy with the vocabulary sharded over ``group``
     (Megatron's ColumnParallelLinear output layer with parallel_output=True, followed by
     vocab_parallel_cross_entropy), without ever forming the logits: each rank makes its
@@ -344,6 +349,15 @@ def vocab_parallel_linear_cross_entropy(hidden: Tensor, weight_shard: Tensor, ta
     workspace_bytes  scratch budget of each library call (None: FUSEDCE_WORKSPACE_BYTES, else
                   1 GiB), never below the library's minimum. Pass the same value on every rank
                   (the fused call's token chunks, each an all-gather, depend on it).
+    sequence_parallel  hidden's rows are sharded over the group (Megatron's sequence
+                  parallelism): rank r holds rows [r·n, (r+1)·n) of the N = P·n rows that
+                  ``target`` (global, the same on every rank) scores; hidden [n, D] or [n, b, D]
+                  (Megatron's [s/P, b, h]: its rows are sequence-major, so the flattened
+                  rows of the ranks follow one another). One ``all_gather_into_tensor`` of
+                  hidden on the group and the current stream before the library call, one
+                  ``reduce_scatter_tensor`` (sum, float32) of ∂hidden after it (in the forward
+                  for the fused call, in the backward for the two phases): each rank gets the
+                  gradient of its own rows. ``reduce_grad_hidden`` is ignored then.
 
     Gradients: hidden (its dtype), weight_shard and bias (theirs) when they require grad; every
     rank must ask for the same ones (the ∂hidden all-reduce is collective, and so is a second
@@ -364,7 +378,11 @@ def vocab_parallel_linear_cross_entropy(hidden: Tensor, weight_shard: Tensor, ta
         raise ValueError(f"bias must be [{vl}] (this rank's entries), got {tuple(bias.shape)}")
     h2 = hidden.reshape(-1, d)
     n = h2.shape[0]  # (rows >= 0, vocab_local and hidden >= 1: the library checks them)
-    tgt = _targets(target, n, "hidden", hidden.device)
+    if sequence_parallel:
+        n *= size  # this rank's rows, gathered with the others' before the library call
+        reduce_grad_hidden = SCATTER
+    tgt = _targets(target, n, "hidden" + (" on the group's ranks (sequence_parallel)"
+                                          if sequence_parallel else ""), hidden.device)
     vs, vt = _layout(vl, rank, size, vocab_start, vocab_total)
     cw = _class_weights(weight, vt, hidden.device)
     t, k = _ta._resolve_shift(shift, shift_seq_len, tuple(target.shape), n)
@@ -388,14 +406,86 @@ def vocab_parallel_linear_cross_entropy(hidden: Tensor, weight_shard: Tensor, ta
     if grad_on and red != _lib.FCE_REDUCTION_NONE and _lib.has_vp_linear_ce():
         loss, lse, zl, acc, am = _VocabParallelLinearCEFused.apply(
             h2, weight_shard, bias, tgt, cw, layout, opts, cdt, budget, lib_want,
-            bool(check_targets), bool(reduce_grad_hidden))
+            bool(check_targets), _grad_mode(reduce_grad_hidden))
     elif grad_on:
         loss, lse, zl, acc, am, gathered = _VocabParallelLinearCE.apply(
             h2, weight_shard, bias, tgt, cw, layout, opts, cdt, budget, lib_want,
-            bool(check_targets), bool(reduce_grad_hidden))
+            bool(check_targets), _grad_mode(reduce_grad_hidden))
     else:
+        if sequence_parallel:
+            h2 = _gather_tokens(h2, group, size)
         (loss, lse, zl, acc, am), gathered = _linear_forward(
             h2, weight_shard, bias, tgt, cw, layout, opts, cdt, budget, lib_want,
             bool(check_targets), _stream(h2))
     return _ta._finish(want, red, tuple(target.shape), loss, lse, zl, acc, am,
                        lambda: _z_rows_from_stats(lse, tgt, vt, opts, gathered, size))
+
+
+# ============================================== Megatron-Core's fused linear CE ====
+_REDUCTIONS = ("none", "sum", "mean")
+
+
+def megatron_linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor,
+                                  tp_group=None, reduction: str = "mean",
+                                  ignore_index: int = -100,
+                                  sequence_parallel: bool = False) -> Tensor:
+    """A drop-in for Megatron-Core's ``megatron.core.fusions.fused_linear_cross_entropy.
+    linear_cross_entropy(hidden, weight, labels, tp_group=None, reduction="mean",
+    ignore_index=-100, sequence_parallel=False)``, the same arguments and results, on any GPU
+    and on the CPU (:func:`use_in_megatron` plugs it in).
+
+    hidden   [num_tokens, D] or [s, b, D] (its rows flattened); with ``sequence_parallel`` this
+             rank's equal share of the rows ([num_tokens / P, D], [s / P, b, D]).
+    weight   [V / P, D]: this rank's equal share of the output layer's rows (rank r: classes
+             [r·V/P, (r+1)·V/P)); the whole [V, D] when ``tp_group`` is None.
+    labels   [num_tokens] or [s, b]: every token's label, the same on every rank.
+    tp_group None: the plain call (:func:`fusedce.torch.linear_cross_entropy`, each rank its own
+             tokens, as data parallelism); else the group the vocabulary is sharded over.
+    Returns the float32 loss: [num_tokens] for 'none' (0 for ignored tokens), a 0-d tensor for
+    'sum' and 'mean' (the mean over tokens whose label is not ignore_index; 0 when there is
+    none), the same on every rank. Gradients: ∂weight of this rank's shard; ∂hidden the same
+    on every rank (all-reduced) without sequence parallelism, this rank's rows (reduce-scattered)
+    with it; the upstream gradient must be the same on every rank, as Megatron requires."""
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if hidden.dim() < 2:
+        raise ValueError(f"hidden must be [num_tokens, dim] or [s, b, dim], got "
+                         f"{tuple(hidden.shape)}")
+    h = hidden.reshape(-1, hidden.shape[-1])
+    y = labels.reshape(-1)
+    if tp_group is None:  # Megatron: no tensor parallelism, sequence_parallel has no effect
+        from . import linear_cross_entropy
+        return linear_cross_entropy(h, weight, y, reduction=reduction,
+                                    ignore_index=int(ignore_index))
+    return vocab_parallel_linear_cross_entropy(h, weight, y, group=tp_group, reduction=reduction,
+                                               ignore_index=int(ignore_index),
+                                               sequence_parallel=bool(sequence_parallel))
+
+
+_MEGATRON_LCE = "megatron.core.fusions.fused_linear_cross_entropy"
+
+
+def use_in_megatron() -> list:
+    """Make Megatron-Core's fused linear cross-entropy (``--cross-entropy-loss-fusion
+    --cross-entropy-fusion-impl linear``: ``config.cross_entropy_loss_fusion=True``,
+    ``config.cross_entropy_fusion_impl="linear"``) run :func:`megatron_linear_cross_entropy`:
+    ``linear_cross_entropy`` is rebound in ``megatron.core.fusions.fused_linear_cross_entropy``
+    and in every loaded ``megatron.*`` module that imported it by name (e.g.
+    ``megatron.core.transformer.linear_cross_entropy``, whose ``LinearCrossEntropyModule`` is
+    GPTModel's output layer then); modules imported later take the rebound name. Call it once
+    per process, before the first forward. Returns the modules rebound."""
+    import importlib
+    source = importlib.import_module(_MEGATRON_LCE)
+    original = getattr(source, "linear_cross_entropy")
+    if original is megatron_linear_cross_entropy:
+        original = getattr(source, "_fusedce_original", original)
+    source._fusedce_original = original
+    rebound = []
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "megatron" or name.startswith("megatron.")):
+            continue
+        if getattr(module, "linear_cross_entropy", None) in (original,
+                                                              megatron_linear_cross_entropy):
+            module.linear_cross_entropy = megatron_linear_cross_entropy
+            rebound.append(name)
+    return sorted(rebound)
