@@ -479,7 +479,7 @@ FCE_API fce_status fce_linear_ce(const fce_options* options, int64_t rows, int64
  *
  * Same promises as every call: caller-owned memory, one stream, no allocation, no host
  * synchronisation, graph-capturable, deterministic. Sizes: rows >= 0 (0: the empty problem;
- * fce_vp_linear_ce then never calls all_gather), ranks >= 1, 1 <= vocab_local,
+ * fce_vp_linear_ce then never calls shard->all_gather), ranks >= 1, 1 <= vocab_local,
  * 0 <= vocab_start, vocab_start + vocab_local <= vocab_total <= 2^31-1.
  * stats and gathered_stats are float32 in the backend's memory, aligned to 16 bytes. (0.4)
  */
@@ -488,17 +488,36 @@ FCE_API fce_status fce_linear_ce(const fce_options* options, int64_t rows, int64
 /* Bit of error_flags: gathered statistics that do not tile the vocabulary (see above). */
 #define FCE_FLAG_SHARDS_INCONSISTENT 2u
 
-/* Where this rank's shard lies, given to every fce_vp_* compute call by pointer (required):
- * classes [vocab_start, vocab_start + vocab_local) of vocab_total, on one of `ranks` ranks. A
- * call reads only the fields it needs: fce_vp_stats and fce_vp_linear_stats do not read ranks,
- * fce_vp_loss reads ranks and vocab_total only. Plain sizes, fixed for the 1.x series (no
- * struct_size: a shard has nothing to append). */
+/* fce_vp_all_gather_fn: the all-gather fce_vp_linear_ce runs its collective through (it is the
+ * one call that gathers by itself). all_gather(context, send, recv, count, stream) must gather,
+ * over the `ranks` ranks of the step, the `count` float32 at `send` of every rank into `recv`
+ * [ranks, count], rank-major in any fixed rank order (what ncclAllGather and
+ * torch.distributed.all_gather_into_tensor make), enqueued on `stream` after the work the call
+ * enqueued before it (CUDA: the caller's stream; it may also complete the gather before it
+ * returns), and return FCE_SUCCESS, or any other status to stop the call, which then returns it
+ * (fce_last_error() names the call and the all-gather; outputs are then undefined, as after
+ * FCE_ERROR_CUDA). send [count] and recv [ranks·count] lie in the caller's workspace, in the
+ * backend's memory, 16-byte aligned, disjoint. It is called on the calling thread, during the
+ * call, once per token chunk of fce_vp_linear_ce's plan (the CPU backend and the gather-once
+ * plan: once), with count = chunk rows · FCE_VP_STATS; context is passed through. */
+typedef fce_status (*fce_vp_all_gather_fn)(void* context, const float* send, float* recv,
+                                           int64_t count, void* stream);
+
+/* Where this rank lies and how it reaches the others, given to every fce_vp_* compute call by
+ * pointer (required): classes [vocab_start, vocab_start + vocab_local) of vocab_total, on one of
+ * `ranks` ranks. A call reads only the fields it needs: fce_vp_stats and fce_vp_linear_stats do
+ * not read ranks, fce_vp_loss reads ranks and vocab_total only; all_gather and context are read
+ * by fce_vp_linear_ce alone (every other call ignores them: leave them NULL), which refuses a
+ * NULL shard->all_gather. Fixed for the 1.x series (no struct_size: a shard has nothing to
+ * append). */
 typedef struct fce_vp_shard {
   int64_t ranks;       /* P >= 1: ranks of the step (the leading size of gathered_stats) */
   int64_t vocab_total; /* classes of the whole vocabulary, in [1, 2^31-1] */
   int64_t vocab_start; /* first class of this rank's shard, >= 0 */
   int64_t vocab_local; /* classes of this rank's shard, >= 1, vocab_start + vocab_local <=
                           vocab_total */
+  fce_vp_all_gather_fn all_gather; /* fce_vp_linear_ce: the collective over the ranks */
+  void* context;                   /* passed to all_gather as is */
 } fce_vp_shard;
 
 /* Phase 1 over this rank's logits [rows, vocab_local] (options->row_stride apart): writes
@@ -584,21 +603,10 @@ FCE_API fce_status fce_vp_linear_backward(const fce_options* options,
  * itself, through the caller's all-gather, so that the logits are made once (6·N·D·vocab_local
  * FLOPs in all, against 8·N·D·vocab_local for fce_vp_linear_stats + fce_vp_linear_backward).
  * The call enqueues, per token chunk of its plan: the chunk's logits in the workspace, their
- * statistics, the all-gather of the chunk's statistics (all_gather below), the combination, the
+ * statistics, the all-gather of the chunk's statistics (shard->all_gather), the combination, the
  * gradient of the chunk's logits in place, and its share of the gradients; after the last chunk
- * the loss. A ranks-wide all-gather per chunk is thus issued from inside the call.
- *
- * fce_vp_all_gather_fn: all_gather(context, send, recv, count, stream) must gather, over the
- * `ranks` ranks of the step, the `count` float32 at `send` of every rank into `recv`
- * [ranks, count], rank-major in any fixed rank order (what ncclAllGather and
- * torch.distributed.all_gather_into_tensor make), enqueued on `stream` after the work the call
- * enqueued before it (CUDA: the caller's stream; it may also complete the gather before it
- * returns), and return FCE_SUCCESS, or any other status to stop the call, which then returns it
- * (fce_last_error() names the call and the all-gather; outputs are then undefined, as after
- * FCE_ERROR_CUDA). send [count] and recv [ranks·count] lie in the caller's workspace, in the
- * backend's memory, 16-byte aligned, disjoint. It is called on the calling thread, during the
- * call, once per token chunk (the CPU backend and the gather-once plan below: once), with
- * count = chunk rows · FCE_VP_STATS.
+ * the loss. A ranks-wide all-gather per chunk is thus issued from inside the call, through
+ * shard->all_gather (fce_vp_all_gather_fn, above) with shard->context.
  *
  * Every rank must issue the same sequence of all-gathers: the plan (and so the chunking) is a
  * function of the options, ranks, rows, hidden, vocab_total, the gradients asked for (which
@@ -623,10 +631,9 @@ FCE_API fce_status fce_vp_linear_backward(const fce_options* options,
  * grad_hidden (this rank's PARTIAL dloss/dh of grad_hidden_dtype: all-reduce it), grad_weight,
  * grad_bias as fce_vp_linear_backward; all gradient pointers NULL: the loss only. The loss and
  * the gradients are those of the unsharded fce_linear_ce to float32 rounding (and of the
- * two-phase calls: the gather-once plan runs exactly those). all_gather is required; context is
- * passed through. Deterministic for a given workspace_bytes and rank order. */
-typedef fce_status (*fce_vp_all_gather_fn)(void* context, const float* send, float* recv,
-                                           int64_t count, void* stream);
+ * two-phase calls: the gather-once plan runs exactly those). shard->all_gather is required
+ * (NULL: FCE_ERROR_NULL_POINTER naming shard->all_gather). Deterministic for a given
+ * workspace_bytes and rank order. */
 
 /* Workspace of fce_vp_linear_ce (min_bytes required, optimal_bytes may be NULL): with_grad
  * nonzero when any gradient will be asked for (all of them assumed). min_bytes runs the
@@ -643,7 +650,6 @@ FCE_API fce_status fce_vp_linear_ce(const fce_options* options, const fce_vp_sha
                                     int64_t rows, int64_t hidden, const void* hidden_states,
                                     const void* weight, const void* bias, const void* targets,
                                     const fce_outputs* outputs, const fce_gradients* gradients,
-                                    fce_vp_all_gather_fn all_gather, void* context,
                                     void* workspace, size_t workspace_bytes, void* stream);
 
 /* --------------------------------------------------------- upstream scale ---- */

@@ -164,7 +164,7 @@ FCE_API fce_status fce_vp_backward(const fce_options* options, const fce_vp_shar
   FCE_TRY(begin_compute(fn, options, shard, true, outputs, gradients, kLogitsGradCall, &a));
   const fce_outputs& out = a.out;
   const fce_gradients& g = a.g;
-  const auto [ranks, vocab_total, vocab_start, vocab_local] = a.shard;
+  const auto [ranks, vocab_total, vocab_start, vocab_local, gather, context] = a.shard;
   void* grad_logits = g.grad_logits;
   const float* grad_output = g.grad_output;
   uint32_t* error_flags = out.error_flags;

@@ -399,7 +399,7 @@ fce_status begin_compute(const char* fn, const fce_options* options, const fce_v
                          bool vp, const fce_outputs* outputs, const fce_gradients* gradients,
                          StructUse use, CallArgs* a) {
   FCE_TRY(begin_call(fn, options, &a->o));
-  a->shard = fce_vp_shard{1, 0, 0, 0};
+  a->shard = fce_vp_shard{1, 0, 0, 0, nullptr, nullptr};
   if (vp) {
     FCE_TRY(check_shard(fn, shard));
     a->shard = *shard;

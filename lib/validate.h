@@ -56,7 +56,7 @@ struct CallArgs {
   fce_options o;
   fce_outputs out;
   fce_gradients g;
-  fce_vp_shard shard;  // {1, 0, 0, 0} for a call without one
+  fce_vp_shard shard;  // {1, 0, 0, 0, NULL, NULL} for a call without one
 };
 // begin_call, then (vp: the call takes a shard) check_shard, read_outputs and read_gradients.
 fce_status begin_compute(const char* fn, const fce_options* options, const fce_vp_shard* shard,

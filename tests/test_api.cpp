@@ -736,7 +736,7 @@ TEST_F(Structs, NullStructures) {
   EXPECT_EQ(backward(nullptr, &g), FCE_SUCCESS) << fce_last_error();
   EXPECT_EQ(backward(nullptr, nullptr), FCE_ERROR_NULL_POINTER);
   EXPECT_TRUE(error_mentions("fce_backward: gradients is NULL"));
-  const fce_vp_shard sh{1, V, 0, V};
+  const fce_vp_shard sh{1, V, 0, V, nullptr, nullptr};
   EXPECT_EQ(fce_vp_stats(&o, nullptr, N, z.data(), y.data(), stats.data(), nullptr),
             FCE_ERROR_NULL_POINTER);
   EXPECT_TRUE(error_mentions("fce_vp_stats: shard is NULL"));

@@ -1767,7 +1767,8 @@ fce_status failing_gather(void* ctx, const float*, float*, int64_t, void*) {
 }
 }  // namespace
 
-// The all-gather's status stops the call and is returned, named; a NULL all_gather is refused.
+// The all-gather's status stops the call and is returned, named; a NULL shard->all_gather is
+// refused.
 TEST_F(VpLinear, FusedAllGatherStatus) {
   LinVpCase c;
   c.name = "fused_status";
@@ -1780,7 +1781,7 @@ TEST_F(VpLinear, FusedAllGatherStatus) {
   EXPECT_NE(err.find("fce_vp_linear_ce: all_gather returned FCE_ERROR_CUDA"), std::string::npos)
       << err;
   EXPECT_EQ(run.fused_one(nullptr, nullptr, &err), FCE_ERROR_NULL_POINTER);
-  EXPECT_NE(err.find("fce_vp_linear_ce: all_gather is NULL"), std::string::npos) << err;
+  EXPECT_NE(err.find("fce_vp_linear_ce: shard->all_gather is NULL"), std::string::npos) << err;
 }
 
 // ------------------------------------------------------------------ bad input ---------------
@@ -2131,7 +2132,7 @@ TEST_F(VpBadInput, NullPointers) {
     rejected(f, "weight NULL", FCE_ERROR_NULL_POINTER, "weight", [](VpArgs& x) { x.weight = nullptr; });
   }
   rejected(kLinCe, "loss NULL", FCE_ERROR_NULL_POINTER, "loss", [](VpArgs& x) { x.loss = nullptr; });
-  rejected(kLinCe, "all_gather NULL", FCE_ERROR_NULL_POINTER, "all_gather",
+  rejected(kLinCe, "all_gather NULL", FCE_ERROR_NULL_POINTER, "shard->all_gather",
            [](VpArgs& x) { x.all_gather = nullptr; });
   rejected(kLinCe, "grad_bias without bias", FCE_ERROR_INVALID_ARGUMENT, "grad_bias",
            [](VpArgs& x) { x.bias = nullptr; });

@@ -149,14 +149,27 @@ class Gradients(ctypes.Structure):
     ]
 
 
+# fce_vp_all_gather_fn: fce_status (*)(void* context, const float* send, float* recv,
+# int64_t count, void* stream), the all-gather fce_vp_linear_ce runs its collective through
+# (fce_vp_shard.all_gather).
+# The pointers arrive as ints (None for NULL); a Python exception must not escape it (ctypes
+# would print it and return 0, FCE_SUCCESS): catch it, return a failing status, re-raise it
+# after the call. Keep the object alive for as long as the call runs.
+VP_ALL_GATHER_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                    ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p)
+
+
 class VpShard(ctypes.Structure):
-    """fce_vp_shard: where this rank's vocabulary shard lies."""
+    """fce_vp_shard: where this rank's vocabulary shard lies, and (fce_vp_linear_ce only) the
+    all-gather that reaches the other ranks."""
 
     _fields_ = [
         ("ranks", ctypes.c_int64),
         ("vocab_total", ctypes.c_int64),
         ("vocab_start", ctypes.c_int64),
         ("vocab_local", ctypes.c_int64),
+        ("all_gather", VP_ALL_GATHER_FN),
+        ("context", ctypes.c_void_p),
     ]
 
 
@@ -185,9 +198,12 @@ def gradients(grad_output=None, grad_logits=None, grad_hidden=None, grad_weight=
                      int(grad_hidden_dtype), 0)
 
 
-def shard(ranks, vocab_total, vocab_start, vocab_local) -> VpShard:
-    """An fce_vp_shard."""
-    return VpShard(int(ranks), int(vocab_total), int(vocab_start), int(vocab_local))
+def shard(ranks, vocab_total, vocab_start, vocab_local, all_gather=None) -> VpShard:
+    """An fce_vp_shard; all_gather: a VP_ALL_GATHER_FN (fce_vp_linear_ce), else NULL."""
+    s = VpShard(int(ranks), int(vocab_total), int(vocab_start), int(vocab_local))
+    if all_gather is not None:
+        s.all_gather = all_gather
+    return s
 
 
 # --------------------------------------------------------------------------- loading ----
@@ -297,14 +313,6 @@ VP_LINEAR_CE_SYMBOLS = ("fce_vp_linear_ce_workspace_size", "fce_vp_linear_ce")
 SINCE = {"fce_scale_gradient": 200, "fce_backward_rescale": 200, "fce_build_info": 300,
          **{name: 400 for name in VP_SYMBOLS}, **{name: 500 for name in VP_LINEAR_CE_SYMBOLS}}
 
-# fce_vp_all_gather_fn: fce_status (*)(void* context, const float* send, float* recv,
-# int64_t count, void* stream), the all-gather fce_vp_linear_ce runs its collective through.
-# The pointers arrive as ints (None for NULL); a Python exception must not escape it (ctypes
-# would print it and return 0, FCE_SUCCESS): catch it, return a failing status, re-raise it
-# after the call. Keep the object alive for as long as the call runs.
-VP_ALL_GATHER_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                                    ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p)
-
 
 def _declare(lib) -> frozenset:
     """Set the signatures of the library's functions; returns the names of the functions added
@@ -345,7 +353,7 @@ def _declare(lib) -> frozenset:
         "fce_vp_linear_ce_workspace_size": (
             st, [opt, i64, i64, i64, i64, i64, c.c_int, c.c_int32, psz, psz]),
         "fce_vp_linear_ce": (
-            st, [opt, shd, i64, i64, vp, vp, vp, vp, out, grd, VP_ALL_GATHER_FN, vp, vp, sz, vp]),
+            st, [opt, shd, i64, i64, vp, vp, vp, vp, out, grd, vp, sz, vp]),
     }
     missing = []
     for name, (restype, argtypes) in sigs.items():

@@ -1014,8 +1014,8 @@ def test_fused_linear_single_process(monkeypatch):
 
     # the signatures of the two functions
     lib = _lib.load()
-    assert len(lib.fce_vp_linear_ce.argtypes) == 25
-    assert lib.fce_vp_linear_ce.argtypes[20] is _lib.VP_ALL_GATHER_FN
+    assert len(lib.fce_vp_linear_ce.argtypes) == 13
+    assert dict(_lib.VpShard._fields_)["all_gather"] is _lib.VP_ALL_GATHER_FN
     assert len(lib.fce_vp_linear_ce_workspace_size.argtypes) == 10
 
     # the workspace: the same for every shard up to ⌈vt / P⌉ wide; a wider one gets its own

@@ -61,7 +61,7 @@ struct KParams {
   int reg_smem;            // register path: vectors per thread in shared memory (RegConfig::smem)
   int pdl;                 // launched as a programmatic dependent of the denominators kernel
   int xmbar_ok;            // register path: clusters exchange through st.async + mbarrier
-                           // (the cluster-barrier exchange otherwise; FCE_CUDA_CE_XMBAR=0)
+                           // (the cluster-barrier exchange otherwise)
   int targets_int64;
   int reduction;
   int smooth;           // label smoothing ε > 0

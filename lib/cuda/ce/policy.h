@@ -114,7 +114,8 @@ struct RowsChoice {
   bool persistent;        // kRegisters: the LOOP kernel over at most wave_rows clusters
   int64_t wave_rows;      // kRegisters: rows (clusters) resident at once; kBulk: the CTAs
   int64_t prefetch_rows;  // kRegisters: KParams::prefetch_rows (0 = no prefetch)
-  bool xmbar;             // kRegisters: KParams::xmbar_ok
+  bool xmbar;             // kRegisters: KParams::xmbar_ok (always: the kernel drops it where
+                          // it must, with argmax or rescale)
 };
 
 // The policy: the table above on this device, with these knobs.

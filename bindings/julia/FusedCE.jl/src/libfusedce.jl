@@ -139,18 +139,20 @@ const fce_gradients = FceGradients
 # ---------------------------------------------------------------- struct fce_vp_shard
 # Field for field the C struct (same names, order and types): pass it as Ref{FceVpShard}.
 struct FceVpShard
-    ranks::Int64        # int64_t ranks (offset 0)
-    vocab_total::Int64  # int64_t vocab_total (offset 8)
-    vocab_start::Int64  # int64_t vocab_start (offset 16)
-    vocab_local::Int64  # int64_t vocab_local (offset 24)
+    ranks::Int64            # int64_t ranks (offset 0)
+    vocab_total::Int64      # int64_t vocab_total (offset 8)
+    vocab_start::Int64      # int64_t vocab_start (offset 16)
+    vocab_local::Int64      # int64_t vocab_local (offset 24)
+    all_gather::Ptr{Cvoid}  # fce_vp_all_gather_fn all_gather (offset 32)
+    context::Ptr{Cvoid}     # void* context (offset 40)
 end
 const fce_vp_shard = FceVpShard
 
-# The C layout under the LP64 ABI (x86-64, aarch64): 32 bytes.
+# The C layout under the LP64 ABI (x86-64, aarch64): 48 bytes.
 @assert Sys.WORD_SIZE == 64 "fusedce's Julia binding needs a 64-bit platform"
-@assert sizeof(FceVpShard) == 32 "FceVpShard does not have the size of C's fce_vp_shard"
+@assert sizeof(FceVpShard) == 48 "FceVpShard does not have the size of C's fce_vp_shard"
 @assert Int[fieldoffset(FceVpShard, i) for i in 1:fieldcount(FceVpShard)] ==
-        [0, 8, 16, 24]
+        [0, 8, 16, 24, 32, 40]
 
 # FCE_OPTIONS_INIT: the C initialiser, item for item.
 const FCE_OPTIONS_INIT = FceOptions(sizeof(FceOptions), C_NULL, -100, 0, 0, 0, 0, FCE_BACKEND_CUDA,
@@ -414,17 +416,15 @@ end
 # fce_status fce_vp_linear_ce(const fce_options* options, const fce_vp_shard* shard, int64_t rows,
 #     int64_t hidden, const void* hidden_states, const void* weight, const void* bias,
 #     const void* targets, const fce_outputs* outputs, const fce_gradients* gradients,
-#     fce_vp_all_gather_fn all_gather, void* context, void* workspace, size_t workspace_bytes,
-#     void* stream)
+#     void* workspace, size_t workspace_bytes, void* stream)
 function fce_vp_linear_ce(options, shard, rows, hidden, hidden_states, weight, bias, targets,
-                          outputs, gradients, all_gather, context, workspace, workspace_bytes,
-                          stream)
+                          outputs, gradients, workspace, workspace_bytes, stream)
     status = ccall(libfusedce_symbol(:fce_vp_linear_ce), Cint,
                    (Ref{FceOptions}, Ref{FceVpShard}, Int64, Int64, Ptr{Cvoid}, Ptr{Cvoid},
-                    Ptr{Cvoid}, Ptr{Cvoid}, Ref{FceOutputs}, Ref{FceGradients}, Ptr{Cvoid},
-                    Ptr{Cvoid}, Ptr{Cvoid}, Csize_t, Ptr{Cvoid}),
+                    Ptr{Cvoid}, Ptr{Cvoid}, Ref{FceOutputs}, Ref{FceGradients}, Ptr{Cvoid}, Csize_t,
+                    Ptr{Cvoid}),
                    options, shard, rows, hidden, hidden_states, weight, bias, targets, outputs,
-                   gradients, all_gather, context, workspace, workspace_bytes, stream)
+                   gradients, workspace, workspace_bytes, stream)
     return check_status(status)
 end
 

@@ -407,7 +407,7 @@ def _linear_fused(hidden, weight, bias, targets, cw, layout: Layout, opts: CEOpt
     # float32 elements, so that the all-gathers' buffers are views of it
     ws = torch.empty(((ws_bytes + 3) // 4,), dtype=torch.float32, device=dev) if ws_bytes else None
     gather = _AllGather(ws, group, size, stream)
-    shard = _lib.shard(size, vt, vs, vl)
+    shard = _lib.shard(size, vt, vs, vl, all_gather=gather.fn)
     out = _lib.outputs(loss=loss.data_ptr(), lse=_tc._ptr(lse), z_loss=_tc._ptr(z_loss),
                        argmax=_tc._ptr(argmax), accuracy=_tc._ptr(accuracy),
                        error_flags=_tc._ptr(flags))
@@ -415,8 +415,8 @@ def _linear_fused(hidden, weight, bias, targets, cw, layout: Layout, opts: CEOpt
                            grad_weight=_tc._ptr(gw), grad_bias=_tc._ptr(gb))
     status = _lib.load().fce_vp_linear_ce(
         ctypes.byref(o), ctypes.byref(shard), n, d, h.data_ptr(), w.data_ptr(), _tc._ptr(b),
-        targets.data_ptr(), ctypes.byref(out), ctypes.byref(grads), gather.fn, None,
-        _tc._ptr(ws), ws_bytes, stream)
+        targets.data_ptr(), ctypes.byref(out), ctypes.byref(grads), _tc._ptr(ws), ws_bytes,
+        stream)
     gather.ws = ws = None  # the workspace goes before the gradients' reduction and casts
     del h, w, b  # (copies under autocast)
     if gather.error is not None:

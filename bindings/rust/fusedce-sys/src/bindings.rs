@@ -855,6 +855,15 @@ extern "C" {
         stream: *mut ::std::os::raw::c_void,
     ) -> fce_status;
 }
+pub type fce_vp_all_gather_fn = ::std::option::Option<
+    unsafe extern "C" fn(
+        context: *mut ::std::os::raw::c_void,
+        send: *const f32,
+        recv: *mut f32,
+        count: i64,
+        stream: *mut ::std::os::raw::c_void,
+    ) -> fce_status,
+>;
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
 pub struct fce_vp_shard {
@@ -862,12 +871,14 @@ pub struct fce_vp_shard {
     pub vocab_total: i64,
     pub vocab_start: i64,
     pub vocab_local: i64,
+    pub all_gather: fce_vp_all_gather_fn,
+    pub context: *mut ::std::os::raw::c_void,
 }
 #[test]
 fn bindgen_test_layout_fce_vp_shard() {
     assert_eq!(
         ::std::mem::size_of::<fce_vp_shard>(),
-        32usize,
+        48usize,
         concat!("Size of: ", stringify!(fce_vp_shard))
     );
     assert_eq!(
@@ -943,6 +954,40 @@ fn bindgen_test_layout_fce_vp_shard() {
         );
     }
     test_field_vocab_local();
+    fn test_field_all_gather() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<fce_vp_shard>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).all_gather) as usize - ptr as usize
+            },
+            32usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(fce_vp_shard),
+                "::",
+                stringify!(all_gather)
+            )
+        );
+    }
+    test_field_all_gather();
+    fn test_field_context() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<fce_vp_shard>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).context) as usize - ptr as usize
+            },
+            40usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(fce_vp_shard),
+                "::",
+                stringify!(context)
+            )
+        );
+    }
+    test_field_context();
 }
 extern "C" {
     pub fn fce_vp_stats(
@@ -1059,15 +1104,6 @@ extern "C" {
         stream: *mut ::std::os::raw::c_void,
     ) -> fce_status;
 }
-pub type fce_vp_all_gather_fn = ::std::option::Option<
-    unsafe extern "C" fn(
-        context: *mut ::std::os::raw::c_void,
-        send: *const f32,
-        recv: *mut f32,
-        count: i64,
-        stream: *mut ::std::os::raw::c_void,
-    ) -> fce_status,
->;
 extern "C" {
     pub fn fce_vp_linear_ce_workspace_size(
         options: *const fce_options,
@@ -1094,8 +1130,6 @@ extern "C" {
         targets: *const ::std::os::raw::c_void,
         outputs: *const fce_outputs,
         gradients: *const fce_gradients,
-        all_gather: fce_vp_all_gather_fn,
-        context: *mut ::std::os::raw::c_void,
         workspace: *mut ::std::os::raw::c_void,
         workspace_bytes: usize,
         stream: *mut ::std::os::raw::c_void,
