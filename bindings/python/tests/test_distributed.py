@@ -593,10 +593,13 @@ def _cases_misc(group, grank, gsize):
         vpce(local, y, group=group, vocab_total=vocab + 1)
     # an empty batch (no row on any rank): the empty problem, no statistics gathered; the
     # loss 0, an empty logits gradient, a zero weight gradient
+    # (vpce's default reduction is 'none', Megatron's: an empty loss; 'mean' and 'sum': 0)
     e = local[:0].clone().requires_grad_()
-    le = vpce(e, y[:0], group=group)
-    (ge,) = torch.autograd.grad(le, e)
-    assert le.item() == 0.0 and ge.shape == (0, 8)
+    assert vpce(e, y[:0], group=group).shape == (0,)
+    for red in ("mean", "sum"):
+        le = vpce(e, y[:0], group=group, reduction=red)
+        (ge,) = torch.autograd.grad(le, e)
+        assert le.shape == () and le.item() == 0.0 and ge.shape == (0, 8)
     he = h[:0].clone().requires_grad_()
     we = w[grank * 8:(grank + 1) * 8].clone().requires_grad_()
     le = distributed.vocab_parallel_linear_cross_entropy(he, we, y[:0], group=group)
