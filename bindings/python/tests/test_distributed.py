@@ -591,17 +591,26 @@ def _cases_misc(group, grank, gsize):
         vpce(local, y, group=group, vocab_start=grank * 8)
     with pytest.raises(ValueError, match="vocab_total"):
         vpce(local, y, group=group, vocab_total=vocab + 1)
-    # an empty batch (no row on any rank): the empty problem, no statistics gathered; the
-    # loss 0, an empty logits gradient, a zero weight gradient
-    e = local[:0].clone().requires_grad_()
-    le = vpce(e, y[:0], group=group)
-    (ge,) = torch.autograd.grad(le, e)
-    assert le.item() == 0.0 and ge.shape == (0, 8)
-    he = h[:0].clone().requires_grad_()
-    we = w[grank * 8:(grank + 1) * 8].clone().requires_grad_()
-    le = distributed.vocab_parallel_linear_cross_entropy(he, we, y[:0], group=group)
-    gh, gw = torch.autograd.grad(le, (he, we))
-    assert le.item() == 0.0 and gh.shape == (0, 16) and torch.all(gw == 0)
+    # an empty batch (no row on any rank): the empty problem, no statistics gathered; an empty
+    # 'none' loss, 0 for 'sum' and 'mean', an empty logits / hidden gradient, a zero weight
+    # gradient (the cotangent: ones shaped as the loss, empty for 'none')
+    for reduction in ("none", "sum", "mean"):
+        shape = (0,) if reduction == "none" else ()
+        e = local[:0].clone().requires_grad_()
+        le = vpce(e, y[:0], group=group, reduction=reduction)
+        assert le.shape == shape and le.dtype == torch.float32, reduction
+        assert reduction == "none" or le.item() == 0.0, reduction
+        (ge,) = torch.autograd.grad(le, e, torch.ones_like(le))
+        assert ge.shape == (0, 8), reduction
+        he = h[:0].clone().requires_grad_()
+        we = w[grank * 8:(grank + 1) * 8].clone().requires_grad_()
+        le = distributed.vocab_parallel_linear_cross_entropy(he, we, y[:0], group=group,
+                                                             reduction=reduction)
+        assert le.shape == shape and le.dtype == torch.float32, reduction
+        assert reduction == "none" or le.item() == 0.0, reduction
+        gh, gw = torch.autograd.grad(le, (he, we), torch.ones_like(le))
+        assert gh.shape == (0, 16) and gw.shape == we.shape, reduction
+        assert torch.all(gw == 0), reduction
     # a second backward through the graph (retain_graph) recomputes; in place it raises
     x = local.clone().requires_grad_()
     loss = vpce(x, y, group=group, reduction="mean")
