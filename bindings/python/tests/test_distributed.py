@@ -956,6 +956,25 @@ def test_single_process_without_distributed():
     assert d1 is d2 is fusedce.torch.distributed
 
 
+HEADER = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.dirname(os.path.abspath(__file__))))), "include", "fusedce.h")
+
+
+def _header_params(name):
+    """The parameters of function ``name`` as include/fusedce.h declares it (comments removed,
+    whitespace collapsed): what the ctypes signature of _lib must match."""
+    import re
+    if not os.path.exists(HEADER):
+        pytest.skip(f"{HEADER} is not there (not a source tree)")
+    with open(HEADER) as f:
+        text = re.sub(r"/\*.*?\*/|//[^\n]*", " ", f.read(), flags=re.S)
+    m = re.search(r"\bFCE_API\s+[\w\s\*]*?\b" + re.escape(name) + r"\s*\(([^;]*?)\)\s*;",
+                  text)
+    assert m, f"{name} is not declared in {HEADER}"
+    params = [" ".join(p.split()) for p in m.group(1).split(",")]
+    return [] if params == ["void"] else params
+
+
 @needs_vp_linear_ce
 @needs_torch
 def test_fused_linear_single_process(monkeypatch):
@@ -1021,11 +1040,17 @@ def test_fused_linear_single_process(monkeypatch):
     for a, e, what in zip(phases, fused, ("loss", "grad_hidden", "grad_weight", "grad_bias")):
         torch.testing.assert_close(a, e, rtol=2e-5, atol=2e-6, msg=what)
 
-    # the signatures of the two functions
+    # the signatures of the two functions: as many parameters as include/fusedce.h declares,
+    # the all-gather callback where the header has its fce_vp_all_gather_fn
     lib = _lib.load()
-    assert len(lib.fce_vp_linear_ce.argtypes) == 25
-    assert lib.fce_vp_linear_ce.argtypes[20] is _lib.VP_ALL_GATHER_FN
-    assert len(lib.fce_vp_linear_ce_workspace_size.argtypes) == 10
+    params = _header_params("fce_vp_linear_ce")
+    assert len(lib.fce_vp_linear_ce.argtypes) == len(params), params
+    callbacks = [i for i, p in enumerate(params) if p.startswith("fce_vp_all_gather_fn")]
+    assert len(callbacks) == 1, params
+    assert [i for i, t in enumerate(lib.fce_vp_linear_ce.argtypes)
+            if t is _lib.VP_ALL_GATHER_FN] == callbacks
+    assert len(lib.fce_vp_linear_ce_workspace_size.argtypes) == len(
+        _header_params("fce_vp_linear_ce_workspace_size"))
 
     # the workspace: the same for every shard up to ⌈vt / P⌉ wide; a wider one gets its own
     # minimum on the CPU backend (always gather-once) and its full-speed size on CUDA when the
