@@ -200,9 +200,3 @@ def _resolve_shift(shift, shift_seq_len, target_shape: tuple, rows: int) -> Tupl
             raise ValueError(f"shift must be in [0, {t}) (the sequence length), got {k}")
     return t, (0 if k == 1 else k)
 
-
-def _output_mask(return_z_loss, return_token_accuracy, return_predicted_tokens, return_lse):
-    """The bits of the optional outputs (z_loss 1, token_accuracy 2, predicted_tokens 4, lse 8),
-    in the order they follow the loss in the CrossEntropyOutput named tuple."""
-    return ((1 if return_z_loss else 0) | (2 if return_token_accuracy else 0)
-            | (4 if return_predicted_tokens else 0) | (8 if return_lse else 0))
