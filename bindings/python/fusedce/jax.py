@@ -90,7 +90,7 @@ from jax import lax
 
 from . import _alloc, _args, _lib
 from . import jax_ffi as _shim_build
-from ._jax_calls import (_F32, _NONE, _TARGETS, _argmax_of, _attrs, _ce_bwd_call,  # noqa: F401
+from ._jax_calls import (_F32, _TARGETS, _argmax_of, _attrs, _ce_bwd_call,  # noqa: F401
                          _ce_fwd_call, _ce_workspace, _cuda_usable, _empty, _extra_shapes,
                          _ffi_call, _linear_call, _linear_workspace, _per_platform,
                          _query_options, _scale, _sds, register, shim_path)
@@ -121,7 +121,6 @@ def _reduction(reduction: str) -> int:
 # alone takes T = target.shape[-1]; k = 1 is passed as 0 (the C default)
 _resolve_shift = _args._resolve_shift
 # the linear CE workspace budget: FUSEDCE_WORKSPACE_BYTES, else 1 GiB (as fusedce.torch)
-_parse_bytes = _alloc.parse_bytes
 _default_workspace_bytes = _alloc.default_workspace_bytes
 
 
