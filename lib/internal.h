@@ -114,6 +114,11 @@ struct CeProblem {
   uint32_t* error_flags;    // optional
   int64_t* argmax;          // optional [rows] (forward only; null for backward)
   float* accuracy;          // optional [1] (mean/sum) or [rows] (none) (forward only)
+  float* entropy;           // optional [rows] (forward only)
+  const float* grad_lse;    // optional [rows] upstream gradient of lse (forward with grad,
+                            // backward); nullptr = 0
+  const float* grad_entropy;  // optional [rows] upstream gradient of the entropy (forward with
+                              // grad); nullptr = 0
   void* workspace;          // >= the backend's workspace size, 16-byte aligned (or null if 0)
   size_t workspace_bytes;
   void* stream;
@@ -141,6 +146,9 @@ struct LinearCeProblem {
   uint32_t* error_flags;
   int64_t* argmax;            // optional [rows]
   float* accuracy;            // optional [1] (mean/sum) or [rows] (none)
+  float* entropy;             // optional [rows]
+  const float* grad_lse;      // optional [rows] (with a gradient); nullptr = 0
+  const float* grad_entropy;  // optional [rows] (with a gradient); nullptr = 0
   void* workspace;
   size_t workspace_bytes;
   void* stream;
@@ -241,6 +249,21 @@ struct VpLinearCeProblem {
   fce_vp_all_gather_fn all_gather;
   void* context;
 };
+
+// The per-row entropy output and the upstream gradients of lse and entropy (docs/semantics.md
+// rule 18), which the CUDA row kernels do not compute yet: FCE_ERROR_UNSUPPORTED naming the
+// first one given, before anything is enqueued.
+inline fce_status cuda_refuse_row_terms(const char* fn, const float* entropy,
+                                        const float* grad_lse, const float* grad_entropy) {
+  const char* name = entropy    ? "outputs->entropy"
+                     : grad_lse ? "gradients->grad_lse"
+                     : grad_entropy ? "gradients->grad_entropy"
+                                    : nullptr;
+  if (!name) return FCE_SUCCESS;
+  return fail(FCE_ERROR_UNSUPPORTED,
+              "%s: %s is not supported by the CUDA backend yet (FCE_BACKEND_CPU computes it)", fn,
+              name);
+}
 
 // ---- CPU backend (lib/cpu/) ----
 size_t cpu_ce_workspace_size(const CeOptions& opt, int64_t rows, int64_t vocab, bool backward);

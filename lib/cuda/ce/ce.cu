@@ -68,6 +68,7 @@ fce_status cuda_ce(const CeProblem& p) {
   const bool rescale = p.mode == CeMode::kRescale;
   const bool outputs = p.mode == CeMode::kForward;
   const char* fn = p.fn;
+  FCE_TRY(cuda_refuse_row_terms(fn, p.entropy, p.grad_lse, p.grad_entropy));
   const CeOptions& opt = p.opt;
 
   // ---- everything that can fail before any work is enqueued (the backward and the rescale

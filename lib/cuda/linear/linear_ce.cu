@@ -216,6 +216,7 @@ fce_status cuda_linear_ce(const LinearCeProblem& p) {
   using namespace cuda;
   using namespace cuda::linear;
   const char* fn = p.fn;
+  FCE_TRY(cuda_refuse_row_terms(fn, p.entropy, p.grad_lse, p.grad_entropy));
   const CeOptions& opt = p.opt;
   const int dtype = opt.dtype;
   if (dtype != FCE_FLOAT32 && dtype != FCE_FLOAT16 && dtype != FCE_BFLOAT16)
