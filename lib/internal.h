@@ -250,21 +250,6 @@ struct VpLinearCeProblem {
   void* context;
 };
 
-// The per-row entropy output and the upstream gradients of lse and entropy (docs/semantics.md
-// rule 18), which the CUDA row kernels do not compute yet: FCE_ERROR_UNSUPPORTED naming the
-// first one given, before anything is enqueued.
-inline fce_status cuda_refuse_row_terms(const char* fn, const float* entropy,
-                                        const float* grad_lse, const float* grad_entropy) {
-  const char* name = entropy    ? "outputs->entropy"
-                     : grad_lse ? "gradients->grad_lse"
-                     : grad_entropy ? "gradients->grad_entropy"
-                                    : nullptr;
-  if (!name) return FCE_SUCCESS;
-  return fail(FCE_ERROR_UNSUPPORTED,
-              "%s: %s is not supported by the CUDA backend yet (FCE_BACKEND_CPU computes it)", fn,
-              name);
-}
-
 // ---- CPU backend (lib/cpu/) ----
 size_t cpu_ce_workspace_size(const CeOptions& opt, int64_t rows, int64_t vocab, bool backward);
 fce_status cpu_ce(const CeProblem& p);  // by p.mode

@@ -68,7 +68,6 @@ fce_status cuda_ce(const CeProblem& p) {
   const bool rescale = p.mode == CeMode::kRescale;
   const bool outputs = p.mode == CeMode::kForward;
   const char* fn = p.fn;
-  FCE_TRY(cuda_refuse_row_terms(fn, p.entropy, p.grad_lse, p.grad_entropy));
   const CeOptions& opt = p.opt;
 
   // ---- everything that can fail before any work is enqueued (the backward and the rescale
@@ -119,6 +118,9 @@ fce_status cuda_ce(const CeProblem& p) {
   a.error_flags = p.error_flags;
   a.rescale = rescale;
   a.after_denominators = true;
+  a.entropy_out = outputs ? p.entropy : nullptr;  // (rescale: the ABI refuses these three)
+  a.grad_lse = p.grad_lse;
+  a.grad_entropy = p.grad_entropy;
   if (fce_status st = cuda::launch_ce_rows(a, stream)) return st;
 
   // ---- 3. the reduced loss, z-loss and accuracy (forward); for none the rows are the outputs
