@@ -647,28 +647,24 @@ template <class TZ, class TG, int MODE, class I>
 __device__ __forceinline__ void grad_vector_terms(const uint4& raw, I j0, bool full, bool vec_ok,
                                                   const KParams& p, const RowGrad& rg,
                                                   const RowTerms& rt, I yl, char* grow) {
-  constexpr int E = vec_elems<TZ>();
-  float g[E];
+  float g[vec_elems<TZ>()];
   unpack<TZ>(raw, g);
-  const I dyl = yl - j0;
-  const int dy = (dyl >= 0 && dyl < E) ? static_cast<int>(dyl) : -1;
-  const bool weighted = use_smooth<MODE>(p) && p.class_weights != nullptr;
 #pragma unroll
-  for (int q = 0; q < E; ++q) {
+  for (int q = 0; q < vec_elems<TZ>(); ++q) {
     float t;
     const float a = xform<MODE>(g[q], p, t);
     const float pr = prob(a, rg.m, rg.ls);
-    const I j = j0 + q;
+    const I j = j0 + q;  // (the target: j == yl, which only a column of the buffer can be)
     const bool inside = full || (j >= 0 && j < p.vocab);
-    const float b = !weighted ? rg.B
-                    : inside  ? __fmul_rn(rg.B, __ldg(p.class_weights + p.col_begin + j))
-                              : 0.f;
-    const float gl = q == dy ? grad_target<MODE>(p, rg, pr, b, t) : grad_elem<MODE>(p, rg, pr, b, t);
+    const float b = !(use_smooth<MODE>(p) && p.class_weights) ? rg.B
+                    : inside ? __fmul_rn(rg.B, __ldg(p.class_weights + p.col_begin + j))
+                             : 0.f;
+    const float gl = j == yl ? grad_target<MODE>(p, rg, pr, b, t) : grad_elem<MODE>(p, rg, pr, b, t);
     const float w = __fmaf_rn(-rt.Es, __fsub_rn(__fsub_rn(a, rg.m), rt.mum), rt.Ls);
     const float cf = use_cap<MODE>(p) ? __fmaf_rn(-t, t, 1.f) : 1.f;
     g[q] = pr == 0.f ? gl : __fmaf_rn(__fmul_rn(pr, w), cf, gl);
   }
-  store_grad<TG, E>(grow, j0, full, vec_ok, p.vocab, g);
+  store_grad<TG, vec_elems<TZ>()>(grow, j0, full, vec_ok, p.vocab, g);
 }
 
 // Ignored rows: 0; invalid rows: NaN (docs/semantics.md rules 2, 3).
