@@ -229,12 +229,13 @@ FCE_API void fce_options_default(fce_options* options);
 /* ---------------------------------------------------------------- outputs ---- */
 /* What a call writes besides the gradients, all in the backend's memory. Start from
  * FCE_OUTPUTS_INIT (every output absent); fields are only ever appended (later: per-row
- * entropy, log-probs, distillation terms), and struct_size tells the library which ones the
+ * log-probs, distillation terms), and struct_size tells the library which ones the
  * caller knows: it must be the size of some version's struct (FCE_OUTPUTS_SIZE_V1_0), and the
  * fields past it are absent (NULL).
  *
  * Which calls read it: fce_forward, fce_linear_ce, fce_vp_loss and fce_vp_linear_ce write every
- * field (loss required, the others optional); the gradient-only calls (fce_backward,
+ * field (loss required, the others optional), except entropy, which the vocabulary-parallel
+ * calls refuse (fce_vp_loss, fce_vp_linear_ce: "not supported"); the gradient-only calls (fce_backward,
  * fce_backward_rescale, fce_vp_backward, fce_vp_linear_backward) write error_flags only, and
  * refuse a structure with any other output set. The pointer itself may be NULL where no output is
  * required: for the gradient-only calls (then no error flags are written); never for the calls
@@ -260,6 +261,15 @@ typedef struct fce_outputs {
                             clears it (zero it once, read it whenever convenient). A row whose
                             target is out of range gets loss NaN and a NaN gradient row; it counts
                             1 (not its class weight) in the mean's denominator. */
+  float* entropy;        /* optional float32 [rows]: the entropy of each row's softmax over its
+                            scaled, capped logits a, H_i = lse_i - sum_j p_ij a_ij (>= 0; log V
+                            for a constant row), written for every row, ignored ones too (as
+                            lse); NaN where lse is NaN, and for a row of -inf. Computed relative
+                            to the row maximum m (with s = sum exp(a - m) and
+                            t = sum exp(a - m)(a - m): H = log s - t/s), so rows of huge
+                            magnitude are exact; -inf entries (p = 0) add nothing. Written by
+                            fce_forward and fce_linear_ce; the fce_vp_* calls refuse it. Its
+                            gradient: gradients->grad_entropy. */
 } fce_outputs;
 
 #define FCE_OUTPUTS_INIT                                          \
@@ -270,23 +280,48 @@ typedef struct fce_outputs {
     NULL,                /* z_loss: not written */                \
     NULL,                /* argmax: not computed */               \
     NULL,                /* accuracy: not computed */             \
-    NULL                 /* error_flags: not written */           \
+    NULL,                /* error_flags: not written */           \
+    NULL                 /* entropy: not computed */              \
   }
 
 /* sizeof(fce_outputs) in version 1.0 (on LP64 and LLP64 targets). */
-#define FCE_OUTPUTS_SIZE_V1_0 56
+#define FCE_OUTPUTS_SIZE_V1_0 64
 
 /* -------------------------------------------------------------- gradients ---- */
 /* The gradients a call writes and the upstream gradient it scales them by, in the backend's
- * memory. Start from FCE_GRADIENTS_INIT (nothing asked for); fields are only ever appended
- * (later: upstream gradients of the lse and of the entropy), and struct_size must be the size of
- * some version's struct (FCE_GRADIENTS_SIZE_V1_0); the fields past it are absent.
+ * memory. Start from FCE_GRADIENTS_INIT (nothing asked for); fields are only ever appended,
+ * and struct_size must be the size of some version's struct (FCE_GRADIENTS_SIZE_V1_0); the
+ * fields past it are absent.
  *
  * Which calls read which fields (a field a call does not take must be NULL, so that a gradient
  * asked for is never silently left unwritten):
  *   fce_forward, fce_backward, fce_backward_rescale, fce_vp_backward: grad_logits, grad_output;
  *   fce_linear_ce, fce_vp_linear_backward, fce_vp_linear_ce: grad_hidden, grad_weight,
- *   grad_bias, grad_output (and, for the fce_vp_linear_* calls, grad_hidden_dtype).
+ *   grad_bias, grad_output (and, for the fce_vp_linear_* calls, grad_hidden_dtype);
+ *   grad_lse: fce_forward (with grad_logits), fce_backward, fce_linear_ce (with any gradient);
+ *   grad_entropy: fce_forward (with grad_logits), fce_linear_ce (with any gradient).
+ *   The others refuse a non-NULL grad_lse / grad_entropy with a message naming the call and
+ *   the field (fce_backward refuses grad_entropy: it needs the row's mean logit, which only a
+ *   pass over the whole row makes: use fce_forward with a gradient).
+ *
+ * The differentiable lse and entropy (docs/semantics.md rule 18): the gradient these calls
+ * write is that of loss + sum_i (grad_lse_i * lse_i + grad_entropy_i * H_i), the sum over EVERY
+ * row (an ignored row has no loss term, but its lse and entropy terms flow), per element of the
+ * scaled, capped logits a_ij:
+ *   d/da_ij = (the loss term, for grad_output, as without them)
+ *           + grad_lse_i * p_ij - grad_entropy_i * p_ij * (a_ij - mu_i),  mu_i = sum_k p_ik a_ik,
+ * then times s * (1 - (a_ij / c)^2) as for the loss. token_scaling does not scale these two
+ * terms. An element with p_ij = 0 (a -inf logit) gets 0 from them. fce_linear_ce's grad_hidden,
+ * grad_weight and grad_bias follow through the logits. A row whose grad_lse_i and
+ * grad_entropy_i are both 0 gets the loss's gradient alone (an ignored row: zeros); an invalid
+ * row's gradient stays NaN. fce_backward computes p_ij from the saved lse as for the loss
+ * (rule 12). CUDA: a call with outputs->entropy, grad_lse or grad_entropy runs its rows on the
+ * two-pass kernel (each row read twice, the second read mostly from L2: slower than the one-pass
+ * loss + gradient); fce_linear_ce's vocabulary-sliced plan (a 16-bit grad_weight given less
+ * workspace than the token chunks need) refuses grad_lse and grad_entropy with
+ * FCE_ERROR_UNSUPPORTED (give optimal_bytes, or set grad_weight_fp32). Given without a gradient to add them to (fce_forward without
+ * grad_logits, fce_linear_ce without grad_hidden, grad_weight and grad_bias), they are refused.
+ *
  * The pointer itself may be NULL: no gradient (the loss only, for fce_forward, fce_linear_ce and
  * fce_vp_linear_ce); the calls that compute nothing else (fce_backward, fce_backward_rescale,
  * fce_vp_backward, fce_vp_linear_backward) refuse it ("<call>: gradients is NULL"). */
@@ -309,6 +344,12 @@ typedef struct fce_gradients {
                                float32). The other calls require FCE_FLOAT32 (the default) here:
                                their grad_hidden has options->dtype. */
   int32_t reserved0;        /* must be 0 */
+  const float* grad_lse;    /* optional float32 [rows]: the upstream gradient of each row's lse
+                               (outputs->lse), every row, ignored ones included; NULL = 0. Adds
+                               grad_lse_i * p_ij to d/da_ij. */
+  const float* grad_entropy; /* optional float32 [rows]: the upstream gradient of each row's
+                               entropy (outputs->entropy), every row; NULL = 0. Adds
+                               -grad_entropy_i * p_ij * (a_ij - mu_i) to d/da_ij. */
 } fce_gradients;
 
 #define FCE_GRADIENTS_INIT                                          \
@@ -320,11 +361,13 @@ typedef struct fce_gradients {
     NULL,                  /* grad_weight */                        \
     NULL,                  /* grad_bias */                          \
     FCE_FLOAT32,           /* grad_hidden_dtype */                  \
-    0                      /* reserved0: must be 0 */               \
+    0,                     /* reserved0: must be 0 */               \
+    NULL,                  /* grad_lse: 0 */                        \
+    NULL                   /* grad_entropy: 0 */                    \
   }
 
 /* sizeof(fce_gradients) in version 1.0 (on LP64 and LLP64 targets). */
-#define FCE_GRADIENTS_SIZE_V1_0 56
+#define FCE_GRADIENTS_SIZE_V1_0 72
 
 /* ---------------------------------------------------------- cross-entropy ---- */
 /*

@@ -348,7 +348,8 @@ fce_status read_outputs(const char* fn, const fce_outputs* outputs, OutputsUse u
                   {"lse", local->lse},
                   {"z_loss", local->z_loss},
                   {"argmax", local->argmax},
-                  {"accuracy", local->accuracy}};
+                  {"accuracy", local->accuracy},
+                  {"entropy", local->entropy}};
     for (const auto& u : unused)
       if (u.ptr)
         return fail(FCE_ERROR_INVALID_ARGUMENT,
@@ -389,6 +390,35 @@ fce_status read_gradients(const char* fn, const fce_gradients* gradients, Gradie
                 "the fce_vp_linear_* calls read it",
                 fn, local->grad_hidden_dtype);
   return FCE_SUCCESS;
+}
+
+fce_status refuse_row_grads(const char* fn, const fce_gradients& g, bool allow_lse,
+                            const char* why) {
+  const struct {
+    const char* name;
+    const void* ptr;
+  } fields[] = {{"grad_lse", allow_lse ? nullptr : g.grad_lse}, {"grad_entropy", g.grad_entropy}};
+  for (const auto& f : fields)
+    if (f.ptr)
+      return fail(FCE_ERROR_UNSUPPORTED, "%s: gradients->%s is not supported by %s%s", fn, f.name,
+                  fn, why);
+  return FCE_SUCCESS;
+}
+
+fce_status check_row_grads_have_gradient(const char* fn, const fce_gradients& g,
+                                         bool with_grad, const char* gradient_names) {
+  if (with_grad) return FCE_SUCCESS;
+  const char* name = g.grad_lse ? "grad_lse" : g.grad_entropy ? "grad_entropy" : nullptr;
+  if (!name) return FCE_SUCCESS;
+  return fail(FCE_ERROR_INVALID_ARGUMENT,
+              "%s: gradients->%s is given but %s %s NULL: no gradient to add it to", fn, name,
+              gradient_names, std::strchr(gradient_names, ',') ? "are all" : "is");
+}
+
+fce_status refuse_vp_entropy(const char* fn, const fce_outputs& out) {
+  if (!out.entropy) return FCE_SUCCESS;
+  return fail(FCE_ERROR_UNSUPPORTED,
+              "%s: outputs->entropy is not supported by the vocabulary-parallel calls", fn);
 }
 
 fce_status check_shard(const char* fn, const fce_vp_shard* shard) {

@@ -130,6 +130,7 @@ class Outputs(ctypes.Structure):
         ("argmax", ctypes.c_void_p),       # int64_t* [rows], or NULL
         ("accuracy", ctypes.c_void_p),     # float* [1] (mean/sum) or [rows] (none), or NULL
         ("error_flags", ctypes.c_void_p),  # uint32_t* [1], or NULL
+        ("entropy", ctypes.c_void_p),      # float* [rows], or NULL
     ]
 
 
@@ -146,6 +147,8 @@ class Gradients(ctypes.Structure):
         ("grad_bias", ctypes.c_void_p),
         ("grad_hidden_dtype", ctypes.c_int32),
         ("reserved0", ctypes.c_int32),
+        ("grad_lse", ctypes.c_void_p),      # const float* [rows], or NULL (= 0)
+        ("grad_entropy", ctypes.c_void_p),  # const float* [rows], or NULL (= 0)
     ]
 
 
@@ -175,8 +178,8 @@ class VpShard(ctypes.Structure):
 
 # sizeof of the versioned structs on every LP64 platform the library supports.
 FCE_OPTIONS_SIZE_V1_0 = 120
-FCE_OUTPUTS_SIZE_V1_0 = 56
-FCE_GRADIENTS_SIZE_V1_0 = 56
+FCE_OUTPUTS_SIZE_V1_0 = 64
+FCE_GRADIENTS_SIZE_V1_0 = 72
 OPTIONS_C_SIZEOF = FCE_OPTIONS_SIZE_V1_0
 assert ctypes.sizeof(Options) == OPTIONS_C_SIZEOF, ctypes.sizeof(Options)
 assert ctypes.sizeof(Outputs) == FCE_OUTPUTS_SIZE_V1_0, ctypes.sizeof(Outputs)

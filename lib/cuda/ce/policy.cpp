@@ -171,6 +171,7 @@ RowsChoice choose_rows(const DeviceProps& dev, const Knobs& knobs, const RowsSha
   out.path = q.backward ? RowsPath::kBackward : RowsPath::kTwoPass;
   out.rc = RegConfig{1, kRegThreads, 0, 0};
   out.xmbar = true;
+  if (q.row_terms) return out;  // the stream kernels: kBackward or kTwoPass
   const int64_t row = q.vocab * q.elem_bytes;
   // the two-pass rule (stream_min_row) or FCE_CUDA_CE_PATH keep the register path out
   const bool long_forward_only = !q.with_grad && row >= t.stream_min_row;
