@@ -570,7 +570,7 @@ TEST_F(EntropyRefusals, GradientOnlyCallsRefuseEntropyOutput) {
 }
 
 TEST_F(EntropyRefusals, VocabParallel) {
-  const fce_vp_shard s{1, V, 0, V};
+  fce_vp_shard s{1, V, 0, V, nullptr, nullptr};
   fce_outputs out = FCE_OUTPUTS_INIT;
   out.loss = loss.p<float>();
   out.entropy = rows2.p<float>();
@@ -593,13 +593,14 @@ TEST_F(EntropyRefusals, VocabParallel) {
     std::memcpy(recv, send, static_cast<size_t>(count) * 4);
     return FCE_SUCCESS;
   };
+  s.all_gather = gather;
   expect_refused(fce_vp_linear_ce(&o, &s, N, D, h.ptr(), W.ptr(), nullptr, y.ptr(), &out, nullptr,
-                                  gather, nullptr, ws.ptr(), ws.size(), test_stream()),
+                                  ws.ptr(), ws.size(), test_stream()),
                  FCE_ERROR_UNSUPPORTED,
                  "fce_vp_linear_ce: outputs->entropy is not supported by the vocabulary-parallel");
   out.entropy = nullptr;
   expect_refused(fce_vp_linear_ce(&o, &s, N, D, h.ptr(), W.ptr(), nullptr, y.ptr(), &out, &lg,
-                                  gather, nullptr, ws.ptr(), ws.size(), test_stream()),
+                                  ws.ptr(), ws.size(), test_stream()),
                  FCE_ERROR_UNSUPPORTED, "fce_vp_linear_ce: gradients->grad_entropy");
 }
 
