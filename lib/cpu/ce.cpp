@@ -48,9 +48,9 @@ fce_status cpu_ce(const CeProblem& p) {
   const bool forward = p.mode != CeMode::kBackward;
   try {
     // (fce_backward_rescale is given no entropy or its gradients: refused by the ABI layer)
-    const CeSetup setup = make_setup(p.opt, p.rows, p.vocab, p.targets, p.grad_output,
-                                     p.mode == CeMode::kForward && p.entropy, p.grad_lse,
-                                     p.grad_entropy);
+    const CeSetup setup =
+        make_setup(p.opt, p.rows, p.vocab, p.targets, p.grad_output,
+                   p.mode == CeMode::kForward && p.entropy, p.grad_lse, p.grad_entropy);
     if (rescale && rescale_in_place(p, setup)) return FCE_SUCCESS;
     const bool outputs = p.mode == CeMode::kForward;  // the backward calls write grad only
     RowScratch scratch(setup, p.rows);

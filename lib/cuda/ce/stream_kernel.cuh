@@ -119,8 +119,8 @@ __global__ void __launch_bounds__(BWD ? kBackwardThreads : kTwoPassThreads, BWD 
   float mum = 0.f;  // ROWT: μ − m = t/s
   if constexpr (!BWD) {
     float t_row = 0.f;
-    fin = stream_reduce<TZ, MODE, ROWT>(p, zrow, lead, nvec, c, s_warp, &s_final, want_argmax,
-                                        mine, am, &t_row);
+    fin = stream_reduce<TZ, MODE, ROWT>(p, zrow, lead, nvec, c, s_warp, &s_final, want_argmax, mine,
+                                        am, &t_row);
     vals = row_vals(p, s_info, fin);
     if constexpr (ROWT) {
       mum = __fdiv_rn(t_row, fin.s);
@@ -192,8 +192,8 @@ __global__ void __launch_bounds__(BWD ? kBackwardThreads : kTwoPassThreads, BWD 
         const int64_t j0 = int64_t(v) * E - lead;
         if (v >= nvec) continue;
         if constexpr (ROWT)
-          grad_vector_terms<TZ, TG, MODE>(buf[u], j0, is_full<int64_t, E>(j0, V), vec_ok, p, rg,
-                                          rt, yl, grow);
+          grad_vector_terms<TZ, TG, MODE>(buf[u], j0, is_full<int64_t, E>(j0, V), vec_ok, p, rg, rt,
+                                          yl, grow);
         else
           grad_vector<TZ, TG, MODE>(buf[u], j0, is_full<int64_t, E>(j0, V), vec_ok, p, rg, yl,
                                     grow);
