@@ -1,14 +1,23 @@
-"""Sharded training on CPU with gloo (2 and 4 processes), each result against the unsharded
-single-process call: DTensor weights (Replicate, Shard(0) even and uneven, the placements that
-raise), sequence parallelism (a DTensor hidden Shard(0), and
-fusedce.torch.distributed.megatron_linear_cross_entropy with sequence_parallel on and off),
-reductions mean/sum/none and ignore_index; a tiny randomly initialised Llama under FSDP2
-(fully_shard, lm_head in the root unit and as its own unit) and with a tensor-parallel lm_head
-(parallelize_module, ColwiseParallel) through fusedce.transformers.apply.
+"""Sharded training on CPU with gloo (2 and 4 processes), and on 2 GPUs with NCCL, each result
+against the unsharded single-process call on the same device: DTensor weights (Replicate,
+Shard(0) even and uneven, the placements that raise), sequence parallelism (a DTensor hidden
+Shard(0), and fusedce.torch.distributed.megatron_linear_cross_entropy with sequence_parallel on
+and off), reductions mean/sum/none and ignore_index; a tiny randomly initialised Llama under
+FSDP2 (fully_shard, lm_head in the root unit and as its own unit) and with a tensor-parallel lm_head
+(parallelize_module, ColwiseParallel) through fusedce.transformers.apply; DeepSpeed ZeRO-3
+on gloo only.
 
     FUSEDCE_LIBRARY=build/libfusedce.so python -m pytest -q bindings/python/tests/test_sharded.py
 
-Tests skip with their reason where torch, gloo, transformers or a 0.5 library is missing.
+test_nccl_sharded runs the same cases (not ZeRO-3) in 2 processes, rank r on cuda:r with NCCL
+(NCCL_NVLS_ENABLE=0; float32 GEMMs without TF32 in torch's references), on a machine with at
+least 2 GPUs and a library built with the CUDA backend:
+
+    FUSEDCE_LIBRARY=<cuda build>/libfusedce.so PYTHONPATH=bindings/python python3 -m pytest -q bindings/python/tests/test_sharded.py
+
+Tests skip with their reason where torch, gloo, NCCL, 2 GPUs, transformers or a 0.5 library is
+missing. Each test asserts the number of comparisons every case made, so that none passes
+without running.
 """
 
 import datetime
@@ -51,7 +60,12 @@ def _tol(dtype):
     return 2e-5 if dtype == torch.float32 else 1.5e-2
 
 
+_COMPARED = {}  # case name -> the number of _close calls it made (in this process)
+_CASE = [None]
+
+
 def _close(actual, expected, dtype, what):
+    _COMPARED[_CASE[0]] = _COMPARED.get(_CASE[0], 0) + 1
     tol = _tol(dtype)
     actual, expected = actual.detach().float(), expected.detach().float()
     scale = float(expected.abs().max()) if expected.numel() else 1.0
@@ -67,14 +81,14 @@ def _same_on_every_rank(t, group=None):
         assert torch.equal(p, parts[0]), "the loss differs between ranks"
 
 
-def _problem(n, d, vocab, dtype, seed, ignore_index=-100):
+def _problem(n, d, vocab, dtype, seed, dev, ignore_index=-100):
     gen = torch.Generator().manual_seed(seed)
     h = torch.randn(n, d, generator=gen).to(dtype)
     w = (torch.randn(vocab, d, generator=gen) * 0.3).to(dtype)
     y = torch.randint(0, vocab, (n,), generator=gen)
     y[1] = y[n // 2] = ignore_index
     up = torch.randn(n, generator=gen)
-    return h, w, y, up
+    return h.to(dev), w.to(dev), y.to(dev), up.to(dev)
 
 
 def _reference(h, w, y, reduction, up, ignore_index=-100, bias=None):
@@ -95,18 +109,18 @@ def _upstream(loss, reduction, up):
 
 
 # ================================================================= DTensor weights ====
-def _cases_dtensor(rank, world):
+def _cases_dtensor(rank, world, dev):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
     from fusedce.torch import linear_cross_entropy
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(dev.type, (world,))
     d = 16
     for vocab in (8 * world, 8 * world + 3):  # even, and DTensor's uneven split (⌈V/P⌉ rows)
         for reduction in ("mean", "sum", "none"):
             for dtype in (torch.float32, torch.bfloat16):
-                h, w, y, up = _problem(12, d, vocab, dtype, seed=vocab)
+                h, w, y, up = _problem(12, d, vocab, dtype, seed=vocab, dev=dev)
                 bias = (torch.randn(vocab, generator=torch.Generator().manual_seed(5)) * 0.2
-                        ).to(dtype) if reduction == "sum" else None
+                        ).to(dev, dtype) if reduction == "sum" else None
                 ref, gh_ref, gw_ref, gb_ref, f64 = _reference(h, w, y, reduction, up, bias=bias)
                 wd = distribute_tensor(w, mesh, [Shard(0)]).requires_grad_()
                 bd = (distribute_tensor(bias, mesh, [Shard(0)]).requires_grad_()
@@ -128,8 +142,8 @@ def _cases_dtensor(rank, world):
                     assert isinstance(bd.grad, DTensor) and bd.grad.placements == (Shard(0),)
                     _close(bd.grad.full_tensor(), gb_ref, dtype, "grad_bias " + what)
     # Replicate: the local (whole) weight; each rank its own tokens; ∂W a Replicate DTensor
-    h, _, y, up = _problem(10, d, 40, torch.float32, seed=100 + rank)
-    w = _problem(10, d, 40, torch.float32, seed=100)[1]  # (distribute_tensor: rank 0's)
+    h, _, y, up = _problem(10, d, 40, torch.float32, seed=100 + rank, dev=dev)
+    w = _problem(10, d, 40, torch.float32, seed=100, dev=dev)[1]  # (distribute_tensor: rank 0's)
     ref, gh_ref, gw_ref, _, _ = _reference(h, w, y, "mean", up)
     wd = distribute_tensor(w, mesh, [Replicate()]).requires_grad_()
     hh = h.clone().requires_grad_()
@@ -142,7 +156,7 @@ def _cases_dtensor(rank, world):
     # a DTensor hidden sharded over its rows (sequence parallelism) and a replicated one
     for placement in (Shard(0), Replicate()):
         for reduction in ("mean", "none"):
-            h, w, y, up = _problem(6 * world, d, 8 * world + 1, torch.float32, seed=7)
+            h, w, y, up = _problem(6 * world, d, 8 * world + 1, torch.float32, seed=7, dev=dev)
             ref, gh_ref, gw_ref, _, _ = _reference(h, w, y, reduction, up)
             wd = distribute_tensor(w, mesh, [Shard(0)]).requires_grad_()
             hd = distribute_tensor(h, mesh, [placement]).requires_grad_()
@@ -155,17 +169,17 @@ def _cases_dtensor(rank, world):
             _close(hd.grad.full_tensor(), gh_ref, torch.float32, "grad_hidden " + what)
             _close(wd.grad.full_tensor(), gw_ref, torch.float32, "grad_weight " + what)
     # placements that raise (every rank alike): Shard(1), an empty shard
-    h, w, y, _ = _problem(4, d, 8 * world, torch.float32, seed=9)
+    h, w, y, _ = _problem(4, d, 8 * world, torch.float32, seed=9, dev=dev)
     with pytest.raises(ValueError, match="Shard\\(dim=1\\)"):
         linear_cross_entropy(h, distribute_tensor(w, mesh, [Shard(1)]), y)
     vocab = world + 1 if world > 2 else 1  # ⌈V/P⌉ rows per rank leave the last one none
-    _, w, y, _ = _problem(4, d, vocab, torch.float32, seed=9)
+    _, w, y, _ = _problem(4, d, vocab, torch.float32, seed=9, dev=dev)
     with pytest.raises(ValueError, match="no class"):
         linear_cross_entropy(h, distribute_tensor(w, mesh, [Shard(0)]), y % vocab)
 
 
 # ======================================================= Megatron's fused linear CE ====
-def _cases_megatron(rank, world):
+def _cases_megatron(rank, world, dev):
     from fusedce.torch.distributed import megatron_linear_cross_entropy as mlce
     group = dist.group.WORLD
     s, b, d = 4 * world, 3, 16
@@ -175,7 +189,8 @@ def _cases_megatron(rank, world):
         for reduction in ("mean", "sum", "none"):
             for ignore_index in (-100, 5):
                 for dtype in (torch.float32, torch.bfloat16):
-                    h, w, y, up = _problem(s * b, d, vocab, dtype, seed=31, ignore_index=ignore_index)
+                    h, w, y, up = _problem(s * b, d, vocab, dtype, seed=31, dev=dev,
+                                           ignore_index=ignore_index)
                     ref, gh_ref, gw_ref, _, f64 = _reference(h, w, y, reduction, up, ignore_index)
                     h3 = h.reshape(s, b, d)  # Megatron's [s, b, h]; labels [s, b]
                     if sp:
@@ -200,7 +215,7 @@ def _cases_megatron(rank, world):
                     _close(ws.grad, gw_ref[rank * local:(rank + 1) * local], dtype,
                            "grad_weight " + what)
     # tp_group None: the plain call on this rank's own tokens
-    h, w, y, up = _problem(10, d, 30, torch.float32, seed=50 + rank)
+    h, w, y, up = _problem(10, d, 30, torch.float32, seed=50 + rank, dev=dev)
     ref, gh_ref, gw_ref, _, _ = _reference(h, w, y, "sum", up)
     hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
     loss = mlce(hh, ww, y, None, "sum")
@@ -210,7 +225,7 @@ def _cases_megatron(rank, world):
     _close(ww.grad, gw_ref, torch.float32, "megatron tp_group=None grad_weight")
     # evaluation (no gradient) with sequence parallelism: the gather alone
     with torch.no_grad():
-        h, w, y, _ = _problem(2 * world, d, vocab, torch.float32, seed=60)
+        h, w, y, _ = _problem(2 * world, d, vocab, torch.float32, seed=60, dev=dev)
         ref = mlce(h, w, y, None, "none")
         loss = mlce(h[2 * rank:2 * rank + 2], w[rank * local:(rank + 1) * local], y, group,
                     "none", -100, True)
@@ -245,17 +260,17 @@ def _batches(world, steps, seed=0, b=2, t=10, vocab=96):
     return out
 
 
-def _reference_steps(world, batches, averaged):
+def _reference_steps(world, batches, averaged, dev):
     """Each step's per-rank losses and the parameters' gradients of the unsharded model with
     transformers' own loss (averaged over the ranks' batches, as FSDP reduce-scatters them)."""
-    model = _tiny_llama()
+    model = _tiny_llama().to(dev)
     model.train()
     result = []
     for step in batches:
         model.zero_grad(set_to_none=True)
         losses = []
         for ids, labels in (step if averaged else step[:1]):
-            loss = model(input_ids=ids, labels=labels).loss
+            loss = model(input_ids=ids.to(dev), labels=labels.to(dev)).loss
             (loss / (world if averaged else 1)).backward()
             losses.append(loss.detach())
         result.append((losses, {n: p.grad.clone() for n, p in model.named_parameters()}))
@@ -267,15 +282,15 @@ def _full(g):
     return g.full_tensor() if isinstance(g, DTensor) else g
 
 
-def _cases_fsdp(rank, world):
+def _cases_fsdp(rank, world, dev):
     import fusedce.transformers as fh
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(dev.type, (world,))
     batches = _batches(world, steps=2)
-    ref = _reference_steps(world, batches, averaged=True)
+    ref = _reference_steps(world, batches, averaged=True, dev=dev)
     for own_unit in (True, False):
-        model = _tiny_llama()
+        model = _tiny_llama().to(dev)
         fh.apply(model)
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
@@ -289,7 +304,7 @@ def _cases_fsdp(rank, world):
         model.train()
         for (ids, labels), (losses, grads) in zip((s[rank] for s in batches), ref):
             model.zero_grad(set_to_none=True)
-            out = model(input_ids=ids, labels=labels)
+            out = model(input_ids=ids.to(dev), labels=labels.to(dev))
             assert out.logits is None, "the fused path"
             out.loss.backward()
             what = f"FSDP2 lm_head own unit={own_unit} P={world}"
@@ -300,25 +315,25 @@ def _cases_fsdp(rank, world):
         # evaluation (no labels): the original forward, the logits through FSDP's hooks
         model.eval()
         with torch.no_grad():
-            logits = model(input_ids=batches[0][rank][0]).logits
+            logits = model(input_ids=batches[0][rank][0].to(dev)).logits
         assert logits.shape == (2, 10, 96)
 
 
-def _cases_tp(rank, world):
+def _cases_tp(rank, world, dev):
     import fusedce.transformers as fh
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(dev.type, (world,))
     batches = _batches(world, steps=1, seed=3)
-    ref = _reference_steps(world, batches, averaged=False)  # every rank the same tokens
-    model = _tiny_llama()
+    ref = _reference_steps(world, batches, averaged=False, dev=dev)  # every rank the same tokens
+    model = _tiny_llama().to(dev)
     parallelize_module(model, mesh, {"lm_head": ColwiseParallel()})
     assert isinstance(model.lm_head.weight, DTensor)
     fh.apply(model)
     model.train()
     ids, labels = batches[0][0]
-    out = model(input_ids=ids, labels=labels)
+    out = model(input_ids=ids.to(dev), labels=labels.to(dev))
     assert out.logits is None, "the fused path"
     _same_on_every_rank(out.loss)
     out.loss.backward()
@@ -358,7 +373,7 @@ def _zero3_losses(rank, patched, steps=3):
     return torch.stack(losses)
 
 
-def _cases_zero3(rank, world):
+def _cases_zero3(rank, world, dev):
     import deepspeed
     deepspeed.init_distributed(dist_backend="gloo")
     plain = _zero3_losses(rank, patched=False)
@@ -370,28 +385,60 @@ CASES = {"dtensor": _cases_dtensor, "megatron": _cases_megatron, "fsdp": _cases_
          "tp": _cases_tp, "zero3": _cases_zero3}
 
 
-def _worker(rank, world, init_file, cases):
+# _close calls per case (the same for every world size and device): a case that ran fewer did
+# not run all of its comparisons
+EXPECTED = {"dtensor": 61, "megatron": 88, "fsdp": 88, "tp": 22, "zero3": 1}
+
+
+def _worker(rank, world, init_file, cases, backend, out_dir):
+    import json
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
-    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank,
+    if backend == "nccl":
+        os.environ["NCCL_NVLS_ENABLE"] = "0"
+        torch.cuda.set_device(rank)
+        dev = torch.device("cuda", rank)
+        # torch's float32 GEMMs (the references, transformers' loss, the model) in full float32,
+        # as fusedce's own (never TF32): the float32 bound stays 2e-5
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    else:
+        dev = torch.device("cpu")
+    dist.init_process_group(backend, init_method="file://" + init_file, rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=300))
     try:
         for name in cases:
-            CASES[name](rank, world)
+            _CASE[0] = name
+            CASES[name](rank, world, dev)
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    with open(os.path.join(out_dir, f"compared-{rank}.json"), "w") as f:
+        json.dump({"device": str(dev), "compared": _COMPARED}, f)
 
 
-def _spawn(world, cases, tmp_path, monkeypatch):
+def _spawn(world, cases, tmp_path, monkeypatch, backend="gloo"):
+    """Runs `cases` in `world` processes; asserts that every rank made each case's comparisons."""
+    import json
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("OPENBLAS_NUM_THREADS", "1")
-    init_file = str(tmp_path / f"store-{world}-{'-'.join(cases)}")
+    if backend == "nccl":
+        monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
+    init_file = str(tmp_path / f"store-{backend}-{world}-{'-'.join(cases)}")
+    out_dir = tmp_path / f"out-{backend}-{world}"
+    out_dir.mkdir()
     if os.path.dirname(__file__) not in sys.path:  # the workers import this module
         sys.path.insert(0, os.path.dirname(__file__))
     import torch.multiprocessing as mp
-    mp.start_processes(_worker, args=(world, init_file, tuple(cases)), nprocs=world, join=True,
-                       start_method="spawn")
+    mp.start_processes(_worker, args=(world, init_file, tuple(cases), backend, str(out_dir)),
+                       nprocs=world, join=True, start_method="spawn")
+    for rank in range(world):
+        path = out_dir / f"compared-{rank}.json"
+        assert path.exists(), f"rank {rank} wrote no counts"
+        got = json.loads(path.read_text())
+        want_dev = f"cuda:{rank}" if backend == "nccl" else "cpu"
+        assert got["device"] == want_dev, got
+        assert got["compared"] == {c: EXPECTED[c] for c in cases}, f"rank {rank}: {got}"
 
 
 @needs_vp_linear_ce
@@ -404,6 +451,36 @@ def test_gloo_sharded(world, tmp_path, monkeypatch):
     importing torch costs seconds): a failure names its case."""
     cases = ("dtensor", "megatron") + (("fsdp", "tp") if HAS_HF else ())
     _spawn(world, cases, tmp_path, monkeypatch)
+
+
+def _nccl_skip_reason():
+    if torch is None or not dist.is_available():
+        return "torch.distributed is not available"
+    if not dist.is_nccl_available():
+        return "torch.distributed has no NCCL backend"
+    count = torch.cuda.device_count()
+    if count < 2:
+        return f"needs 2 CUDA GPUs, {count} visible"
+    try:
+        if not _lib.cuda_available():
+            return ("the loaded libfusedce has no usable CUDA backend "
+                    "(FUSEDCE_LIBRARY=<cuda build>/libfusedce.so)")
+    except Exception as e:  # pragma: no cover - depends on the environment
+        return f"libfusedce did not load: {e}"
+    return None
+
+
+_NCCL_SKIP = _nccl_skip_reason()
+
+
+@needs_vp_linear_ce
+@pytest.mark.skipif(_NCCL_SKIP is not None, reason=str(_NCCL_SKIP))
+def test_nccl_sharded(tmp_path, monkeypatch):
+    """The cases of test_gloo_sharded on 2 GPUs with NCCL, rank r on cuda:r (NCCL_NVLS_ENABLE=0),
+    each against the unsharded call on the same GPU, with the same bounds (float32: 2e-5, torch's
+    float32 GEMMs without TF32; bf16: 1.5e-2)."""
+    cases = ("dtensor", "megatron") + (("fsdp", "tp") if HAS_HF else ())
+    _spawn(2, cases, tmp_path, monkeypatch, backend="nccl")
 
 
 def _has_deepspeed():
