@@ -461,9 +461,10 @@ FCE_API fce_status fce_backward_rescale(const fce_options* options, int64_t rows
  * exist whole only when the caller's workspace holds all N×V of them. On CUDA the plan follows
  * from the sizes, the options, the gradients asked for and workspace_bytes (dev/NOTES.md):
  *   - token chunks (6·N·D·V FLOPs): a float32 grad_weight (or none) accumulates over any number
- *     of chunks; a 16-bit grad_weight accumulates in place over at most 4 chunks (one rounding
- *     per chunk: measured within 2× torch eager's error against float64), one chunk = one
- *     rounding;
+ *     of chunks; a 16-bit grad_weight accumulates in place over at most k = min(64, max(1, 3·V/N))
+ *     chunks, one rounding per chunk (bench/accuracy_dw.py --study: within 2× torch eager's
+ *     error against float64 at every measured shape with k·N/V ≤ 3, in relative Frobenius norm
+ *     and in max-abs over max |reference|; docs/performance.md);
  *   - otherwise, for a 16-bit grad_weight, vocabulary slices (8·N·D·V): a pass over token chunks
  *     for the loss and lse, then per slice of columns the logits of all rows, their gradient,
  *     grad_weight of the slice in one product over all rows (one rounding), and grad_hidden
@@ -663,7 +664,8 @@ FCE_API fce_status fce_vp_linear_backward(const fce_options* options,
  *   - token chunks (with a gradient, when workspace_bytes holds the full-speed chunk of a shard
  *     ⌈vocab_total / ranks⌉ wide: optimal_bytes): per chunk as above, 6·N·D·vocab_local FLOPs;
  *     grad_weight accumulates over the chunks as fce_linear_ce's token-chunk plans do (a 16-bit
- *     one in place over at most 4 chunks; a float32 one over any number);
+ *     one in place over at most min(64, max(1, 3·W/N)) chunks, W = ⌈vocab_total / ranks⌉;
+ *     a float32 one over any number);
  *   - gather-once (no gradient, or a smaller workspace, down to min_bytes): fce_vp_linear_stats
  *     for all rows, ONE all-gather, fce_vp_loss, then fce_vp_linear_backward (8·N·D·vocab_local).
  * The CPU backend always runs the gather-once plan.
