@@ -51,10 +51,13 @@ class Fused:
 
     def __call__(self):
         N, D, V, h, W, y = self.args
+        out = _lib.outputs(loss=self.loss.data_ptr())
+        grads = _lib.gradients(grad_hidden=self.dh.data_ptr() if self.dh is not None else None,
+                               grad_weight=self.dW.data_ptr() if self.dW is not None else None)
         _lib.check(_lib.load().fce_linear_ce(
-            ctypes.byref(self.o), N, D, V, ptr(h), ptr(W), None, ptr(y), ptr(self.loss), None, None,
-            ptr(self.dh), ptr(self.dW), None, None, None, ptr(self.ws), self.ws_bytes, stream()),
-            "fce_linear_ce")
+            ctypes.byref(self.o), N, D, V, ptr(h), ptr(W), None, ptr(y), ctypes.byref(out),
+            ctypes.byref(grads) if self.dh is not None else None, ptr(self.ws), self.ws_bytes,
+            stream()), "fce_linear_ce")
 
 
 def products(h, W):

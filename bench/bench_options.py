@@ -41,22 +41,24 @@ def run_shape(lib, N, V, dt, copy, records):
 
     for name, fields, with_grad in VARIANTS:
         o = options(dtype)
+        out = _lib.outputs(loss=loss.data_ptr(), lse=lse.data_ptr())
         for k, v in fields.items():
             if k == "argmax":
-                o.argmax = am.data_ptr()
+                out.argmax = am.data_ptr()
             elif k == "accuracy":
-                o.accuracy = acc.data_ptr()
+                out.accuracy = acc.data_ptr()
             else:
                 setattr(o, k, v)
         ws = ctypes.c_size_t()
         _lib.check(lib.fce_forward_workspace_size(ctypes.byref(o), N, V, ctypes.byref(ws)),
                    "fce_forward_workspace_size")
         w = torch.empty(max(ws.value, 16), dtype=torch.uint8, device="cuda")
-        gp = ptr(grad) if with_grad else None
+        grads = _lib.gradients(grad_logits=grad.data_ptr()) if with_grad else None
 
-        def f(o=o, w=w, n=ws.value, gp=gp):
-            return lib.fce_forward(ctypes.byref(o), N, V, ptr(z), ptr(y), ptr(loss), ptr(lse), None,
-                                   gp, None, None, ptr(w), n, stream())
+        def f(o=o, out=out, grads=grads, w=w, n=ws.value):
+            return lib.fce_forward(ctypes.byref(o), N, V, ptr(z), ptr(y), ctypes.byref(out),
+                                   ctypes.byref(grads) if grads is not None else None,
+                                   ptr(w), n, stream())
         _lib.check(f(), "fce_forward")
         rec(name, harness.time_graph_ms(f), N * V * e * (2 if with_grad else 1))
     o = options(dtype)
@@ -65,9 +67,11 @@ def run_shape(lib, N, V, dt, copy, records):
                "fce_backward_workspace_size")
     w = torch.empty(max(ws.value, 16), dtype=torch.uint8, device="cuda")
 
+    bgrads = _lib.gradients(grad_logits=grad.data_ptr())
+
     def b():
-        return lib.fce_backward(ctypes.byref(o), N, V, ptr(z), ptr(y), ptr(lse), None, ptr(grad), None,
-                                ptr(w), ws.value, stream())
+        return lib.fce_backward(ctypes.byref(o), N, V, ptr(z), ptr(y), ptr(lse), None,
+                                ctypes.byref(bgrads), ptr(w), ws.value, stream())
     _lib.check(b(), "fce_backward")
     rec("backward", harness.time_graph_ms(b), 2 * N * V * e)
     del z, grad, w

@@ -35,7 +35,10 @@ RESULTS = os.path.join(HERE, "results")
 SCHEMA = "fusedce-bench/1"
 FLUSH_BYTES = 256 << 20
 
-sys.path.insert(0, os.path.join(ROOT, "bindings", "python"))
+# this checkout's binding, unless PYTHONPATH names another fusedce (dev/before_after.sh)
+if not any(os.path.isdir(os.path.join(p, "fusedce"))
+           for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p):
+    sys.path.insert(0, os.path.join(ROOT, "bindings", "python"))
 
 
 # ------------------------------------------------------------------------ the device ----
@@ -307,14 +310,17 @@ def ce_calls(z, y, grad):
     lse = torch.empty(N, device="cuda")
     lib = _lib.load()
     args = (ctypes.byref(o), N, V, ptr(z), ptr(y))
+    out_loss = _lib.outputs(loss=loss.data_ptr())
+    out_lse = _lib.outputs(loss=loss.data_ptr(), lse=lse.data_ptr())
+    grads = _lib.gradients(grad_logits=grad.data_ptr())
 
     def forward():
-        lib.fce_forward(*args, ptr(loss), None, None, None, None, None, ptr(ws), ws_bytes.value, stream())
+        lib.fce_forward(*args, ctypes.byref(out_loss), None, ptr(ws), ws_bytes.value, stream())
 
     def forward_grad():
-        lib.fce_forward(*args, ptr(loss), ptr(lse), None, ptr(grad), None, None, ptr(ws),
+        lib.fce_forward(*args, ctypes.byref(out_lse), ctypes.byref(grads), ptr(ws),
                         ws_bytes.value, stream())
 
-    _lib.check(lib.fce_forward(*args, ptr(loss), ptr(lse), None, ptr(grad), None, None, ptr(ws),
+    _lib.check(lib.fce_forward(*args, ctypes.byref(out_lse), ctypes.byref(grads), ptr(ws),
                                ws_bytes.value, stream()), "fce_forward")
     return forward, forward_grad, ws_bytes.value / 2 ** 20

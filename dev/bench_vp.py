@@ -49,7 +49,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "bindings", "python"))
 from fusedce import _lib  # noqa: E402
-from fusedce import _torch_calls as _tc  # noqa: E402
+from fusedce import _alloc  # noqa: E402
 import fusedce.torch as fce_torch  # noqa: E402
 from fusedce.vocab_parallel import VP_STATS, shard_range  # noqa: E402
 
@@ -379,7 +379,7 @@ def bench_linear(ctx, N, D, V, dtn, ranks, budget, check):
     # fce_linear_ce: loss + dh + dW, the workspace fusedce.torch picks, then the optimal one
     o = ctx.options(dt, hidden_row_stride=D)
     lo, hi = pair_query("fce_linear_ce_workspace_size", ctypes.byref(o), N, D, V, 1)
-    ws_torch = max(lo, min(hi, max(0, budget - 16 * N - 4096)))  # _torch_calls.linear_ce's rule
+    ws_torch = max(lo, min(hi, max(0, budget - 16 * N - 4096)))  # fusedce/torch/_calls.py linear_ce's rule
     loss = torch.empty(1, device=ctx.dev)
     lse = torch.empty(N, device=ctx.dev)
     dh = torch.empty(N, D, dtype=dt, device=ctx.dev)
@@ -526,7 +526,8 @@ def main():
     ctx = Ctx(cuda, args.reps or (3 if smoke and not cuda else 0), 100.0)
     dev = torch.cuda.get_device_name().replace(" ", "-") if cuda else f"cpu-{platform.machine()}"
     ranks = [int(r) for r in args.ranks.split(",")]
-    budget = (_tc.parse_bytes(args.workspace) if args.workspace else _tc.default_workspace_bytes())
+    budget = (_alloc.parse_bytes(args.workspace) if args.workspace
+              else _alloc.default_workspace_bytes())
     ce_shapes = (parse_shapes(args.ce_shapes, 2) if args.ce_shapes
                  else SMOKE_CE_SHAPES if smoke else CE_SHAPES)
     lin_shapes = (parse_shapes(args.linear_shapes, 3) if args.linear_shapes

@@ -30,8 +30,8 @@ import triton.testing
 
 import fusedce.torch as ft
 from fusedce import _lib
-from fusedce import _torch_calls as tc
-from fusedce._torch_ops import _opts
+from fusedce.torch import _calls as tc
+from fusedce._options import CEOptions
 
 try:
     import fusedce_prev.torch as ft_prev
@@ -47,8 +47,8 @@ REDUCTION = os.environ.get("REDUCTION", "mean")
 def floor_function(n, v):
     """The minimal Function for bf16 [n, v] logits, int64 targets, mean over rows."""
     lib = _lib.load()
-    opts = _opts(-100, 0, 0.0, 0.0, 0.0, 1.0, 0, 0, False)
-    _, o = tc.options(_lib.FCE_BACKEND_CUDA, _lib.FCE_BFLOAT16, _lib.FCE_INT64, *opts)
+    opts = CEOptions()
+    _, o = tc.options(_lib.FCE_BACKEND_CUDA, _lib.FCE_BFLOAT16, _lib.FCE_INT64, opts)
     o.class_weights, o.row_stride, o.grad_row_stride = None, v, v
     size = ctypes.c_size_t()
     lib.fce_forward_workspace_size(ctypes.byref(o), n, v, ctypes.byref(size))

@@ -3,7 +3,7 @@
 Each part is timed as enqueue time with the GPU idle at its start (a synchronize before every
 iteration, outside the timed span), median of ITERS iterations, so that neither a full launch
 queue nor a busy GPU enters the number; then cProfile of the whole loss + backward (sorted by
-own time). Parts: the C calls through ctypes (_torch_calls.ce_forward / ce_backward), a Python
+own time). Parts: the C calls through ctypes (fusedce/torch/_calls.py: ce_forward / ce_backward), a Python
 autograd.Function that does nothing, fusedce's loss alone (the graph built), loss + backward,
 and torch eager's loss + backward, at each shape given.
     FUSEDCE_LIBRARY=build/libfusedce.so PYTHONPATH=bindings/python \
@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 import fusedce.torch as ft
-from fusedce import _torch_calls as tc
-from fusedce._torch_ops import _opts
+from fusedce.torch import _calls as tc
+from fusedce._options import CEOptions
 
 ITERS = int(os.environ.get("ITERS", "300"))
 # BUSY=1: each timed iteration starts with the GPU busy (a ~2 ms spin kernel enqueued after
@@ -60,7 +60,7 @@ def main():
         n, v = (int(s) for s in shape.split("x"))
         z = (torch.randn(n, v, device="cuda") * 4).to(torch.bfloat16).requires_grad_()
         y = torch.randint(0, v, (n,), device="cuda")
-        opts = _opts(-100, 0, 0.0, 0.0, 0.0, 1.0, 0, 0, False)
+        opts = CEOptions()
         grad = torch.empty_like(z)
         one = torch.ones((), device="cuda")
         _, lse, *_ = tc.ce_forward(z.detach(), y, None, opts, grad=grad)

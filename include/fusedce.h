@@ -229,12 +229,13 @@ FCE_API void fce_options_default(fce_options* options);
 /* ---------------------------------------------------------------- outputs ---- */
 /* What a call writes besides the gradients, all in the backend's memory. Start from
  * FCE_OUTPUTS_INIT (every output absent); fields are only ever appended (later: per-row
- * entropy, log-probs, distillation terms), and struct_size tells the library which ones the
+ * log-probs, distillation terms), and struct_size tells the library which ones the
  * caller knows: it must be the size of some version's struct (FCE_OUTPUTS_SIZE_V1_0), and the
  * fields past it are absent (NULL).
  *
  * Which calls read it: fce_forward, fce_linear_ce, fce_vp_loss and fce_vp_linear_ce write every
- * field (loss required, the others optional); the gradient-only calls (fce_backward,
+ * field (loss required, the others optional), except entropy, which the vocabulary-parallel
+ * calls refuse (fce_vp_loss, fce_vp_linear_ce: "not supported"); the gradient-only calls (fce_backward,
  * fce_backward_rescale, fce_vp_backward, fce_vp_linear_backward) write error_flags only, and
  * refuse a structure with any other output set. The pointer itself may be NULL where no output is
  * required: for the gradient-only calls (then no error flags are written); never for the calls
@@ -260,6 +261,15 @@ typedef struct fce_outputs {
                             clears it (zero it once, read it whenever convenient). A row whose
                             target is out of range gets loss NaN and a NaN gradient row; it counts
                             1 (not its class weight) in the mean's denominator. */
+  float* entropy;        /* optional float32 [rows]: the entropy of each row's softmax over its
+                            scaled, capped logits a, H_i = lse_i - sum_j p_ij a_ij (>= 0; log V
+                            for a constant row), written for every row, ignored ones too (as
+                            lse); NaN where lse is NaN, and for a row of -inf. Computed relative
+                            to the row maximum m (with s = sum exp(a - m) and
+                            t = sum exp(a - m)(a - m): H = log s - t/s), so rows of huge
+                            magnitude are exact; -inf entries (p = 0) add nothing. Written by
+                            fce_forward and fce_linear_ce; the fce_vp_* calls refuse it. Its
+                            gradient: gradients->grad_entropy. */
 } fce_outputs;
 
 #define FCE_OUTPUTS_INIT                                          \
@@ -270,23 +280,48 @@ typedef struct fce_outputs {
     NULL,                /* z_loss: not written */                \
     NULL,                /* argmax: not computed */               \
     NULL,                /* accuracy: not computed */             \
-    NULL                 /* error_flags: not written */           \
+    NULL,                /* error_flags: not written */           \
+    NULL                 /* entropy: not computed */              \
   }
 
 /* sizeof(fce_outputs) in version 1.0 (on LP64 and LLP64 targets). */
-#define FCE_OUTPUTS_SIZE_V1_0 56
+#define FCE_OUTPUTS_SIZE_V1_0 64
 
 /* -------------------------------------------------------------- gradients ---- */
 /* The gradients a call writes and the upstream gradient it scales them by, in the backend's
- * memory. Start from FCE_GRADIENTS_INIT (nothing asked for); fields are only ever appended
- * (later: upstream gradients of the lse and of the entropy), and struct_size must be the size of
- * some version's struct (FCE_GRADIENTS_SIZE_V1_0); the fields past it are absent.
+ * memory. Start from FCE_GRADIENTS_INIT (nothing asked for); fields are only ever appended,
+ * and struct_size must be the size of some version's struct (FCE_GRADIENTS_SIZE_V1_0); the
+ * fields past it are absent.
  *
  * Which calls read which fields (a field a call does not take must be NULL, so that a gradient
  * asked for is never silently left unwritten):
  *   fce_forward, fce_backward, fce_backward_rescale, fce_vp_backward: grad_logits, grad_output;
  *   fce_linear_ce, fce_vp_linear_backward, fce_vp_linear_ce: grad_hidden, grad_weight,
- *   grad_bias, grad_output (and, for the fce_vp_linear_* calls, grad_hidden_dtype).
+ *   grad_bias, grad_output (and, for the fce_vp_linear_* calls, grad_hidden_dtype);
+ *   grad_lse: fce_forward (with grad_logits), fce_backward, fce_linear_ce (with any gradient);
+ *   grad_entropy: fce_forward (with grad_logits), fce_linear_ce (with any gradient).
+ *   The others refuse a non-NULL grad_lse / grad_entropy with a message naming the call and
+ *   the field (fce_backward refuses grad_entropy: it needs the row's mean logit, which only a
+ *   pass over the whole row makes: use fce_forward with a gradient).
+ *
+ * The differentiable lse and entropy (docs/semantics.md rule 18): the gradient these calls
+ * write is that of loss + sum_i (grad_lse_i * lse_i + grad_entropy_i * H_i), the sum over EVERY
+ * row (an ignored row has no loss term, but its lse and entropy terms flow), per element of the
+ * scaled, capped logits a_ij:
+ *   d/da_ij = (the loss term, for grad_output, as without them)
+ *           + grad_lse_i * p_ij - grad_entropy_i * p_ij * (a_ij - mu_i),  mu_i = sum_k p_ik a_ik,
+ * then times s * (1 - (a_ij / c)^2) as for the loss. token_scaling does not scale these two
+ * terms. An element with p_ij = 0 (a -inf logit) gets 0 from them. fce_linear_ce's grad_hidden,
+ * grad_weight and grad_bias follow through the logits. A row whose grad_lse_i and
+ * grad_entropy_i are both 0 gets the loss's gradient alone (an ignored row: zeros); an invalid
+ * row's gradient stays NaN. fce_backward computes p_ij from the saved lse as for the loss
+ * (rule 12). CUDA: a call with outputs->entropy, grad_lse or grad_entropy runs its rows on the
+ * two-pass kernel (each row read twice, the second read mostly from L2: slower than the one-pass
+ * loss + gradient); fce_linear_ce's vocabulary-sliced plan (a 16-bit grad_weight given less
+ * workspace than the token chunks need) refuses grad_lse and grad_entropy with
+ * FCE_ERROR_UNSUPPORTED (give optimal_bytes, or set grad_weight_fp32). Given without a gradient to add them to (fce_forward without
+ * grad_logits, fce_linear_ce without grad_hidden, grad_weight and grad_bias), they are refused.
+ *
  * The pointer itself may be NULL: no gradient (the loss only, for fce_forward, fce_linear_ce and
  * fce_vp_linear_ce); the calls that compute nothing else (fce_backward, fce_backward_rescale,
  * fce_vp_backward, fce_vp_linear_backward) refuse it ("<call>: gradients is NULL"). */
@@ -309,6 +344,12 @@ typedef struct fce_gradients {
                                float32). The other calls require FCE_FLOAT32 (the default) here:
                                their grad_hidden has options->dtype. */
   int32_t reserved0;        /* must be 0 */
+  const float* grad_lse;    /* optional float32 [rows]: the upstream gradient of each row's lse
+                               (outputs->lse), every row, ignored ones included; NULL = 0. Adds
+                               grad_lse_i * p_ij to d/da_ij. */
+  const float* grad_entropy; /* optional float32 [rows]: the upstream gradient of each row's
+                               entropy (outputs->entropy), every row; NULL = 0. Adds
+                               -grad_entropy_i * p_ij * (a_ij - mu_i) to d/da_ij. */
 } fce_gradients;
 
 #define FCE_GRADIENTS_INIT                                          \
@@ -320,11 +361,13 @@ typedef struct fce_gradients {
     NULL,                  /* grad_weight */                        \
     NULL,                  /* grad_bias */                          \
     FCE_FLOAT32,           /* grad_hidden_dtype */                  \
-    0                      /* reserved0: must be 0 */               \
+    0,                     /* reserved0: must be 0 */               \
+    NULL,                  /* grad_lse: 0 */                        \
+    NULL                   /* grad_entropy: 0 */                    \
   }
 
 /* sizeof(fce_gradients) in version 1.0 (on LP64 and LLP64 targets). */
-#define FCE_GRADIENTS_SIZE_V1_0 56
+#define FCE_GRADIENTS_SIZE_V1_0 72
 
 /* ---------------------------------------------------------- cross-entropy ---- */
 /*
@@ -418,9 +461,10 @@ FCE_API fce_status fce_backward_rescale(const fce_options* options, int64_t rows
  * exist whole only when the caller's workspace holds all N×V of them. On CUDA the plan follows
  * from the sizes, the options, the gradients asked for and workspace_bytes (dev/NOTES.md):
  *   - token chunks (6·N·D·V FLOPs): a float32 grad_weight (or none) accumulates over any number
- *     of chunks; a 16-bit grad_weight accumulates in place over at most 4 chunks (one rounding
- *     per chunk: measured within 2× torch eager's error against float64), one chunk = one
- *     rounding;
+ *     of chunks; a 16-bit grad_weight accumulates in place over at most k = min(64, max(1, 3·V/N))
+ *     chunks, one rounding per chunk (bench/accuracy_dw.py --study: within 2× torch eager's
+ *     error against float64 at every measured shape with k·N/V ≤ 3, in relative Frobenius norm
+ *     and in max-abs over max |reference|; docs/performance.md);
  *   - otherwise, for a 16-bit grad_weight, vocabulary slices (8·N·D·V): a pass over token chunks
  *     for the loss and lse, then per slice of columns the logits of all rows, their gradient,
  *     grad_weight of the slice in one product over all rows (one rounding), and grad_hidden
@@ -479,7 +523,7 @@ FCE_API fce_status fce_linear_ce(const fce_options* options, int64_t rows, int64
  *
  * Same promises as every call: caller-owned memory, one stream, no allocation, no host
  * synchronisation, graph-capturable, deterministic. Sizes: rows >= 0 (0: the empty problem;
- * fce_vp_linear_ce then never calls all_gather), ranks >= 1, 1 <= vocab_local,
+ * fce_vp_linear_ce then never calls shard->all_gather), ranks >= 1, 1 <= vocab_local,
  * 0 <= vocab_start, vocab_start + vocab_local <= vocab_total <= 2^31-1.
  * stats and gathered_stats are float32 in the backend's memory, aligned to 16 bytes. (0.4)
  */
@@ -488,17 +532,36 @@ FCE_API fce_status fce_linear_ce(const fce_options* options, int64_t rows, int64
 /* Bit of error_flags: gathered statistics that do not tile the vocabulary (see above). */
 #define FCE_FLAG_SHARDS_INCONSISTENT 2u
 
-/* Where this rank's shard lies, given to every fce_vp_* compute call by pointer (required):
- * classes [vocab_start, vocab_start + vocab_local) of vocab_total, on one of `ranks` ranks. A
- * call reads only the fields it needs: fce_vp_stats and fce_vp_linear_stats do not read ranks,
- * fce_vp_loss reads ranks and vocab_total only. Plain sizes, fixed for the 1.x series (no
- * struct_size: a shard has nothing to append). */
+/* fce_vp_all_gather_fn: the all-gather fce_vp_linear_ce runs its collective through (it is the
+ * one call that gathers by itself). all_gather(context, send, recv, count, stream) must gather,
+ * over the `ranks` ranks of the step, the `count` float32 at `send` of every rank into `recv`
+ * [ranks, count], rank-major in any fixed rank order (what ncclAllGather and
+ * torch.distributed.all_gather_into_tensor make), enqueued on `stream` after the work the call
+ * enqueued before it (CUDA: the caller's stream; it may also complete the gather before it
+ * returns), and return FCE_SUCCESS, or any other status to stop the call, which then returns it
+ * (fce_last_error() names the call and the all-gather; outputs are then undefined, as after
+ * FCE_ERROR_CUDA). send [count] and recv [ranks·count] lie in the caller's workspace, in the
+ * backend's memory, 16-byte aligned, disjoint. It is called on the calling thread, during the
+ * call, once per token chunk of fce_vp_linear_ce's plan (the CPU backend and the gather-once
+ * plan: once), with count = chunk rows · FCE_VP_STATS; context is passed through. */
+typedef fce_status (*fce_vp_all_gather_fn)(void* context, const float* send, float* recv,
+                                           int64_t count, void* stream);
+
+/* Where this rank lies and how it reaches the others, given to every fce_vp_* compute call by
+ * pointer (required): classes [vocab_start, vocab_start + vocab_local) of vocab_total, on one of
+ * `ranks` ranks. A call reads only the fields it needs: fce_vp_stats and fce_vp_linear_stats do
+ * not read ranks, fce_vp_loss reads ranks and vocab_total only; all_gather and context are read
+ * by fce_vp_linear_ce alone (every other call ignores them: leave them NULL), which refuses a
+ * NULL shard->all_gather. Fixed for the 1.x series (no struct_size: a shard has nothing to
+ * append). */
 typedef struct fce_vp_shard {
   int64_t ranks;       /* P >= 1: ranks of the step (the leading size of gathered_stats) */
   int64_t vocab_total; /* classes of the whole vocabulary, in [1, 2^31-1] */
   int64_t vocab_start; /* first class of this rank's shard, >= 0 */
   int64_t vocab_local; /* classes of this rank's shard, >= 1, vocab_start + vocab_local <=
                           vocab_total */
+  fce_vp_all_gather_fn all_gather; /* fce_vp_linear_ce: the collective over the ranks */
+  void* context;                   /* passed to all_gather as is */
 } fce_vp_shard;
 
 /* Phase 1 over this rank's logits [rows, vocab_local] (options->row_stride apart): writes
@@ -584,21 +647,10 @@ FCE_API fce_status fce_vp_linear_backward(const fce_options* options,
  * itself, through the caller's all-gather, so that the logits are made once (6·N·D·vocab_local
  * FLOPs in all, against 8·N·D·vocab_local for fce_vp_linear_stats + fce_vp_linear_backward).
  * The call enqueues, per token chunk of its plan: the chunk's logits in the workspace, their
- * statistics, the all-gather of the chunk's statistics (all_gather below), the combination, the
+ * statistics, the all-gather of the chunk's statistics (shard->all_gather), the combination, the
  * gradient of the chunk's logits in place, and its share of the gradients; after the last chunk
- * the loss. A ranks-wide all-gather per chunk is thus issued from inside the call.
- *
- * fce_vp_all_gather_fn: all_gather(context, send, recv, count, stream) must gather, over the
- * `ranks` ranks of the step, the `count` float32 at `send` of every rank into `recv`
- * [ranks, count], rank-major in any fixed rank order (what ncclAllGather and
- * torch.distributed.all_gather_into_tensor make), enqueued on `stream` after the work the call
- * enqueued before it (CUDA: the caller's stream; it may also complete the gather before it
- * returns), and return FCE_SUCCESS, or any other status to stop the call, which then returns it
- * (fce_last_error() names the call and the all-gather; outputs are then undefined, as after
- * FCE_ERROR_CUDA). send [count] and recv [ranks·count] lie in the caller's workspace, in the
- * backend's memory, 16-byte aligned, disjoint. It is called on the calling thread, during the
- * call, once per token chunk (the CPU backend and the gather-once plan below: once), with
- * count = chunk rows · FCE_VP_STATS.
+ * the loss. A ranks-wide all-gather per chunk is thus issued from inside the call, through
+ * shard->all_gather (fce_vp_all_gather_fn, above) with shard->context.
  *
  * Every rank must issue the same sequence of all-gathers: the plan (and so the chunking) is a
  * function of the options, ranks, rows, hidden, vocab_total, the gradients asked for (which
@@ -612,7 +664,8 @@ FCE_API fce_status fce_vp_linear_backward(const fce_options* options,
  *   - token chunks (with a gradient, when workspace_bytes holds the full-speed chunk of a shard
  *     ⌈vocab_total / ranks⌉ wide: optimal_bytes): per chunk as above, 6·N·D·vocab_local FLOPs;
  *     grad_weight accumulates over the chunks as fce_linear_ce's token-chunk plans do (a 16-bit
- *     one in place over at most 4 chunks; a float32 one over any number);
+ *     one in place over at most min(64, max(1, 3·W/N)) chunks, W = ⌈vocab_total / ranks⌉;
+ *     a float32 one over any number);
  *   - gather-once (no gradient, or a smaller workspace, down to min_bytes): fce_vp_linear_stats
  *     for all rows, ONE all-gather, fce_vp_loss, then fce_vp_linear_backward (8·N·D·vocab_local).
  * The CPU backend always runs the gather-once plan.
@@ -623,10 +676,9 @@ FCE_API fce_status fce_vp_linear_backward(const fce_options* options,
  * grad_hidden (this rank's PARTIAL dloss/dh of grad_hidden_dtype: all-reduce it), grad_weight,
  * grad_bias as fce_vp_linear_backward; all gradient pointers NULL: the loss only. The loss and
  * the gradients are those of the unsharded fce_linear_ce to float32 rounding (and of the
- * two-phase calls: the gather-once plan runs exactly those). all_gather is required; context is
- * passed through. Deterministic for a given workspace_bytes and rank order. */
-typedef fce_status (*fce_vp_all_gather_fn)(void* context, const float* send, float* recv,
-                                           int64_t count, void* stream);
+ * two-phase calls: the gather-once plan runs exactly those). shard->all_gather is required
+ * (NULL: FCE_ERROR_NULL_POINTER naming shard->all_gather). Deterministic for a given
+ * workspace_bytes and rank order. */
 
 /* Workspace of fce_vp_linear_ce (min_bytes required, optimal_bytes may be NULL): with_grad
  * nonzero when any gradient will be asked for (all of them assumed). min_bytes runs the
@@ -643,7 +695,6 @@ FCE_API fce_status fce_vp_linear_ce(const fce_options* options, const fce_vp_sha
                                     int64_t rows, int64_t hidden, const void* hidden_states,
                                     const void* weight, const void* bias, const void* targets,
                                     const fce_outputs* outputs, const fce_gradients* gradients,
-                                    fce_vp_all_gather_fn all_gather, void* context,
                                     void* workspace, size_t workspace_bytes, void* stream);
 
 /* --------------------------------------------------------- upstream scale ---- */

@@ -104,7 +104,8 @@ FCE_API fce_status fce_nccl_cross_entropy_workspace_size(const fce_options* opti
 
 /* Cross-entropy over logits sharded by the vocabulary: this rank holds the columns
  * [shard->vocab_start, shard->vocab_start + shard->vocab_local) of shard->vocab_total;
- * shard->ranks must be the communicator's number of ranks.
+ * shard->ranks must be the communicator's number of ranks; shard->all_gather and
+ * shard->context are not read (both calls gather with ncclAllGather on comm).
  *   logits       this rank's z [rows, vocab_local] of options->dtype, options->row_stride apart
  *   targets      y [rows] (global class indices; the same on every rank)
  *   outputs      (required) loss, lse, z_loss, argmax, accuracy: as fce_forward writes them for

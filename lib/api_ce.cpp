@@ -74,6 +74,9 @@ fce_status ce_call(const char* fn, fce::CeMode mode, const CallArgs& a, int64_t 
       workspace_arg(workspace, workspace_bytes),
       e.argmax(out.argmax),  // NULL for the backward calls (read_outputs kFlagsOnly)
       e.accuracy(out.accuracy),
+      e.entropy(out.entropy),  // NULL for the backward calls
+      e.grad_lse(g.grad_lse),  // NULL for fce_backward_rescale
+      e.grad_entropy(g.grad_entropy),  // fce_forward only
   };
   // grad_logits may be logits itself (same start, same stride); any other overlap is an error,
   // an output inside the logits of an in-place call included.
@@ -93,6 +96,7 @@ fce_status ce_call(const char* fn, fce::CeMode mode, const CallArgs& a, int64_t 
   p.logits = logits;
   p.targets = targets;
   if (forward) set_loss_outputs(&p, out);  // the backward calls: all NULL
+  set_row_terms(&p, out, g);
   p.grad = grad;
   p.grad_output = grad_output;
   p.lse_in = lse_in;
@@ -124,6 +128,8 @@ FCE_API fce_status fce_forward(const fce_options* options, int64_t rows, int64_t
   const char* fn = "fce_forward";
   CallArgs a;
   FCE_TRY(begin_compute(fn, options, nullptr, false, outputs, gradients, kLossCall, &a));
+  FCE_TRY(check_row_grads_have_gradient(fn, a.g, a.g.grad_logits != nullptr,
+                                        "gradients->grad_logits"));
   return ce_call(fn, fce::CeMode::kForward, a, rows, vocab, logits, targets, nullptr, workspace,
                  workspace_bytes, stream);
 }
@@ -135,6 +141,9 @@ FCE_API fce_status fce_backward(const fce_options* options, int64_t rows, int64_
   const char* fn = "fce_backward";
   CallArgs a;
   FCE_TRY(begin_compute(fn, options, nullptr, false, outputs, gradients, kLogitsGradCall, &a));
+  FCE_TRY(refuse_row_grads(fn, a.g, true,
+                           " (it needs each row's mean logit, which only a pass over the whole "
+                           "row makes): use fce_forward with gradients->grad_logits"));
   FCE_TRY(check_required(
       fn, {{"lse", lse, rows == 0}, {"gradients->grad_logits", a.g.grad_logits, rows == 0}}));
   return ce_call(fn, fce::CeMode::kBackward, a, rows, vocab, logits, targets, lse, workspace,
@@ -149,6 +158,9 @@ FCE_API fce_status fce_backward_rescale(const fce_options* options, int64_t rows
   const char* fn = "fce_backward_rescale";
   CallArgs a;
   FCE_TRY(begin_compute(fn, options, nullptr, false, outputs, gradients, kLogitsGradCall, &a));
+  FCE_TRY(refuse_row_grads(fn, a.g, false,
+                           " (it scales the loss's gradient only): use fce_forward with the "
+                           "upstream gradients, or fce_backward for grad_lse"));
   const fce_gradients& g = a.g;
   FCE_TRY(check_required(
       fn, {{"lse", lse, rows == 0}, {"gradients->grad_logits", g.grad_logits, rows == 0}}));

@@ -105,9 +105,14 @@ FCE_API fce_status fce_linear_ce(const fce_options* options, int64_t rows, int64
       workspace_arg(workspace, workspace_bytes),
       e.argmax(out.argmax),
       e.accuracy(out.accuracy),
+      e.entropy(out.entropy),
+      e.grad_lse(g.grad_lse),
+      e.grad_entropy(g.grad_entropy),
   };
-  FCE_TRY(check_args(fn, args));
   const bool with_grad = grad_hidden || grad_weight || grad_bias;
+  FCE_TRY(check_row_grads_have_gradient(
+      fn, g, with_grad, "gradients->grad_hidden, grad_weight and grad_bias"));
+  FCE_TRY(check_args(fn, args));
   size_t min_bytes = 0, optimal_bytes = 0;
   linear_workspace(*o, p.opt, rows, hidden, vocab, with_grad, &min_bytes, &optimal_bytes);
   FCE_TRY(check_workspace(fn, min_bytes, workspace, workspace_bytes));
@@ -123,6 +128,7 @@ FCE_API fce_status fce_linear_ce(const fce_options* options, int64_t rows, int64
   p.vocab = vocab;
   set_linear_inputs(&p, hidden_states, weight, bias, targets);
   set_loss_outputs(&p, out);
+  set_row_terms(&p, out, g);
   set_linear_grads(&p, *o, grad_hidden, grad_weight, grad_bias);
   p.grad_output = g.grad_output;
   p.error_flags = out.error_flags;

@@ -101,6 +101,7 @@ FCE_API fce_status fce_vp_loss(const fce_options* options, const fce_vp_shard* s
   const char* fn = "fce_vp_loss";
   CallArgs a;
   FCE_TRY(begin_compute(fn, options, shard, true, outputs, nullptr, kLossCall, &a));
+  FCE_TRY(refuse_vp_entropy(fn, a.out));
   const fce_outputs& out = a.out;
   const int64_t ranks = a.shard.ranks, vocab_total = a.shard.vocab_total;
   float* loss = out.loss;
@@ -162,9 +163,10 @@ FCE_API fce_status fce_vp_backward(const fce_options* options, const fce_vp_shar
   const char* fn = "fce_vp_backward";
   CallArgs a;
   FCE_TRY(begin_compute(fn, options, shard, true, outputs, gradients, kLogitsGradCall, &a));
+  FCE_TRY(refuse_row_grads(fn, a.g, false, kVpRowGrads));
   const fce_outputs& out = a.out;
   const fce_gradients& g = a.g;
-  const auto [ranks, vocab_total, vocab_start, vocab_local] = a.shard;
+  const auto [ranks, vocab_total, vocab_start, vocab_local, gather, context] = a.shard;
   void* grad_logits = g.grad_logits;
   const float* grad_output = g.grad_output;
   uint32_t* error_flags = out.error_flags;

@@ -180,10 +180,11 @@ FCE_API fce_status fce_vp_linear_backward(const fce_options* options,
   CallArgs a;
   FCE_TRY(begin_compute(fn, options, shard, true, outputs, gradients,
                         {OutputsUse::kFlagsOnly, GradientsUse::kVpLinear, true}, &a));
+  FCE_TRY(refuse_row_grads(fn, a.g, false, kVpRowGrads));
   const fce_outputs& out = a.out;
-  const auto [ranks, vocab_total, vocab_start, vocab_local] = a.shard;
+  const auto [ranks, vocab_total, vocab_start, vocab_local, gather, context] = a.shard;
   const auto [g_size, grad_output, g_logits, grad_hidden, grad_weight, grad_bias,
-              grad_hidden_dtype, g_reserved] = a.g;
+              grad_hidden_dtype, g_reserved, g_lse, g_entropy] = a.g;
   uint32_t* error_flags = out.error_flags;
   const fce_options* o = &a.o;
   fce::VpLinearProblem p{};
@@ -392,18 +393,19 @@ FCE_API fce_status fce_vp_linear_ce(const fce_options* options, const fce_vp_sha
                                     int64_t rows, int64_t hidden, const void* hidden_states,
                                     const void* weight, const void* bias, const void* targets,
                                     const fce_outputs* outputs, const fce_gradients* gradients,
-                                    fce_vp_all_gather_fn all_gather, void* context,
                                     void* workspace, size_t workspace_bytes, void* stream) {
   const char* fn = "fce_vp_linear_ce";
   CallArgs a;
   FCE_TRY(begin_compute(fn, options, shard, true, outputs, gradients,
                         {OutputsUse::kLoss, GradientsUse::kVpLinear, false}, &a));
+  FCE_TRY(refuse_vp_entropy(fn, a.out));
+  FCE_TRY(refuse_row_grads(fn, a.g, false, kVpRowGrads));
   const fce_outputs& out = a.out;
-  const auto [ranks, vocab_total, vocab_start, vocab_local] = a.shard;
+  const auto [ranks, vocab_total, vocab_start, vocab_local, all_gather, context] = a.shard;
   float* loss = out.loss;
   float* z_loss = out.z_loss;
   const auto [g_size, grad_output, g_logits, grad_hidden, grad_weight, grad_bias,
-              grad_hidden_dtype, g_reserved] = a.g;
+              grad_hidden_dtype, g_reserved, g_lse, g_entropy] = a.g;
   uint32_t* error_flags = out.error_flags;
   const fce_options* o = &a.o;
   fce::VpLinearCeProblem P{};
@@ -417,8 +419,8 @@ FCE_API fce_status fce_vp_linear_ce(const fce_options* options, const fce_vp_sha
                               {"targets", targets, empty},
                               {"outputs->loss", loss, e.reduced_floats() == 0}}));
   if (!all_gather)
-    return fail(FCE_ERROR_NULL_POINTER, "%s: all_gather is NULL (the call runs the collective "
-                "through it)", fn);
+    return fail(FCE_ERROR_NULL_POINTER, "%s: shard->all_gather is NULL (the call runs the "
+                "collective through it)", fn);
   if (grad_bias && !bias)
     return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: gradients->grad_bias is given but bias is NULL",
                 fn);

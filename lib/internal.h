@@ -114,6 +114,11 @@ struct CeProblem {
   uint32_t* error_flags;    // optional
   int64_t* argmax;          // optional [rows] (forward only; null for backward)
   float* accuracy;          // optional [1] (mean/sum) or [rows] (none) (forward only)
+  float* entropy;           // optional [rows] (forward only)
+  const float* grad_lse;    // optional [rows] upstream gradient of lse (forward with grad,
+                            // backward); nullptr = 0
+  const float* grad_entropy;  // optional [rows] upstream gradient of the entropy (forward with
+                              // grad); nullptr = 0
   void* workspace;          // >= the backend's workspace size, 16-byte aligned (or null if 0)
   size_t workspace_bytes;
   void* stream;
@@ -141,6 +146,9 @@ struct LinearCeProblem {
   uint32_t* error_flags;
   int64_t* argmax;            // optional [rows]
   float* accuracy;            // optional [1] (mean/sum) or [rows] (none)
+  float* entropy;             // optional [rows]
+  const float* grad_lse;      // optional [rows] (with a gradient); nullptr = 0
+  const float* grad_entropy;  // optional [rows] (with a gradient); nullptr = 0
   void* workspace;
   size_t workspace_bytes;
   void* stream;

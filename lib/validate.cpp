@@ -348,7 +348,8 @@ fce_status read_outputs(const char* fn, const fce_outputs* outputs, OutputsUse u
                   {"lse", local->lse},
                   {"z_loss", local->z_loss},
                   {"argmax", local->argmax},
-                  {"accuracy", local->accuracy}};
+                  {"accuracy", local->accuracy},
+                  {"entropy", local->entropy}};
     for (const auto& u : unused)
       if (u.ptr)
         return fail(FCE_ERROR_INVALID_ARGUMENT,
@@ -391,6 +392,35 @@ fce_status read_gradients(const char* fn, const fce_gradients* gradients, Gradie
   return FCE_SUCCESS;
 }
 
+fce_status refuse_row_grads(const char* fn, const fce_gradients& g, bool allow_lse,
+                            const char* why) {
+  const struct {
+    const char* name;
+    const void* ptr;
+  } fields[] = {{"grad_lse", allow_lse ? nullptr : g.grad_lse}, {"grad_entropy", g.grad_entropy}};
+  for (const auto& f : fields)
+    if (f.ptr)
+      return fail(FCE_ERROR_UNSUPPORTED, "%s: gradients->%s is not supported by %s%s", fn, f.name,
+                  fn, why);
+  return FCE_SUCCESS;
+}
+
+fce_status check_row_grads_have_gradient(const char* fn, const fce_gradients& g,
+                                         bool with_grad, const char* gradient_names) {
+  if (with_grad) return FCE_SUCCESS;
+  const char* name = g.grad_lse ? "grad_lse" : g.grad_entropy ? "grad_entropy" : nullptr;
+  if (!name) return FCE_SUCCESS;
+  return fail(FCE_ERROR_INVALID_ARGUMENT,
+              "%s: gradients->%s is given but %s %s NULL: no gradient to add it to", fn, name,
+              gradient_names, std::strchr(gradient_names, ',') ? "are all" : "is");
+}
+
+fce_status refuse_vp_entropy(const char* fn, const fce_outputs& out) {
+  if (!out.entropy) return FCE_SUCCESS;
+  return fail(FCE_ERROR_UNSUPPORTED,
+              "%s: outputs->entropy is not supported by the vocabulary-parallel calls", fn);
+}
+
 fce_status check_shard(const char* fn, const fce_vp_shard* shard) {
   return check_required(fn, {{"shard", shard}});
 }
@@ -399,7 +429,7 @@ fce_status begin_compute(const char* fn, const fce_options* options, const fce_v
                          bool vp, const fce_outputs* outputs, const fce_gradients* gradients,
                          StructUse use, CallArgs* a) {
   FCE_TRY(begin_call(fn, options, &a->o));
-  a->shard = fce_vp_shard{1, 0, 0, 0};
+  a->shard = fce_vp_shard{1, 0, 0, 0, nullptr, nullptr};
   if (vp) {
     FCE_TRY(check_shard(fn, shard));
     a->shard = *shard;

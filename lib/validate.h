@@ -43,6 +43,20 @@ enum class GradientsUse { kLogits, kLinear, kVpLinear };
 fce_status read_gradients(const char* fn, const fce_gradients* gradients, GradientsUse use,
                           bool required, fce_gradients* local);
 
+// gradients->grad_lse and ->grad_entropy (docs/semantics.md rule 18) in a call that does not
+// read them: FCE_ERROR_UNSUPPORTED naming the call and the field, `why` appended (", use ...").
+// allow_lse: the call reads grad_lse (fce_backward), so only grad_entropy is refused.
+fce_status refuse_row_grads(const char* fn, const fce_gradients& g, bool allow_lse,
+                            const char* why);
+// grad_lse / grad_entropy given to a call that reads them but writes no gradient to add them to
+// (fce_forward without grad_logits, fce_linear_ce without any gradient).
+fce_status check_row_grads_have_gradient(const char* fn, const fce_gradients& g,
+                                         bool with_grad, const char* gradient_names);
+// outputs->entropy given to a vocabulary-parallel call that writes a loss.
+fce_status refuse_vp_entropy(const char* fn, const fce_outputs& out);
+// refuse_row_grads' `why` for the vocabulary-parallel calls.
+constexpr const char* kVpRowGrads = " (the vocabulary-parallel calls do not read it)";
+
 // What a compute call reads through its structures, each read and checked once: the options
 // (begin_call), the shard of an fce_vp_* call, the outputs and the gradients.
 struct StructUse {
@@ -56,7 +70,7 @@ struct CallArgs {
   fce_options o;
   fce_outputs out;
   fce_gradients g;
-  fce_vp_shard shard;  // {1, 0, 0, 0} for a call without one
+  fce_vp_shard shard;  // {1, 0, 0, 0, NULL, NULL} for a call without one
 };
 // begin_call, then (vp: the call takes a shard) check_shard, read_outputs and read_gradients.
 fce_status begin_compute(const char* fn, const fce_options* options, const fce_vp_shard* shard,
@@ -192,6 +206,14 @@ void set_loss_outputs(Problem* p, const fce_outputs& out) {
   p->argmax = out.argmax;
   p->accuracy = out.accuracy;
 }
+// The entropy output and the upstream gradients of lse and entropy (CeProblem of fce_forward
+// and fce_backward, LinearCeProblem).
+template <class Problem>
+void set_row_terms(Problem* p, const fce_outputs& out, const fce_gradients& g) {
+  p->entropy = out.entropy;
+  p->grad_lse = g.grad_lse;
+  p->grad_entropy = g.grad_entropy;
+}
 // The gradients of the linear layer, with options->grad_weight_fp32 and ->accumulate
 // (LinearCeProblem, VpLinearProblem of fce_vp_linear_backward).
 template <class Problem>
@@ -236,6 +258,12 @@ struct Entries {
   // lse: the input of the backward calls, or the output outputs->lse
   Arg lse(const float* p, bool output) const {
     return {output ? "outputs->lse" : "lse", p, row_floats(), 4, output};
+  }
+  // outputs->entropy, gradients->grad_lse and ->grad_entropy: float32 [rows]
+  Arg entropy(const float* p) const { return {"outputs->entropy", p, row_floats(), 4, true}; }
+  Arg grad_lse(const float* p) const { return {"gradients->grad_lse", p, row_floats(), 4, false}; }
+  Arg grad_entropy(const float* p) const {
+    return {"gradients->grad_entropy", p, row_floats(), 4, false};
   }
   Arg argmax(const int64_t* p) const {
     return {"outputs->argmax", p, static_cast<uint64_t>(rows) * 8, 8, true};

@@ -56,7 +56,7 @@ inline fce_gradients linear_grads(void* grad_hidden, void* grad_weight, void* gr
 }
 inline fce_vp_shard shard(int64_t ranks, int64_t vocab_total, int64_t vocab_start,
                           int64_t vocab_local) {
-  return fce_vp_shard{ranks, vocab_total, vocab_start, vocab_local};
+  return fce_vp_shard{ranks, vocab_total, vocab_start, vocab_local, nullptr, nullptr};
 }
 
 inline fce_status forward(const TestOptions* o, int64_t rows, int64_t vocab, const void* logits,
@@ -167,12 +167,14 @@ inline fce_status vp_linear_ce(const TestOptions* o, int64_t ranks, int64_t rows
                                uint32_t* error_flags, fce_vp_all_gather_fn all_gather,
                                void* context, void* workspace, size_t workspace_bytes,
                                void* stream) {
-  const fce_vp_shard s = shard(ranks, vocab_total, vocab_start, vocab_local);
+  fce_vp_shard s = shard(ranks, vocab_total, vocab_start, vocab_local);
+  s.all_gather = all_gather;
+  s.context = context;
   const fce_outputs out = outputs(o, loss, lse, z_loss, error_flags);
   const fce_gradients g =
       linear_grads(grad_hidden, grad_weight, grad_bias, grad_output, grad_hidden_dtype);
   return fce_vp_linear_ce(o, &s, rows, hidden, hidden_states, weight, bias, targets, &out, &g,
-                          all_gather, context, workspace, workspace_bytes, stream);
+                          workspace, workspace_bytes, stream);
 }
 
 }  // namespace flat

@@ -112,9 +112,9 @@ TEST(Api, OptionsLayout) {
   EXPECT_EQ(sizeof(fce_options), (size_t)FCE_OPTIONS_SIZE_V1_0);
   EXPECT_EQ(offsetof(fce_options, reserved1) + sizeof(int32_t), (size_t)FCE_OPTIONS_SIZE_V1_0);
   EXPECT_EQ(sizeof(fce_outputs), (size_t)FCE_OUTPUTS_SIZE_V1_0);
-  EXPECT_EQ(offsetof(fce_outputs, error_flags) + sizeof(void*), (size_t)FCE_OUTPUTS_SIZE_V1_0);
+  EXPECT_EQ(offsetof(fce_outputs, entropy) + sizeof(void*), (size_t)FCE_OUTPUTS_SIZE_V1_0);
   EXPECT_EQ(sizeof(fce_gradients), (size_t)FCE_GRADIENTS_SIZE_V1_0);
-  EXPECT_EQ(offsetof(fce_gradients, reserved0) + sizeof(int32_t),
+  EXPECT_EQ(offsetof(fce_gradients, grad_entropy) + sizeof(void*),
             (size_t)FCE_GRADIENTS_SIZE_V1_0);
 }
 
@@ -736,7 +736,7 @@ TEST_F(Structs, NullStructures) {
   EXPECT_EQ(backward(nullptr, &g), FCE_SUCCESS) << fce_last_error();
   EXPECT_EQ(backward(nullptr, nullptr), FCE_ERROR_NULL_POINTER);
   EXPECT_TRUE(error_mentions("fce_backward: gradients is NULL"));
-  const fce_vp_shard sh{1, V, 0, V};
+  const fce_vp_shard sh{1, V, 0, V, nullptr, nullptr};
   EXPECT_EQ(fce_vp_stats(&o, nullptr, N, z.data(), y.data(), stats.data(), nullptr),
             FCE_ERROR_NULL_POINTER);
   EXPECT_TRUE(error_mentions("fce_vp_stats: shard is NULL"));

@@ -418,14 +418,14 @@ std::vector<Setting> settings() {
   };
   using O = frozen::Overrides;
   add("default", [](O&, Knobs&) {});
-  add("FCE_CUDA_CE_BULK=2", [](O& o, Knobs& k) { o.bulk = k.bulk = 2; });
-  add("FCE_CUDA_CE_BULK=0", [](O& o, Knobs& k) { o.bulk = k.bulk = 0; });
-  add("FCE_CUDA_CE_SMEM_ALWAYS=1 FCE_CUDA_CE_BULK_GRAD=0", [](O& o, Knobs& k) {
+  add("FCE_CUDA_CE_PATH=bulk", [](O& o, Knobs& k) { o.bulk = k.bulk = 2; });
+  add("FCE_CUDA_CE_PATH=nobulk", [](O& o, Knobs& k) { o.bulk = k.bulk = 0; });
+  add("FCE_CUDA_CE_SMEM=always", [](O& o, Knobs& k) {
     o.smem_always = 1;
     k.smem_always = true;
-    o.bulk_grad = k.bulk_grad = 0;
+    o.bulk_grad = 0;
+    k.bulk_grad = false;
   });
-  add("FCE_CUDA_CE_BULK_GRAD=1", [](O& o, Knobs& k) { o.bulk_grad = k.bulk_grad = 1; });
   add("FCE_CUDA_CE_PATH=twopass", [](O& o, Knobs& k) { o.path = k.path = 2; });
   add("FCE_CUDA_CE_PATH=regs", [](O& o, Knobs& k) { o.path = k.path = 1; });
   for (int c : {1, 3, 5, 8, 16})
@@ -434,12 +434,6 @@ std::vector<Setting> settings() {
       x.old.cluster = x.knobs.cluster = c;
       return x;
     }());
-  add("FCE_CUDA_CE_PREFETCH=0", [](O& o, Knobs& k) { o.prefetch_waves = k.prefetch_waves = 0.f; });
-  add("FCE_CUDA_CE_PREFETCH=1", [](O& o, Knobs& k) { o.prefetch_waves = k.prefetch_waves = 1.f; });
-  add("FCE_CUDA_CE_XMBAR=0", [](O& o, Knobs& k) {
-    o.xmbar = 0;
-    k.xmbar = false;
-  });
   add("FCE_CUDA_CE_SMEM=0", [](O& o, Knobs& k) { o.reg_smem = k.reg_smem = 0; });
   add("FCE_CUDA_CE_SMEM=4", [](O& o, Knobs& k) { o.reg_smem = k.reg_smem = 4; });
   return s;

@@ -354,7 +354,7 @@ TEST_F(VpBadInput, NullPointers) {
     rejected(f, "weight NULL", FCE_ERROR_NULL_POINTER, "weight", [](VpArgs& x) { x.weight = nullptr; });
   }
   rejected(kLinCe, "loss NULL", FCE_ERROR_NULL_POINTER, "loss", [](VpArgs& x) { x.loss = nullptr; });
-  rejected(kLinCe, "all_gather NULL", FCE_ERROR_NULL_POINTER, "all_gather",
+  rejected(kLinCe, "all_gather NULL", FCE_ERROR_NULL_POINTER, "shard->all_gather",
            [](VpArgs& x) { x.all_gather = nullptr; });
   rejected(kLinCe, "grad_bias without bias", FCE_ERROR_INVALID_ARGUMENT, "grad_bias",
            [](VpArgs& x) { x.bias = nullptr; });

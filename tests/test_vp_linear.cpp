@@ -126,7 +126,8 @@ fce_status failing_gather(void* ctx, const float*, float*, int64_t, void*) {
 }
 }  // namespace
 
-// The all-gather's status stops the call and is returned, named; a NULL all_gather is refused.
+// The all-gather's status stops the call and is returned, named; a NULL shard->all_gather is
+// refused.
 TEST_F(VpLinear, FusedAllGatherStatus) {
   LinVpCase c;
   c.name = "fused_status";
@@ -139,7 +140,7 @@ TEST_F(VpLinear, FusedAllGatherStatus) {
   EXPECT_NE(err.find("fce_vp_linear_ce: all_gather returned FCE_ERROR_CUDA"), std::string::npos)
       << err;
   EXPECT_EQ(run.fused_one(nullptr, nullptr, &err), FCE_ERROR_NULL_POINTER);
-  EXPECT_NE(err.find("fce_vp_linear_ce: all_gather is NULL"), std::string::npos) << err;
+  EXPECT_NE(err.find("fce_vp_linear_ce: shard->all_gather is NULL"), std::string::npos) << err;
 }
 
 }  // namespace

@@ -55,7 +55,7 @@ suite "tensors past 2^31 elements (CUDA)" env FCE_TEST_BACKEND=cuda FCE_TEST_LAR
 # gradient (fce_backward_rescale included) wherever a row fits its stage
 for t in test_ce test_linear_ce test_adversarial test_rescale; do
   suite "$t, bulk kernel on every row (CUDA)" env FCE_TEST_BACKEND=cuda \
-    FCE_CUDA_CE_BULK=2 "$BUILD/tests/$t"
+    FCE_CUDA_CE_PATH=bulk "$BUILD/tests/$t"
 done
 # the path of a GPU without clusters, bulk copies or dependent launches (FCE_CUDA_PORTABLE=1: the
 # device is treated as compute capability 8.x), on this one
@@ -66,7 +66,7 @@ done
 # alone, also on the tests' few rows (the default takes them only on launches of many waves)
 for t in test_ce test_adversarial test_rescale; do
   suite "$t, register path with shared-memory slots (CUDA)" env FCE_TEST_BACKEND=cuda \
-    FCE_CUDA_CE_SMEM_ALWAYS=1 FCE_CUDA_CE_BULK_GRAD=0 "$BUILD/tests/$t"
+    FCE_CUDA_CE_SMEM=always "$BUILD/tests/$t"
 done
 fi
 if [ $c_sanitizers = 1 ] && ! command -v compute-sanitizer >/dev/null; then
@@ -81,10 +81,10 @@ elif [ $c_sanitizers = 1 ]; then
     suite "$tool test_ce" env FCE_TEST_BACKEND=cuda compute-sanitizer --tool $tool \
       --error-exitcode 1 "$BUILD/tests/test_ce" --gtest_filter="$ce_filter"
     suite "$tool test_ce (bulk kernel on every row)" env FCE_TEST_BACKEND=cuda \
-      FCE_CUDA_CE_BULK=2 compute-sanitizer --tool $tool --error-exitcode 1 \
+      FCE_CUDA_CE_PATH=bulk compute-sanitizer --tool $tool --error-exitcode 1 \
       "$BUILD/tests/test_ce" --gtest_filter="$ce_filter"
     suite "$tool test_ce (shared-memory slots)" env FCE_TEST_BACKEND=cuda \
-      FCE_CUDA_CE_SMEM_ALWAYS=1 FCE_CUDA_CE_BULK_GRAD=0 compute-sanitizer --tool $tool \
+      FCE_CUDA_CE_SMEM=always compute-sanitizer --tool $tool \
       --error-exitcode 1 "$BUILD/tests/test_ce" --gtest_filter="$ce_filter"
     suite "$tool test_linear_ce" env FCE_TEST_BACKEND=cuda compute-sanitizer --tool $tool \
       --error-exitcode 1 "$BUILD/tests/test_linear_ce" --gtest_filter="$lin_filter"

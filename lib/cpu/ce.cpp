@@ -47,7 +47,10 @@ fce_status cpu_ce(const CeProblem& p) {
   const bool rescale = p.mode == CeMode::kRescale;
   const bool forward = p.mode != CeMode::kBackward;
   try {
-    const CeSetup setup = make_setup(p.opt, p.rows, p.vocab, p.targets, p.grad_output);
+    // (fce_backward_rescale is given no entropy or its gradients: refused by the ABI layer)
+    const CeSetup setup =
+        make_setup(p.opt, p.rows, p.vocab, p.targets, p.grad_output,
+                   p.mode == CeMode::kForward && p.entropy, p.grad_lse, p.grad_entropy);
     if (rescale && rescale_in_place(p, setup)) return FCE_SUCCESS;
     const bool outputs = p.mode == CeMode::kForward;  // the backward calls write grad only
     RowScratch scratch(setup, p.rows);
@@ -65,6 +68,7 @@ fce_status cpu_ce(const CeProblem& p) {
     job.grad_dtype = p.opt.dtype;
     job.lse_in = forward ? nullptr : p.lse_in;
     job.lse_out = outputs ? p.lse : nullptr;
+    job.entropy_out = outputs ? p.entropy : nullptr;
     job.argmax = outputs ? p.argmax : nullptr;
     job.results = results.get();
     const bool invalid_seen = run_rows(setup, job, scratch);

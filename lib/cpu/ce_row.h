@@ -37,6 +37,11 @@ struct CeSetup {
   const float* grad_output;  // g: [1] (mean, sum) or [N] (none); nullptr = 1
   double D;                  // docs/semantics.md rule 4: Σ ω_y over scored rows + the number of invalid rows
   double n;                  // docs/semantics.md rule 4: the number of non-ignored rows
+  // docs/semantics.md rule 18: the entropy output is asked for, and the upstream gradients of
+  // each row's lse and entropy ([N], nullptr = 0)
+  bool entropy;
+  const float* grad_lse;
+  const float* grad_entropy;
 };
 
 enum class RowKind { kScored, kIgnored, kInvalid };
@@ -80,7 +85,8 @@ inline void denominators(CeSetup& setup) {
 }
 
 inline CeSetup make_setup(const CeOptions& opt, int64_t rows, int64_t vocab, const void* targets,
-                          const float* grad_output) {
+                          const float* grad_output, bool entropy = false,
+                          const float* grad_lse = nullptr, const float* grad_entropy = nullptr) {
   CeSetup setup;
   setup.rows = rows;
   setup.vocab = vocab;
@@ -99,6 +105,9 @@ inline CeSetup make_setup(const CeOptions& opt, int64_t rows, int64_t vocab, con
   setup.targets_int64 = opt.targets_int64;
   setup.reduction = opt.reduction;
   setup.grad_output = grad_output;
+  setup.entropy = entropy;
+  setup.grad_lse = grad_lse;
+  setup.grad_entropy = grad_entropy;
   denominators(setup);
   return setup;
 }
@@ -119,6 +128,18 @@ inline Upstream upstream_scales(const CeSetup& setup, int64_t r) {
   return {g, setup.D == 0.0 ? 0.0 : 1.0 / setup.D, setup.n == 0.0 ? 0.0 : 1.0 / setup.n};
 }
 
+// docs/semantics.md rule 18: the upstream gradients of row r's lse and entropy (0 when not
+// given). A row whose two are 0 gets no such term at all (as when they are not given).
+struct RowTerms {
+  double lse, entropy;
+  bool any() const { return lse != 0.0 || entropy != 0.0; }
+};
+
+inline RowTerms row_terms(const CeSetup& setup, int64_t r) {
+  return {setup.grad_lse ? double(setup.grad_lse[r]) : 0.0,
+          setup.grad_entropy ? double(setup.grad_entropy[r]) : 0.0};
+}
+
 // ------------------------------------------------------------- row by row ----
 
 // Steps 1 and 2, in place: a_j = s · z_j, then a_j = c · tanh(a_j / c) when c > 0.
@@ -136,9 +157,13 @@ inline void scale_and_softcap(const CeSetup& setup, double* a) {
 // (s = V, lse = −inf); a +inf maximum makes its own term exp(+inf − +inf) = NaN, so log s and
 // lse are NaN (m stays +inf), as torch's log_softmax. argmax is docs/semantics.md rule 15's:
 // the first NaN, else the lowest j with a_j == m.
+// Rule 18: with t = Σ_j exp(a_j − m)(a_j − m) (a −inf entry adds 0, not 0·inf), the mean logit
+// μ = Σ_j p_j a_j = m + t/s is kept as mu_m = μ − m = t/s, and the entropy H = lse − μ =
+// log s − t/s. Both are NaN when m is not finite (a row of −inf has no distribution).
 struct RowStats {
   double m, log_s, lse;
   int64_t argmax;
+  double mu_m = 0.0, entropy = 0.0;
 };
 
 // log s of a row whose maximum m is infinite (rule 10): log V for a row of −inf, NaN for +inf.
@@ -157,15 +182,18 @@ inline RowStats row_stats(const double* a, int64_t vocab) {
       argmax = j;
     }
   }
-  double log_s;
   if (std::isinf(m)) {
-    log_s = infinite_max_log_s(m, vocab);
-  } else {
-    double s = 0.0;
-    for (int64_t j = 0; j < vocab; ++j) s += std::exp(a[j] - m);
-    log_s = std::log(s);
+    const double log_s = infinite_max_log_s(m, vocab);
+    return {m, log_s, m + log_s, argmax, kNaN, kNaN};
   }
-  return {m, log_s, m + log_s, argmax};
+  double s = 0.0, t = 0.0;
+  for (int64_t j = 0; j < vocab; ++j) {
+    const double e = std::exp(a[j] - m);
+    s += e;
+    if (e != 0.0) t += e * (a[j] - m);
+  }
+  const double log_s = std::log(s);
+  return {m, log_s, m + log_s, argmax, t / s, log_s - t / s};
 }
 
 // fce_backward's statistics (docs/semantics.md rule 12): the row is reduced again (in double, cheap next to
@@ -176,7 +204,8 @@ inline RowStats row_stats(const double* a, int64_t vocab) {
 inline RowStats saved_stats(float saved, const double* a, int64_t vocab) {
   const RowStats exact = row_stats(a, vocab);
   if (float(exact.lse) == saved || std::fabs(saved) >= 1024.0f) return exact;
-  return {double(saved), 0.0, double(saved), exact.argmax};
+  return {double(saved), 0.0, double(saved), exact.argmax, (exact.m + exact.mu_m) - double(saved),
+          exact.entropy};
 }
 
 // p_j = exp((a_j − m) − log s) (docs/semantics.md rule 9).
@@ -208,15 +237,19 @@ inline double scaled_z_loss_term(const CeSetup& setup, double t, double lse) {
   return setup.lambda == 0.0 ? 0.0 : t * z_loss_term(setup, lse);
 }
 
-// The gradient (docs/semantics.md rule 9), in place: a_j in, ∂loss/∂z_j out:
+// The gradient (docs/semantics.md rules 9 and 18), in place: a_j in, ∂/∂z_j out:
 //   ∂ce/∂a_j = (1−ε) ω_y (p_j − [j = y]) + (ε/V)(Ω p_j − ω_j),  ∂zl/∂a_j = 2 λ lse p_j
-//   ∂loss/∂z_j = t · (k ∂ce/∂a_j + k_z ∂zl/∂a_j) · s · (1 − (a_j / c)²)
-// (the last factor only with softcap; t = p_y with token scaling, else 1), g applied last.
+//   ∂loss/∂a_j = t · (k ∂ce/∂a_j + k_z ∂zl/∂a_j)   (t = p_y with token scaling, else 1)
+//   ∂lse/∂a_j = p_j,  ∂H/∂a_j = −p_j (a_j − μ)      (μ = Σ_k p_k a_k)
+//   ∂/∂z_j = (∂loss/∂a_j + grad_lse ∂lse/∂a_j + grad_entropy ∂H/∂a_j) · s · (1 − (a_j / c)²)
+// (the last factor only with softcap), the loss's upstream g applied last (to the loss term).
+// y < 0: a row with no loss term (ignored), whose lse and entropy terms still flow. An element
+// with p_j = 0 gets 0 from those terms (never 0 · inf).
 inline void gradient(const CeSetup& setup, double* a, const RowStats& st, int64_t y,
-                     const Upstream& up, double t) {
-  const double target_weight = (1.0 - setup.eps) * omega_of(setup, y);
-  const double smoothing = setup.eps / double(setup.vocab);
-  const double z_loss = setup.lambda == 0.0 ? 0.0 : 2.0 * setup.lambda * st.lse;
+                     const Upstream& up, double t, const RowTerms& terms) {
+  const double target_weight = y < 0 ? 0.0 : (1.0 - setup.eps) * omega_of(setup, y);
+  const double smoothing = y < 0 ? 0.0 : setup.eps / double(setup.vocab);
+  const double z_loss = y < 0 || setup.lambda == 0.0 ? 0.0 : 2.0 * setup.lambda * st.lse;
   for (int64_t j = 0; j < setup.vocab; ++j) {
     const double p = probability(st, a[j]);
     double d_ce = target_weight * (p - (j == y ? 1.0 : 0.0));
@@ -224,9 +257,16 @@ inline void gradient(const CeSetup& setup, double* a, const RowStats& st, int64_
     double d_a = up.k1 * d_ce;
     if (z_loss != 0.0) d_a += up.kz1 * z_loss * p;
     if (setup.token_scaling) d_a *= t;
-    double d_z = d_a * setup.s;
-    if (setup.c > 0.0) d_z *= 1.0 - (a[j] / setup.c) * (a[j] / setup.c);
-    a[j] = up.g * d_z;
+    const double cap = setup.c > 0.0 ? 1.0 - (a[j] / setup.c) * (a[j] / setup.c) : 1.0;
+    if (!terms.any()) {
+      double d_z = d_a * setup.s;
+      if (setup.c > 0.0) d_z *= cap;
+      a[j] = up.g * d_z;
+      continue;
+    }
+    double d_row = 0.0;  // grad_lse ∂lse/∂a_j + grad_entropy ∂H/∂a_j
+    if (p != 0.0) d_row = terms.lse * p - terms.entropy * p * ((a[j] - st.m) - st.mu_m);
+    a[j] = ((y < 0 ? 0.0 : up.g * d_a) + d_row) * setup.s * cap;
   }
 }
 
@@ -240,7 +280,11 @@ inline void gradient(const CeSetup& setup, double* a, const RowStats& st, int64_
 // fce_backward_rescale's exact scaling is bit for bit this with that g, docs/semantics.md rule 14). With
 // logit_scale or softcap the double path above is used.
 
-inline bool float_path(const CeSetup& setup) { return setup.s == 1.0 && setup.c == 0.0; }
+// The entropy and the lse / entropy gradients (rule 18) take the double path.
+inline bool float_path(const CeSetup& setup) {
+  return setup.s == 1.0 && setup.c == 0.0 && !setup.entropy && !setup.grad_lse &&
+         !setup.grad_entropy;
+}
 
 // Step 3 on a float32 row: as row_stats.
 inline RowStats row_stats_f32(const float* a, int64_t vocab) {
@@ -335,6 +379,7 @@ struct RowsJob {
   int grad_dtype;
   const float* lse_in;   // fce_backward: the saved lse; nullptr: the row's own (m, log s)
   float* lse_out;        // forward, optional
+  float* entropy_out = nullptr;  // forward, optional (rule 18)
   int64_t* argmax;       // forward, optional (−1 for ignored rows)
   RowResults* results;   // forward: ce, z-loss and accuracy per row; nullptr: gradient only
 };
@@ -414,11 +459,14 @@ inline bool run_rows(const CeSetup& setup, const RowsJob& job, RowScratch& scrat
       }
       if (job.argmax) job.argmax[r] = -1;
 
-      // The row is read when it is scored, when a forward output needs its statistics (lse of
-      // every row; z-loss and argmax of an invalid row), never for a gradient alone of an
-      // ignored or invalid row.
-      const bool read = t.kind == RowKind::kScored || job.lse_out ||
-                        (t.kind == RowKind::kInvalid && (res || job.argmax));
+      // The row is read when it is scored, when a forward output needs its statistics (lse and
+      // entropy of every row; z-loss and argmax of an invalid row), or for the lse and entropy
+      // terms of an ignored row's gradient (rule 18), never for a gradient alone of an ignored
+      // row without them or of an invalid row.
+      const RowTerms terms = row_terms(setup, r);
+      const bool ignored_terms = grad_row && t.kind == RowKind::kIgnored && terms.any();
+      const bool read = t.kind == RowKind::kScored || job.lse_out || job.entropy_out ||
+                        ignored_terms || (t.kind == RowKind::kInvalid && (res || job.argmax));
       if (read && fast) {
         if (float_row(setup, job, t, r, z_row, grad_row, af)) continue;
       } else if (read) {
@@ -426,6 +474,7 @@ inline bool run_rows(const CeSetup& setup, const RowsJob& job, RowScratch& scrat
         scale_and_softcap(setup, a);                                   // steps 1, 2
         const RowStats st = job.lse_in ? saved_stats(job.lse_in[r], a, V) : row_stats(a, V);  // 3
         if (job.lse_out) job.lse_out[r] = float(st.lse);
+        if (job.entropy_out) job.entropy_out[r] = float(st.entropy);
         if (job.argmax && t.kind != RowKind::kIgnored) job.argmax[r] = st.argmax;
         // Token scaling's t = p_y, a constant of the row (docs/semantics.md rules 8, 9).
         const double tscale =
@@ -438,8 +487,9 @@ inline bool run_rows(const CeSetup& setup, const RowsJob& job, RowScratch& scrat
           res->z_loss[size_t(r)] = scaled_z_loss_term(setup, tscale, st.lse);    // 5
           if (!res->correct.empty()) res->correct[size_t(r)] = st.argmax == t.y ? 1 : 0;
         }
-        if (grad_row && t.kind == RowKind::kScored) {
-          gradient(setup, a, st, t.y, upstream_scales(setup, r), tscale);
+        if ((grad_row && t.kind == RowKind::kScored) || ignored_terms) {
+          const int64_t y = t.kind == RowKind::kScored ? t.y : -1;
+          gradient(setup, a, st, y, upstream_scales(setup, r), tscale, terms);
           store_row(job.grad_dtype, a, V, grad_row);
           continue;
         }

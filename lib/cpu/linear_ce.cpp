@@ -48,7 +48,8 @@ fce_status cpu_linear_ce(const LinearCeProblem& p) {
   const bool with_grad = p.with_grad();
   try {
     // Everything is allocated before any output is written.
-    const CeSetup setup = make_setup(p.opt, p.rows, p.vocab, p.targets, p.grad_output);
+    const CeSetup setup = make_setup(p.opt, p.rows, p.vocab, p.targets, p.grad_output,
+                                     p.entropy != nullptr, p.grad_lse, p.grad_entropy);
     RowScratch scratch(setup, R);
     RowResults results(p.rows, p.accuracy != nullptr);
     const FloatMatrix W = as_float(dtype, p.weight, p.vocab, p.hidden);
@@ -77,6 +78,7 @@ fce_status cpu_linear_ce(const LinearCeProblem& p) {
       job.grad_dtype = FCE_FLOAT32;
       job.lse_in = nullptr;
       job.lse_out = p.lse;
+      job.entropy_out = p.entropy;
       job.argmax = p.argmax;
       job.results = &results;
       invalid_seen |= run_rows(setup, job, scratch);

@@ -646,9 +646,11 @@ FCE_API fce_status fce_nccl_linear_ce(const fce_options* options, ncclComm_t com
   fce_gradients partial = gr;  // this rank's share of dloss/dh, in float32
   partial.grad_hidden = gh32;
   partial.grad_hidden_dtype = FCE_FLOAT32;
-  const fce_status st =
-      fce_vp_linear_ce(options, shard, rows, hidden, hidden_states, weight, bias, targets, &out,
-                       &partial, nccl_all_gather, &g, scratch, scratch_bytes, stream);
+  fce_vp_shard sh = *shard;  // the caller's all_gather and context are not read: ncclAllGather
+  sh.all_gather = nccl_all_gather;
+  sh.context = &g;
+  const fce_status st = fce_vp_linear_ce(options, &sh, rows, hidden, hidden_states, weight, bias,
+                                         targets, &out, &partial, scratch, scratch_bytes, stream);
   if (g.result != ncclSuccess) return nccl_fail(fn, "ncclAllGather (statistics)", g.result, comm);
   FCE_NCCL_CORE(fn, st);
   if (grad_hidden && rows > 0) {  // (no row: no dloss/dh to reduce, on every rank alike)

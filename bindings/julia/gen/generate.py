@@ -264,6 +264,19 @@ def parse_header(text: str) -> Header:
             nxt = val + 1
         hdr.enums.append(Enum(m.group(3), values))
         known.add(m.group(3))
+
+    nopp = re.sub(r"^[ \t]*#.*$", lambda mm: " " * len(mm.group(0)), code, flags=re.M)
+    # function-pointer typedefs (callbacks), before the structs that may hold one:
+    # typedef <return type> (*<name>)(<parameters>);
+    for m in re.finditer(r"\btypedef\s+([^;{}()]*?)\s*\(\s*\*\s*(\w+)\s*\)\s*"
+                         r"\(([^;{}]*?)\)\s*;", nopp, re.S):
+        ret, rname = parse_decl(" ".join(m.group(1).split()), known)
+        if rname is not None:
+            raise HeaderError(f"cannot parse the return type of {m.group(0)!r}")
+        name = m.group(2)
+        params = _parse_params(name, m.group(3), known)
+        hdr.callbacks.append(Function(name, ret, params, _line_of(nopp, m.start())))
+        known.add(name)
     for m in re.finditer(r"typedef\s+struct\s*(\w*)\s*\{(.*?)\}\s*(\w+)\s*;", code, re.S):
         known.add(m.group(3))
         fields = []
@@ -294,18 +307,6 @@ def parse_header(text: str) -> Header:
             continue  # FCE_API and the like: not constants
         constants[name] = value
         hdr.defines.append(Define(name, body, value, unsigned))
-
-    nopp = re.sub(r"^[ \t]*#.*$", lambda mm: " " * len(mm.group(0)), code, flags=re.M)
-    # function-pointer typedefs (callbacks): typedef <return type> (*<name>)(<parameters>);
-    for m in re.finditer(r"\btypedef\s+([^;{}()]*?)\s*\(\s*\*\s*(\w+)\s*\)\s*"
-                         r"\(([^;{}]*?)\)\s*;", nopp, re.S):
-        ret, rname = parse_decl(" ".join(m.group(1).split()), known)
-        if rname is not None:
-            raise HeaderError(f"cannot parse the return type of {m.group(0)!r}")
-        name = m.group(2)
-        params = _parse_params(name, m.group(3), known)
-        hdr.callbacks.append(Function(name, ret, params, _line_of(nopp, m.start())))
-        known.add(name)
 
     # prototypes: FCE_API <return type> <name>(<parameters>);
     for m in re.finditer(r"\bFCE_API\s+([^;{}()]*?)\s*\(([^;{}]*?)\)\s*;", nopp, re.S):
@@ -374,7 +375,7 @@ def c_layout(st: Struct, hdr: Header) -> tuple[list[int], int]:
              "ptrdiff_t": 8, "int64_t": 8, "uint64_t": 8}
     offsets, off, align_max = [], 0, 1
     for f in st.fields:
-        if f.ctype.pointers:
+        if f.ctype.pointers or hdr.callback_of(f.ctype.base):
             size = 8
         elif hdr.enum_of(f.ctype.base):
             size = 4

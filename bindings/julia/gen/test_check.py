@@ -190,8 +190,14 @@ def test_wrong_pointer_and_struct_types_fail(pkg: Path, function, position, wron
     assert only(found, "src/bad.jl", needle, f"typed {wrong}"), found
 
 
-def test_callback_parameter_must_be_ptr_cvoid(pkg: Path):
-    hdr = gen.parse_header(HEADER.read_text())
+def test_callback_parameter_must_be_ptr_cvoid(pkg: Path, tmp_path: Path):
+    # No 1.0 function takes a callback by value (fce_vp_linear_ce's all-gather travels in
+    # fce_vp_shard): a header with one more declaration that does, for the parameter rule.
+    text = HEADER.read_text() + (
+        "\nFCE_API fce_status fce_with_callback(fce_vp_all_gather_fn all_gather, void* context);\n")
+    header = tmp_path / "fusedce.h"
+    header.write_text(text)
+    hdr = gen.parse_header(text)
     fn = next(f for f in hdr.functions
               if any(hdr.callback_of(p.ctype.base) and not p.ctype.pointers for p in f.params))
     i = next(i for i, p in enumerate(fn.params) if hdr.callback_of(p.ctype.base))
@@ -204,7 +210,7 @@ def test_callback_parameter_must_be_ptr_cvoid(pkg: Path):
                      ({", ".join(types)}), {args})
     """)
     p = fn.params[i]
-    found = problems(pkg)
+    found = problems(pkg, header)
     needle = f"argument {i + 1} ({p.ctype} {p.name}) is typed Ptr{{Cfloat}}"
     assert only(found, "src/bad.jl", needle, "expected Ptr{Cvoid}"), found
 

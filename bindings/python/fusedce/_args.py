@@ -19,6 +19,7 @@ from . import _lib
 from ._arrays import _TARGET_CODES, _Arr, _dtype_name
 from ._lib import (FCE_BACKEND_CPU, FCE_BACKEND_CUDA, FCE_REDUCTION_MEAN, FCE_REDUCTION_NONE,
                    FCE_REDUCTION_SUM)
+from ._options import CEOptions
 
 REDUCTIONS = {"mean": FCE_REDUCTION_MEAN, "sum": FCE_REDUCTION_SUM, "none": FCE_REDUCTION_NONE}
 
@@ -55,55 +56,30 @@ def _backend_code(backend) -> Optional[int]:
     raise ValueError(f"backend must be 'cpu' or 'cuda', got {backend!r}")
 
 
-def _int_option(value, name):
-    """An int64 option (its range is the library's to check)."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    value = int(value)
-    if not -(2 ** 63) <= value < 2 ** 63:
-        raise ValueError(f"{name} ({value}) does not fit in int64")
-    return value
-
-
-def _float_option(value, name):
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"{name} must be a real number, got {value!r}") from None
-
-
-def _build_options(*, backend, dtype, target_dtype, reduction, ignore_index, class_weights_ptr,
-                   label_smoothing, z_loss_scale, softcap, logit_scale, shift_seq_len,
-                   deterministic, row_stride=0, grad_row_stride=0, hidden_row_stride=0,
-                   accumulate=False, grad_weight_fp32=False, shift=0, token_scaling=False,
-                   ) -> _lib.Options:
-    """The fce_options of a call. Values out of their domain (a negative shift or shift_seq_len,
-    epsilon outside [0, 1), a negative softcap, rows that are no whole number of sequences, ...)
-    are the library's to reject: it names the argument in InvalidArgumentError. The outputs
-    (argmax, accuracy, ...) are not options: they travel in _lib.outputs()."""
+def _build_options(opts: CEOptions, *, backend, dtype, target_dtype, class_weights_ptr=0,
+                   deterministic=False, row_stride=0, grad_row_stride=0, hidden_row_stride=0,
+                   accumulate=False, grad_weight_fp32=False) -> _lib.Options:
+    """The fce_options of a call: the caller's options (one :class:`CEOptions`, checked where it
+    was built) and this call's values (backend, dtypes, class weights, strides, ...). Values out
+    of their domain (a negative shift or shift_seq_len, epsilon outside [0, 1), a negative
+    softcap, rows that are no whole number of sequences, ...) are the library's to reject: it
+    names the argument in InvalidArgumentError. The outputs (argmax, accuracy, ...) are not
+    options: they travel in _lib.outputs()."""
     o = _lib.default_options()  # struct_size: _lib.options_size()
-    shift = _int_option(shift, "shift")
-    o.shift = shift
-    o.token_scaling = 1 if token_scaling else 0
-    o.reserved1 = 0
+    o.backend, o.dtype, o.target_dtype = backend, dtype, target_dtype
+    o.reduction, o.ignore_index = opts.reduction, opts.ignore_index
+    o.label_smoothing, o.z_loss_scale = opts.label_smoothing, opts.z_loss
+    o.softcap, o.logit_scale = opts.softcap, opts.logit_scale
+    o.shift_seq_len, o.shift = opts.shift_seq_len, opts.shift
+    o.token_scaling = 1 if opts.token_scaling else 0
     o.class_weights = class_weights_ptr or None
-    o.ignore_index = _int_option(ignore_index, "ignore_index")
     o.row_stride = row_stride
     o.grad_row_stride = grad_row_stride
-    o.shift_seq_len = _int_option(shift_seq_len, "shift_seq_len")
     o.hidden_row_stride = hidden_row_stride
-    o.backend = backend
-    o.dtype = dtype
-    o.target_dtype = target_dtype
-    o.reduction = reduction
-    o.label_smoothing = _float_option(label_smoothing, "label_smoothing")
-    o.z_loss_scale = _float_option(z_loss_scale, "z_loss_scale")
-    o.softcap = _float_option(softcap, "softcap")
-    o.logit_scale = _float_option(logit_scale, "logit_scale")
     o.deterministic = 1 if deterministic else 0
     o.accumulate = 1 if accumulate else 0
     o.grad_weight_fp32 = 1 if grad_weight_fp32 else 0
-    o.reserved0 = 0
+    o.reserved0 = o.reserved1 = 0
     return o
 
 
@@ -224,9 +200,3 @@ def _resolve_shift(shift, shift_seq_len, target_shape: tuple, rows: int) -> Tupl
             raise ValueError(f"shift must be in [0, {t}) (the sequence length), got {k}")
     return t, (0 if k == 1 else k)
 
-
-def _output_mask(return_z_loss, return_token_accuracy, return_predicted_tokens, return_lse):
-    """The bits of the optional outputs (z_loss 1, token_accuracy 2, predicted_tokens 4, lse 8),
-    in the order they follow the loss in the CrossEntropyOutput named tuple."""
-    return ((1 if return_z_loss else 0) | (2 if return_token_accuracy else 0)
-            | (4 if return_predicted_tokens else 0) | (8 if return_lse else 0))

@@ -4,7 +4,9 @@ A failing call raises the :class:`FusedCEError` subclass of its status; its text
 library's own message (``fce_last_error()``: the function and the argument it is about), with
 the status name appended. The checks the library makes are never repeated in Python: their one
 source of truth is the library, and its message is the one the user reads
-(:func:`fusedce._lib.check`). Nothing here loads the library.
+(:func:`fusedce._lib.check`). Nothing here loads the library, and nothing here imports
+_lib.py: the dependency goes one way, _lib.py imports this module (and, once the library is
+loaded, hands it fce_status_string through :func:`set_status_lookup`).
 """
 
 from __future__ import annotations
@@ -23,12 +25,21 @@ FCE_ERROR_INTERNAL = 9
 FCE_ERROR_OUT_OF_MEMORY = 10  # 0.4: host memory ran out (the CPU backend's buffers)
 
 
+_STATUS_LOOKUP = None  # fce_status_string of the loaded library (set_status_lookup), else None
+
+
+def set_status_lookup(lookup) -> None:
+    """Called by _lib.load() with its status_string once the library is loaded."""
+    global _STATUS_LOOKUP
+    _STATUS_LOOKUP = lookup
+
+
 def _status_string(status: int) -> str:
     """fce_status_string() when the library is loaded (never loads it), else the number."""
-    from . import _lib
-    if _lib._LIB is None:
+    lookup = _STATUS_LOOKUP
+    if lookup is None:
         return str(status)
-    return _lib.status_string(status)
+    return lookup(status)
 
 
 class FusedCEError(RuntimeError):

@@ -1,8 +1,9 @@
 """The FFI-call layer of fusedce.jax: registration of the XLA FFI targets of the shim
-(libfusedce_jax.so, fusedce/jax_ffi), the static options of a call (:class:`_Cfg`), the
-workspaces sized at trace time with the library's own queries (per platform), and the jitted
-custom calls themselves. The custom_vjp wiring is in _jax_vjp.py, the public functions in jax.py.
-How the workspace is handled: the docstring of :mod:`fusedce.jax` ("Workspaces").
+(libfusedce_jax.so, fusedce/jax_ffi), the flattening of a call's options into the shim's
+attributes (:func:`_attrs`), the workspaces sized at trace time with the library's own queries
+(per platform), and the jitted custom calls themselves. The custom_vjp wiring is in
+_jax_vjp.py, the public functions in jax.py. How the workspace is handled: the docstring of
+:mod:`fusedce.jax` ("Workspaces").
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import ctypes
 import functools
 import os
 import threading
-from typing import NamedTuple, Optional, Tuple
+from typing import Optional, Tuple
 
 import numpy as np
 
@@ -21,6 +22,8 @@ from jax import custom_batching, lax
 
 from . import _alloc, _lib
 from . import jax_ffi as _shim_build
+from ._args import _build_options
+from ._options import CEOptions, Want
 
 _NONE = 2  # FCE_REDUCTION_NONE
 _F32 = jnp.float32
@@ -78,28 +81,14 @@ def shim_path() -> Optional[str]:
 
 
 # ---------------------------------------------------------------------- options ----
-class _Cfg(NamedTuple):
-    """The static options of one call (hashable: a nondiff argument of the custom_vjp)."""
-    reduction: int
-    ignore_index: int
-    label_smoothing: float
-    z_loss: float
-    softcap: float
-    logit_scale: float
-    shift_seq_len: int
-    shift: int                # 0 means 1 (the C default)
-    token_scaling: bool
-    extras: int               # 1 z_loss (library total, mean/sum), 2 accuracy, 4 argmax
-    want_lse: bool
-    workspace_bytes: int = 0  # linear CE only
-
-    def attrs(self, rescale: bool = False) -> dict:
-        iopts = np.array([self.reduction, self.ignore_index, self.shift_seq_len, self.shift,
-                          int(self.token_scaling), self.workspace_bytes, int(rescale), 0],
-                         dtype=np.int64)
-        fopts = np.array([self.label_smoothing, self.z_loss, self.softcap, self.logit_scale],
-                         dtype=np.float32)
-        return {"iopts": iopts, "fopts": fopts}
+# The static arguments of a call: one CEOptions (the caller's options), one Want (what the
+# library call writes: Want.from_library) and, for fce_linear_ce, the workspace budget; all
+# hashable (nondiff arguments of the custom_vjp, static arguments of the jitted calls).
+def _attrs(opts: CEOptions, workspace_bytes: int = 0, rescale: bool = False) -> dict:
+    """The shim's attributes for these options: the one place they are flattened
+    (CEOptions.as_ffi_attrs knows the order)."""
+    iopts, fopts = opts.as_ffi_attrs(workspace_bytes, rescale)
+    return {"iopts": np.array(iopts, dtype=np.int64), "fopts": np.array(fopts, dtype=np.float32)}
 
 
 def _empty(dtype=_F32) -> jax.Array:
@@ -110,13 +99,13 @@ def _sds(shape, dtype) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype)
 
 
-def _extra_shapes(cfg: _Cfg, n: int):
+def _extra_shapes(want: Want, reduction: int, n: int):
     """(z_loss, accuracy, argmax-as-int32-pairs) output specs; (0,) for those not asked."""
-    zl = _sds(() if cfg.extras & 1 and cfg.reduction != _NONE else (0,), _F32)
-    acc = _sds(((n,) if cfg.reduction == _NONE else ()) if cfg.extras & 2 else (0,), _F32)
+    zl = _sds(() if want.z_loss else (0,), _F32)
+    acc = _sds(((n,) if reduction == _NONE else ()) if want.accuracy else (0,), _F32)
     # int64 argmax, written as int32 pairs (int64 arrays need jax_enable_x64): the low word
     # (little-endian) holds the class, -1 included
-    am = _sds((n, 2) if cfg.extras & 4 else (0,), jnp.int32)
+    am = _sds((n, 2) if want.argmax else (0,), jnp.int32)
     return [zl, acc, am]
 
 
@@ -128,9 +117,9 @@ def _argmax_of(am: jax.Array) -> jax.Array:
 _CPU, _CUDA = _lib.FCE_BACKEND_CPU, _lib.FCE_BACKEND_CUDA
 _FLOAT_CODES = {"float32": _lib.FCE_FLOAT32, "float16": _lib.FCE_FLOAT16,
                 "bfloat16": _lib.FCE_BFLOAT16}
-# A valid, aligned host address standing in the queries' options for the pointers the handler
-# sets (class_weights, argmax, accuracy): the queries read only the options' values (and check
-# the pointers' alignment), never the memory.
+# A valid, aligned host address standing in the queries' options for the class weights the
+# handler passes: the queries read only the options' values (and check the pointer's
+# alignment), never the memory.
 _PLACEHOLDER = np.zeros(4, np.int64)
 
 
@@ -143,27 +132,14 @@ def _cuda_usable() -> bool:
         return False
 
 
-def _query_options(cfg: _Cfg, backend: int, dtype, target_dtype, class_weights: bool,
-                   accuracy: bool = False, argmax: bool = False) -> _lib.Options:
-    """The fce_options the shim's handler builds (MakeOptions, SetExtras in fusedce_jax.cc) for
-    these static options, dtypes and optional buffers: what the workspace queries must see."""
-    o = _lib.default_options()  # struct_size: _lib.options_size(), the shim's too (fce_jax_init)
-    o.backend = backend
-    o.dtype = _FLOAT_CODES[jnp.dtype(dtype).name]
-    o.target_dtype = _lib.FCE_INT64 if jnp.dtype(target_dtype) == jnp.int64 else _lib.FCE_INT32
-    o.reduction = cfg.reduction
-    o.ignore_index = cfg.ignore_index
-    o.shift_seq_len = cfg.shift_seq_len
-    o.label_smoothing = cfg.label_smoothing
-    o.z_loss_scale = cfg.z_loss
-    o.softcap = cfg.softcap
-    o.logit_scale = cfg.logit_scale
-    placeholder = _PLACEHOLDER.ctypes.data
-    if class_weights:
-        o.class_weights = placeholder
-    o.shift = cfg.shift
-    o.token_scaling = 1 if cfg.token_scaling else 0
-    return o
+def _query_options(opts: CEOptions, backend: int, dtype, target_dtype,
+                   class_weights: bool) -> _lib.Options:
+    """The fce_options the shim's handler builds (MakeOptions in fusedce_jax.cc) for these
+    options, dtypes and class weights: what the workspace queries must see."""
+    return _build_options(
+        opts, backend=backend, dtype=_FLOAT_CODES[jnp.dtype(dtype).name],
+        target_dtype=_lib.FCE_INT64 if jnp.dtype(target_dtype) == jnp.int64 else _lib.FCE_INT32,
+        class_weights_ptr=_PLACEHOLDER.ctypes.data if class_weights else 0)
 
 
 def _per_platform(query) -> Tuple[int, int]:
@@ -187,15 +163,13 @@ def _per_platform(query) -> Tuple[int, int]:
     return sizes[0], sizes[1]
 
 
-def _ce_workspace(function: str, cfg: _Cfg, logits, targets, cw, extras: bool):
+def _ce_workspace(function: str, opts: CEOptions, logits, targets, cw):
     """fce_forward_workspace_size / fce_backward_workspace_size per platform (a failure raised
     as fce_forward's / fce_backward's: the call the query sizes)."""
     n, v = logits.shape
 
     def query(backend):
-        o = _query_options(cfg, backend, logits.dtype, targets.dtype, cw.shape[0] > 0,
-                           accuracy=extras and bool(cfg.extras & 2),
-                           argmax=extras and bool(cfg.extras & 4))
+        o = _query_options(opts, backend, logits.dtype, targets.dtype, cw.shape[0] > 0)
         out = ctypes.c_size_t(0)
         _alloc.query_for(function[:-len("_workspace_size")], function, ctypes.byref(o), n, v,
                          ctypes.byref(out))
@@ -203,17 +177,16 @@ def _ce_workspace(function: str, cfg: _Cfg, logits, targets, cw, extras: bool):
     return _per_platform(query)
 
 
-def _linear_workspace(cfg: _Cfg, hidden, weight, targets, cw, with_grad: bool):
+def _linear_workspace(opts: CEOptions, budget: int, hidden, weight, targets, cw,
+                      with_grad: bool):
     """fce_linear_ce's workspace per platform: on CUDA the fastest plan's (optimal_bytes) when
-    it is within the budget cfg.workspace_bytes, else the budget, never below min_bytes; on the
+    it is within the budget (workspace_bytes), else the budget, never below min_bytes; on the
     CPU min_bytes (the workspace only decides where the chunk buffers live, fusedce.h)."""
     n, d = hidden.shape
     v = weight.shape[0]
-    budget = cfg.workspace_bytes
 
     def query(backend):
-        o = _query_options(cfg, backend, hidden.dtype, targets.dtype, cw.shape[0] > 0,
-                           accuracy=bool(cfg.extras & 2), argmax=bool(cfg.extras & 4))
+        o = _query_options(opts, backend, hidden.dtype, targets.dtype, cw.shape[0] > 0)
         lo, hi = ctypes.c_size_t(0), ctypes.c_size_t(0)
         _alloc.query_for("fce_linear_ce", "fce_linear_ce_workspace_size", ctypes.byref(o), n, d,
                          v, 1 if with_grad else 0, ctypes.byref(lo), ctypes.byref(hi))
@@ -251,48 +224,51 @@ def _ffi_call(target: str, outs, args, attrs: dict, workspace: Tuple[int, int],
 # Each jitted: eager use compiles the custom call, its platform branch and the drop of the
 # workspace together (the workspace is then an XLA temporary, never an array handed back);
 # under an outer jit they are inlined.
-@functools.partial(jax.jit, static_argnames=("cfg", "with_grad", "want_lse"))
-def _ce_fwd_call(logits, targets, cw, cfg: _Cfg, with_grad: bool, want_lse: bool):
-    """(loss, lse|(0,), z_loss, accuracy, argmax, grad|(0,)) from fusedce_ce_fwd."""
+@functools.partial(jax.jit, static_argnames=("opts", "want", "with_grad"))
+def _ce_fwd_call(logits, targets, cw, opts: CEOptions, want: Want, with_grad: bool):
+    """(loss, lse|(0,), z_loss, accuracy, argmax, grad|(0,)) from fusedce_ce_fwd; ``want``:
+    what the library writes (lse only when want.lse)."""
     n, v = logits.shape
-    outs = [_sds((n,) if cfg.reduction == _NONE else (), _F32),
-            _sds((n,) if want_lse else (0,), _F32)] + _extra_shapes(cfg, n) + [
+    outs = [_sds((n,) if opts.per_row else (), _F32),
+            _sds((n,) if want.lse else (0,), _F32)] + _extra_shapes(want, opts.reduction, n) + [
             _sds((n, v) if with_grad else (0,), logits.dtype)]
-    ws = _ce_workspace("fce_forward_workspace_size", cfg, logits, targets, cw, extras=True)
-    return _ffi_call("fusedce_ce_fwd", outs, (logits, targets, cw), cfg.attrs(), ws)
+    ws = _ce_workspace("fce_forward_workspace_size", opts, logits, targets, cw)
+    return _ffi_call("fusedce_ce_fwd", outs, (logits, targets, cw), _attrs(opts), ws)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _ce_bwd_call(logits, targets, cw, lse, ct, grad1, cfg: _Cfg):
+@functools.partial(jax.jit, static_argnames=("opts",))
+def _ce_bwd_call(logits, targets, cw, lse, ct, grad1, opts: CEOptions):
     """fce_backward (grad1 None) or fce_backward_rescale in place on grad1."""
     rescale = grad1 is not None
-    ws = _ce_workspace("fce_backward_workspace_size", cfg, logits, targets, cw, extras=False)
+    ws = _ce_workspace("fce_backward_workspace_size", opts, logits, targets, cw)
     (grad,) = _ffi_call(
         "fusedce_ce_bwd", [_sds(logits.shape, logits.dtype)],
         (logits, targets, cw, lse, ct, grad1 if rescale else _empty(logits.dtype)),
-        cfg.attrs(rescale=rescale), ws, input_output_aliases={5: 0} if rescale else None)
+        _attrs(opts, rescale=rescale), ws, input_output_aliases={5: 0} if rescale else None)
     return grad
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "need"))
-def _linear_call(hidden, weight, bias, targets, cw, grad_output, cfg: _Cfg,
-                 need: Tuple[bool, bool, bool]):
+@functools.partial(jax.jit, static_argnames=("opts", "want", "workspace_bytes", "need"))
+def _linear_call(hidden, weight, bias, targets, cw, grad_output, opts: CEOptions, want: Want,
+                 workspace_bytes: int, need: Tuple[bool, bool, bool]):
     """(loss, lse, z_loss, accuracy, argmax, grad_hidden, grad_weight, grad_bias) from
-    fusedce_linear_ce; the gradients not in ``need`` are (0,)."""
+    fusedce_linear_ce; ``want``: what the library writes; the gradients not in ``need`` are
+    (0,); ``workspace_bytes``: the CUDA workspace budget."""
     n, d = hidden.shape
     v = weight.shape[0]
     dt = hidden.dtype
     need_bias = need[2] and bias is not None
-    outs = [_sds((n,) if cfg.reduction == _NONE else (), _F32),
-            _sds((n,) if cfg.want_lse else (0,), _F32)] + _extra_shapes(cfg, n) + [
+    outs = [_sds((n,) if opts.per_row else (), _F32),
+            _sds((n,) if want.lse else (0,), _F32)] + _extra_shapes(want, opts.reduction, n) + [
             _sds((n, d) if need[0] else (0,), dt),
             _sds((v, d) if need[1] else (0,), dt),
             _sds((v,) if need_bias else (0,), dt)]
-    ws = _linear_workspace(cfg, hidden, weight, targets, cw,
+    ws = _linear_workspace(opts, workspace_bytes, hidden, weight, targets, cw,
                            with_grad=bool(need[0] or need[1] or need_bias))
     return _ffi_call("fusedce_linear_ce", outs,
                      (hidden, weight, bias if bias is not None else _empty(dt), targets, cw,
-                      grad_output if grad_output is not None else _empty()), cfg.attrs(), ws)
+                      grad_output if grad_output is not None else _empty()),
+                     _attrs(opts, workspace_bytes), ws)
 
 
 def _scale(grad, ct):

@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
-from ._jax_calls import (_F32, _NONE, _Cfg, _ce_bwd_call, _ce_fwd_call, _empty, _linear_call,
-                         _scale)
+from ._jax_calls import _F32, _ce_bwd_call, _ce_fwd_call, _empty, _linear_call, _scale
+from ._options import CEOptions, Want
 
 
 def _primal(p):
@@ -28,32 +28,33 @@ def _is_zero(ct) -> bool:
 
 
 # --------------------------------------------------------------- cross_entropy vjp ----
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _ce(logits, targets, cw, cfg: _Cfg):
-    loss, lse, zl, acc, am, _ = _ce_fwd_call(logits, targets, cw, cfg, False, cfg.want_lse)
+# opts: the caller's options; want: what the library call writes (Want.from_library)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _ce(logits, targets, cw, opts: CEOptions, want: Want):
+    loss, lse, zl, acc, am, _ = _ce_fwd_call(logits, targets, cw, opts, want, False)
     return loss, lse, zl, acc, am
 
 
-def _ce_fwd(logits, targets, cw, cfg: _Cfg):
+def _ce_fwd(logits, targets, cw, opts: CEOptions, want: Want):
     z, dz = _primal(logits)
     y, _ = _primal(targets)
     w, _ = _primal(cw)
     if not dz:  # nothing to differentiate here
-        loss, lse, zl, acc, am, _ = _ce_fwd_call(z, y, w, cfg, False, cfg.want_lse)
+        loss, lse, zl, acc, am, _ = _ce_fwd_call(z, y, w, opts, want, False)
         return (loss, lse, zl, acc, am), None
-    one_pass = cfg.reduction != _NONE
-    loss, lse, zl, acc, am, grad1 = _ce_fwd_call(z, y, w, cfg, one_pass, True)
-    out_lse = lse if cfg.want_lse else _empty()
+    one_pass = not opts.per_row
+    loss, lse, zl, acc, am, grad1 = _ce_fwd_call(z, y, w, opts, want.replace(lse=True), one_pass)
+    out_lse = lse if want.lse else _empty()
     return (loss, out_lse, zl, acc, am), (z, y, w, lse, grad1 if one_pass else None)
 
 
-def _ce_bwd(cfg: _Cfg, res, cts):
+def _ce_bwd(opts: CEOptions, want: Want, res, cts):
     ct = cts[0]
     if res is None or _is_zero(ct):
         return None, None, None
     z, y, w, lse, grad1 = res
-    ct = jnp.asarray(ct, _F32).reshape((z.shape[0],) if cfg.reduction == _NONE else ())
-    return _ce_bwd_call(z, y, w, lse, ct, grad1, cfg), None, None
+    ct = jnp.asarray(ct, _F32).reshape((z.shape[0],) if opts.per_row else ())
+    return _ce_bwd_call(z, y, w, lse, ct, grad1, opts), None, None
 
 
 _ce.defvjp(_ce_fwd, _ce_bwd, symbolic_zeros=True)
@@ -65,40 +66,40 @@ def _need_marker(flags):
     return tuple(() if f else None for f in flags)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _linear(hidden, weight, bias, targets, cw, cfg: _Cfg):
-    loss, lse, zl, acc, am, _, _, _ = _linear_call(hidden, weight, bias, targets, cw, None, cfg,
-                                                   (False, False, False))
+# opts, want: as _ce's; workspace_bytes: the CUDA workspace budget
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _linear(hidden, weight, bias, targets, cw, opts: CEOptions, want: Want,
+            workspace_bytes: int):
+    loss, lse, zl, acc, am, _, _, _ = _linear_call(hidden, weight, bias, targets, cw, None, opts,
+                                                   want, workspace_bytes, (False, False, False))
     return loss, lse, zl, acc, am
 
 
-def _linear_fwd(hidden, weight, bias, targets, cw, cfg: _Cfg):
+def _linear_fwd(hidden, weight, bias, targets, cw, opts: CEOptions, want: Want,
+                workspace_bytes: int):
     h, dh = _primal(hidden)
     wt, dw = _primal(weight)
     b, db = _primal(bias) if bias is not None else (None, False)
     y, _ = _primal(targets)
     w, _ = _primal(cw)
     db = db and b is not None
+
+    def call(need):
+        return _linear_call(h, wt, b, y, w, None, opts, want, workspace_bytes, need)
     if not (dh or dw or db):
-        loss, lse, zl, acc, am, _, _, _ = _linear_call(h, wt, b, y, w, None, cfg,
-                                                       (False, False, False))
+        loss, lse, zl, acc, am, _, _, _ = call((False, False, False))
         return (loss, lse, zl, acc, am), None
-    out_lse = (lambda lse: lse if cfg.want_lse else _empty())
-    if cfg.reduction != _NONE and not db:
+    if not opts.per_row and not db:
         # gradients for an upstream 1 in the same call as the loss; scaled in the backward
-        loss, lse, zl, acc, am, gh, gw, _ = _linear_call(h, wt, b, y, w, None, cfg,
-                                                         (dh, dw, False))
-        return (loss, out_lse(lse), zl, acc, am), ((gh if dh else None, gw if dw else None),
-                                                    None)
+        loss, lse, zl, acc, am, gh, gw, _ = call((dh, dw, False))
+        return (loss, lse, zl, acc, am), ((gh if dh else None, gw if dw else None), None)
     # reduction 'none' (per-row cotangent) or a bias to differentiate (its 16-bit sum would be
     # rounded twice by a scale): the loss now, everything with the real cotangent later
-    loss, lse, zl, acc, am, _, _, _ = _linear_call(h, wt, b, y, w, None, cfg,
-                                                   (False, False, False))
-    return (loss, out_lse(lse), zl, acc, am), (None, ((h, wt, b, y, w), _need_marker(
-        (dh, dw, db))))
+    loss, lse, zl, acc, am, _, _, _ = call((False, False, False))
+    return (loss, lse, zl, acc, am), (None, ((h, wt, b, y, w), _need_marker((dh, dw, db))))
 
 
-def _linear_bwd(cfg: _Cfg, res, cts):
+def _linear_bwd(opts: CEOptions, want: Want, workspace_bytes: int, res, cts):
     ct = cts[0]
     nones = (None, None)
     if res is None or _is_zero(ct):
@@ -111,8 +112,9 @@ def _linear_bwd(cfg: _Cfg, res, cts):
                 (_scale(gw, ct) if gw is not None else None), None) + nones
     (h, wt, b, y, w), marker = recompute
     need = tuple(m is not None for m in marker)
-    ct = jnp.asarray(ct, _F32).reshape((h.shape[0],) if cfg.reduction == _NONE else ())
-    _, _, _, _, _, gh, gw, gb = _linear_call(h, wt, b, y, w, ct, cfg, need)
+    ct = jnp.asarray(ct, _F32).reshape((h.shape[0],) if opts.per_row else ())
+    _, _, _, _, _, gh, gw, gb = _linear_call(h, wt, b, y, w, ct, opts, want, workspace_bytes,
+                                             need)
     return ((gh if need[0] else None), (gw if need[1] else None),
             (gb if need[2] else None)) + nones
 

@@ -56,6 +56,7 @@ from ._errors import (FCE_ERROR_BACKEND_UNAVAILABLE, FCE_ERROR_CUBLAS, FCE_ERROR
                       UnsupportedError, VersionMismatchError, WorkspaceTooSmallError,
                       error_for_status)
 from ._errors import ERRORS as _ERRORS  # noqa: F401
+from ._errors import set_status_lookup as _set_status_lookup
 
 # ---------------------------------------------------------------- the header we mirror ----
 HEADER_VERSION_MAJOR = 1
@@ -129,6 +130,7 @@ class Outputs(ctypes.Structure):
         ("argmax", ctypes.c_void_p),       # int64_t* [rows], or NULL
         ("accuracy", ctypes.c_void_p),     # float* [1] (mean/sum) or [rows] (none), or NULL
         ("error_flags", ctypes.c_void_p),  # uint32_t* [1], or NULL
+        ("entropy", ctypes.c_void_p),      # float* [rows], or NULL
     ]
 
 
@@ -145,24 +147,39 @@ class Gradients(ctypes.Structure):
         ("grad_bias", ctypes.c_void_p),
         ("grad_hidden_dtype", ctypes.c_int32),
         ("reserved0", ctypes.c_int32),
+        ("grad_lse", ctypes.c_void_p),      # const float* [rows], or NULL (= 0)
+        ("grad_entropy", ctypes.c_void_p),  # const float* [rows], or NULL (= 0)
     ]
 
 
+# fce_vp_all_gather_fn: fce_status (*)(void* context, const float* send, float* recv,
+# int64_t count, void* stream), the all-gather fce_vp_linear_ce runs its collective through
+# (fce_vp_shard.all_gather).
+# The pointers arrive as ints (None for NULL); a Python exception must not escape it (ctypes
+# would print it and return 0, FCE_SUCCESS): catch it, return a failing status, re-raise it
+# after the call. Keep the object alive for as long as the call runs.
+VP_ALL_GATHER_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                    ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p)
+
+
 class VpShard(ctypes.Structure):
-    """fce_vp_shard: where this rank's vocabulary shard lies."""
+    """fce_vp_shard: where this rank's vocabulary shard lies, and (fce_vp_linear_ce only) the
+    all-gather that reaches the other ranks."""
 
     _fields_ = [
         ("ranks", ctypes.c_int64),
         ("vocab_total", ctypes.c_int64),
         ("vocab_start", ctypes.c_int64),
         ("vocab_local", ctypes.c_int64),
+        ("all_gather", VP_ALL_GATHER_FN),
+        ("context", ctypes.c_void_p),
     ]
 
 
 # sizeof of the versioned structs on every LP64 platform the library supports.
 FCE_OPTIONS_SIZE_V1_0 = 120
-FCE_OUTPUTS_SIZE_V1_0 = 56
-FCE_GRADIENTS_SIZE_V1_0 = 56
+FCE_OUTPUTS_SIZE_V1_0 = 64
+FCE_GRADIENTS_SIZE_V1_0 = 72
 OPTIONS_C_SIZEOF = FCE_OPTIONS_SIZE_V1_0
 assert ctypes.sizeof(Options) == OPTIONS_C_SIZEOF, ctypes.sizeof(Options)
 assert ctypes.sizeof(Outputs) == FCE_OUTPUTS_SIZE_V1_0, ctypes.sizeof(Outputs)
@@ -184,9 +201,12 @@ def gradients(grad_output=None, grad_logits=None, grad_hidden=None, grad_weight=
                      int(grad_hidden_dtype), 0)
 
 
-def shard(ranks, vocab_total, vocab_start, vocab_local) -> VpShard:
-    """An fce_vp_shard."""
-    return VpShard(int(ranks), int(vocab_total), int(vocab_start), int(vocab_local))
+def shard(ranks, vocab_total, vocab_start, vocab_local, all_gather=None) -> VpShard:
+    """An fce_vp_shard; all_gather: a VP_ALL_GATHER_FN (fce_vp_linear_ce), else NULL."""
+    s = VpShard(int(ranks), int(vocab_total), int(vocab_start), int(vocab_local))
+    if all_gather is not None:
+        s.all_gather = all_gather
+    return s
 
 
 # --------------------------------------------------------------------------- loading ----
@@ -296,14 +316,6 @@ VP_LINEAR_CE_SYMBOLS = ("fce_vp_linear_ce_workspace_size", "fce_vp_linear_ce")
 SINCE = {"fce_scale_gradient": 200, "fce_backward_rescale": 200, "fce_build_info": 300,
          **{name: 400 for name in VP_SYMBOLS}, **{name: 500 for name in VP_LINEAR_CE_SYMBOLS}}
 
-# fce_vp_all_gather_fn: fce_status (*)(void* context, const float* send, float* recv,
-# int64_t count, void* stream), the all-gather fce_vp_linear_ce runs its collective through.
-# The pointers arrive as ints (None for NULL); a Python exception must not escape it (ctypes
-# would print it and return 0, FCE_SUCCESS): catch it, return a failing status, re-raise it
-# after the call. Keep the object alive for as long as the call runs.
-VP_ALL_GATHER_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                                    ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p)
-
 
 def _declare(lib) -> frozenset:
     """Set the signatures of the library's functions; returns the names of the functions added
@@ -344,7 +356,7 @@ def _declare(lib) -> frozenset:
         "fce_vp_linear_ce_workspace_size": (
             st, [opt, i64, i64, i64, i64, i64, c.c_int, c.c_int32, psz, psz]),
         "fce_vp_linear_ce": (
-            st, [opt, shd, i64, i64, vp, vp, vp, vp, out, grd, VP_ALL_GATHER_FN, vp, vp, sz, vp]),
+            st, [opt, shd, i64, i64, vp, vp, vp, vp, out, grd, vp, sz, vp]),
     }
     missing = []
     for name, (restype, argtypes) in sigs.items():
@@ -478,6 +490,7 @@ def load(reload: bool = False):
             _LIB_PATH, _LIB_ORIGIN = path, origin
             _LIB_VERSION, _LIB_MISSING = int(lib_version), missing
             _LIB = lib
+            _set_status_lookup(status_string)  # exceptions name the status in its words
             return lib
         raise LibraryNotFoundError(
             "libfusedce not found; `pip install fusedce-cu13` (or -cu12) installs a package with "

@@ -56,11 +56,12 @@ from . import _lib
 from ._alloc import (_Alloc, _argmax_accuracy, _class_weights, _error_flags, _linear_grads,  # noqa: F401
                      _grad_output, _out, _ptr, _user_workspace, _workspace, query_for)
 from ._args import (REDUCTIONS, _backend_code, _build_options, _check_backend_kw,  # noqa: F401
-                    _check_same_device, _check_stride_kw, _float_option, _grad_set,
-                    _int_option, _matrix, _reduction_code, _targets_code, _vector, _writable)
+                    _check_same_device, _check_stride_kw, _grad_set, _matrix, _reduction_code,
+                    _targets_code, _vector, _writable)
 from ._arrays import (_CODE_NAMES, _FLOAT_CODES, _ITEMSIZE, _NP_BF16, _TARGET_CODES,  # noqa: F401
                       _Arr, _describe, _dtype_name, _float_code, _is_torch, _need_dtype)
-from ._lib import FCE_FLAG_TARGET_OUT_OF_RANGE, FCE_REDUCTION_NONE
+from ._lib import FCE_FLAG_TARGET_OUT_OF_RANGE
+from ._options import CEOptions
 from ._streams import _call_stream, _device_of, _stream_int  # noqa: F401
 
 __all__ = [
@@ -128,31 +129,22 @@ def check_error_flags(error_flags) -> None:
 
 
 # ================================================================ workspace sizes ====
-def _query_options(rows, vocab, backend, dtype, target_dtype, reduction, ignore_index,
-                   class_weights, label_smoothing, z_loss_scale, softcap, logit_scale,
-                   shift_seq_len, deterministic, accumulate=False, grad_weight_fp32=False,
-                   shift=0, token_scaling=False):
-    b = _backend_code(backend)
+def _query_options(opts: CEOptions, backend, dtype, target_dtype, class_weights, deterministic,
+                   accumulate=False, grad_weight_fp32=False) -> _lib.Options:
     w_ptr = 0
     if class_weights is not None:
         w_ptr = _describe(class_weights, "class_weights").ptr
     return _build_options(
-        backend=b, dtype=_FLOAT_CODES[_dtype_name(dtype) or "float32"],
+        opts, backend=_backend_code(backend),
+        dtype=_FLOAT_CODES[_dtype_name(dtype) or "float32"],
         target_dtype=_TARGET_CODES[_dtype_name(target_dtype) or "int64"],
-        reduction=_reduction_code(reduction), ignore_index=ignore_index,
-        class_weights_ptr=w_ptr, label_smoothing=label_smoothing, z_loss_scale=z_loss_scale,
-        softcap=softcap, logit_scale=logit_scale, shift_seq_len=shift_seq_len,
-        deterministic=deterministic, accumulate=accumulate, grad_weight_fp32=grad_weight_fp32,
-        shift=shift, token_scaling=token_scaling)
+        class_weights_ptr=w_ptr, deterministic=deterministic, accumulate=accumulate,
+        grad_weight_fp32=grad_weight_fp32)
 
 
-def _ce_workspace_size(function, rows, vocab, backend, dtype, target_dtype, reduction,
-                       ignore_index, class_weights, label_smoothing, z_loss_scale, softcap,
-                       logit_scale, shift_seq_len, deterministic, shift=0,
-                       token_scaling=False) -> int:
-    o = _query_options(rows, vocab, backend, dtype, target_dtype, reduction, ignore_index,
-                       class_weights, label_smoothing, z_loss_scale, softcap, logit_scale,
-                       shift_seq_len, deterministic, shift=shift, token_scaling=token_scaling)
+def _ce_workspace_size(function, rows, vocab, opts: CEOptions, backend, dtype, target_dtype,
+                       class_weights, deterministic) -> int:
+    o = _query_options(opts, backend, dtype, target_dtype, class_weights, deterministic)
     out = ctypes.c_size_t(0)
     _lib.call(function, ctypes.byref(o), int(rows), int(vocab), ctypes.byref(out))
     return int(out.value)
@@ -164,10 +156,13 @@ def forward_workspace_size(rows: int, vocab: int, *, backend="cpu", dtype="float
                            softcap=0.0, logit_scale=1.0, shift_seq_len=0,
                            deterministic=False, shift=0, token_scaling=False) -> int:
     """fce_forward_workspace_size: scratch bytes fce_forward needs for these options."""
-    return _ce_workspace_size("fce_forward_workspace_size", rows, vocab, backend, dtype,
-                              target_dtype, reduction, ignore_index, class_weights,
-                              label_smoothing, z_loss_scale, softcap, logit_scale,
-                              shift_seq_len, deterministic, shift, token_scaling)
+    opts = CEOptions.from_keywords(
+        reduction=_reduction_code(reduction), ignore_index=ignore_index,
+        label_smoothing=label_smoothing, z_loss_scale=z_loss_scale, softcap=softcap,
+        logit_scale=logit_scale, shift_seq_len=shift_seq_len, shift=shift,
+        token_scaling=token_scaling)
+    return _ce_workspace_size("fce_forward_workspace_size", rows, vocab, opts, backend, dtype,
+                              target_dtype, class_weights, deterministic)
 
 
 def backward_workspace_size(rows: int, vocab: int, *, backend="cpu", dtype="float32",
@@ -176,10 +171,13 @@ def backward_workspace_size(rows: int, vocab: int, *, backend="cpu", dtype="floa
                             softcap=0.0, logit_scale=1.0, shift_seq_len=0,
                             deterministic=False, shift=0, token_scaling=False) -> int:
     """fce_backward_workspace_size: scratch bytes fce_backward needs for these options."""
-    return _ce_workspace_size("fce_backward_workspace_size", rows, vocab, backend, dtype,
-                              target_dtype, reduction, ignore_index, class_weights,
-                              label_smoothing, z_loss_scale, softcap, logit_scale,
-                              shift_seq_len, deterministic, shift, token_scaling)
+    opts = CEOptions.from_keywords(
+        reduction=_reduction_code(reduction), ignore_index=ignore_index,
+        label_smoothing=label_smoothing, z_loss_scale=z_loss_scale, softcap=softcap,
+        logit_scale=logit_scale, shift_seq_len=shift_seq_len, shift=shift,
+        token_scaling=token_scaling)
+    return _ce_workspace_size("fce_backward_workspace_size", rows, vocab, opts, backend, dtype,
+                              target_dtype, class_weights, deterministic)
 
 
 def linear_ce_workspace_size(rows: int, hidden: int, vocab: int, *, with_grad: bool = True,
@@ -190,10 +188,13 @@ def linear_ce_workspace_size(rows: int, hidden: int, vocab: int, *, with_grad: b
                              accumulate=False, grad_weight_fp32=False, shift=0,
                              token_scaling=False):
     """fce_linear_ce_workspace_size: (min_bytes, optimal_bytes)."""
-    o = _query_options(rows, vocab, backend, dtype, target_dtype, reduction, ignore_index,
-                       class_weights, label_smoothing, z_loss_scale, softcap, logit_scale,
-                       shift_seq_len, deterministic, accumulate, grad_weight_fp32, shift,
-                       token_scaling)
+    opts = CEOptions.from_keywords(
+        reduction=_reduction_code(reduction), ignore_index=ignore_index,
+        label_smoothing=label_smoothing, z_loss_scale=z_loss_scale, softcap=softcap,
+        logit_scale=logit_scale, shift_seq_len=shift_seq_len, shift=shift,
+        token_scaling=token_scaling)
+    o = _query_options(opts, backend, dtype, target_dtype, class_weights, deterministic,
+                       accumulate, grad_weight_fp32)
     lo, hi = ctypes.c_size_t(0), ctypes.c_size_t(0)
     _lib.call("fce_linear_ce_workspace_size", ctypes.byref(o), int(rows), int(hidden),
               int(vocab), 1 if with_grad else 0, ctypes.byref(lo), ctypes.byref(hi))
@@ -241,8 +242,12 @@ def forward(logits, targets, *, reduction="mean", ignore_index: int = -100, clas
     dtype_code = _float_code(z, _dtype_name(dtype), fn="fusedce.forward")
     rs = _matrix(z)
     _check_stride_kw(row_stride, rs, "row_stride")
+    opts = CEOptions.from_keywords(
+        reduction=_reduction_code(reduction), ignore_index=ignore_index,
+        label_smoothing=label_smoothing, z_loss_scale=z_loss_scale, softcap=softcap,
+        logit_scale=logit_scale, shift_seq_len=shift_seq_len, shift=shift,
+        token_scaling=token_scaling)
     tcode = _targets_code(y, rows, target_dtype)
-    red = _reduction_code(reduction)
     w = _class_weights(class_weights, z, vocab)
     if in_place and grad_logits is not None:
         raise ValueError("pass either in_place=True or grad_logits=, not both")
@@ -255,10 +260,9 @@ def forward(logits, targets, *, reduction="mean", ignore_index: int = -100, clas
     with _device_of(z):
         # outputs
         if loss is None:
-            loss = alloc.empty((rows,) if red == FCE_REDUCTION_NONE else (), "float32", "loss")
+            loss = alloc.empty((rows,) if opts.per_row else (), "float32", "loss")
         la = _out(loss, "loss", z, "float32")
-        _vector(la, rows if red == FCE_REDUCTION_NONE else 1, "(the loss)",
-                allow_scalar=red != FCE_REDUCTION_NONE)
+        _vector(la, rows if opts.per_row else 1, "(the loss)", allow_scalar=not opts.per_row)
         lse_a = None
         if lse is None and return_lse:
             lse = alloc.empty((rows,), "float32", "lse")
@@ -271,8 +275,8 @@ def forward(logits, targets, *, reduction="mean", ignore_index: int = -100, clas
         if z_loss is not None:
             zl_a = _out(z_loss, "z_loss", z, "float32")
             _vector(zl_a, 1, "()", allow_scalar=True)
-        argmax, am_a, accuracy, acc_a = _argmax_accuracy(argmax, return_argmax, accuracy,
-                                                         return_accuracy, alloc, z, rows, red)
+        argmax, am_a, accuracy, acc_a = _argmax_accuracy(
+            argmax, return_argmax, accuracy, return_accuracy, alloc, z, rows, opts.reduction)
         g_a, grs = None, 0
         if in_place:
             grad_logits, g_a, grs = logits, z, rs
@@ -286,19 +290,16 @@ def forward(logits, targets, *, reduction="mean", ignore_index: int = -100, clas
                 grs = _matrix(g_a, rows, vocab)
         if g_a is not None:
             _check_stride_kw(grad_row_stride, grs, "grad_row_stride")
-        go_ptr, go_keep = (_grad_output(grad_output, alloc, z, rows, red == FCE_REDUCTION_NONE)
+        go_ptr, go_keep = (_grad_output(grad_output, alloc, z, rows, opts.per_row)
                            if g_a is not None else (0, None))
         flags, flags_ptr = _error_flags(error_flags, alloc, z)
 
-        opts = _build_options(
-            backend=backend_code, dtype=dtype_code, target_dtype=tcode, reduction=red,
-            ignore_index=ignore_index, class_weights_ptr=_ptr(w),
-            label_smoothing=label_smoothing, z_loss_scale=z_loss_scale, softcap=softcap,
-            logit_scale=logit_scale, shift_seq_len=shift_seq_len, deterministic=deterministic,
-            row_stride=rs, grad_row_stride=grs if g_a is not None else 0, shift=shift,
-            token_scaling=token_scaling)
+        o = _build_options(
+            opts, backend=backend_code, dtype=dtype_code, target_dtype=tcode,
+            class_weights_ptr=_ptr(w), deterministic=deterministic, row_stride=rs,
+            grad_row_stride=grs if g_a is not None else 0)
         need = ctypes.c_size_t(0)
-        query_for("fce_forward", "fce_forward_workspace_size", ctypes.byref(opts), rows, vocab,
+        query_for("fce_forward", "fce_forward_workspace_size", ctypes.byref(o), rows, vocab,
                   ctypes.byref(need))
         if workspace is None:
             ws_ptr, ws_bytes, ws_keep = alloc.workspace(int(need.value))
@@ -307,7 +308,7 @@ def forward(logits, targets, *, reduction="mean", ignore_index: int = -100, clas
         out = _lib.outputs(loss=la.ptr, lse=_ptr(lse_a), z_loss=_ptr(zl_a), argmax=_ptr(am_a),
                            accuracy=_ptr(acc_a), error_flags=flags_ptr)
         grads = _lib.gradients(grad_output=go_ptr, grad_logits=_ptr(g_a))
-        _lib.call("fce_forward", ctypes.byref(opts), rows, vocab, z.ptr, y.ptr, ctypes.byref(out),
+        _lib.call("fce_forward", ctypes.byref(o), rows, vocab, z.ptr, y.ptr, ctypes.byref(out),
                   ctypes.byref(grads), ws_ptr, ws_bytes, call_stream)
         del ws_keep, go_keep
     if check_targets:
@@ -345,7 +346,11 @@ def backward(logits, targets, lse, grad_output=None, *, reduction="mean",
     tcode = _targets_code(y, rows, target_dtype)
     _need_dtype(l, "float32")
     _vector(l, rows, "[rows]")
-    red = _reduction_code(reduction)
+    opts = CEOptions.from_keywords(
+        reduction=_reduction_code(reduction), ignore_index=ignore_index,
+        label_smoothing=label_smoothing, z_loss_scale=z_loss_scale, softcap=softcap,
+        logit_scale=logit_scale, shift_seq_len=shift_seq_len, shift=shift,
+        token_scaling=token_scaling)
     w = _class_weights(class_weights, z, vocab)
     if in_place and grad_logits is not None:
         raise ValueError("pass either in_place=True or grad_logits=, not both")
@@ -364,18 +369,16 @@ def backward(logits, targets, lse, grad_output=None, *, reduction="mean",
             _float_code(g_a, _CODE_NAMES[dtype_code], "the logits' dtype")
             grs = _matrix(g_a, rows, vocab)
         _check_stride_kw(grad_row_stride, grs, "grad_row_stride")
-        go_ptr, go_keep = _grad_output(grad_output, alloc, z, rows, red == FCE_REDUCTION_NONE)
+        go_ptr, go_keep = _grad_output(grad_output, alloc, z, rows, opts.per_row)
         flags_ptr = 0
         if error_flags is not None and error_flags is not False:
             _, flags_ptr = _error_flags(error_flags, alloc, z)
-        opts = _build_options(
-            backend=backend_code, dtype=dtype_code, target_dtype=tcode, reduction=red,
-            ignore_index=ignore_index, class_weights_ptr=_ptr(w),
-            label_smoothing=label_smoothing, z_loss_scale=z_loss_scale, softcap=softcap,
-            logit_scale=logit_scale, shift_seq_len=shift_seq_len, deterministic=deterministic,
-            row_stride=rs, grad_row_stride=grs, shift=shift, token_scaling=token_scaling)
+        o = _build_options(
+            opts, backend=backend_code, dtype=dtype_code, target_dtype=tcode,
+            class_weights_ptr=_ptr(w), deterministic=deterministic, row_stride=rs,
+            grad_row_stride=grs)
         need = ctypes.c_size_t(0)
-        query_for("fce_backward", "fce_backward_workspace_size", ctypes.byref(opts), rows, vocab,
+        query_for("fce_backward", "fce_backward_workspace_size", ctypes.byref(o), rows, vocab,
                   ctypes.byref(need))
         if workspace is None:
             ws_ptr, ws_bytes, ws_keep = alloc.workspace(int(need.value))
@@ -383,7 +386,7 @@ def backward(logits, targets, lse, grad_output=None, *, reduction="mean",
             ws_ptr, ws_bytes, ws_keep = _user_workspace(workspace, z)
         out = _lib.outputs(error_flags=flags_ptr)
         grads = _lib.gradients(grad_output=go_ptr, grad_logits=g_a.ptr)
-        _lib.call("fce_backward", ctypes.byref(opts), rows, vocab, z.ptr, y.ptr, l.ptr,
+        _lib.call("fce_backward", ctypes.byref(o), rows, vocab, z.ptr, y.ptr, l.ptr,
                   ctypes.byref(out), ctypes.byref(grads), ws_ptr, ws_bytes, call_stream)
         del ws_keep, go_keep
     return grad_logits
@@ -437,7 +440,11 @@ def linear_ce(hidden, weight, targets, bias=None, *, reduction="mean", ignore_in
         _float_code(b, dname, "the hidden states' dtype", fn="fusedce.linear_ce")
         _vector(b, vocab, "[vocab]")
     tcode = _targets_code(y, rows, target_dtype)
-    red = _reduction_code(reduction)
+    opts = CEOptions.from_keywords(
+        reduction=_reduction_code(reduction), ignore_index=ignore_index,
+        label_smoothing=label_smoothing, z_loss_scale=z_loss_scale, softcap=softcap,
+        logit_scale=logit_scale, shift_seq_len=shift_seq_len, shift=shift,
+        token_scaling=token_scaling)
     w = _class_weights(class_weights, h, vocab)
     grads = _grad_set(return_grad, b is not None)
     gdtype = "float32" if grad_weight_fp32 else dname
@@ -446,10 +453,9 @@ def linear_ce(hidden, weight, targets, bias=None, *, reduction="mean", ignore_in
     alloc = _Alloc(h, call_stream)
     with _device_of(h):
         if loss is None:
-            loss = alloc.empty((rows,) if red == FCE_REDUCTION_NONE else (), "float32", "loss")
+            loss = alloc.empty((rows,) if opts.per_row else (), "float32", "loss")
         la = _out(loss, "loss", h, "float32")
-        _vector(la, rows if red == FCE_REDUCTION_NONE else 1, "(the loss)",
-                allow_scalar=red != FCE_REDUCTION_NONE)
+        _vector(la, rows if opts.per_row else 1, "(the loss)", allow_scalar=not opts.per_row)
         lse_a = zl_a = None
         if lse is None and return_lse:
             lse = alloc.empty((rows,), "float32", "lse")
@@ -461,8 +467,8 @@ def linear_ce(hidden, weight, targets, bias=None, *, reduction="mean", ignore_in
         if z_loss is not None:
             zl_a = _out(z_loss, "z_loss", h, "float32")
             _vector(zl_a, 1, "()", allow_scalar=True)
-        argmax, am_a, accuracy, acc_a = _argmax_accuracy(argmax, return_argmax, accuracy,
-                                                         return_accuracy, alloc, h, rows, red)
+        argmax, am_a, accuracy, acc_a = _argmax_accuracy(
+            argmax, return_argmax, accuracy, return_accuracy, alloc, h, rows, opts.reduction)
 
         (grad_hidden, grad_weight, grad_bias), (gh_a, gw_a, gb_a) = _linear_grads(
             alloc, h, W, b, grads, grad_hidden, grad_weight, grad_bias, rows=rows, dim=dim,
@@ -470,18 +476,15 @@ def linear_ce(hidden, weight, targets, bias=None, *, reduction="mean", ignore_in
             grad_weight_fp32=grad_weight_fp32, wdtype=gdtype, accumulate=accumulate,
             vocab_name="vocab")
         with_grad = any(a is not None for a in (gh_a, gw_a, gb_a))
-        go_ptr, go_keep = (_grad_output(grad_output, alloc, h, rows, red == FCE_REDUCTION_NONE)
+        go_ptr, go_keep = (_grad_output(grad_output, alloc, h, rows, opts.per_row)
                            if with_grad else (0, None))
         flags, flags_ptr = _error_flags(error_flags, alloc, h)
-        opts = _build_options(
-            backend=backend_code, dtype=dtype_code, target_dtype=tcode, reduction=red,
-            ignore_index=ignore_index, class_weights_ptr=_ptr(w),
-            label_smoothing=label_smoothing, z_loss_scale=z_loss_scale, softcap=softcap,
-            logit_scale=logit_scale, shift_seq_len=shift_seq_len, deterministic=deterministic,
-            hidden_row_stride=hrs, accumulate=accumulate, grad_weight_fp32=grad_weight_fp32,
-            shift=shift, token_scaling=token_scaling)
+        o = _build_options(
+            opts, backend=backend_code, dtype=dtype_code, target_dtype=tcode,
+            class_weights_ptr=_ptr(w), deterministic=deterministic, hidden_row_stride=hrs,
+            accumulate=accumulate, grad_weight_fp32=grad_weight_fp32)
         lo, hi = ctypes.c_size_t(0), ctypes.c_size_t(0)
-        query_for("fce_linear_ce", "fce_linear_ce_workspace_size", ctypes.byref(opts), rows, dim,
+        query_for("fce_linear_ce", "fce_linear_ce_workspace_size", ctypes.byref(o), rows, dim,
                   vocab, 1 if with_grad else 0, ctypes.byref(lo), ctypes.byref(hi))
         ws_ptr, ws_bytes, ws_keep = _workspace(workspace, alloc, h, int(lo.value), int(hi.value),
                                                workspace_size)
@@ -489,7 +492,7 @@ def linear_ce(hidden, weight, targets, bias=None, *, reduction="mean", ignore_in
                            accuracy=_ptr(acc_a), error_flags=flags_ptr)
         grads = _lib.gradients(grad_output=go_ptr, grad_hidden=_ptr(gh_a),
                                grad_weight=_ptr(gw_a), grad_bias=_ptr(gb_a))
-        _lib.call("fce_linear_ce", ctypes.byref(opts), rows, dim, vocab, h.ptr, W.ptr, _ptr(b),
+        _lib.call("fce_linear_ce", ctypes.byref(o), rows, dim, vocab, h.ptr, W.ptr, _ptr(b),
                   y.ptr, ctypes.byref(out), ctypes.byref(grads), ws_ptr, ws_bytes, call_stream)
         del ws_keep, go_keep
     if check_targets:

@@ -78,6 +78,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import sys
 from typing import Optional
 
@@ -89,25 +90,25 @@ from jax import lax
 
 from . import _alloc, _args, _lib
 from . import jax_ffi as _shim_build
-from ._jax_calls import (_F32, _NONE, _TARGETS, _Cfg, _argmax_of, _ce_bwd_call,  # noqa: F401
+from ._jax_calls import (_F32, _TARGETS, _argmax_of, _attrs, _ce_bwd_call,  # noqa: F401
                          _ce_fwd_call, _ce_workspace, _cuda_usable, _empty, _extra_shapes,
                          _ffi_call, _linear_call, _linear_workspace, _per_platform,
                          _query_options, _scale, _sds, register, shim_path)
 from ._jax_vjp import (_ce, _ce_bwd, _ce_fwd, _is_zero, _linear, _linear_bwd,  # noqa: F401
                        _linear_fwd, _need_marker, _primal)
+from ._options import OUTPUT_FIELDS, CEOptions, Want
 
 __all__ = ["cross_entropy", "linear_cross_entropy", "register", "shim_path",
            "DEFAULT_WORKSPACE_BYTES", "OUTPUT_FIELDS"]
 
 DEFAULT_WORKSPACE_BYTES = _alloc.DEFAULT_WORKSPACE_BYTES
-OUTPUT_FIELDS = ("loss", "z_loss", "token_accuracy", "predicted_tokens", "lse")
 _REDUCTIONS = {"mean": 0, "sum": 1, "none": 2}
-_OUTPUT_TYPES = {
-    mask: collections.namedtuple(
-        "CrossEntropyOutput",
-        ("loss",) + tuple(f for i, f in enumerate(OUTPUT_FIELDS[1:]) if mask >> i & 1))
-    for mask in range(1, 16)
-}
+
+
+@functools.lru_cache(maxsize=None)
+def _output_type(want: Want):
+    """The CrossEntropyOutput named tuple of the loss and the outputs ``want`` asks for."""
+    return collections.namedtuple("CrossEntropyOutput", ("loss",) + want.fields())
 
 
 def _reduction(reduction: str) -> int:
@@ -120,7 +121,6 @@ def _reduction(reduction: str) -> int:
 # alone takes T = target.shape[-1]; k = 1 is passed as 0 (the C default)
 _resolve_shift = _args._resolve_shift
 # the linear CE workspace budget: FUSEDCE_WORKSPACE_BYTES, else 1 GiB (as fusedce.torch)
-_parse_bytes = _alloc.parse_bytes
 _default_workspace_bytes = _alloc.default_workspace_bytes
 
 
@@ -153,9 +153,6 @@ def _class_weights(class_weights, vocab: int) -> jax.Array:
 
 
 # ------------------------------------------------------------------ public API ----
-_output_mask = _args._output_mask
-
-
 def _row_targets(y, ignore_index: int, t: int, k: int):
     """The target each row is scored against (docs/semantics.md rule 1)."""
     if not t:
@@ -175,60 +172,73 @@ def _transform(a, logit_scale: float, softcap: float):
     return a
 
 
-def _z_loss_rows(lse, y, vocab: int, cfg: _Cfg, target_logit):
+def _z_loss_rows(lse, y, vocab: int, opts: CEOptions, target_logit):
     """Per-row z-loss for reduction 'none' (Liger's), as fusedce.torch: lambda * lse^2 for the
     counted rows (times the constant p_y with token scaling), 0 for ignored rows."""
-    if cfg.z_loss == 0.0:
+    if opts.z_loss == 0.0:
         return jnp.zeros_like(lse)
-    y = _row_targets(y, cfg.ignore_index, cfg.shift_seq_len, cfg.shift)
-    counted = y != cfg.ignore_index
-    zl = cfg.z_loss * jnp.square(lse)
-    if cfg.token_scaling:
+    y = _row_targets(y, opts.ignore_index, opts.shift_seq_len, opts.shift)
+    counted = y != opts.ignore_index
+    zl = opts.z_loss * jnp.square(lse)
+    if opts.token_scaling:
         valid = counted & (y >= 0) & (y < vocab)
-        a_y = _transform(target_logit(jnp.clip(y, 0, vocab - 1)), cfg.logit_scale, cfg.softcap)
+        a_y = _transform(target_logit(jnp.clip(y, 0, vocab - 1)), opts.logit_scale, opts.softcap)
         zl = jnp.where(valid, zl * jnp.exp(a_y - lse), zl)
     return jnp.where(counted, zl, jnp.zeros_like(zl))
 
 
-def _finish(mask: int, cfg: _Cfg, out_shape, outs, z_rows):
+def _finish(want: Want, opts: CEOptions, out_shape, outs, z_rows):
+    """The loss, or the CrossEntropyOutput of the loss and the outputs ``want`` asks for, from
+    the library call's (loss, lse, z_loss, accuracy, argmax)."""
     loss, lse, zl, acc, am = outs
     rows = (lambda t: t.reshape(out_shape))
-    if cfg.reduction == _NONE:
+    if opts.per_row:
         loss = rows(loss)
-    if not mask:
+    if not want:
         return loss
     sg = lax.stop_gradient
     values = [loss]
-    if mask & 1:
-        values.append(sg(rows(z_rows(sg(lse))) if cfg.reduction == _NONE else zl))
-    if mask & 2:
-        values.append(sg(rows(acc) if cfg.reduction == _NONE else acc))
-    if mask & 4:
+    if want.z_loss:
+        values.append(sg(rows(z_rows(sg(lse))) if opts.per_row else zl))
+    if want.accuracy:
+        values.append(sg(rows(acc) if opts.per_row else acc))
+    if want.argmax:
         values.append(rows(_argmax_of(am)))
-    if mask & 8:
+    if want.lse:
         values.append(sg(rows(lse)))
-    return _OUTPUT_TYPES[mask](*values)
+    return _output_type(want)(*values)
 
 
-def _zero_rows_result(mask, cfg, out_shape, n_dtype_like):
+def _zero_rows_result(want: Want, opts: CEOptions, out_shape):
     """The result for zero rows, the library's empty problem (docs/semantics.md "Zero rows":
     the reduced loss, z-loss and accuracy 0, every per-row output empty), made here: a custom
     call would have nothing to compute, and its constant result differentiates to the zero
     gradients the library writes."""
-    loss = jnp.zeros(out_shape if cfg.reduction == _NONE else (), _F32)
-    if not mask:
+    reduced = out_shape if opts.per_row else ()
+    loss = jnp.zeros(reduced, _F32)
+    if not want:
         return loss
-    empty_rows = jnp.zeros(out_shape, _F32)
     values = [loss]
-    if mask & 1:
-        values.append(empty_rows if cfg.reduction == _NONE else jnp.zeros((), _F32))
-    if mask & 2:
-        values.append(empty_rows if cfg.reduction == _NONE else jnp.zeros((), _F32))
-    if mask & 4:
+    if want.z_loss:
+        values.append(jnp.zeros(reduced, _F32))
+    if want.accuracy:
+        values.append(jnp.zeros(reduced, _F32))
+    if want.argmax:
         values.append(jnp.zeros(out_shape, jnp.int32))
-    if mask & 8:
-        values.append(empty_rows)
-    return _OUTPUT_TYPES[mask](*values)
+    if want.lse:
+        values.append(jnp.zeros(out_shape, _F32))
+    return _output_type(want)(*values)
+
+
+def _ce_options(reduction: str, ignore_index, label_smoothing, z_loss, softcap, logit_scale,
+                shift_seq_len, shift, use_token_scaling, target_shape, rows) -> CEOptions:
+    """The CEOptions of a call from the public keywords (the causal shift resolved as
+    fusedce.torch's: ``shift=k`` alone takes T = the last dimension of targets)."""
+    t, k = _resolve_shift(shift, shift_seq_len, target_shape, rows)
+    return CEOptions(reduction=_reduction(reduction), ignore_index=ignore_index,
+                     label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+                     logit_scale=logit_scale, shift_seq_len=t, shift=k,
+                     token_scaling=use_token_scaling)
 
 
 def cross_entropy(logits, targets, *, reduction: str = "mean", ignore_index: int = -100,
@@ -268,7 +278,6 @@ def cross_entropy(logits, targets, *, reduction: str = "mean", ignore_index: int
     The loss is float32 (computed in float32 inside for 16-bit logits). Differentiable in
     ``logits`` (``jax.grad``, ``jax.vjp``; not ``jax.jvp``/``jax.jacfwd``, a custom_vjp).
     """
-    red = _reduction(reduction)
     z = _float(logits, "logits")
     if z.ndim < 1:
         raise ValueError("logits must have at least one dimension (the classes)")
@@ -283,18 +292,17 @@ def cross_entropy(logits, targets, *, reduction: str = "mean", ignore_index: int
         raise ValueError(f"targets has {y.shape[0]} elements for {rows} rows of logits "
                          f"(logits {tuple(jnp.shape(logits))}, targets {tuple(y_in.shape)})")
     out_shape = tuple(y_in.shape)
-    t, k = _resolve_shift(shift, shift_seq_len, out_shape, rows)
-    mask = _output_mask(return_z_loss, return_token_accuracy, return_predicted_tokens,
-                        return_lse)
-    want_lse = bool(mask & 8) or (bool(mask & 1) and red == _NONE)
-    cfg = _Cfg(red, int(ignore_index), float(label_smoothing), float(z_loss), float(softcap),
-               float(logit_scale), t, k, bool(use_token_scaling), mask & 7, want_lse)
+    opts = _ce_options(reduction, ignore_index, label_smoothing, z_loss, softcap, logit_scale,
+                       shift_seq_len, shift, use_token_scaling, out_shape, rows)
+    want = Want(z_loss=bool(return_z_loss), accuracy=bool(return_token_accuracy),
+                argmax=bool(return_predicted_tokens), lse=bool(return_lse))
     if rows == 0:
-        return _zero_rows_result(mask, cfg, out_shape, z)
+        return _zero_rows_result(want, opts, out_shape)
     register()
-    outs = _ce(z, y, _class_weights(class_weights, vocab), cfg)
-    return _finish(mask, cfg, out_shape, outs, lambda lse: _z_loss_rows(
-        lse, y, vocab, cfg,
+    outs = _ce(z, y, _class_weights(class_weights, vocab), opts,
+               want.from_library(opts.reduction))
+    return _finish(want, opts, out_shape, outs, lambda lse: _z_loss_rows(
+        lse, y, vocab, opts,
         lambda yy: jnp.take_along_axis(lax.stop_gradient(z), yy[:, None], axis=1)[:, 0]))
 
 
@@ -322,7 +330,6 @@ def linear_cross_entropy(hidden, weight, targets, bias=None, *, reduction: str =
     never below the library's minimum (a few MiB); the CPU backend gets the minimum. The loss is
     float32.
     """
-    red = _reduction(reduction)
     h = _float(hidden, "hidden")
     wt = _float(weight, "weight")
     b = _float(bias, "bias") if bias is not None else None
@@ -346,19 +353,18 @@ def linear_cross_entropy(hidden, weight, targets, bias=None, *, reduction: str =
         raise ValueError(f"targets has {y.shape[0]} elements for {rows} rows of hidden "
                          f"(hidden {tuple(jnp.shape(hidden))}, targets {tuple(y_in.shape)})")
     out_shape = tuple(y_in.shape)
-    t, k = _resolve_shift(shift, shift_seq_len, out_shape, rows)
+    opts = _ce_options(reduction, ignore_index, label_smoothing, z_loss, softcap, logit_scale,
+                       shift_seq_len, shift, use_token_scaling, out_shape, rows)
     budget = _default_workspace_bytes() if workspace_bytes is None else int(workspace_bytes)
     if budget < 0:
         raise ValueError(f"workspace_bytes must be >= 0, got {workspace_bytes}")
-    mask = _output_mask(return_z_loss, return_token_accuracy, return_predicted_tokens,
-                        return_lse)
-    want_lse = bool(mask & 8) or (bool(mask & 1) and red == _NONE)
-    cfg = _Cfg(red, int(ignore_index), float(label_smoothing), float(z_loss), float(softcap),
-               float(logit_scale), t, k, bool(use_token_scaling), mask & 7, want_lse, budget)
+    want = Want(z_loss=bool(return_z_loss), accuracy=bool(return_token_accuracy),
+                argmax=bool(return_predicted_tokens), lse=bool(return_lse))
     if rows == 0:
-        return _zero_rows_result(mask, cfg, out_shape, h)
+        return _zero_rows_result(want, opts, out_shape)
     register()
-    outs = _linear(h, wt, b, y, _class_weights(class_weights, vocab), cfg)
+    outs = _linear(h, wt, b, y, _class_weights(class_weights, vocab), opts,
+                   want.from_library(opts.reduction), budget)
 
     def target_logit(yy):
         hh, ww = lax.stop_gradient(h), lax.stop_gradient(wt)
@@ -367,8 +373,8 @@ def linear_cross_entropy(hidden, weight, targets, bias=None, *, reduction: str =
             a = a + lax.stop_gradient(b)[yy].astype(_F32)
         return a
 
-    return _finish(mask, cfg, out_shape, outs,
-                   lambda lse: _z_loss_rows(lse, y, vocab, cfg, target_logit))
+    return _finish(want, opts, out_shape, outs,
+                   lambda lse: _z_loss_rows(lse, y, vocab, opts, target_logit))
 
 
 # --------------------------------------------------------------------- command line ----

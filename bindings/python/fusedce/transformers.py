@@ -54,9 +54,22 @@ Other ways in: :func:`causal_lm_loss` is the loss alone (hidden states, head wei
 a model family this module does not patch; :func:`apply` takes a class for a class-wide patch;
 ``apply_to_llama`` and its siblings patch one family, class-wide when called without a model.
 Apply before wrapping the model (PEFT's ``get_peft_model`` may come before or after: a PEFT model
-is unwrapped to its base model; ``torch.compile``, FSDP, DeepSpeed after). With FSDP the
-``lm_head`` must stay in the root unit (the usual per-decoder-layer wrapping does that), as the
-fused path reads its weight directly.
+is unwrapped to its base model; ``torch.compile``, FSDP, DeepSpeed after).
+
+Sharded training. The fused path reads ``lm_head``'s weight the way the framework hands it to
+the head's own forward. FSDP2 (``fully_shard``): with ``lm_head`` in an enclosing unit (the
+root, say) its weight is already gathered when the patched forward runs; with ``lm_head`` its
+own unit (``fully_shard(model.lm_head)``), or under DeepSpeed ZeRO-3, the loss is computed
+INSIDE ``lm_head``'s call (its forward replaced for that call), so that the framework's hooks
+run: the all-gather before, the reshard after, the all-gather again in the backward when it
+resharded, and the reduce-scatter of ∂weight into the sharded parameter. Nothing beyond the
+gathered weight the framework holds anyway and the workspace budget is allocated. FSDP(1)'s
+``FullyShardedDataParallel`` wrapping the whole model gathers in the root's forward (lm_head
+in the root unit). A tensor-parallel head (``parallelize_module`` with ``ColwiseParallel``: a
+DTensor weight ``Shard(0)``) takes the vocabulary-parallel path by itself
+(:func:`fusedce.torch.linear_cross_entropy` with a DTensor weight); FSDP2 over such a head
+(2-D) is not supported (the tensor-parallel output hook expects logits): it falls back to the
+original forward with a warning.
 """
 
 from __future__ import annotations
@@ -230,14 +243,48 @@ def _warn_once(key, message):
         warnings.warn(message, stacklevel=4)
 
 
+def _is_fsdp_hook(module, hook) -> bool:
+    """A forward (pre-)hook that FSDP2's fully_shard registered on module."""
+    state = getattr(hook, "__self__", None)
+    if state is not None and type(state).__name__ == "FSDPState":
+        return True
+    name = getattr(hook, "__qualname__", "")  # fully_shard of several modules together
+    return name.startswith("_register_group_forward_hooks.")
+
+
+def _is_tp_hook(hook) -> bool:
+    """An input or output hook of torch.distributed.tensor's distribute_module
+    (parallelize_module): it only redistributes the layer's input and output."""
+    return getattr(hook, "__qualname__", "").startswith("distribute_module.")
+
+
+def _head_access(head) -> Optional[str]:
+    """How the fused path reads lm_head's parameters: "direct" (no hooks: its parameters as they
+    are; a tensor-parallel DTensor weight included, its hooks only redistributing the layer's
+    input and output), "module" (FSDP2's or DeepSpeed ZeRO-3's hooks gather the weight: the loss
+    is computed inside the head's own call, so that they run), None (other hooks: not fusable)."""
+    hooks = list(head._forward_pre_hooks.values()) + list(head._forward_hooks.values())
+    if not hooks:
+        return "direct"
+    if hasattr(head.weight, "ds_id"):  # a ZeRO-3 partitioned parameter: its module hooks
+        return "module"
+    if all(_is_fsdp_hook(head, h) for h in hooks):
+        return "module"
+    from .torch._dtensor import any_dtensor
+    if any_dtensor(head.weight) and all(_is_tp_hook(h) for h in hooks):
+        return "direct"
+    return None
+
+
 def _not_fusable(model) -> Optional[str]:
     """Why the fused path would not compute what the original forward does, or None."""
     head = getattr(model, "lm_head", None)
     if not isinstance(head, torch.nn.Linear) or type(head).forward is not torch.nn.Linear.forward:
         return (f"lm_head is a {type(head).__name__}, not a plain torch.nn.Linear (a LoRA-adapted "
                 "or quantised head?)")
-    if "forward" in vars(head) or head._forward_hooks or head._forward_pre_hooks:
-        return "lm_head has forward hooks or a replaced forward (accelerate offloading, TP?)"
+    if "forward" in vars(head) or _head_access(head) is None:
+        return ("lm_head has forward hooks or a replaced forward other than FSDP2's, ZeRO-3's or "
+                "a tensor-parallel plan's (accelerate offloading?)")
     ref = _load_hf()["loss"]
     fn = getattr(model, "loss_function", None)
     if ref is not None and fn is not ref:
@@ -261,12 +308,19 @@ def _fused_forward(model, call: dict, workspace_bytes):
     if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
         hidden = _load_hf()["slice"](hidden, logits_to_keep)
     head = model.lm_head
-    loss = causal_lm_loss(
-        hidden, head.weight, labels, bias=head.bias, shift_labels=call.get("shift_labels"),
-        num_items_in_batch=call.get("num_items_in_batch"),
-        ignore_index=call.get("ignore_index", -100),
-        softcap=getattr(model.config, "final_logit_softcapping", None),
-        workspace_bytes=workspace_bytes)
+
+    def head_loss(h):  # lm_head's parameters read here: inside its own call for "module"
+        return causal_lm_loss(
+            h, head.weight, labels, bias=head.bias, shift_labels=call.get("shift_labels"),
+            num_items_in_batch=call.get("num_items_in_batch"),
+            ignore_index=call.get("ignore_index", -100),
+            softcap=getattr(model.config, "final_logit_softcapping", None),
+            workspace_bytes=workspace_bytes)
+    if _head_access(head) == "module":
+        from .torch._dtensor import module_forward
+        loss = module_forward(head, head_loss, hidden)
+    else:
+        loss = head_loss(hidden)
     if isinstance(outputs, tuple):  # a decoder configured to return tuples
         return (loss,) + tuple(outputs[1:])
     out = _load_hf()["output"](

@@ -40,10 +40,12 @@ from ._lib import FCE_REDUCTION_NONE, FCE_VP_STATS
 from ._alloc import (_Alloc, _argmax_accuracy, _class_weights, _error_flags, _grad_output,
                      _linear_grads, _out, _ptr, _user_workspace, _workspace, query_for)
 from ._args import (_backend_code, _build_options, _check_backend_kw, _check_same_device,
-                    _check_stride_kw, _grad_set, _int_option, _matrix, _reduction_code,
-                    _targets_code, _vector, _writable)
+                    _check_stride_kw, _grad_set, _matrix, _reduction_code, _targets_code,
+                    _vector, _writable)
 from ._arrays import (_CODE_NAMES, _FLOAT_CODES, _TARGET_CODES, _Arr, _describe, _dtype_name,
                       _float_code, _need_dtype)
+from ._options import CEOptions
+from ._options import int_option as _int_option
 from ._streams import _call_stream, _device_of, _stream_int
 from .core import check_error_flags
 
@@ -136,15 +138,19 @@ def _stats_out(stats, alloc: _Alloc, ref: _Arr, rows: int):
     return stats, a  # (its 16-byte alignment: the library's to check)
 
 
+def _ce_options(red: int, kw: dict) -> CEOptions:
+    return CEOptions.from_keywords(
+        reduction=red, ignore_index=kw["ignore_index"], label_smoothing=kw["label_smoothing"],
+        z_loss_scale=kw["z_loss_scale"], softcap=kw["softcap"], logit_scale=kw["logit_scale"],
+        shift_seq_len=kw["shift_seq_len"], shift=kw["shift"], token_scaling=kw["token_scaling"])
+
+
 def _options(ref: _Arr, dtype_code: int, tcode: int, red: int, kw: dict, w: Optional[_Arr],
              **extra):
     return _build_options(
-        backend=_check_backend_kw(ref, kw.get("backend")), dtype=dtype_code, target_dtype=tcode,
-        reduction=red, ignore_index=kw["ignore_index"], class_weights_ptr=_ptr(w),
-        label_smoothing=kw["label_smoothing"], z_loss_scale=kw["z_loss_scale"],
-        softcap=kw["softcap"], logit_scale=kw["logit_scale"],
-        shift_seq_len=kw["shift_seq_len"], deterministic=kw["deterministic"],
-        shift=kw["shift"], token_scaling=kw["token_scaling"], **extra)
+        _ce_options(red, kw), backend=_check_backend_kw(ref, kw.get("backend")),
+        dtype=dtype_code, target_dtype=tcode, class_weights_ptr=_ptr(w),
+        deterministic=kw["deterministic"], **extra)
 
 
 def _opt_kw(reduction="mean", ignore_index=-100, class_weights=None, label_smoothing=0.0,
@@ -478,10 +484,11 @@ def _query(dtype, target_dtype, reduction, class_weights, backend, kw, **extra):
     b = _backend_code(backend)
     w_ptr = _describe(class_weights, "class_weights").ptr if class_weights is not None else 0
     return _build_options(
+        _ce_options(_reduction_code(reduction), kw),
         backend=b if b is not None else _lib.FCE_BACKEND_CPU,
         dtype=_FLOAT_CODES[_dtype_name(dtype) or "float32"],
         target_dtype=_TARGET_CODES[_dtype_name(target_dtype) or "int64"],
-        reduction=_reduction_code(reduction), class_weights_ptr=w_ptr, **kw, **extra)
+        class_weights_ptr=w_ptr, deterministic=kw["deterministic"], **extra)
 
 
 def _qkw(ignore_index, label_smoothing, z_loss_scale, softcap, logit_scale, shift_seq_len,

@@ -545,7 +545,7 @@ def _cases_misc(group, grank, gsize):
     b = vpce(local, y, tp_group=group)
     assert torch.equal(a, b)
     # the all_gather fallback (for backends without all_gather_into_tensor): the same loss
-    from fusedce import torch_distributed as td
+    from fusedce.torch import _distributed_calls as td
     backend = str(dist.get_backend(group))
     td._GATHER_FALLBACK.add(backend)
     try:
@@ -591,17 +591,26 @@ def _cases_misc(group, grank, gsize):
         vpce(local, y, group=group, vocab_start=grank * 8)
     with pytest.raises(ValueError, match="vocab_total"):
         vpce(local, y, group=group, vocab_total=vocab + 1)
-    # an empty batch (no row on any rank): the empty problem, no statistics gathered; the
-    # loss 0, an empty logits gradient, a zero weight gradient
-    e = local[:0].clone().requires_grad_()
-    le = vpce(e, y[:0], group=group)
-    (ge,) = torch.autograd.grad(le, e)
-    assert le.item() == 0.0 and ge.shape == (0, 8)
-    he = h[:0].clone().requires_grad_()
-    we = w[grank * 8:(grank + 1) * 8].clone().requires_grad_()
-    le = distributed.vocab_parallel_linear_cross_entropy(he, we, y[:0], group=group)
-    gh, gw = torch.autograd.grad(le, (he, we))
-    assert le.item() == 0.0 and gh.shape == (0, 16) and torch.all(gw == 0)
+    # an empty batch (no row on any rank): the empty problem, no statistics gathered; an empty
+    # 'none' loss, 0 for 'sum' and 'mean', an empty logits / hidden gradient, a zero weight
+    # gradient (the cotangent: ones shaped as the loss, empty for 'none')
+    for reduction in ("none", "sum", "mean"):
+        shape = (0,) if reduction == "none" else ()
+        e = local[:0].clone().requires_grad_()
+        le = vpce(e, y[:0], group=group, reduction=reduction)
+        assert le.shape == shape and le.dtype == torch.float32, reduction
+        assert reduction == "none" or le.item() == 0.0, reduction
+        (ge,) = torch.autograd.grad(le, e, torch.ones_like(le))
+        assert ge.shape == (0, 8), reduction
+        he = h[:0].clone().requires_grad_()
+        we = w[grank * 8:(grank + 1) * 8].clone().requires_grad_()
+        le = distributed.vocab_parallel_linear_cross_entropy(he, we, y[:0], group=group,
+                                                             reduction=reduction)
+        assert le.shape == shape and le.dtype == torch.float32, reduction
+        assert reduction == "none" or le.item() == 0.0, reduction
+        gh, gw = torch.autograd.grad(le, (he, we), torch.ones_like(le))
+        assert gh.shape == (0, 16) and gw.shape == we.shape, reduction
+        assert torch.all(gw == 0), reduction
     # a second backward through the graph (retain_graph) recomputes; in place it raises
     x = local.clone().requires_grad_()
     loss = vpce(x, y, group=group, reduction="mean")
@@ -636,7 +645,7 @@ class _CountGathers:
     the block runs."""
 
     def __enter__(self):
-        from fusedce import torch_distributed as td
+        from fusedce.torch import _distributed_calls as td
         self.calls, self._td, self._orig = 0, td, td._AllGather._call
 
         def call(gather, *args):
@@ -735,7 +744,7 @@ def _check_fused(group, grank, gsize, *, vocab, dtype, reduction, bias=False, we
 
 
 def _cases_fused(group, grank, gsize):
-    from fusedce import torch_distributed as td
+    from fusedce.torch import _distributed_calls as td
     from fusedce.torch import linear_cross_entropy
     from fusedce.torch.distributed import vocab_parallel_linear_cross_entropy as vplce
     vocab = 10 * gsize
@@ -947,6 +956,25 @@ def test_single_process_without_distributed():
     assert d1 is d2 is fusedce.torch.distributed
 
 
+HEADER = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.dirname(os.path.abspath(__file__))))), "include", "fusedce.h")
+
+
+def _header_params(name):
+    """The parameters of function ``name`` as include/fusedce.h declares it (comments removed,
+    whitespace collapsed): what the ctypes signature of _lib must match."""
+    import re
+    if not os.path.exists(HEADER):
+        pytest.skip(f"{HEADER} is not there (not a source tree)")
+    with open(HEADER) as f:
+        text = re.sub(r"/\*.*?\*/|//[^\n]*", " ", f.read(), flags=re.S)
+    m = re.search(r"\bFCE_API\s+[\w\s\*]*?\b" + re.escape(name) + r"\s*\(([^;]*?)\)\s*;",
+                  text)
+    assert m, f"{name} is not declared in {HEADER}"
+    params = [" ".join(p.split()) for p in m.group(1).split(",")]
+    return [] if params == ["void"] else params
+
+
 @needs_vp_linear_ce
 @needs_torch
 def test_fused_linear_single_process(monkeypatch):
@@ -956,10 +984,10 @@ def test_fused_linear_single_process(monkeypatch):
     plans with, and a shard wider than vocab_total / ranks."""
     if dist.is_available() and dist.is_initialized():
         pytest.skip("torch.distributed is initialised in this process")
-    from fusedce import _torch_ops as to
-    from fusedce import torch_distributed as td
+    from fusedce._options import CEOptions
+    from fusedce.torch import _distributed_calls as td
     from fusedce.torch import linear_cross_entropy
-    vplce = td.vocab_parallel_linear_cross_entropy
+    from fusedce.torch.distributed import vocab_parallel_linear_cross_entropy as vplce
     gen = torch.Generator().manual_seed(3)
     h0 = torch.randn(12, 8, generator=gen)
     w0 = torch.randn(17, 8, generator=gen) / 3
@@ -1012,16 +1040,19 @@ def test_fused_linear_single_process(monkeypatch):
     for a, e, what in zip(phases, fused, ("loss", "grad_hidden", "grad_weight", "grad_bias")):
         torch.testing.assert_close(a, e, rtol=2e-5, atol=2e-6, msg=what)
 
-    # the signatures of the two functions
+    # the signatures of the two functions: as many parameters as include/fusedce.h declares,
+    # the all-gather callback where the header has its fce_vp_all_gather_fn
     lib = _lib.load()
-    assert len(lib.fce_vp_linear_ce.argtypes) == 25
-    assert lib.fce_vp_linear_ce.argtypes[20] is _lib.VP_ALL_GATHER_FN
-    assert len(lib.fce_vp_linear_ce_workspace_size.argtypes) == 10
+    params = _header_params("fce_vp_linear_ce")
+    assert len(lib.fce_vp_linear_ce.argtypes) == len(params), params
+    assert dict(_lib.VpShard._fields_)["all_gather"] is _lib.VP_ALL_GATHER_FN
+    assert len(lib.fce_vp_linear_ce_workspace_size.argtypes) == len(
+        _header_params("fce_vp_linear_ce_workspace_size"))
 
     # the workspace: the same for every shard up to ⌈vt / P⌉ wide; a wider one gets its own
     # minimum on the CPU backend (always gather-once) and its full-speed size on CUDA when the
     # budget gives every rank the full-speed size; below that on CUDA it raises
-    opts = to._opts(-100, _lib.FCE_REDUCTION_MEAN, 0.0, 0.0, 0.0, 1.0, 0, 0, False)
+    opts = CEOptions(reduction=_lib.FCE_REDUCTION_MEAN, ignore_index=-100)
     key, o = td._opts_struct(h0, torch.float32, y, opts, None)
 
     def sizes(width):

@@ -490,35 +490,26 @@ def _ui8_sizes(text):
     return sorted(int(sh) for sh in shapes)
 
 
-def _cfg(**kw):
-    from fusedce import jax as fj
-    base = dict(reduction=0, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=0.0,
-                logit_scale=1.0, shift_seq_len=0, shift=0, token_scaling=False, extras=0,
-                want_lse=False)
-    base.update(kw)
-    return fj._Cfg(**base)
-
-
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_workspace_sizes_are_the_librarys_queries(reduction):
     """Sized with fce_*_workspace_size for the options the handler builds, on every backend
     the library can answer for (the CUDA one where it sees a device)."""
     from fusedce import jax as fj
+    from fusedce._options import CEOptions
     red = {"mean": 0, "sum": 1, "none": 2}[reduction]
-    cfg = _cfg(reduction=red, z_loss=1e-3, label_smoothing=0.1, extras=7, want_lse=True,
-               workspace_bytes=fj.DEFAULT_WORKSPACE_BYTES)
+    opts = CEOptions(reduction=red, z_loss=1e-3, label_smoothing=0.1)
     z = jax.ShapeDtypeStruct((N, V), jnp.bfloat16)
     y = jax.ShapeDtypeStruct((N,), jnp.int32)
     w = jax.ShapeDtypeStruct((V,), jnp.float32)
     kw = dict(dtype="bfloat16", target_dtype="int32", reduction=reduction,
               class_weights=_weights(V), label_smoothing=0.1, z_loss_scale=1e-3)
-    fwd = fj._ce_workspace("fce_forward_workspace_size", cfg, z, y, w, extras=True)
-    bwd = fj._ce_workspace("fce_backward_workspace_size", cfg, z, y, w, extras=False)
+    fwd = fj._ce_workspace("fce_forward_workspace_size", opts, z, y, w)
+    bwd = fj._ce_workspace("fce_backward_workspace_size", opts, z, y, w)
     h = jax.ShapeDtypeStruct((LN, LD), jnp.bfloat16)
     wt = jax.ShapeDtypeStruct((LV, LD), jnp.bfloat16)
     wl = jax.ShapeDtypeStruct((LV,), jnp.float32)
-    lin = fj._linear_workspace(cfg, h, wt, y, wl, with_grad=True)
-    lin0 = fj._linear_workspace(cfg._replace(workspace_bytes=0), h, wt, y, wl, with_grad=False)
+    lin = fj._linear_workspace(opts, fj.DEFAULT_WORKSPACE_BYTES, h, wt, y, wl, with_grad=True)
+    lin0 = fj._linear_workspace(opts, 0, h, wt, y, wl, with_grad=False)
     lkw = dict(kw, class_weights=_weights(LV))
     backends = ["cpu"] + (["cuda"] if fusedce.cuda_available() else [])
     for i, backend in enumerate(backends):
@@ -607,3 +598,23 @@ def test_too_small_workspace_is_a_clear_error(monkeypatch):
             jax.block_until_ready(linear_cross_entropy(h, W, y, label_smoothing=0.2))
     finally:
         jax.clear_caches()
+
+
+def test_options_reach_the_shim_by_name():
+    """The options travel as one CEOptions down to the custom calls and are flattened in one
+    place (CEOptions.as_ffi_attrs, in the order the shim reads them); the outputs as one
+    Want."""
+    from fusedce import _jax_calls
+    from fusedce._options import FFI_FLOAT_NAMES, FFI_INT_NAMES, CEOptions
+    opts = CEOptions(reduction=2, ignore_index=7, label_smoothing=0.25, z_loss=1e-3,
+                     softcap=3.0, logit_scale=0.5, shift_seq_len=6, shift=2, token_scaling=True)
+    attrs = _jax_calls._attrs(opts, workspace_bytes=1 << 20, rescale=True)
+    assert attrs["iopts"].dtype == np.int64 and attrs["fopts"].dtype == np.float32
+    values = dict(workspace_bytes=1 << 20, rescale=1, reserved=0)
+    assert list(attrs["iopts"]) == [int(values.get(n, getattr(opts, n, None)))
+                                    for n in FFI_INT_NAMES]
+    assert list(attrs["fopts"]) == [np.float32(getattr(opts, n)) for n in FFI_FLOAT_NAMES]
+    out = cross_entropy(*make_inputs(n=6, seed=30), return_lse=True, return_z_loss=True,
+                        z_loss=1e-3)
+    assert type(out).__name__ == "CrossEntropyOutput" and out._fields == ("loss", "z_loss",
+                                                                         "lse")

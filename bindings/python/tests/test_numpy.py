@@ -102,8 +102,8 @@ def test_version_check_rejects_other_major():
 
 def test_options_struct_layout():
     assert ctypes.sizeof(_lib.Options) == _lib.FCE_OPTIONS_SIZE_V1_0 == 120
-    assert ctypes.sizeof(_lib.Outputs) == _lib.FCE_OUTPUTS_SIZE_V1_0 == 56
-    assert ctypes.sizeof(_lib.Gradients) == _lib.FCE_GRADIENTS_SIZE_V1_0 == 56
+    assert ctypes.sizeof(_lib.Outputs) == _lib.FCE_OUTPUTS_SIZE_V1_0 == 64
+    assert ctypes.sizeof(_lib.Gradients) == _lib.FCE_GRADIENTS_SIZE_V1_0 == 72
     o = _lib.default_options()
     assert o.struct_size == ctypes.sizeof(_lib.Options) == _lib.options_size()
     assert o.ignore_index == -100 and o.logit_scale == 1.0 and o.softcap == 0.0
@@ -119,9 +119,11 @@ def test_options_struct_layout():
     assert (o.shift, o.token_scaling, o.reserved1) == (0, 0, 0)
     # the outputs, by name, in the order of the C header
     out = _lib.outputs(loss=8, argmax=16, error_flags=24)
-    assert out.struct_size == 56 and (out.loss, out.lse, out.argmax, out.error_flags) == (
+    assert out.struct_size == 64 and (out.loss, out.lse, out.argmax, out.error_flags) == (
         8, None, 16, 24)
     assert _lib.Outputs.error_flags.offset == 48 and _lib.Gradients.grad_hidden_dtype.offset == 48
+    assert _lib.Outputs.entropy.offset == 56 and out.entropy is None
+    assert (_lib.Gradients.grad_lse.offset, _lib.Gradients.grad_entropy.offset) == (56, 64)
 
 
 def test_version_rule():
@@ -1128,3 +1130,17 @@ def test_backward_rescale_raw_call():
         assert "fce_backward_rescale" in message and needle in message, message
         np.testing.assert_array_equal(grad, kept)
         np.testing.assert_array_equal(z, z_kept)
+
+
+def test_errors_do_not_import_lib():
+    """_lib.py imports _errors.py, never the other way round: a status reads as a number until
+    the library is loaded, then in the library's words."""
+    import ast
+    import fusedce._errors as errors
+    with open(errors.__file__) as f:
+        tree = ast.parse(f.read())
+    names = [a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names]
+    assert "_lib" not in names
+    _lib.load()
+    assert errors.FusedCEError(_lib.FCE_ERROR_NULL_POINTER, "m").status_string.startswith(
+        "FCE_ERROR_NULL_POINTER")

@@ -1071,3 +1071,29 @@ def test_cuda_new_keywords_against_float64(case, dtype):
         assert torch.equal(out.predicted_tokens.cpu(), host.predicted_tokens)
         if dtype == torch.float32:
             check_extras(out, rex, reduction)
+
+
+def test_package_layout():
+    """fusedce.torch is a package, fusedce.torch.distributed a module of it (no sys.modules
+    alias); the options and outputs cross a custom op by name, through one pair of functions."""
+    import os
+    import sys
+
+    import fusedce.torch.distributed as d
+    from fusedce._options import N_OP_ARGS, OP_ARG_NAMES, CEOptions, Want
+    assert fusedce.torch.__file__.endswith(os.path.join("torch", "__init__.py"))
+    assert d.__file__.endswith(os.path.join("torch", "distributed.py"))
+    assert sys.modules["fusedce.torch.distributed"] is d is fusedce.torch.distributed
+    opts = CEOptions(reduction=2, ignore_index=7, label_smoothing=0.25, z_loss=1e-3, softcap=3.0,
+                     logit_scale=0.5, shift_seq_len=4, shift=2, token_scaling=True)
+    args = opts.as_op_args()
+    assert len(args) == N_OP_ARGS
+    assert dict(zip(OP_ARG_NAMES, args))["label_smoothing"] == 0.25
+    assert CEOptions.from_op_args(*args) == opts and hash(CEOptions()) == hash(CEOptions())
+    assert isinstance(CEOptions(ignore_index=True).ignore_index, int)
+    for bits in range(16):
+        assert Want.from_op_arg(bits).as_op_arg() == bits
+    w = Want(z_loss=True, lse=True)
+    assert w.fields() == ("z_loss", "lse") and not Want()
+    assert w.from_library(2) == Want(lse=True)
+    assert w.from_library(0) == Want(z_loss=True, lse=True)

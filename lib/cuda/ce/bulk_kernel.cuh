@@ -45,7 +45,7 @@
 //
 // Chosen by the table of ce/policy.h on sm_90 for V ≤ 2^30 (element indices are int): without
 // a gradient for rows of at least 16 KiB, with one for the rows where it measured faster; the
-// knobs FCE_CUDA_CE_BULK and FCE_CUDA_CE_BULK_GRAD (common/knobs.h) force it on or off.
+// knob FCE_CUDA_CE_PATH=bulk|nobulk (common/knobs.h) forces it on or off.
 
 namespace fce {
 namespace cuda {

@@ -118,6 +118,9 @@ fce_status cuda_ce(const CeProblem& p) {
   a.error_flags = p.error_flags;
   a.rescale = rescale;
   a.after_denominators = true;
+  a.entropy_out = outputs ? p.entropy : nullptr;  // (rescale: the ABI refuses these three)
+  a.grad_lse = p.grad_lse;
+  a.grad_entropy = p.grad_entropy;
   if (fce_status st = cuda::launch_ce_rows(a, stream)) return st;
 
   // ---- 3. the reduced loss, z-loss and accuracy (forward); for none the rows are the outputs

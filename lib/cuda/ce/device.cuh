@@ -61,7 +61,7 @@ struct KParams {
   int reg_smem;            // register path: vectors per thread in shared memory (RegConfig::smem)
   int pdl;                 // launched as a programmatic dependent of the denominators kernel
   int xmbar_ok;            // register path: clusters exchange through st.async + mbarrier
-                           // (the cluster-barrier exchange otherwise; FCE_CUDA_CE_XMBAR=0)
+                           // (the cluster-barrier exchange otherwise)
   int targets_int64;
   int reduction;
   int smooth;           // label smoothing ε > 0
@@ -75,6 +75,10 @@ struct KParams {
   float eps_over_V;     // ε / V
   float lambda;         // z-loss λ
   float two_lambda;     // 2λ
+  // docs/semantics.md rule 18 (the ROWT instantiations of the stream kernel only):
+  float* entropy_out;          // forward: H per row, every row, or nullptr
+  const float* grad_lse;       // with a gradient: the upstream gradient of each row's lse, or nullptr
+  const float* grad_entropy;   // forward with a gradient: of each row's entropy, or nullptr
 };
 
 template <int MODE> __device__ __forceinline__ bool use_cap(const KParams& p) {
@@ -165,13 +169,26 @@ template <bool SW> __device__ __forceinline__ Partial block_reduce_all(Partial x
   return r;
 }
 
+// t = Σ exp(a − m)(a − m) of sums (s, t) against m, made against m' ≥ m:
+// exp(m − m')(t + s (m − m')); 0 when m = −inf (nothing summed) or exp(m − m') is 0 (m − m'
+// may even overflow to −inf, where s (m − m') would make 0·inf).
+__device__ __forceinline__ float rescale_t(float m, float m2, float s, float t) {
+  const float dm = __fsub_rn(m, m2);
+  const float r = ex2(__fmul_rn(dm, kLog2e));
+  return m == neg_inf() || r == 0.f ? 0.f : __fmul_rn(r, __fmaf_rn(s, dm, t));
+}
+
 // Phase 1 on one vector: online max / Σexp (and Σω·(a − c) when smoothing) of its in-row
 // elements. With `track`, am follows the index of the first element equal to the thread's
 // running maximum (a thread visits its vectors in increasing index order, so a later equal
 // value never replaces it): the argmax at the cost of a compare per vector (see row_argmax).
-template <class TZ, int MODE, class I>
+// ENT (docs/semantics.md rule 18, the stream kernel's ROWT forward): *tacc also carries
+// t = Σ exp(a − m)(a − m) against the thread's running maximum m, rescaled with it
+// (t ← exp(m − m')(t + s (m − m')) when m grows to m'); a −inf element adds nothing.
+template <class TZ, int MODE, class I, bool ENT = false>
 __device__ __forceinline__ void online_vector(const uint4& raw, I j0, bool full, const KParams& p,
-                                              float c, Partial& acc, bool track, int& am) {
+                                              float c, Partial& acc, bool track, int& am,
+                                              float* tacc = nullptr) {
   constexpr int E = vec_elems<TZ>();
   float a[E];
   unpack<TZ>(raw, a);
@@ -195,11 +212,24 @@ __device__ __forceinline__ void online_vector(const uint4& raw, I j0, bool full,
     am = static_cast<int>(j0) + q0;
   }
   const float mn = fmaxf(acc.m, vm);
+  if constexpr (ENT) {
+    if (acc.m != mn) *tacc = rescale_t(acc.m, mn, acc.s, *tacc);
+  }
   acc.s = acc.m == mn ? acc.s : __fmul_rn(acc.s, ex2(__fmul_rn(__fsub_rn(acc.m, mn), kLog2e)));
   acc.m = mn;
   const float ms = mn == neg_inf() ? 0.f : mn;  // all −inf so far: every term is exp(−inf) = 0
+  if constexpr (ENT) {
 #pragma unroll
-  for (int q = 0; q < E; ++q) acc.s = __fadd_rn(acc.s, ex2(__fmul_rn(__fsub_rn(a[q], ms), kLog2e)));
+    for (int q = 0; q < E; ++q) {
+      const float d = __fsub_rn(a[q], ms);
+      const float e = ex2(__fmul_rn(d, kLog2e));
+      acc.s = __fadd_rn(acc.s, e);
+      *tacc = e != 0.f ? __fmaf_rn(e, d, *tacc) : *tacc;
+    }
+  } else {
+#pragma unroll
+    for (int q = 0; q < E; ++q) acc.s = __fadd_rn(acc.s, ex2(__fmul_rn(__fsub_rn(a[q], ms), kLog2e)));
+  }
   if (use_smooth<MODE>(p)) {
     // the vector's Σω·(a − c) in float (E terms), the row's in double
     float vs = 0.f;
@@ -468,6 +498,12 @@ struct RowGrad {
   float m, ls, A, As, Az, B, Y, ks;
   float Aks;  // A·ks: without label smoothing (B = 0) an element is p_j·(A·ks)
 };
+// docs/semantics.md rule 18's per-row constants (the ROWT kernels): Ls = grad_lse·s,
+// Es = grad_entropy·s and mum = μ − m (t/s of the row). Apart from RowGrad, so that the kernels
+// without them keep their code.
+struct RowTerms {
+  float Ls, Es, mum;
+};
 template <int MODE>
 __device__ __forceinline__ RowGrad make_row_grad(const KParams& p, const RowInfo& ri, const RowVals& v) {
   RowGrad g;
@@ -490,6 +526,24 @@ __device__ __forceinline__ RowGrad make_row_grad(const KParams& p, const RowInfo
   g.A = __fadd_rn(__fadd_rn(g.Y, g.As), g.Az);
   g.Aks = __fmul_rn(g.A, g.ks);
   return g;
+}
+
+// The upstream gradients of row's lse and entropy (rule 18; 0 when not given), read by every
+// thread (one broadcast load each).
+__device__ __forceinline__ float row_grad_lse(const KParams& p, int64_t row) {
+  return p.grad_lse ? p.grad_lse[row] : 0.f;
+}
+__device__ __forceinline__ float row_grad_entropy(const KParams& p, int64_t row) {
+  return p.grad_entropy ? p.grad_entropy[row] : 0.f;
+}
+
+// Rule 18's per-row constants of row (mum = t/s); a row without a loss term (ignored: its
+// terms still flow) gets every loss coefficient of g set to 0.
+__device__ __forceinline__ RowTerms row_terms(const KParams& p, int64_t row, const RowInfo& ri,
+                                              float mum, RowGrad& g) {
+  if (ri.kind != kValid) g.A = g.As = g.Az = g.B = g.Y = g.ks = g.Aks = 0.f;
+  return RowTerms{__fmul_rn(row_grad_lse(p, row), p.scale),
+                  __fmul_rn(row_grad_entropy(p, row), p.scale), mum};
 }
 
 // The target's column within a row's buffer, once per row: y − col_begin when inside
@@ -582,6 +636,35 @@ __device__ __forceinline__ void grad_vector(const uint4& raw, I j0, bool full, b
   }
   store_grad<TG, E>(grow, j0, full, vec_ok, p.vocab, g);
   if (kTargetAfter && dy >= 0) store_target<TG, MODE>(p, rg, zy, int64_t(yl), grow);
+}
+
+// The gradient of one vector of a row with rule 18's terms (the ROWT stream kernels): the
+// element grad_elem / grad_target give (the loss's part, softcap factor included) plus
+// p·(Ls − Es·((a − m) − mum)) times the same softcap factor; an element with p = 0 (a −inf
+// logit) gets nothing from the terms (no 0·inf). yl: the row's local_target (−2·E for a row
+// without a loss term). Apart from grad_vector, whose kernels keep their code.
+template <class TZ, class TG, int MODE, class I>
+__device__ __forceinline__ void grad_vector_terms(const uint4& raw, I j0, bool full, bool vec_ok,
+                                                  const KParams& p, const RowGrad& rg,
+                                                  const RowTerms& rt, I yl, char* grow) {
+  float g[vec_elems<TZ>()];
+  unpack<TZ>(raw, g);
+#pragma unroll
+  for (int q = 0; q < vec_elems<TZ>(); ++q) {
+    float t;
+    const float a = xform<MODE>(g[q], p, t);
+    const float pr = prob(a, rg.m, rg.ls);
+    const I j = j0 + q;  // (the target: j == yl, which only a column of the buffer can be)
+    const bool inside = full || (j >= 0 && j < p.vocab);
+    const float b = !(use_smooth<MODE>(p) && p.class_weights) ? rg.B
+                    : inside ? __fmul_rn(rg.B, __ldg(p.class_weights + p.col_begin + j))
+                             : 0.f;
+    const float gl = j == yl ? grad_target<MODE>(p, rg, pr, b, t) : grad_elem<MODE>(p, rg, pr, b, t);
+    const float w = __fmaf_rn(-rt.Es, __fsub_rn(__fsub_rn(a, rg.m), rt.mum), rt.Ls);
+    const float cf = use_cap<MODE>(p) ? __fmaf_rn(-t, t, 1.f) : 1.f;
+    g[q] = pr == 0.f ? gl : __fmaf_rn(__fmul_rn(pr, w), cf, gl);
+  }
+  store_grad<TG, vec_elems<TZ>()>(grow, j0, full, vec_ok, p.vocab, g);
 }
 
 // Ignored rows: 0; invalid rows: NaN (docs/semantics.md rules 2, 3).

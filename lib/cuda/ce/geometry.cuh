@@ -45,8 +45,8 @@ constexpr int kMaxCtasPerSm = 32;       // resident CTAs of an SM (sm_80, sm_90)
 // A register-path CTA counts as nearly full from kRegFullThreads threads (choose_reg_config).
 constexpr int kRegFullThreads = 448;
 constexpr int64_t kMaxRowsPerLaunch = int64_t(1) << 26;  // × 16 CTAs stays below 2^31 blocks
-// The register path's L2 prefetch distance, in waves of resident rows (FCE_CUDA_CE_PREFETCH
-// overrides it; 0 = none): each CTA asks the L2 for its slice of the row that far ahead. With
+// The register path's L2 prefetch distance, in waves of resident rows (ce/policy.h's table;
+// 0 = none): each CTA asks the L2 for its slice of the row that far ahead. With
 // shared-memory slots a wave holds up to twice the bytes, and an eighth measured faster than a
 // quarter on every slot shape and slower on the registers-only ones (H100: 4096×151936 bf16
 // 89.6 → 92.5 % of copy, float32 8192×128256 95.0 → 96.5; 4096×128256 bf16 93.6 → 92.8;

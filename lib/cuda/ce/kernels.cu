@@ -114,6 +114,17 @@ template <class TZ, class TG, bool GRAD> auto bulk_kernel(int mode) {
                         : ce_rows_bulk_kernel<TZ, TG, kGeneral, GRAD>;
 }
 
+// The stream kernel of a launch: two-pass forward or backward (BWD), with rule 18's terms or
+// not (ROWT), in its plain or general mode.
+template <class TZ, class TG, bool BWD>
+auto stream_kernel(int mode, bool rowt) {
+  const bool plain = mode == kPlain || mode == kUnit;
+  return rowt ? (plain ? ce_rows_stream_kernel<TZ, TG, kPlain, BWD, true>
+                       : ce_rows_stream_kernel<TZ, TG, kGeneral, BWD, true>)
+              : (plain ? ce_rows_stream_kernel<TZ, TG, kPlain, BWD>
+                       : ce_rows_stream_kernel<TZ, TG, kGeneral, BWD>);
+}
+
 template <class TZ, class TG>
 fce_status launch_rows_typed(const CeRowsArgs& a, KParams p, int pair, cudaStream_t s) {
   constexpr int E = vec_elems<TZ>();
@@ -133,6 +144,9 @@ fce_status launch_rows_typed(const CeRowsArgs& a, KParams p, int pair, cudaStrea
   rq.shape.aligned_rows =
       (reinterpret_cast<uintptr_t>(a.logits) & 15) == 0 && (p.z_row_bytes & 15) == 0;
   rq.shape.rescale = p.rescale != 0;
+  // rule 18's entropy and gradient terms: the stream kernels only (ce/policy.h)
+  const bool rowt = p.entropy_out || p.grad_lse || p.grad_entropy;
+  rq.shape.row_terms = rowt;
   rq.slot = pair * 4 + mode;
   rq.regs_kernel = regs_kernel<TZ, TG, false, false>(mode);
   rq.regs_loop_kernel = regs_kernel<TZ, TG, true, false>(mode);
@@ -158,10 +172,8 @@ fce_status launch_rows_typed(const CeRowsArgs& a, KParams p, int pair, cudaStrea
     if (choice.path == RowsPath::kBackward) {
       const unsigned threads = static_cast<unsigned>(stream_threads(a.vocab, E, kBackwardThreads));
       st = launch_rows_kernel(a.fn, "ce_rows_stream_kernel, backward",
-                              mode == kPlain || mode == kUnit
-                                  ? ce_rows_stream_kernel<TZ, TG, kPlain, true>
-                                  : ce_rows_stream_kernel<TZ, TG, kGeneral, true>,
-                              n, static_cast<int>(threads), 1, q, s);
+                              stream_kernel<TZ, TG, true>(mode, rowt), n,
+                              static_cast<int>(threads), 1, q, s);
     } else if (choice.path == RowsPath::kBulk) {
       q.rows_in_launch = n;
       const int64_t grid = n < choice.wave_rows ? n : choice.wave_rows;
@@ -186,10 +198,8 @@ fce_status launch_rows_typed(const CeRowsArgs& a, KParams p, int pair, cudaStrea
     } else {
       const unsigned threads = static_cast<unsigned>(stream_threads(a.vocab, E, kTwoPassThreads));
       st = launch_rows_kernel(a.fn, "ce_rows_stream_kernel, two-pass forward",
-                              mode == kPlain || mode == kUnit
-                                  ? ce_rows_stream_kernel<TZ, TG, kPlain, false>
-                                  : ce_rows_stream_kernel<TZ, TG, kGeneral, false>,
-                              n, static_cast<int>(threads), 1, q, s);
+                              stream_kernel<TZ, TG, false>(mode, rowt), n,
+                              static_cast<int>(threads), 1, q, s);
     }
     if (st != FCE_SUCCESS) return st;
   }
@@ -217,6 +227,11 @@ fce_status launch_ce_rows(const CeRowsArgs& a, cudaStream_t s) {
   if (a.rescale && (backward || !a.grad || !a.grad_output))
     return fail(FCE_ERROR_INTERNAL,
                 "%s: launch_ce_rows: rescale needs a forward with grad and grad_output", fn);
+  if ((a.grad_lse || a.grad_entropy) && (a.rescale || a.stats_in || (backward && a.grad_entropy)))
+    return fail(FCE_ERROR_INTERNAL,
+                "%s: launch_ce_rows: grad_lse / grad_entropy with a rescale, a column slice or "
+                "(grad_entropy) a backward",
+                fn);
   const int64_t vocab_total = a.vocab_total > 0 ? a.vocab_total : a.vocab;
   if (a.col_begin < 0 || a.col_begin + a.vocab > vocab_total || vocab_total > INT32_MAX ||
       (vocab_total != a.vocab && !a.stats_in))
@@ -243,6 +258,9 @@ fce_status launch_ce_rows(const CeRowsArgs& a, cudaStream_t s) {
   p.loss_has_z = a.opt.reduction == FCE_REDUCTION_NONE ? 1 : 0;
   p.error_flags = a.error_flags;
   p.rescale = a.rescale ? 1 : 0;
+  p.entropy_out = outputs ? a.entropy_out : nullptr;
+  p.grad_lse = a.grad ? a.grad_lse : nullptr;
+  p.grad_entropy = a.grad ? a.grad_entropy : nullptr;
   // Without a gradient its dtype is irrelevant: use the logits' own pair.
   const int zd = a.logits_dtype, gd = a.grad ? a.grad_dtype : a.logits_dtype;
   if (zd == FCE_FLOAT32 && gd == FCE_FLOAT32) return launch_rows_typed<float, float>(a, p, 0, s);

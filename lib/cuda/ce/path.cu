@@ -291,7 +291,6 @@ class CudaRowsKernels final : public RowsKernels {
 }  // namespace
 
 bool pdl_supported() {
-  if (!knobs().pdl) return false;
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) {
     (void)cudaGetLastError();

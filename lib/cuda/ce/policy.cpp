@@ -103,7 +103,7 @@ bool choose_regs_shape(const DeviceProps& dev, const Knobs& knobs, const RowsSha
   const bool found = choose_reg_config(dev, q.vocab, q.elem_bytes, lead_max, max_k, knobs.cluster,
                                        regs, smem_max, &rc);
   // Slots only where registers alone hold too little per SM and the launch is long enough
-  // (a forced cluster size or FCE_CUDA_CE_SMEM_ALWAYS keeps them).
+  // (a forced cluster size or FCE_CUDA_CE_SMEM=always keeps them).
   if (found && rc.smem > 0 && knobs.cluster == 0 && !knobs.smem_always) {
     RegConfig plain{};
     const double enough = kRowsTable.resident_enough * (int64_t{dev.regs_per_sm} * 4 / 2);
@@ -170,7 +170,8 @@ RowsChoice choose_rows(const DeviceProps& dev, const Knobs& knobs, const RowsSha
   RowsChoice out{};
   out.path = q.backward ? RowsPath::kBackward : RowsPath::kTwoPass;
   out.rc = RegConfig{1, kRegThreads, 0, 0};
-  out.xmbar = knobs.xmbar;
+  out.xmbar = true;
+  if (q.row_terms) return out;  // the stream kernels: kBackward or kTwoPass
   const int64_t row = q.vocab * q.elem_bytes;
   // the two-pass rule (stream_min_row) or FCE_CUDA_CE_PATH keep the register path out
   const bool long_forward_only = !q.with_grad && row >= t.stream_min_row;
@@ -183,8 +184,7 @@ RowsChoice choose_rows(const DeviceProps& dev, const Knobs& knobs, const RowsSha
                               (!q.aligned_rows || row > t.bulk_grad_aligned_row) &&
                               !(regs_ok && rc.smem > 0);
   const bool bulk_grad =
-      (knobs.bulk_grad == 1 || (knobs.bulk_grad < 0 && bulk_grad_rule) || knobs.bulk == 2) &&
-      row + 16 <= kBulkRowBytes;
+      ((knobs.bulk_grad && bulk_grad_rule) || knobs.bulk == 2) && row + 16 <= kBulkRowBytes;
   // (V ≤ 2^30: the bulk kernel indexes a row's elements with int)
   if (!q.backward && (!q.with_grad || bulk_grad) && knobs.bulk && knobs.path == 0 &&
       q.vocab <= (int64_t{1} << 30) && (row >= t.bulk_min_row || knobs.bulk == 2)) {
@@ -210,9 +210,7 @@ RowsChoice choose_rows(const DeviceProps& dev, const Knobs& knobs, const RowsSha
     out.wave_rows = 0;
   }
   // the L2 prefetch only with a gradient (forward-only CTAs hold their slice for less time)
-  const float w = knobs.prefetch_waves >= 0.f ? knobs.prefetch_waves
-                  : smem                      ? t.slot_prefetch_waves
-                                              : t.prefetch_waves;
+  const float w = smem ? t.slot_prefetch_waves : t.prefetch_waves;
   if (!q.rescale && q.with_grad && w > 0.f && out.wave_rows > 0) {
     const int64_t d = static_cast<int64_t>(w * static_cast<float>(out.wave_rows) + 0.5f);
     out.prefetch_rows = out.persistent ? 1 : (d > 0 ? d : 1);  // LOOP: its own next row

@@ -30,6 +30,7 @@ struct DeviceProps {
 //
 //   condition (row = V · element bytes)                              kernel
 //   a backward (a saved lse or row statistics)                       kBackward
+//   the entropy or the lse / entropy gradient terms (row_terms)      kTwoPass
 //   sm_90+, forward only, row ≥ bulk_min_row                         kBulk
 //   sm_90+, with a gradient, bulk_grad_min_row < row,
 //     row + 16 ≤ kBulkRowBytes, row unaligned or > bulk_grad_aligned_row,
@@ -83,6 +84,9 @@ struct RowsShape {
   int elem_bytes;     // of the logits
   bool aligned_rows;  // every row starts 16-byte aligned
   bool rescale;       // fce_backward_rescale: the register path runs persistent
+  // the entropy or the lse / entropy gradient terms (docs/semantics.md rule 18): only the
+  // stream kernels have them, so the rows take kBackward or kTwoPass
+  bool row_terms = false;
 };
 
 // The kernels a shape can run on (the register kernel, persistent or not, with shared-memory
@@ -114,7 +118,8 @@ struct RowsChoice {
   bool persistent;        // kRegisters: the LOOP kernel over at most wave_rows clusters
   int64_t wave_rows;      // kRegisters: rows (clusters) resident at once; kBulk: the CTAs
   int64_t prefetch_rows;  // kRegisters: KParams::prefetch_rows (0 = no prefetch)
-  bool xmbar;             // kRegisters: KParams::xmbar_ok
+  bool xmbar;             // kRegisters: KParams::xmbar_ok (always: the kernel drops it where
+                          // it must, with argmax or rescale)
 };
 
 // The policy: the table above on this device, with these knobs.

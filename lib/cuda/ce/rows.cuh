@@ -82,6 +82,10 @@ struct CeRowsArgs {
   // The row kernel follows launch_ce_denominators directly on the stream (fce_forward /
   // fce_backward): launched as its programmatic dependent on sm_90 (ce/device.cuh, pdl_trigger).
   bool after_denominators;
+  // docs/semantics.md rule 18, by global row (the stream kernels run them: ce/policy.h):
+  float* entropy_out;          // forward: [total_rows] entropy, or nullptr
+  const float* grad_lse;       // with grad: [total_rows] upstream gradient of lse, or nullptr
+  const float* grad_entropy;   // forward with grad: [total_rows] of the entropy, or nullptr
 };
 // A launch over all `rows` rows of a [rows, vocab] problem whose logits and gradient are
 // opt.dtype (fce_forward / fce_backward / fce_backward_rescale, fce_vp_backward); the caller

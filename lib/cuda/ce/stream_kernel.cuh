@@ -20,17 +20,20 @@ namespace {
 
 // ====================================================== streaming kernels ====
 // Pass 1 of a streaming CTA: the row's (max, Σexp[, Σω·(a − c)]) with L2-keeping loads; the
-// CTA's total is in s_final on return (after a barrier).
-template <class TZ, int MODE>
+// CTA's total is in s_final on return (after a barrier). ENT: *t_row is the row's
+// t = Σ exp(a − m)(a − m) against the row's maximum m (docs/semantics.md rule 18), in every
+// thread.
+template <class TZ, int MODE, bool ENT = false>
 __device__ __forceinline__ Partial stream_reduce(const KParams& p, const char* zrow, int lead,
                                                  int nvec, float c, Partial* s_warp,
                                                  Partial* s_final, bool track, Partial& mine,
-                                                 int& am) {
+                                                 int& am, float* t_row = nullptr) {
   constexpr int E = vec_elems<TZ>();
   constexpr int U = MODE == kGeneral ? kStreamUnroll / 2 : kStreamUnroll;
   constexpr bool SW = MODE == kGeneral;
   const int V = p.vocab, tid = threadIdx.x, nt = blockDim.x, step = nt * U;
   Partial acc = partial_identity();
+  float tacc = 0.f;  // ENT: this thread's t against acc.m
   for (int base = tid; base < nvec; base += step) {
     uint4 buf[U];
 #pragma unroll
@@ -45,13 +48,30 @@ __device__ __forceinline__ Partial stream_reduce(const KParams& p, const char* z
       const int v = base + u * nt;
       const int64_t j0 = int64_t(v) * E - lead;
       if (v < nvec)
-        online_vector<TZ, MODE>(buf[u], j0, is_full<int64_t, E>(j0, V), p, c, acc, track, am);
+        online_vector<TZ, MODE, int64_t, ENT>(buf[u], j0, is_full<int64_t, E>(j0, V), p, c, acc,
+                                              track, am, &tacc);
     }
   }
   mine = acc;
   const Partial blk = block_reduce_all<SW>(acc, s_warp);
   if (threadIdx.x == 0) *s_final = blk;
   __syncthreads();
+  if constexpr (ENT) {
+    // each thread's t against the row's maximum M, then their sum in a fixed tree (every thread
+    // gets the same bits); s_warp is free again after the barrier above
+    if (acc.m != blk.m) tacc = rescale_t(acc.m, blk.m, acc.s, tacc);
+    float* s_sum = reinterpret_cast<float*>(s_warp);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) tacc = __fadd_rn(tacc, __shfl_xor_sync(0xffffffffu, tacc, o));
+    if (lane == 0) s_sum[warp] = tacc;
+    __syncthreads();
+    float tot = lane < nwarps ? s_sum[lane] : 0.f;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) tot = __fadd_rn(tot, __shfl_xor_sync(0xffffffffu, tot, o));
+    *t_row = tot;
+    __syncthreads();  // s_warp may be used again
+  }
   return *s_final;
 }
 
@@ -59,8 +79,12 @@ __device__ __forceinline__ Partial stream_reduce(const KParams& p, const char* z
 // from the saved lse (one read and one write; ignored and invalid rows are only written) or from
 // the saved row statistics of a column slice (stats_in). A row whose saved |lse| ≥ 1024 is
 // reduced again first (pass 1): there the float lse no longer holds log s (docs/semantics.md rule 12).
+// ROWT (docs/semantics.md rule 18): the forward also sums t = Σ exp(a − m)(a − m) in pass 1 and
+// writes the entropy H = log s − t/s (p.entropy_out); the gradient of both directions adds the
+// terms of p.grad_lse and (forward) p.grad_entropy, to every row but the invalid ones (an ignored
+// row whose two values are 0 keeps its zeros).
 constexpr float kRescueLse = 1024.f;
-template <class TZ, class TG, int MODE, bool BWD>
+template <class TZ, class TG, int MODE, bool BWD, bool ROWT = false>
 __global__ void __launch_bounds__(BWD ? kBackwardThreads : kTwoPassThreads, BWD ? 2 : 1)
     ce_rows_stream_kernel(const KParams p) {
   pdl_trigger();  // the finalize may start once every CTA has (it waits for our values)
@@ -92,9 +116,18 @@ __global__ void __launch_bounds__(BWD ? kBackwardThreads : kTwoPassThreads, BWD 
   RowVals vals;
   Partial fin = partial_identity(), mine;
   int am = -1;
+  float mum = 0.f;  // ROWT: μ − m = t/s
   if constexpr (!BWD) {
-    fin = stream_reduce<TZ, MODE>(p, zrow, lead, nvec, c, s_warp, &s_final, want_argmax, mine, am);
+    float t_row = 0.f;
+    fin = stream_reduce<TZ, MODE, ROWT>(p, zrow, lead, nvec, c, s_warp, &s_final, want_argmax, mine,
+                                        am, &t_row);
     vals = row_vals(p, s_info, fin);
+    if constexpr (ROWT) {
+      mum = __fdiv_rn(t_row, fin.s);
+      // H = log s − t/s (both terms ≥ 0: no cancellation); NaN without a finite maximum
+      if (tid == 0 && p.entropy_out)
+        p.entropy_out[row] = isfinite(fin.m) ? __fsub_rn(vals.ls, mum) : qnan();
+    }
   } else {
     __syncthreads();  // s_info
     if (p.stats_in) {
@@ -102,7 +135,8 @@ __global__ void __launch_bounds__(BWD ? kBackwardThreads : kTwoPassThreads, BWD 
       vals = RowVals{st.m, st.ls, __fadd_rn(st.m, st.ls), st.t};
     } else {
       const float lse = p.lse_in[row];
-      if (s_info.kind == kValid && isfinite(lse) && fabsf(lse) >= kRescueLse) {
+      const bool flows = s_info.kind == kValid || (ROWT && s_info.kind == kIgnored);
+      if (flows && isfinite(lse) && fabsf(lse) >= kRescueLse) {
         fin = stream_reduce<TZ, MODE>(p, zrow, lead, nvec, c, s_warp, &s_final, false, mine, am);
         vals = make_row_vals(p, s_info, fin.m, logf(fin.s), lse);
       } else {
@@ -129,12 +163,17 @@ __global__ void __launch_bounds__(BWD ? kBackwardThreads : kTwoPassThreads, BWD 
     }
     if (tid == 0) write_row_outputs<MODE>(p, row, ri, fin, vals, c);
   }
-  const bool grad_pass = p.grad && ri.kind == kValid;
+  bool grad_pass = p.grad && ri.kind == kValid;
+  if constexpr (ROWT)  // an ignored row's lse and entropy terms (rule 18)
+    grad_pass = grad_pass || (p.grad && ri.kind == kIgnored &&
+                              (row_grad_lse(p, row) != 0.f || row_grad_entropy(p, row) != 0.f));
   char* grow = p.grad ? p.grad + lrow * p.g_row_bytes : nullptr;
   if (grad_pass) {
     const bool vec_ok = grad_vec_ok<TZ, TG>(grow, lead);
-    const RowGrad rg = make_row_grad<MODE>(p, ri, vals);
-    const int64_t yl = local_target<int64_t, E>(p, ri.y);
+    RowGrad rg = make_row_grad<MODE>(p, ri, vals);
+    RowTerms rt{};
+    if constexpr (ROWT) rt = row_terms(p, row, ri, mum, rg);
+    const int64_t yl = ri.kind == kValid ? local_target<int64_t, E>(p, ri.y) : int64_t(-2 * E);
     const int nchunks = (nvec + step - 1) / step;
     for (int ch = 0; ch < nchunks; ++ch) {
       // the forward's second read runs backwards: its last-read vectors are likeliest in L2
@@ -151,7 +190,11 @@ __global__ void __launch_bounds__(BWD ? kBackwardThreads : kTwoPassThreads, BWD 
       for (int u = 0; u < U; ++u) {
         const int v = base + u * nt;
         const int64_t j0 = int64_t(v) * E - lead;
-        if (v < nvec)
+        if (v >= nvec) continue;
+        if constexpr (ROWT)
+          grad_vector_terms<TZ, TG, MODE>(buf[u], j0, is_full<int64_t, E>(j0, V), vec_ok, p, rg, rt,
+                                          yl, grow);
+        else
           grad_vector<TZ, TG, MODE>(buf[u], j0, is_full<int64_t, E>(j0, V), vec_ok, p, rg, yl,
                                     grow);
       }

@@ -15,25 +15,25 @@ Knobs read_knobs() {
   if (const char* s = std::getenv("FCE_CUDA_CE_PATH")) {
     if (!std::strcmp(s, "regs")) k.path = 1;
     else if (!std::strcmp(s, "twopass")) k.path = 2;
+    else if (!std::strcmp(s, "bulk")) k.bulk = 2;
+    else if (!std::strcmp(s, "nobulk")) k.bulk = 0;
+  }
+  if (const char* s = std::getenv("FCE_CUDA_CE_SMEM")) {
+    if (!std::strcmp(s, "always")) {
+      k.smem_always = true;
+      k.bulk_grad = false;
+    } else if (*s >= '0' && *s <= '9') {
+      const int v = std::atoi(s);
+      if (v >= 0 && v <= 12) k.reg_smem = v;
+    }
   }
   if (const char* s = std::getenv("FCE_CUDA_CE_CLUSTER")) {
     const int v = std::atoi(s);
     if (v >= 1 && v <= 16) k.cluster = v;
   }
-  if (const char* s = std::getenv("FCE_CUDA_CE_PREFETCH")) {
-    const float w = static_cast<float>(std::atof(s));
-    if (w >= 0.f && w <= 16.f) k.prefetch_waves = w;
-  }
-  if (const char* s = std::getenv("FCE_CUDA_CE_XMBAR")) k.xmbar = std::atoi(s) != 0;
-  if (const char* s = std::getenv("FCE_CUDA_CE_PDL")) k.pdl = std::atoi(s) != 0;
-  if (const char* s = std::getenv("FCE_CUDA_CE_BULK")) k.bulk = std::atoi(s);
-  if (const char* s = std::getenv("FCE_CUDA_CE_BULK_GRAD")) k.bulk_grad = std::atoi(s) != 0;
-  if (const char* s = std::getenv("FCE_CUDA_CE_SMEM")) {
-    const int v = std::atoi(s);
-    if (v >= 0 && v <= 12) k.reg_smem = v;
-  }
-  if (const char* s = std::getenv("FCE_CUDA_CE_SMEM_ALWAYS")) k.smem_always = std::atoi(s) == 1;
   if (const char* s = std::getenv("FCE_CUDA_PORTABLE")) k.portable = std::atoi(s) == 1;
+  if (const char* s = std::getenv("FCE_LINEAR_CE_PLAN"))
+    k.linear_sliced = !std::strcmp(s, "sliced");
   return k;
 }
 

@@ -249,6 +249,13 @@ fce_status cuda_linear_ce(const LinearCeProblem& p) {
       chunk_slices(L, base, opt, p.loss, p.z_loss != nullptr, p.accuracy, p.bias != nullptr);
   const int64_t ldz = s.vocab_padded;
   const bool sliced = plan.mode == Mode::kVocabSliced;
+  // (its gradient pass has no lse / entropy terms yet, docs/semantics.md rule 18)
+  if (sliced && with_grad && (p.grad_lse || p.grad_entropy))
+    return fail(FCE_ERROR_UNSUPPORTED,
+                "%s: gradients->%s is not supported by the CUDA backend's vocabulary-sliced plan "
+                "(a 16-bit grad_weight with less workspace than the token chunks need): give the "
+                "workspace query's optimal_bytes, or set options->grad_weight_fp32",
+                fn, p.grad_lse ? "grad_lse" : "grad_entropy");
   // the vocab-sliced plan (only ever chosen for a 16-bit dtype whose grad_weight and grad_bias
   // are 16-bit too: choose_plan takes token chunks for float32 ones): the lse pass keeps each
   // row's (m, log s, t) for the gradient pass; ∂h accumulates in a float32 workspace buffer
@@ -299,6 +306,9 @@ fce_status cuda_linear_ce(const LinearCeProblem& p) {
     a.argmax_out = p.argmax;
     a.row_correct = cs.row_correct;
     a.error_flags = p.error_flags;
+    a.entropy_out = p.entropy;
+    a.grad_lse = grad_in_chunks ? p.grad_lse : nullptr;
+    a.grad_entropy = grad_in_chunks ? p.grad_entropy : nullptr;
     FCE_TRY(launch_ce_rows(a, stream));
     if (!grad_in_chunks) continue;
 

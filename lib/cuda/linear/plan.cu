@@ -7,9 +7,8 @@
 // (vocab_parallel/linear_plan.cu) build on it, and their host self-test (CudaVpLinearSelftest) links it alone.
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 
+#include "cuda/common/knobs.h"
 #include "cuda/linear/plan.cuh"
 #include "internal.h"
 
@@ -194,19 +193,14 @@ bool plan_sliced(const Sizes& s, size_t workspace_bytes, Plan* out) {
 // A float32 ∂W (or none) accumulates over token chunks at any workspace. A 16-bit ∂W, in order
 // of preference: token chunks accumulated in grad_weight (≤ max_chunks16 roundings; one chunk
 // when all rows fit), then the vocab-sliced plan (8·N·D·V, one rounding, any workspace from a
-// few MiB). FCE_LINEAR_CE_PLAN=sliced in the environment (read on every call) takes the
-// vocab-sliced plan whenever it fits: the tests and benchmarks use it to run that plan at any
-// size; it changes which plan runs, never the promises.
-bool force_sliced() {
-  const char* v = std::getenv("FCE_LINEAR_CE_PLAN");
-  return v && std::strcmp(v, "sliced") == 0;
-}
-
+// few MiB). FCE_LINEAR_CE_PLAN=sliced (common/knobs.h) takes the vocab-sliced plan whenever it
+// fits: the tests use it to run that plan at any size; it changes which plan runs, never the
+// promises.
 bool choose_plan(const Sizes& s, bool need_dw, bool dw_fp32, size_t workspace_bytes, Plan* out) {
   if (!need_dw || dw_fp32)  // (the vocab-sliced plan as well when even 128 rows do not fit)
     return plan_mode(s, Mode::kChunked, workspace_bytes, out) ||
            (s.with_grad && !dw_fp32 && plan_sliced(s, workspace_bytes, out));
-  if (force_sliced() && plan_sliced(s, workspace_bytes, out)) return true;
+  if (knobs().linear_sliced && plan_sliced(s, workspace_bytes, out)) return true;
   if (plan_mode(s, Mode::kChunked16, workspace_bytes, out)) return true;
   return plan_sliced(s, workspace_bytes, out);
 }

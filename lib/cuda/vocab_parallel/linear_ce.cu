@@ -31,7 +31,7 @@
 //   6. ∂h_c = ∂Z_c·W_s               this rank's partial ∂h rows, straight into grad_hidden (of
 //                                    grad_hidden_dtype; K = V_s, no accumulation across chunks)
 //   7. ∂W_s (+)= ∂Z_cᵀ·h_c, ∂b_s     as fce_linear_ce's kChunked / kChunked16 (16-bit: in place,
-//                                    at most 4 chunks; float32: the caller's grad_weight)
+//                                    at most max_chunks16 chunks; float32: the caller's)
 // then the fixed-order loss reduction (launch_ce_finalize) over the row losses: the same
 // per-row values and the same reduction as fce_vp_loss on the same statistics.
 // One stream (the collective is the caller's, on that stream), no allocation, no host

@@ -358,12 +358,13 @@ end
 _outputs(; loss=C_NULL, lse=C_NULL, z_loss=C_NULL, argmax=C_NULL, accuracy=C_NULL,
          error_flags=C_NULL) =
     FceOutputs(sizeof(FceOutputs), Ptr{Cfloat}(loss), Ptr{Cfloat}(lse), Ptr{Cfloat}(z_loss),
-               Ptr{Int64}(argmax), Ptr{Cfloat}(accuracy), Ptr{UInt32}(error_flags))
+               Ptr{Int64}(argmax), Ptr{Cfloat}(accuracy), Ptr{UInt32}(error_flags),
+               Ptr{Cfloat}(C_NULL))
 _gradients(; grad_output=C_NULL, grad_logits=C_NULL, grad_hidden=C_NULL, grad_weight=C_NULL,
            grad_bias=C_NULL) =
     FceGradients(sizeof(FceGradients), Ptr{Cfloat}(grad_output), Ptr{Cvoid}(grad_logits),
                  Ptr{Cvoid}(grad_hidden), Ptr{Cvoid}(grad_weight), Ptr{Cvoid}(grad_bias),
-                 Int32(FCE_FLOAT32), Int32(0))
+                 Int32(FCE_FLOAT32), Int32(0), Ptr{Cfloat}(C_NULL), Ptr{Cfloat}(C_NULL))
 
 _reduction(kw) = reduction_code(get(kw, :reduction, :mean))
 _flag(kw, key::Symbol) = get(kw, key, false) != 0

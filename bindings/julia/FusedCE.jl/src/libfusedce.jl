@@ -25,8 +25,8 @@ const FCE_VERSION_PATCH = 0
 const FCE_VERSION_NUMBER = 10000
 const FCE_FLAG_TARGET_OUT_OF_RANGE = Cuint(1)  # 1u
 const FCE_OPTIONS_SIZE_V1_0 = 120
-const FCE_OUTPUTS_SIZE_V1_0 = 56
-const FCE_GRADIENTS_SIZE_V1_0 = 56
+const FCE_OUTPUTS_SIZE_V1_0 = 64
+const FCE_GRADIENTS_SIZE_V1_0 = 72
 const FCE_VP_STATS = 8
 const FCE_FLAG_SHARDS_INCONSISTENT = Cuint(2)  # 2u
 
@@ -107,50 +107,55 @@ struct FceOutputs
     argmax::Ptr{Int64}        # int64_t* argmax (offset 32)
     accuracy::Ptr{Cfloat}     # float* accuracy (offset 40)
     error_flags::Ptr{UInt32}  # uint32_t* error_flags (offset 48)
+    entropy::Ptr{Cfloat}      # float* entropy (offset 56)
 end
 const fce_outputs = FceOutputs
 
-# The C layout under the LP64 ABI (x86-64, aarch64): 56 bytes.
+# The C layout under the LP64 ABI (x86-64, aarch64): 64 bytes.
 @assert Sys.WORD_SIZE == 64 "fusedce's Julia binding needs a 64-bit platform"
-@assert sizeof(FceOutputs) == 56 "FceOutputs does not have the size of C's fce_outputs"
+@assert sizeof(FceOutputs) == 64 "FceOutputs does not have the size of C's fce_outputs"
 @assert Int[fieldoffset(FceOutputs, i) for i in 1:fieldcount(FceOutputs)] ==
-        [0, 8, 16, 24, 32, 40, 48]
+        [0, 8, 16, 24, 32, 40, 48, 56]
 
 # ---------------------------------------------------------------- struct fce_gradients
 # Field for field the C struct (same names, order and types): pass it as Ref{FceGradients}.
 struct FceGradients
-    struct_size::Csize_t      # size_t struct_size (offset 0)
-    grad_output::Ptr{Cfloat}  # const float* grad_output (offset 8)
-    grad_logits::Ptr{Cvoid}   # void* grad_logits (offset 16)
-    grad_hidden::Ptr{Cvoid}   # void* grad_hidden (offset 24)
-    grad_weight::Ptr{Cvoid}   # void* grad_weight (offset 32)
-    grad_bias::Ptr{Cvoid}     # void* grad_bias (offset 40)
-    grad_hidden_dtype::Int32  # int32_t grad_hidden_dtype (offset 48)
-    reserved0::Int32          # int32_t reserved0 (offset 52)
+    struct_size::Csize_t       # size_t struct_size (offset 0)
+    grad_output::Ptr{Cfloat}   # const float* grad_output (offset 8)
+    grad_logits::Ptr{Cvoid}    # void* grad_logits (offset 16)
+    grad_hidden::Ptr{Cvoid}    # void* grad_hidden (offset 24)
+    grad_weight::Ptr{Cvoid}    # void* grad_weight (offset 32)
+    grad_bias::Ptr{Cvoid}      # void* grad_bias (offset 40)
+    grad_hidden_dtype::Int32   # int32_t grad_hidden_dtype (offset 48)
+    reserved0::Int32           # int32_t reserved0 (offset 52)
+    grad_lse::Ptr{Cfloat}      # const float* grad_lse (offset 56)
+    grad_entropy::Ptr{Cfloat}  # const float* grad_entropy (offset 64)
 end
 const fce_gradients = FceGradients
 
-# The C layout under the LP64 ABI (x86-64, aarch64): 56 bytes.
+# The C layout under the LP64 ABI (x86-64, aarch64): 72 bytes.
 @assert Sys.WORD_SIZE == 64 "fusedce's Julia binding needs a 64-bit platform"
-@assert sizeof(FceGradients) == 56 "FceGradients does not have the size of C's fce_gradients"
+@assert sizeof(FceGradients) == 72 "FceGradients does not have the size of C's fce_gradients"
 @assert Int[fieldoffset(FceGradients, i) for i in 1:fieldcount(FceGradients)] ==
-        [0, 8, 16, 24, 32, 40, 48, 52]
+        [0, 8, 16, 24, 32, 40, 48, 52, 56, 64]
 
 # ---------------------------------------------------------------- struct fce_vp_shard
 # Field for field the C struct (same names, order and types): pass it as Ref{FceVpShard}.
 struct FceVpShard
-    ranks::Int64        # int64_t ranks (offset 0)
-    vocab_total::Int64  # int64_t vocab_total (offset 8)
-    vocab_start::Int64  # int64_t vocab_start (offset 16)
-    vocab_local::Int64  # int64_t vocab_local (offset 24)
+    ranks::Int64            # int64_t ranks (offset 0)
+    vocab_total::Int64      # int64_t vocab_total (offset 8)
+    vocab_start::Int64      # int64_t vocab_start (offset 16)
+    vocab_local::Int64      # int64_t vocab_local (offset 24)
+    all_gather::Ptr{Cvoid}  # fce_vp_all_gather_fn all_gather (offset 32)
+    context::Ptr{Cvoid}     # void* context (offset 40)
 end
 const fce_vp_shard = FceVpShard
 
-# The C layout under the LP64 ABI (x86-64, aarch64): 32 bytes.
+# The C layout under the LP64 ABI (x86-64, aarch64): 48 bytes.
 @assert Sys.WORD_SIZE == 64 "fusedce's Julia binding needs a 64-bit platform"
-@assert sizeof(FceVpShard) == 32 "FceVpShard does not have the size of C's fce_vp_shard"
+@assert sizeof(FceVpShard) == 48 "FceVpShard does not have the size of C's fce_vp_shard"
 @assert Int[fieldoffset(FceVpShard, i) for i in 1:fieldcount(FceVpShard)] ==
-        [0, 8, 16, 24]
+        [0, 8, 16, 24, 32, 40]
 
 # FCE_OPTIONS_INIT: the C initialiser, item for item.
 const FCE_OPTIONS_INIT = FceOptions(sizeof(FceOptions), C_NULL, -100, 0, 0, 0, 0, FCE_BACKEND_CUDA,
@@ -159,11 +164,11 @@ const FCE_OPTIONS_INIT = FceOptions(sizeof(FceOptions), C_NULL, -100, 0, 0, 0, 0
 
 # FCE_OUTPUTS_INIT: the C initialiser, item for item.
 const FCE_OUTPUTS_INIT = FceOutputs(sizeof(FceOutputs), C_NULL, C_NULL, C_NULL, C_NULL, C_NULL,
-                                    C_NULL)
+                                    C_NULL, C_NULL)
 
 # FCE_GRADIENTS_INIT: the C initialiser, item for item.
 const FCE_GRADIENTS_INIT = FceGradients(sizeof(FceGradients), C_NULL, C_NULL, C_NULL, C_NULL,
-                                        C_NULL, FCE_FLOAT32, 0)
+                                        C_NULL, FCE_FLOAT32, 0, C_NULL, C_NULL)
 
 # ---------------------------------------------------------------- callback fce_vp_all_gather_fn
 # typedef fce_status (*fce_vp_all_gather_fn)(void* context, const float* send, float* recv,
@@ -414,17 +419,15 @@ end
 # fce_status fce_vp_linear_ce(const fce_options* options, const fce_vp_shard* shard, int64_t rows,
 #     int64_t hidden, const void* hidden_states, const void* weight, const void* bias,
 #     const void* targets, const fce_outputs* outputs, const fce_gradients* gradients,
-#     fce_vp_all_gather_fn all_gather, void* context, void* workspace, size_t workspace_bytes,
-#     void* stream)
+#     void* workspace, size_t workspace_bytes, void* stream)
 function fce_vp_linear_ce(options, shard, rows, hidden, hidden_states, weight, bias, targets,
-                          outputs, gradients, all_gather, context, workspace, workspace_bytes,
-                          stream)
+                          outputs, gradients, workspace, workspace_bytes, stream)
     status = ccall(libfusedce_symbol(:fce_vp_linear_ce), Cint,
                    (Ref{FceOptions}, Ref{FceVpShard}, Int64, Int64, Ptr{Cvoid}, Ptr{Cvoid},
-                    Ptr{Cvoid}, Ptr{Cvoid}, Ref{FceOutputs}, Ref{FceGradients}, Ptr{Cvoid},
-                    Ptr{Cvoid}, Ptr{Cvoid}, Csize_t, Ptr{Cvoid}),
+                    Ptr{Cvoid}, Ptr{Cvoid}, Ref{FceOutputs}, Ref{FceGradients}, Ptr{Cvoid}, Csize_t,
+                    Ptr{Cvoid}),
                    options, shard, rows, hidden, hidden_states, weight, bias, targets, outputs,
-                   gradients, all_gather, context, workspace, workspace_bytes, stream)
+                   gradients, workspace, workspace_bytes, stream)
     return check_status(status)
 end
 

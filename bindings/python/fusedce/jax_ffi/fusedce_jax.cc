@@ -40,7 +40,8 @@
 // the real header is included instead and the two are checked to agree). Nothing is linked
 // but libdl: one .so holds the CPU and the CUDA handlers. fusedce/jax_ffi/__init__.py builds it.
 //
-// Attributes (both handlers of every call take them, in this order; fusedce/jax.py writes them):
+// Attributes (both handlers of every call take them, in this order; CEOptions.as_ffi_attrs in
+// fusedce/_options.py writes them):
 //   iopts  int64[8]: reduction, ignore_index, shift_seq_len, shift, token_scaling,
 //                    workspace_bytes (fusedce_linear_ce: the budget jax.py sized the workspace
 //                    result with; the handlers do not read it), rescale (fusedce_ce_bwd:

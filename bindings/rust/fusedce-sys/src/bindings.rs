@@ -6,8 +6,8 @@ pub const FCE_VERSION_PATCH: u32 = 0;
 pub const FCE_VERSION_NUMBER: u32 = 10000;
 pub const FCE_FLAG_TARGET_OUT_OF_RANGE: u32 = 1;
 pub const FCE_OPTIONS_SIZE_V1_0: u32 = 120;
-pub const FCE_OUTPUTS_SIZE_V1_0: u32 = 56;
-pub const FCE_GRADIENTS_SIZE_V1_0: u32 = 56;
+pub const FCE_OUTPUTS_SIZE_V1_0: u32 = 64;
+pub const FCE_GRADIENTS_SIZE_V1_0: u32 = 72;
 pub const FCE_VP_STATS: u32 = 8;
 pub const FCE_FLAG_SHARDS_INCONSISTENT: u32 = 2;
 pub type __int32_t = ::std::os::raw::c_int;
@@ -473,12 +473,13 @@ pub struct fce_outputs {
     pub argmax: *mut i64,
     pub accuracy: *mut f32,
     pub error_flags: *mut u32,
+    pub entropy: *mut f32,
 }
 #[test]
 fn bindgen_test_layout_fce_outputs() {
     assert_eq!(
         ::std::mem::size_of::<fce_outputs>(),
-        56usize,
+        64usize,
         concat!("Size of: ", stringify!(fce_outputs))
     );
     assert_eq!(
@@ -605,6 +606,23 @@ fn bindgen_test_layout_fce_outputs() {
         );
     }
     test_field_error_flags();
+    fn test_field_entropy() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<fce_outputs>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).entropy) as usize - ptr as usize
+            },
+            56usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(fce_outputs),
+                "::",
+                stringify!(entropy)
+            )
+        );
+    }
+    test_field_entropy();
 }
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
@@ -617,12 +635,14 @@ pub struct fce_gradients {
     pub grad_bias: *mut ::std::os::raw::c_void,
     pub grad_hidden_dtype: i32,
     pub reserved0: i32,
+    pub grad_lse: *const f32,
+    pub grad_entropy: *const f32,
 }
 #[test]
 fn bindgen_test_layout_fce_gradients() {
     assert_eq!(
         ::std::mem::size_of::<fce_gradients>(),
-        56usize,
+        72usize,
         concat!("Size of: ", stringify!(fce_gradients))
     );
     assert_eq!(
@@ -766,6 +786,40 @@ fn bindgen_test_layout_fce_gradients() {
         );
     }
     test_field_reserved0();
+    fn test_field_grad_lse() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<fce_gradients>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).grad_lse) as usize - ptr as usize
+            },
+            56usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(fce_gradients),
+                "::",
+                stringify!(grad_lse)
+            )
+        );
+    }
+    test_field_grad_lse();
+    fn test_field_grad_entropy() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<fce_gradients>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).grad_entropy) as usize - ptr as usize
+            },
+            64usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(fce_gradients),
+                "::",
+                stringify!(grad_entropy)
+            )
+        );
+    }
+    test_field_grad_entropy();
 }
 extern "C" {
     pub fn fce_forward_workspace_size(
@@ -855,6 +909,15 @@ extern "C" {
         stream: *mut ::std::os::raw::c_void,
     ) -> fce_status;
 }
+pub type fce_vp_all_gather_fn = ::std::option::Option<
+    unsafe extern "C" fn(
+        context: *mut ::std::os::raw::c_void,
+        send: *const f32,
+        recv: *mut f32,
+        count: i64,
+        stream: *mut ::std::os::raw::c_void,
+    ) -> fce_status,
+>;
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
 pub struct fce_vp_shard {
@@ -862,12 +925,14 @@ pub struct fce_vp_shard {
     pub vocab_total: i64,
     pub vocab_start: i64,
     pub vocab_local: i64,
+    pub all_gather: fce_vp_all_gather_fn,
+    pub context: *mut ::std::os::raw::c_void,
 }
 #[test]
 fn bindgen_test_layout_fce_vp_shard() {
     assert_eq!(
         ::std::mem::size_of::<fce_vp_shard>(),
-        32usize,
+        48usize,
         concat!("Size of: ", stringify!(fce_vp_shard))
     );
     assert_eq!(
@@ -943,6 +1008,40 @@ fn bindgen_test_layout_fce_vp_shard() {
         );
     }
     test_field_vocab_local();
+    fn test_field_all_gather() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<fce_vp_shard>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).all_gather) as usize - ptr as usize
+            },
+            32usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(fce_vp_shard),
+                "::",
+                stringify!(all_gather)
+            )
+        );
+    }
+    test_field_all_gather();
+    fn test_field_context() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<fce_vp_shard>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).context) as usize - ptr as usize
+            },
+            40usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(fce_vp_shard),
+                "::",
+                stringify!(context)
+            )
+        );
+    }
+    test_field_context();
 }
 extern "C" {
     pub fn fce_vp_stats(
@@ -1059,15 +1158,6 @@ extern "C" {
         stream: *mut ::std::os::raw::c_void,
     ) -> fce_status;
 }
-pub type fce_vp_all_gather_fn = ::std::option::Option<
-    unsafe extern "C" fn(
-        context: *mut ::std::os::raw::c_void,
-        send: *const f32,
-        recv: *mut f32,
-        count: i64,
-        stream: *mut ::std::os::raw::c_void,
-    ) -> fce_status,
->;
 extern "C" {
     pub fn fce_vp_linear_ce_workspace_size(
         options: *const fce_options,
@@ -1094,8 +1184,6 @@ extern "C" {
         targets: *const ::std::os::raw::c_void,
         outputs: *const fce_outputs,
         gradients: *const fce_gradients,
-        all_gather: fce_vp_all_gather_fn,
-        context: *mut ::std::os::raw::c_void,
         workspace: *mut ::std::os::raw::c_void,
         workspace_bytes: usize,
         stream: *mut ::std::os::raw::c_void,

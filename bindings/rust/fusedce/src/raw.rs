@@ -206,6 +206,7 @@ pub(crate) fn outputs(
         argmax,
         accuracy,
         error_flags,
+        entropy: ptr::null_mut(),
     }
 }
 
@@ -226,6 +227,8 @@ fn no_gradients() -> sys::fce_gradients {
         grad_bias: ptr::null_mut(),
         grad_hidden_dtype: sys::FCE_FLOAT32 as i32,
         reserved0: 0,
+        grad_lse: ptr::null(),
+        grad_entropy: ptr::null(),
     }
 }
 

@@ -16,21 +16,16 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import _alloc, _lib
-
-# Bits of the ``extras`` argument: the optional outputs of a forward call.
-EXTRA_Z_LOSS = 1     # z_loss total, float32 ()
-EXTRA_ACCURACY = 2   # token accuracy, float32 () for mean/sum, [N] for none (options->accuracy)
-EXTRA_ARGMAX = 4     # predicted classes, int64 [N], -1 for ignored rows (options->argmax)
+from .. import _alloc, _lib
+from .._options import NOTHING, CEOptions, Want
 
 _CODE = {torch.float32: _lib.FCE_FLOAT32, torch.float16: _lib.FCE_FLOAT16,
          torch.bfloat16: _lib.FCE_BFLOAT16, torch.int32: _lib.FCE_INT32,
          torch.int64: _lib.FCE_INT64}
-
-# the linear CE memory budget (FUSEDCE_WORKSPACE_BYTES, else 1 GiB), shared with fusedce.jax
-DEFAULT_WORKSPACE_BYTES = _alloc.DEFAULT_WORKSPACE_BYTES
-parse_bytes = _alloc.parse_bytes
-default_workspace_bytes = _alloc.default_workspace_bytes
+# the floating-point dtypes the library computes in, and back
+TORCH_OF_CODE = {_lib.FCE_FLOAT32: torch.float32, _lib.FCE_FLOAT16: torch.float16,
+                 _lib.FCE_BFLOAT16: torch.bfloat16}
+CODE_OF_TORCH = {v: k for k, v in TORCH_OF_CODE.items()}
 
 
 # ------------------------------------------------------------------------ options ----
@@ -38,24 +33,24 @@ _OPTIONS: Dict[tuple, _lib.Options] = {}
 _SIZES: Dict[tuple, Tuple[int, int]] = {}
 
 
-def options(backend: int, dtype: int, target_dtype: int, reduction: int, ignore_index: int,
-            label_smoothing: float, z_loss: float, softcap: float, logit_scale: float,
-            shift_seq_len: int, shift: int = 0, token_scaling: bool = False,
+def options(backend: int, dtype: int, target_dtype: int, opts: CEOptions,
             grad_weight_fp32: bool = False) -> Tuple[tuple, _lib.Options]:
     """(key, fce_options) for this option set: a copy of the struct built once for it, the
     caller's own (a C call reads it with the GIL released, so no struct another thread may be
-    setting is handed out). Per-call fields (class_weights, strides) are set by the caller on it
-    before the call; the outputs travel in an fce_outputs (_lib.outputs)."""
-    key = (backend, dtype, target_dtype, reduction, ignore_index, label_smoothing, z_loss,
-           softcap, logit_scale, shift_seq_len, shift, token_scaling, grad_weight_fp32)
+    setting is handed out). The one place the torch layer turns a :class:`CEOptions` into the
+    C struct, field by name. Per-call fields (class_weights, strides) are set by the caller on
+    it before the call; the outputs travel in an fce_outputs (_lib.outputs)."""
+    key = (backend, dtype, target_dtype, opts, grad_weight_fp32)
     o = _OPTIONS.get(key)
     if o is None:
         o = _lib.default_options()
-        o.backend, o.dtype, o.target_dtype, o.reduction = backend, dtype, target_dtype, reduction
-        o.ignore_index, o.label_smoothing, o.z_loss_scale = ignore_index, label_smoothing, z_loss
-        o.softcap, o.logit_scale, o.shift_seq_len = softcap, logit_scale, shift_seq_len
+        o.backend, o.dtype, o.target_dtype = backend, dtype, target_dtype
+        o.reduction, o.ignore_index = opts.reduction, opts.ignore_index
+        o.label_smoothing, o.z_loss_scale = opts.label_smoothing, opts.z_loss
+        o.softcap, o.logit_scale = opts.softcap, opts.logit_scale
+        o.shift_seq_len, o.shift = opts.shift_seq_len, opts.shift
+        o.token_scaling = int(opts.token_scaling)
         o.grad_weight_fp32 = int(grad_weight_fp32)
-        o.shift, o.token_scaling = shift, int(bool(token_scaling))
         if len(_OPTIONS) > 256:
             _OPTIONS.clear()
         _OPTIONS[key] = o
@@ -92,17 +87,16 @@ def _ptr(t: Optional[Tensor]) -> Optional[int]:
     return t.data_ptr() if t is not None else None
 
 
-def _extras(extras: int, n: int, reduction: int, device):
-    """(z_loss, accuracy, argmax) buffers for the bits of ``extras`` (None where not asked)."""
-    if not extras:
+def extras(want: Want, n: int, reduction: int, device):
+    """(z_loss, accuracy, argmax) buffers for what ``want`` asks the library for (None where
+    not asked; its lse is the caller's)."""
+    if not (want.z_loss or want.accuracy or want.argmax):
         return None, None, None
-    z_loss = (torch.empty((), dtype=torch.float32, device=device)
-              if extras & EXTRA_Z_LOSS else None)
+    z_loss = torch.empty((), dtype=torch.float32, device=device) if want.z_loss else None
     accuracy = (torch.empty((n,) if reduction == _lib.FCE_REDUCTION_NONE else (),
                             dtype=torch.float32, device=device)
-                if extras & EXTRA_ACCURACY else None)
-    argmax = (torch.empty((n,), dtype=torch.int64, device=device)
-              if extras & EXTRA_ARGMAX else None)
+                if want.accuracy else None)
+    argmax = torch.empty((n,), dtype=torch.int64, device=device) if want.argmax else None
     return z_loss, accuracy, argmax
 
 
@@ -123,7 +117,7 @@ def row_targets(targets: Tensor, ignore_index: int, shift_seq_len: int, shift: i
     return out.reshape(-1)
 
 
-def check_flags(flags: Optional[Tensor], targets: Tensor, vocab: int, opts: tuple) -> None:
+def check_flags(flags: Optional[Tensor], targets: Tensor, vocab: int, opts: CEOptions) -> None:
     """check_targets: read the error flags (a host synchronisation) and raise as torch does
     (IndexError "Target 12345 is out of bounds.") when a target was out of range."""
     if flags is None:
@@ -131,9 +125,9 @@ def check_flags(flags: Optional[Tensor], targets: Tensor, vocab: int, opts: tupl
     value = int(flags.item()) & 0xFFFFFFFF
     if not value:
         return
-    ignore_index, shift_seq_len, shift = opts[1], opts[6], opts[7]
+    ignore_index = opts.ignore_index
     if value & _lib.FCE_FLAG_TARGET_OUT_OF_RANGE:
-        y = row_targets(targets.to(torch.int64), ignore_index, shift_seq_len, shift)
+        y = row_targets(targets.to(torch.int64), ignore_index, opts.shift_seq_len, opts.shift)
         bad = (y != ignore_index) & ((y < 0) | (y >= vocab))
         if bool(bad.any()):
             raise IndexError(f"Target {int(y[bad][0].item())} is out of bounds.")
@@ -153,7 +147,7 @@ _PLANS: Dict[tuple, Tuple[_lib.Options, int, int]] = {}
 
 
 def _ce_plan(which: str, logits: Tensor, targets: Tensor, class_weights: Optional[Tensor],
-             opts: tuple, grad_row_stride: int) -> Tuple[_lib.Options, int, int]:
+             opts: CEOptions, grad_row_stride: int) -> Tuple[_lib.Options, int, int]:
     """(fce_options, workspace bytes, room) of an fce_forward ('fwd') / fce_backward ('bwd')
     call on these tensors. The options and the workspace queries are made once per option set,
     shape and strides."""
@@ -163,7 +157,7 @@ def _ce_plan(which: str, logits: Tensor, targets: Tensor, class_weights: Optiona
             grad_row_stride, class_weights is not None)
     plan = _PLANS.get(pkey)
     if plan is None:
-        _, o = options(_backend(logits), _CODE[logits.dtype], _CODE[targets.dtype], *opts)
+        _, o = options(_backend(logits), _CODE[logits.dtype], _CODE[targets.dtype], opts)
         lib = _lib.load()
         size = ctypes.c_size_t()
         # the pointers set for the queries (they may need workspace), then cleared: the plan's
@@ -201,14 +195,14 @@ def _aux_offset(n: int) -> int:
     return (n + 63) // 64 * 64
 
 
-def ce_forward(logits: Tensor, targets: Tensor, class_weights: Optional[Tensor], opts: tuple,
-               *, grad: Optional[Tensor] = None, want_lse: bool = True, extras: int = 0,
-               check_targets: bool = False, lse_workspace: bool = False) -> tuple:
+def ce_forward(logits: Tensor, targets: Tensor, class_weights: Optional[Tensor],
+               opts: CEOptions, *, grad: Optional[Tensor] = None, want_lse: bool = True,
+               want: Want = NOTHING, check_targets: bool = False,
+               lse_workspace: bool = False) -> tuple:
     """fce_forward on a [N, V] tensor whose last stride is 1: (loss, lse, z_loss, accuracy,
-    argmax), the last three None unless their EXTRA_* bit is in ``extras``. With ``grad``
+    argmax), the last three None unless ``want`` asks for them. With ``grad``
     (dense [N, V], or ``logits`` itself for in place) the gradient for an upstream 1 is written
-    in the same pass. ``opts`` = the positional arguments of :func:`options` after
-    backend/dtype. ``check_targets``: read the error flags after the call (a host sync) and
+    in the same pass. ``check_targets``: read the error flags after the call (a host sync) and
     raise IndexError on an out-of-range target. ``lse_workspace`` (the training path, lse kept
     for the backward only): lse is returned as a float32 buffer whose first N values are lse and
     whose tail is the workspace of this call and of the ce_backward(rescale=...,
@@ -217,9 +211,9 @@ def ce_forward(logits: Tensor, targets: Tensor, class_weights: Optional[Tensor],
     grad_stride = 0
     if grad is not None:
         grad_stride = (logits.stride(0) if n > 1 else v) if grad is logits else v
-    reduction = opts[0]
+    reduction = opts.reduction
     dev = logits.device
-    z_loss, accuracy, argmax = _extras(extras, n, reduction, dev)
+    z_loss, accuracy, argmax = extras(want, n, reduction, dev)
     o, ws_bytes, room = _ce_plan("fwd", logits, targets, class_weights, opts, grad_stride)
     loss = torch.empty((n,) if reduction == _lib.FCE_REDUCTION_NONE else (), dtype=torch.float32,
                        device=dev)
@@ -244,7 +238,7 @@ def ce_forward(logits: Tensor, targets: Tensor, class_weights: Optional[Tensor],
 
 
 def ce_backward(logits: Tensor, targets: Tensor, lse: Tensor, grad_output: Tensor,
-                class_weights: Optional[Tensor], opts: tuple,
+                class_weights: Optional[Tensor], opts: CEOptions,
                 rescale: Optional[Tensor] = None, lse_workspace: bool = False) -> Tensor:
     """fce_backward: a dense [N, V] gradient from the logits, the saved lse and the upstream
     gradient (float32: one value, or [N] for reduction 'none'). With ``rescale`` (the dense
@@ -288,11 +282,11 @@ def scale_(grad: Tensor, grad_output: Tensor) -> None:
 
 # ------------------------------------------------------------------------- linear ----
 def linear_ce_workspace(o: _lib.Options, key: tuple, n: int, d: int, v: int, with_grad: bool,
-                        budget: int, extras: int = 0) -> int:
+                        budget: int, want: Want = NOTHING) -> int:
     """The workspace for this call: the full-speed size if it is within budget, else the budget,
-    never below the minimum (fce_linear_ce_workspace_size). o's argmax / accuracy (``extras``)
-    must be set already."""
-    skey = ("lin", key, n, d, v, with_grad, extras & (EXTRA_ACCURACY | EXTRA_ARGMAX))
+    never below the minimum (fce_linear_ce_workspace_size), for the argmax / accuracy outputs
+    of ``want``."""
+    skey = ("lin", key, n, d, v, with_grad, want.accuracy, want.argmax)
     sizes = _SIZES.get(skey)
     if sizes is None:
         lo, hi = ctypes.c_size_t(), ctypes.c_size_t()
@@ -306,28 +300,30 @@ def linear_ce_workspace(o: _lib.Options, key: tuple, n: int, d: int, v: int, wit
 
 
 def linear_ce(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor,
-              class_weights: Optional[Tensor], grad_output: Optional[Tensor], opts: tuple, *,
-              grad_weight_fp32: bool, need: Tuple[bool, bool, bool], budget: int,
-              extras: int = 0, check_targets: bool = False) -> tuple:
+              class_weights: Optional[Tensor], grad_output: Optional[Tensor],
+              opts: CEOptions, *, grad_weight_fp32: bool, need: Tuple[bool, bool, bool],
+              workspace_bytes: int, want: Want = NOTHING, check_targets: bool = False) -> tuple:
     """fce_linear_ce: (loss, lse, grad_hidden, grad_weight, grad_bias, z_loss, accuracy,
-    argmax), the gradients asked for in ``need`` and the extras in ``extras`` (None for the
-    others), the gradients scaled by grad_output (None = 1). hidden [N, D] with last stride 1,
-    weight [V, D] and bias [V] dense, all of one dtype."""
+    argmax), the gradients asked for in ``need`` and the outputs ``want`` asks the library for
+    (None for the others), the gradients scaled by grad_output (None = 1). hidden [N, D] with
+    last stride 1, weight [V, D] and bias [V] dense, all of one dtype. ``workspace_bytes``: the
+    budget of everything the call allocates beyond the gradients."""
     n, d = hidden.shape
     v = weight.shape[0]
-    key, o = options(_backend(hidden), _CODE[hidden.dtype], _CODE[targets.dtype], *opts,
+    key, o = options(_backend(hidden), _CODE[hidden.dtype], _CODE[targets.dtype], opts,
                      grad_weight_fp32=grad_weight_fp32)
     o.class_weights = _ptr(class_weights)
     o.hidden_row_stride = hidden.stride(0) if n > 1 else d
     with_grad = any(need)
     dev = hidden.device
-    reduction = opts[0]
-    z_loss, accuracy, argmax = _extras(extras, n, reduction, dev)
+    reduction = opts.reduction
+    z_loss, accuracy, argmax = extras(want, n, reduction, dev)
     # the budget covers everything this call allocates beyond the gradients: the workspace,
     # and lse / loss (and room for a targets conversion), 16 bytes a row, 12 more with extras
-    row_bytes = 16 + (12 if extras else 0)  # + argmax and accuracy
+    row_bytes = 16 + (12 if z_loss is not None or accuracy is not None or argmax is not None
+                      else 0)  # + argmax and accuracy
     ws_bytes = linear_ce_workspace(o, key, n, d, v, with_grad,
-                                   max(0, budget - row_bytes * n - 4096), extras)
+                                   max(0, workspace_bytes - row_bytes * n - 4096), want)
     loss = torch.empty((n,) if reduction == _lib.FCE_REDUCTION_NONE else (), dtype=torch.float32,
                        device=dev)
     lse = torch.empty((n,), dtype=torch.float32, device=dev)

@@ -1,6 +1,7 @@
 """Argument handling and the return convention shared by :mod:`fusedce.torch` and
 :mod:`fusedce.torch.distributed`: reductions, targets, input dtypes, the causal shift, and the
-optional outputs (``CrossEntropyOutput``) with the per-row z-loss made from lse.
+optional outputs (``CrossEntropyOutput``, from a :class:`fusedce._options.Want`) with the
+per-row z-loss made from lse.
 
 Values the library checks (a negative shift or shift_seq_len, rows that are no whole number of
 sequences, option ranges) are left to it: its message, naming the option, is raised as it is.
@@ -9,14 +10,15 @@ sequences, option ranges) are left to it: its message, naming the option, is rai
 from __future__ import annotations
 
 import collections
+import itertools
 
 import torch
 from torch import Tensor
 
-from . import _args, _arrays
-from . import _torch_calls as _tc
-from ._lib import FCE_REDUCTION_NONE
-from ._torch_ops import _CODE_OF_TORCH
+from .. import _args, _arrays
+from .._lib import FCE_REDUCTION_NONE
+from .._options import CEOptions, Want
+from . import _calls as _tc
 
 _REDUCTIONS = {"mean": 0, "sum": 1, "none": FCE_REDUCTION_NONE}
 
@@ -41,7 +43,7 @@ def _float_input(x: Tensor, fn: str, name: str) -> Tensor:
     Any other dtype is refused, float64 included: torch would compute in it, the library cannot,
     and casting it behind the caller's back would hand back float32 results for float64 inputs
     (the message says how to cast it)."""
-    if x.dtype not in _CODE_OF_TORCH:
+    if x.dtype not in _tc.CODE_OF_TORCH:
         raise _arrays._dtype_unsupported(f"{fn}: {name}", str(x.dtype).replace("torch.", ""),
                                          ".float()")
     return x
@@ -60,7 +62,7 @@ def _linear_dtype(fn: str, tensors) -> torch.dtype:
     dev = hidden.device.type
     if dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev):
         cdt = torch.get_autocast_dtype(dev)
-        if cdt not in _CODE_OF_TORCH:
+        if cdt not in _tc.CODE_OF_TORCH:
             raise TypeError(f"{fn}: the autocast dtype {cdt} is not supported; supported: "
                             "float32, float16, bfloat16")
         return cdt
@@ -78,24 +80,18 @@ _resolve_shift = _args._resolve_shift
 
 # ------------------------------------------------------------- extra outputs ----
 # The optional outputs, in the order they follow the loss in the returned tuple: Liger's
-# (loss, z_loss, token_accuracy, predicted_tokens), then CCE's lse.
-OUTPUT_FIELDS = ("loss", "z_loss", "token_accuracy", "predicted_tokens", "lse")
+# (loss, z_loss, token_accuracy, predicted_tokens), then CCE's lse (OUTPUT_FIELDS). One named
+# tuple type per combination asked for.
 _OUTPUT_TYPES = {
-    mask: collections.namedtuple(
-        "CrossEntropyOutput",
-        ("loss",) + tuple(f for i, f in enumerate(OUTPUT_FIELDS[1:]) if mask >> i & 1))
-    for mask in range(1, 16)
+    want: collections.namedtuple("CrossEntropyOutput", ("loss",) + want.fields())
+    for want in (Want(*flags) for flags in itertools.product((False, True), repeat=4)) if want
 }
 
 
-_output_mask = _args._output_mask
-
-
-def _c_extras(mask: int, red: int) -> int:
-    """The _tc.EXTRA_* bits the library computes for an output mask (a 'none' z-loss is made
-    per row from lse here, the library giving only the total)."""
-    return ((_tc.EXTRA_Z_LOSS if mask & 1 and red != FCE_REDUCTION_NONE else 0)
-            | (_tc.EXTRA_ACCURACY if mask & 2 else 0) | (_tc.EXTRA_ARGMAX if mask & 4 else 0))
+def want(return_z_loss, return_token_accuracy, return_predicted_tokens, return_lse) -> Want:
+    """The outputs the return_* keywords ask for."""
+    return Want(z_loss=bool(return_z_loss), accuracy=bool(return_token_accuracy),
+                argmax=bool(return_predicted_tokens), lse=bool(return_lse))
 
 
 def _transform(a: Tensor, logit_scale: float, softcap: float) -> Tensor:
@@ -106,25 +102,26 @@ def _transform(a: Tensor, logit_scale: float, softcap: float) -> Tensor:
     return a
 
 
-def _z_loss_rows(lse: Tensor, targets: Tensor, vocab: int, opts: tuple, target_logit) -> Tensor:
+def _z_loss_rows(lse: Tensor, targets: Tensor, vocab: int, opts: CEOptions,
+                 target_logit) -> Tensor:
     """Per-row z-loss for reduction 'none' (Liger's): lambda * lse^2 for every non-ignored row
     (out-of-range targets included, docs/semantics.md rule 3), times the detached p_y with token
     scaling (valid rows), 0 for ignored rows. ``target_logit(y)`` gives the raw logit of class
     y[r] in row r (only called with token scaling)."""
-    _, ignore_index, _, lam, softcap, logit_scale, t, k, token_scaling = opts
+    ignore_index, lam = opts.ignore_index, opts.z_loss
     if lam == 0.0:
         return torch.zeros_like(lse)
-    y = _tc.row_targets(targets.to(torch.int64), ignore_index, t, k)
+    y = _tc.row_targets(targets.to(torch.int64), ignore_index, opts.shift_seq_len, opts.shift)
     counted = y != ignore_index
     zl = lam * lse.square()
-    if token_scaling:
+    if opts.token_scaling:
         valid = counted & (y >= 0) & (y < vocab)
-        a_y = _transform(target_logit(y.clamp(0, vocab - 1)), logit_scale, softcap)
+        a_y = _transform(target_logit(y.clamp(0, vocab - 1)), opts.logit_scale, opts.softcap)
         zl = torch.where(valid, zl * torch.exp(a_y - lse), zl)
     return torch.where(counted, zl, torch.zeros_like(zl))
 
 
-def _finish(mask: int, red: int, out_shape, loss: Tensor, lse, zl, acc, am, z_rows):
+def _finish(want: Want, red: int, out_shape, loss: Tensor, lse, zl, acc, am, z_rows):
     """The return value: the loss alone, or the CrossEntropyOutput named tuple of the loss and
     the outputs asked for. Per-row outputs take out_shape (the shape of a 'none' loss)."""
     def rows(t):
@@ -132,15 +129,15 @@ def _finish(mask: int, red: int, out_shape, loss: Tensor, lse, zl, acc, am, z_ro
 
     if red == FCE_REDUCTION_NONE:
         loss = rows(loss)
-    if not mask:
+    if not want:
         return loss
     values = [loss]
-    if mask & 1:
+    if want.z_loss:
         values.append(rows(z_rows()) if red == FCE_REDUCTION_NONE else zl)
-    if mask & 2:
+    if want.accuracy:
         values.append(rows(acc) if red == FCE_REDUCTION_NONE else acc)
-    if mask & 4:
+    if want.argmax:
         values.append(rows(am))
-    if mask & 8:
+    if want.lse:
         values.append(rows(lse))
-    return _OUTPUT_TYPES[mask](*values)
+    return _OUTPUT_TYPES[want](*values)

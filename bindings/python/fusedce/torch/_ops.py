@@ -1,8 +1,12 @@
 """The torch ops of fusedce.torch: ``torch.library.custom_op`` operators (with ``register_fake``
 and ``register_autograd``, what ``torch.compile`` traces) and the plain ``torch.autograd.Function``
-s eager mode runs, over the direct C calls of :mod:`fusedce._torch_calls`. How the gradient is
+s eager mode runs, over the direct C calls of :mod:`fusedce.torch._calls`. How the gradient is
 computed on each path: the docstring of :mod:`fusedce.torch`. The public functions and modules
-(argument handling, the return convention) are in fusedce/torch.py and _torch_args.py.
+are in fusedce/torch/__init__.py, argument handling and the return convention in _args.py.
+
+The options travel as one :class:`fusedce._options.CEOptions` and the outputs asked for as one
+:class:`fusedce._options.Want`; a custom op takes them flattened (``*opts.as_op_args()``,
+``want.as_op_arg()``) and rebuilds them (``CEOptions.from_op_args``, ``Want.from_op_arg``).
 """
 
 from __future__ import annotations
@@ -12,16 +16,13 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import _torch_calls as _tc
-from ._lib import FCE_BFLOAT16, FCE_FLOAT16, FCE_FLOAT32, FCE_REDUCTION_NONE
+from .._lib import FCE_REDUCTION_NONE
+from .._options import N_OP_ARGS, NOTHING, CEOptions, Want
+from . import _calls as _tc
 
 if not hasattr(torch, "library") or not hasattr(torch.library, "custom_op"):
     raise ImportError(f"fusedce.torch needs torch >= 2.4 (torch.library.custom_op); this is "
                       f"torch {torch.__version__}")
-
-_TORCH_OF_CODE = {FCE_FLOAT32: torch.float32, FCE_FLOAT16: torch.float16,
-                  FCE_BFLOAT16: torch.bfloat16}
-_CODE_OF_TORCH = {v: k for k, v in _TORCH_OF_CODE.items()}
 
 
 def _cw(class_weights: Optional[Tensor]) -> Optional[Tensor]:
@@ -38,31 +39,19 @@ def _f32(t: Tensor) -> Tensor:
 
 
 # ============================================================ cross_entropy ops ====
-# opts, everywhere below: (reduction, ignore_index, label_smoothing, z_loss, softcap,
-# logit_scale, shift_seq_len, shift, token_scaling), the order _torch_calls.options takes them
-# in. ``extras`` is a bitmask of the optional forward outputs (_tc.EXTRA_Z_LOSS, EXTRA_ACCURACY,
-# EXTRA_ARGMAX); an op returns an empty [0] tensor for an output not asked for.
-def _opts(ignore_index, reduction, label_smoothing, z_loss, softcap, logit_scale, shift_seq_len,
-          shift, token_scaling):
-    return (int(reduction), int(ignore_index), float(label_smoothing), float(z_loss),
-            float(softcap), float(logit_scale), int(shift_seq_len), int(shift),
-            bool(token_scaling))
-
-
-_N_OPTS = 9  # the option arguments of every op below, ignore_index ... token_scaling
-
-
+# Every op below takes the options as the scalars of CEOptions.as_op_args (ignore_index ...
+# token_scaling, in that order) and the outputs asked of the library as ``want``, an int
+# (Want.as_op_arg); an op returns an empty [0] tensor for an output not asked for.
 def _or_empty(t: Optional[Tensor], like: Tensor, dtype=torch.float32) -> Tensor:
     return t if t is not None else like.new_empty((0,), dtype=dtype)
 
 
-def _fake_extras(like: Tensor, n, reduction: int, extras: int):
+def _fake_extras(like: Tensor, n, reduction: int, want: Want):
     """The (z_loss, accuracy, argmax) outputs of an op, as fake tensors."""
-    z = like.new_empty(() if extras & _tc.EXTRA_Z_LOSS else (0,), dtype=torch.float32)
-    acc_shape = ((n,) if reduction == FCE_REDUCTION_NONE else ()) if (
-        extras & _tc.EXTRA_ACCURACY) else (0,)
+    z = like.new_empty(() if want.z_loss else (0,), dtype=torch.float32)
+    acc_shape = ((n,) if reduction == FCE_REDUCTION_NONE else ()) if want.accuracy else (0,)
     acc = like.new_empty(acc_shape, dtype=torch.float32)
-    am = like.new_empty((n,) if extras & _tc.EXTRA_ARGMAX else (0,), dtype=torch.int64)
+    am = like.new_empty((n,) if want.argmax else (0,), dtype=torch.int64)
     return z, acc, am
 
 
@@ -71,16 +60,16 @@ def _fake_extras(like: Tensor, n, reduction: int, extras: int):
 def _ce_forward_grad(logits: Tensor, targets: Tensor, class_weights: Optional[Tensor],
                      ignore_index: int, reduction: int, label_smoothing: float, z_loss: float,
                      softcap: float, logit_scale: float, shift_seq_len: int, shift: int,
-                     token_scaling: bool, extras: int, check_targets: bool
+                     token_scaling: bool, want: int, check_targets: bool
                      ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(loss, lse, dloss/dlogits for an upstream gradient of 1, z_loss, accuracy, argmax): one
     read, one write."""
     grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
     loss, lse, zl, acc, am = _tc.ce_forward(
         logits, targets, _cw(class_weights),
-        _opts(ignore_index, reduction, label_smoothing, z_loss, softcap, logit_scale,
-              shift_seq_len, shift, token_scaling),
-        grad=grad, extras=extras, check_targets=check_targets)
+        CEOptions.from_op_args(ignore_index, reduction, label_smoothing, z_loss, softcap,
+                               logit_scale, shift_seq_len, shift, token_scaling),
+        grad=grad, want=Want.from_op_arg(want), check_targets=check_targets)
     return (loss, lse, grad, _or_empty(zl, logits), _or_empty(acc, logits),
             _or_empty(am, logits, torch.int64))
 
@@ -88,11 +77,12 @@ def _ce_forward_grad(logits: Tensor, targets: Tensor, class_weights: Optional[Te
 @_ce_forward_grad.register_fake
 def _ce_forward_grad_fake(logits, targets, class_weights, ignore_index, reduction,
                           label_smoothing, z_loss, softcap, logit_scale, shift_seq_len, shift,
-                          token_scaling, extras, check_targets):
+                          token_scaling, want, check_targets):
     n = logits.shape[0]
     return (logits.new_empty((), dtype=torch.float32),
             logits.new_empty((n,), dtype=torch.float32),
-            logits.new_empty(logits.shape)) + _fake_extras(logits, n, reduction, extras)
+            logits.new_empty(logits.shape)) + _fake_extras(logits, n, reduction,
+                                                           Want.from_op_arg(want))
 
 
 @torch.library.custom_op("fusedce::ce_rescale_", mutates_args=("grad",))
@@ -103,10 +93,10 @@ def _ce_rescale_(grad: Tensor, grad_loss: Tensor, logits: Tensor, targets: Tenso
     """fce_backward_rescale: grad (the forward's, for an upstream 1) becomes the gradient for
     grad_loss, rounded once: nothing when it is 1, an exact in-place scale for ±2^k, else
     computed again from the logits; decided on the device."""
-    _tc.ce_backward(logits, targets, lse, _f32(grad_loss),
-                    _cw(class_weights),
-                    _opts(ignore_index, reduction, label_smoothing, z_loss, softcap, logit_scale,
-                          shift_seq_len, shift, token_scaling), rescale=grad)
+    _tc.ce_backward(logits, targets, lse, _f32(grad_loss), _cw(class_weights),
+                    CEOptions.from_op_args(ignore_index, reduction, label_smoothing, z_loss,
+                                           softcap, logit_scale, shift_seq_len, shift,
+                                           token_scaling), rescale=grad)
 
 
 @_ce_rescale_.register_fake
@@ -139,7 +129,7 @@ def _hand_out_once(ctx) -> None:
     ctx.handed_out = True
 
 
-_CE_FORWARD_GRAD_INPUTS = 3 + _N_OPTS + 2
+_CE_FORWARD_GRAD_INPUTS = 3 + N_OP_ARGS + 2
 
 
 def _ce_forward_grad_setup(ctx, inputs, output):
@@ -151,7 +141,7 @@ def _ce_forward_grad_setup(ctx, inputs, output):
     # gradient other than 1 or ±2^k, or a second backward, can recompute exactly
     ctx.save_for_backward(logits, targets, class_weights, lse)
     ctx.grad = grad  # not version-tracked: the first backward rescales it in place
-    ctx.options = inputs[3:3 + _N_OPTS]
+    ctx.options = CEOptions.from_op_args(*inputs[3:3 + N_OP_ARGS])
 
 
 def _ce_forward_grad_backward(ctx, grad_loss, *_unused):
@@ -162,9 +152,11 @@ def _ce_forward_grad_backward(ctx, grad_loss, *_unused):
     grad = ctx.grad
     if grad is not None:  # the first backward: the forward's gradient, made the right one
         ctx.grad = None
-        _ce_rescale_(grad, grad_loss, logits, targets, lse, class_weights, *ctx.options)
+        _ce_rescale_(grad, grad_loss, logits, targets, lse, class_weights,
+                     *ctx.options.as_op_args())
     else:  # handed out already (retain_graph): computed again
-        grad = _ce_backward(grad_loss, logits, targets, lse, class_weights, *ctx.options)
+        grad = _ce_backward(grad_loss, logits, targets, lse, class_weights,
+                            *ctx.options.as_op_args())
     return (grad,) + nones
 
 
@@ -182,30 +174,31 @@ class _CrossEntropyOnePass(torch.autograd.Function):
     Returns the loss alone when neither an extra nor lse is asked for (the common case: every
     output of a Function costs host time), else (loss, lse or None, z_loss, accuracy, argmax),
     None for the extras not asked for. lse, unless returned, is kept for the backward in one
-    buffer with the workspace of both calls (_torch_calls.ce_forward's lse_workspace)."""
+    buffer with the workspace of both calls (_calls.ce_forward's lse_workspace). ``want``: what
+    the library writes (Want.from_library), lse included."""
 
     @staticmethod
-    def forward(ctx, logits, targets, class_weights, opts, extras, check_targets, want_lse):
+    def forward(ctx, logits, targets, class_weights, opts, want, check_targets):
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         cw = _cw(class_weights)
         # lse returned: its own tensor; else kept with the workspace (lse_workspace)
-        ctx.lse_workspace = not want_lse
+        ctx.lse_workspace = not want.lse
         loss, lse, zl, acc, am = _tc.ce_forward(logits, targets, cw, opts, grad=grad,
-                                                extras=extras, check_targets=check_targets,
+                                                want=want, check_targets=check_targets,
                                                 lse_workspace=ctx.lse_workspace)
         ctx.save_for_backward(logits, targets, cw, lse)
         ctx.grad, ctx.opts = grad, opts
         ctx.set_materialize_grads(False)
-        if not extras and not want_lse:
+        if not want:
             return loss
-        lse = lse if want_lse else None
+        lse = lse if want.lse else None
         _non_differentiable(ctx, lse, zl, acc, am)
         return loss, lse, zl, acc, am
 
     @staticmethod
     def backward(ctx, grad_loss, *_unused):
         if grad_loss is None:
-            return (None,) * 7
+            return (None,) * 6
         logits, targets, cw, lse = ctx.saved_tensors
         up = _f32(grad_loss)
         if ctx.grad is not None:  # the first backward: fce_backward_rescale, in place
@@ -214,7 +207,7 @@ class _CrossEntropyOnePass(torch.autograd.Function):
                             lse_workspace=ctx.lse_workspace)
         else:  # a second backward through the graph: computed again
             grad = _tc.ce_backward(logits, targets, lse, up, cw, ctx.opts)
-        return (grad,) + (None,) * 6
+        return (grad,) + (None,) * 5
 
 
 class _CrossEntropySavedLse(torch.autograd.Function):
@@ -224,9 +217,9 @@ class _CrossEntropySavedLse(torch.autograd.Function):
     Returns (loss, lse, z_loss, accuracy, argmax), None for the extras not asked for."""
 
     @staticmethod
-    def forward(ctx, logits, targets, class_weights, opts, extras, check_targets):
+    def forward(ctx, logits, targets, class_weights, opts, want, check_targets):
         cw = _cw(class_weights)
-        loss, lse, zl, acc, am = _tc.ce_forward(logits, targets, cw, opts, extras=extras,
+        loss, lse, zl, acc, am = _tc.ce_forward(logits, targets, cw, opts, want=want,
                                                 check_targets=check_targets)
         ctx.save_for_backward(logits, targets, cw, lse)
         ctx.opts = opts
@@ -256,9 +249,9 @@ class _CrossEntropyInPlace(torch.autograd.Function):
     Returns (loss, lse or None, z_loss, accuracy, argmax)."""
 
     @staticmethod
-    def forward(ctx, logits, targets, class_weights, opts, extras, check_targets, want_lse):
+    def forward(ctx, logits, targets, class_weights, opts, want, check_targets):
         loss, lse, zl, acc, am = _tc.ce_forward(logits, targets, _cw(class_weights), opts,
-                                                grad=logits, want_lse=want_lse, extras=extras,
+                                                grad=logits, want_lse=want.lse, want=want,
                                                 check_targets=check_targets)
         ctx.save_for_backward(logits)
         ctx.set_materialize_grads(False)
@@ -268,11 +261,11 @@ class _CrossEntropyInPlace(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, *_unused):
         if grad_loss is None:
-            return (None,) * 7
+            return (None,) * 6
         _hand_out_once(ctx)
         (grad,) = ctx.saved_tensors
         _scale_(grad, grad_loss)
-        return (grad,) + (None,) * 6
+        return (grad,) + (None,) * 5
 
 
 # ---- reduction 'none' (and no gradient needed): the loss, lse saved, fce_backward later
@@ -280,26 +273,26 @@ class _CrossEntropyInPlace(torch.autograd.Function):
 def _ce_forward(logits: Tensor, targets: Tensor, class_weights: Optional[Tensor],
                 ignore_index: int, reduction: int, label_smoothing: float, z_loss: float,
                 softcap: float, logit_scale: float, shift_seq_len: int, shift: int,
-                token_scaling: bool, extras: int, check_targets: bool
+                token_scaling: bool, want: int, check_targets: bool
                 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(loss, lse, z_loss, accuracy, argmax)."""
     loss, lse, zl, acc, am = _tc.ce_forward(
         logits, targets, _cw(class_weights),
-        _opts(ignore_index, reduction, label_smoothing, z_loss, softcap, logit_scale,
-              shift_seq_len, shift, token_scaling),
-        extras=extras, check_targets=check_targets)
+        CEOptions.from_op_args(ignore_index, reduction, label_smoothing, z_loss, softcap,
+                               logit_scale, shift_seq_len, shift, token_scaling),
+        want=Want.from_op_arg(want), check_targets=check_targets)
     return (loss, lse, _or_empty(zl, logits), _or_empty(acc, logits),
             _or_empty(am, logits, torch.int64))
 
 
 @_ce_forward.register_fake
 def _ce_forward_fake(logits, targets, class_weights, ignore_index, reduction, label_smoothing,
-                     z_loss, softcap, logit_scale, shift_seq_len, shift, token_scaling, extras,
+                     z_loss, softcap, logit_scale, shift_seq_len, shift, token_scaling, want,
                      check_targets):
     n = logits.shape[0]
     loss = logits.new_empty((n,) if reduction == FCE_REDUCTION_NONE else (), dtype=torch.float32)
     return (loss, logits.new_empty((n,), dtype=torch.float32)) + _fake_extras(
-        logits, n, reduction, extras)
+        logits, n, reduction, Want.from_op_arg(want))
 
 
 @torch.library.custom_op("fusedce::ce_backward", mutates_args=())
@@ -307,10 +300,10 @@ def _ce_backward(grad_loss: Tensor, logits: Tensor, targets: Tensor, lse: Tensor
                  class_weights: Optional[Tensor], ignore_index: int, reduction: int,
                  label_smoothing: float, z_loss: float, softcap: float, logit_scale: float,
                  shift_seq_len: int, shift: int, token_scaling: bool) -> Tensor:
-    return _tc.ce_backward(logits, targets, lse, _f32(grad_loss),
-                           _cw(class_weights),
-                           _opts(ignore_index, reduction, label_smoothing, z_loss, softcap,
-                                 logit_scale, shift_seq_len, shift, token_scaling))
+    return _tc.ce_backward(logits, targets, lse, _f32(grad_loss), _cw(class_weights),
+                           CEOptions.from_op_args(ignore_index, reduction, label_smoothing,
+                                                  z_loss, softcap, logit_scale, shift_seq_len,
+                                                  shift, token_scaling))
 
 
 @_ce_backward.register_fake
@@ -324,7 +317,7 @@ def _ce_setup_context(ctx, inputs, output):
     logits, targets, class_weights = inputs[:3]
     _, lse, zl, acc, am = output
     ctx.save_for_backward(logits, targets, class_weights, lse)
-    ctx.options = inputs[3:3 + _N_OPTS]
+    ctx.options = CEOptions.from_op_args(*inputs[3:3 + N_OP_ARGS])
     ctx.mark_non_differentiable(lse, zl, acc, am)
     ctx.set_materialize_grads(False)
 
@@ -336,7 +329,8 @@ def _ce_autograd_backward(ctx, grad_loss, *_unused):
     logits, targets, class_weights, lse = ctx.saved_tensors
     grad_logits = None
     if ctx.needs_input_grad[0]:
-        grad_logits = _ce_backward(grad_loss, logits, targets, lse, class_weights, *ctx.options)
+        grad_logits = _ce_backward(grad_loss, logits, targets, lse, class_weights,
+                                   *ctx.options.as_op_args())
     return (grad_logits,) + nones
 
 
@@ -350,13 +344,13 @@ def _linear_ce(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: 
                ignore_index: int, reduction: int, label_smoothing: float, z_loss: float,
                softcap: float, logit_scale: float, shift_seq_len: int, shift: int,
                token_scaling: bool, compute_dtype: int, workspace_bytes: int, need_hidden: bool,
-               need_weight: bool, need_bias: bool, extras: int, check_targets: bool
+               need_weight: bool, need_bias: bool, want: int, check_targets: bool
                ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """loss, lse, the gradients asked for (empty [0] tensors for the others), scaled by
     grad_output (None = 1), and the extras asked for (z_loss, accuracy, argmax; empty [0] for
     the others). Inputs are cast to compute_dtype (an fce_dtype code) inside; the workspace is
     at most workspace_bytes (never below the library's minimum)."""
-    cdt = _TORCH_OF_CODE[compute_dtype]
+    cdt = _tc.TORCH_OF_CODE[compute_dtype]
     h = hidden.to(cdt)
     if h.stride(-1) != 1:
         h = h.contiguous()
@@ -369,10 +363,11 @@ def _linear_ce(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: 
     g = _f32(grad_output) if grad_output is not None else None
     loss, lse, gh, gw, gb, zl, acc, am = _tc.linear_ce(
         h, w, b, targets.contiguous(), _cw(class_weights), g,
-        _opts(ignore_index, reduction, label_smoothing, z_loss, softcap, logit_scale,
-              shift_seq_len, shift, token_scaling),
+        CEOptions.from_op_args(ignore_index, reduction, label_smoothing, z_loss, softcap,
+                               logit_scale, shift_seq_len, shift, token_scaling),
         grad_weight_fp32=fp32_grads, need=(need_hidden, need_weight, need_bias),
-        budget=int(workspace_bytes), extras=extras, check_targets=check_targets)
+        workspace_bytes=int(workspace_bytes), want=Want.from_op_arg(want),
+        check_targets=check_targets)
     empty = hidden.new_empty((0,))
     gh = gh.to(hidden.dtype) if gh is not None else empty
     gw = gw.to(weight.dtype) if gw is not None else weight.new_empty((0,))
@@ -385,7 +380,7 @@ def _linear_ce(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: 
 def _linear_ce_fake(hidden, weight, bias, targets, class_weights, grad_output, ignore_index,
                     reduction, label_smoothing, z_loss, softcap, logit_scale, shift_seq_len,
                     shift, token_scaling, compute_dtype, workspace_bytes, need_hidden,
-                    need_weight, need_bias, extras, check_targets):
+                    need_weight, need_bias, want, check_targets):
     n = hidden.shape[0]
     loss = hidden.new_empty((n,) if reduction == FCE_REDUCTION_NONE else (), dtype=torch.float32)
     lse = hidden.new_empty((n,), dtype=torch.float32)
@@ -393,19 +388,17 @@ def _linear_ce_fake(hidden, weight, bias, targets, class_weights, grad_output, i
     gw = weight.new_empty(weight.shape) if need_weight else weight.new_empty((0,))
     gb = (bias.new_empty(bias.shape, dtype=weight.dtype) if (need_bias and bias is not None)
           else weight.new_empty((0,)))
-    return (loss, lse, gh, gw, gb) + _fake_extras(hidden, n, reduction, extras)
+    return (loss, lse, gh, gw, gb) + _fake_extras(hidden, n, reduction, Want.from_op_arg(want))
 
 
-_LINEAR_CE_INPUTS = 6 + _N_OPTS + 7
+_LINEAR_CE_INPUTS = 6 + N_OP_ARGS + 7
 
 
 def _linear_ce_setup_context(ctx, inputs, output):
     hidden, weight, bias, targets, class_weights, grad_output = inputs[:6]
-    rest = inputs[6:]
-    reduction = rest[1]
-    # rest: the options (_N_OPTS), compute_dtype, workspace_bytes, need_hidden, need_weight,
-    # need_bias, extras, check_targets
-    need_hidden, need_weight, need_bias = rest[_N_OPTS + 2:_N_OPTS + 5]
+    opts = CEOptions.from_op_args(*inputs[6:6 + N_OP_ARGS])
+    (compute_dtype, workspace_bytes, need_hidden, need_weight, need_bias, _want,
+     _check_targets) = inputs[6 + N_OP_ARGS:]
     _, lse, gh, gw, gb, zl, acc, am = output
     ctx.mark_non_differentiable(lse, gh, gw, gb, zl, acc, am)
     # no zero "gradients" for the outputs autograd does not differentiate (they would be as
@@ -415,10 +408,10 @@ def _linear_ce_setup_context(ctx, inputs, output):
     # the scalar upstream gradient later; otherwise (reduction 'none', or the op called with a
     # grad_output) the backward recomputes them with the real upstream gradient.
     ctx.grad_in_forward = (bool(need_hidden or need_weight or need_bias)
-                           and reduction != FCE_REDUCTION_NONE and grad_output is None)
+                           and not opts.per_row and grad_output is None)
     ctx.computed = (bool(need_hidden), bool(need_weight), bool(need_bias and bias is not None))
     ctx.has_bias = bias is not None
-    ctx.options = tuple(rest[:_N_OPTS + 2])  # the options, compute_dtype, workspace_bytes
+    ctx.options, ctx.compute_dtype, ctx.workspace_bytes = opts, compute_dtype, workspace_bytes
     # The inputs are kept (they are alive anyway: the weight is a parameter, hidden [N, D] is
     # small) so that a second backward through the same graph can recompute the gradients.
     # The gradients are kept as tensors without version tracking (the backward scales them in
@@ -444,8 +437,9 @@ def _linear_ce_autograd_backward(ctx, grad_loss, *_unused):
                 _scale_(g, grad_loss)
         ctx.grads = None  # handed out: a later backward recomputes
     else:  # recompute with the real upstream gradient (per row for reduction 'none')
-        _, _, gh, gw, gb, _, _, _ = _linear_ce(hidden, weight, bias, targets, class_weights,
-                                               grad_loss, *ctx.options, *need, 0, False)
+        _, _, gh, gw, gb, _, _, _ = _linear_ce(
+            hidden, weight, bias, targets, class_weights, grad_loss, *ctx.options.as_op_args(),
+            ctx.compute_dtype, ctx.workspace_bytes, *need, NOTHING.as_op_arg(), False)
         out = [g if n else None for g, n in zip((gh, gw, gb), need)]
     return tuple(out) + nones
 

@@ -69,8 +69,11 @@ Errors: what the library checks (option ranges, the causal shift's values, ...) 
 itself, naming the option (:class:`fusedce.FusedCEError` subclasses, ValueError for invalid
 arguments).
 
-The modules behind this one: _torch_ops.py (the custom ops and autograd Functions),
-_torch_args.py (argument handling, the return convention), _torch_calls.py (the direct C calls).
+The modules behind this one (fusedce/torch/): _ops.py (the custom ops and autograd Functions),
+_args.py (argument handling, the return convention), _calls.py (the direct C calls),
+distributed.py (:mod:`fusedce.torch.distributed`). The options travel from the public function
+to the C struct as one :class:`fusedce._options.CEOptions`, the outputs asked for as one
+:class:`fusedce._options.Want`.
 """
 
 from __future__ import annotations
@@ -80,26 +83,23 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import _torch_calls as _tc
-from ._lib import FCE_REDUCTION_NONE
+from .. import _alloc
+from .._lib import FCE_REDUCTION_NONE
+from .._options import OUTPUT_FIELDS, CEOptions
 # the ops first: they check the torch version (>= 2.4, torch.library.custom_op)
-from ._torch_ops import (_CE_FORWARD_GRAD_INPUTS, _CODE_OF_TORCH, _LINEAR_CE_INPUTS,  # noqa: F401
-                         _N_OPTS, _TORCH_OF_CODE, _ce_autograd_backward, _ce_backward,
-                         _ce_forward, _ce_forward_grad, _ce_forward_grad_backward,
-                         _ce_forward_grad_setup, _ce_rescale_, _ce_setup_context, _compiling,
-                         _CrossEntropyInPlace, _CrossEntropyOnePass, _CrossEntropySavedLse,
-                         _cw, _fake_extras,
-                         _hand_out_once, _linear_ce, _linear_ce_autograd_backward,
-                         _linear_ce_setup_context, _non_differentiable, _opts, _or_empty,
-                         _scale_)
-from ._torch_args import (_OUTPUT_TYPES, _REDUCTIONS, OUTPUT_FIELDS, _c_extras,  # noqa: F401
-                          _finish, _float_input, _linear_dtype, _output_mask, _reduction,
-                          _resolve_shift, _targets, _transform, _z_loss_rows)
+from ._ops import (_compiling, _CrossEntropyInPlace, _CrossEntropyOnePass,
+                   _CrossEntropySavedLse, _ce_forward, _ce_forward_grad, _cw, _linear_ce)
+from . import _calls as _tc
+from . import _dtensor
+from ._args import (_finish, _float_input, _linear_dtype, _reduction, _resolve_shift, _targets,
+                    _z_loss_rows, want as _want)
 
-__all__ = ["cross_entropy", "linear_cross_entropy", "CrossEntropyLoss",
+__all__ = ["cross_entropy", "linear_cross_entropy", "module_linear_cross_entropy",
+           "CrossEntropyLoss",
            "LinearCrossEntropyLoss", "DEFAULT_WORKSPACE_BYTES", "OUTPUT_FIELDS"]
 
-DEFAULT_WORKSPACE_BYTES = _tc.DEFAULT_WORKSPACE_BYTES  # linear CE budget without env or kwarg
+# the linear CE budget without env or kwarg (FUSEDCE_WORKSPACE_BYTES, else 1 GiB), as fusedce.jax
+DEFAULT_WORKSPACE_BYTES = _alloc.DEFAULT_WORKSPACE_BYTES
 
 
 def cross_entropy(input: Tensor, target: Tensor, weight: Optional[Tensor] = None,
@@ -199,44 +199,44 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Optional[Tensor] = None
         raise ValueError(f"weight must have shape ({logits.shape[1]},), got "
                          f"{tuple(weight.shape)}")
     t, k = _resolve_shift(shift, shift_seq_len, tuple(target.shape), logits.shape[0])
-    args = (int(ignore_index), red, float(label_smoothing), float(z_loss), float(softcap),
-            float(logit_scale), t, k, bool(use_token_scaling))
-    opts = (red, args[0]) + args[2:]  # _opts(*args): the order the C calls take
-    mask = _output_mask(return_z_loss, return_token_accuracy, return_predicted_tokens,
-                        return_lse)
-    extras = _c_extras(mask, red)
+    opts = CEOptions(reduction=red, ignore_index=ignore_index, label_smoothing=label_smoothing,
+                     z_loss=z_loss, softcap=softcap, logit_scale=logit_scale, shift_seq_len=t,
+                     shift=k, token_scaling=use_token_scaling)
+    want = _want(return_z_loss, return_token_accuracy, return_predicted_tokens, return_lse)
+    lib_want = want.from_library(red)  # what the C call writes (lse included)
     check = bool(check_targets)
-    want_lse = bool(mask & 8) or (bool(mask & 1) and red == FCE_REDUCTION_NONE)
     need_grad = torch.is_grad_enabled() and logits.requires_grad
     if red != FCE_REDUCTION_NONE and need_grad:
         if inplace_backward:
             if logits.stride(0) != logits.shape[1] and logits.shape[0] > 1:
                 logits = logits.contiguous()
             loss, lse, zl, acc, am = _CrossEntropyInPlace.apply(logits, tgt, weight, opts,
-                                                                extras, check, want_lse)
+                                                                lib_want, check)
         elif _compiling():
-            loss, lse, _, zl, acc, am = _ce_forward_grad(logits, tgt, weight, *args, extras,
-                                                         check)
-        elif extras or want_lse:
+            loss, lse, _, zl, acc, am = _ce_forward_grad(logits, tgt, weight,
+                                                         *opts.as_op_args(),
+                                                         lib_want.as_op_arg(), check)
+        elif lib_want:
             loss, lse, zl, acc, am = _CrossEntropyOnePass.apply(logits, tgt, weight, opts,
-                                                                extras, check, want_lse)
+                                                                lib_want, check)
         else:
-            loss = _CrossEntropyOnePass.apply(logits, tgt, weight, opts, 0, check, False)
+            loss = _CrossEntropyOnePass.apply(logits, tgt, weight, opts, lib_want, check)
             lse = zl = acc = am = None
     elif not _compiling() and not need_grad:
         loss, lse, zl, acc, am = _tc.ce_forward(logits, tgt, _cw(weight), opts,
-                                                want_lse=want_lse, extras=extras,
+                                                want_lse=lib_want.lse, want=lib_want,
                                                 check_targets=check)
     elif not _compiling():  # reduction 'none' with a gradient
-        loss, lse, zl, acc, am = _CrossEntropySavedLse.apply(logits, tgt, weight, opts, extras,
-                                                             check)
+        loss, lse, zl, acc, am = _CrossEntropySavedLse.apply(logits, tgt, weight, opts,
+                                                             lib_want, check)
     else:
-        loss, lse, zl, acc, am = _ce_forward(logits, tgt, weight, *args, extras, check)
+        loss, lse, zl, acc, am = _ce_forward(logits, tgt, weight, *opts.as_op_args(),
+                                             lib_want.as_op_arg(), check)
 
-    if not mask and red != FCE_REDUCTION_NONE:
+    if not want and red != FCE_REDUCTION_NONE:
         return loss
     v = logits.shape[1]
-    return _finish(mask, red, out_shape, loss, lse, zl, acc, am, lambda: _z_loss_rows(
+    return _finish(want, red, out_shape, loss, lse, zl, acc, am, lambda: _z_loss_rows(
         lse, tgt, v, opts,
         lambda y: logits.detach().gather(1, y.unsqueeze(1)).squeeze(1)))
 
@@ -268,6 +268,16 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
     runs in the autocast dtype. The loss is float32; for reduction 'none' it has the shape of
     target (so have the per-row outputs).
 
+    DTensor arguments (``torch.distributed.tensor``): a replicated ``linear_weight`` is used
+    as its local tensor; one sharded over the vocabulary (``Shard(0)``, e.g. ``parallelize_module``
+    with ``ColwiseParallel``) takes the vocabulary-parallel path
+    (:func:`fusedce.torch.distributed.vocab_parallel_linear_cross_entropy`) over its mesh's
+    group by itself, ``input`` a plain tensor the same on every rank of it or a DTensor
+    (``Shard(0)`` over the rows: sequence parallelism); gradients come back as DTensors in the
+    parameters' placements; other placements raise ValueError (docs/vocab-parallel.md). A weight
+    that FSDP2 or ZeRO-3 shards must be read inside its module's forward:
+    :func:`module_linear_cross_entropy`.
+
     workspace_bytes  the memory budget of the call beyond the inputs and the gradients it
                   returns (its scratch workspace); None = FUSEDCE_WORKSPACE_BYTES from the
                   environment (e.g. "512M"), else 1 GiB (fusedce.torch.DEFAULT_WORKSPACE_BYTES).
@@ -277,6 +287,15 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
                   towards the budget). A budget below the library's minimum (a few MiB) gets
                   the minimum.
     """
+    if _dtensor.any_dtensor(input, linear_weight, linear_bias):
+        return _dtensor.linear_cross_entropy(
+            input, linear_weight, target, linear_bias, weight, dict(
+                reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing,
+                z_loss=z_loss, softcap=softcap, logit_scale=logit_scale,
+                shift_seq_len=shift_seq_len, shift=shift, use_token_scaling=use_token_scaling,
+                return_z_loss=return_z_loss, return_token_accuracy=return_token_accuracy,
+                return_predicted_tokens=return_predicted_tokens, return_lse=return_lse,
+                check_targets=check_targets, workspace_bytes=workspace_bytes))
     red = _reduction(reduction)
     if input.dim() < 1:
         raise ValueError("input must be [..., D]")
@@ -304,17 +323,19 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
     # gradients in the forward (scaled in the backward), except for 'none' (per-row upstream
     # gradient) and a bias that needs a gradient (its 16-bit sum would be rounded twice)
     in_forward = red != FCE_REDUCTION_NONE and not need_b
-    budget = _tc.default_workspace_bytes() if workspace_bytes is None else int(workspace_bytes)
+    budget = (_alloc.default_workspace_bytes() if workspace_bytes is None
+              else int(workspace_bytes))
     if budget < 0:
         raise ValueError(f"workspace_bytes must be >= 0, got {workspace_bytes}")
-    args = (int(ignore_index), red, float(label_smoothing), float(z_loss), float(softcap),
-            float(logit_scale), t, k, bool(use_token_scaling))
-    mask = _output_mask(return_z_loss, return_token_accuracy, return_predicted_tokens,
-                        return_lse)
+    opts = CEOptions(reduction=red, ignore_index=ignore_index, label_smoothing=label_smoothing,
+                     z_loss=z_loss, softcap=softcap, logit_scale=logit_scale, shift_seq_len=t,
+                     shift=k, token_scaling=use_token_scaling)
+    want = _want(return_z_loss, return_token_accuracy, return_predicted_tokens, return_lse)
     loss, lse, _, _, _, zl, acc, am = _linear_ce(
-        hidden, linear_weight, linear_bias, tgt, weight, None, *args, _CODE_OF_TORCH[cdt],
-        budget, bool(need_h and in_forward), bool(need_w and in_forward),
-        bool(need_b and in_forward), _c_extras(mask, red), bool(check_targets))
+        hidden, linear_weight, linear_bias, tgt, weight, None, *opts.as_op_args(),
+        _tc.CODE_OF_TORCH[cdt], budget, bool(need_h and in_forward),
+        bool(need_w and in_forward), bool(need_b and in_forward),
+        want.from_library(red).as_op_arg(), bool(check_targets))
 
     def target_logit(y):
         h = hidden.detach().to(cdt)
@@ -323,8 +344,27 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
             a = a + linear_bias.detach().to(cdt)[y].float()
         return a
 
-    return _finish(mask, red, tuple(target.shape), loss, lse, zl, acc, am,
-                   lambda: _z_loss_rows(lse, tgt, vocab, _opts(*args), target_logit))
+    return _finish(want, red, tuple(target.shape), loss, lse, zl, acc, am,
+                   lambda: _z_loss_rows(lse, tgt, vocab, opts, target_logit))
+
+
+def module_linear_cross_entropy(module: torch.nn.Module, input: Tensor, target: Tensor,
+                                **kwargs):
+    """``linear_cross_entropy(input, module.weight, target, linear_bias=module.bias, **kwargs)``
+    computed as ``module(input)``: the module's forward is replaced for this one call, so its
+    hooks run around the loss as around its own forward. For an output layer whose weight a
+    framework gathers in forward hooks: FSDP2 (``fully_shard(lm_head)``: the pre-forward
+    all-gather, the reshard after it, and in the backward the all-gather again if it was
+    resharded and the reduce-scatter of ∂weight into the sharded parameter's gradient) and
+    DeepSpeed ZeRO-3 (its parameter fetch and release). Nothing beyond what the framework
+    itself gathers and the workspace budget is held. The weight read there may be a DTensor
+    (FSDP2 over a tensor-parallel weight): handled as :func:`linear_cross_entropy` does.
+    ``module``: an ``nn.Linear`` (or any module with ``weight`` [V, D] and ``bias`` [V] or None);
+    forward hooks that change the output (tensor-parallel ones) do not apply to a loss."""
+    def forward(hidden):
+        return linear_cross_entropy(hidden, module.weight, target,
+                                    linear_bias=getattr(module, "bias", None), **kwargs)
+    return _dtensor.module_forward(module, forward, input)
 
 
 class _LossOptions(torch.nn.Module):
@@ -408,7 +448,6 @@ class LinearCrossEntropyLoss(_LossOptions):
             **self._kwargs())
 
 
-# fusedce.torch.distributed: the vocabulary-parallel functions (fusedce/torch_distributed.py)
-from . import torch_distributed as distributed  # noqa: E402
-import sys as _sys  # noqa: E402
-_sys.modules.setdefault(__name__ + ".distributed", distributed)  # import fusedce.torch.distributed
+# fusedce.torch.distributed: the vocabulary-parallel functions (imported with fusedce.torch, so
+# that the attribute is there after ``import fusedce.torch``, as before it was a module)
+from . import distributed  # noqa: E402,F401

@@ -1,0 +1,178 @@
+"""The options of a loss and the outputs asked for, by name: :class:`CEOptions` and :class:`Want`.
+
+A public function (``fusedce.torch.cross_entropy``, ``linear_cross_entropy``, the functions of
+``fusedce.torch.distributed``, ``fusedce.jax``'s, and ``fusedce.core``'s and
+``fusedce.vocab_parallel``'s through :meth:`CEOptions.from_keywords`) builds one ``CEOptions``
+from its keywords and hands it down unchanged to the one place that fills the C
+``fce_options`` struct (``fusedce.torch._calls.options``, ``fusedce._args._build_options``).
+Custom ops (``torch.library.custom_op``) take only tensors and scalars: there the options are
+flattened by :meth:`CEOptions.as_op_args` and rebuilt by :meth:`CEOptions.from_op_args`; the
+XLA FFI custom calls of ``fusedce.jax`` take them as two attribute arrays made by
+:meth:`CEOptions.as_ffi_attrs`. These are the only code that knows the order of the fields.
+Likewise the optional outputs travel as one :class:`Want`, flattened to an int by
+:meth:`Want.as_op_arg` at an op boundary only.
+
+Nothing here imports torch or jax, or loads the library.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from dataclasses import dataclass
+from typing import Tuple
+
+from ._lib import FCE_REDUCTION_MEAN, FCE_REDUCTION_NONE
+
+
+def int_option(value, name: str) -> int:
+    """An int64 option given by the caller: an int (not a bool, not a float that ctypes would
+    truncate) that fits int64; its range is the library's to check."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    value = int(value)
+    if not -(2 ** 63) <= value < 2 ** 63:
+        raise ValueError(f"{name} ({value}) does not fit in int64")
+    return value
+
+
+def float_option(value, name: str) -> float:
+    """A real option given by the caller (its domain is the library's to check)."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a real number, got {value!r}") from None
+
+
+@dataclass(frozen=True)
+class CEOptions:
+    """The fce_options values of a loss that the caller chooses (the library's names in
+    brackets where they differ). Per-call values (dtypes, backend, strides, pointers) are not
+    here: the code that makes the C call reads them from the tensors. Class weights are a
+    tensor argument of their own. Hashable: a cache key for the C structs built from it."""
+
+    reduction: int = FCE_REDUCTION_MEAN  # an fce_reduction code
+    ignore_index: int = -100
+    label_smoothing: float = 0.0
+    z_loss: float = 0.0  # (z_loss_scale)
+    softcap: float = 0.0
+    logit_scale: float = 1.0
+    shift_seq_len: int = 0
+    shift: int = 0  # the C value: 0 means 1 when shift_seq_len is set
+    token_scaling: bool = False
+
+    def __post_init__(self):
+        for f, cast in _CASTS:
+            value = getattr(self, f)
+            if type(value) is not cast:
+                object.__setattr__(self, f, cast(value))
+
+    @property
+    def per_row(self) -> bool:
+        """Reduction 'none': the loss (and the accuracy) has one value per row."""
+        return self.reduction == FCE_REDUCTION_NONE
+
+    def replace(self, **changes) -> "CEOptions":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_keywords(cls, *, reduction: int, ignore_index=-100, label_smoothing=0.0,
+                      z_loss_scale=0.0, softcap=0.0, logit_scale=1.0, shift_seq_len=0,
+                      shift=0, token_scaling=False) -> "CEOptions":
+        """The options of a ``fusedce.core`` / ``fusedce.vocab_parallel`` call, keywords with
+        the C names (``z_loss_scale``; ``shift`` the C value), checked for what ctypes cannot
+        see: an int option must be an int (a float would be truncated), a real one a number.
+        ``reduction``: an fce_reduction code (``fusedce._args._reduction_code``)."""
+        return cls(reduction=reduction, ignore_index=int_option(ignore_index, "ignore_index"),
+                   label_smoothing=float_option(label_smoothing, "label_smoothing"),
+                   z_loss=float_option(z_loss_scale, "z_loss_scale"),
+                   softcap=float_option(softcap, "softcap"),
+                   logit_scale=float_option(logit_scale, "logit_scale"),
+                   shift_seq_len=int_option(shift_seq_len, "shift_seq_len"),
+                   shift=int_option(shift, "shift"), token_scaling=bool(token_scaling))
+
+    # ---- the custom-op boundary: the only place that knows the order of the fields
+    def as_op_args(self) -> tuple:
+        """The fields as the positional scalars of a custom op, in :data:`OP_ARG_NAMES`
+        order (every op taking options declares these parameters, in this order)."""
+        return (self.ignore_index, self.reduction, self.label_smoothing, self.z_loss,
+                self.softcap, self.logit_scale, self.shift_seq_len, self.shift,
+                self.token_scaling)
+
+    @classmethod
+    def from_op_args(cls, ignore_index, reduction, label_smoothing, z_loss, softcap,
+                     logit_scale, shift_seq_len, shift, token_scaling) -> "CEOptions":
+        """The inverse of :meth:`as_op_args`."""
+        return cls(reduction=reduction, ignore_index=ignore_index,
+                   label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+                   logit_scale=logit_scale, shift_seq_len=shift_seq_len, shift=shift,
+                   token_scaling=token_scaling)
+
+    # ---- the XLA FFI boundary (fusedce.jax): the attributes of the shim's handlers
+    def as_ffi_attrs(self, workspace_bytes: int = 0, rescale: bool = False) -> Tuple[tuple, tuple]:
+        """(iopts, fopts): the int64 and float32 attribute arrays of fusedce.jax's custom calls,
+        in :data:`FFI_INT_NAMES` / :data:`FFI_FLOAT_NAMES` order (what MakeOptions in
+        fusedce/jax_ffi/fusedce_jax.cc reads). ``workspace_bytes``: fce_linear_ce's budget;
+        ``rescale``: fce_backward_rescale in place of fce_backward."""
+        return ((self.reduction, self.ignore_index, self.shift_seq_len, self.shift,
+                 int(self.token_scaling), int(workspace_bytes), int(bool(rescale)), 0),
+                (self.label_smoothing, self.z_loss, self.softcap, self.logit_scale))
+
+
+_CASTS = tuple((f.name, {"int": int, "float": float, "bool": bool}[f.type])
+               for f in dataclasses.fields(CEOptions))
+OP_ARG_NAMES = ("ignore_index", "reduction", "label_smoothing", "z_loss", "softcap",
+                "logit_scale", "shift_seq_len", "shift", "token_scaling")
+N_OP_ARGS = len(OP_ARG_NAMES)  # the scalars CEOptions.as_op_args gives
+FFI_INT_NAMES = ("reduction", "ignore_index", "shift_seq_len", "shift", "token_scaling",
+                 "workspace_bytes", "rescale", "reserved")
+FFI_FLOAT_NAMES = ("label_smoothing", "z_loss", "softcap", "logit_scale")
+
+
+@dataclass(frozen=True)
+class Want:
+    """The optional outputs asked for (the ``return_*`` keywords), in the order they follow
+    the loss in the returned ``CrossEntropyOutput``: z_loss, token accuracy, predicted tokens
+    (argmax), lse. :meth:`from_library` says what the library call itself must write."""
+
+    z_loss: bool = False
+    accuracy: bool = False
+    argmax: bool = False
+    lse: bool = False
+
+    def __bool__(self) -> bool:
+        return self.z_loss or self.accuracy or self.argmax or self.lse
+
+    def replace(self, **changes) -> "Want":
+        return dataclasses.replace(self, **changes)
+
+    def fields(self) -> tuple:
+        """The names of the CrossEntropyOutput fields asked for, after "loss"."""
+        return tuple(name for name, on in zip(OUTPUT_FIELDS[1:], (
+            self.z_loss, self.accuracy, self.argmax, self.lse)) if on)
+
+    def from_library(self, reduction: int) -> "Want":
+        """What the C call writes for these outputs: the z-loss total only for 'mean'/'sum'
+        (a 'none' z-loss is made per row from lse, the library giving only the total), and
+        lse when it is returned or that per-row z-loss needs it."""
+        none = reduction == FCE_REDUCTION_NONE
+        return Want(z_loss=self.z_loss and not none, accuracy=self.accuracy,
+                    argmax=self.argmax, lse=self.lse or (self.z_loss and none))
+
+    # ---- the custom-op boundary
+    def as_op_arg(self) -> int:
+        """One int for a custom op's scalar argument (:meth:`from_op_arg` reads it)."""
+        return (int(self.z_loss) | int(self.accuracy) << 1 | int(self.argmax) << 2
+                | int(self.lse) << 3)
+
+    @classmethod
+    def from_op_arg(cls, value: int) -> "Want":
+        value = int(value)
+        return cls(z_loss=bool(value & 1), accuracy=bool(value & 2), argmax=bool(value & 4),
+                   lse=bool(value & 8))
+
+
+NOTHING = Want()
+# The fields of CrossEntropyOutput: the loss, then the optional outputs in Want's order (Liger's
+# (loss, z_loss, token_accuracy, predicted_tokens), then CCE's lse).
+OUTPUT_FIELDS = ("loss", "z_loss", "token_accuracy", "predicted_tokens", "lse")
