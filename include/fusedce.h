@@ -315,9 +315,10 @@ typedef struct fce_outputs {
  * grad_weight and grad_bias follow through the logits. A row whose grad_lse_i and
  * grad_entropy_i are both 0 gets the loss's gradient alone (an ignored row: zeros); an invalid
  * row's gradient stays NaN. fce_backward computes p_ij from the saved lse as for the loss
- * (rule 12). CUDA: a call with outputs->entropy, grad_lse or grad_entropy runs its rows on the
- * two-pass kernel (each row read twice, the second read mostly from L2: slower than the one-pass
- * loss + gradient); fce_linear_ce's vocabulary-sliced plan (a 16-bit grad_weight given less
+ * (rule 12). CUDA: a call with outputs->entropy, grad_lse or grad_entropy runs its rows in
+ * registers where the plain call's rows fit there (one read; its bulk-kernel rows too), else, and
+ * with label smoothing, on the two-pass kernel (each row read twice, the second read mostly from
+ * L2); either costs more than the plain loss + gradient (docs/performance.md); fce_linear_ce's vocabulary-sliced plan (a 16-bit grad_weight given less
  * workspace than the token chunks need) refuses grad_lse and grad_entropy with
  * FCE_ERROR_UNSUPPORTED (give optimal_bytes, or set grad_weight_fp32). Given without a gradient to add them to (fce_forward without
  * grad_logits, fce_linear_ce without grad_hidden, grad_weight and grad_bias), they are refused.

@@ -79,14 +79,15 @@ fce_status launch_rows_kernel(const char* fn, const char* what, K* kernel, int64
   return launch_check(fn, what);
 }
 
-template <class TZ, class TG, int MODE, bool LOOP>
+template <class TZ, class TG, int MODE, bool LOOP, bool ROWT = false>
 fce_status launch_forward_regs(const char* fn, const KParams& q, const RegConfig& rc,
                                int64_t grid_rows, cudaStream_t s) {
   if (rc.smem > 0)
     return launch_rows_kernel(fn, "ce_rows_regs_kernel with shared-memory slots",
-                              ce_rows_regs_kernel<TZ, TG, MODE, LOOP, true>, grid_rows * rc.k,
-                              rc.threads, rc.k, q, s, reg_smem_bytes(rc));
-  return launch_rows_kernel(fn, "ce_rows_regs_kernel", ce_rows_regs_kernel<TZ, TG, MODE, LOOP, false>,
+                              ce_rows_regs_kernel<TZ, TG, MODE, LOOP, true, ROWT>,
+                              grid_rows * rc.k, rc.threads, rc.k, q, s, reg_smem_bytes(rc));
+  return launch_rows_kernel(fn, "ce_rows_regs_kernel",
+                            ce_rows_regs_kernel<TZ, TG, MODE, LOOP, false, ROWT>,
                             grid_rows * rc.k, rc.threads, rc.k, q, s);
 }
 
@@ -97,6 +98,21 @@ fce_status launch_regs_mode(const char* fn, int mode, const KParams& q, const Re
        : mode == kPlain ? launch_forward_regs<TZ, TG, kPlain, LOOP>(fn, q, rc, grid_rows, s)
        : mode == kCap   ? launch_forward_regs<TZ, TG, kCap, LOOP>(fn, q, rc, grid_rows, s)
                         : launch_forward_regs<TZ, TG, kGeneral, LOOP>(fn, q, rc, grid_rows, s);
+}
+
+// Rule 18's terms on the register path (ROWT): the unit, plain and softcap modes; label
+// smoothing keeps them on the stream kernel (ce/policy.h).
+template <class TZ, class TG>
+fce_status launch_regs_terms(const char* fn, int mode, const KParams& q, const RegConfig& rc,
+                             int64_t grid_rows, cudaStream_t s) {
+  return mode == kUnit  ? launch_forward_regs<TZ, TG, kUnit, false, true>(fn, q, rc, grid_rows, s)
+       : mode == kCap   ? launch_forward_regs<TZ, TG, kCap, false, true>(fn, q, rc, grid_rows, s)
+                        : launch_forward_regs<TZ, TG, kPlain, false, true>(fn, q, rc, grid_rows, s);
+}
+template <class TZ, class TG, bool SMEM> const void* regs_terms_kernel(int mode) {
+  return mode == kUnit ? kernel_address(ce_rows_regs_kernel<TZ, TG, kUnit, false, SMEM, true>)
+       : mode == kCap  ? kernel_address(ce_rows_regs_kernel<TZ, TG, kCap, false, SMEM, true>)
+                       : kernel_address(ce_rows_regs_kernel<TZ, TG, kPlain, false, SMEM, true>);
 }
 
 template <class TZ, class TG, bool LOOP, bool SMEM> const void* regs_kernel(int mode) {
@@ -144,13 +160,18 @@ fce_status launch_rows_typed(const CeRowsArgs& a, KParams p, int pair, cudaStrea
   rq.shape.aligned_rows =
       (reinterpret_cast<uintptr_t>(a.logits) & 15) == 0 && (p.z_row_bytes & 15) == 0;
   rq.shape.rescale = p.rescale != 0;
-  // rule 18's entropy and gradient terms: the stream kernels only (ce/policy.h)
+  // rule 18's entropy and gradient terms: the ROWT register kernels without label smoothing,
+  // else the stream kernels (ce/policy.h); never persistent (fce_backward_rescale has none)
   const bool rowt = p.entropy_out || p.grad_lse || p.grad_entropy;
+  const bool terms_in_regs = rowt && mode != kGeneral;
   rq.shape.row_terms = rowt;
-  rq.slot = pair * 4 + mode;
-  rq.regs_kernel = regs_kernel<TZ, TG, false, false>(mode);
+  rq.shape.terms_in_regs = terms_in_regs;
+  rq.slot = (terms_in_regs ? kRowTermsSlots : 0) + pair * 4 + mode;
+  rq.regs_kernel = terms_in_regs ? regs_terms_kernel<TZ, TG, false>(mode)
+                                 : regs_kernel<TZ, TG, false, false>(mode);
   rq.regs_loop_kernel = regs_kernel<TZ, TG, true, false>(mode);
-  rq.regs_smem_kernel = regs_kernel<TZ, TG, false, true>(mode);
+  rq.regs_smem_kernel = terms_in_regs ? regs_terms_kernel<TZ, TG, true>(mode)
+                                      : regs_kernel<TZ, TG, false, true>(mode);
   rq.regs_smem_loop_kernel = regs_kernel<TZ, TG, true, true>(mode);
   rq.bulk_kernel = a.grad ? kernel_address(bulk_kernel<TZ, TG, true>(mode))
                           : kernel_address(bulk_kernel<TZ, TZ, false>(mode));
@@ -189,7 +210,9 @@ fce_status launch_rows_typed(const CeRowsArgs& a, KParams p, int pair, cudaStrea
       q.rows_in_launch = n;
       q.prefetch_rows = choice.prefetch_rows;
       q.xmbar_ok = choice.xmbar ? 1 : 0;
-      if (choice.persistent) {
+      if (terms_in_regs) {
+        st = launch_regs_terms<TZ, TG>(a.fn, mode, q, rc, n, s);
+      } else if (choice.persistent) {
         const int64_t grid_rows = n < choice.wave_rows ? n : choice.wave_rows;
         st = launch_regs_mode<TZ, TG, true>(a.fn, mode, q, rc, grid_rows, s);
       } else {
