@@ -327,8 +327,8 @@ TEST_F(LinearBadInput, Sizes) {
 TEST_F(LinearBadInput, Options) {
   expect_rejected("dtype unknown", FCE_ERROR_INVALID_ARGUMENT, "dtype", [](LinArgs& x) { x.o.dtype = 9; });
   expect_rejected("dtype int32", FCE_ERROR_INVALID_ARGUMENT, "dtype", [](LinArgs& x) { x.o.dtype = FCE_INT32; });
-  expect_rejected("target_dtype float", FCE_ERROR_INVALID_ARGUMENT, "target_dtype",
-                  [](LinArgs& x) { x.o.target_dtype = FCE_FLOAT32; });
+  expect_rejected("target_dtype 5", FCE_ERROR_INVALID_ARGUMENT, "target_dtype",
+                  [](LinArgs& x) { x.o.target_dtype = 5; });
   expect_rejected("reduction 3", FCE_ERROR_INVALID_ARGUMENT, "reduction", [](LinArgs& x) { x.o.reduction = 3; });
   expect_rejected("backend 7", FCE_ERROR_INVALID_ARGUMENT, "backend", [](LinArgs& x) { x.o.backend = 7; });
   expect_rejected("label_smoothing 1", FCE_ERROR_INVALID_ARGUMENT, "label_smoothing",

@@ -267,7 +267,7 @@ TEST_F(VpBadInput, Options) {
   for_all("struct_size 8", FCE_ERROR_INVALID_ARGUMENT, "struct_size",
           [](VpArgs& x) { x.o.struct_size = 8; });
   for_all("dtype 7", FCE_ERROR_INVALID_ARGUMENT, "dtype", [](VpArgs& x) { x.o.dtype = 7; });
-  for_all("target_dtype float32", FCE_ERROR_INVALID_ARGUMENT, "target_dtype",
+  for_all("target_dtype float32 (class probabilities)", FCE_ERROR_UNSUPPORTED, "target_dtype",
           [](VpArgs& x) { x.o.target_dtype = FCE_FLOAT32; });
   for_all("reduction 3", FCE_ERROR_INVALID_ARGUMENT, "reduction", [](VpArgs& x) { x.o.reduction = 3; });
   for_all("backend 2", FCE_ERROR_INVALID_ARGUMENT, "backend", [](VpArgs& x) { x.o.backend = 2; });

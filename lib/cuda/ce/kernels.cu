@@ -131,10 +131,14 @@ template <class TZ, class TG, bool GRAD> auto bulk_kernel(int mode) {
 }
 
 // The stream kernel of a launch: two-pass forward or backward (BWD), with rule 18's terms or
-// not (ROWT), in its plain or general mode.
+// not (ROWT), for class probabilities (soft: rule 19, with rule 18's terms), in its plain or
+// general mode.
 template <class TZ, class TG, bool BWD>
-auto stream_kernel(int mode, bool rowt) {
+auto stream_kernel(int mode, bool rowt, bool soft) {
   const bool plain = mode == kPlain || mode == kUnit;
+  if (soft)
+    return plain ? ce_rows_stream_kernel<TZ, TG, kPlain, BWD, true, true>
+                 : ce_rows_stream_kernel<TZ, TG, kGeneral, BWD, true, true>;
   return rowt ? (plain ? ce_rows_stream_kernel<TZ, TG, kPlain, BWD, true>
                        : ce_rows_stream_kernel<TZ, TG, kGeneral, BWD, true>)
               : (plain ? ce_rows_stream_kernel<TZ, TG, kPlain, BWD>
@@ -163,8 +167,9 @@ fce_status launch_rows_typed(const CeRowsArgs& a, KParams p, int pair, cudaStrea
   // rule 18's entropy and gradient terms: the ROWT register kernels without label smoothing,
   // else the stream kernels (ce/policy.h); never persistent (fce_backward_rescale has none)
   const bool rowt = p.entropy_out || p.grad_lse || p.grad_entropy;
-  const bool terms_in_regs = rowt && mode != kGeneral;
-  rq.shape.row_terms = rowt;
+  const bool soft = a.opt.soft_targets;  // rule 19: the stream kernels only
+  const bool terms_in_regs = rowt && mode != kGeneral && !soft;
+  rq.shape.row_terms = rowt || soft;
   rq.shape.terms_in_regs = terms_in_regs;
   rq.slot = (terms_in_regs ? kRowTermsSlots : 0) + pair * 4 + mode;
   rq.regs_kernel = terms_in_regs ? regs_terms_kernel<TZ, TG, false>(mode)
@@ -193,7 +198,7 @@ fce_status launch_rows_typed(const CeRowsArgs& a, KParams p, int pair, cudaStrea
     if (choice.path == RowsPath::kBackward) {
       const unsigned threads = static_cast<unsigned>(stream_threads(a.vocab, E, kBackwardThreads));
       st = launch_rows_kernel(a.fn, "ce_rows_stream_kernel, backward",
-                              stream_kernel<TZ, TG, true>(mode, rowt), n,
+                              stream_kernel<TZ, TG, true>(mode, rowt, soft), n,
                               static_cast<int>(threads), 1, q, s);
     } else if (choice.path == RowsPath::kBulk) {
       q.rows_in_launch = n;
@@ -221,7 +226,7 @@ fce_status launch_rows_typed(const CeRowsArgs& a, KParams p, int pair, cudaStrea
     } else {
       const unsigned threads = static_cast<unsigned>(stream_threads(a.vocab, E, kTwoPassThreads));
       st = launch_rows_kernel(a.fn, "ce_rows_stream_kernel, two-pass forward",
-                              stream_kernel<TZ, TG, false>(mode, rowt), n,
+                              stream_kernel<TZ, TG, false>(mode, rowt, soft), n,
                               static_cast<int>(threads), 1, q, s);
     }
     if (st != FCE_SUCCESS) return st;
@@ -262,7 +267,12 @@ fce_status launch_ce_rows(const CeRowsArgs& a, cudaStream_t s) {
                 fn, static_cast<long long>(a.col_begin), static_cast<long long>(a.vocab),
                 static_cast<long long>(vocab_total));
   if (a.row_count == 0) return FCE_SUCCESS;
+  if (a.opt.soft_targets && (a.stats_in || a.stats_out))
+    return fail(FCE_ERROR_INTERNAL,
+                "%s: launch_ce_rows: class-probability targets with saved row statistics", fn);
   KParams p = make_params(a.opt, vocab_total);  // ε/V and Ω of the whole vocabulary
+  // class probabilities (rule 19): q' carries ε itself; no smoothing sum over the logits
+  if (a.opt.soft_targets) p.smooth = 0;
   p.vocab = static_cast<int>(a.vocab);            // the row length of these buffers
   p.col_begin = a.col_begin;
   p.targets = a.targets;
