@@ -167,6 +167,14 @@ def _non_differentiable(ctx, *tensors) -> None:
     ctx.mark_non_differentiable(*(t for t in tensors if t is not None))
 
 
+def _loss_differentiable(ctx, loss, lse, zl, acc, am) -> tuple:
+    """A Function's (loss, lse, z_loss, accuracy, argmax): only the loss differentiable, and
+    no zero gradients made for the others (None where not asked for)."""
+    ctx.set_materialize_grads(False)
+    _non_differentiable(ctx, lse, zl, acc, am)
+    return loss, lse, zl, acc, am
+
+
 class _CrossEntropyOnePass(torch.autograd.Function):
     """The same one-pass training path as fusedce::ce_forward_grad + ce_rescale_, as a plain
     autograd.Function calling the C library directly: what eager mode runs (the custom ops'
@@ -188,12 +196,10 @@ class _CrossEntropyOnePass(torch.autograd.Function):
                                                 lse_workspace=ctx.lse_workspace)
         ctx.save_for_backward(logits, targets, cw, lse)
         ctx.grad, ctx.opts = grad, opts
-        ctx.set_materialize_grads(False)
         if not want:
+            ctx.set_materialize_grads(False)
             return loss
-        lse = lse if want.lse else None
-        _non_differentiable(ctx, lse, zl, acc, am)
-        return loss, lse, zl, acc, am
+        return _loss_differentiable(ctx, loss, lse if want.lse else None, zl, acc, am)
 
     @staticmethod
     def backward(ctx, grad_loss, *_unused):
@@ -223,9 +229,7 @@ class _CrossEntropySavedLse(torch.autograd.Function):
                                                 check_targets=check_targets)
         ctx.save_for_backward(logits, targets, cw, lse)
         ctx.opts = opts
-        ctx.set_materialize_grads(False)
-        _non_differentiable(ctx, lse, zl, acc, am)
-        return loss, lse, zl, acc, am
+        return _loss_differentiable(ctx, loss, lse, zl, acc, am)
 
     @staticmethod
     def backward(ctx, grad_loss, *_unused):
@@ -254,9 +258,7 @@ class _CrossEntropyInPlace(torch.autograd.Function):
                                                 grad=logits, want_lse=want.lse, want=want,
                                                 check_targets=check_targets)
         ctx.save_for_backward(logits)
-        ctx.set_materialize_grads(False)
-        _non_differentiable(ctx, lse, zl, acc, am)
-        return loss, lse, zl, acc, am
+        return _loss_differentiable(ctx, loss, lse, zl, acc, am)
 
     @staticmethod
     def backward(ctx, grad_loss, *_unused):
