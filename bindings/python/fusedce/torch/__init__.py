@@ -108,8 +108,8 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Optional[Tensor] = None
                   logit_scale: float = 1.0, shift_seq_len: int = 0, shift: int = 0,
                   use_token_scaling: bool = False, return_z_loss: bool = False,
                   return_token_accuracy: bool = False, return_predicted_tokens: bool = False,
-                  return_lse: bool = False, check_targets: bool = False,
-                  inplace_backward: bool = False):
+                  return_lse: bool = False, return_entropy: bool = False,
+                  check_targets: bool = False, inplace_backward: bool = False):
     """torch.nn.functional.cross_entropy, fused, plus the options below. When autograd will
     need the gradient (grad mode on, input requiring grad) and the reduction is 'mean' or
     'sum', the forward reads the logits once and writes the gradient once, for an upstream
@@ -202,7 +202,8 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Optional[Tensor] = None
     opts = CEOptions(reduction=red, ignore_index=ignore_index, label_smoothing=label_smoothing,
                      z_loss=z_loss, softcap=softcap, logit_scale=logit_scale, shift_seq_len=t,
                      shift=k, token_scaling=use_token_scaling)
-    want = _want(return_z_loss, return_token_accuracy, return_predicted_tokens, return_lse)
+    want = _want(return_z_loss, return_token_accuracy, return_predicted_tokens, return_lse,
+                 return_entropy)
     lib_want = want.from_library(red)  # what the C call writes (lse included)
     check = bool(check_targets)
     need_grad = torch.is_grad_enabled() and logits.requires_grad
@@ -210,35 +211,35 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Optional[Tensor] = None
         if inplace_backward:
             if logits.stride(0) != logits.shape[1] and logits.shape[0] > 1:
                 logits = logits.contiguous()
-            loss, lse, zl, acc, am = _CrossEntropyInPlace.apply(logits, tgt, weight, opts,
-                                                                lib_want, check)
+            loss, lse, zl, acc, am, ent = _CrossEntropyInPlace.apply(logits, tgt, weight, opts,
+                                                                     lib_want, check)
         elif _compiling():
-            loss, lse, _, zl, acc, am = _ce_forward_grad(logits, tgt, weight,
-                                                         *opts.as_op_args(),
-                                                         lib_want.as_op_arg(), check)
+            loss, lse, _, zl, acc, am, ent = _ce_forward_grad(logits, tgt, weight,
+                                                              *opts.as_op_args(),
+                                                              lib_want.as_op_arg(), check)
         elif lib_want:
-            loss, lse, zl, acc, am = _CrossEntropyOnePass.apply(logits, tgt, weight, opts,
-                                                                lib_want, check)
+            loss, lse, zl, acc, am, ent = _CrossEntropyOnePass.apply(logits, tgt, weight, opts,
+                                                                     lib_want, check)
         else:
             loss = _CrossEntropyOnePass.apply(logits, tgt, weight, opts, lib_want, check)
-            lse = zl = acc = am = None
+            lse = zl = acc = am = ent = None
     elif not _compiling() and not need_grad:
-        loss, lse, zl, acc, am = _tc.ce_forward(logits, tgt, _cw(weight), opts,
-                                                want_lse=lib_want.lse, want=lib_want,
-                                                check_targets=check)
+        loss, lse, zl, acc, am, ent = _tc.ce_forward(logits, tgt, _cw(weight), opts,
+                                                     want_lse=lib_want.lse, want=lib_want,
+                                                     check_targets=check)
     elif not _compiling():  # reduction 'none' with a gradient
-        loss, lse, zl, acc, am = _CrossEntropySavedLse.apply(logits, tgt, weight, opts,
-                                                             lib_want, check)
+        loss, lse, zl, acc, am, ent = _CrossEntropySavedLse.apply(logits, tgt, weight, opts,
+                                                                  lib_want, check)
     else:
-        loss, lse, zl, acc, am = _ce_forward(logits, tgt, weight, *opts.as_op_args(),
-                                             lib_want.as_op_arg(), check)
+        loss, lse, zl, acc, am, ent = _ce_forward(logits, tgt, weight, *opts.as_op_args(),
+                                                  lib_want.as_op_arg(), check)
 
     if not want and red != FCE_REDUCTION_NONE:
         return loss
     v = logits.shape[1]
     return _finish(want, red, out_shape, loss, lse, zl, acc, am, lambda: _z_loss_rows(
         lse, tgt, v, opts,
-        lambda y: logits.detach().gather(1, y.unsqueeze(1)).squeeze(1)))
+        lambda y: logits.detach().gather(1, y.unsqueeze(1)).squeeze(1)), ent)
 
 
 def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *,
@@ -250,7 +251,7 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
                          use_token_scaling: bool = False, return_z_loss: bool = False,
                          return_token_accuracy: bool = False,
                          return_predicted_tokens: bool = False, return_lse: bool = False,
-                         check_targets: bool = False,
+                         return_entropy: bool = False, check_targets: bool = False,
                          workspace_bytes: Optional[int] = None):
     """cross_entropy(F.linear(input, linear_weight, linear_bias), target, ...) without ever
     holding the [N, V] logits (fce_linear_ce).
@@ -295,7 +296,8 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
                 shift_seq_len=shift_seq_len, shift=shift, use_token_scaling=use_token_scaling,
                 return_z_loss=return_z_loss, return_token_accuracy=return_token_accuracy,
                 return_predicted_tokens=return_predicted_tokens, return_lse=return_lse,
-                check_targets=check_targets, workspace_bytes=workspace_bytes))
+                return_entropy=return_entropy, check_targets=check_targets,
+                workspace_bytes=workspace_bytes))
     red = _reduction(reduction)
     if input.dim() < 1:
         raise ValueError("input must be [..., D]")
@@ -330,9 +332,10 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
     opts = CEOptions(reduction=red, ignore_index=ignore_index, label_smoothing=label_smoothing,
                      z_loss=z_loss, softcap=softcap, logit_scale=logit_scale, shift_seq_len=t,
                      shift=k, token_scaling=use_token_scaling)
-    want = _want(return_z_loss, return_token_accuracy, return_predicted_tokens, return_lse)
-    loss, lse, _, _, _, zl, acc, am = _linear_ce(
-        hidden, linear_weight, linear_bias, tgt, weight, None, *opts.as_op_args(),
+    want = _want(return_z_loss, return_token_accuracy, return_predicted_tokens, return_lse,
+                 return_entropy)
+    loss, lse, _, _, _, zl, acc, am, ent = _linear_ce(
+        hidden, linear_weight, linear_bias, tgt, weight, None, None, None, *opts.as_op_args(),
         _tc.CODE_OF_TORCH[cdt], budget, bool(need_h and in_forward),
         bool(need_w and in_forward), bool(need_b and in_forward),
         want.from_library(red).as_op_arg(), bool(check_targets))
@@ -345,7 +348,7 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
         return a
 
     return _finish(want, red, tuple(target.shape), loss, lse, zl, acc, am,
-                   lambda: _z_loss_rows(lse, tgt, vocab, opts, target_logit))
+                   lambda: _z_loss_rows(lse, tgt, vocab, opts, target_logit), ent)
 
 
 def module_linear_cross_entropy(module: torch.nn.Module, input: Tensor, target: Tensor,
@@ -375,7 +378,8 @@ class _LossOptions(torch.nn.Module):
                  softcap: float = 0.0, logit_scale: float = 1.0, shift_seq_len: int = 0,
                  shift: int = 0, use_token_scaling: bool = False, return_z_loss: bool = False,
                  return_token_accuracy: bool = False, return_predicted_tokens: bool = False,
-                 return_lse: bool = False, check_targets: bool = False):
+                 return_lse: bool = False, return_entropy: bool = False,
+                 check_targets: bool = False):
         super().__init__()
         _reduction(reduction)
         self.register_buffer("weight", weight)
@@ -392,6 +396,7 @@ class _LossOptions(torch.nn.Module):
         self.return_token_accuracy = return_token_accuracy
         self.return_predicted_tokens = return_predicted_tokens
         self.return_lse = return_lse
+        self.return_entropy = return_entropy
         self.check_targets = check_targets
 
     def _kwargs(self) -> dict:
@@ -400,7 +405,8 @@ class _LossOptions(torch.nn.Module):
                     use_token_scaling=self.use_token_scaling, return_z_loss=self.return_z_loss,
                     return_token_accuracy=self.return_token_accuracy,
                     return_predicted_tokens=self.return_predicted_tokens,
-                    return_lse=self.return_lse, check_targets=self.check_targets)
+                    return_lse=self.return_lse, return_entropy=self.return_entropy,
+                    check_targets=self.check_targets)
 
     def extra_repr(self) -> str:
         text = (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
@@ -408,7 +414,8 @@ class _LossOptions(torch.nn.Module):
                 f"softcap={self.softcap}, logit_scale={self.logit_scale}, "
                 f"shift_seq_len={self.shift_seq_len}")
         for name in ("shift", "use_token_scaling", "return_z_loss", "return_token_accuracy",
-                     "return_predicted_tokens", "return_lse", "check_targets"):
+                     "return_predicted_tokens", "return_lse", "return_entropy",
+                     "check_targets"):
             if getattr(self, name):
                 text += f", {name}={getattr(self, name)}"
         return text
