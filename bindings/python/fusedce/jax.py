@@ -189,8 +189,9 @@ def _z_loss_rows(lse, y, vocab: int, opts: CEOptions, target_logit):
 
 def _finish(want: Want, opts: CEOptions, out_shape, outs, z_rows):
     """The loss, or the CrossEntropyOutput of the loss and the outputs ``want`` asks for, from
-    the library call's (loss, lse, z_loss, accuracy, argmax)."""
-    loss, lse, zl, acc, am = outs
+    the library call's (loss, lse, z_loss, accuracy, argmax, entropy): lse and the entropy
+    differentiable, z_loss, accuracy and argmax not."""
+    loss, lse, zl, acc, am, ent = outs
     rows = (lambda t: t.reshape(out_shape))
     if opts.per_row:
         loss = rows(loss)
@@ -205,7 +206,9 @@ def _finish(want: Want, opts: CEOptions, out_shape, outs, z_rows):
     if want.argmax:
         values.append(rows(_argmax_of(am)))
     if want.lse:
-        values.append(sg(rows(lse)))
+        values.append(rows(lse))
+    if want.entropy:
+        values.append(rows(ent))
     return _output_type(want)(*values)
 
 
@@ -227,6 +230,8 @@ def _zero_rows_result(want: Want, opts: CEOptions, out_shape):
         values.append(jnp.zeros(out_shape, jnp.int32))
     if want.lse:
         values.append(jnp.zeros(out_shape, _F32))
+    if want.entropy:
+        values.append(jnp.zeros(out_shape, _F32))
     return _output_type(want)(*values)
 
 
@@ -246,7 +251,8 @@ def cross_entropy(logits, targets, *, reduction: str = "mean", ignore_index: int
                   softcap: float = 0.0, logit_scale: float = 1.0, shift_seq_len: int = 0,
                   shift: int = 0, use_token_scaling: bool = False,
                   return_z_loss: bool = False, return_token_accuracy: bool = False,
-                  return_predicted_tokens: bool = False, return_lse: bool = False):
+                  return_predicted_tokens: bool = False, return_lse: bool = False,
+                  return_entropy: bool = False):
     """Cross-entropy of ``logits [..., V]`` (classes last, as optax) against integer
     ``targets [...]`` (one per row: ``targets.size`` = the number of rows), fused: the mean
     (default), sum or per-row ('none', shaped as ``targets``) of
@@ -295,7 +301,8 @@ def cross_entropy(logits, targets, *, reduction: str = "mean", ignore_index: int
     opts = _ce_options(reduction, ignore_index, label_smoothing, z_loss, softcap, logit_scale,
                        shift_seq_len, shift, use_token_scaling, out_shape, rows)
     want = Want(z_loss=bool(return_z_loss), accuracy=bool(return_token_accuracy),
-                argmax=bool(return_predicted_tokens), lse=bool(return_lse))
+                argmax=bool(return_predicted_tokens), lse=bool(return_lse),
+                entropy=bool(return_entropy))
     if rows == 0:
         return _zero_rows_result(want, opts, out_shape)
     register()
@@ -314,7 +321,7 @@ def linear_cross_entropy(hidden, weight, targets, bias=None, *, reduction: str =
                          use_token_scaling: bool = False, return_z_loss: bool = False,
                          return_token_accuracy: bool = False,
                          return_predicted_tokens: bool = False, return_lse: bool = False,
-                         workspace_bytes: Optional[int] = None):
+                         return_entropy: bool = False, workspace_bytes: Optional[int] = None):
     """``cross_entropy(hidden @ weight.T + bias, targets, ...)`` without ever holding the
     [N, V] logits (fce_linear_ce): hidden [..., D] (leading dimensions flattened into rows),
     weight [V, D] (a Dense(D -> V) kernel transposed, or a tied embedding table), bias [V] or
@@ -359,7 +366,8 @@ def linear_cross_entropy(hidden, weight, targets, bias=None, *, reduction: str =
     if budget < 0:
         raise ValueError(f"workspace_bytes must be >= 0, got {workspace_bytes}")
     want = Want(z_loss=bool(return_z_loss), accuracy=bool(return_token_accuracy),
-                argmax=bool(return_predicted_tokens), lse=bool(return_lse))
+                argmax=bool(return_predicted_tokens), lse=bool(return_lse),
+                entropy=bool(return_entropy))
     if rows == 0:
         return _zero_rows_result(want, opts, out_shape)
     register()
