@@ -41,8 +41,12 @@ How the gradients are computed (``jax.custom_vjp``, the same plan as :mod:`fused
   cotangent (one recomputation of the logits, chunk by chunk). The workspace on CUDA is the
   fastest plan's within the budget ``workspace_bytes`` (default ``FUSEDCE_WORKSPACE_BYTES`` or
   1 GiB), never below the library's minimum; on the CPU the minimum.
-* Only the loss is differentiable: the extra outputs (``return_*``) are constants, and so are
-  ``class_weights``. No higher-order derivatives (the gradients are not differentiable again).
+* The loss, lse and the entropy are differentiable: a cotangent of lse or the entropy joins the
+  loss's in ONE library call (``fce_backward`` with grad_lse when only lse has one, else
+  ``fce_forward`` with every cotangent; ``fce_linear_ce`` recomputed with them for
+  :func:`linear_cross_entropy`). The other extras (z_loss, accuracy, predicted tokens) are
+  constants, and so are ``class_weights``. No higher-order derivatives (the gradients are not
+  differentiable again).
 * ``jax.vmap`` runs the batched calls one after another (``jax.custom_batching.sequential_vmap``
   around each call and the dropping of its workspace, so a batch never stacks workspaces).
 
@@ -275,11 +279,13 @@ def cross_entropy(logits, targets, *, reduction: str = "mean", ignore_index: int
                   rows, row b*T+t is scored against target b*T+t+k, the last k positions of
                   each sequence are ignored. ``shift=k`` alone takes T = targets.shape[-1];
     use_token_scaling  each row's loss and gradient times its (constant) p_y (Liger's);
-    return_z_loss, return_token_accuracy, return_predicted_tokens, return_lse  also return
-                  these (constants, from the same library call), in a ``CrossEntropyOutput``
-                  named tuple ``(loss, z_loss, token_accuracy, predicted_tokens, lse)`` holding
-                  the loss and the outputs asked for, in that order (as fusedce.torch;
-                  predicted_tokens is int32).
+    return_z_loss, return_token_accuracy, return_predicted_tokens, return_lse, return_entropy
+                  also return these (from the same library call), in a ``CrossEntropyOutput``
+                  named tuple ``(loss, z_loss, token_accuracy, predicted_tokens, lse,
+                  entropy)`` holding the loss and the outputs asked for, in that order (as
+                  fusedce.torch; predicted_tokens is int32). lse (of the scaled, capped logits)
+                  and the entropy (H = lse - sum p a, float32 per row, ignored rows too) are
+                  differentiable; the others are constants.
 
     The loss is float32 (computed in float32 inside for 16-bit logits). Differentiable in
     ``logits`` (``jax.grad``, ``jax.vjp``; not ``jax.jvp``/``jax.jacfwd``, a custom_vjp).

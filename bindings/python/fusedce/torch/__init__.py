@@ -37,11 +37,18 @@ How the gradient is computed (the training path):
   requiring grad): evaluate under ``torch.no_grad()``.
 
 Extra outputs (``return_z_loss``, ``return_token_accuracy``, ``return_predicted_tokens``,
-``return_lse``) come from the same library call as the loss (the accuracy and the argmax from
-the logits it reads or forms anyway, never a second pass); with any of them set the functions
-return a ``CrossEntropyOutput`` named tuple ``(loss, z_loss, token_accuracy, predicted_tokens,
-lse)`` holding the loss and the outputs asked for, in that order (:data:`OUTPUT_FIELDS`). Only
-the loss is differentiable.
+``return_lse``, ``return_entropy``) come from the same library call as the loss (the accuracy
+and the argmax from the logits it reads or forms anyway, never a second pass); with any of them
+set the functions return a ``CrossEntropyOutput`` named tuple ``(loss, z_loss, token_accuracy,
+predicted_tokens, lse, entropy)`` holding the loss and the outputs asked for, in that order
+(:data:`OUTPUT_FIELDS`). The loss, lse and the entropy are differentiable (docs/semantics.md
+rule 18); z_loss, token_accuracy and predicted_tokens are not. While lse and the entropy get
+no gradient the loss's gradient takes the paths above unchanged; when they get one, the
+backward computes the whole gradient in ONE library call: ``fce_backward`` with grad_lse when
+only lse has one, else ``fce_forward`` with every upstream gradient (the forward's one-pass
+gradient is then not used); :func:`linear_cross_entropy` calls ``fce_linear_ce`` again with
+them. Under ``torch.compile`` an lse or entropy returned from the compiled region may be given
+a zero gradient rather than none, which takes that one call too.
 
 Differences from torch, on purpose:
 
@@ -145,7 +152,12 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Optional[Tensor] = None
     return_predicted_tokens  also return each row's argmax class (int64, the shape of the
                   'none' loss; -1 for ignored rows; ties: the lowest index, as torch.argmax);
     return_lse    also return each row's log-sum-exp of the (scaled, capped) logits (float32,
-                  the shape of the 'none' loss; written for ignored rows too; CCE's);
+                  the shape of the 'none' loss; written for ignored rows too; CCE's), with its
+                  gradient (d lse / d z_j = s * p_j * (1 - (a_j / c)^2));
+    return_entropy  also return each row's entropy of the softmax of the scaled, capped logits
+                  a, H = lse - sum_j p_j a_j (float32, the shape of the 'none' loss; ignored
+                  rows too), with its gradient (-p_j (a_j - sum_k p_k a_k), through the
+                  scale and softcap);
     check_targets after the call, read the library's error flag (a host synchronisation: slow
                   on CUDA, not allowed inside CUDA-graph capture; inside the op, so no graph
                   break under torch.compile) and raise IndexError("Target 123 is out of
@@ -158,17 +170,19 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Optional[Tensor] = None
                   'mean'/'sum' with a gradient; dense logits (others are copied first). The
                   upstream scalar is applied by scaling (16-bit: rounded twice unless it is
                   ±2^k). Runs as a torch.autograd.Function (torch.compile breaks the graph).
+                  A gradient reaching lse or the entropy then raises (the logits are gone).
 
     With inplace_backward=True the gradient is handed to autograd once: a second backward
     through the same graph (retain_graph=True) raises. Without it, a second backward recomputes.
 
     Returns the loss (a tensor) when no return_* flag is set; otherwise a ``CrossEntropyOutput``
     named tuple of the loss followed by the outputs asked for, always in the order
-    ``(loss, z_loss, token_accuracy, predicted_tokens, lse)`` (:data:`OUTPUT_FIELDS`): e.g.
+    ``(loss, z_loss, token_accuracy, predicted_tokens, lse, entropy)``
+    (:data:`OUTPUT_FIELDS`): e.g.
     ``loss, lse = cross_entropy(z, y, return_lse=True)`` (CCE's pair), ``loss, z_loss, acc,
     pred = cross_entropy(z, y, return_z_loss=True, return_token_accuracy=True,
-    return_predicted_tokens=True)`` (Liger's four), or by name (``out.token_accuracy``). Only
-    the loss is differentiable.
+    return_predicted_tokens=True)`` (Liger's four), or by name (``out.token_accuracy``). The
+    loss, lse and the entropy are differentiable, the other outputs not.
 
     input is (C,), (N, C) or (N, C, d1, ...) as in torch (the last form is copied to put the
     classes last; give [N, C] for speed). A row stride larger than C (e.g. a slice of padded
@@ -260,7 +274,9 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
     tied embedding's weight), linear_bias [V], target [...] (the leading dimensions of input),
     weight [V] class weights; the other keywords, the return convention (the loss, or a
     ``CrossEntropyOutput`` named tuple ``(loss, z_loss, token_accuracy, predicted_tokens,
-    lse)`` restricted to what was asked for) and the causal shift as in :func:`cross_entropy`
+    lse, entropy)`` restricted to what was asked for; lse and the entropy differentiable,
+    their gradients reaching input, linear_weight and linear_bias through a recompute) and
+    the causal shift as in :func:`cross_entropy`
     (``shift=k`` alone: T = target.shape[-1], as CCE's ``linear_cross_entropy(e [B, T, D], c,
     targets [B, T], shift=k)``). The accuracy and predicted tokens come from the logits the
     library computes piece by piece. With ``use_token_scaling``, reduction 'none' and
