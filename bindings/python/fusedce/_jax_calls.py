@@ -100,13 +100,19 @@ def _sds(shape, dtype) -> jax.ShapeDtypeStruct:
 
 
 def _extra_shapes(want: Want, reduction: int, n: int):
-    """(z_loss, accuracy, argmax-as-int32-pairs) output specs; (0,) for those not asked."""
+    """(z_loss, accuracy, argmax-as-int32-pairs, entropy) output specs; (0,) for those not
+    asked."""
     zl = _sds(() if want.z_loss else (0,), _F32)
     acc = _sds(((n,) if reduction == _NONE else ()) if want.accuracy else (0,), _F32)
     # int64 argmax, written as int32 pairs (int64 arrays need jax_enable_x64): the low word
     # (little-endian) holds the class, -1 included
     am = _sds((n, 2) if want.argmax else (0,), jnp.int32)
-    return [zl, acc, am]
+    return [zl, acc, am, _sds((n,) if want.entropy else (0,), _F32)]
+
+
+def _or_empty(x) -> jax.Array:
+    """An optional float32 input of a custom call: x, or an empty (0,) array for None."""
+    return _empty() if x is None else jnp.asarray(x, _F32)
 
 
 def _argmax_of(am: jax.Array) -> jax.Array:
@@ -225,35 +231,43 @@ def _ffi_call(target: str, outs, args, attrs: dict, workspace: Tuple[int, int],
 # workspace together (the workspace is then an XLA temporary, never an array handed back);
 # under an outer jit they are inlined.
 @functools.partial(jax.jit, static_argnames=("opts", "want", "with_grad"))
-def _ce_fwd_call(logits, targets, cw, opts: CEOptions, want: Want, with_grad: bool):
-    """(loss, lse|(0,), z_loss, accuracy, argmax, grad|(0,)) from fusedce_ce_fwd; ``want``:
-    what the library writes (lse only when want.lse)."""
+def _ce_fwd_call(logits, targets, cw, opts: CEOptions, want: Want, with_grad: bool,
+                 upstream=(None, None, None)):
+    """(loss, lse|(0,), z_loss, accuracy, argmax, entropy|(0,), grad|(0,)) from fusedce_ce_fwd;
+    ``want``: what the library writes (lse only when want.lse); ``upstream``: the upstream
+    gradients (grad_output, grad_lse, grad_entropy; None: 1, 0, 0) of the gradient written."""
     n, v = logits.shape
     outs = [_sds((n,) if opts.per_row else (), _F32),
             _sds((n,) if want.lse else (0,), _F32)] + _extra_shapes(want, opts.reduction, n) + [
             _sds((n, v) if with_grad else (0,), logits.dtype)]
     ws = _ce_workspace("fce_forward_workspace_size", opts, logits, targets, cw)
-    return _ffi_call("fusedce_ce_fwd", outs, (logits, targets, cw), _attrs(opts), ws)
+    return _ffi_call("fusedce_ce_fwd", outs,
+                     (logits, targets, cw) + tuple(_or_empty(u) for u in upstream),
+                     _attrs(opts), ws)
 
 
 @functools.partial(jax.jit, static_argnames=("opts",))
-def _ce_bwd_call(logits, targets, cw, lse, ct, grad1, opts: CEOptions):
-    """fce_backward (grad1 None) or fce_backward_rescale in place on grad1."""
+def _ce_bwd_call(logits, targets, cw, lse, ct, grad1, opts: CEOptions, grad_lse=None):
+    """fce_backward (grad1 None; with grad_lse, the upstream gradient of lse, when given) or
+    fce_backward_rescale in place on grad1."""
     rescale = grad1 is not None
     ws = _ce_workspace("fce_backward_workspace_size", opts, logits, targets, cw)
     (grad,) = _ffi_call(
         "fusedce_ce_bwd", [_sds(logits.shape, logits.dtype)],
-        (logits, targets, cw, lse, ct, grad1 if rescale else _empty(logits.dtype)),
+        (logits, targets, cw, lse, ct, grad1 if rescale else _empty(logits.dtype),
+         _or_empty(grad_lse)),
         _attrs(opts, rescale=rescale), ws, input_output_aliases={5: 0} if rescale else None)
     return grad
 
 
 @functools.partial(jax.jit, static_argnames=("opts", "want", "workspace_bytes", "need"))
 def _linear_call(hidden, weight, bias, targets, cw, grad_output, opts: CEOptions, want: Want,
-                 workspace_bytes: int, need: Tuple[bool, bool, bool]):
-    """(loss, lse, z_loss, accuracy, argmax, grad_hidden, grad_weight, grad_bias) from
-    fusedce_linear_ce; ``want``: what the library writes; the gradients not in ``need`` are
-    (0,); ``workspace_bytes``: the CUDA workspace budget."""
+                 workspace_bytes: int, need: Tuple[bool, bool, bool], grad_lse=None,
+                 grad_entropy=None):
+    """(loss, lse, z_loss, accuracy, argmax, entropy, grad_hidden, grad_weight, grad_bias)
+    from fusedce_linear_ce; ``want``: what the library writes; the gradients not in ``need``
+    are (0,), those asked for include lse's and the entropy's for grad_lse / grad_entropy
+    (None: 0); ``workspace_bytes``: the CUDA workspace budget."""
     n, d = hidden.shape
     v = weight.shape[0]
     dt = hidden.dtype
@@ -267,7 +281,7 @@ def _linear_call(hidden, weight, bias, targets, cw, grad_output, opts: CEOptions
                            with_grad=bool(need[0] or need[1] or need_bias))
     return _ffi_call("fusedce_linear_ce", outs,
                      (hidden, weight, bias if bias is not None else _empty(dt), targets, cw,
-                      grad_output if grad_output is not None else _empty()),
+                      _or_empty(grad_output), _or_empty(grad_lse), _or_empty(grad_entropy)),
                      _attrs(opts, workspace_bytes), ws)
 
 

@@ -187,18 +187,19 @@ assert ctypes.sizeof(Gradients) == FCE_GRADIENTS_SIZE_V1_0, ctypes.sizeof(Gradie
 
 
 def outputs(loss=None, lse=None, z_loss=None, argmax=None, accuracy=None,
-            error_flags=None) -> Outputs:
+            error_flags=None, entropy=None) -> Outputs:
     """An fce_outputs of these addresses (ints, or None / 0 for NULL), by name."""
     return Outputs(FCE_OUTPUTS_SIZE_V1_0, loss or None, lse or None, z_loss or None,
-                   argmax or None, accuracy or None, error_flags or None)
+                   argmax or None, accuracy or None, error_flags or None, entropy or None)
 
 
 def gradients(grad_output=None, grad_logits=None, grad_hidden=None, grad_weight=None,
-              grad_bias=None, grad_hidden_dtype=FCE_FLOAT32) -> Gradients:
+              grad_bias=None, grad_hidden_dtype=FCE_FLOAT32, grad_lse=None,
+              grad_entropy=None) -> Gradients:
     """An fce_gradients of these addresses (ints, or None / 0 for NULL), by name."""
     return Gradients(FCE_GRADIENTS_SIZE_V1_0, grad_output or None, grad_logits or None,
                      grad_hidden or None, grad_weight or None, grad_bias or None,
-                     int(grad_hidden_dtype), 0)
+                     int(grad_hidden_dtype), 0, grad_lse or None, grad_entropy or None)
 
 
 def shard(ranks, vocab_total, vocab_start, vocab_local, all_gather=None) -> VpShard:

@@ -133,15 +133,17 @@ FFI_FLOAT_NAMES = ("label_smoothing", "z_loss", "softcap", "logit_scale")
 class Want:
     """The optional outputs asked for (the ``return_*`` keywords), in the order they follow
     the loss in the returned ``CrossEntropyOutput``: z_loss, token accuracy, predicted tokens
-    (argmax), lse. :meth:`from_library` says what the library call itself must write."""
+    (argmax), lse, entropy. :meth:`from_library` says what the library call itself must
+    write."""
 
     z_loss: bool = False
     accuracy: bool = False
     argmax: bool = False
     lse: bool = False
+    entropy: bool = False
 
     def __bool__(self) -> bool:
-        return self.z_loss or self.accuracy or self.argmax or self.lse
+        return self.z_loss or self.accuracy or self.argmax or self.lse or self.entropy
 
     def replace(self, **changes) -> "Want":
         return dataclasses.replace(self, **changes)
@@ -149,7 +151,7 @@ class Want:
     def fields(self) -> tuple:
         """The names of the CrossEntropyOutput fields asked for, after "loss"."""
         return tuple(name for name, on in zip(OUTPUT_FIELDS[1:], (
-            self.z_loss, self.accuracy, self.argmax, self.lse)) if on)
+            self.z_loss, self.accuracy, self.argmax, self.lse, self.entropy)) if on)
 
     def from_library(self, reduction: int) -> "Want":
         """What the C call writes for these outputs: the z-loss total only for 'mean'/'sum'
@@ -157,22 +159,23 @@ class Want:
         lse when it is returned or that per-row z-loss needs it."""
         none = reduction == FCE_REDUCTION_NONE
         return Want(z_loss=self.z_loss and not none, accuracy=self.accuracy,
-                    argmax=self.argmax, lse=self.lse or (self.z_loss and none))
+                    argmax=self.argmax, lse=self.lse or (self.z_loss and none),
+                    entropy=self.entropy)
 
     # ---- the custom-op boundary
     def as_op_arg(self) -> int:
         """One int for a custom op's scalar argument (:meth:`from_op_arg` reads it)."""
         return (int(self.z_loss) | int(self.accuracy) << 1 | int(self.argmax) << 2
-                | int(self.lse) << 3)
+                | int(self.lse) << 3 | int(self.entropy) << 4)
 
     @classmethod
     def from_op_arg(cls, value: int) -> "Want":
         value = int(value)
         return cls(z_loss=bool(value & 1), accuracy=bool(value & 2), argmax=bool(value & 4),
-                   lse=bool(value & 8))
+                   lse=bool(value & 8), entropy=bool(value & 16))
 
 
 NOTHING = Want()
 # The fields of CrossEntropyOutput: the loss, then the optional outputs in Want's order (Liger's
-# (loss, z_loss, token_accuracy, predicted_tokens), then CCE's lse).
-OUTPUT_FIELDS = ("loss", "z_loss", "token_accuracy", "predicted_tokens", "lse")
+# (loss, z_loss, token_accuracy, predicted_tokens), then CCE's lse, then the entropy).
+OUTPUT_FIELDS = ("loss", "z_loss", "token_accuracy", "predicted_tokens", "lse", "entropy")

@@ -150,34 +150,31 @@ def _ce_workspace_size(function, rows, vocab, opts: CEOptions, backend, dtype, t
     return int(out.value)
 
 
-def forward_workspace_size(rows: int, vocab: int, *, backend="cpu", dtype="float32",
-                           target_dtype="int64", reduction="mean", ignore_index=-100,
-                           class_weights=None, label_smoothing=0.0, z_loss_scale=0.0,
-                           softcap=0.0, logit_scale=1.0, shift_seq_len=0,
-                           deterministic=False, shift=0, token_scaling=False) -> int:
-    """fce_forward_workspace_size: scratch bytes fce_forward needs for these options."""
-    opts = CEOptions.from_keywords(
-        reduction=_reduction_code(reduction), ignore_index=ignore_index,
-        label_smoothing=label_smoothing, z_loss_scale=z_loss_scale, softcap=softcap,
-        logit_scale=logit_scale, shift_seq_len=shift_seq_len, shift=shift,
-        token_scaling=token_scaling)
-    return _ce_workspace_size("fce_forward_workspace_size", rows, vocab, opts, backend, dtype,
-                              target_dtype, class_weights, deterministic)
+def _ce_workspace_size_fn(call: str):
+    """The public function of the workspace query ``call`` (fce_forward_workspace_size,
+    fce_backward_workspace_size): the options as keywords, the bytes returned."""
+    def workspace_size(rows: int, vocab: int, *, backend="cpu", dtype="float32",
+                       target_dtype="int64", reduction="mean", ignore_index=-100,
+                       class_weights=None, label_smoothing=0.0, z_loss_scale=0.0,
+                       softcap=0.0, logit_scale=1.0, shift_seq_len=0,
+                       deterministic=False, shift=0, token_scaling=False) -> int:
+        opts = CEOptions.from_keywords(
+            reduction=_reduction_code(reduction), ignore_index=ignore_index,
+            label_smoothing=label_smoothing, z_loss_scale=z_loss_scale, softcap=softcap,
+            logit_scale=logit_scale, shift_seq_len=shift_seq_len, shift=shift,
+            token_scaling=token_scaling)
+        return _ce_workspace_size(call, rows, vocab, opts, backend, dtype, target_dtype,
+                                  class_weights, deterministic)
+
+    name = call[len("fce_"):]
+    workspace_size.__name__ = workspace_size.__qualname__ = name
+    workspace_size.__doc__ = (f"{call}: scratch bytes {call[:-len('_workspace_size')]} needs "
+                              "for these options.")
+    return workspace_size
 
 
-def backward_workspace_size(rows: int, vocab: int, *, backend="cpu", dtype="float32",
-                            target_dtype="int64", reduction="mean", ignore_index=-100,
-                            class_weights=None, label_smoothing=0.0, z_loss_scale=0.0,
-                            softcap=0.0, logit_scale=1.0, shift_seq_len=0,
-                            deterministic=False, shift=0, token_scaling=False) -> int:
-    """fce_backward_workspace_size: scratch bytes fce_backward needs for these options."""
-    opts = CEOptions.from_keywords(
-        reduction=_reduction_code(reduction), ignore_index=ignore_index,
-        label_smoothing=label_smoothing, z_loss_scale=z_loss_scale, softcap=softcap,
-        logit_scale=logit_scale, shift_seq_len=shift_seq_len, shift=shift,
-        token_scaling=token_scaling)
-    return _ce_workspace_size("fce_backward_workspace_size", rows, vocab, opts, backend, dtype,
-                              target_dtype, class_weights, deterministic)
+forward_workspace_size = _ce_workspace_size_fn("fce_forward_workspace_size")
+backward_workspace_size = _ce_workspace_size_fn("fce_backward_workspace_size")
 
 
 def linear_ce_workspace_size(rows: int, hidden: int, vocab: int, *, with_grad: bool = True,

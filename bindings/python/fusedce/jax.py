@@ -41,8 +41,12 @@ How the gradients are computed (``jax.custom_vjp``, the same plan as :mod:`fused
   cotangent (one recomputation of the logits, chunk by chunk). The workspace on CUDA is the
   fastest plan's within the budget ``workspace_bytes`` (default ``FUSEDCE_WORKSPACE_BYTES`` or
   1 GiB), never below the library's minimum; on the CPU the minimum.
-* Only the loss is differentiable: the extra outputs (``return_*``) are constants, and so are
-  ``class_weights``. No higher-order derivatives (the gradients are not differentiable again).
+* The loss, lse and the entropy are differentiable: a cotangent of lse or the entropy joins the
+  loss's in ONE library call (``fce_backward`` with grad_lse when only lse has one, else
+  ``fce_forward`` with every cotangent; ``fce_linear_ce`` recomputed with them for
+  :func:`linear_cross_entropy`). The other extras (z_loss, accuracy, predicted tokens) are
+  constants, and so are ``class_weights``. No higher-order derivatives (the gradients are not
+  differentiable again).
 * ``jax.vmap`` runs the batched calls one after another (``jax.custom_batching.sequential_vmap``
   around each call and the dropping of its workspace, so a batch never stacks workspaces).
 
@@ -189,8 +193,9 @@ def _z_loss_rows(lse, y, vocab: int, opts: CEOptions, target_logit):
 
 def _finish(want: Want, opts: CEOptions, out_shape, outs, z_rows):
     """The loss, or the CrossEntropyOutput of the loss and the outputs ``want`` asks for, from
-    the library call's (loss, lse, z_loss, accuracy, argmax)."""
-    loss, lse, zl, acc, am = outs
+    the library call's (loss, lse, z_loss, accuracy, argmax, entropy): lse and the entropy
+    differentiable, z_loss, accuracy and argmax not."""
+    loss, lse, zl, acc, am, ent = outs
     rows = (lambda t: t.reshape(out_shape))
     if opts.per_row:
         loss = rows(loss)
@@ -205,7 +210,9 @@ def _finish(want: Want, opts: CEOptions, out_shape, outs, z_rows):
     if want.argmax:
         values.append(rows(_argmax_of(am)))
     if want.lse:
-        values.append(sg(rows(lse)))
+        values.append(rows(lse))
+    if want.entropy:
+        values.append(rows(ent))
     return _output_type(want)(*values)
 
 
@@ -227,6 +234,8 @@ def _zero_rows_result(want: Want, opts: CEOptions, out_shape):
         values.append(jnp.zeros(out_shape, jnp.int32))
     if want.lse:
         values.append(jnp.zeros(out_shape, _F32))
+    if want.entropy:
+        values.append(jnp.zeros(out_shape, _F32))
     return _output_type(want)(*values)
 
 
@@ -246,7 +255,8 @@ def cross_entropy(logits, targets, *, reduction: str = "mean", ignore_index: int
                   softcap: float = 0.0, logit_scale: float = 1.0, shift_seq_len: int = 0,
                   shift: int = 0, use_token_scaling: bool = False,
                   return_z_loss: bool = False, return_token_accuracy: bool = False,
-                  return_predicted_tokens: bool = False, return_lse: bool = False):
+                  return_predicted_tokens: bool = False, return_lse: bool = False,
+                  return_entropy: bool = False):
     """Cross-entropy of ``logits [..., V]`` (classes last, as optax) against integer
     ``targets [...]`` (one per row: ``targets.size`` = the number of rows), fused: the mean
     (default), sum or per-row ('none', shaped as ``targets``) of
@@ -269,11 +279,13 @@ def cross_entropy(logits, targets, *, reduction: str = "mean", ignore_index: int
                   rows, row b*T+t is scored against target b*T+t+k, the last k positions of
                   each sequence are ignored. ``shift=k`` alone takes T = targets.shape[-1];
     use_token_scaling  each row's loss and gradient times its (constant) p_y (Liger's);
-    return_z_loss, return_token_accuracy, return_predicted_tokens, return_lse  also return
-                  these (constants, from the same library call), in a ``CrossEntropyOutput``
-                  named tuple ``(loss, z_loss, token_accuracy, predicted_tokens, lse)`` holding
-                  the loss and the outputs asked for, in that order (as fusedce.torch;
-                  predicted_tokens is int32).
+    return_z_loss, return_token_accuracy, return_predicted_tokens, return_lse, return_entropy
+                  also return these (from the same library call), in a ``CrossEntropyOutput``
+                  named tuple ``(loss, z_loss, token_accuracy, predicted_tokens, lse,
+                  entropy)`` holding the loss and the outputs asked for, in that order (as
+                  fusedce.torch; predicted_tokens is int32). lse (of the scaled, capped logits)
+                  and the entropy (H = lse - sum p a, float32 per row, ignored rows too) are
+                  differentiable; the others are constants.
 
     The loss is float32 (computed in float32 inside for 16-bit logits). Differentiable in
     ``logits`` (``jax.grad``, ``jax.vjp``; not ``jax.jvp``/``jax.jacfwd``, a custom_vjp).
@@ -295,7 +307,8 @@ def cross_entropy(logits, targets, *, reduction: str = "mean", ignore_index: int
     opts = _ce_options(reduction, ignore_index, label_smoothing, z_loss, softcap, logit_scale,
                        shift_seq_len, shift, use_token_scaling, out_shape, rows)
     want = Want(z_loss=bool(return_z_loss), accuracy=bool(return_token_accuracy),
-                argmax=bool(return_predicted_tokens), lse=bool(return_lse))
+                argmax=bool(return_predicted_tokens), lse=bool(return_lse),
+                entropy=bool(return_entropy))
     if rows == 0:
         return _zero_rows_result(want, opts, out_shape)
     register()
@@ -314,7 +327,7 @@ def linear_cross_entropy(hidden, weight, targets, bias=None, *, reduction: str =
                          use_token_scaling: bool = False, return_z_loss: bool = False,
                          return_token_accuracy: bool = False,
                          return_predicted_tokens: bool = False, return_lse: bool = False,
-                         workspace_bytes: Optional[int] = None):
+                         return_entropy: bool = False, workspace_bytes: Optional[int] = None):
     """``cross_entropy(hidden @ weight.T + bias, targets, ...)`` without ever holding the
     [N, V] logits (fce_linear_ce): hidden [..., D] (leading dimensions flattened into rows),
     weight [V, D] (a Dense(D -> V) kernel transposed, or a tied embedding table), bias [V] or
@@ -359,7 +372,8 @@ def linear_cross_entropy(hidden, weight, targets, bias=None, *, reduction: str =
     if budget < 0:
         raise ValueError(f"workspace_bytes must be >= 0, got {workspace_bytes}")
     want = Want(z_loss=bool(return_z_loss), accuracy=bool(return_token_accuracy),
-                argmax=bool(return_predicted_tokens), lse=bool(return_lse))
+                argmax=bool(return_predicted_tokens), lse=bool(return_lse),
+                entropy=bool(return_entropy))
     if rows == 0:
         return _zero_rows_result(want, opts, out_shape)
     register()

@@ -186,10 +186,14 @@ def test_extra_outputs(reduction):
     ref = R.cross_entropy(z, y, reduction=reduction, **opts)
     out = jax.jit(lambda z, y: cross_entropy(
         z, y, reduction=reduction, return_z_loss=True, return_token_accuracy=True,
-        return_predicted_tokens=True, return_lse=True, **jax_kwargs(opts)))(z, y)
+        return_predicted_tokens=True, return_lse=True, return_entropy=True,
+        **jax_kwargs(opts)))(z, y)
     assert tuple(type(out)._fields) == OUTPUT_FIELDS
     assert_close(out.loss, ref["loss"], RTOL, "loss")
     assert_close(out.lse, ref["lse"], RTOL, "lse")
+    z64 = z.astype(np.float64)
+    p = np.exp(z64 - ref["lse"][:, None])
+    assert_close(out.entropy, ref["lse"] - (p * z64).sum(1), RTOL, "entropy")
     np.testing.assert_array_equal(np.asarray(out.predicted_tokens), ref["argmax"])
     assert_close(out.token_accuracy, ref["accuracy"], 1e-6, "accuracy")
     if reduction == "none":  # per row, as Liger: lambda * lse^2 * p_y for the counted rows
@@ -198,9 +202,13 @@ def test_extra_outputs(reduction):
         assert_close(out.z_loss, zl, RTOL, "z_loss rows")
     else:
         assert_close(out.z_loss, ref["z_loss"], RTOL, "z_loss")
-    # only the asked-for fields, in order; the extras are constants for autodiff
+    # only the asked-for fields, in order; lse is differentiable (d lse / dz = softmax), the
+    # other extras are constants for autodiff
     loss, lse = cross_entropy(z, y, return_lse=True)
     g = jax.grad(lambda z: cross_entropy(z, y, return_lse=True).lse.sum())(jnp.asarray(z))
+    assert_close(g, p, RTOL, "d lse / dz")
+    g = jax.grad(lambda z: cross_entropy(z, y, return_z_loss=True, return_token_accuracy=True,
+                                         z_loss=1e-2).z_loss.sum())(jnp.asarray(z))
     assert not np.asarray(g).any()
 
 

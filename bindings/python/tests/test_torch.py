@@ -49,7 +49,7 @@ def reference(z, y, weight=None, ignore_index=-100, reduction="mean", label_smoo
     """docs/semantics.md built from torch float64 ops (F.cross_entropy for the CE part;
     Liger's token scaling: each row times its detached p_y; the mean's z-loss over the number
     of non-ignored rows). With extras=True: (loss, dict of z_loss, token_accuracy,
-    predicted_tokens, lse), the logging outputs as fusedce.torch returns them."""
+    predicted_tokens, lse, entropy), the extra outputs as fusedce.torch returns them."""
     a = z.double() * logit_scale
     if softcap:
         a = softcap * torch.tanh(a / softcap)
@@ -84,8 +84,9 @@ def reference(z, y, weight=None, ignore_index=-100, reduction="mean", label_smoo
     right = (valid & (pred == yy)).double()
     acc = right if reduction == "none" else (
         right.sum() / valid.sum() if valid.any() else right.sum() * 0)
+    entropy = torch.distributions.Categorical(logits=a).entropy()
     return loss, dict(z_loss=z_total.detach(), token_accuracy=acc, predicted_tokens=pred,
-                      lse=lse.detach())
+                      lse=lse.detach(), entropy=entropy.detach())
 
 
 def loss_and_grad(fn, z, *args, upstream=None, **kwargs):
@@ -484,7 +485,7 @@ def test_opcheck_custom_ops():
     # the options after class_weights: ignore_index, reduction, label_smoothing, z_loss, softcap,
     # logit_scale, shift_seq_len, shift, token_scaling; then extras (bitmask), check_targets
     every = 7  # z_loss | accuracy | argmax
-    cases = [(0, 0, False, 0), (0, 0, False, every), (4, 2, True, every)]
+    cases = [(0, 0, False, 0), (0, 0, False, every), (4, 2, True, every), (0, 0, False, 16)]
     for red in (0, 1, 2):
         for t, k, scaling, extras in cases:
             torch.library.opcheck(torch.ops.fusedce.ce_forward.default,
@@ -506,8 +507,8 @@ def test_opcheck_custom_ops():
         for need in ((True, True, True), (False, False, False)):
             utils = in_place_outputs if red == 0 and need[0] else None
             torch.library.opcheck(torch.ops.fusedce.linear_ce.default,
-                                  (h, W, b, y, w, None, -100, red, 0.0, 0.0, 0.0, 1.0, 0, 0,
-                                   False, 0, 1 << 30) + need + (every, False),
+                                  (h, W, b, y, w, None, None, None, -100, red, 0.0, 0.0, 0.0,
+                                   1.0, 0, 0, False, 0, 1 << 30) + need + (every | 16, False),
                                   **({"test_utils": utils} if utils else {}))
     for red in (0, 1):
         torch.library.opcheck(torch.ops.fusedce.ce_forward_grad.default,
@@ -599,19 +600,23 @@ NEW_OPTIONS = {
                        "use_token_scaling": True},
 }
 ALL_EXTRAS = dict(return_z_loss=True, return_token_accuracy=True, return_predicted_tokens=True,
-                  return_lse=True)
+                  return_lse=True, return_entropy=True)
 
 
 def check_extras(out, ref_extras, reduction, shape=None):
-    """Every extra of a CrossEntropyOutput against the float64 reference's."""
+    """Every extra of a CrossEntropyOutput against the float64 reference's (lse and the entropy
+    may carry a gradient, the others never)."""
     assert out.predicted_tokens.dtype == torch.int64
     assert all(getattr(out, f).dtype == torch.float32
-               for f in ("z_loss", "token_accuracy", "lse"))
-    for f in ("z_loss", "token_accuracy", "predicted_tokens", "lse"):
+               for f in ("z_loss", "token_accuracy", "lse", "entropy"))
+    for f in ("z_loss", "token_accuracy", "predicted_tokens", "lse", "entropy"):
         t = getattr(out, f)
+        if f in ("lse", "entropy"):
+            t = t.detach()
         assert not t.requires_grad and t.grad_fn is None, f
         r = ref_extras[f]
-        if shape is not None and (f in ("predicted_tokens", "lse") or reduction == "none"):
+        if shape is not None and (f in ("predicted_tokens", "lse", "entropy")
+                                  or reduction == "none"):
             r = r.reshape(shape)
         assert t.shape == r.shape, (f, t.shape, r.shape)
         if f == "predicted_tokens":
@@ -687,7 +692,7 @@ def test_linear_new_keywords_cpu(reduction, bias):
 def test_return_convention():
     """No return_* flag: the loss tensor. Otherwise the CrossEntropyOutput named tuple of the
     loss and the outputs asked for, in the order (loss, z_loss, token_accuracy,
-    predicted_tokens, lse): CCE's (loss, lse) and Liger's (loss, z_loss, token_accuracy,
+    predicted_tokens, lse, entropy): CCE's (loss, lse) and Liger's (loss, z_loss, token_accuracy,
     predicted_tokens) unpack as they do there."""
     z, y, w = make(n=12, v=9)
     assert torch.is_tensor(cross_entropy(z, y))
@@ -699,7 +704,8 @@ def test_return_convention():
     assert z_loss.shape == () and acc.shape == () and pred.shape == (12,)
     o = cross_entropy(z, y, return_predicted_tokens=True, return_z_loss=True)
     assert o._fields == ("loss", "z_loss", "predicted_tokens")
-    assert OUTPUT_FIELDS == ("loss", "z_loss", "token_accuracy", "predicted_tokens", "lse")
+    assert OUTPUT_FIELDS == ("loss", "z_loss", "token_accuracy", "predicted_tokens", "lse",
+                             "entropy")
     # shapes follow the 'none' loss: (N, C, d1, d2) input, (C,) input
     z4, y4 = torch.randn(2, 9, 3, 4), torch.randint(0, 9, (2, 3, 4))
     for reduction in REDUCTIONS:
@@ -1091,7 +1097,7 @@ def test_package_layout():
     assert dict(zip(OP_ARG_NAMES, args))["label_smoothing"] == 0.25
     assert CEOptions.from_op_args(*args) == opts and hash(CEOptions()) == hash(CEOptions())
     assert isinstance(CEOptions(ignore_index=True).ignore_index, int)
-    for bits in range(16):
+    for bits in range(32):
         assert Want.from_op_arg(bits).as_op_arg() == bits
     w = Want(z_loss=True, lse=True)
     assert w.fields() == ("z_loss", "lse") and not Want()

@@ -35,7 +35,7 @@ from typing import List, Optional
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.join(HERE, "fusedce_jax.cc")
 LIBRARY_NAME = "libfusedce_jax.so"
-SHIM_ABI = 3  # FCE_JAX_ABI in fusedce_jax.cc: the handlers' argument / attribute layout
+SHIM_ABI = 4  # FCE_JAX_ABI in fusedce_jax.cc: the handlers' argument / attribute layout
 
 _PKG = os.path.dirname(HERE)                                   # .../fusedce
 _REPO_INCLUDE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(_PKG))),

@@ -77,7 +77,7 @@ namespace ffi = xla::ffi;
 #define FCE_JAX_API extern "C" __attribute__((visibility("default")))
 
 // Bumped whenever the handlers' arguments or attributes change: fusedce/jax.py checks it.
-#define FCE_JAX_ABI 3  // 3: libfusedce 1.0's calls (2: the workspace is the last result)
+#define FCE_JAX_ABI 4  // 4: entropy, grad_lse, grad_entropy (3: libfusedce 1.0's calls)
 
 namespace {
 
@@ -243,13 +243,15 @@ ffi::Error MakeOptions(ffi::Span<const int64_t> iopts, ffi::Span<const float> fo
 // The outputs of a loss call (loss required; the others NULL when empty).
 fce_outputs LossOutputs(ffi::Result<ffi::AnyBuffer>& loss, ffi::Result<ffi::AnyBuffer>& lse,
                         ffi::Result<ffi::AnyBuffer>& z_loss, ffi::Result<ffi::AnyBuffer>& accuracy,
-                        ffi::Result<ffi::AnyBuffer>& argmax) {
+                        ffi::Result<ffi::AnyBuffer>& argmax,
+                        ffi::Result<ffi::AnyBuffer>& entropy) {
   fce_outputs out = FCE_OUTPUTS_INIT;
   out.loss = static_cast<float*>(loss->untyped_data());
   out.lse = static_cast<float*>(Opt(lse));
   out.z_loss = static_cast<float*>(Opt(z_loss));
   out.argmax = static_cast<int64_t*>(Opt(argmax));
   out.accuracy = static_cast<float*>(Opt(accuracy));
+  out.entropy = static_cast<float*>(Opt(entropy));
   return out;
 }
 
@@ -265,17 +267,32 @@ ffi::Error F32(const ffi::AnyBuffer& b, const char* name, int64_t count, bool op
 }
 
 // The forward outputs of fusedce_ce_fwd and fusedce_linear_ce: loss (() | [N]), lse [N] | (0,),
-// z_loss () | (0,), accuracy (() | [N]) | (0,), argmax int64 [N] as int32 [N, 2] | (0,).
+// z_loss () | (0,), accuracy (() | [N]) | (0,), argmax int64 [N] as int32 [N, 2] | (0,),
+// entropy [N] | (0,).
 ffi::Error ForwardOutputs(int64_t n, bool none, const ffi::AnyBuffer& loss,
                           const ffi::AnyBuffer& lse, const ffi::AnyBuffer& z_loss,
-                          const ffi::AnyBuffer& accuracy, const ffi::AnyBuffer& argmax) {
+                          const ffi::AnyBuffer& accuracy, const ffi::AnyBuffer& argmax,
+                          const ffi::AnyBuffer& entropy) {
   const int64_t per = none ? n : 1;
   if (auto e = F32(loss, "loss", per, false); e.failure()) return e;
   if (auto e = F32(lse, "lse", n, true); e.failure()) return e;
   if (auto e = F32(z_loss, "z_loss", 1, true); e.failure()) return e;
   if (auto e = F32(accuracy, "accuracy", per, true); e.failure()) return e;
+  if (auto e = F32(entropy, "entropy", n, true); e.failure()) return e;
   if (argmax.element_count() && static_cast<int64_t>(argmax.size_bytes()) != 8 * n)
     return Invalid("argmax must be int64 [N] (int32 [N, 2])");
+  return ffi::Error::Success();
+}
+
+// The upstream gradients of lse and the entropy (float32 [N] | (0,): NULL = 0) into grads.
+ffi::Error RowUpstreams(int64_t n, const ffi::AnyBuffer& grad_lse,
+                        const ffi::AnyBuffer& grad_entropy, fce_gradients* grads) {
+  if (auto e = F32(grad_lse, "grad_lse", n, true); e.failure()) return e;
+  if (auto e = F32(grad_entropy, "grad_entropy", n, true); e.failure()) return e;
+  grads->grad_lse = static_cast<const float*>(
+      grad_lse.element_count() ? grad_lse.untyped_data() : nullptr);
+  grads->grad_entropy = static_cast<const float*>(
+      grad_entropy.element_count() ? grad_entropy.untyped_data() : nullptr);
   return ffi::Error::Success();
 }
 
@@ -288,16 +305,21 @@ ffi::Error Matrix(const ffi::AnyBuffer& b, const char* name, int64_t* rows, int6
 }
 
 // ------------------------------------------------------------------ the calls ----
-// ce_fwd: logits [N, V], targets [N], class_weights [V] | (0,)
+// ce_fwd: logits [N, V], targets [N], class_weights [V] | (0,), grad_output (() | [N]) float32
+//   | (0,) (= 1), grad_lse [N] | (0,), grad_entropy [N] | (0,) (the upstream gradients of the
+//   gradient written, with grad only)
 //   -> loss (() | [N]), lse [N] | (0,), z_loss () | (0,), accuracy (() | [N]) | (0,),
-//      argmax [N] int64 (as int32 [N, 2]) | (0,), grad [N, V] | (0,),
+//      argmax [N] int64 (as int32 [N, 2]) | (0,), entropy [N] | (0,), grad [N, V] | (0,),
 //      workspace uint8 [fce_forward_workspace_size] | (0,)
 ffi::Error CeForward(int32_t backend, void* stream, ffi::AnyBuffer logits, ffi::AnyBuffer targets,
-                     ffi::AnyBuffer class_weights, ffi::Result<ffi::AnyBuffer> loss,
+                     ffi::AnyBuffer class_weights, ffi::AnyBuffer grad_output,
+                     ffi::AnyBuffer grad_lse, ffi::AnyBuffer grad_entropy,
+                     ffi::Result<ffi::AnyBuffer> loss,
                      ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> z_loss,
                      ffi::Result<ffi::AnyBuffer> accuracy, ffi::Result<ffi::AnyBuffer> argmax,
-                     ffi::Result<ffi::AnyBuffer> grad, ffi::Result<ffi::AnyBuffer> workspace,
-                     ffi::Span<const int64_t> iopts, ffi::Span<const float> fopts) {
+                     ffi::Result<ffi::AnyBuffer> entropy, ffi::Result<ffi::AnyBuffer> grad,
+                     ffi::Result<ffi::AnyBuffer> workspace, ffi::Span<const int64_t> iopts,
+                     ffi::Span<const float> fopts) {
   if (!g_ready) return NotReady();
   int64_t n, v;
   if (auto e = Matrix(logits, "logits", &n, &v); e.failure()) return e;
@@ -314,13 +336,17 @@ ffi::Error CeForward(int32_t backend, void* stream, ffi::AnyBuffer logits, ffi::
   fce_options o;
   if (auto e = MakeOptions(iopts, fopts, backend, dt, tdt, class_weights, v, &o); e.failure())
     return e;
-  if (auto e = ForwardOutputs(n, o.reduction == FCE_REDUCTION_NONE, *loss, *lse, *z_loss,
-                              *accuracy, *argmax);
+  const bool none = o.reduction == FCE_REDUCTION_NONE;
+  if (auto e = ForwardOutputs(n, none, *loss, *lse, *z_loss, *accuracy, *argmax, *entropy);
       e.failure())
     return e;
-  const fce_outputs out = LossOutputs(loss, lse, z_loss, accuracy, argmax);
+  if (auto e = F32(grad_output, "grad_output", none ? n : 1, true); e.failure()) return e;
+  const fce_outputs out = LossOutputs(loss, lse, z_loss, accuracy, argmax, entropy);
   fce_gradients grads = FCE_GRADIENTS_INIT;
   grads.grad_logits = g;
+  grads.grad_output = static_cast<const float*>(
+      grad_output.element_count() ? grad_output.untyped_data() : nullptr);
+  if (auto e = RowUpstreams(n, grad_lse, grad_entropy, &grads); e.failure()) return e;
   void* ws;
   size_t ws_bytes;
   if (auto e = Workspace(workspace, &ws, &ws_bytes); e.failure()) return e;
@@ -331,11 +357,12 @@ ffi::Error CeForward(int32_t backend, void* stream, ffi::AnyBuffer logits, ffi::
 }
 
 // ce_bwd: logits [N, V], targets [N], class_weights, lse [N], grad_output (() | [N]) float32,
-//   grad_in [N, V] (rescale: the forward's gradient, aliased to the output) | (0,)
+//   grad_in [N, V] (rescale: the forward's gradient, aliased to the output) | (0,),
+//   grad_lse [N] | (0,) (fce_backward only)
 //   -> grad [N, V], workspace uint8 [fce_backward_workspace_size] | (0,)
 ffi::Error CeBackward(int32_t backend, void* stream, ffi::AnyBuffer logits,
                       ffi::AnyBuffer targets, ffi::AnyBuffer class_weights, ffi::AnyBuffer lse,
-                      ffi::AnyBuffer grad_output, ffi::AnyBuffer grad_in,
+                      ffi::AnyBuffer grad_output, ffi::AnyBuffer grad_in, ffi::AnyBuffer grad_lse,
                       ffi::Result<ffi::AnyBuffer> grad, ffi::Result<ffi::AnyBuffer> workspace,
                       ffi::Span<const int64_t> iopts, ffi::Span<const float> fopts) {
   if (!g_ready) return NotReady();
@@ -370,6 +397,9 @@ ffi::Error CeBackward(int32_t backend, void* stream, ffi::AnyBuffer logits,
   fce_gradients grads = FCE_GRADIENTS_INIT;
   grads.grad_output = static_cast<const float*>(grad_output.untyped_data());
   grads.grad_logits = grad->untyped_data();
+  if (auto e = F32(grad_lse, "grad_lse", n, true); e.failure()) return e;
+  grads.grad_lse = static_cast<const float*>(
+      grad_lse.element_count() ? grad_lse.untyped_data() : nullptr);
   if (fce_status st = fn(&o, n, v, logits.untyped_data(), targets.untyped_data(),
                          static_cast<const float*>(lse.untyped_data()), nullptr, &grads, ws,
                          ws_bytes, stream))
@@ -378,16 +408,18 @@ ffi::Error CeBackward(int32_t backend, void* stream, ffi::AnyBuffer logits,
 }
 
 // linear_ce: hidden [N, D], weight [V, D], bias [V] | (0,), targets [N], class_weights,
-//   grad_output (() | [N]) float32 | (0,) (= 1)
-//   -> loss, lse [N], z_loss, accuracy, argmax (as ce_fwd), grad_hidden [N, D] | (0,),
+//   grad_output (() | [N]) float32 | (0,) (= 1), grad_lse [N] | (0,), grad_entropy [N] | (0,)
+//   -> loss, lse [N], z_loss, accuracy, argmax, entropy (as ce_fwd), grad_hidden [N, D] | (0,),
 //      grad_weight [V, D] | (0,), grad_bias [V] | (0,),
 //      workspace uint8 [>= min_bytes of fce_linear_ce_workspace_size] | (0,)
 ffi::Error LinearCe(int32_t backend, void* stream, ffi::AnyBuffer hidden,
                     ffi::AnyBuffer weight, ffi::AnyBuffer bias, ffi::AnyBuffer targets,
                     ffi::AnyBuffer class_weights, ffi::AnyBuffer grad_output,
+                    ffi::AnyBuffer grad_lse, ffi::AnyBuffer grad_entropy,
                     ffi::Result<ffi::AnyBuffer> loss, ffi::Result<ffi::AnyBuffer> lse,
                     ffi::Result<ffi::AnyBuffer> z_loss, ffi::Result<ffi::AnyBuffer> accuracy,
-                    ffi::Result<ffi::AnyBuffer> argmax, ffi::Result<ffi::AnyBuffer> grad_hidden,
+                    ffi::Result<ffi::AnyBuffer> argmax, ffi::Result<ffi::AnyBuffer> entropy,
+                    ffi::Result<ffi::AnyBuffer> grad_hidden,
                     ffi::Result<ffi::AnyBuffer> grad_weight,
                     ffi::Result<ffi::AnyBuffer> grad_bias, ffi::Result<ffi::AnyBuffer> workspace,
                     ffi::Span<const int64_t> iopts, ffi::Span<const float> fopts) {
@@ -429,15 +461,17 @@ ffi::Error LinearCe(int32_t backend, void* stream, ffi::AnyBuffer hidden,
                                                               : weight.element_type()))
     return Invalid("grad_bias must have grad_weight's dtype");
   const bool none = o.reduction == FCE_REDUCTION_NONE;
-  if (auto e = ForwardOutputs(n, none, *loss, *lse, *z_loss, *accuracy, *argmax); e.failure())
+  if (auto e = ForwardOutputs(n, none, *loss, *lse, *z_loss, *accuracy, *argmax, *entropy);
+      e.failure())
     return e;
   if (auto e = F32(grad_output, "grad_output", none ? n : 1, true); e.failure()) return e;
-  const fce_outputs out = LossOutputs(loss, lse, z_loss, accuracy, argmax);
+  const fce_outputs out = LossOutputs(loss, lse, z_loss, accuracy, argmax, entropy);
   fce_gradients grads = FCE_GRADIENTS_INIT;
   grads.grad_output = static_cast<const float*>(Opt(grad_output));
   grads.grad_hidden = gh;
   grads.grad_weight = gw;
   grads.grad_bias = gb;
+  if (auto e = RowUpstreams(n, grad_lse, grad_entropy, &grads); e.failure()) return e;
   // The whole workspace result, whose size decides the plan: fusedce/jax.py sized it (CUDA: the
   // fastest plan within the budget, never below min_bytes; CPU: min_bytes, the workspace only
   // deciding where the chunk buffers live). Below min_bytes the library refuses it, never a
@@ -479,32 +513,36 @@ using Ret = ffi::Result<ffi::AnyBuffer>;
 using I64s = ffi::Span<const int64_t>;
 using F32s = ffi::Span<const float>;
 
-ffi::Error CeForwardCpu(Buf z, Buf y, Buf w, Ret loss, Ret lse, Ret zl, Ret acc, Ret am,
-                        Ret grad, Ret ws, I64s io, F32s fo) {
-  return CeForward(FCE_BACKEND_CPU, nullptr, z, y, w, loss, lse, zl, acc, am, grad, ws, io, fo);
+ffi::Error CeForwardCpu(Buf z, Buf y, Buf w, Buf go, Buf gl, Buf ge, Ret loss, Ret lse, Ret zl,
+                        Ret acc, Ret am, Ret ent, Ret grad, Ret ws, I64s io, F32s fo) {
+  return CeForward(FCE_BACKEND_CPU, nullptr, z, y, w, go, gl, ge, loss, lse, zl, acc, am, ent,
+                   grad, ws, io, fo);
 }
-ffi::Error CeForwardCuda(cudaStream_t stream, Buf z, Buf y, Buf w, Ret loss, Ret lse, Ret zl,
-                         Ret acc, Ret am, Ret grad, Ret ws, I64s io, F32s fo) {
-  return CeForward(FCE_BACKEND_CUDA, stream, z, y, w, loss, lse, zl, acc, am, grad, ws, io, fo);
-}
-ffi::Error CeBackwardCpu(Buf z, Buf y, Buf w, Buf lse, Buf go, Buf gin, Ret grad, Ret ws,
+ffi::Error CeForwardCuda(cudaStream_t stream, Buf z, Buf y, Buf w, Buf go, Buf gl, Buf ge,
+                         Ret loss, Ret lse, Ret zl, Ret acc, Ret am, Ret ent, Ret grad, Ret ws,
                          I64s io, F32s fo) {
-  return CeBackward(FCE_BACKEND_CPU, nullptr, z, y, w, lse, go, gin, grad, ws, io, fo);
+  return CeForward(FCE_BACKEND_CUDA, stream, z, y, w, go, gl, ge, loss, lse, zl, acc, am, ent,
+                   grad, ws, io, fo);
+}
+ffi::Error CeBackwardCpu(Buf z, Buf y, Buf w, Buf lse, Buf go, Buf gin, Buf gl, Ret grad, Ret ws,
+                         I64s io, F32s fo) {
+  return CeBackward(FCE_BACKEND_CPU, nullptr, z, y, w, lse, go, gin, gl, grad, ws, io, fo);
 }
 ffi::Error CeBackwardCuda(cudaStream_t stream, Buf z, Buf y, Buf w, Buf lse, Buf go, Buf gin,
-                          Ret grad, Ret ws, I64s io, F32s fo) {
-  return CeBackward(FCE_BACKEND_CUDA, stream, z, y, w, lse, go, gin, grad, ws, io, fo);
+                          Buf gl, Ret grad, Ret ws, I64s io, F32s fo) {
+  return CeBackward(FCE_BACKEND_CUDA, stream, z, y, w, lse, go, gin, gl, grad, ws, io, fo);
 }
-ffi::Error LinearCeCpu(Buf h, Buf wt, Buf b, Buf y, Buf cw, Buf go, Ret loss, Ret lse, Ret zl,
-                       Ret acc, Ret am, Ret gh, Ret gw, Ret gb, Ret ws, I64s io, F32s fo) {
-  return LinearCe(FCE_BACKEND_CPU, nullptr, h, wt, b, y, cw, go, loss, lse, zl, acc, am, gh, gw,
-                  gb, ws, io, fo);
+ffi::Error LinearCeCpu(Buf h, Buf wt, Buf b, Buf y, Buf cw, Buf go, Buf gl, Buf ge, Ret loss,
+                       Ret lse, Ret zl, Ret acc, Ret am, Ret ent, Ret gh, Ret gw, Ret gb, Ret ws,
+                       I64s io, F32s fo) {
+  return LinearCe(FCE_BACKEND_CPU, nullptr, h, wt, b, y, cw, go, gl, ge, loss, lse, zl, acc, am,
+                  ent, gh, gw, gb, ws, io, fo);
 }
-ffi::Error LinearCeCuda(cudaStream_t stream, Buf h, Buf wt, Buf b, Buf y, Buf cw, Buf go,
-                        Ret loss, Ret lse, Ret zl, Ret acc, Ret am, Ret gh, Ret gw, Ret gb,
-                        Ret ws, I64s io, F32s fo) {
-  return LinearCe(FCE_BACKEND_CUDA, stream, h, wt, b, y, cw, go, loss, lse, zl, acc, am, gh, gw,
-                  gb, ws, io, fo);
+ffi::Error LinearCeCuda(cudaStream_t stream, Buf h, Buf wt, Buf b, Buf y, Buf cw, Buf go, Buf gl,
+                        Buf ge, Ret loss, Ret lse, Ret zl, Ret acc, Ret am, Ret ent, Ret gh,
+                        Ret gw, Ret gb, Ret ws, I64s io, F32s fo) {
+  return LinearCe(FCE_BACKEND_CUDA, stream, h, wt, b, y, cw, go, gl, ge, loss, lse, zl, acc, am,
+                  ent, gh, gw, gb, ws, io, fo);
 }
 ffi::Error ScaleCpu(Buf gin, Buf go, Ret grad) {
   return Scale(FCE_BACKEND_CPU, nullptr, gin, go, grad);
@@ -520,15 +558,12 @@ ffi::Error ScaleCuda(cudaStream_t stream, Buf gin, Buf go, Ret grad) {
 #define FCE_CUDA_CTX .Ctx<ffi::PlatformStream<cudaStream_t>>()
 
 // The last .Ret<Buf>() of each: the workspace.
-#define FCE_CE_FWD_SIG                                                                     \
-  .Arg<Buf>().Arg<Buf>().Arg<Buf>().Ret<Buf>().Ret<Buf>().Ret<Buf>().Ret<Buf>().Ret<Buf>() \
-      .Ret<Buf>().Ret<Buf>() FCE_ATTRS
-#define FCE_CE_BWD_SIG                                                                     \
-  .Arg<Buf>().Arg<Buf>().Arg<Buf>().Arg<Buf>().Arg<Buf>().Arg<Buf>().Ret<Buf>().Ret<Buf>() \
-      FCE_ATTRS
-#define FCE_LINEAR_SIG                                                                  \
-  .Arg<Buf>().Arg<Buf>().Arg<Buf>().Arg<Buf>().Arg<Buf>().Arg<Buf>().Ret<Buf>().Ret<Buf>() \
-      .Ret<Buf>().Ret<Buf>().Ret<Buf>().Ret<Buf>().Ret<Buf>().Ret<Buf>().Ret<Buf>() FCE_ATTRS
+#define FCE_ARGS3 .Arg<Buf>().Arg<Buf>().Arg<Buf>()
+#define FCE_RETS4 .Ret<Buf>().Ret<Buf>().Ret<Buf>().Ret<Buf>()
+#define FCE_CE_FWD_SIG FCE_ARGS3 FCE_ARGS3 FCE_RETS4 FCE_RETS4 FCE_ATTRS
+#define FCE_CE_BWD_SIG FCE_ARGS3 FCE_ARGS3 .Arg<Buf>().Ret<Buf>().Ret<Buf>() FCE_ATTRS
+#define FCE_LINEAR_SIG FCE_ARGS3 FCE_ARGS3 .Arg<Buf>().Arg<Buf>() FCE_RETS4 FCE_RETS4 \
+    .Ret<Buf>().Ret<Buf>() FCE_ATTRS
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedceCeForwardCpu, CeForwardCpu,
                               ffi::Ffi::Bind() FCE_CE_FWD_SIG);

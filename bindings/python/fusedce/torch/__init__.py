@@ -37,11 +37,18 @@ How the gradient is computed (the training path):
   requiring grad): evaluate under ``torch.no_grad()``.
 
 Extra outputs (``return_z_loss``, ``return_token_accuracy``, ``return_predicted_tokens``,
-``return_lse``) come from the same library call as the loss (the accuracy and the argmax from
-the logits it reads or forms anyway, never a second pass); with any of them set the functions
-return a ``CrossEntropyOutput`` named tuple ``(loss, z_loss, token_accuracy, predicted_tokens,
-lse)`` holding the loss and the outputs asked for, in that order (:data:`OUTPUT_FIELDS`). Only
-the loss is differentiable.
+``return_lse``, ``return_entropy``) come from the same library call as the loss (the accuracy
+and the argmax from the logits it reads or forms anyway, never a second pass); with any of them
+set the functions return a ``CrossEntropyOutput`` named tuple ``(loss, z_loss, token_accuracy,
+predicted_tokens, lse, entropy)`` holding the loss and the outputs asked for, in that order
+(:data:`OUTPUT_FIELDS`). The loss, lse and the entropy are differentiable (docs/semantics.md
+rule 18); z_loss, token_accuracy and predicted_tokens are not. While lse and the entropy get
+no gradient the loss's gradient takes the paths above unchanged; when they get one, the
+backward computes the whole gradient in ONE library call: ``fce_backward`` with grad_lse when
+only lse has one, else ``fce_forward`` with every upstream gradient (the forward's one-pass
+gradient is then not used); :func:`linear_cross_entropy` calls ``fce_linear_ce`` again with
+them. Under ``torch.compile`` an lse or entropy returned from the compiled region may be given
+a zero gradient rather than none, which takes that one call too.
 
 Differences from torch, on purpose:
 
@@ -108,8 +115,8 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Optional[Tensor] = None
                   logit_scale: float = 1.0, shift_seq_len: int = 0, shift: int = 0,
                   use_token_scaling: bool = False, return_z_loss: bool = False,
                   return_token_accuracy: bool = False, return_predicted_tokens: bool = False,
-                  return_lse: bool = False, check_targets: bool = False,
-                  inplace_backward: bool = False):
+                  return_lse: bool = False, return_entropy: bool = False,
+                  check_targets: bool = False, inplace_backward: bool = False):
     """torch.nn.functional.cross_entropy, fused, plus the options below. When autograd will
     need the gradient (grad mode on, input requiring grad) and the reduction is 'mean' or
     'sum', the forward reads the logits once and writes the gradient once, for an upstream
@@ -145,7 +152,12 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Optional[Tensor] = None
     return_predicted_tokens  also return each row's argmax class (int64, the shape of the
                   'none' loss; -1 for ignored rows; ties: the lowest index, as torch.argmax);
     return_lse    also return each row's log-sum-exp of the (scaled, capped) logits (float32,
-                  the shape of the 'none' loss; written for ignored rows too; CCE's);
+                  the shape of the 'none' loss; written for ignored rows too; CCE's), with its
+                  gradient (d lse / d z_j = s * p_j * (1 - (a_j / c)^2));
+    return_entropy  also return each row's entropy of the softmax of the scaled, capped logits
+                  a, H = lse - sum_j p_j a_j (float32, the shape of the 'none' loss; ignored
+                  rows too), with its gradient (-p_j (a_j - sum_k p_k a_k), through the
+                  scale and softcap);
     check_targets after the call, read the library's error flag (a host synchronisation: slow
                   on CUDA, not allowed inside CUDA-graph capture; inside the op, so no graph
                   break under torch.compile) and raise IndexError("Target 123 is out of
@@ -158,17 +170,19 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Optional[Tensor] = None
                   'mean'/'sum' with a gradient; dense logits (others are copied first). The
                   upstream scalar is applied by scaling (16-bit: rounded twice unless it is
                   ±2^k). Runs as a torch.autograd.Function (torch.compile breaks the graph).
+                  A gradient reaching lse or the entropy then raises (the logits are gone).
 
     With inplace_backward=True the gradient is handed to autograd once: a second backward
     through the same graph (retain_graph=True) raises. Without it, a second backward recomputes.
 
     Returns the loss (a tensor) when no return_* flag is set; otherwise a ``CrossEntropyOutput``
     named tuple of the loss followed by the outputs asked for, always in the order
-    ``(loss, z_loss, token_accuracy, predicted_tokens, lse)`` (:data:`OUTPUT_FIELDS`): e.g.
+    ``(loss, z_loss, token_accuracy, predicted_tokens, lse, entropy)``
+    (:data:`OUTPUT_FIELDS`): e.g.
     ``loss, lse = cross_entropy(z, y, return_lse=True)`` (CCE's pair), ``loss, z_loss, acc,
     pred = cross_entropy(z, y, return_z_loss=True, return_token_accuracy=True,
-    return_predicted_tokens=True)`` (Liger's four), or by name (``out.token_accuracy``). Only
-    the loss is differentiable.
+    return_predicted_tokens=True)`` (Liger's four), or by name (``out.token_accuracy``). The
+    loss, lse and the entropy are differentiable, the other outputs not.
 
     input is (C,), (N, C) or (N, C, d1, ...) as in torch (the last form is copied to put the
     classes last; give [N, C] for speed). A row stride larger than C (e.g. a slice of padded
@@ -202,7 +216,8 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Optional[Tensor] = None
     opts = CEOptions(reduction=red, ignore_index=ignore_index, label_smoothing=label_smoothing,
                      z_loss=z_loss, softcap=softcap, logit_scale=logit_scale, shift_seq_len=t,
                      shift=k, token_scaling=use_token_scaling)
-    want = _want(return_z_loss, return_token_accuracy, return_predicted_tokens, return_lse)
+    want = _want(return_z_loss, return_token_accuracy, return_predicted_tokens, return_lse,
+                 return_entropy)
     lib_want = want.from_library(red)  # what the C call writes (lse included)
     check = bool(check_targets)
     need_grad = torch.is_grad_enabled() and logits.requires_grad
@@ -210,35 +225,35 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Optional[Tensor] = None
         if inplace_backward:
             if logits.stride(0) != logits.shape[1] and logits.shape[0] > 1:
                 logits = logits.contiguous()
-            loss, lse, zl, acc, am = _CrossEntropyInPlace.apply(logits, tgt, weight, opts,
-                                                                lib_want, check)
+            loss, lse, zl, acc, am, ent = _CrossEntropyInPlace.apply(logits, tgt, weight, opts,
+                                                                     lib_want, check)
         elif _compiling():
-            loss, lse, _, zl, acc, am = _ce_forward_grad(logits, tgt, weight,
-                                                         *opts.as_op_args(),
-                                                         lib_want.as_op_arg(), check)
+            loss, lse, _, zl, acc, am, ent = _ce_forward_grad(logits, tgt, weight,
+                                                              *opts.as_op_args(),
+                                                              lib_want.as_op_arg(), check)
         elif lib_want:
-            loss, lse, zl, acc, am = _CrossEntropyOnePass.apply(logits, tgt, weight, opts,
-                                                                lib_want, check)
+            loss, lse, zl, acc, am, ent = _CrossEntropyOnePass.apply(logits, tgt, weight, opts,
+                                                                     lib_want, check)
         else:
             loss = _CrossEntropyOnePass.apply(logits, tgt, weight, opts, lib_want, check)
-            lse = zl = acc = am = None
+            lse = zl = acc = am = ent = None
     elif not _compiling() and not need_grad:
-        loss, lse, zl, acc, am = _tc.ce_forward(logits, tgt, _cw(weight), opts,
-                                                want_lse=lib_want.lse, want=lib_want,
-                                                check_targets=check)
+        loss, lse, zl, acc, am, ent = _tc.ce_forward(logits, tgt, _cw(weight), opts,
+                                                     want_lse=lib_want.lse, want=lib_want,
+                                                     check_targets=check)
     elif not _compiling():  # reduction 'none' with a gradient
-        loss, lse, zl, acc, am = _CrossEntropySavedLse.apply(logits, tgt, weight, opts,
-                                                             lib_want, check)
+        loss, lse, zl, acc, am, ent = _CrossEntropySavedLse.apply(logits, tgt, weight, opts,
+                                                                  lib_want, check)
     else:
-        loss, lse, zl, acc, am = _ce_forward(logits, tgt, weight, *opts.as_op_args(),
-                                             lib_want.as_op_arg(), check)
+        loss, lse, zl, acc, am, ent = _ce_forward(logits, tgt, weight, *opts.as_op_args(),
+                                                  lib_want.as_op_arg(), check)
 
     if not want and red != FCE_REDUCTION_NONE:
         return loss
     v = logits.shape[1]
     return _finish(want, red, out_shape, loss, lse, zl, acc, am, lambda: _z_loss_rows(
         lse, tgt, v, opts,
-        lambda y: logits.detach().gather(1, y.unsqueeze(1)).squeeze(1)))
+        lambda y: logits.detach().gather(1, y.unsqueeze(1)).squeeze(1)), ent)
 
 
 def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *,
@@ -250,7 +265,7 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
                          use_token_scaling: bool = False, return_z_loss: bool = False,
                          return_token_accuracy: bool = False,
                          return_predicted_tokens: bool = False, return_lse: bool = False,
-                         check_targets: bool = False,
+                         return_entropy: bool = False, check_targets: bool = False,
                          workspace_bytes: Optional[int] = None):
     """cross_entropy(F.linear(input, linear_weight, linear_bias), target, ...) without ever
     holding the [N, V] logits (fce_linear_ce).
@@ -259,7 +274,9 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
     tied embedding's weight), linear_bias [V], target [...] (the leading dimensions of input),
     weight [V] class weights; the other keywords, the return convention (the loss, or a
     ``CrossEntropyOutput`` named tuple ``(loss, z_loss, token_accuracy, predicted_tokens,
-    lse)`` restricted to what was asked for) and the causal shift as in :func:`cross_entropy`
+    lse, entropy)`` restricted to what was asked for; lse and the entropy differentiable,
+    their gradients reaching input, linear_weight and linear_bias through a recompute) and
+    the causal shift as in :func:`cross_entropy`
     (``shift=k`` alone: T = target.shape[-1], as CCE's ``linear_cross_entropy(e [B, T, D], c,
     targets [B, T], shift=k)``). The accuracy and predicted tokens come from the logits the
     library computes piece by piece. With ``use_token_scaling``, reduction 'none' and
@@ -295,7 +312,8 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
                 shift_seq_len=shift_seq_len, shift=shift, use_token_scaling=use_token_scaling,
                 return_z_loss=return_z_loss, return_token_accuracy=return_token_accuracy,
                 return_predicted_tokens=return_predicted_tokens, return_lse=return_lse,
-                check_targets=check_targets, workspace_bytes=workspace_bytes))
+                return_entropy=return_entropy, check_targets=check_targets,
+                workspace_bytes=workspace_bytes))
     red = _reduction(reduction)
     if input.dim() < 1:
         raise ValueError("input must be [..., D]")
@@ -330,9 +348,10 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
     opts = CEOptions(reduction=red, ignore_index=ignore_index, label_smoothing=label_smoothing,
                      z_loss=z_loss, softcap=softcap, logit_scale=logit_scale, shift_seq_len=t,
                      shift=k, token_scaling=use_token_scaling)
-    want = _want(return_z_loss, return_token_accuracy, return_predicted_tokens, return_lse)
-    loss, lse, _, _, _, zl, acc, am = _linear_ce(
-        hidden, linear_weight, linear_bias, tgt, weight, None, *opts.as_op_args(),
+    want = _want(return_z_loss, return_token_accuracy, return_predicted_tokens, return_lse,
+                 return_entropy)
+    loss, lse, _, _, _, zl, acc, am, ent = _linear_ce(
+        hidden, linear_weight, linear_bias, tgt, weight, None, None, None, *opts.as_op_args(),
         _tc.CODE_OF_TORCH[cdt], budget, bool(need_h and in_forward),
         bool(need_w and in_forward), bool(need_b and in_forward),
         want.from_library(red).as_op_arg(), bool(check_targets))
@@ -345,7 +364,7 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
         return a
 
     return _finish(want, red, tuple(target.shape), loss, lse, zl, acc, am,
-                   lambda: _z_loss_rows(lse, tgt, vocab, opts, target_logit))
+                   lambda: _z_loss_rows(lse, tgt, vocab, opts, target_logit), ent)
 
 
 def module_linear_cross_entropy(module: torch.nn.Module, input: Tensor, target: Tensor,
@@ -375,7 +394,8 @@ class _LossOptions(torch.nn.Module):
                  softcap: float = 0.0, logit_scale: float = 1.0, shift_seq_len: int = 0,
                  shift: int = 0, use_token_scaling: bool = False, return_z_loss: bool = False,
                  return_token_accuracy: bool = False, return_predicted_tokens: bool = False,
-                 return_lse: bool = False, check_targets: bool = False):
+                 return_lse: bool = False, return_entropy: bool = False,
+                 check_targets: bool = False):
         super().__init__()
         _reduction(reduction)
         self.register_buffer("weight", weight)
@@ -392,6 +412,7 @@ class _LossOptions(torch.nn.Module):
         self.return_token_accuracy = return_token_accuracy
         self.return_predicted_tokens = return_predicted_tokens
         self.return_lse = return_lse
+        self.return_entropy = return_entropy
         self.check_targets = check_targets
 
     def _kwargs(self) -> dict:
@@ -400,7 +421,8 @@ class _LossOptions(torch.nn.Module):
                     use_token_scaling=self.use_token_scaling, return_z_loss=self.return_z_loss,
                     return_token_accuracy=self.return_token_accuracy,
                     return_predicted_tokens=self.return_predicted_tokens,
-                    return_lse=self.return_lse, check_targets=self.check_targets)
+                    return_lse=self.return_lse, return_entropy=self.return_entropy,
+                    check_targets=self.check_targets)
 
     def extra_repr(self) -> str:
         text = (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
@@ -408,7 +430,8 @@ class _LossOptions(torch.nn.Module):
                 f"softcap={self.softcap}, logit_scale={self.logit_scale}, "
                 f"shift_seq_len={self.shift_seq_len}")
         for name in ("shift", "use_token_scaling", "return_z_loss", "return_token_accuracy",
-                     "return_predicted_tokens", "return_lse", "check_targets"):
+                     "return_predicted_tokens", "return_lse", "return_entropy",
+                     "check_targets"):
             if getattr(self, name):
                 text += f", {name}={getattr(self, name)}"
         return text

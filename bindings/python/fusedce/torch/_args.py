@@ -80,18 +80,20 @@ _resolve_shift = _args._resolve_shift
 
 # ------------------------------------------------------------- extra outputs ----
 # The optional outputs, in the order they follow the loss in the returned tuple: Liger's
-# (loss, z_loss, token_accuracy, predicted_tokens), then CCE's lse (OUTPUT_FIELDS). One named
-# tuple type per combination asked for.
+# (loss, z_loss, token_accuracy, predicted_tokens), then CCE's lse, then the entropy
+# (OUTPUT_FIELDS). One named tuple type per combination asked for.
 _OUTPUT_TYPES = {
     want: collections.namedtuple("CrossEntropyOutput", ("loss",) + want.fields())
-    for want in (Want(*flags) for flags in itertools.product((False, True), repeat=4)) if want
+    for want in (Want(*flags) for flags in itertools.product((False, True), repeat=5)) if want
 }
 
 
-def want(return_z_loss, return_token_accuracy, return_predicted_tokens, return_lse) -> Want:
+def want(return_z_loss, return_token_accuracy, return_predicted_tokens, return_lse,
+         return_entropy=False) -> Want:
     """The outputs the return_* keywords ask for."""
     return Want(z_loss=bool(return_z_loss), accuracy=bool(return_token_accuracy),
-                argmax=bool(return_predicted_tokens), lse=bool(return_lse))
+                argmax=bool(return_predicted_tokens), lse=bool(return_lse),
+                entropy=bool(return_entropy))
 
 
 def _transform(a: Tensor, logit_scale: float, softcap: float) -> Tensor:
@@ -109,6 +111,7 @@ def _z_loss_rows(lse: Tensor, targets: Tensor, vocab: int, opts: CEOptions,
     scaling (valid rows), 0 for ignored rows. ``target_logit(y)`` gives the raw logit of class
     y[r] in row r (only called with token scaling)."""
     ignore_index, lam = opts.ignore_index, opts.z_loss
+    lse = lse.detach()  # (a returned lse carries a gradient; this output does not)
     if lam == 0.0:
         return torch.zeros_like(lse)
     y = _tc.row_targets(targets.to(torch.int64), ignore_index, opts.shift_seq_len, opts.shift)
@@ -121,9 +124,11 @@ def _z_loss_rows(lse: Tensor, targets: Tensor, vocab: int, opts: CEOptions,
     return torch.where(counted, zl, torch.zeros_like(zl))
 
 
-def _finish(want: Want, red: int, out_shape, loss: Tensor, lse, zl, acc, am, z_rows):
+def _finish(want: Want, red: int, out_shape, loss: Tensor, lse, zl, acc, am, z_rows,
+            entropy=None):
     """The return value: the loss alone, or the CrossEntropyOutput named tuple of the loss and
-    the outputs asked for. Per-row outputs take out_shape (the shape of a 'none' loss)."""
+    the outputs asked for. Per-row outputs take out_shape (the shape of a 'none' loss).
+    ``z_rows()``: the per-row z-loss of reduction 'none' (not differentiable)."""
     def rows(t):
         return t.reshape(out_shape) if out_shape is not None else t
 
@@ -140,4 +145,6 @@ def _finish(want: Want, red: int, out_shape, loss: Tensor, lse, zl, acc, am, z_r
         values.append(rows(am))
     if want.lse:
         values.append(rows(lse))
+    if want.entropy:
+        values.append(rows(entropy))
     return _OUTPUT_TYPES[want](*values)

@@ -198,11 +198,12 @@ def _aux_offset(n: int) -> int:
 def ce_forward(logits: Tensor, targets: Tensor, class_weights: Optional[Tensor],
                opts: CEOptions, *, grad: Optional[Tensor] = None, want_lse: bool = True,
                want: Want = NOTHING, check_targets: bool = False,
-               lse_workspace: bool = False) -> tuple:
+               lse_workspace: bool = False, upstream: Optional[tuple] = None) -> tuple:
     """fce_forward on a [N, V] tensor whose last stride is 1: (loss, lse, z_loss, accuracy,
-    argmax), the last three None unless ``want`` asks for them. With ``grad``
+    argmax, entropy), the last four None unless ``want`` asks for them. With ``grad``
     (dense [N, V], or ``logits`` itself for in place) the gradient for an upstream 1 is written
-    in the same pass. ``check_targets``: read the error flags after the call (a host sync) and
+    in the same pass; with ``upstream`` (grad_output, grad_lse, grad_entropy: float32 tensors
+    or None, grad_output None meaning 1) the gradient of the loss, lse and entropy for those. ``check_targets``: read the error flags after the call (a host sync) and
     raise IndexError on an out-of-range target. ``lse_workspace`` (the training path, lse kept
     for the backward only): lse is returned as a float32 buffer whose first N values are lse and
     whose tail is the workspace of this call and of the ce_backward(rescale=...,
@@ -214,6 +215,7 @@ def ce_forward(logits: Tensor, targets: Tensor, class_weights: Optional[Tensor],
     reduction = opts.reduction
     dev = logits.device
     z_loss, accuracy, argmax = extras(want, n, reduction, dev)
+    entropy = torch.empty((n,), dtype=torch.float32, device=dev) if want.entropy else None
     o, ws_bytes, room = _ce_plan("fwd", logits, targets, class_weights, opts, grad_stride)
     loss = torch.empty((n,) if reduction == _lib.FCE_REDUCTION_NONE else (), dtype=torch.float32,
                        device=dev)
@@ -227,28 +229,34 @@ def ce_forward(logits: Tensor, targets: Tensor, class_weights: Optional[Tensor],
         ws_ptr = _ptr(ws)
     flags = _flags(check_targets, logits)
     out = _lib.outputs(loss=loss.data_ptr(), lse=_ptr(lse), z_loss=_ptr(z_loss),
-                       argmax=_ptr(argmax), accuracy=_ptr(accuracy), error_flags=_ptr(flags))
-    grads = _lib.gradients(grad_logits=_ptr(grad))
+                       argmax=_ptr(argmax), accuracy=_ptr(accuracy), error_flags=_ptr(flags),
+                       entropy=_ptr(entropy))
+    go, gl, ge = upstream if upstream is not None else (None, None, None)
+    grads = _lib.gradients(grad_logits=_ptr(grad), grad_output=_ptr(go), grad_lse=_ptr(gl),
+                           grad_entropy=_ptr(ge))
     _check(_lib.load().fce_forward(ctypes.byref(o), n, v, logits.data_ptr(), targets.data_ptr(),
                                    ctypes.byref(out), ctypes.byref(grads), ws_ptr, ws_bytes,
                                    _stream(logits)), "fce_forward")
     if flags is not None:
         check_flags(flags, targets, v, opts)
-    return loss, lse, z_loss, accuracy, argmax
+    return loss, lse, z_loss, accuracy, argmax, entropy
 
 
 def ce_backward(logits: Tensor, targets: Tensor, lse: Tensor, grad_output: Tensor,
                 class_weights: Optional[Tensor], opts: CEOptions,
-                rescale: Optional[Tensor] = None, lse_workspace: bool = False) -> Tensor:
+                rescale: Optional[Tensor] = None, lse_workspace: bool = False,
+                grad_lse: Optional[Tensor] = None, out: Optional[Tensor] = None) -> Tensor:
     """fce_backward: a dense [N, V] gradient from the logits, the saved lse and the upstream
-    gradient (float32: one value, or [N] for reduction 'none'). With ``rescale`` (the dense
-    gradient fce_forward wrote for an upstream 1): fce_backward_rescale, in place into it.
-    ``lse_workspace``: lse is the buffer ce_forward(lse_workspace=True) returned, whose tail
-    is the workspace."""
+    gradient (float32: one value, or [N] for reduction 'none'), plus that of lse for
+    ``grad_lse`` (float32 [N]) when given; written into ``out`` (dense [N, V]) when given. With
+    ``rescale`` (the dense gradient fce_forward wrote for an upstream 1): fce_backward_rescale,
+    in place into it. ``lse_workspace``: lse is the buffer ce_forward(lse_workspace=True)
+    returned, whose tail is the workspace."""
     n, v = logits.shape
     o, ws_bytes, _ = _ce_plan("bwd", logits, targets, class_weights, opts, 0)
-    grad = rescale if rescale is not None else torch.empty((n, v), dtype=logits.dtype,
-                                                           device=logits.device)
+    grad = rescale if rescale is not None else out
+    if grad is None:
+        grad = torch.empty((n, v), dtype=logits.dtype, device=logits.device)
     ws = None
     if lse_workspace and 4 * (lse.numel() - _aux_offset(n)) >= ws_bytes:
         ws_ptr = lse.data_ptr() + 4 * _aux_offset(n) if ws_bytes else None
@@ -260,10 +268,46 @@ def ce_backward(logits: Tensor, targets: Tensor, lse: Tensor, grad_output: Tenso
         fn, call = "fce_backward_rescale", lib.fce_backward_rescale
     else:
         fn, call = "fce_backward", lib.fce_backward
-    grads = _lib.gradients(grad_output=grad_output.data_ptr(), grad_logits=grad.data_ptr())
+    grads = _lib.gradients(grad_output=grad_output.data_ptr(), grad_logits=grad.data_ptr(),
+                           grad_lse=_ptr(grad_lse))
     _check(call(ctypes.byref(o), n, v, logits.data_ptr(), targets.data_ptr(), lse.data_ptr(),
                 None, ctypes.byref(grads), ws_ptr, ws_bytes, _stream(logits)), fn)
     return grad
+
+
+def upstream(grad_output: Optional[Tensor], n: int, opts: CEOptions, like: Tensor) -> Tensor:
+    """The loss's upstream gradient as the C calls take it: float32, dense; zeros (of the loss's
+    shape) where the loss got none (only lse or the entropy did)."""
+    if grad_output is None:
+        return torch.zeros((n,) if opts.per_row else (), dtype=torch.float32,
+                           device=like.device)
+    return _f32_or_none(grad_output)
+
+
+def ce_grad(logits: Tensor, targets: Tensor, lse: Optional[Tensor],
+            class_weights: Optional[Tensor], opts: CEOptions, grad_output: Optional[Tensor],
+            grad_lse: Optional[Tensor], grad_entropy: Optional[Tensor],
+            out: Optional[Tensor] = None) -> Tensor:
+    """The gradient of loss + sum(grad_lse * lse) + sum(grad_entropy * entropy) over the logits
+    (docs/semantics.md rule 18) in ONE C call: fce_backward with grad_lse (from the saved lse)
+    when the entropy has no upstream gradient, else fce_forward with every upstream gradient
+    (its loss to a scratch buffer). grad_output None: the loss got no gradient. ``out``: a dense
+    [N, V] buffer to write it into."""
+    go = upstream(grad_output, logits.shape[0], opts, logits)
+    gl, ge = _f32_or_none(grad_lse), _f32_or_none(grad_entropy)
+    if ge is None:
+        return ce_backward(logits, targets, lse, go, class_weights, opts, grad_lse=gl, out=out)
+    grad = out if out is not None else torch.empty(logits.shape, dtype=logits.dtype,
+                                                   device=logits.device)
+    ce_forward(logits, targets, class_weights, opts, grad=grad, want_lse=False,
+               upstream=(go, gl, ge))
+    return grad
+
+
+def _f32_or_none(t: Optional[Tensor]) -> Optional[Tensor]:
+    if t is None or (t.dtype == torch.float32 and t.is_contiguous()):
+        return t
+    return t.to(torch.float32).contiguous()
 
 
 def scale_(grad: Tensor, grad_output: Tensor) -> None:
@@ -302,10 +346,12 @@ def linear_ce_workspace(o: _lib.Options, key: tuple, n: int, d: int, v: int, wit
 def linear_ce(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor,
               class_weights: Optional[Tensor], grad_output: Optional[Tensor],
               opts: CEOptions, *, grad_weight_fp32: bool, need: Tuple[bool, bool, bool],
-              workspace_bytes: int, want: Want = NOTHING, check_targets: bool = False) -> tuple:
+              workspace_bytes: int, want: Want = NOTHING, check_targets: bool = False,
+              grad_lse: Optional[Tensor] = None, grad_entropy: Optional[Tensor] = None) -> tuple:
     """fce_linear_ce: (loss, lse, grad_hidden, grad_weight, grad_bias, z_loss, accuracy,
-    argmax), the gradients asked for in ``need`` and the outputs ``want`` asks the library for
-    (None for the others), the gradients scaled by grad_output (None = 1). hidden [N, D] with
+    argmax, entropy), the gradients asked for in ``need`` and the outputs ``want`` asks the
+    library for (None for the others), the gradients scaled by grad_output (None = 1) and
+    including those of lse and the entropy for ``grad_lse`` / ``grad_entropy`` (float32 [N]). hidden [N, D] with
     last stride 1, weight [V, D] and bias [V] dense, all of one dtype. ``workspace_bytes``: the
     budget of everything the call allocates beyond the gradients."""
     n, d = hidden.shape
@@ -321,12 +367,13 @@ def linear_ce(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: T
     # the budget covers everything this call allocates beyond the gradients: the workspace,
     # and lse / loss (and room for a targets conversion), 16 bytes a row, 12 more with extras
     row_bytes = 16 + (12 if z_loss is not None or accuracy is not None or argmax is not None
-                      else 0)  # + argmax and accuracy
+                      else 0) + (4 if want.entropy else 0)  # + argmax, accuracy, entropy
     ws_bytes = linear_ce_workspace(o, key, n, d, v, with_grad,
                                    max(0, workspace_bytes - row_bytes * n - 4096), want)
     loss = torch.empty((n,) if reduction == _lib.FCE_REDUCTION_NONE else (), dtype=torch.float32,
                        device=dev)
     lse = torch.empty((n,), dtype=torch.float32, device=dev)
+    entropy = torch.empty((n,), dtype=torch.float32, device=dev) if want.entropy else None
     gw_dtype = torch.float32 if grad_weight_fp32 else hidden.dtype
     gh = torch.empty((n, d), dtype=hidden.dtype, device=dev) if need[0] else None
     gw = torch.empty((v, d), dtype=gw_dtype, device=dev) if need[1] else None
@@ -334,12 +381,14 @@ def linear_ce(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: T
     flags = _flags(check_targets, hidden)
     ws = _workspace(ws_bytes, hidden)
     out = _lib.outputs(loss=loss.data_ptr(), lse=lse.data_ptr(), z_loss=_ptr(z_loss),
-                       argmax=_ptr(argmax), accuracy=_ptr(accuracy), error_flags=_ptr(flags))
+                       argmax=_ptr(argmax), accuracy=_ptr(accuracy), error_flags=_ptr(flags),
+                       entropy=_ptr(entropy))
     grads = _lib.gradients(grad_output=_ptr(grad_output), grad_hidden=_ptr(gh),
-                           grad_weight=_ptr(gw), grad_bias=_ptr(gb))
+                           grad_weight=_ptr(gw), grad_bias=_ptr(gb), grad_lse=_ptr(grad_lse),
+                           grad_entropy=_ptr(grad_entropy))
     _check(_lib.load().fce_linear_ce(
         ctypes.byref(o), n, d, v, hidden.data_ptr(), weight.data_ptr(), _ptr(bias),
         targets.data_ptr(), ctypes.byref(out), ctypes.byref(grads), _ptr(ws), ws_bytes,
         _stream(hidden)), "fce_linear_ce")
     check_flags(flags, targets, v, opts)
-    return loss, lse, gh, gw, gb, z_loss, accuracy, argmax
+    return loss, lse, gh, gw, gb, z_loss, accuracy, argmax, entropy

@@ -23,6 +23,15 @@ def _all_rows(hidden, layout, reduce_grad_hidden):
     return hidden
 
 
+def _loss_differentiable(ctx, outputs, gathered) -> tuple:
+    """A two-phase Function's outputs (loss, lse, z_loss, accuracy, argmax, gathered
+    statistics): only the loss differentiable, and no zero gradients made for the others."""
+    loss, lse, zl, acc, am = outputs
+    ctx.set_materialize_grads(False)
+    _non_differentiable(ctx, lse, zl, acc, am, gathered)
+    return loss, lse, zl, acc, am, gathered
+
+
 class _VocabParallelCE(torch.autograd.Function):
     """Returns (loss, lse, z_loss, accuracy, argmax, gathered statistics), None for what was not
     asked for."""
@@ -30,13 +39,10 @@ class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, cw, layout, opts, want, check, inplace):
         stream = _tc._stream(logits)
-        (loss, lse, zl, acc, am), gathered = _ce_forward(logits, targets, cw, layout, opts,
-                                                         want, check, stream)
+        outputs, gathered = _ce_forward(logits, targets, cw, layout, opts, want, check, stream)
         ctx.save_for_backward(logits, targets, cw, gathered)
         ctx.layout, ctx.opts, ctx.inplace = layout, opts, inplace
-        ctx.set_materialize_grads(False)
-        _non_differentiable(ctx, lse, zl, acc, am, gathered)
-        return loss, lse, zl, acc, am, gathered
+        return _loss_differentiable(ctx, outputs, gathered)
 
     @staticmethod
     def backward(ctx, grad_loss, *_unused):
@@ -60,16 +66,14 @@ class _VocabParallelLinearCE(torch.autograd.Function):
                 check, reduce_grad_hidden):
         stream = _tc._stream(hidden)
         hidden = _all_rows(hidden, layout, reduce_grad_hidden)
-        (loss, lse, zl, acc, am), gathered = _linear_forward(
+        outputs, gathered = _linear_forward(
             hidden, weight, bias, targets, cw, layout, opts, cdt, budget, want, check, stream)
         # the inputs (alive anyway: parameters and the [N, D] activations; under sequence
         # parallelism the gathered rows, as Megatron keeps them) and the statistics
         ctx.save_for_backward(hidden, weight, bias, targets, cw, gathered)
         ctx.layout, ctx.opts, ctx.cdt, ctx.budget = layout, opts, cdt, budget
         ctx.reduce_grad_hidden = reduce_grad_hidden
-        ctx.set_materialize_grads(False)
-        _non_differentiable(ctx, lse, zl, acc, am, gathered)
-        return loss, lse, zl, acc, am, gathered
+        return _loss_differentiable(ctx, outputs, gathered)
 
     @staticmethod
     def backward(ctx, grad_loss, *_unused):

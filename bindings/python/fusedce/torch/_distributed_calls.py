@@ -226,13 +226,25 @@ def _ce_backward(logits, targets, cw, gathered, layout: Layout, opts: CEOptions,
 
 
 # ===================================================== fused linear + CE, sharded ====
-def _cast_inputs(hidden, weight, bias, cdt):
+def _linear_setup(hidden, weight, bias, targets, cw, opts: CEOptions, cdt,
+                  fp32_grads: bool = False):
+    """(h, w, b, key, o) of a linear call: the inputs cast to cdt (hidden with last stride 1,
+    weight and bias dense) and the fce_options (with the hidden row stride) for them;
+    ``fp32_grads``: grad_weight_fp32."""
     h = hidden.to(cdt)
     if h.stride(-1) != 1:
         h = h.contiguous()
     w = weight.to(cdt).contiguous()
     b = bias.to(cdt).contiguous() if bias is not None else None
-    return h, w, b
+    n, d = h.shape
+    key, o = _opts_struct(h, cdt, targets, opts, cw, grad_weight_fp32=fp32_grads)
+    o.hidden_row_stride = h.stride(0) if n > 1 else d
+    return h, w, b, key, o
+
+
+def _fp32_grads(weight, cdt) -> bool:
+    """A float32 weight computed in a 16-bit dtype (autocast) gets its gradient in float32."""
+    return weight.dtype == torch.float32 and cdt != torch.float32
 
 
 def _linear_forward(hidden, weight, bias, targets, cw, layout: Layout, opts: CEOptions, cdt,
@@ -240,11 +252,9 @@ def _linear_forward(hidden, weight, bias, targets, cw, layout: Layout, opts: CEO
     """fce_vp_linear_stats within the budget, the all-gather, fce_vp_loss: ((loss, lse, z_loss,
     accuracy, argmax), the gathered statistics)."""
     group, size, vs, vt = layout
-    h, w, b = _cast_inputs(hidden, weight, bias, cdt)
+    h, w, b, key, o = _linear_setup(hidden, weight, bias, targets, cw, opts, cdt)
     n, d = h.shape
     vl = w.shape[0]
-    key, o = _opts_struct(h, cdt, targets, opts, cw)
-    o.hidden_row_stride = h.stride(0) if n > 1 else d
     lo, hi = _query(("vp_lin_stats", key, n, d, vl), "fce_vp_linear_stats_workspace_size",
                     ctypes.byref(o), n, d, vl, pair=True)
     ws_bytes = max(lo, min(hi, max(0, budget)))
@@ -270,13 +280,10 @@ def _linear_backward(hidden, weight, bias, targets, cw, gathered, layout: Layout
     the group when reduce_grad_hidden, then in hidden's dtype; ∂weight and ∂bias in theirs."""
     group, size, vs, vt = layout
     need_h, need_w, need_b = need
-    h, w, b = _cast_inputs(hidden, weight, bias, cdt)
+    fp32_grads = _fp32_grads(weight, cdt)
+    h, w, b, key, o = _linear_setup(hidden, weight, bias, targets, cw, opts, cdt, fp32_grads)
     n, d = h.shape
     vl = w.shape[0]
-    # a float32 weight computed in a 16-bit dtype (autocast) gets its gradient in float32
-    fp32_grads = weight.dtype == torch.float32 and cdt != torch.float32
-    key, o = _opts_struct(h, cdt, targets, opts, cw, grad_weight_fp32=fp32_grads)
-    o.hidden_row_stride = h.stride(0) if n > 1 else d
     dev = h.device
     gw_dtype = torch.float32 if fp32_grads else cdt
     gh = torch.empty((n, d), dtype=torch.float32, device=dev) if need_h else None
@@ -382,13 +389,10 @@ def _linear_fused(hidden, weight, bias, targets, cw, layout: Layout, opts: CEOpt
     reduce_grad_hidden, then in hidden's dtype; ∂weight and ∂bias in theirs. The workspace is
     freed before the all-reduce and the casts."""
     group, size, vs, vt = layout
-    h, w, b = _cast_inputs(hidden, weight, bias, cdt)
+    fp32_grads = _fp32_grads(weight, cdt)
+    h, w, b, key, o = _linear_setup(hidden, weight, bias, targets, cw, opts, cdt, fp32_grads)
     n, d = h.shape
     vl = w.shape[0]
-    # a float32 weight computed in a 16-bit dtype (autocast) gets its gradient in float32
-    fp32_grads = weight.dtype == torch.float32 and cdt != torch.float32
-    key, o = _opts_struct(h, cdt, targets, opts, cw, grad_weight_fp32=fp32_grads)
-    o.hidden_row_stride = h.stride(0) if n > 1 else d
     dev = h.device
     reduction = opts.reduction
     z_loss, accuracy, argmax = _tc.extras(want, n, reduction, dev)

@@ -97,7 +97,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import _alloc, _lib
-from .._options import CEOptions
+from .._options import CEOptions, Want
 from ..vocab_parallel import VP_STATS, shard_range
 from . import _args as _ta  # argument handling, the return convention
 from ._distributed_autograd import (_VocabParallelCE, _VocabParallelLinearCE,
@@ -186,6 +186,19 @@ def _smoothing(label_smoothing: float, formula: str, vt: int) -> float:
     if formula == "megatron":
         return eps * vt / (vt - 1) if eps and vt > 1 else eps
     raise ValueError(f"label_smoothing_formula must be 'torch' or 'megatron', got {formula!r}")
+
+
+def _options(red: int, vt: int, t: int, k: int, ignore_index: int, label_smoothing: float,
+             z_loss: float, softcap: float, logit_scale: float, token_scaling: bool,
+             returns) -> Tuple[CEOptions, Want, Want]:
+    """(opts, want, lib_want) of a call: its CEOptions (the causal shift (T, k) resolved, the
+    smoothing in torch's form), the outputs the return_* flags in ``returns`` ask for, and what
+    the C calls write for them (lse included)."""
+    opts = CEOptions(reduction=red, ignore_index=ignore_index, label_smoothing=label_smoothing,
+                     z_loss=z_loss, softcap=softcap, logit_scale=logit_scale, shift_seq_len=t,
+                     shift=k, token_scaling=token_scaling)
+    want = _ta.want(*returns)
+    return opts, want, want.from_library(red)
 
 
 def _class_weights(weight: Optional[Tensor], vt: int, device) -> Optional[Tensor]:
@@ -278,12 +291,10 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: Tensor, target: Tensor,
     vs, vt = _layout(vl, rank, size, vocab_start, vocab_total)
     cw = _class_weights(weight, vt, logits.device)
     t, k = _ta._resolve_shift(shift, shift_seq_len, tuple(target.shape), n)
-    opts = CEOptions(reduction=red, ignore_index=ignore_index,
-                     label_smoothing=_smoothing(label_smoothing, label_smoothing_formula, vt),
-                     z_loss=z_loss, softcap=softcap, logit_scale=logit_scale, shift_seq_len=t,
-                     shift=k, token_scaling=use_token_scaling)
-    want = _ta.want(return_z_loss, return_token_accuracy, return_predicted_tokens, return_lse)
-    lib_want = want.from_library(red)  # what the C calls write (lse included)
+    opts, want, lib_want = _options(
+        red, vt, t, k, ignore_index, _smoothing(label_smoothing, label_smoothing_formula, vt),
+        z_loss, softcap, logit_scale, use_token_scaling,
+        (return_z_loss, return_token_accuracy, return_predicted_tokens, return_lse))
     layout = Layout(group, size, vs, vt)
     if torch.is_grad_enabled() and logits.requires_grad:
         loss, lse, zl, acc, am, gathered = _VocabParallelCE.apply(
@@ -392,12 +403,10 @@ def vocab_parallel_linear_cross_entropy(hidden: Tensor, weight_shard: Tensor, ta
               else int(workspace_bytes))
     if budget < 0:
         raise ValueError(f"workspace_bytes must be >= 0, got {workspace_bytes}")
-    opts = CEOptions(reduction=red, ignore_index=ignore_index,
-                     label_smoothing=_smoothing(label_smoothing, label_smoothing_formula, vt),
-                     z_loss=z_loss, softcap=softcap, logit_scale=logit_scale, shift_seq_len=t,
-                     shift=k, token_scaling=use_token_scaling)
-    want = _ta.want(return_z_loss, return_token_accuracy, return_predicted_tokens, return_lse)
-    lib_want = want.from_library(red)  # what the C calls write (lse included)
+    opts, want, lib_want = _options(
+        red, vt, t, k, ignore_index, _smoothing(label_smoothing, label_smoothing_formula, vt),
+        z_loss, softcap, logit_scale, use_token_scaling,
+        (return_z_loss, return_token_accuracy, return_predicted_tokens, return_lse))
     layout = Layout(group, size, vs, vt)
     grad_on = torch.is_grad_enabled() and (
         h2.requires_grad or weight_shard.requires_grad
