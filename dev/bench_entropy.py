@@ -1,6 +1,7 @@
 """dev/bench_entropy.py: what the per-row entropy and the lse/entropy gradient terms cost on the
-raw fce_forward (loss + gradient in one pass), against the plain call, bf16, CUDA graph replays.
-Prints one line per shape and variant; --out writes the records as JSON."""
+raw fce_forward (loss + gradient in one pass), against the plain call, bf16, CUDA graph replays;
+and the entropy of a forward without a gradient against that forward. Prints one line per shape
+and variant; --out writes the records as JSON."""
 import argparse
 import ctypes
 import json
@@ -39,21 +40,27 @@ def main():
             "+grad_lse": ({}, {"grad_lse": gl.data_ptr()}),
             "+entropy+grad_entropy": ({"entropy": ent.data_ptr()},
                                       {"grad_lse": gl.data_ptr(), "grad_entropy": ge.data_ptr()}),
+            "forward": ({}, None),
+            "forward+entropy": ({"entropy": ent.data_ptr()}, None),
         }
         base = None
         for name, (of, gf) in variants.items():
+            if name == "forward":
+                base = None  # the forward-only rows against the plain forward
             out = _lib.outputs(loss=loss.data_ptr(), lse=lse.data_ptr())
             for k, v in of.items():
                 setattr(out, k, v)
-            gr = _lib.gradients(grad_logits=grad.data_ptr())
-            for k, v in gf.items():
-                setattr(gr, k, v)
+            gr = None
+            if gf is not None:
+                gr = _lib.gradients(grad_logits=grad.data_ptr())
+                for k, v in gf.items():
+                    setattr(gr, k, v)
 
             def f(out=out, gr=gr):
                 return lib.fce_forward(ctypes.byref(o), N, V, ctypes.c_void_p(z.data_ptr()),
                                        ctypes.c_void_p(y.data_ptr()), ctypes.byref(out),
-                                       ctypes.byref(gr), ctypes.c_void_p(w.data_ptr()), ws.value,
-                                       stream())
+                                       ctypes.byref(gr) if gr is not None else None,
+                                       ctypes.c_void_p(w.data_ptr()), ws.value, stream())
             _lib.check(f(), name)
             ms = harness.time_graph_ms(f)
             base = base or ms

@@ -156,7 +156,19 @@ typedef struct fce_options {
   int32_t backend;            /* fce_backend: FCE_BACKEND_CUDA */
   int32_t dtype;              /* fce_dtype of logits / hidden, weight, bias, and of their
                                  gradients (but see grad_weight_fp32): FCE_FLOAT32 */
-  int32_t target_dtype;       /* FCE_INT32 or FCE_INT64: FCE_INT64 (torch's) */
+  int32_t target_dtype;       /* FCE_INT32 or FCE_INT64: targets are class indices [rows]
+                                 (FCE_INT64, torch's, by default). FCE_FLOAT32, FCE_FLOAT16 or
+                                 FCE_BFLOAT16 (1.1): targets are class probabilities q [rows,
+                                 vocab], dense (row stride = vocab), of that dtype, as torch's
+                                 F.cross_entropy(input, probabilities): per row
+                                 loss = -sum_j w_j q'_j log p_j, q' = (1-eps) q + eps/vocab, plus
+                                 the z-loss; every row is scored (ignore_index does not apply;
+                                 mean divides by rows, class weights or not); docs/semantics.md
+                                 rule 19. q is not checked: a negative or NaN q_j gives what the
+                                 formula gives (NaN propagates, as torch's). Refused with them:
+                                 token_scaling and outputs->accuracy (no target class),
+                                 shift_seq_len, the fce_vp_* calls (FCE_ERROR_UNSUPPORTED).
+                                 error_flags never get FCE_FLAG_TARGET_OUT_OF_RANGE */
   int32_t reduction;          /* fce_reduction: FCE_REDUCTION_MEAN */
   float label_smoothing;      /* epsilon in [0, 1): 0 */
   float z_loss_scale;         /* lambda >= 0, adds lambda * lse^2 to each row's loss (for mean
@@ -317,9 +329,10 @@ typedef struct fce_outputs {
  * grad_weight and grad_bias follow through the logits. A row whose grad_lse_i and
  * grad_entropy_i are both 0 gets the loss's gradient alone (an ignored row: zeros); an invalid
  * row's gradient stays NaN. fce_backward computes p_ij from the saved lse as for the loss
- * (rule 12). CUDA: a call with outputs->entropy, grad_lse or grad_entropy runs its rows on the
- * two-pass kernel (each row read twice, the second read mostly from L2: slower than the one-pass
- * loss + gradient); fce_linear_ce's vocabulary-sliced plan (a 16-bit grad_weight given less
+ * (rule 12). CUDA: a call with outputs->entropy, grad_lse or grad_entropy runs its rows in
+ * registers where the plain call's rows fit there (one read; its bulk-kernel rows too), else, and
+ * with label smoothing, on the two-pass kernel (each row read twice, the second read mostly from
+ * L2); either costs more than the plain loss + gradient (docs/performance.md); fce_linear_ce's vocabulary-sliced plan (a 16-bit grad_weight given less
  * workspace than the token chunks need) refuses grad_lse and grad_entropy with
  * FCE_ERROR_UNSUPPORTED (give optimal_bytes, or set grad_weight_fp32). Given without a gradient to add them to (fce_forward without
  * grad_logits, fce_linear_ce without grad_hidden, grad_weight and grad_bias), they are refused.
@@ -377,7 +390,8 @@ typedef struct fce_gradients {
  *   rows, vocab   N >= 0 rows (0: the empty problem of the conventions above) of
  *                 1 <= V <= 2^31-1 classes.
  *   logits        z [rows, row_stride] of options->dtype (read only).
- *   targets       y [rows] of options->target_dtype.
+ *   targets       y [rows] of options->target_dtype, or class probabilities q [rows, vocab]
+ *                 (a float target_dtype: docs/semantics.md rule 19).
  *   outputs       what the call writes (fce_outputs above: loss, lse, z_loss, argmax, accuracy,
  *                 error_flags).
  *   gradients     gradients->grad_logits, dloss/dz, for the upstream gradients->grad_output

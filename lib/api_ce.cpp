@@ -43,6 +43,7 @@ fce_status ce_call(const char* fn, fce::CeMode mode, const CallArgs& a, int64_t 
   const fce_options* o = &a.o;
   fce::CeProblem p{};
   FCE_TRY(check_options(fn, o, rows, vocab, &p.opt));
+  FCE_TRY(refuse_soft_accuracy(fn, *o, out));
   if (mode == fce::CeMode::kRescale && o->reduction == FCE_REDUCTION_NONE)
     return fail(FCE_ERROR_INVALID_ARGUMENT,
                 "%s: options->reduction is FCE_REDUCTION_NONE: a per-row upstream gradient "
@@ -62,7 +63,7 @@ fce_status ce_call(const char* fn, fce::CeMode mode, const CallArgs& a, int64_t 
                 (long long)rows);
   const fce::Arg args[] = {
       {"logits", logits, static_cast<uint64_t>(logits_bytes), e.esize, false},
-      e.targets(targets),
+      e.targets(targets, vocab),
       e.class_weights(vocab),
       e.grad_output(grad_output),
       e.lse(lse_in, false),

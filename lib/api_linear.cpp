@@ -62,6 +62,7 @@ FCE_API fce_status fce_linear_ce(const fce_options* options, int64_t rows, int64
   const fce_options* o = &local;
   fce::LinearCeProblem p{};
   FCE_TRY(check_options(fn, o, rows, vocab, &p.opt));
+  FCE_TRY(refuse_soft_accuracy(fn, *o, out));
   FCE_TRY(check_hidden(fn, hidden));
   const Entries e(*o, rows);
   const bool empty = rows == 0;  // per-row buffers of no elements may be NULL
@@ -81,7 +82,8 @@ FCE_API fce_status fce_linear_ce(const fce_options* options, int64_t rows, int64
   const int64_t h_bytes = span_bytes(rows, hidden, p.hidden_row_stride, e.esize);
   const int64_t w_bytes = span_bytes(vocab, hidden, hidden, 4);  // largest: f32 grad_weight
   const int64_t gh_bytes = span_bytes(rows, hidden, hidden, e.esize);
-  if (h_bytes < 0 || w_bytes < 0 || gh_bytes < 0 || rows > kMaxBytes / 8)
+  const int64_t q_bytes = e.soft ? span_bytes(rows, vocab, vocab, e.tsize) : 0;
+  if (h_bytes < 0 || w_bytes < 0 || gh_bytes < 0 || q_bytes < 0 || rows > kMaxBytes / 8)
     return fail(FCE_ERROR_INVALID_ARGUMENT,
                 "%s: the sizes (rows %lld, hidden %lld, vocab %lld) overflow a 64-bit byte "
                 "offset",
@@ -92,7 +94,7 @@ FCE_API fce_status fce_linear_ce(const fce_options* options, int64_t rows, int64
       {"hidden_states", hidden_states, static_cast<uint64_t>(h_bytes), e.esize, false},
       {"weight", weight, vd * e.esize, e.esize, false},
       {"bias", bias, v * e.esize, e.esize, false},
-      e.targets(targets),
+      e.targets(targets, vocab),
       e.class_weights(vocab),
       e.grad_output(g.grad_output),
       e.loss(loss),

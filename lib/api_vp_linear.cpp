@@ -41,6 +41,7 @@ fce_status check_sizes(const char* fn, const fce_options& o, const int64_t* rank
                        int64_t vocab_local, fce::VpLinearProblem* p) {
   FCE_TRY(check_vp_vocab(fn, vocab_total, vocab_start, vocab_local, true));
   FCE_TRY(check_options(fn, &o, rows, vocab_total, &p->opt));
+  FCE_TRY(refuse_soft_targets(fn, o));
   FCE_TRY(check_hidden(fn, hidden));
   FCE_TRY(check_vp_rows(fn, rows, ranks));
   p->fn = fn;
@@ -88,6 +89,7 @@ FCE_API fce_status fce_vp_linear_stats_workspace_size(const fce_options* options
                 (long long)vocab_local);
   fce::CeOptions opt;
   FCE_TRY(check_options(fn, &o, rows, vocab_local, &opt));
+  FCE_TRY(refuse_soft_targets(fn, o));
   FCE_TRY(check_hidden(fn, hidden));
   FCE_TRY(check_vp_rows(fn, rows, nullptr));
   FCE_TRY(check_size_outputs(fn, min_bytes, optimal_bytes));
@@ -157,6 +159,7 @@ FCE_API fce_status fce_vp_linear_backward_workspace_size(const fce_options* opti
   FCE_TRY(check_vp_vocab(fn, vocab_total, 0, vocab_local, false));
   fce::CeOptions opt;
   FCE_TRY(check_options(fn, &o, rows, vocab_total, &opt));
+  FCE_TRY(refuse_soft_targets(fn, o));
   FCE_TRY(check_hidden(fn, hidden));
   FCE_TRY(check_vp_rows(fn, rows, &ranks));
   FCE_TRY(check_grad_hidden_dtype(fn, grad_hidden_dtype, o.dtype));
@@ -353,6 +356,7 @@ FCE_API fce_status fce_vp_linear_ce_workspace_size(const fce_options* options, i
   FCE_TRY(check_vp_vocab(fn, vocab_total, 0, vocab_local, false));
   fce::CeOptions opt;
   FCE_TRY(check_options(fn, &o, rows, vocab_total, &opt));
+  FCE_TRY(refuse_soft_targets(fn, o));
   FCE_TRY(check_hidden(fn, hidden));
   FCE_TRY(check_vp_rows(fn, rows, &ranks));
   FCE_TRY(check_grad_hidden_dtype(fn, grad_hidden_dtype, o.dtype));

@@ -81,7 +81,10 @@ enum class CeMode { kForward, kBackward, kRescale };
 // The options every cross-entropy computation shares (docs/semantics.md, "The loss, row by row").
 struct CeOptions {
   int dtype;               // FCE_FLOAT32 / FCE_FLOAT16 / FCE_BFLOAT16 of the logits
-  bool targets_int64;      // target dtype
+  bool targets_int64;      // target dtype (class indices)
+  bool soft_targets;       // targets are class probabilities q [rows, vocab] (docs/semantics.md
+                           // rule 19), of q_dtype; every row scored, no ignore_index
+  int q_dtype;             // FCE_FLOAT32 / FCE_FLOAT16 / FCE_BFLOAT16 of q (soft_targets)
   int reduction;           // fce_reduction
   int64_t ignore_index;
   float label_smoothing;   // epsilon

@@ -67,7 +67,40 @@ int position(ArgTable args, const char* name) {
   return -1;
 }
 
+// Class-probability targets (docs/semantics.md rule 19): the options that need a target class
+// or are not supported with them yet.
+fce_status check_soft_options(const char* fn, const fce_options& o) {
+  if (!is_soft_dtype(o.target_dtype)) return FCE_SUCCESS;
+  if (o.token_scaling)
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "%s: options->token_scaling is set but options->target_dtype (%d) gives class "
+                "probabilities: there is no target class whose p_y could scale the row",
+                fn, o.target_dtype);
+  if (o.shift_seq_len != 0)
+    return fail(FCE_ERROR_UNSUPPORTED,
+                "%s: options->shift_seq_len (%lld) is not supported with class-probability "
+                "targets (options->target_dtype %d): shift the probabilities' rows instead",
+                fn, (long long)o.shift_seq_len, o.target_dtype);
+  return FCE_SUCCESS;
+}
+
 }  // namespace
+
+fce_status refuse_soft_targets(const char* fn, const fce_options& o) {
+  if (!is_soft_dtype(o.target_dtype)) return FCE_SUCCESS;
+  return fail(FCE_ERROR_UNSUPPORTED,
+              "%s: options->target_dtype (%d) gives class probabilities, which the "
+              "vocabulary-parallel calls do not support",
+              fn, o.target_dtype);
+}
+
+fce_status refuse_soft_accuracy(const char* fn, const fce_options& o, const fce_outputs& out) {
+  if (!is_soft_dtype(o.target_dtype) || !out.accuracy) return FCE_SUCCESS;
+  return fail(FCE_ERROR_INVALID_ARGUMENT,
+              "%s: outputs->accuracy is given but options->target_dtype (%d) gives class "
+              "probabilities: there is no target class to compare the argmax with",
+              fn, o.target_dtype);
+}
 
 fce_status begin_call(const char* fn, const fce_options* options, fce_options* local) {
   clear_error();
@@ -89,10 +122,12 @@ fce_status check_options(const char* fn, const fce_options* o, int64_t rows, int
     return fail(FCE_ERROR_INVALID_ARGUMENT,
                 "%s: options->dtype (%d) must be FCE_FLOAT32, FCE_FLOAT16 or FCE_BFLOAT16", fn,
                 o->dtype);
-  if (o->target_dtype != FCE_INT32 && o->target_dtype != FCE_INT64)
+  const bool soft = is_soft_dtype(o->target_dtype);
+  if (o->target_dtype != FCE_INT32 && o->target_dtype != FCE_INT64 && !soft)
     return fail(FCE_ERROR_INVALID_ARGUMENT,
-                "%s: options->target_dtype (%d) must be FCE_INT32 or FCE_INT64", fn,
-                o->target_dtype);
+                "%s: options->target_dtype (%d) must be FCE_INT32 or FCE_INT64 (class indices), "
+                "or FCE_FLOAT32, FCE_FLOAT16 or FCE_BFLOAT16 (class probabilities)",
+                fn, o->target_dtype);
   if (o->reduction != FCE_REDUCTION_MEAN && o->reduction != FCE_REDUCTION_SUM &&
       o->reduction != FCE_REDUCTION_NONE)
     return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: options->reduction (%d) is not an fce_reduction",
@@ -132,6 +167,7 @@ fce_status check_options(const char* fn, const fce_options* o, int64_t rows, int
     return fail(FCE_ERROR_INVALID_ARGUMENT,
                 "%s: options->shift (%lld) needs options->shift_seq_len > 0 (it is 0: no shift)",
                 fn, (long long)o->shift);
+  FCE_TRY(check_soft_options(fn, *o));
   // Here, not in the argument tables' check: the workspace queries take class weights too.
   FCE_TRY(check_alignment(fn, "options->class_weights", o->class_weights, 4));
   if (o->backend == FCE_BACKEND_CUDA) {
@@ -141,6 +177,8 @@ fce_status check_options(const char* fn, const fce_options* o, int64_t rows, int
   }
   out->dtype = o->dtype;
   out->targets_int64 = o->target_dtype == FCE_INT64;
+  out->soft_targets = soft;
+  out->q_dtype = soft ? o->target_dtype : FCE_FLOAT32;
   out->reduction = o->reduction;
   out->ignore_index = o->ignore_index;
   out->label_smoothing = o->label_smoothing;
@@ -317,6 +355,7 @@ Entries::Entries(const fce_options& options, int64_t rows_)
       rows(rows_),
       esize(dtype_size(options.dtype)),
       tsize(dtype_size(options.target_dtype)),
+      soft(is_soft_dtype(options.target_dtype)),
       per_row(options.reduction == FCE_REDUCTION_NONE) {}
 
 // ---- workspace queries ----

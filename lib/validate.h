@@ -24,6 +24,17 @@ constexpr int64_t kStatsBytes = FCE_VP_STATS * 4;  // one row of a shard's stati
 
 // ---- options and sizes ----
 
+// options->target_dtype of class probabilities (docs/semantics.md rule 19) rather than indices.
+inline bool is_soft_dtype(int32_t target_dtype) {
+  return target_dtype == FCE_FLOAT32 || target_dtype == FCE_FLOAT16 ||
+         target_dtype == FCE_BFLOAT16;
+}
+// Class-probability targets in a vocabulary-parallel call: FCE_ERROR_UNSUPPORTED naming the call
+// and options->target_dtype.
+fce_status refuse_soft_targets(const char* fn, const fce_options& o);
+// outputs->accuracy with class-probability targets (no target class): refused.
+fce_status refuse_soft_accuracy(const char* fn, const fce_options& o, const fce_outputs& out);
+
 // Starts a call: clears the last error and copies the caller's options into *local (the
 // defaults, overwritten by the struct_size bytes the caller's struct has: a caller of an older
 // 1.x version gets the defaults of the fields appended since; nothing past its struct is read).
@@ -239,14 +250,17 @@ struct Entries {
   int64_t rows;
   size_t esize;  // options->dtype
   size_t tsize;  // options->target_dtype
+  bool soft;     // class probabilities: targets are [rows, vocab] of target_dtype
   bool per_row;  // FCE_REDUCTION_NONE: loss, grad_output and accuracy have one value per row
 
   Entries(const fce_options& options, int64_t rows_);
   uint64_t row_floats() const { return static_cast<uint64_t>(rows) * 4; }
   uint64_t reduced_floats() const { return per_row ? row_floats() : 4; }
 
-  Arg targets(const void* p) const {
-    return {"targets", p, static_cast<uint64_t>(rows) * tsize, tsize, false};
+  // class indices [rows], or (soft) class probabilities [rows, vocab] dense
+  Arg targets(const void* p, int64_t vocab = 1) const {
+    const uint64_t per_row = soft ? static_cast<uint64_t>(vocab) : 1;
+    return {"targets", p, static_cast<uint64_t>(rows) * per_row * tsize, tsize, false};
   }
   Arg class_weights(int64_t vocab) const {
     return {"options->class_weights", o.class_weights, static_cast<uint64_t>(vocab) * 4, 4, false};

@@ -260,6 +260,26 @@ struct LinearResult {
   std::vector<double> grad_bias;    // [V]      sum over rows of dz
 };
 
+// The gradients over h, W and b of a function of the logits z = h W^T + b whose gradient over
+// z is dz [N * V] (the loss's, or the loss's plus other terms): res.grad_hidden, grad_weight,
+// grad_bias.
+inline void linear_backward(int64_t N, int64_t D, int64_t V, const std::vector<double>& h,
+                            const std::vector<double>& W, const std::vector<double>& dz,
+                            LinearResult& res) {
+  res.grad_hidden.assign(static_cast<size_t>(N * D), 0.0);
+  res.grad_weight.assign(static_cast<size_t>(V * D), 0.0);
+  res.grad_bias.assign(static_cast<size_t>(V), 0.0);
+  for (int64_t r = 0; r < N; ++r)
+    for (int64_t v = 0; v < V; ++v) {
+      double gz = dz[static_cast<size_t>(r * V + v)];
+      res.grad_bias[static_cast<size_t>(v)] += gz;
+      for (int64_t d = 0; d < D; ++d) {
+        res.grad_hidden[static_cast<size_t>(r * D + d)] += gz * W[static_cast<size_t>(v * D + d)];
+        res.grad_weight[static_cast<size_t>(v * D + d)] += gz * h[static_cast<size_t>(r * D + d)];
+      }
+    }
+}
+
 // fce_linear_ce: h [N * D] dense, W [V * D], b [V] or empty; the naive double matmul.
 inline LinearResult linear_cross_entropy(const Options& o, int64_t N, int64_t D, int64_t V,
                                          const std::vector<double>& h,
@@ -277,20 +297,7 @@ inline LinearResult linear_cross_entropy(const Options& o, int64_t N, int64_t D,
       res.logits[static_cast<size_t>(r * V + v)] = acc;
     }
   res.ce = cross_entropy(o, N, V, res.logits, y, g, want_grad);
-  if (!want_grad) return res;
-  const std::vector<double>& dz = res.ce.grad;
-  res.grad_hidden.assign(static_cast<size_t>(N * D), 0.0);
-  res.grad_weight.assign(static_cast<size_t>(V * D), 0.0);
-  res.grad_bias.assign(static_cast<size_t>(V), 0.0);
-  for (int64_t r = 0; r < N; ++r)
-    for (int64_t v = 0; v < V; ++v) {
-      double gz = dz[static_cast<size_t>(r * V + v)];
-      res.grad_bias[static_cast<size_t>(v)] += gz;
-      for (int64_t d = 0; d < D; ++d) {
-        res.grad_hidden[static_cast<size_t>(r * D + d)] += gz * W[static_cast<size_t>(v * D + d)];
-        res.grad_weight[static_cast<size_t>(v * D + d)] += gz * h[static_cast<size_t>(r * D + d)];
-      }
-    }
+  if (want_grad) linear_backward(N, D, V, h, W, res.ce.grad, res);
   return res;
 }
 

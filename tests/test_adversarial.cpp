@@ -179,8 +179,6 @@ const OptionSet kOptionSets[] = {
     {"smoothing_zloss_weights", 0.1, 1e-4, true},
 };
 
-const int kDtypes[] = {FCE_FLOAT32, FCE_FLOAT16, FCE_BFLOAT16};
-const int kReductions[] = {FCE_REDUCTION_MEAN, FCE_REDUCTION_SUM, FCE_REDUCTION_NONE};
 
 // ------------------------------------------------------------------ measuring ---------------
 // The worst normalised error per quantity, per (family, dtype), printed at the end of a test.

@@ -571,6 +571,25 @@ int main() {
     std::fprintf(stderr, "a stated choice of the table does not hold\n");
     ++failures;
   }
+  // Rule 18's terms: never the bulk kernel; the register path unless label smoothing keeps
+  // them on the stream kernels; long forward-only rows stream as without them.
+  auto terms = [](RowsShape q, bool in_regs) {
+    q.row_terms = true;
+    q.terms_in_regs = in_regs;
+    return q;
+  };
+  const RowsShape fwd_bulk{false, false, 16384, 16384, 2, true, false};  // bulk without terms
+  const RowsShape grad_short{false, true, 16384, 4096, 2, true, false};
+  if (path_of(h, fwd_bulk) != RowsPath::kBulk ||
+      path_of(h, terms(fwd_bulk, true)) != RowsPath::kRegisters ||
+      path_of(h, terms(grad_short, true)) != RowsPath::kRegisters ||
+      path_of(h, terms(fwd_short, true)) != RowsPath::kRegisters ||
+      path_of(h, terms(fwd, true)) != RowsPath::kTwoPass ||
+      path_of(h, terms(grad_short, false)) != RowsPath::kTwoPass ||
+      path_of(h, terms(bwd, true)) != RowsPath::kBackward) {
+    std::fprintf(stderr, "a stated choice of the table for rule 18's terms does not hold\n");
+    ++failures;
+  }
   std::printf("ce policy: %lld shapes compared with the frozen decision function, %d failure(s)\n",
               static_cast<long long>(compared), failures);
   return failures == 0 ? 0 : 1;

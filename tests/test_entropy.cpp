@@ -27,8 +27,7 @@ struct RowTermsRef {
 };
 
 RowTermsRef row_terms_ref(const fceref::Options& o, const fceref::CeResult& ce, int64_t N,
-                          int64_t V, const std::vector<double>* gl,
-                          const std::vector<double>* ge) {
+                          int64_t V, const std::vector<double>* gl, const std::vector<double>* ge) {
   RowTermsRef res;
   res.entropy.assign(static_cast<size_t>(N), fceref::kNaN);
   res.dz.assign(static_cast<size_t>(N * V), 0.0);
@@ -120,69 +119,45 @@ TEST(EntropyReference, FiniteDifferences) {
 }
 
 // ------------------------------------------------------------------ the calls -------------
-TestOptions lib_options(const fceref::Options& ro, int dtype, const Buf& weights) {
-  TestOptions o = test_options();
-  o.dtype = dtype;
-  o.reduction = ro.reduction;
-  o.label_smoothing = static_cast<float>(ro.label_smoothing);
-  o.z_loss_scale = static_cast<float>(ro.z_loss_scale);
-  o.softcap = static_cast<float>(ro.softcap);
-  o.logit_scale = static_cast<float>(ro.logit_scale);
-  o.class_weights = weights.empty() ? nullptr : weights.p<const float>();
-  o.ignore_index = ro.ignore_index;
-  o.shift_seq_len = ro.shift_seq_len;
-  o.shift = ro.shift;
-  o.token_scaling = ro.token_scaling ? 1 : 0;
-  return o;
-}
-
-struct Config {
-  const char* name;
-  fceref::Options ro;
-  bool weights = false;
-};
-
-std::vector<Config> configs() {
-  using Set = void (*)(fceref::Options&);
-  auto make = [](const char* name, Set set, bool weights = false) {
-    Config c{name, {}, weights};
-    if (set) set(c.ro);
+// The option sets of the cases, on a CeSpec (spec_options and reference_options give the
+// library's options and the reference's); a quarter of the targets ignored.
+std::vector<CeSpec> configs() {
+  auto make = [](const char* name, void (*set)(CeSpec&)) {
+    CeSpec c;
+    c.name = name;
+    c.ignore_frac = 0.25;
+    if (set) set(c);
     return c;
   };
   return {
       make("plain", nullptr),
       make("smoothing+weights+zloss",
-           [](fceref::Options& o) { o.label_smoothing = 0.1, o.z_loss_scale = 1e-3; }, true),
-      make("softcap+scale", [](fceref::Options& o) { o.softcap = 20.0, o.logit_scale = 0.75; }),
-      make("scale", [](fceref::Options& o) { o.logit_scale = 1.5; }),
-      make("shift", [](fceref::Options& o) { o.shift_seq_len = 4, o.shift = 1; }),
-      make("token_scaling+zloss",
-           [](fceref::Options& o) { o.token_scaling = true, o.z_loss_scale = 1e-2; }),
+           [](CeSpec& c) { c.eps = 0.1f, c.lambda = 1e-3f, c.weights = true; }),
+      make("softcap+scale", [](CeSpec& c) { c.softcap = 20.0f, c.scale = 0.75f; }),
+      make("scale", [](CeSpec& c) { c.scale = 1.5f; }),
+      make("shift", [](CeSpec& c) { c.shift = 4, c.shift_k = 1; }),
+      make("token_scaling+zloss", [](CeSpec& c) { c.token_scaling = true, c.lambda = 1e-2f; }),
   };
 }
 
-// What one fce_forward / fce_backward case checks.
-struct Problem {
-  int64_t N, V;
-  std::vector<double> z;     // dense [N * V], rounded to the dtype
-  std::vector<int64_t> y;
-  std::vector<double> weights;
-  std::vector<double> gl, ge;  // [N]
-  std::vector<double> g;       // upstream of the loss: [1] or [N]
+// One case's data: ce_data's (logits of row std 1 to 30, targets, class weights, the loss's
+// upstream gradient) and the upstream gradients of lse and of the entropy, [N] in [-2, 2) each.
+struct Problem : CeData {
+  std::vector<double> gl, ge;
 };
 
-Problem make_problem(std::mt19937_64& rng, int dtype, const fceref::Options& ro, bool weights,
-                     int64_t N, int64_t V) {
+Problem make_problem(const CeSpec& c) {
   Problem p;
-  p.N = N;
-  p.V = V;
-  p.z = random_logits(rng, dtype, N, V, 1.0, 30.0);
-  p.y = random_targets(rng, N, V, 0.25);
-  if (weights) p.weights = random_uniform(rng, static_cast<size_t>(V), 0.2, 2.0);
-  p.gl = random_uniform(rng, static_cast<size_t>(N), -2.0, 2.0);
-  p.ge = random_uniform(rng, static_cast<size_t>(N), -2.0, 2.0);
-  p.g = random_uniform(rng, ro.reduction == fceref::kNone ? static_cast<size_t>(N) : 1, 0.5, 2.0);
+  static_cast<CeData&>(p) = ce_data(c, 1.0, 30.0);
+  std::mt19937_64 rng = spec_rng(c, 18);
+  p.gl = random_uniform(rng, static_cast<size_t>(c.N), -2.0, 2.0);
+  p.ge = random_uniform(rng, static_cast<size_t>(c.N), -2.0, 2.0);
   return p;
+}
+
+// The case's name, dtype and reduction, for SCOPED_TRACE.
+std::string case_name(const CeSpec& c) {
+  return c.name + " " + dtype_name(c.dtype) + " " + reduction_name(c.reduction);
 }
 
 struct Want {
@@ -191,32 +166,35 @@ struct Want {
 
 // fce_forward with outputs->entropy and lse, and the one-pass gradient with grad_lse and
 // grad_entropy (loss_grad false: grad_output 0 for mean/sum, so only the row terms are left).
-void check_forward(int dtype, const Config& c, int reduction, const Want& w, uint64_t seed,
-                   int64_t N = 16, int64_t V = 203) {
-  SCOPED_TRACE(std::string(c.name) + " " + dtype_name(dtype) + " " + reduction_name(reduction));
-  fceref::Options ro = c.ro;
-  ro.reduction = reduction;
-  std::mt19937_64 rng(seed);
-  Problem P = make_problem(rng, dtype, ro, c.weights, N, V);
+void check_forward(CeSpec c, int dtype, int reduction, const Want& w, uint64_t seed, int64_t N = 16,
+                   int64_t V = 203) {
+  c.dtype = dtype;
+  c.reduction = reduction;
+  c.seed = seed;
+  c.N = N;
+  c.V = V;
+  SCOPED_TRACE(case_name(c));
+  Problem P = make_problem(c);
   if (!w.loss_grad) std::fill(P.g.begin(), P.g.end(), 0.0);
-  ro.class_weights = P.weights;
-  const fceref::CeResult ref = fceref::cross_entropy(ro, P.N, P.V, P.z, P.y, &P.g, true);
-  const RowTermsRef rt = row_terms_ref(ro, ref, P.N, P.V, w.lse_terms ? &P.gl : nullptr,
+  const fceref::Options ro = reference_options(c, P.w);
+  const fceref::CeResult ref = fceref::cross_entropy(ro, N, V, P.z, P.y, &P.g, true);
+  const RowTermsRef rt = row_terms_ref(ro, ref, N, V, w.lse_terms ? &P.gl : nullptr,
                                        w.entropy_terms ? &P.ge : nullptr);
 
-  const Mat zm = mat(dtype, P.N, P.V);
+  const Mat zm = mat(dtype, N, V);
   Buf z(zm);
   write_mat(z, zm, P.z);
   z.push();
-  Buf wb = P.weights.empty() ? Buf() : f32_buf(P.weights);
-  Buf y = targets_buf(P.y, FCE_INT64);
+  Buf wb = P.w.empty() ? Buf() : f32_buf(P.w);
+  Buf y = targets_buf(P.y, c.tdtype);
   Buf gl = f32_buf(P.gl), ge = f32_buf(P.ge), g = f32_buf(P.g);
-  const Mat lm = vec(FCE_FLOAT32, reduction == fceref::kNone ? P.N : 1);
-  const Mat rm = vec(FCE_FLOAT32, P.N);
+  const Mat lm = vec(FCE_FLOAT32, reduction == FCE_REDUCTION_NONE ? N : 1);
+  const Mat rm = vec(FCE_FLOAT32, N);
   Buf loss = poisoned(lm), lse = poisoned(rm), ent = poisoned(rm), grad = poisoned(zm);
-  TestOptions o = lib_options(ro, dtype, wb);
+  TestOptions o = spec_options(c);
+  o.class_weights = wb.p<const float>();
   size_t ws_bytes = 0;
-  ASSERT_EQ(fce_forward_workspace_size(&o, P.N, P.V, &ws_bytes), FCE_SUCCESS);
+  ASSERT_EQ(fce_forward_workspace_size(&o, N, V, &ws_bytes), FCE_SUCCESS);
   Buf ws = workspace_buf(ws_bytes);
   fce_outputs out = FCE_OUTPUTS_INIT;
   out.loss = loss.p<float>();
@@ -228,7 +206,7 @@ void check_forward(int dtype, const Config& c, int reduction, const Want& w, uin
   gr.grad_lse = w.lse_terms ? gl.p<const float>() : nullptr;
   gr.grad_entropy = w.entropy_terms ? ge.p<const float>() : nullptr;
   const fce_status st =
-      fce_forward(&o, P.N, P.V, z.ptr(), y.ptr(), &out, &gr, ws.ptr(), ws_bytes, test_stream());
+      fce_forward(&o, N, V, z.ptr(), y.ptr(), &out, &gr, ws.ptr(), ws_bytes, test_stream());
   ASSERT_EQ(st, FCE_SUCCESS) << fce_last_error();
   ASSERT_TRUE(finish());
   loss.pull();
@@ -239,12 +217,13 @@ void check_forward(int dtype, const Config& c, int reduction, const Want& w, uin
   EXPECT_TRUE(all_written(grad, zm, "grad_logits"));
   EXPECT_TRUE(close_normwise(read_mat(ent, rm), rt.entropy, 1e-5, "entropy"));
   EXPECT_TRUE(close_normwise(read_mat(lse, rm), ref.lse, 1e-5, "lse"));
-  if (reduction == fceref::kNone)
+  if (reduction == FCE_REDUCTION_NONE) {
     EXPECT_TRUE(close_normwise(read_mat(loss, lm), ref.row_loss, 1e-5, "loss"));
-  else
+  } else {
     EXPECT_TRUE(close_scalar(read_mat(loss, lm)[0], ref.loss, 1e-5, "loss"));
-  EXPECT_TRUE(close_normwise(read_mat(grad, zm), total_grad(ref, rt), tolerance(dtype),
-                             "grad_logits"));
+  }
+  EXPECT_TRUE(
+      close_normwise(read_mat(grad, zm), total_grad(ref, rt), tolerance(dtype), "grad_logits"));
 }
 
 class Entropy : public BackendTest {};
@@ -252,37 +231,37 @@ class Entropy : public BackendTest {};
 TEST_F(Entropy, ForwardOnePass) {
   uint64_t seed = 100;
   for (int dtype : {FCE_FLOAT32, FCE_FLOAT16, FCE_BFLOAT16})
-    for (const Config& c : configs())
-      for (int red : {fceref::kMean, fceref::kSum, fceref::kNone}) check_forward(dtype, c, red, {}, ++seed);
+    for (const CeSpec& c : configs())
+      for (int red : kReductions) check_forward(c, dtype, red, {}, ++seed);
 }
 
 TEST_F(Entropy, ForwardTermsAlone) {
   uint64_t seed = 200;
   for (int dtype : {FCE_FLOAT32, FCE_BFLOAT16})
-    for (const Config& c : configs())
-      for (int red : {fceref::kMean, fceref::kSum}) {
-        check_forward(dtype, c, red, {true, false, false}, ++seed);  // grad_lse alone
-        check_forward(dtype, c, red, {false, true, false}, ++seed);  // grad_entropy alone
-        check_forward(dtype, c, red, {true, true, false}, ++seed);
+    for (const CeSpec& c : configs())
+      for (int red : {FCE_REDUCTION_MEAN, FCE_REDUCTION_SUM}) {
+        check_forward(c, dtype, red, {true, false, false}, ++seed);  // grad_lse alone
+        check_forward(c, dtype, red, {false, true, false}, ++seed);  // grad_entropy alone
+        check_forward(c, dtype, red, {true, true, false}, ++seed);
       }
 }
 
 TEST_F(Entropy, ForwardOneTermWithLoss) {
   uint64_t seed = 300;
   for (int dtype : {FCE_FLOAT32, FCE_FLOAT16})
-    for (const Config& c : configs()) {
-      check_forward(dtype, c, fceref::kMean, {true, false, true}, ++seed);
-      check_forward(dtype, c, fceref::kNone, {false, true, true}, ++seed);
+    for (const CeSpec& c : configs()) {
+      check_forward(c, dtype, FCE_REDUCTION_MEAN, {true, false, true}, ++seed);
+      check_forward(c, dtype, FCE_REDUCTION_NONE, {false, true, true}, ++seed);
     }
 }
 
 // Rows longer than one pass of a CTA's threads (CUDA: the stream kernel's chunks).
 TEST_F(Entropy, LongRows) {
   uint64_t seed = 600;
-  const std::vector<Config> cs = configs();
+  const std::vector<CeSpec> cs = configs();
   for (int dtype : {FCE_FLOAT32, FCE_BFLOAT16})
-    for (const Config& c : {cs[0], cs[1], cs[2]})
-      check_forward(dtype, c, fceref::kMean, {}, ++seed, 3, 70001);
+    for (const CeSpec& c : {cs[0], cs[1], cs[2]})
+      check_forward(c, dtype, FCE_REDUCTION_MEAN, {}, ++seed, 3, 70001);
 }
 
 // Adversarial rows: −inf entries, a constant row, a row near the dtype's limit, a row of huge
@@ -294,15 +273,17 @@ TEST_F(Entropy, AdversarialRows) {
     const double big = dtype == FCE_FLOAT16 ? 65504.0 : dtype == FCE_BFLOAT16 ? 3.38e38 : 3.4e38;
     std::mt19937_64 rng(11);
     std::vector<double> z = random_logits(rng, dtype, N, V, 1.0, 10.0);
-    for (int64_t j = 0; j < V; j += 3) z[0 * V + j] = -INFINITY;       // −inf entries
+    for (int64_t j = 0; j < V; j += 3) z[0 * V + j] = -INFINITY;           // −inf entries
     for (int64_t j = 0; j < V; ++j) z[1 * V + j] = round_to(dtype, -big);  // constant, huge
     for (int64_t j = 0; j < V; ++j) z[2 * V + j] = round_to(dtype, j % 2 ? big : big / 2);
-    for (int64_t j = 0; j < V; ++j) z[3 * V + j] = 0.0;                   // constant: H = log V
+    for (int64_t j = 0; j < V; ++j) z[3 * V + j] = 0.0;                       // constant: H = log V
     for (int64_t j = 0; j < V; ++j) z[4 * V + j] = j == 5 ? 0.0 : -INFINITY;  // one-hot: H = 0
     for (int64_t j = 0; j < V; ++j) z[5 * V + j] = round_to(dtype, j * (big / V) - big / 2);
     const std::vector<int64_t> y = {1, 2, -100, 4, 5, 6};
-    fceref::Options ro;
-    ro.reduction = fceref::kSum;
+    CeSpec c;
+    c.dtype = dtype;
+    c.reduction = FCE_REDUCTION_SUM;
+    const fceref::Options ro = reference_options(c, {});
     const std::vector<double> g = {1.0}, gl = random_uniform(rng, N, -1, 1),
                               ge = random_uniform(rng, N, -1, 1);
     const fceref::CeResult ref = fceref::cross_entropy(ro, N, V, z, y, &g, true);
@@ -316,8 +297,7 @@ TEST_F(Entropy, AdversarialRows) {
     zb.push();
     Buf yb = targets_buf(y, FCE_INT64), gb = f32_buf(g), glb = f32_buf(gl), geb = f32_buf(ge);
     Buf loss = poisoned(vec(FCE_FLOAT32, 1)), ent = poisoned(rm), grad = poisoned(zm);
-    Buf none;
-    TestOptions o = lib_options(ro, dtype, none);
+    TestOptions o = spec_options(c);
     size_t ws_bytes = 0;
     ASSERT_EQ(fce_forward_workspace_size(&o, N, V, &ws_bytes), FCE_SUCCESS);
     Buf ws = workspace_buf(ws_bytes);
@@ -353,35 +333,37 @@ TEST_F(Entropy, AdversarialRows) {
 TEST_F(Entropy, BackwardGradLse) {
   uint64_t seed = 400;
   for (int dtype : {FCE_FLOAT32, FCE_FLOAT16, FCE_BFLOAT16})
-    for (const Config& c : configs())
-      for (int red : {fceref::kMean, fceref::kNone}) {
-        SCOPED_TRACE(std::string(c.name) + " " + dtype_name(dtype) + " " + reduction_name(red));
-        fceref::Options ro = c.ro;
-        ro.reduction = red;
-        std::mt19937_64 rng(++seed);
-        Problem P = make_problem(rng, dtype, ro, c.weights, 12, 131);
-        ro.class_weights = P.weights;
-        const fceref::CeResult ref = fceref::cross_entropy(ro, P.N, P.V, P.z, P.y, &P.g, true);
-        const RowTermsRef rt = row_terms_ref(ro, ref, P.N, P.V, &P.gl, nullptr);
-        const Mat zm = mat(dtype, P.N, P.V);
+    for (CeSpec c : configs())
+      for (int red : {FCE_REDUCTION_MEAN, FCE_REDUCTION_NONE}) {
+        c.dtype = dtype;
+        c.reduction = red;
+        c.seed = ++seed;
+        c.N = 12;
+        c.V = 131;
+        SCOPED_TRACE(case_name(c));
+        const int64_t N = c.N, V = c.V;
+        const Problem P = make_problem(c);
+        const fceref::Options ro = reference_options(c, P.w);
+        const fceref::CeResult ref = fceref::cross_entropy(ro, N, V, P.z, P.y, &P.g, true);
+        const RowTermsRef rt = row_terms_ref(ro, ref, N, V, &P.gl, nullptr);
+        const Mat zm = mat(dtype, N, V);
         Buf z(zm);
         write_mat(z, zm, P.z);
         z.push();
-        Buf wb = P.weights.empty() ? Buf() : f32_buf(P.weights);
-        Buf y = targets_buf(P.y, FCE_INT64), gl = f32_buf(P.gl), g = f32_buf(P.g);
-        std::vector<double> lse_f32(ref.lse.size());
-        for (size_t i = 0; i < lse_f32.size(); ++i) lse_f32[i] = static_cast<float>(ref.lse[i]);
-        Buf lse = f32_buf(lse_f32);
+        Buf wb = P.w.empty() ? Buf() : f32_buf(P.w);
+        Buf y = targets_buf(P.y, c.tdtype), gl = f32_buf(P.gl), g = f32_buf(P.g);
+        Buf lse = f32_buf(as_f32(ref.lse));
         Buf grad = poisoned(zm);
-        TestOptions o = lib_options(ro, dtype, wb);
+        TestOptions o = spec_options(c);
+        o.class_weights = wb.p<const float>();
         size_t ws_bytes = 0;
-        ASSERT_EQ(fce_backward_workspace_size(&o, P.N, P.V, &ws_bytes), FCE_SUCCESS);
+        ASSERT_EQ(fce_backward_workspace_size(&o, N, V, &ws_bytes), FCE_SUCCESS);
         Buf ws = workspace_buf(ws_bytes);
         fce_gradients gr = FCE_GRADIENTS_INIT;
         gr.grad_logits = grad.ptr();
         gr.grad_output = g.p<const float>();
         gr.grad_lse = gl.p<const float>();
-        const fce_status st = fce_backward(&o, P.N, P.V, z.ptr(), y.ptr(), lse.p<const float>(),
+        const fce_status st = fce_backward(&o, N, V, z.ptr(), y.ptr(), lse.p<const float>(),
                                            nullptr, &gr, ws.ptr(), ws_bytes, test_stream());
         ASSERT_EQ(st, FCE_SUCCESS) << fce_last_error();
         ASSERT_TRUE(finish());
@@ -398,52 +380,51 @@ TEST_F(Entropy, BackwardGradLse) {
 TEST_F(Entropy, LinearCe) {
   uint64_t seed = 500;
   for (int dtype : {FCE_FLOAT32, FCE_BFLOAT16})
-    for (int red : {fceref::kMean, fceref::kNone})
+    for (int red : {FCE_REDUCTION_MEAN, FCE_REDUCTION_NONE})
       for (int fp32w : {0, 1})
         for (int big_ws : {0, 1}) {
           SCOPED_TRACE(std::string(dtype_name(dtype)) + " " + reduction_name(red) + " fp32w " +
                        std::to_string(fp32w) + " ws " + std::to_string(big_ws));
-          const int64_t N = 24, D = 32, V = 157;
-          std::mt19937_64 rng(++seed);
-          fceref::Options ro;
-          ro.reduction = red;
-          ro.label_smoothing = 0.05;
-          ro.softcap = 30.0;
-          const std::vector<double> h = random_normal(rng, dtype, N * D, 1.0);
-          const std::vector<double> W = random_normal(rng, dtype, V * D, 0.5);
-          const std::vector<double> b = random_normal(rng, dtype, V, 0.5);
-          const std::vector<int64_t> yv = random_targets(rng, N, V, 0.2);
-          const std::vector<double> gl = random_uniform(rng, N, -1, 1), ge = random_uniform(rng, N, -1, 1);
-          const std::vector<double> g = random_uniform(rng, red == fceref::kNone ? N : 1, 0.5, 2);
-          fceref::LinearResult ref = fceref::linear_cross_entropy(ro, N, D, V, h, W, b, yv, &g, true);
+          LinearSpec c;
+          c.name = "linear";
+          c.dtype = dtype;
+          c.reduction = red;
+          c.seed = ++seed;
+          c.N = 24;
+          c.D = 32;
+          c.V = 157;
+          c.zstd = 0.5 * std::sqrt(32.0);  // weight entries of std 0.5
+          c.eps = 0.05f;
+          c.softcap = 30.0f;
+          c.ignore_frac = 0.2;
+          c.gw_fp32 = fp32w;
+          const int64_t N = c.N, D = c.D, V = c.V;
+          std::mt19937_64 rng = linear_rng(c);
+          const LinearData d = linear_data(rng, c);
+          const std::vector<double> gl = random_uniform(rng, N, -1, 1),
+                                    ge = random_uniform(rng, N, -1, 1);
+          const fceref::Options ro = reference_options(c, d.w);
+          fceref::LinearResult ref =
+              fceref::linear_cross_entropy(ro, N, D, V, d.h, d.W, d.b, d.y, &d.g, true);
           const RowTermsRef rt = row_terms_ref(ro, ref.ce, N, V, &gl, &ge);
-          const std::vector<double> dz = total_grad(ref.ce, rt);
-          std::vector<double> dh(N * D, 0.0), dW(V * D, 0.0), db(V, 0.0);
-          for (int64_t r = 0; r < N; ++r)
-            for (int64_t v = 0; v < V; ++v) {
-              const double d = dz[r * V + v];
-              db[v] += d;
-              for (int64_t k = 0; k < D; ++k) {
-                dh[r * D + k] += d * W[v * D + k];
-                dW[v * D + k] += d * h[r * D + k];
-              }
-            }
+          fceref::linear_backward(N, D, V, d.h, d.W, total_grad(ref.ce, rt), ref);
           const Mat hm = mat(dtype, N, D), wm = mat(dtype, V, D), bm = vec(dtype, V);
           const int gw_dtype = fp32w ? FCE_FLOAT32 : dtype;
           const Mat gwm = mat(gw_dtype, V, D), gbm = vec(gw_dtype, V), rm = vec(FCE_FLOAT32, N);
           Buf hb(hm), wb(wm), bb(bm);
-          write_mat(hb, hm, h);
-          write_mat(wb, wm, W);
-          write_mat(bb, bm, b);
+          write_mat(hb, hm, d.h);
+          write_mat(wb, wm, d.W);
+          write_mat(bb, bm, d.b);
           hb.push();
           wb.push();
           bb.push();
-          Buf yb = targets_buf(yv, FCE_INT64), glb = f32_buf(gl), geb = f32_buf(ge), gb = f32_buf(g);
-          Buf loss = poisoned(vec(FCE_FLOAT32, red == fceref::kNone ? N : 1)), ent = poisoned(rm);
+          Buf yb = targets_buf(d.y, c.tdtype), glb = f32_buf(gl), geb = f32_buf(ge);
+          Buf gb = f32_buf(d.g);
+          Buf loss = poisoned(vec(FCE_FLOAT32, red == FCE_REDUCTION_NONE ? N : 1));
+          Buf ent = poisoned(rm);
           Buf gh = poisoned(hm), gw = poisoned(gwm), gbias = poisoned(gbm);
-          Buf none;
-          TestOptions o = lib_options(ro, dtype, none);
-          o.grad_weight_fp32 = fp32w;
+          TestOptions o = spec_options(c);
+          o.grad_weight_fp32 = c.gw_fp32;
           size_t lo = 0, hi = 0;
           ASSERT_EQ(fce_linear_ce_workspace_size(&o, N, D, V, 1, &lo, &hi), FCE_SUCCESS);
           const size_t ws_bytes = big_ws ? hi : lo;
@@ -476,15 +457,12 @@ TEST_F(Entropy, LinearCe) {
           const double tol = dtype == FCE_FLOAT32 ? 1e-4 : 4 * tolerance(dtype);
           // the entropy, like the loss: a 16-bit plan may hold the logits in the dtype (as torch
           // eager does), which moves each by up to u |z| and the entropy by up to 2u max|z|
-          // relative (the linear suite's lin_tolerance)
-          double zmax = 0;
-          for (double v : ref.logits) zmax = std::max(zmax, std::fabs(v));
-          const double ent_tol =
-              dtype == FCE_FLOAT32 ? 1e-4 : unit_roundoff(dtype) * (4.0 + 2.0 * zmax);
+          // relative (lin_tolerance)
+          const double ent_tol = dtype == FCE_FLOAT32 ? 1e-4 : lin_tolerance(dtype, ref.logits);
           EXPECT_TRUE(close_normwise(read_mat(ent, rm), rt.entropy, ent_tol, "entropy"));
-          EXPECT_TRUE(close_normwise(read_mat(gh, hm), dh, tol, "grad_hidden"));
-          EXPECT_TRUE(close_normwise(read_mat(gw, gwm), dW, tol, "grad_weight"));
-          EXPECT_TRUE(close_normwise(read_mat(gbias, gbm), db, tol, "grad_bias"));
+          EXPECT_TRUE(close_normwise(read_mat(gh, hm), ref.grad_hidden, tol, "grad_hidden"));
+          EXPECT_TRUE(close_normwise(read_mat(gw, gwm), ref.grad_weight, tol, "grad_weight"));
+          EXPECT_TRUE(close_normwise(read_mat(gbias, gbm), ref.grad_bias, tol, "grad_bias"));
         }
 }
 
@@ -492,7 +470,8 @@ TEST_F(Entropy, LinearCe) {
 class EntropyRefusals : public BackendTest {
  protected:
   static constexpr int64_t N = 4, V = 8, D = 4;
-  Buf z{mat(FCE_FLOAT32, N, V)}, grad{mat(FCE_FLOAT32, N, V)}, y{targets_buf({1, 2, 3, 4}, FCE_INT64)};
+  Buf z{mat(FCE_FLOAT32, N, V)}, grad{mat(FCE_FLOAT32, N, V)},
+      y{targets_buf({1, 2, 3, 4}, FCE_INT64)};
   Buf rows{vec(FCE_FLOAT32, N)}, rows2{vec(FCE_FLOAT32, N)}, loss{vec(FCE_FLOAT32, N)};
   Buf stats{static_cast<size_t>(N * FCE_VP_STATS * 4)};
   Buf h{mat(FCE_FLOAT32, N, D)}, W{mat(FCE_FLOAT32, V, D)}, gh{mat(FCE_FLOAT32, N, D)};
@@ -532,8 +511,8 @@ TEST_F(EntropyRefusals, BackwardRescale) {
   for (int which = 0; which < 2; ++which) {
     fce_gradients g = which ? with_entropy() : with_lse();
     g.grad_output = g1.p<const float>();
-    expect_refused(fce_backward_rescale(&o, N, V, z.ptr(), y.ptr(), rows2.p<const float>(),
-                                        nullptr, &g, ws.ptr(), ws.size(), test_stream()),
+    expect_refused(fce_backward_rescale(&o, N, V, z.ptr(), y.ptr(), rows2.p<const float>(), nullptr,
+                                        &g, ws.ptr(), ws.size(), test_stream()),
                    FCE_ERROR_UNSUPPORTED,
                    which ? "fce_backward_rescale: gradients->grad_entropy"
                          : "fce_backward_rescale: gradients->grad_lse");
@@ -545,14 +524,14 @@ TEST_F(EntropyRefusals, ForwardWithoutGradient) {
   out.loss = loss.p<float>();
   fce_gradients g = with_lse();
   g.grad_logits = nullptr;
-  expect_refused(fce_forward(&o, N, V, z.ptr(), y.ptr(), &out, &g, ws.ptr(), ws.size(),
-                             test_stream()),
-                 FCE_ERROR_INVALID_ARGUMENT, "fce_forward: gradients->grad_lse|grad_logits is NULL");
+  expect_refused(
+      fce_forward(&o, N, V, z.ptr(), y.ptr(), &out, &g, ws.ptr(), ws.size(), test_stream()),
+      FCE_ERROR_INVALID_ARGUMENT, "fce_forward: gradients->grad_lse|grad_logits is NULL");
   g = with_entropy();
   g.grad_logits = nullptr;
-  expect_refused(fce_forward(&o, N, V, z.ptr(), y.ptr(), &out, &g, ws.ptr(), ws.size(),
-                             test_stream()),
-                 FCE_ERROR_INVALID_ARGUMENT, "fce_forward: gradients->grad_entropy");
+  expect_refused(
+      fce_forward(&o, N, V, z.ptr(), y.ptr(), &out, &g, ws.ptr(), ws.size(), test_stream()),
+      FCE_ERROR_INVALID_ARGUMENT, "fce_forward: gradients->grad_entropy");
 }
 
 TEST_F(EntropyRefusals, LinearWithoutGradient) {
@@ -560,10 +539,9 @@ TEST_F(EntropyRefusals, LinearWithoutGradient) {
   out.loss = loss.p<float>();
   fce_gradients g = FCE_GRADIENTS_INIT;
   g.grad_entropy = rows.p<const float>();
-  expect_refused(fce_linear_ce(&o, N, D, V, h.ptr(), W.ptr(), nullptr, y.ptr(), &out, &g,
-                               ws.ptr(), ws.size(), test_stream()),
-                 FCE_ERROR_INVALID_ARGUMENT,
-                 "fce_linear_ce: gradients->grad_entropy|are all NULL");
+  expect_refused(fce_linear_ce(&o, N, D, V, h.ptr(), W.ptr(), nullptr, y.ptr(), &out, &g, ws.ptr(),
+                               ws.size(), test_stream()),
+                 FCE_ERROR_INVALID_ARGUMENT, "fce_linear_ce: gradients->grad_entropy|are all NULL");
 }
 
 TEST_F(EntropyRefusals, GradientOnlyCallsRefuseEntropyOutput) {
@@ -571,8 +549,8 @@ TEST_F(EntropyRefusals, GradientOnlyCallsRefuseEntropyOutput) {
   out.entropy = rows2.p<float>();
   fce_gradients g = FCE_GRADIENTS_INIT;
   g.grad_logits = grad.ptr();
-  expect_refused(fce_backward(&o, N, V, z.ptr(), y.ptr(), rows.p<const float>(), &out, &g,
-                              ws.ptr(), ws.size(), test_stream()),
+  expect_refused(fce_backward(&o, N, V, z.ptr(), y.ptr(), rows.p<const float>(), &out, &g, ws.ptr(),
+                              ws.size(), test_stream()),
                  FCE_ERROR_INVALID_ARGUMENT, "fce_backward: outputs->entropy");
 }
 
@@ -581,8 +559,8 @@ TEST_F(EntropyRefusals, VocabParallel) {
   fce_outputs out = FCE_OUTPUTS_INIT;
   out.loss = loss.p<float>();
   out.entropy = rows2.p<float>();
-  expect_refused(fce_vp_loss(&o, &s, N, y.ptr(), stats.p<const float>(), &out, ws.ptr(),
-                             ws.size(), test_stream()),
+  expect_refused(fce_vp_loss(&o, &s, N, y.ptr(), stats.p<const float>(), &out, ws.ptr(), ws.size(),
+                             test_stream()),
                  FCE_ERROR_UNSUPPORTED,
                  "fce_vp_loss: outputs->entropy is not supported by the vocabulary-parallel calls");
   fce_gradients g = with_lse();
@@ -616,26 +594,26 @@ TEST_F(EntropyRefusals, AlignmentAndOverlap) {
   out.loss = loss.p<float>();
   out.entropy = reinterpret_cast<float*>(rows2.p<char>() + 2);
   fce_gradients g = FCE_GRADIENTS_INIT;
-  expect_refused(fce_forward(&o, N, V, z.ptr(), y.ptr(), &out, &g, ws.ptr(), ws.size(),
-                             test_stream()),
-                 FCE_ERROR_MISALIGNED, "fce_forward: outputs->entropy");
+  expect_refused(
+      fce_forward(&o, N, V, z.ptr(), y.ptr(), &out, &g, ws.ptr(), ws.size(), test_stream()),
+      FCE_ERROR_MISALIGNED, "fce_forward: outputs->entropy");
   out.entropy = rows2.p<float>();
   g = with_lse();
   g.grad_lse = reinterpret_cast<const float*>(rows.p<char>() + 2);
-  expect_refused(fce_forward(&o, N, V, z.ptr(), y.ptr(), &out, &g, ws.ptr(), ws.size(),
-                             test_stream()),
-                 FCE_ERROR_MISALIGNED, "fce_forward: gradients->grad_lse");
+  expect_refused(
+      fce_forward(&o, N, V, z.ptr(), y.ptr(), &out, &g, ws.ptr(), ws.size(), test_stream()),
+      FCE_ERROR_MISALIGNED, "fce_forward: gradients->grad_lse");
   g = with_entropy();
   g.grad_entropy = rows2.p<const float>();  // the entropy output itself
-  expect_refused(fce_forward(&o, N, V, z.ptr(), y.ptr(), &out, &g, ws.ptr(), ws.size(),
-                             test_stream()),
-                 FCE_ERROR_INVALID_ARGUMENT, "outputs->entropy|gradients->grad_entropy|overlaps");
+  expect_refused(
+      fce_forward(&o, N, V, z.ptr(), y.ptr(), &out, &g, ws.ptr(), ws.size(), test_stream()),
+      FCE_ERROR_INVALID_ARGUMENT, "outputs->entropy|gradients->grad_entropy|overlaps");
   out.entropy = nullptr;
   g = with_lse();
   g.grad_lse = reinterpret_cast<const float*>(grad.ptr());  // inside the gradient
-  expect_refused(fce_forward(&o, N, V, z.ptr(), y.ptr(), &out, &g, ws.ptr(), ws.size(),
-                             test_stream()),
-                 FCE_ERROR_INVALID_ARGUMENT, "gradients->grad_lse|overlaps");
+  expect_refused(
+      fce_forward(&o, N, V, z.ptr(), y.ptr(), &out, &g, ws.ptr(), ws.size(), test_stream()),
+      FCE_ERROR_INVALID_ARGUMENT, "gradients->grad_lse|overlaps");
 }
 
 }  // namespace

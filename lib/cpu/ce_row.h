@@ -42,13 +42,17 @@ struct CeSetup {
   bool entropy;
   const float* grad_lse;
   const float* grad_entropy;
+  // docs/semantics.md rule 19: targets are class probabilities q [N, V] of q_dtype, every row
+  // scored (D = n = N)
+  bool soft;
+  int q_dtype;
 };
 
 enum class RowKind { kScored, kIgnored, kInvalid };
 
 struct RowTarget {
   RowKind kind;
-  int64_t y;  // the class, when kind == kScored
+  int64_t y;  // the class, when kind == kScored (−1 for a row of class probabilities)
 };
 
 inline double omega_of(const CeSetup& setup, int64_t j) {
@@ -58,6 +62,7 @@ inline double omega_of(const CeSetup& setup, int64_t j) {
 // docs/semantics.md rules 1-3: the target row r is scored against, or why it is not. With the shift, the
 // last k rows of each sequence are ignored before their (absent) target is read.
 inline RowTarget row_target(const CeSetup& setup, int64_t r) {
+  if (setup.soft) return {RowKind::kScored, -1};  // rule 19: every row scored, no class
   int64_t source = r;
   if (setup.T > 0) {
     if (r % setup.T >= setup.T - setup.k) return {RowKind::kIgnored, 0};
@@ -76,6 +81,10 @@ inline RowTarget row_target(const CeSetup& setup, int64_t r) {
 inline void denominators(CeSetup& setup) {
   setup.D = 0.0;
   setup.n = 0.0;
+  if (setup.soft) {  // rule 19: the mean divides by the rows, class weights or not (torch's)
+    setup.D = setup.n = double(setup.rows);
+    return;
+  }
   for (int64_t r = 0; r < setup.rows; ++r) {
     const RowTarget t = row_target(setup, r);
     if (t.kind == RowKind::kScored) setup.D += omega_of(setup, t.y);
@@ -108,6 +117,8 @@ inline CeSetup make_setup(const CeOptions& opt, int64_t rows, int64_t vocab, con
   setup.entropy = entropy;
   setup.grad_lse = grad_lse;
   setup.grad_entropy = grad_entropy;
+  setup.soft = opt.soft_targets;
+  setup.q_dtype = opt.q_dtype;
   denominators(setup);
   return setup;
 }
@@ -237,6 +248,29 @@ inline double scaled_z_loss_term(const CeSetup& setup, double t, double lse) {
   return setup.lambda == 0.0 ? 0.0 : t * z_loss_term(setup, lse);
 }
 
+// An element's ∂/∂z_j from d_a, its loss's ∂/∂a_j for an upstream 1 (when the row has a loss
+// term), p = p_j and rule 18's terms: (g d_a + grad_lse p − grad_entropy p (a_j − μ)) · s ·
+// (1 − (a_j / c)²), the lse and entropy terms 0 where p = 0 (never 0 · inf).
+inline double element_gradient(const CeSetup& setup, double a_j, double p, const RowStats& st,
+                               double d_a, bool loss_term, const Upstream& up,
+                               const RowTerms& terms) {
+  const double cap = setup.c > 0.0 ? 1.0 - (a_j / setup.c) * (a_j / setup.c) : 1.0;
+  if (!terms.any()) {
+    double d_z = d_a * setup.s;
+    if (setup.c > 0.0) d_z *= cap;
+    return up.g * d_z;
+  }
+  double d_row = 0.0;  // grad_lse ∂lse/∂a_j + grad_entropy ∂H/∂a_j
+  if (p != 0.0) d_row = terms.lse * p - terms.entropy * p * ((a_j - st.m) - st.mu_m);
+  return ((loss_term ? up.g * d_a : 0.0) + d_row) * setup.s * cap;
+}
+
+// docs/semantics.md rule 19 (soft_row.cpp): the cross-entropy of row r against its class
+// probabilities, and its gradient in place (a_j in, ∂/∂z_j out), in double.
+double soft_cross_entropy(const CeSetup& setup, const double* a, const RowStats& st, int64_t r);
+void soft_gradient(const CeSetup& setup, double* a, const RowStats& st, int64_t r,
+                   const Upstream& up, const RowTerms& terms);
+
 // The gradient (docs/semantics.md rules 9 and 18), in place: a_j in, ∂/∂z_j out:
 //   ∂ce/∂a_j = (1−ε) ω_y (p_j − [j = y]) + (ε/V)(Ω p_j − ω_j),  ∂zl/∂a_j = 2 λ lse p_j
 //   ∂loss/∂a_j = t · (k ∂ce/∂a_j + k_z ∂zl/∂a_j)   (t = p_y with token scaling, else 1)
@@ -257,16 +291,7 @@ inline void gradient(const CeSetup& setup, double* a, const RowStats& st, int64_
     double d_a = up.k1 * d_ce;
     if (z_loss != 0.0) d_a += up.kz1 * z_loss * p;
     if (setup.token_scaling) d_a *= t;
-    const double cap = setup.c > 0.0 ? 1.0 - (a[j] / setup.c) * (a[j] / setup.c) : 1.0;
-    if (!terms.any()) {
-      double d_z = d_a * setup.s;
-      if (setup.c > 0.0) d_z *= cap;
-      a[j] = up.g * d_z;
-      continue;
-    }
-    double d_row = 0.0;  // grad_lse ∂lse/∂a_j + grad_entropy ∂H/∂a_j
-    if (p != 0.0) d_row = terms.lse * p - terms.entropy * p * ((a[j] - st.m) - st.mu_m);
-    a[j] = ((y < 0 ? 0.0 : up.g * d_a) + d_row) * setup.s * cap;
+    a[j] = element_gradient(setup, a[j], p, st, d_a, y >= 0, up, terms);
   }
 }
 
@@ -283,7 +308,7 @@ inline void gradient(const CeSetup& setup, double* a, const RowStats& st, int64_
 // The entropy and the lse / entropy gradients (rule 18) take the double path.
 inline bool float_path(const CeSetup& setup) {
   return setup.s == 1.0 && setup.c == 0.0 && !setup.entropy && !setup.grad_lse &&
-         !setup.grad_entropy;
+         !setup.grad_entropy && !setup.soft;
 }
 
 // Step 3 on a float32 row: as row_stats.
@@ -483,13 +508,17 @@ inline bool run_rows(const CeSetup& setup, const RowsJob& job, RowScratch& scrat
           res->ce[size_t(r)] = std::numeric_limits<double>::quiet_NaN();
           res->z_loss[size_t(r)] = z_loss_term(setup, st.lse);  // never scaled
         } else if (res && t.kind == RowKind::kScored) {
-          res->ce[size_t(r)] = tscale * cross_entropy(setup, a, st, t.y);  // 4
+          res->ce[size_t(r)] = setup.soft ? soft_cross_entropy(setup, a, st, r)  // 4, rule 19
+                                          : tscale * cross_entropy(setup, a, st, t.y);
           res->z_loss[size_t(r)] = scaled_z_loss_term(setup, tscale, st.lse);    // 5
           if (!res->correct.empty()) res->correct[size_t(r)] = st.argmax == t.y ? 1 : 0;
         }
         if ((grad_row && t.kind == RowKind::kScored) || ignored_terms) {
           const int64_t y = t.kind == RowKind::kScored ? t.y : -1;
-          gradient(setup, a, st, y, upstream_scales(setup, r), tscale, terms);
+          if (setup.soft)
+            soft_gradient(setup, a, st, r, upstream_scales(setup, r), terms);
+          else
+            gradient(setup, a, st, y, upstream_scales(setup, r), tscale, terms);
           store_row(job.grad_dtype, a, V, grad_row);
           continue;
         }

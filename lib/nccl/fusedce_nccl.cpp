@@ -183,6 +183,12 @@ struct CommInfo {
 fce_status check_common(const char* fn, const fce_options* options, ncclComm_t comm, bool full,
                         fce_options* o, CommInfo* ci) {
   FCE_NCCL_TRY(read_options(fn, options, o));
+  if (o->target_dtype == FCE_FLOAT32 || o->target_dtype == FCE_FLOAT16 ||
+      o->target_dtype == FCE_BFLOAT16)
+    return fail(FCE_ERROR_UNSUPPORTED,
+                "%s: options->target_dtype (%d) gives class probabilities, which fusedce_nccl "
+                "does not support (its vocabulary-parallel calls take class indices)",
+                fn, o->target_dtype);
   if (o->backend == FCE_BACKEND_CPU)
     return fail(FCE_ERROR_UNSUPPORTED,
                 "%s: options->backend is FCE_BACKEND_CPU: fusedce_nccl runs NCCL collectives on "

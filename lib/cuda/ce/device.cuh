@@ -79,6 +79,9 @@ struct KParams {
   float* entropy_out;          // forward: H per row, every row, or nullptr
   const float* grad_lse;       // with a gradient: the upstream gradient of each row's lse, or nullptr
   const float* grad_entropy;   // forward with a gradient: of each row's entropy, or nullptr
+  // docs/semantics.md rule 19 (the SOFT instantiations of the stream kernel only): targets are
+  // class probabilities [total rows, vocab_total] of this dtype
+  int q_dtype;
 };
 
 template <int MODE> __device__ __forceinline__ bool use_cap(const KParams& p) {
@@ -742,7 +745,7 @@ __device__ __forceinline__ void cluster_wait() {
 // returns true when the CTA is done: *grad_output is 1 (nothing to do), or 0 / ± a power of two
 // (the valid row's part [col0, col1) of the gradient already there is scaled in place: exact;
 // ignored rows stay +0, invalid rows NaN). False: compute the gradient as the forward does.
-template <class TG>
+template <class TG, bool SOFT = false>
 __device__ __forceinline__ bool rescale_prologue(const KParams& p, int64_t row, char* grow,
                                                  int64_t col0, int64_t col1) {
   const float g = *p.grad_output;
@@ -751,7 +754,7 @@ __device__ __forceinline__ bool rescale_prologue(const KParams& p, int64_t row, 
   if (!((bits & 0x7fffffffu) == 0 || ((bits & 0x7fffffu) == 0 && ex != 0 && ex != 0xffu)))
     return false;
   int64_t y;
-  if (classify_row(p, row, &y) == kValid) {
+  if (SOFT || classify_row(p, row, &y) == kValid) {  // (rule 19: every row scored)
     TG* gr = reinterpret_cast<TG*>(grow);
     for (int64_t j = col0 + threadIdx.x; j < col1; j += blockDim.x)
       gr[j] = from_float<TG>(__fmul_rn(to_float(gr[j]), g));
@@ -784,6 +787,7 @@ inline KParams make_params(const CeOptions& opt, int64_t vocab) {
   p.eps_over_V = static_cast<float>(static_cast<double>(opt.label_smoothing) / static_cast<double>(vocab));
   p.lambda = opt.z_loss_scale;
   p.two_lambda = 2.f * opt.z_loss_scale;
+  p.q_dtype = opt.q_dtype;
   return p;
 }
 

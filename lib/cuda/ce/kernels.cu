@@ -79,14 +79,15 @@ fce_status launch_rows_kernel(const char* fn, const char* what, K* kernel, int64
   return launch_check(fn, what);
 }
 
-template <class TZ, class TG, int MODE, bool LOOP>
+template <class TZ, class TG, int MODE, bool LOOP, bool ROWT = false>
 fce_status launch_forward_regs(const char* fn, const KParams& q, const RegConfig& rc,
                                int64_t grid_rows, cudaStream_t s) {
   if (rc.smem > 0)
     return launch_rows_kernel(fn, "ce_rows_regs_kernel with shared-memory slots",
-                              ce_rows_regs_kernel<TZ, TG, MODE, LOOP, true>, grid_rows * rc.k,
-                              rc.threads, rc.k, q, s, reg_smem_bytes(rc));
-  return launch_rows_kernel(fn, "ce_rows_regs_kernel", ce_rows_regs_kernel<TZ, TG, MODE, LOOP, false>,
+                              ce_rows_regs_kernel<TZ, TG, MODE, LOOP, true, ROWT>,
+                              grid_rows * rc.k, rc.threads, rc.k, q, s, reg_smem_bytes(rc));
+  return launch_rows_kernel(fn, "ce_rows_regs_kernel",
+                            ce_rows_regs_kernel<TZ, TG, MODE, LOOP, false, ROWT>,
                             grid_rows * rc.k, rc.threads, rc.k, q, s);
 }
 
@@ -97,6 +98,21 @@ fce_status launch_regs_mode(const char* fn, int mode, const KParams& q, const Re
        : mode == kPlain ? launch_forward_regs<TZ, TG, kPlain, LOOP>(fn, q, rc, grid_rows, s)
        : mode == kCap   ? launch_forward_regs<TZ, TG, kCap, LOOP>(fn, q, rc, grid_rows, s)
                         : launch_forward_regs<TZ, TG, kGeneral, LOOP>(fn, q, rc, grid_rows, s);
+}
+
+// Rule 18's terms on the register path (ROWT): the unit, plain and softcap modes; label
+// smoothing keeps them on the stream kernel (ce/policy.h).
+template <class TZ, class TG>
+fce_status launch_regs_terms(const char* fn, int mode, const KParams& q, const RegConfig& rc,
+                             int64_t grid_rows, cudaStream_t s) {
+  return mode == kUnit  ? launch_forward_regs<TZ, TG, kUnit, false, true>(fn, q, rc, grid_rows, s)
+       : mode == kCap   ? launch_forward_regs<TZ, TG, kCap, false, true>(fn, q, rc, grid_rows, s)
+                        : launch_forward_regs<TZ, TG, kPlain, false, true>(fn, q, rc, grid_rows, s);
+}
+template <class TZ, class TG, bool SMEM> const void* regs_terms_kernel(int mode) {
+  return mode == kUnit ? kernel_address(ce_rows_regs_kernel<TZ, TG, kUnit, false, SMEM, true>)
+       : mode == kCap  ? kernel_address(ce_rows_regs_kernel<TZ, TG, kCap, false, SMEM, true>)
+                       : kernel_address(ce_rows_regs_kernel<TZ, TG, kPlain, false, SMEM, true>);
 }
 
 template <class TZ, class TG, bool LOOP, bool SMEM> const void* regs_kernel(int mode) {
@@ -115,10 +131,14 @@ template <class TZ, class TG, bool GRAD> auto bulk_kernel(int mode) {
 }
 
 // The stream kernel of a launch: two-pass forward or backward (BWD), with rule 18's terms or
-// not (ROWT), in its plain or general mode.
+// not (ROWT), for class probabilities (soft: rule 19, with rule 18's terms), in its plain or
+// general mode.
 template <class TZ, class TG, bool BWD>
-auto stream_kernel(int mode, bool rowt) {
+auto stream_kernel(int mode, bool rowt, bool soft) {
   const bool plain = mode == kPlain || mode == kUnit;
+  if (soft)
+    return plain ? ce_rows_stream_kernel<TZ, TG, kPlain, BWD, true, true>
+                 : ce_rows_stream_kernel<TZ, TG, kGeneral, BWD, true, true>;
   return rowt ? (plain ? ce_rows_stream_kernel<TZ, TG, kPlain, BWD, true>
                        : ce_rows_stream_kernel<TZ, TG, kGeneral, BWD, true>)
               : (plain ? ce_rows_stream_kernel<TZ, TG, kPlain, BWD>
@@ -144,13 +164,19 @@ fce_status launch_rows_typed(const CeRowsArgs& a, KParams p, int pair, cudaStrea
   rq.shape.aligned_rows =
       (reinterpret_cast<uintptr_t>(a.logits) & 15) == 0 && (p.z_row_bytes & 15) == 0;
   rq.shape.rescale = p.rescale != 0;
-  // rule 18's entropy and gradient terms: the stream kernels only (ce/policy.h)
+  // rule 18's entropy and gradient terms: the ROWT register kernels without label smoothing,
+  // else the stream kernels (ce/policy.h); never persistent (fce_backward_rescale has none)
   const bool rowt = p.entropy_out || p.grad_lse || p.grad_entropy;
-  rq.shape.row_terms = rowt;
-  rq.slot = pair * 4 + mode;
-  rq.regs_kernel = regs_kernel<TZ, TG, false, false>(mode);
+  const bool soft = a.opt.soft_targets;  // rule 19: the stream kernels only
+  const bool terms_in_regs = rowt && mode != kGeneral && !soft;
+  rq.shape.row_terms = rowt || soft;
+  rq.shape.terms_in_regs = terms_in_regs;
+  rq.slot = (terms_in_regs ? kRowTermsSlots : 0) + pair * 4 + mode;
+  rq.regs_kernel = terms_in_regs ? regs_terms_kernel<TZ, TG, false>(mode)
+                                 : regs_kernel<TZ, TG, false, false>(mode);
   rq.regs_loop_kernel = regs_kernel<TZ, TG, true, false>(mode);
-  rq.regs_smem_kernel = regs_kernel<TZ, TG, false, true>(mode);
+  rq.regs_smem_kernel = terms_in_regs ? regs_terms_kernel<TZ, TG, true>(mode)
+                                      : regs_kernel<TZ, TG, false, true>(mode);
   rq.regs_smem_loop_kernel = regs_kernel<TZ, TG, true, true>(mode);
   rq.bulk_kernel = a.grad ? kernel_address(bulk_kernel<TZ, TG, true>(mode))
                           : kernel_address(bulk_kernel<TZ, TZ, false>(mode));
@@ -172,7 +198,7 @@ fce_status launch_rows_typed(const CeRowsArgs& a, KParams p, int pair, cudaStrea
     if (choice.path == RowsPath::kBackward) {
       const unsigned threads = static_cast<unsigned>(stream_threads(a.vocab, E, kBackwardThreads));
       st = launch_rows_kernel(a.fn, "ce_rows_stream_kernel, backward",
-                              stream_kernel<TZ, TG, true>(mode, rowt), n,
+                              stream_kernel<TZ, TG, true>(mode, rowt, soft), n,
                               static_cast<int>(threads), 1, q, s);
     } else if (choice.path == RowsPath::kBulk) {
       q.rows_in_launch = n;
@@ -189,7 +215,9 @@ fce_status launch_rows_typed(const CeRowsArgs& a, KParams p, int pair, cudaStrea
       q.rows_in_launch = n;
       q.prefetch_rows = choice.prefetch_rows;
       q.xmbar_ok = choice.xmbar ? 1 : 0;
-      if (choice.persistent) {
+      if (terms_in_regs) {
+        st = launch_regs_terms<TZ, TG>(a.fn, mode, q, rc, n, s);
+      } else if (choice.persistent) {
         const int64_t grid_rows = n < choice.wave_rows ? n : choice.wave_rows;
         st = launch_regs_mode<TZ, TG, true>(a.fn, mode, q, rc, grid_rows, s);
       } else {
@@ -198,7 +226,7 @@ fce_status launch_rows_typed(const CeRowsArgs& a, KParams p, int pair, cudaStrea
     } else {
       const unsigned threads = static_cast<unsigned>(stream_threads(a.vocab, E, kTwoPassThreads));
       st = launch_rows_kernel(a.fn, "ce_rows_stream_kernel, two-pass forward",
-                              stream_kernel<TZ, TG, false>(mode, rowt), n,
+                              stream_kernel<TZ, TG, false>(mode, rowt, soft), n,
                               static_cast<int>(threads), 1, q, s);
     }
     if (st != FCE_SUCCESS) return st;
@@ -239,7 +267,12 @@ fce_status launch_ce_rows(const CeRowsArgs& a, cudaStream_t s) {
                 fn, static_cast<long long>(a.col_begin), static_cast<long long>(a.vocab),
                 static_cast<long long>(vocab_total));
   if (a.row_count == 0) return FCE_SUCCESS;
+  if (a.opt.soft_targets && (a.stats_in || a.stats_out))
+    return fail(FCE_ERROR_INTERNAL,
+                "%s: launch_ce_rows: class-probability targets with saved row statistics", fn);
   KParams p = make_params(a.opt, vocab_total);  // ε/V and Ω of the whole vocabulary
+  // class probabilities (rule 19): q' carries ε itself; no smoothing sum over the logits
+  if (a.opt.soft_targets) p.smooth = 0;
   p.vocab = static_cast<int>(a.vocab);            // the row length of these buffers
   p.col_begin = a.col_begin;
   p.targets = a.targets;

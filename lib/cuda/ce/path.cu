@@ -38,8 +38,11 @@ fce_status device_info(const char* fn, DeviceInfo* d) {
 // a Hopper): that code has no cluster exchange, and k > 1 would give each CTA its slice's lse
 // only.
 constexpr int kMaxDevices = 64;
-constexpr int kKernelSlots = 40;  // 5 dtype pairs × 4 modes, + kSmemSlots with shared-memory slots
+// 5 dtype pairs × 4 modes, + kSmemSlots with shared-memory slots; the same again from
+// kRowTermsSlots (ce/policy.h) for the ROWT register kernels
 constexpr int kSmemSlots = 20;
+constexpr int kKernelSlots = 2 * kRowTermsSlots;
+static_assert(kRowTermsSlots == 2 * kSmemSlots, "the ROWT cells follow the plain ones");
 // 0 unknown, 1 yes, −1 no; indexed by the cluster size
 std::atomic<signed char> g_cluster_fits[kMaxDevices][kKernelSlots][kMaxCluster + 1];
 

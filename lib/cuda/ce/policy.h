@@ -30,11 +30,12 @@ struct DeviceProps {
 //
 //   condition (row = V · element bytes)                              kernel
 //   a backward (a saved lse or row statistics)                       kBackward
-//   the entropy or the lse / entropy gradient terms (row_terms)      kTwoPass
-//   sm_90+, forward only, row ≥ bulk_min_row                         kBulk
+//   the entropy or the lse / entropy gradient terms (row_terms)
+//     with label smoothing (not terms_in_regs)                       kTwoPass
+//   sm_90+, forward only, row ≥ bulk_min_row, no row_terms           kBulk
 //   sm_90+, with a gradient, bulk_grad_min_row < row,
 //     row + 16 ≤ kBulkRowBytes, row unaligned or > bulk_grad_aligned_row,
-//     and the register shape has no shared-memory slots               kBulk (with the gradient)
+//     the register shape has no shared-memory slots, no row_terms     kBulk (with the gradient)
 //   forward only, row ≥ stream_min_row                               kTwoPass
 //   the register path's shape fits a cluster resident on the device  kRegisters
 //   otherwise                                                        kTwoPass
@@ -84,9 +85,11 @@ struct RowsShape {
   int elem_bytes;     // of the logits
   bool aligned_rows;  // every row starts 16-byte aligned
   bool rescale;       // fce_backward_rescale: the register path runs persistent
-  // the entropy or the lse / entropy gradient terms (docs/semantics.md rule 18): only the
-  // stream kernels have them, so the rows take kBackward or kTwoPass
+  // the entropy or the lse / entropy gradient terms (docs/semantics.md rule 18): the bulk
+  // kernel has none; the register kernels have them unless label smoothing (terms_in_regs
+  // false: then the rows take kBackward or kTwoPass)
   bool row_terms = false;
+  bool terms_in_regs = false;
 };
 
 // The kernels a shape can run on (the register kernel, persistent or not, with shared-memory
@@ -136,9 +139,10 @@ bool choose_reg_config(const DeviceProps& dev, int64_t vocab, int elem_bytes, in
 
 // ------------------------------------------------------------- at run time ----
 // One launch_ce_rows call: its shape and the kernels it may run (for the occupancy queries).
+constexpr int kRowTermsSlots = 40;  // the query caches' cells of the ROWT register kernels
 struct RowsQuery {
   RowsShape shape;
-  int slot;                           // (dtype pair) · 4 + mode: the query caches' cell
+  int slot;  // (dtype pair) · 4 + mode (+ kRowTermsSlots: ROWT): the query caches' cell
   const void* regs_kernel;            // ce_rows_regs_kernel<TZ, TG, mode, false, false>
   const void* regs_loop_kernel;       // … <…, true, false>: persistent
   const void* regs_smem_kernel;       // … <…, false, true>: with shared-memory slots

@@ -92,6 +92,25 @@ __global__ void __launch_bounds__(kReduceThreads) ce_denominators_kernel(const K
   }
 }
 
+// Class-probability targets (docs/semantics.md rule 19): every row scored, so D = n = rows,
+// with Ω = Σ_j ω_j (or V) as above; the targets are not read.
+__global__ void __launch_bounds__(kReduceThreads) ce_soft_denominators_kernel(
+    const KParams p, int64_t rows, CeDenoms* out, const float* skip_if_one) {
+  pdl_trigger();  // the row kernel may start now; it waits before reading *out
+  if (skip_if_one && *skip_if_one == 1.f) return;
+  __shared__ double s[32][3];
+  double v[3] = {0.0, 0.0, 0.0};
+  if (p.class_weights)
+    for (int64_t j = threadIdx.x; j < p.vocab; j += blockDim.x)
+      v[1] += static_cast<double>(p.class_weights[j]);
+  block_sum3(v, s);
+  if (threadIdx.x == 0) {
+    out->denom = static_cast<float>(rows);
+    out->omega_total = p.class_weights ? static_cast<float>(v[1]) : static_cast<float>(p.vocab);
+    out->count = static_cast<float>(rows);
+  }
+}
+
 // docs/semantics.md rules 5, 7, 15, from the per-row values, fixed order as above, double accumulation:
 //   loss[0]     = Σ ce_r + Σ zl_r (sum), Σ ce_r / D + Σ zl_r / n (mean; each 0 when its divisor is)
 //   z_loss[0]   = Σ zl_r (sum, none), Σ zl_r / n (mean)
@@ -149,6 +168,10 @@ fce_status launch_ce_denominators(const char* fn, const CeOptions& opt, int64_t 
                 static_cast<long long>(rows), static_cast<long long>(vocab));
   KParams p = make_params(opt, vocab);
   p.targets = targets;
+  if (opt.soft_targets) {
+    ce_soft_denominators_kernel<<<1, kReduceThreads, 0, s>>>(p, rows, out, skip_if_one);
+    return launch_check(fn, "ce_soft_denominators_kernel");
+  }
   ce_denominators_kernel<<<1, kReduceThreads, 0, s>>>(p, rows, out, skip_if_one);
   return launch_check(fn, "ce_denominators_kernel");
 }

@@ -8,13 +8,15 @@
 // agree bit for bit), and the gradient is written from the registers with 16-byte stores. ≤ 64
 // registers keep two CTAs per SM, one's loads under the other's math (the general mode, label
 // smoothing, runs one). Each CTA first asks the L2 for a later row's slice. Four modes per dtype
-// pair (unit: s = 1, plain, softcap, general) keep the hot ones lean. Included by ce/kernels.cu
+// pair (unit: s = 1, plain, softcap, general) keep the hot ones lean; ROWT instantiations (all but
+// general) add rule 18's entropy and lse / entropy gradient terms. Included by ce/kernels.cu
 // alone (its anonymous namespace). The measurements behind each choice: dev/NOTES.md.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/ce/device.cuh"
 #include "cuda/ce/geometry.cuh"
@@ -81,18 +83,133 @@ __device__ __forceinline__ uint64_t unpack_key(uint32_t k) {
                           : (uint64_t(k >> 31) << 32) | static_cast<uint64_t>(k & 0x7fffffffu);
 }
 
+// ROWT (docs/semantics.md rule 18): the CTA's t = Σ exp(a − M)(a − M) against its maximum M,
+// from each thread's t against its own maximum acc.m: rescaled to M, then summed in a fixed tree
+// (every thread gets the same bits). s_warp, which block_reduce_all has just read, is reused
+// between barriers.
+__device__ __forceinline__ float block_sum_t(const Partial& acc, float M, float tacc,
+                                             Partial* s_warp) {
+  if (acc.m != M) tacc = rescale_t(acc.m, M, acc.s, tacc);
+  float* s_sum = reinterpret_cast<float*>(s_warp);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) tacc = __fadd_rn(tacc, __shfl_xor_sync(0xffffffffu, tacc, o));
+  __syncthreads();  // every warp has read s_warp
+  if (lane == 0) s_sum[warp] = tacc;
+  __syncthreads();
+  float tot = lane < nwarps ? s_sum[lane] : 0.f;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) tot = __fadd_rn(tot, __shfl_xor_sync(0xffffffffu, tot, o));
+  __syncthreads();  // s_warp may be used again
+  return tot;
+}
+
+// ROWT: the row's t against its maximum M from the cluster's k partials (lane r holds rank r's,
+// its t in sw), rescaled and summed in rank order: the same bits in every warp.
+__device__ __forceinline__ double fold_t(const Partial& mine, float M, int k) {
+  float t = 0.f;
+  for (int r = 0; r < k; ++r) {
+    const float mr = __shfl_sync(0xffffffffu, mine.m, r), sr = __shfl_sync(0xffffffffu, mine.s, r);
+    const float tr = static_cast<float>(__shfl_sync(0xffffffffu, mine.sw, r));
+    t = __fadd_rn(t, mr == M ? tr : rescale_t(mr, M, sr, tr));
+  }
+  return static_cast<double>(t);
+}
+
+// ROWT, kUnit 16-bit rows in registers: Σ exp(a − ms) and t = Σ exp(a − ms)(a − ms) of a
+// vector's in-row elements against the thread's maximum (the second pass of the two-pass fold).
+// d is clamped to −FLT_MAX so that a −inf element (e = 0) adds 0, never 0·inf.
+template <class TZ>
+__device__ __forceinline__ void sumexp_t_vector(const uint4& raw, int j0, bool full, int V,
+                                                float ms, float& s, float& t) {
+  constexpr int E = vec_elems<TZ>();
+  float a[E];
+  unpack<TZ>(raw, a);
+  if (!full) {
+#pragma unroll
+    for (int q = 0; q < E; ++q)
+      if (j0 + q < 0 || j0 + q >= V) a[q] = neg_inf();
+  }
+#pragma unroll
+  for (int q = 0; q < E; ++q) {
+    const float d = fmaxf(__fsub_rn(a[q], ms), -3.40282347e38f);
+    const float e = ex2(__fmul_rn(d, kLog2e));
+    s = __fadd_rn(s, e);
+    t = __fmaf_rn(e, d, t);
+  }
+}
+
+// ROWT: the gradient of one vector of a row without label smoothing (the only rows ROWT kernels
+// have), with rule 18's terms folded into one per-row constant: an element off the target is
+//   p·(A·ks + Ls − Es·((a − m) − μ')) = p·(C1 − Es·d),  d = a − m,  C1 = A·ks + Ls + Es·μ'
+// (μ' = μ − m), times the softcap factor. ES = false (no entropy gradient in the row): p·C1, the
+// plain gradient's cost; ES: a max and an FMA per element more (d is clamped to −128 in the
+// entropy term: p is then exactly 0, so a −inf logit gets 0, never 0·inf). The target element
+// (yl, inside the buffer) is stored after the vector, as store_target does.
+struct LeanTerms {
+  float C1, Es;
+};
+__device__ __forceinline__ LeanTerms lean_terms(const RowGrad& rg, const RowTerms& rt) {
+  return LeanTerms{__fmaf_rn(rt.Es, rt.mum, __fadd_rn(rg.Aks, rt.Ls)), rt.Es};
+}
+template <class TZ, class TG, int MODE, bool ES>
+__device__ __forceinline__ void
+grad_vector_lean(const uint4& raw, int j0, bool full, bool vec_ok, const KParams& p,
+                 const RowGrad& rg, const LeanTerms& lt, const RowTerms& rt, int yl, char* grow) {
+  constexpr int E = vec_elems<TZ>();
+  float g[E];
+  unpack<TZ>(raw, g);
+  const int dyl = yl - j0;
+  const int dy = (dyl >= 0 && dyl < E) ? dyl : -1;
+  float zy = 0.f;
+  if (dy >= 0) {
+#pragma unroll
+    for (int q = 0; q < E; ++q) zy = q == dy ? g[q] : zy;
+  }
+  const float lsl = __fmul_rn(rg.ls, kLog2e);
+#pragma unroll
+  for (int q = 0; q < E; ++q) {
+    float t;
+    const float a = xform<MODE>(g[q], p, t);
+    const float d = __fsub_rn(a, rg.m);
+    const float pr = ex2(__fmaf_rn(d, kLog2e, -lsl));  // prob(a, m, ls)
+    float gq =
+        ES ? __fmul_rn(pr, __fmaf_rn(-lt.Es, fmaxf(d, -128.f), lt.C1)) : __fmul_rn(pr, lt.C1);
+    if (use_cap<MODE>(p)) gq = __fmul_rn(gq, __fmaf_rn(-t, t, 1.f));
+    g[q] = gq;
+  }
+  store_grad<TG, E>(grow, j0, full, vec_ok, p.vocab, g);
+  if (dy >= 0) {  // the target: the loss's own form plus the terms, as grad_vector_terms
+    float t;
+    const float a = xform<MODE>(zy, p, t);
+    const float pr = prob(a, rg.m, rg.ls);
+    const float gl = grad_target<MODE>(p, rg, pr, 0.f, t);
+    const float w = __fmaf_rn(-rt.Es, __fsub_rn(__fsub_rn(a, rg.m), rt.mum), rt.Ls);
+    const float cf = use_cap<MODE>(p) ? __fmaf_rn(-t, t, 1.f) : 1.f;
+    const float gy = pr == 0.f ? gl : __fmaf_rn(__fmul_rn(pr, w), cf, gl);
+    char* dst = grow + int64_t(yl) * Ty<TG>::kBytes;
+    if constexpr (Ty<TG>::kBytes == 4) {
+      __stcs(reinterpret_cast<float*>(dst), gy);
+    } else {
+      __stcs(reinterpret_cast<unsigned short*>(dst),
+             static_cast<unsigned short>(pack2<TG>(gy, 0.f) & 0xffffu));
+    }
+  }
+}
+
 // One row (lrow, of this launch) by one CTA of its cluster: the body of ce_rows_regs_kernel.
 // xmbar: the cluster's partials are exchanged through st.async and this CTA's mbarrier (one
 // row per CTA, no argmax: ce_rows_regs_kernel set it up), else through cluster barriers.
 // SMEM: the CTA also holds p.reg_smem slots per thread in shared memory, svec (slot kRegVpt + i
 // of thread t at svec[i·blockDim + t]); only their own thread reads them. Without (the shape
 // of rows a CTA's registers hold) the kernel is the registers-only one, compiled apart.
-template <class TZ, class TG, int MODE, bool SMEM>
+template <class TZ, class TG, int MODE, bool SMEM, bool ROWT>
 __device__ __forceinline__ void regs_row(const KParams& p, int64_t lrow, int64_t next_lrow,
                                          bool xmbar, RegShared& sh, uint4* svec) {
   constexpr int E = vec_elems<TZ>();
   constexpr int eb = Ty<TZ>::kBytes;
   constexpr bool SW = MODE == kGeneral;
+  static_assert(!(ROWT && SW), "ROWT carries t in the partial's sw: no label smoothing");
   Partial* s_warp = sh.warp;
   uint64_t* s_wmin = sh.wmin;
   uint32_t* s_cand = sh.cand;
@@ -149,6 +266,7 @@ __device__ __forceinline__ void regs_row(const KParams& p, int64_t lrow, int64_t
   // 8192×32000 93.9 → 96.7 %, while 16-bit rows lost up to 9 points (16384×128256 bf16 95.7 →
   // 86.6 %).
   constexpr bool kInfoAfterFold = Ty<TZ>::kBytes == 4;
+
   if (!kInfoAfterFold && tid == 0)
     s_info = load_row_info<TZ, MODE>(p, row, zrow, rank == 0 || p.token_scaling);
   const float c = smoothing_reference<TZ, MODE>(p, zrow);
@@ -156,6 +274,9 @@ __device__ __forceinline__ void regs_row(const KParams& p, int64_t lrow, int64_t
   // ---- phase 1: (max, Σexp[, Σω·(a − c)]) of the slice
   Partial acc = partial_identity();
   int am = -1;
+  float tacc = 0.f;  // ROWT: this thread's t = Σ exp(a − m)(a − m) against acc.m
+  // ROWT: t is needed for the entropy or its gradient (the lse gradient alone needs none)
+  const bool need_t = ROWT && (p.entropy_out != nullptr || p.grad_entropy != nullptr);
   // kUnit, 16-bit, registers only: two passes (max_vector, sumexp_vector: ce/device.cuh), the
   // thread's maximum (two elements per compare) and then the sum. Measured on an H100 against the
   // online fold of the same kernels (dev/NOTES.md, 2026-11-28): forward + gradient
@@ -173,10 +294,22 @@ __device__ __forceinline__ void regs_row(const KParams& p, int64_t lrow, int64_t
     const float m = max_total<TZ>(pm, fm);
     const float ms = m == neg_inf() ? 0.f : m;  // all −inf: every term is exp(−inf) = 0
     float sum = 0.f;
+    if constexpr (ROWT) {
+      if (need_t) {
 #pragma unroll
-    for (int i = 0; i < kRegVpt; ++i) {
-      const int j0 = j00 + i * jstep;
-      if (v0 + i * nt < vend) sumexp_vector<TZ>(buf[i], j0, is_full<int, E>(j0, V), V, ms, sum);
+        for (int i = 0; i < kRegVpt; ++i) {
+          const int j0 = j00 + i * jstep;
+          if (v0 + i * nt < vend)
+            sumexp_t_vector<TZ>(buf[i], j0, is_full<int, E>(j0, V), V, ms, sum, tacc);
+        }
+      }
+    }
+    if (!ROWT || !need_t) {
+#pragma unroll
+      for (int i = 0; i < kRegVpt; ++i) {
+        const int j0 = j00 + i * jstep;
+        if (v0 + i * nt < vend) sumexp_vector<TZ>(buf[i], j0, is_full<int, E>(j0, V), V, ms, sum);
+      }
     }
     if (want_argmax && m != neg_inf()) {  // the first element equal to m
 #pragma unroll
@@ -191,23 +324,45 @@ __device__ __forceinline__ void regs_row(const KParams& p, int64_t lrow, int64_t
 #pragma unroll
     for (int i = 0; i < kRegVpt; ++i) {
       const int j0 = j00 + i * jstep;
-      if (v0 + i * nt < vend)
-        online_vector<TZ, MODE>(buf[i], j0, is_full<int, E>(j0, V), p, c, acc, want_argmax, am);
+      if (v0 + i * nt < vend) {
+        if constexpr (ROWT) {
+          if (need_t)
+            online_vector<TZ, MODE, int, true>(buf[i], j0, is_full<int, E>(j0, V), p, c, acc,
+                                               want_argmax, am, &tacc);
+          else
+            online_vector<TZ, MODE>(buf[i], j0, is_full<int, E>(j0, V), p, c, acc, want_argmax, am);
+        } else {
+          online_vector<TZ, MODE>(buf[i], j0, is_full<int, E>(j0, V), p, c, acc, want_argmax, am);
+        }
+      }
     }
     if constexpr (SMEM) {
       async_copies_wait();
 #pragma unroll 1
       for (int i = 0; i < ns_used; ++i) {
         const int j0 = j00 + (kRegVpt + i) * jstep;
-        online_vector<TZ, MODE>(svec[i * nt + tid], j0, is_full<int, E>(j0, V), p, c, acc,
-                                want_argmax, am);
+        if constexpr (ROWT) {
+          if (need_t)
+            online_vector<TZ, MODE, int, true>(svec[i * nt + tid], j0, is_full<int, E>(j0, V), p, c,
+                                               acc, want_argmax, am, &tacc);
+          else
+            online_vector<TZ, MODE>(svec[i * nt + tid], j0, is_full<int, E>(j0, V), p, c, acc,
+                                    want_argmax, am);
+        } else {
+          online_vector<TZ, MODE>(svec[i * nt + tid], j0, is_full<int, E>(j0, V), p, c, acc,
+                                  want_argmax, am);
+        }
       }
     }
   }
   if (kInfoAfterFold && tid == 0)
     s_info = load_row_info<TZ, MODE>(p, row, zrow, rank == 0 || p.token_scaling);
   // every warp ends with the CTA's partial (and, after the barrier inside, s_info is there)
-  const Partial blk = block_reduce_all<SW>(acc, s_warp);
+  // ROWT with t: the CTA's t against its maximum, carried in the partial's sw (unused without
+  // smoothing, which ROWT kernels never have) through the cluster's exchange
+  Partial blk = block_reduce_all<SW>(acc, s_warp);
+  if constexpr (ROWT)
+    if (need_t) blk.sw = static_cast<double>(block_sum_t(acc, blk.m, tacc, s_warp));
 
   // ---- the row's partial: this CTA's, or the cluster's folded in rank order
   Partial fin = blk;
@@ -226,6 +381,8 @@ __device__ __forceinline__ void regs_row(const KParams& p, int64_t lrow, int64_t
       for (int r = 0; r < k; ++r)
         combine<SW>(f, __shfl_sync(0xffffffffu, mine.m, r), __shfl_sync(0xffffffffu, mine.s, r),
                     SW ? __shfl_sync(0xffffffffu, mine.sw, r) : 0.0);
+      if constexpr (ROWT)
+        if (need_t) f.sw = fold_t(mine, f.m, k);
       fin = f;
     } else {
       if (tid == 0) sh.part = blk;
@@ -237,6 +394,8 @@ __device__ __forceinline__ void regs_row(const KParams& p, int64_t lrow, int64_t
         for (int r = 0; r < k; ++r)
           combine<SW>(f, __shfl_sync(0xffffffffu, mine.m, r), __shfl_sync(0xffffffffu, mine.s, r),
                       SW ? __shfl_sync(0xffffffffu, mine.sw, r) : 0.0);
+        if constexpr (ROWT)
+          if (need_t) f.sw = fold_t(mine, f.m, k);
         if (tid == 0) sh.fin = f;
       }
       // waited for before exit (or the next row): nobody reads the part of an exited CTA (with
@@ -258,6 +417,13 @@ __device__ __forceinline__ void regs_row(const KParams& p, int64_t lrow, int64_t
   const RowInfo ri = s_info;
   const RowVals vals = row_vals(p, ri, fin);
   if (rank == 0 && tid == 0) write_row_outputs<MODE>(p, row, ri, fin, vals, c);
+  float mum = 0.f;  // ROWT: μ − m = t/s
+  if constexpr (ROWT) {
+    mum = __fdiv_rn(static_cast<float>(fin.sw), fin.s);
+    // H = log s − t/s (both terms ≥ 0: no cancellation); NaN without a finite maximum
+    if (rank == 0 && tid == 0 && p.entropy_out)
+      p.entropy_out[row] = isfinite(fin.m) ? __fsub_rn(vals.ls, mum) : qnan();
+  }
   // the argmax's reduction comes after the gradient: this thread's candidate waits in shared
   // memory (no register held through the gradient). With SMEM a row with a NaN or +inf (the
   // argmax note above) scans its elements for the candidate first, while the registers hold the
@@ -285,7 +451,43 @@ __device__ __forceinline__ void regs_row(const KParams& p, int64_t lrow, int64_t
   if (p.grad) {
     char* grow = p.grad + lrow * p.g_row_bytes;
     const bool vec_ok = grad_vec_ok<TZ, TG>(grow, lead);
-    if (ri.kind == kValid) {
+    // ROWT: the row's gradient with rule 18's terms (an ignored row's terms flow too; a row
+    // whose grad_entropy is 0 takes the cheaper form); the rows without terms (invalid, or
+    // ignored with none) as below. (Not a function or lambda: the kernels without ROWT keep
+    // their code only when this block is inside if constexpr.)
+    bool done = false;
+    if constexpr (ROWT) {
+      if (ri.kind == kValid || (ri.kind == kIgnored &&
+                                (row_grad_lse(p, row) != 0.f || row_grad_entropy(p, row) != 0.f))) {
+        RowGrad rg = make_row_grad<MODE>(p, ri, vals);
+        const RowTerms rt = row_terms(p, row, ri, mum, rg);
+        const LeanTerms lt = lean_terms(rg, rt);
+        const int yl = ri.kind == kValid ? local_target<int, E>(p, ri.y) : -2 * E;
+        auto grad_all = [&](auto es) {
+          constexpr bool ES = decltype(es)::value;
+#pragma unroll
+          for (int i = 0; i < kRegVpt; ++i) {
+            const int j0 = j00 + i * jstep;
+            if (v0 + i * nt < vend)
+              grad_vector_lean<TZ, TG, MODE, ES>(buf[i], j0, is_full<int, E>(j0, V), vec_ok, p, rg,
+                                                 lt, rt, yl, grow);
+          }
+          if constexpr (SMEM) {
+#pragma unroll 1
+            for (int i = 0; i < ns_used; ++i) {
+              const int j0 = j00 + (kRegVpt + i) * jstep;
+              grad_vector_lean<TZ, TG, MODE, ES>(svec[i * nt + tid], j0, is_full<int, E>(j0, V),
+                                                 vec_ok, p, rg, lt, rt, yl, grow);
+            }
+          }
+        };
+        if (lt.Es != 0.f) grad_all(std::true_type{});
+        else grad_all(std::false_type{});
+        done = true;
+      }
+    }
+    if (done) {
+    } else if (ri.kind == kValid) {
       const RowGrad rg = make_row_grad<MODE>(p, ri, vals);
       const int yl = local_target<int, E>(p, ri.y);
 #pragma unroll
@@ -353,7 +555,7 @@ __device__ __forceinline__ void regs_row(const KParams& p, int64_t lrow, int64_t
 // every CTA of a cluster walks the same rows, so the barriers pair up. p.prefetch_rows > 0:
 // each CTA first asks the L2 for its slice of the row that distance ahead (the next row of its
 // own loop when LOOP).
-template <class TZ, class TG, int MODE, bool LOOP, bool SMEM>
+template <class TZ, class TG, int MODE, bool LOOP, bool SMEM, bool ROWT = false>
 __global__ void __launch_bounds__(kRegThreads, MODE == kGeneral ? 1 : 2)
     ce_rows_regs_kernel(const KParams p) {
   pdl_trigger();  // the finalize may start once every CTA has (it waits for our values)
@@ -373,13 +575,13 @@ __global__ void __launch_bounds__(kRegThreads, MODE == kGeneral ? 1 : 2)
 #else
     const bool xmbar = false;
 #endif
-    regs_row<TZ, TG, MODE, SMEM>(p, first, next, xmbar, sh, reg_svec);
+    regs_row<TZ, TG, MODE, SMEM, ROWT>(p, first, next, xmbar, sh, reg_svec);
   } else {
     if (p.rescale && *p.grad_output == 1.f) return;  // the usual case: nothing to do anywhere
     const int64_t stride = gridDim.x / k;
     for (int64_t lrow = first; lrow < p.rows_in_launch; lrow += stride) {
-      regs_row<TZ, TG, MODE, SMEM>(p, lrow, p.prefetch_rows > 0 ? lrow + stride : INT64_MAX, false,
-                                   sh, reg_svec);
+      regs_row<TZ, TG, MODE, SMEM, ROWT>(p, lrow, p.prefetch_rows > 0 ? lrow + stride : INT64_MAX,
+                                         false, sh, reg_svec);
       __syncthreads();  // the next row reuses the shared scalars
     }
   }

@@ -13,6 +13,7 @@
 
 #include "cuda/ce/device.cuh"
 #include "cuda/ce/geometry.cuh"
+#include "cuda/ce/soft.cuh"
 
 namespace fce {
 namespace cuda {
@@ -23,17 +24,21 @@ namespace {
 // CTA's total is in s_final on return (after a barrier). ENT: *t_row is the row's
 // t = Σ exp(a − m)(a − m) against the row's maximum m (docs/semantics.md rule 18), in every
 // thread.
-template <class TZ, int MODE, bool ENT = false>
+// SOFT (docs/semantics.md rule 19): *soft is the row's (Q, U) against its maximum, in every
+// thread, from the class probabilities of global row `row`.
+template <class TZ, int MODE, bool ENT = false, bool SOFT = false>
 __device__ __forceinline__ Partial stream_reduce(const KParams& p, const char* zrow, int lead,
                                                  int nvec, float c, Partial* s_warp,
                                                  Partial* s_final, bool track, Partial& mine,
-                                                 int& am, float* t_row = nullptr) {
+                                                 int& am, float* t_row = nullptr, int64_t row = 0,
+                                                 SoftSums* soft = nullptr) {
   constexpr int E = vec_elems<TZ>();
   constexpr int U = MODE == kGeneral ? kStreamUnroll / 2 : kStreamUnroll;
   constexpr bool SW = MODE == kGeneral;
   const int V = p.vocab, tid = threadIdx.x, nt = blockDim.x, step = nt * U;
   Partial acc = partial_identity();
-  float tacc = 0.f;  // ENT: this thread's t against acc.m
+  float tacc = 0.f;         // ENT: this thread's t against acc.m
+  SoftSums sacc{0.0, 0.0};  // SOFT: this thread's (Q, U) against acc.m
   for (int base = tid; base < nvec; base += step) {
     uint4 buf[U];
 #pragma unroll
@@ -47,9 +52,13 @@ __device__ __forceinline__ Partial stream_reduce(const KParams& p, const char* z
     for (int u = 0; u < U; ++u) {
       const int v = base + u * nt;
       const int64_t j0 = int64_t(v) * E - lead;
-      if (v < nvec)
+      if (v < nvec) {
+        const float m_old = acc.m;
         online_vector<TZ, MODE, int64_t, ENT>(buf[u], j0, is_full<int64_t, E>(j0, V), p, c, acc,
                                               track, am, &tacc);
+        if constexpr (SOFT)
+          soft_vector<TZ, MODE>(buf[u], j0, is_full<int64_t, E>(j0, V), p, row, m_old, acc.m, sacc);
+      }
     }
   }
   mine = acc;
@@ -72,6 +81,8 @@ __device__ __forceinline__ Partial stream_reduce(const KParams& p, const char* z
     *t_row = tot;
     __syncthreads();  // s_warp may be used again
   }
+  if constexpr (SOFT)
+    *soft = soft_block_sum(sacc, acc.m, blk.m, reinterpret_cast<double2*>(s_warp));
   return *s_final;
 }
 
@@ -83,8 +94,11 @@ __device__ __forceinline__ Partial stream_reduce(const KParams& p, const char* z
 // writes the entropy H = log s − t/s (p.entropy_out); the gradient of both directions adds the
 // terms of p.grad_lse and (forward) p.grad_entropy, to every row but the invalid ones (an ignored
 // row whose two values are 0 keeps its zeros).
+// SOFT (docs/semantics.md rule 19, with ROWT): the targets are class probabilities, read in both
+// passes: pass 1 also sums (Q, U) (the backward: Q alone), every row is scored, and the gradient
+// is ce/soft.cuh's.
 constexpr float kRescueLse = 1024.f;
-template <class TZ, class TG, int MODE, bool BWD, bool ROWT = false>
+template <class TZ, class TG, int MODE, bool BWD, bool ROWT = false, bool SOFT = false>
 __global__ void __launch_bounds__(BWD ? kBackwardThreads : kTwoPassThreads, BWD ? 2 : 1)
     ce_rows_stream_kernel(const KParams p) {
   pdl_trigger();  // the finalize may start once every CTA has (it waits for our values)
@@ -107,20 +121,26 @@ __global__ void __launch_bounds__(BWD ? kBackwardThreads : kTwoPassThreads, BWD 
   const int step = nt * U;
 
   if constexpr (!BWD) {
-    if (p.rescale && rescale_prologue<TG>(p, row, p.grad + lrow * p.g_row_bytes, 0, V)) return;
+    if (p.rescale && rescale_prologue<TG, SOFT>(p, row, p.grad + lrow * p.g_row_bytes, 0, V))
+      return;
   }
   const bool want_argmax = !BWD && (p.argmax_out != nullptr || p.row_correct != nullptr);
-  if (tid == 0)
-    s_info = load_row_info<TZ, MODE>(p, row, zrow, !BWD || (p.token_scaling && !p.stats_in));
-  const float c = BWD ? 0.f : smoothing_reference<TZ, MODE>(p, zrow);
+  if constexpr (SOFT) {
+    if (tid == 0) s_info = soft_row_info(p, row);
+  } else {
+    if (tid == 0)
+      s_info = load_row_info<TZ, MODE>(p, row, zrow, !BWD || (p.token_scaling && !p.stats_in));
+  }
+  const float c = (BWD || SOFT) ? 0.f : smoothing_reference<TZ, MODE>(p, zrow);
+  SoftSums soft{0.0, 0.0};  // SOFT: the row's (Q, U)
   RowVals vals;
   Partial fin = partial_identity(), mine;
   int am = -1;
   float mum = 0.f;  // ROWT: μ − m = t/s
   if constexpr (!BWD) {
     float t_row = 0.f;
-    fin = stream_reduce<TZ, MODE, ROWT>(p, zrow, lead, nvec, c, s_warp, &s_final, want_argmax, mine,
-                                        am, &t_row);
+    fin = stream_reduce<TZ, MODE, ROWT, SOFT>(p, zrow, lead, nvec, c, s_warp, &s_final, want_argmax,
+                                              mine, am, &t_row, row, &soft);
     vals = row_vals(p, s_info, fin);
     if constexpr (ROWT) {
       mum = __fdiv_rn(t_row, fin.s);
@@ -130,6 +150,7 @@ __global__ void __launch_bounds__(BWD ? kBackwardThreads : kTwoPassThreads, BWD 
     }
   } else {
     __syncthreads();  // s_info
+    if constexpr (SOFT) soft.Q = soft_mass(p, row, reinterpret_cast<double2*>(s_warp));
     if (p.stats_in) {
       const CeRowStats st = p.stats_in[row];
       vals = RowVals{st.m, st.ls, __fadd_rn(st.m, st.ls), st.t};
@@ -161,7 +182,11 @@ __global__ void __launch_bounds__(BWD ? kBackwardThreads : kTwoPassThreads, BWD 
       best = block_min_u64(best, s_wmin);
       if (tid == 0) write_argmax_outputs(p, row, ri, best);
     }
-    if (tid == 0) write_row_outputs<MODE>(p, row, ri, fin, vals, c);
+    if constexpr (SOFT) {
+      if (tid == 0) soft_row_outputs(p, row, vals, soft);
+    } else {
+      if (tid == 0) write_row_outputs<MODE>(p, row, ri, fin, vals, c);
+    }
   }
   bool grad_pass = p.grad && ri.kind == kValid;
   if constexpr (ROWT)  // an ignored row's lse and entropy terms (rule 18)
@@ -172,7 +197,9 @@ __global__ void __launch_bounds__(BWD ? kBackwardThreads : kTwoPassThreads, BWD 
     const bool vec_ok = grad_vec_ok<TZ, TG>(grow, lead);
     RowGrad rg = make_row_grad<MODE>(p, ri, vals);
     RowTerms rt{};
-    if constexpr (ROWT) rt = row_terms(p, row, ri, mum, rg);
+    if constexpr (ROWT && !SOFT) rt = row_terms(p, row, ri, mum, rg);
+    SoftGrad sg{};
+    if constexpr (SOFT) sg = soft_grad(p, row, ri, vals, soft.Q, mum);
     const int64_t yl = ri.kind == kValid ? local_target<int64_t, E>(p, ri.y) : int64_t(-2 * E);
     const int nchunks = (nvec + step - 1) / step;
     for (int ch = 0; ch < nchunks; ++ch) {
@@ -191,7 +218,10 @@ __global__ void __launch_bounds__(BWD ? kBackwardThreads : kTwoPassThreads, BWD 
         const int v = base + u * nt;
         const int64_t j0 = int64_t(v) * E - lead;
         if (v >= nvec) continue;
-        if constexpr (ROWT)
+        if constexpr (SOFT)
+          soft_grad_vector<TZ, TG, MODE>(buf[u], j0, is_full<int64_t, E>(j0, V), vec_ok, p, row, sg,
+                                         grow);
+        else if constexpr (ROWT)
           grad_vector_terms<TZ, TG, MODE>(buf[u], j0, is_full<int64_t, E>(j0, V), vec_ok, p, rg, rt,
                                           yl, grow);
         else

@@ -250,12 +250,16 @@ fce_status cuda_linear_ce(const LinearCeProblem& p) {
   const int64_t ldz = s.vocab_padded;
   const bool sliced = plan.mode == Mode::kVocabSliced;
   // (its gradient pass has no lse / entropy terms yet, docs/semantics.md rule 18)
-  if (sliced && with_grad && (p.grad_lse || p.grad_entropy))
+  // nor class-probability targets (docs/semantics.md rule 19)
+  if (sliced && with_grad && (p.grad_lse || p.grad_entropy || opt.soft_targets))
     return fail(FCE_ERROR_UNSUPPORTED,
-                "%s: gradients->%s is not supported by the CUDA backend's vocabulary-sliced plan "
+                "%s: %s is not supported by the CUDA backend's vocabulary-sliced plan "
                 "(a 16-bit grad_weight with less workspace than the token chunks need): give the "
                 "workspace query's optimal_bytes, or set options->grad_weight_fp32",
-                fn, p.grad_lse ? "grad_lse" : "grad_entropy");
+                fn,
+                p.grad_lse       ? "gradients->grad_lse"
+                : p.grad_entropy ? "gradients->grad_entropy"
+                                 : "options->target_dtype of class probabilities");
   // the vocab-sliced plan (only ever chosen for a 16-bit dtype whose grad_weight and grad_bias
   // are 16-bit too: choose_plan takes token chunks for float32 ones): the lse pass keeps each
   // row's (m, log s, t) for the gradient pass; ∂h accumulates in a float32 workspace buffer
