@@ -180,8 +180,8 @@ struct CommInfo {
 
 // Options, backend and communicator: what the workspace queries check (full = the compute
 // calls: also the rank, the device and a pending asynchronous error).
-fce_status check_common(const char* fn, const fce_options* options, ncclComm_t comm, bool full,
-                        fce_options* o, CommInfo* ci) {
+fce_status check_common(const char* fn, const fce_options* options, const fce_vp_shard* shard,
+                        bool full, fce_options* o, CommInfo* ci, ncclComm_t* comm_out) {
   FCE_NCCL_TRY(read_options(fn, options, o));
   if (o->target_dtype == FCE_FLOAT32 || o->target_dtype == FCE_FLOAT16 ||
       o->target_dtype == FCE_BFLOAT16)
@@ -198,7 +198,11 @@ fce_status check_common(const char* fn, const fce_options* options, ncclComm_t c
     return fail(FCE_ERROR_INVALID_ARGUMENT,
                 "%s: options->backend (%d) is not an fce_backend (fusedce_nccl: FCE_BACKEND_CUDA)",
                 fn, o->backend);
-  if (!comm) return fail(FCE_ERROR_NULL_POINTER, "%s: comm is NULL", fn);
+  ncclComm_t comm = nullptr;
+  FCE_NCCL_TRY(shard_comm(fn, shard, &comm));
+  *comm_out = comm;
+  if (!comm)
+    return fail(FCE_ERROR_NULL_POINTER, "%s: shard->context (the communicator) is NULL", fn);
   ncclResult_t r = ncclCommCount(comm, &ci->ranks);
   if (r != ncclSuccess) return nccl_fail(fn, "ncclCommCount(comm)", r, comm);
   if (ci->ranks < 1)
@@ -449,8 +453,7 @@ FCE_API fce_status fce_nccl_cross_entropy_workspace_size(const fce_options* opti
   fce_options o;
   CommInfo ci;
   ncclComm_t comm = nullptr;
-  FCE_NCCL_TRY(shard_comm(fn, shard, &comm));
-  FCE_NCCL_TRY(check_common(fn, options, comm, false, &o, &ci));
+  FCE_NCCL_TRY(check_common(fn, options, shard, false, &o, &ci, &comm));
   FCE_NCCL_TRY(check_shard_ranks(fn, shard, ci.ranks));
   const int64_t vocab_total = shard->vocab_total, vocab_local = shard->vocab_local;
   size_t gathered = 0;
@@ -472,8 +475,7 @@ FCE_API fce_status fce_nccl_cross_entropy(const fce_options* options, const fce_
   fce_options o;
   CommInfo ci;
   ncclComm_t comm = nullptr;
-  FCE_NCCL_TRY(shard_comm(fn, shard, &comm));
-  FCE_NCCL_TRY(check_common(fn, options, comm, true, &o, &ci));
+  FCE_NCCL_TRY(check_common(fn, options, shard, true, &o, &ci, &comm));
   fce_outputs out;
   fce_gradients gr;
   FCE_NCCL_TRY(read_structs(fn, shard, ci.ranks, outputs, gradients, &out, &gr));
@@ -566,8 +568,7 @@ FCE_API fce_status fce_nccl_linear_ce_workspace_size(const fce_options* options,
   fce_options o;
   CommInfo ci;
   ncclComm_t comm = nullptr;
-  FCE_NCCL_TRY(shard_comm(fn, shard, &comm));
-  FCE_NCCL_TRY(check_common(fn, options, comm, false, &o, &ci));
+  FCE_NCCL_TRY(check_common(fn, options, shard, false, &o, &ci, &comm));
   FCE_NCCL_TRY(check_shard_ranks(fn, shard, ci.ranks));
   const int64_t vocab_total = shard->vocab_total, vocab_local = shard->vocab_local;
   size_t gathered = 0;
@@ -590,8 +591,7 @@ FCE_API fce_status fce_nccl_linear_ce(const fce_options* options, const fce_vp_s
   fce_options o;
   CommInfo ci;
   ncclComm_t comm = nullptr;
-  FCE_NCCL_TRY(shard_comm(fn, shard, &comm));
-  FCE_NCCL_TRY(check_common(fn, options, comm, true, &o, &ci));
+  FCE_NCCL_TRY(check_common(fn, options, shard, true, &o, &ci, &comm));
   fce_outputs out;
   fce_gradients gr;
   FCE_NCCL_TRY(read_structs(fn, shard, ci.ranks, outputs, gradients, &out, &gr));
