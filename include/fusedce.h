@@ -247,11 +247,13 @@ FCE_API void fce_options_default(fce_options* options);
  *
  * Which calls read it: fce_forward, fce_linear_ce, fce_vp_loss and fce_vp_linear_ce write every
  * field (loss required, the others optional), except entropy, which the vocabulary-parallel
- * calls refuse (fce_vp_loss, fce_vp_linear_ce: "not supported"); the gradient-only calls (fce_backward,
- * fce_backward_rescale, fce_vp_backward, fce_vp_linear_backward) write error_flags only, and
- * refuse a structure with any other output set. The pointer itself may be NULL where no output is
- * required: for the gradient-only calls (then no error flags are written); never for the calls
- * that write a loss (their message: "<call>: outputs is NULL"). */
+ * calls refuse (fce_vp_loss, fce_vp_linear_ce: "not supported"); the gradient-only calls
+ * fce_backward and fce_backward_rescale write error_flags only, and refuse a structure with any
+ * other output set. The pointer itself may be NULL where no output is required: for those two
+ * (then no error flags are written); never for the calls that write a loss (their message:
+ * "<call>: outputs is NULL"). fce_vp_backward and fce_vp_linear_backward take no outputs: the
+ * error flags of a vocabulary-parallel step are fce_vp_loss's, from the same gathered statistics
+ * and targets. */
 typedef struct fce_outputs {
   size_t struct_size;    /* sizeof(fce_outputs) */
   float* loss;           /* float32: [1] for mean/sum, [rows] for none (ignored rows get 0). */
@@ -607,12 +609,13 @@ FCE_API fce_status fce_vp_backward_workspace_size(const fce_options* options, in
 
 /* Phase 3, the gradient of this rank's logits: grad_logits [rows, vocab_local]
  * (options->grad_row_stride apart; may be logits itself, in place, as for fce_backward), for
- * the upstream grad_output (as fce_backward: NULL = 1). One read of the logits, one write. */
+ * the upstream grad_output (as fce_backward: NULL = 1). One read of the logits, one write. No
+ * outputs: fce_vp_loss on the same gathered_stats reports the error flags (a row with an invalid
+ * target, or of inconsistent shards, gets a NaN gradient row here). */
 FCE_API fce_status fce_vp_backward(const fce_options* options, const fce_vp_shard* shard,
                                    int64_t rows, const void* logits, const void* targets,
-                                   const float* gathered_stats, const fce_outputs* outputs,
-                                   const fce_gradients* gradients, void* workspace,
-                                   size_t workspace_bytes, void* stream);
+                                   const float* gathered_stats, const fce_gradients* gradients,
+                                   void* workspace, size_t workspace_bytes, void* stream);
 
 /* Workspace of fce_vp_linear_stats (phase 1 of the fused linear + CE; min_bytes required,
  * optimal_bytes may be NULL). */
@@ -647,13 +650,12 @@ FCE_API fce_status fce_vp_linear_backward_workspace_size(const fce_options* opti
  *   grad_weight   ∂W of this rank's rows [vocab_local, hidden], grad_bias ∂b [vocab_local]: as
  *                 fce_linear_ce's (dtype or float32 by grad_weight_fp32; options->accumulate).
  * At least one gradient pointer must be given (with rows = 0 none need be: a grad_hidden of no
- * element may be NULL). */
+ * element may be NULL). No outputs, as fce_vp_backward. */
 FCE_API fce_status fce_vp_linear_backward(const fce_options* options,
                                           const fce_vp_shard* shard, int64_t rows,
                                           int64_t hidden, const void* hidden_states,
                                           const void* weight, const void* bias,
                                           const void* targets, const float* gathered_stats,
-                                          const fce_outputs* outputs,
                                           const fce_gradients* gradients, void* workspace,
                                           size_t workspace_bytes, void* stream);
 
@@ -686,7 +688,7 @@ FCE_API fce_status fce_vp_linear_backward(const fce_options* options,
  *
  * Arguments: those of fce_vp_linear_stats and fce_vp_linear_backward together (the same checks
  * and messages, naming fce_vp_linear_ce): outputs (required; loss required), lse, z_loss, argmax
- * and accuracy as fce_vp_loss writes them (identical on every rank); grad_output, error_flags,
+ * and accuracy, error_flags as fce_vp_loss writes them (identical on every rank); grad_output,
  * grad_hidden (this rank's PARTIAL dloss/dh of grad_hidden_dtype: all-reduce it), grad_weight,
  * grad_bias as fce_vp_linear_backward; all gradient pointers NULL: the loss only. The loss and
  * the gradients are those of the unsharded fce_linear_ce to float32 rounding (and of the

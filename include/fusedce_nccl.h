@@ -23,10 +23,14 @@
  * synchronisation, graph-capturable, deterministic), with these additions:
  *   - The CUDA backend only (options->backend FCE_BACKEND_CUDA): device pointers on the calling
  *     thread's current device, which must be the communicator's device (ncclCommCuDevice).
- *   - comm is an ncclComm_t of nccl.h (typedef struct ncclComm* ncclComm_t): a BLOCKING
- *     communicator (NCCL's default), P = ncclCommCount ranks. This header does not include
- *     nccl.h; the library is linked against NCCL. The statistics are gathered in the
- *     communicator's rank order (ncclCommUserRank); a rank's vocab_start need not follow it.
+ *   - The communicator travels in the shard: fce_nccl_shard(comm, ...) fills an fce_vp_shard
+ *     whose all_gather is this library's ncclAllGather and whose context is comm, an
+ *     ncclComm_t of nccl.h (typedef struct ncclComm* ncclComm_t): a BLOCKING communicator
+ *     (NCCL's default), P = ncclCommCount ranks. Every fce_nccl_* call takes such a shard (and
+ *     refuses one made otherwise); libfusedce's fce_vp_linear_ce takes it too, its all-gathers
+ *     then running over NCCL. This header does not include nccl.h; the library is linked
+ *     against NCCL. The statistics are gathered in the communicator's rank order
+ *     (ncclCommUserRank); a rank's vocab_start need not follow it.
  *   - Every rank must ask for the same gradients (grad_hidden given on all ranks or on none):
  *     the collectives run on every rank or on none. Like any NCCL collective, a call that one
  *     rank makes and another does not (or makes with other sizes) hangs the stream.
@@ -42,7 +46,7 @@
  *     and grad_bias 0 unless accumulate); no collective is issued, on any rank.
  *   - Status and message: every function returns an fce_status; on failure
  *     fce_nccl_last_error() (per thread) names this library's function and the argument, e.g.
- *     "fce_nccl_linear_ce: comm is NULL", or holds the message of the failing libfusedce call
+ *     "fce_nccl_shard: comm is NULL", or holds the message of the failing libfusedce call
  *     prefixed by this library's function ("fce_nccl_linear_ce: fce_vp_linear_stats: ..."); a
  *     bad option or size that a libfusedce workspace query finds (this library sizes every
  *     call's workspace with them, and checks the options that way) is reported under this
@@ -94,18 +98,25 @@ FCE_API const char* fce_nccl_build_info(void);
  * until the next fce_nccl_* call on this thread. */
 FCE_API const char* fce_nccl_last_error(void);
 
+/* ------------------------------------------------------------------ shard ---- */
+/* This rank's shard, classes [vocab_start, vocab_start + vocab_local) of vocab_total, on the
+ * ranks of comm: writes *shard = {ncclCommCount(comm), vocab_total, vocab_start, vocab_local,
+ * this library's all-gather (ncclAllGather of float32 on comm, on the call's stream), comm}.
+ * Host-only: no collective, no synchronisation. The sizes are checked as the calls check them
+ * (1 <= vocab_local, 0 <= vocab_start, vocab_start + vocab_local <= vocab_total <= 2^31-1). */
+FCE_API fce_status fce_nccl_shard(struct ncclComm* comm, int64_t vocab_total,
+                                  int64_t vocab_start, int64_t vocab_local, fce_vp_shard* shard);
+
 /* ---------------------------------------------------------- cross-entropy ---- */
-/* Workspace bytes fce_nccl_cross_entropy needs: with_grad nonzero when grad_logits will be
- * given. */
+/* Workspace bytes fce_nccl_cross_entropy needs for this shard (made by fce_nccl_shard): with_grad
+ * nonzero when grad_logits will be given. */
 FCE_API fce_status fce_nccl_cross_entropy_workspace_size(const fce_options* options,
-                                                         struct ncclComm* comm, int64_t rows,
-                                                         int64_t vocab_total, int64_t vocab_local,
+                                                         const fce_vp_shard* shard, int64_t rows,
                                                          int with_grad, size_t* workspace_bytes);
 
 /* Cross-entropy over logits sharded by the vocabulary: this rank holds the columns
- * [shard->vocab_start, shard->vocab_start + shard->vocab_local) of shard->vocab_total;
- * shard->ranks must be the communicator's number of ranks; shard->all_gather and
- * shard->context are not read (both calls gather with ncclAllGather on comm).
+ * [shard->vocab_start, shard->vocab_start + shard->vocab_local) of shard->vocab_total; shard
+ * made by fce_nccl_shard (it carries the communicator).
  *   logits       this rank's z [rows, vocab_local] of options->dtype, options->row_stride apart
  *   targets      y [rows] (global class indices; the same on every rank)
  *   outputs      (required) loss, lse, z_loss, argmax, accuracy: as fce_forward writes them for
@@ -118,9 +129,8 @@ FCE_API fce_status fce_nccl_cross_entropy_workspace_size(const fce_options* opti
  *   outputs->error_flags  optional, as fce_vp_loss / fce_vp_backward (FCE_FLAG_TARGET_OUT_OF_RANGE,
  *                FCE_FLAG_SHARDS_INCONSISTENT when the ranks' shards do not tile the vocabulary)
  * Reads the logits twice when grad_logits is given (phase 1 and the gradient). */
-FCE_API fce_status fce_nccl_cross_entropy(const fce_options* options, struct ncclComm* comm,
-                                          const fce_vp_shard* shard, int64_t rows,
-                                          const void* logits, const void* targets,
+FCE_API fce_status fce_nccl_cross_entropy(const fce_options* options, const fce_vp_shard* shard,
+                                          int64_t rows, const void* logits, const void* targets,
                                           const fce_outputs* outputs,
                                           const fce_gradients* gradients, void* workspace,
                                           size_t workspace_bytes, void* stream);
@@ -129,9 +139,8 @@ FCE_API fce_status fce_nccl_cross_entropy(const fce_options* options, struct ncc
 /* Workspace of fce_nccl_linear_ce: min_bytes (required) works, optimal_bytes (may be NULL) runs
  * at full speed; with_grad nonzero when any gradient will be asked for (grad_hidden assumed). */
 FCE_API fce_status fce_nccl_linear_ce_workspace_size(const fce_options* options,
-                                                     struct ncclComm* comm, int64_t rows,
-                                                     int64_t hidden, int64_t vocab_total,
-                                                     int64_t vocab_local, int with_grad,
+                                                     const fce_vp_shard* shard, int64_t rows,
+                                                     int64_t hidden, int with_grad,
                                                      size_t* min_bytes, size_t* optimal_bytes);
 
 /* z = hidden · weightᵀ + bias with the weight sharded by rows (the vocabulary), then
@@ -150,10 +159,9 @@ FCE_API fce_status fce_nccl_linear_ce_workspace_size(const fce_options* options,
  *                  [vocab_local]: as fce_linear_ce (dtype or float32 by
  *                  options->grad_weight_fp32; options->accumulate adds); or NULL
  * With the three gradient pointers NULL: the loss only. */
-FCE_API fce_status fce_nccl_linear_ce(const fce_options* options, struct ncclComm* comm,
-                                      const fce_vp_shard* shard, int64_t rows, int64_t hidden,
-                                      const void* hidden_states, const void* weight,
-                                      const void* bias, const void* targets,
+FCE_API fce_status fce_nccl_linear_ce(const fce_options* options, const fce_vp_shard* shard,
+                                      int64_t rows, int64_t hidden, const void* hidden_states,
+                                      const void* weight, const void* bias, const void* targets,
                                       const fce_outputs* outputs, const fce_gradients* gradients,
                                       void* workspace, size_t workspace_bytes, void* stream);
 

@@ -160,19 +160,17 @@ FCE_API fce_status fce_vp_backward_workspace_size(const fce_options* options, in
 
 FCE_API fce_status fce_vp_backward(const fce_options* options, const fce_vp_shard* shard,
                                    int64_t rows, const void* logits, const void* targets,
-                                   const float* gathered_stats, const fce_outputs* outputs,
-                                   const fce_gradients* gradients, void* workspace,
+                                   const float* gathered_stats, const fce_gradients* gradients,
+                                   void* workspace,
                                    size_t workspace_bytes, void* stream) {
   const char* fn = "fce_vp_backward";
   CallArgs a;
-  FCE_TRY(begin_compute(fn, options, shard, true, outputs, gradients, kLogitsGradCall, &a));
+  FCE_TRY(begin_compute(fn, options, shard, true, nullptr, gradients, kLogitsGradCall, &a));
   FCE_TRY(refuse_row_grads(fn, a.g, false, kVpRowGrads));
-  const fce_outputs& out = a.out;
   const fce_gradients& g = a.g;
   const auto [ranks, vocab_total, vocab_start, vocab_local, gather, context] = a.shard;
   void* grad_logits = g.grad_logits;
   const float* grad_output = g.grad_output;
-  uint32_t* error_flags = out.error_flags;
   const fce_options* o = &a.o;
   fce::VpProblem p{};
   FCE_TRY(check_vp_vocab(fn, vocab_total, vocab_start, vocab_local, true));
@@ -199,7 +197,6 @@ FCE_API fce_status fce_vp_backward(const fce_options* options, const fce_vp_shar
       e.gathered_stats(gathered_stats, ranks),
       e.grad_output(grad_output),
       {"gradients->grad_logits", grad_logits, grad_bytes, e.esize, true},
-      error_flags_arg(error_flags),
       workspace_arg(workspace, workspace_bytes),
   };
   const InPlace in_place{p.row_stride, p.grad_row_stride};
@@ -219,7 +216,6 @@ FCE_API fce_status fce_vp_backward(const fce_options* options, const fce_vp_shar
   p.logits = logits;
   p.grad_output = grad_output;
   p.grad = grad_logits;
-  p.error_flags = error_flags;
   set_workspace(&p, workspace, workspace_bytes, stream);
   return dispatch(*o, args, p, fce::cpu_vp, fce::cuda_vp);
 }

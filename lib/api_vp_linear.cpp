@@ -176,19 +176,16 @@ FCE_API fce_status fce_vp_linear_backward(const fce_options* options,
                                           int64_t hidden, const void* hidden_states,
                                           const void* weight, const void* bias,
                                           const void* targets, const float* gathered_stats,
-                                          const fce_outputs* outputs,
                                           const fce_gradients* gradients, void* workspace,
                                           size_t workspace_bytes, void* stream) {
   const char* fn = "fce_vp_linear_backward";
   CallArgs a;
-  FCE_TRY(begin_compute(fn, options, shard, true, outputs, gradients,
+  FCE_TRY(begin_compute(fn, options, shard, true, nullptr, gradients,
                         {OutputsUse::kFlagsOnly, GradientsUse::kVpLinear, true}, &a));
   FCE_TRY(refuse_row_grads(fn, a.g, false, kVpRowGrads));
-  const fce_outputs& out = a.out;
   const auto [ranks, vocab_total, vocab_start, vocab_local, gather, context] = a.shard;
   const auto [g_size, grad_output, g_logits, grad_hidden, grad_weight, grad_bias,
               grad_hidden_dtype, g_reserved, g_lse, g_entropy] = a.g;
-  uint32_t* error_flags = out.error_flags;
   const fce_options* o = &a.o;
   fce::VpLinearProblem p{};
   FCE_TRY(check_sizes(fn, *o, &ranks, rows, hidden, vocab_total, vocab_start, vocab_local, &p));
@@ -226,7 +223,6 @@ FCE_API fce_status fce_vp_linear_backward(const fce_options* options,
       {"gradients->grad_hidden", grad_hidden, nd * gh_size, gh_size, true},
       {"gradients->grad_weight", grad_weight, vd * gw_size, gw_size, true},
       {"gradients->grad_bias", grad_bias, v * gw_size, gw_size, true},
-      error_flags_arg(error_flags),
       workspace_arg(workspace, workspace_bytes),
   };
   FCE_TRY(check_args(fn, args));
@@ -245,7 +241,6 @@ FCE_API fce_status fce_vp_linear_backward(const fce_options* options,
   p.grad_output = grad_output;
   set_linear_grads(&p, *o, grad_hidden, grad_weight, grad_bias);
   p.grad_hidden_dtype = grad_hidden_dtype;
-  p.error_flags = error_flags;
   set_workspace(&p, workspace, workspace_bytes, stream);
   return dispatch(*o, args, p, fce::cpu_vp_linear, fce::cuda_vp_linear);
 }

@@ -123,12 +123,11 @@ inline fce_status vp_backward(const TestOptions* o, int64_t ranks, int64_t rows,
                               int64_t vocab_total, int64_t vocab_start, int64_t vocab_local,
                               const void* logits, const void* targets,
                               const float* gathered_stats, const float* grad_output,
-                              void* grad_logits, uint32_t* error_flags, void* workspace,
-                              size_t workspace_bytes, void* stream) {
+                              void* grad_logits, void* workspace, size_t workspace_bytes,
+                              void* stream) {
   const fce_vp_shard s = shard(ranks, vocab_total, vocab_start, vocab_local);
-  const fce_outputs out = flags_only(error_flags);
   const fce_gradients g = logit_grads(grad_logits, grad_output);
-  return fce_vp_backward(o, &s, rows, logits, targets, gathered_stats, &out, &g, workspace,
+  return fce_vp_backward(o, &s, rows, logits, targets, gathered_stats, &g, workspace,
                          workspace_bytes, stream);
 }
 
@@ -148,14 +147,13 @@ inline fce_status vp_linear_backward(const TestOptions* o, int64_t ranks, int64_
                                      const void* weight, const void* bias, const void* targets,
                                      const float* gathered_stats, const float* grad_output,
                                      void* grad_hidden, int32_t grad_hidden_dtype,
-                                     void* grad_weight, void* grad_bias, uint32_t* error_flags,
-                                     void* workspace, size_t workspace_bytes, void* stream) {
+                                     void* grad_weight, void* grad_bias, void* workspace,
+                                     size_t workspace_bytes, void* stream) {
   const fce_vp_shard s = shard(ranks, vocab_total, vocab_start, vocab_local);
-  const fce_outputs out = flags_only(error_flags);
   const fce_gradients g =
       linear_grads(grad_hidden, grad_weight, grad_bias, grad_output, grad_hidden_dtype);
   return fce_vp_linear_backward(o, &s, rows, hidden, hidden_states, weight, bias, targets,
-                                gathered_stats, &out, &g, workspace, workspace_bytes, stream);
+                                gathered_stats, &g, workspace, workspace_bytes, stream);
 }
 
 inline fce_status vp_linear_ce(const TestOptions* o, int64_t ranks, int64_t rows, int64_t hidden,

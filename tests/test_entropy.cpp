@@ -564,14 +564,14 @@ TEST_F(EntropyRefusals, VocabParallel) {
                  FCE_ERROR_UNSUPPORTED,
                  "fce_vp_loss: outputs->entropy is not supported by the vocabulary-parallel calls");
   fce_gradients g = with_lse();
-  expect_refused(fce_vp_backward(&o, &s, N, z.ptr(), y.ptr(), stats.p<const float>(), nullptr, &g,
-                                 ws.ptr(), ws.size(), test_stream()),
+  expect_refused(fce_vp_backward(&o, &s, N, z.ptr(), y.ptr(), stats.p<const float>(), &g, ws.ptr(),
+                                 ws.size(), test_stream()),
                  FCE_ERROR_UNSUPPORTED, "fce_vp_backward: gradients->grad_lse");
   fce_gradients lg = FCE_GRADIENTS_INIT;
   lg.grad_hidden = gh.ptr();
   lg.grad_entropy = rows.p<const float>();
   expect_refused(fce_vp_linear_backward(&o, &s, N, D, h.ptr(), W.ptr(), nullptr, y.ptr(),
-                                        stats.p<const float>(), nullptr, &lg, ws.ptr(), ws.size(),
+                                        stats.p<const float>(), &lg, ws.ptr(), ws.size(),
                                         test_stream()),
                  FCE_ERROR_UNSUPPORTED, "fce_vp_linear_backward: gradients->grad_entropy");
   auto gather = [](void*, const float* send, float* recv, int64_t count, void*) {

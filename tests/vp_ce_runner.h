@@ -226,8 +226,7 @@ class VpCeRunner {
   }
 
   // fce_vp_backward of shard s from gathered; writes its columns into grad (dense [N, V]).
-  void backward(const Shard& s, Buf& gathered, int64_t ranks, std::vector<double>* grad,
-                uint32_t* flags_out) {
+  void backward(const Shard& s, Buf& gathered, int64_t ranks, std::vector<double>* grad) {
     SCOPED_TRACE("fce_vp_backward of shard [" + std::to_string(s.start) + ", +" +
                  std::to_string(s.local) + ")" + (c_.inplace ? " in place" : ""));
     Mat lm;
@@ -240,7 +239,6 @@ class VpCeRunner {
     Buf am = poisoned(vec(FCE_INT64, c_.N)), acc = poisoned(vec(FCE_FLOAT32, loss_len()));
     o.argmax = am.p<int64_t>();
     o.accuracy = acc.p<float>();
-    Buf flags = flags_buf(0);
     size_t wsb = 1;
     EXPECT_EQ(fce_vp_backward_workspace_size(&o, ranks, c_.N, c_.V, s.local, &wsb), FCE_SUCCESS)
         << fce_last_error();
@@ -249,10 +247,10 @@ class VpCeRunner {
          b_go = gout_.mirror(), b_grad = gbuf.mirror(), b_am = am.mirror(), b_acc = acc.mirror();
     const fce_status st = flat::vp_backward(&o, ranks, c_.N, c_.V, s.start, s.local, logits.ptr(),
                                           targets_.ptr(), gathered.p<float>(), gout_.p<float>(),
-                                          gptr, flags.p<uint32_t>(), ws.ptr(), wsb, test_stream());
+                                          gptr, ws.ptr(), wsb, test_stream());
     ASSERT_EQ(st, FCE_SUCCESS) << fce_status_string(st) << ": " << fce_last_error();
     ASSERT_TRUE(finish());
-    for (Buf* b : {&logits, &gathered, &targets_, &gout_, &gbuf, &am, &acc, &flags, &ws}) b->pull();
+    for (Buf* b : {&logits, &gathered, &targets_, &gout_, &gbuf, &am, &acc, &ws}) b->pull();
     EXPECT_TRUE(unchanged(gathered, b_g, "gathered_stats (fce_vp_backward)"));
     EXPECT_TRUE(unchanged(targets_, b_y, "targets (fce_vp_backward)"));
     EXPECT_TRUE(unchanged(gout_, b_go, "grad_output"));
@@ -271,7 +269,6 @@ class VpCeRunner {
     for (int64_t r = 0; r < c_.N; ++r)
       for (int64_t j = 0; j < s.local; ++j)
         (*grad)[static_cast<size_t>(r * c_.V + s.start + j)] = v[static_cast<size_t>(r * s.local + j)];
-    *flags_out = read_flags(flags);
   }
 
   // P simulated ranks: phase 1 per shard; fce_vp_loss on the stats gathered in rank order and
@@ -309,9 +306,7 @@ class VpCeRunner {
     }
     std::vector<double> grad(static_cast<size_t>(c_.N * c_.V), -12345.0);
     for (const Shard& s : shards) {
-      uint32_t f = 0;
-      ASSERT_NO_FATAL_FAILURE(backward(s, gathered_perm, P, &grad, &f));
-      EXPECT_EQ(f, invalid_flag()) << "error_flags (fce_vp_backward)";
+      ASSERT_NO_FATAL_FAILURE(backward(s, gathered_perm, P, &grad));
     }
     EXPECT_TRUE(close_normwise(grad, whole_grad_, tol(), "grad_logits (all shards) vs unsharded"));
     EXPECT_TRUE(close_normwise(grad, ref_.grad, tol(), "grad_logits (all shards) vs reference"));

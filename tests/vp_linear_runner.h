@@ -262,7 +262,6 @@ class VpLinRunner {
   struct Grads {
     std::vector<double> gh, gw, gb;
     std::vector<uint8_t> raw_gh, raw_gw, raw_gb;
-    uint32_t flags = 0;
   };
 
   // fce_vp_linear_backward of shard s.
@@ -288,7 +287,6 @@ class VpLinRunner {
         gb.push();
       }
     }
-    Buf flags = flags_buf(0);
     const size_t wsb = workspace(true, ranks, s);
     Buf ws = workspace_buf(wsb);
     auto b_h = hidden_.mirror(), b_w = weight.mirror(), b_b = bias.mirror(),
@@ -297,10 +295,10 @@ class VpLinRunner {
     const fce_status st = flat::vp_linear_backward(
         &o_, ranks, c_.N, c_.D, c_.V, s.start, s.local, hidden_.ptr(), weight.ptr(), bias.ptr(),
         targets_.ptr(), gathered.p<float>(), gout_.p<float>(), gh.ptr(), ghdt_, gw.ptr(),
-        gb.ptr(), flags.p<uint32_t>(), ws.ptr(), wsb, test_stream());
+        gb.ptr(), ws.ptr(), wsb, test_stream());
     EXPECT_EQ(st, FCE_SUCCESS) << fce_status_string(st) << ": " << fce_last_error();
     EXPECT_TRUE(finish());
-    for (Buf* b : {&hidden_, &weight, &bias, &gathered, &gout_, &gh, &gw, &gb, &flags, &ws})
+    for (Buf* b : {&hidden_, &weight, &bias, &gathered, &gout_, &gh, &gw, &gb, &ws})
       b->pull();
     EXPECT_TRUE(unchanged(hidden_, b_h, "hidden_states (fce_vp_linear_backward)"));
     EXPECT_TRUE(unchanged(weight, b_w, "weight (fce_vp_linear_backward)"));
@@ -326,7 +324,6 @@ class VpLinRunner {
       out.gb = read_mat(gb, gb_m);
       out.raw_gb = gb.mirror();
     }
-    out.flags = read_flags(flags);
     return out;
   }
 
@@ -399,7 +396,6 @@ class VpLinRunner {
     std::vector<double> gw(static_cast<size_t>(c_.V * c_.D), 0.0), gb(static_cast<size_t>(c_.V), 0.0);
     for (const Shard& s : shards) {
       const Grads g = backward(s, gathered, P);
-      EXPECT_EQ(g.flags, invalid_flag()) << "error_flags (fce_vp_linear_backward)";
       for (size_t i = 0; i < g.gh.size(); ++i) gh_sum[i] += g.gh[i];  // the all-reduce
       for (size_t i = 0; i < g.gw.size(); ++i) gw[static_cast<size_t>(s.start * c_.D) + i] = g.gw[i];
       for (size_t i = 0; i < g.gb.size(); ++i) gb[static_cast<size_t>(s.start) + i] = g.gb[i];

@@ -127,14 +127,18 @@ fce_status read_versioned(const char* fn, const char* name, const T* in, size_t 
   return FCE_SUCCESS;
 }
 
-fce_status read_structs(const char* fn, const fce_vp_shard* shard, int ranks,
-                        const fce_outputs* outputs, const fce_gradients* gradients,
-                        fce_outputs* out, fce_gradients* g) {
-  if (!shard) return fail(FCE_ERROR_NULL_POINTER, "%s: shard is NULL", fn);
+fce_status check_shard_ranks(const char* fn, const fce_vp_shard* shard, int ranks) {
   if (shard->ranks != ranks)
     return fail(FCE_ERROR_INVALID_ARGUMENT,
                 "%s: shard->ranks (%lld) is not the communicator's number of ranks (%d)", fn,
                 (long long)shard->ranks, ranks);
+  return FCE_SUCCESS;
+}
+
+fce_status read_structs(const char* fn, const fce_vp_shard* shard, int ranks,
+                        const fce_outputs* outputs, const fce_gradients* gradients,
+                        fce_outputs* out, fce_gradients* g) {
+  FCE_NCCL_TRY(check_shard_ranks(fn, shard, ranks));
   if (!outputs) return fail(FCE_ERROR_NULL_POINTER, "%s: outputs is NULL (the loss is required)", fn);
   const fce_outputs out0 = FCE_OUTPUTS_INIT;
   const fce_gradients g0 = FCE_GRADIENTS_INIT;
@@ -143,14 +147,41 @@ fce_status read_structs(const char* fn, const fce_vp_shard* shard, int ranks,
   return read_versioned(fn, "gradients", gradients, FCE_GRADIENTS_SIZE_V1_0, g0, g);
 }
 
+// The all-gather of a shard made by fce_nccl_shard (fce_vp_all_gather_fn): ncclAllGather on
+// the communicator the shard carries as its context, on the call's stream. NCCL's result is kept
+// (per thread) for the message of the fce_nccl_* call that ran it.
+thread_local ncclResult_t g_gather_result = ncclSuccess;
+fce_status nccl_all_gather(void* context, const float* send, float* recv, int64_t count,
+                           void* stream) {
+  g_gather_result = ncclAllGather(send, recv, static_cast<size_t>(count), ncclFloat32,
+                                  static_cast<ncclComm_t>(context),
+                                  static_cast<cudaStream_t>(stream));
+  if (g_gather_result == ncclSuccess) return FCE_SUCCESS;
+  fail(FCE_ERROR_CUDA, "ncclAllGather returned %d (%s)", static_cast<int>(g_gather_result),
+       ncclGetErrorString(g_gather_result));
+  return FCE_ERROR_CUDA;
+}
+
+// The communicator of a shard made by fce_nccl_shard (its context).
+fce_status shard_comm(const char* fn, const fce_vp_shard* shard, ncclComm_t* comm) {
+  if (!shard) return fail(FCE_ERROR_NULL_POINTER, "%s: shard is NULL", fn);
+  if (shard->all_gather != nccl_all_gather)
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "%s: shard->all_gather is not fusedce_nccl's: make the shard with fce_nccl_shard, "
+                "which puts the communicator in it",
+                fn);
+  *comm = static_cast<ncclComm_t>(shard->context);
+  return FCE_SUCCESS;
+}
+
 struct CommInfo {
   int ranks = 0, rank = 0, device = -1;
 };
 
 // Options, backend and communicator: what the workspace queries check (full = the compute
 // calls: also the rank, the device and a pending asynchronous error).
-fce_status check_common(const char* fn, const fce_options* options, ncclComm_t comm, bool full,
-                        fce_options* o, CommInfo* ci) {
+fce_status check_common(const char* fn, const fce_options* options, const fce_vp_shard* shard,
+                        bool full, fce_options* o, CommInfo* ci, ncclComm_t* comm_out) {
   FCE_NCCL_TRY(read_options(fn, options, o));
   if (o->target_dtype == FCE_FLOAT32 || o->target_dtype == FCE_FLOAT16 ||
       o->target_dtype == FCE_BFLOAT16)
@@ -167,7 +198,11 @@ fce_status check_common(const char* fn, const fce_options* options, ncclComm_t c
     return fail(FCE_ERROR_INVALID_ARGUMENT,
                 "%s: options->backend (%d) is not an fce_backend (fusedce_nccl: FCE_BACKEND_CUDA)",
                 fn, o->backend);
-  if (!comm) return fail(FCE_ERROR_NULL_POINTER, "%s: comm is NULL", fn);
+  ncclComm_t comm = nullptr;
+  FCE_NCCL_TRY(shard_comm(fn, shard, &comm));
+  *comm_out = comm;
+  if (!comm)
+    return fail(FCE_ERROR_NULL_POINTER, "%s: shard->context (the communicator) is NULL", fn);
   ncclResult_t r = ncclCommCount(comm, &ci->ranks);
   if (r != ncclSuccess) return nccl_fail(fn, "ncclCommCount(comm)", r, comm);
   if (ci->ranks < 1)
@@ -360,20 +395,6 @@ fce_status lin_layout(const char* fn, const fce_options* options, const fce_opti
   return FCE_SUCCESS;
 }
 
-// fce_vp_linear_ce's all-gather (fce_vp_all_gather_fn): ncclAllGather on the call's stream;
-// NCCL's result kept for the message.
-struct GatherCtx {
-  ncclComm_t comm;
-  ncclResult_t result;
-};
-fce_status nccl_all_gather(void* context, const float* send, float* recv, int64_t count,
-                           void* stream) {
-  GatherCtx* g = static_cast<GatherCtx*>(context);
-  g->result = ncclAllGather(send, recv, static_cast<size_t>(count), ncclFloat32, g->comm,
-                            static_cast<cudaStream_t>(stream));
-  return g->result == ncclSuccess ? FCE_SUCCESS : FCE_ERROR_CUDA;
-}
-
 }  // namespace
 
 extern "C" {
@@ -402,16 +423,39 @@ FCE_API const char* fce_nccl_build_info(void) {
   return info.c_str();
 }
 
+FCE_API fce_status fce_nccl_shard(ncclComm_t comm, int64_t vocab_total, int64_t vocab_start,
+                                  int64_t vocab_local, fce_vp_shard* shard) {
+  const char* fn = "fce_nccl_shard";
+  g_last_error[0] = '\0';
+  if (!shard) return fail(FCE_ERROR_NULL_POINTER, "%s: shard is NULL", fn);
+  if (!comm) return fail(FCE_ERROR_NULL_POINTER, "%s: comm is NULL", fn);
+  int ranks = 0;
+  const ncclResult_t r = ncclCommCount(comm, &ranks);
+  if (r != ncclSuccess) return nccl_fail(fn, "ncclCommCount(comm)", r, comm);
+  if (ranks < 1) return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: comm has %d ranks", fn, ranks);
+  size_t gathered = 0;
+  FCE_NCCL_TRY(check_sizes(fn, 0, vocab_total, vocab_start, vocab_local, true, ranks, &gathered));
+  shard->ranks = ranks;
+  shard->vocab_total = vocab_total;
+  shard->vocab_start = vocab_start;
+  shard->vocab_local = vocab_local;
+  shard->all_gather = nccl_all_gather;
+  shard->context = comm;
+  return FCE_SUCCESS;
+}
+
 FCE_API fce_status fce_nccl_cross_entropy_workspace_size(const fce_options* options,
-                                                         ncclComm_t comm, int64_t rows,
-                                                         int64_t vocab_total, int64_t vocab_local,
+                                                         const fce_vp_shard* shard, int64_t rows,
                                                          int with_grad, size_t* workspace_bytes) {
   const char* fn = "fce_nccl_cross_entropy_workspace_size";
   g_last_error[0] = '\0';
   if (!workspace_bytes) return fail(FCE_ERROR_NULL_POINTER, "%s: workspace_bytes is NULL", fn);
   fce_options o;
   CommInfo ci;
-  FCE_NCCL_TRY(check_common(fn, options, comm, false, &o, &ci));
+  ncclComm_t comm = nullptr;
+  FCE_NCCL_TRY(check_common(fn, options, shard, false, &o, &ci, &comm));
+  FCE_NCCL_TRY(check_shard_ranks(fn, shard, ci.ranks));
+  const int64_t vocab_total = shard->vocab_total, vocab_local = shard->vocab_local;
   size_t gathered = 0;
   FCE_NCCL_TRY(check_sizes(fn, rows, vocab_total, 0, vocab_local, false, ci.ranks, &gathered));
   CeLayout l;
@@ -421,9 +465,8 @@ FCE_API fce_status fce_nccl_cross_entropy_workspace_size(const fce_options* opti
   return FCE_SUCCESS;
 }
 
-FCE_API fce_status fce_nccl_cross_entropy(const fce_options* options, ncclComm_t comm,
-                                          const fce_vp_shard* shard, int64_t rows,
-                                          const void* logits, const void* targets,
+FCE_API fce_status fce_nccl_cross_entropy(const fce_options* options, const fce_vp_shard* shard,
+                                          int64_t rows, const void* logits, const void* targets,
                                           const fce_outputs* outputs,
                                           const fce_gradients* gradients, void* workspace,
                                           size_t workspace_bytes, void* stream) {
@@ -431,7 +474,8 @@ FCE_API fce_status fce_nccl_cross_entropy(const fce_options* options, ncclComm_t
   g_last_error[0] = '\0';
   fce_options o;
   CommInfo ci;
-  FCE_NCCL_TRY(check_common(fn, options, comm, true, &o, &ci));
+  ncclComm_t comm = nullptr;
+  FCE_NCCL_TRY(check_common(fn, options, shard, true, &o, &ci, &comm));
   fce_outputs out;
   fce_gradients gr;
   FCE_NCCL_TRY(read_structs(fn, shard, ci.ranks, outputs, gradients, &out, &gr));
@@ -506,28 +550,27 @@ FCE_API fce_status fce_nccl_cross_entropy(const fce_options* options, ncclComm_t
     const ncclResult_t nr = ncclAllGather(stats, gathered, count, ncclFloat32, comm, s);
     if (nr != ncclSuccess) return nccl_fail(fn, "ncclAllGather (statistics)", nr, comm);
   }
-  if (with_grad) {
-    fce_outputs flags = FCE_OUTPUTS_INIT;
-    flags.error_flags = out.error_flags;
-    FCE_NCCL_CORE(fn, fce_vp_backward(options, shard, rows, logits, targets, gathered, &flags,
-                                      &gr, scratch, scratch_bytes, stream));
-  }
+  if (with_grad)  // (its error flags are fce_vp_loss's, below)
+    FCE_NCCL_CORE(fn, fce_vp_backward(options, shard, rows, logits, targets, gathered, &gr,
+                                      scratch, scratch_bytes, stream));
   FCE_NCCL_CORE(fn, fce_vp_loss(options, shard, rows, targets, gathered, &out, scratch,
                                 scratch_bytes, stream));
   return FCE_SUCCESS;
 }
 
-FCE_API fce_status fce_nccl_linear_ce_workspace_size(const fce_options* options, ncclComm_t comm,
-                                                     int64_t rows, int64_t hidden,
-                                                     int64_t vocab_total, int64_t vocab_local,
-                                                     int with_grad, size_t* min_bytes,
-                                                     size_t* optimal_bytes) {
+FCE_API fce_status fce_nccl_linear_ce_workspace_size(const fce_options* options,
+                                                     const fce_vp_shard* shard, int64_t rows,
+                                                     int64_t hidden, int with_grad,
+                                                     size_t* min_bytes, size_t* optimal_bytes) {
   const char* fn = "fce_nccl_linear_ce_workspace_size";
   g_last_error[0] = '\0';
   if (!min_bytes) return fail(FCE_ERROR_NULL_POINTER, "%s: min_bytes is NULL", fn);
   fce_options o;
   CommInfo ci;
-  FCE_NCCL_TRY(check_common(fn, options, comm, false, &o, &ci));
+  ncclComm_t comm = nullptr;
+  FCE_NCCL_TRY(check_common(fn, options, shard, false, &o, &ci, &comm));
+  FCE_NCCL_TRY(check_shard_ranks(fn, shard, ci.ranks));
+  const int64_t vocab_total = shard->vocab_total, vocab_local = shard->vocab_local;
   size_t gathered = 0;
   FCE_NCCL_TRY(check_sizes(fn, rows, vocab_total, 0, vocab_local, false, ci.ranks, &gathered));
   LinLayout l;
@@ -538,17 +581,17 @@ FCE_API fce_status fce_nccl_linear_ce_workspace_size(const fce_options* options,
   return FCE_SUCCESS;
 }
 
-FCE_API fce_status fce_nccl_linear_ce(const fce_options* options, ncclComm_t comm,
-                                      const fce_vp_shard* shard, int64_t rows, int64_t hidden,
-                                      const void* hidden_states, const void* weight,
-                                      const void* bias, const void* targets,
+FCE_API fce_status fce_nccl_linear_ce(const fce_options* options, const fce_vp_shard* shard,
+                                      int64_t rows, int64_t hidden, const void* hidden_states,
+                                      const void* weight, const void* bias, const void* targets,
                                       const fce_outputs* outputs, const fce_gradients* gradients,
                                       void* workspace, size_t workspace_bytes, void* stream) {
   const char* fn = "fce_nccl_linear_ce";
   g_last_error[0] = '\0';
   fce_options o;
   CommInfo ci;
-  FCE_NCCL_TRY(check_common(fn, options, comm, true, &o, &ci));
+  ncclComm_t comm = nullptr;
+  FCE_NCCL_TRY(check_common(fn, options, shard, true, &o, &ci, &comm));
   fce_outputs out;
   fce_gradients gr;
   FCE_NCCL_TRY(read_structs(fn, shard, ci.ranks, outputs, gradients, &out, &gr));
@@ -648,16 +691,15 @@ FCE_API fce_status fce_nccl_linear_ce(const fce_options* options, ncclComm_t com
   if (grad_hidden)
     gh32 = o.dtype == FCE_FLOAT32 ? static_cast<float*>(grad_hidden)
                                   : reinterpret_cast<float*>(ws + l.gh_off);
-  GatherCtx g{comm, ncclSuccess};
   fce_gradients partial = gr;  // this rank's share of dloss/dh, in float32
   partial.grad_hidden = gh32;
   partial.grad_hidden_dtype = FCE_FLOAT32;
-  fce_vp_shard sh = *shard;  // the caller's all_gather and context are not read: ncclAllGather
-  sh.all_gather = nccl_all_gather;
-  sh.context = &g;
-  const fce_status st = fce_vp_linear_ce(options, &sh, rows, hidden, hidden_states, weight, bias,
-                                         targets, &out, &partial, scratch, scratch_bytes, stream);
-  if (g.result != ncclSuccess) return nccl_fail(fn, "ncclAllGather (statistics)", g.result, comm);
+  g_gather_result = ncclSuccess;  // the shard's all-gather is nccl_all_gather on comm
+  const fce_status st = fce_vp_linear_ce(options, shard, rows, hidden, hidden_states, weight,
+                                         bias, targets, &out, &partial, scratch, scratch_bytes,
+                                         stream);
+  if (g_gather_result != ncclSuccess)
+    return nccl_fail(fn, "ncclAllGather (statistics)", g_gather_result, comm);
   FCE_NCCL_CORE(fn, st);
   if (grad_hidden && rows > 0) {  // (no row: no dloss/dh to reduce, on every rank alike)
     const size_t n = static_cast<size_t>(rows) * static_cast<size_t>(hidden);

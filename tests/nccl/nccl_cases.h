@@ -20,16 +20,45 @@ inline int64_t comm_ranks(ncclComm_t comm) {
   return n;
 }
 
+// A shard on comm (fce_nccl_shard, which puts the communicator in it) with these sizes written
+// over the ones fce_nccl_shard checked, so that the calls' own checks see them; NULL without a
+// communicator.
+inline const fce_vp_shard* comm_shard(ncclComm_t comm, int64_t vocab_total, int64_t vocab_start,
+                                      int64_t vocab_local, fce_vp_shard* sh) {
+  if (!comm || fce_nccl_shard(comm, 1, 0, 1, sh) != FCE_SUCCESS) return nullptr;
+  sh->vocab_total = vocab_total;
+  sh->vocab_start = vocab_start;
+  sh->vocab_local = vocab_local;
+  return sh;
+}
+
+inline fce_status nccl_ce_ws(const TestOptions* o, ncclComm_t comm, int64_t rows,
+                             int64_t vocab_total, int64_t vocab_local, int with_grad,
+                             size_t* workspace_bytes) {
+  fce_vp_shard sh{};
+  return fce_nccl_cross_entropy_workspace_size(
+      o, comm_shard(comm, vocab_total, 0, vocab_local, &sh), rows, with_grad, workspace_bytes);
+}
+
+inline fce_status nccl_linear_ws(const TestOptions* o, ncclComm_t comm, int64_t rows,
+                                 int64_t hidden, int64_t vocab_total, int64_t vocab_local,
+                                 int with_grad, size_t* min_bytes, size_t* optimal_bytes) {
+  fce_vp_shard sh{};
+  return fce_nccl_linear_ce_workspace_size(o, comm_shard(comm, vocab_total, 0, vocab_local, &sh),
+                                           rows, hidden, with_grad, min_bytes, optimal_bytes);
+}
+
 inline fce_status nccl_cross_entropy(const TestOptions* o, ncclComm_t comm, int64_t rows,
                                      int64_t vocab_total, int64_t vocab_start,
                                      int64_t vocab_local, const void* logits, const void* targets,
                                      float* loss, float* lse, float* z_loss, void* grad_logits,
                                      const float* grad_output, uint32_t* error_flags,
                                      void* workspace, size_t workspace_bytes, void* stream) {
-  const fce_vp_shard sh = shard(comm_ranks(comm), vocab_total, vocab_start, vocab_local);
+  fce_vp_shard sh{};
+  const fce_vp_shard* shp = comm_shard(comm, vocab_total, vocab_start, vocab_local, &sh);
   const fce_outputs out = outputs(o, loss, lse, z_loss, error_flags);
   const fce_gradients g = logit_grads(grad_logits, grad_output);
-  return fce_nccl_cross_entropy(o, comm, &sh, rows, logits, targets, &out,
+  return fce_nccl_cross_entropy(o, shp, rows, logits, targets, &out,
                                 grad_logits ? &g : nullptr, workspace, workspace_bytes, stream);
 }
 
@@ -41,10 +70,11 @@ inline fce_status nccl_linear_ce(const TestOptions* o, ncclComm_t comm, int64_t 
                                  void* grad_weight, void* grad_bias, const float* grad_output,
                                  uint32_t* error_flags, void* workspace, size_t workspace_bytes,
                                  void* stream) {
-  const fce_vp_shard sh = shard(comm_ranks(comm), vocab_total, vocab_start, vocab_local);
+  fce_vp_shard sh{};
+  const fce_vp_shard* shp = comm_shard(comm, vocab_total, vocab_start, vocab_local, &sh);
   const fce_outputs out = outputs(o, loss, lse, z_loss, error_flags);
   const fce_gradients g = linear_grads(grad_hidden, grad_weight, grad_bias, grad_output);
-  return fce_nccl_linear_ce(o, comm, &sh, rows, hidden, hidden_states, weight, bias, targets,
+  return fce_nccl_linear_ce(o, shp, rows, hidden, hidden_states, weight, bias, targets,
                             &out, &g, workspace, workspace_bytes, stream);
 }
 
@@ -350,7 +380,7 @@ std::string replay_matches(cudaStream_t s, Call call, Poison poison, Download do
     o.accuracy = b.acc.p<float>();
   }
   size_t wsb = 0;
-  fce_status st = fce_nccl_cross_entropy_workspace_size(&o, comm, c.N, c.V, c.V, c.grad, &wsb);
+  fce_status st = flat::nccl_ce_ws(&o, comm, c.N, c.V, c.V, c.grad, &wsb);
   if (st != FCE_SUCCESS) return ok(st, "fce_nccl_cross_entropy_workspace_size");
   b.ws = Dev(wsb, s);
   b.poison();
@@ -597,7 +627,7 @@ bool lin_with_grad(const LinCase& c) { return c.gh || c.gw || (c.gb && c.bias); 
     o.accuracy = b.acc.p<float>();
   }
   size_t mn = 0, opt = 0;
-  fce_status st = fce_nccl_linear_ce_workspace_size(&o, comm, c.N, c.D, c.V, c.V,
+  fce_status st = flat::nccl_linear_ws(&o, comm, c.N, c.D, c.V, c.V,
                                                      lin_with_grad(c), &mn, &opt);
   if (st != FCE_SUCCESS) return ok(st, "fce_nccl_linear_ce_workspace_size");
   if (mn > opt)

@@ -35,29 +35,29 @@ TEST(Nccl, BadArgumentsWithoutDevice) {
   float loss = -1.0f;
   const ncclComm_t no_comm = nullptr;
   // NULL communicator
-  EXPECT_EQ(fce_nccl_cross_entropy_workspace_size(&o, no_comm, 4, 8, 8, 1, &ws),
+  EXPECT_EQ(flat::nccl_ce_ws(&o, no_comm, 4, 8, 8, 1, &ws),
             FCE_ERROR_NULL_POINTER);
-  EXPECT_NE(std::string(fce_nccl_last_error()).find("fce_nccl_cross_entropy_workspace_size: comm"),
+  EXPECT_NE(std::string(fce_nccl_last_error()).find("fce_nccl_cross_entropy_workspace_size: shard is NULL"),
             std::string::npos)
       << fce_nccl_last_error();
   EXPECT_EQ(ws, 12345u);
   EXPECT_EQ(flat::nccl_cross_entropy(&o, no_comm, 4, 8, 0, 8, &loss, &loss, &loss, nullptr, nullptr,
                                    nullptr, nullptr, nullptr, nullptr, 0, nullptr),
             FCE_ERROR_NULL_POINTER);
-  EXPECT_NE(std::string(fce_nccl_last_error()).find("fce_nccl_cross_entropy: comm is NULL"),
+  EXPECT_NE(std::string(fce_nccl_last_error()).find("fce_nccl_cross_entropy: shard is NULL"),
             std::string::npos)
       << fce_nccl_last_error();
   EXPECT_EQ(flat::nccl_linear_ce(&o, no_comm, 4, 8, 16, 0, 16, &loss, &loss, nullptr, &loss, &loss,
                                nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
                                nullptr, 0, nullptr),
             FCE_ERROR_NULL_POINTER);
-  EXPECT_NE(std::string(fce_nccl_last_error()).find("fce_nccl_linear_ce: comm is NULL"),
+  EXPECT_NE(std::string(fce_nccl_last_error()).find("fce_nccl_linear_ce: shard is NULL"),
             std::string::npos)
       << fce_nccl_last_error();
   EXPECT_EQ(loss, -1.0f);
   // the CPU backend: refused before the communicator is looked at
   o.backend = FCE_BACKEND_CPU;
-  EXPECT_EQ(fce_nccl_linear_ce_workspace_size(&o, no_comm, 4, 8, 16, 16, 1, &mn, nullptr),
+  EXPECT_EQ(flat::nccl_linear_ws(&o, no_comm, 4, 8, 16, 16, 1, &mn, nullptr),
             FCE_ERROR_UNSUPPORTED);
   EXPECT_NE(std::string(fce_nccl_last_error()).find("fce_nccl_linear_ce_workspace_size: "
                                                     "options->backend"),
@@ -78,32 +78,51 @@ TEST(Nccl, BadArgumentsWithoutDevice) {
       << fce_nccl_last_error();
   // a backend that does not exist
   o.backend = 7;
-  EXPECT_EQ(fce_nccl_cross_entropy_workspace_size(&o, no_comm, 4, 8, 8, 1, &ws),
+  EXPECT_EQ(flat::nccl_ce_ws(&o, no_comm, 4, 8, 8, 1, &ws),
             FCE_ERROR_INVALID_ARGUMENT);
   EXPECT_NE(std::string(fce_nccl_last_error()).find("options->backend (7)"), std::string::npos)
       << fce_nccl_last_error();
   // NULL options, NULL outputs of the queries, a bad struct_size
-  EXPECT_EQ(fce_nccl_cross_entropy_workspace_size(nullptr, no_comm, 4, 8, 8, 1, &ws),
+  EXPECT_EQ(flat::nccl_ce_ws(nullptr, no_comm, 4, 8, 8, 1, &ws),
             FCE_ERROR_NULL_POINTER);
   EXPECT_NE(std::string(fce_nccl_last_error()).find("options is NULL"), std::string::npos)
       << fce_nccl_last_error();
   o = FCE_OPTIONS_INIT;
-  EXPECT_EQ(fce_nccl_cross_entropy_workspace_size(&o, no_comm, 4, 8, 8, 1, nullptr),
+  EXPECT_EQ(flat::nccl_ce_ws(&o, no_comm, 4, 8, 8, 1, nullptr),
             FCE_ERROR_NULL_POINTER);
   EXPECT_NE(std::string(fce_nccl_last_error()).find("workspace_bytes is NULL"),
             std::string::npos)
       << fce_nccl_last_error();
-  EXPECT_EQ(fce_nccl_linear_ce_workspace_size(&o, no_comm, 4, 8, 16, 16, 1, nullptr, nullptr),
+  EXPECT_EQ(flat::nccl_linear_ws(&o, no_comm, 4, 8, 16, 16, 1, nullptr, nullptr),
             FCE_ERROR_NULL_POINTER);
   EXPECT_NE(std::string(fce_nccl_last_error()).find("min_bytes is NULL"), std::string::npos)
       << fce_nccl_last_error();
   o.struct_size = 3;
-  EXPECT_EQ(fce_nccl_cross_entropy_workspace_size(&o, no_comm, 4, 8, 8, 1, &ws),
+  EXPECT_EQ(flat::nccl_ce_ws(&o, no_comm, 4, 8, 8, 1, &ws),
             FCE_ERROR_INVALID_ARGUMENT);
   EXPECT_NE(std::string(fce_nccl_last_error()).find("options->struct_size"), std::string::npos)
       << fce_nccl_last_error();
   EXPECT_EQ(ws, 12345u);
   EXPECT_EQ(mn, 12345u);
+  // the shard: made by fce_nccl_shard from a communicator, refused otherwise
+  fce_vp_shard sh{};
+  EXPECT_EQ(fce_nccl_shard(no_comm, 8, 0, 8, &sh), FCE_ERROR_NULL_POINTER);
+  EXPECT_NE(std::string(fce_nccl_last_error()).find("fce_nccl_shard: comm is NULL"),
+            std::string::npos)
+      << fce_nccl_last_error();
+  EXPECT_EQ(fce_nccl_shard(no_comm, 8, 0, 8, nullptr), FCE_ERROR_NULL_POINTER);
+  EXPECT_NE(std::string(fce_nccl_last_error()).find("fce_nccl_shard: shard is NULL"),
+            std::string::npos)
+      << fce_nccl_last_error();
+  const fce_vp_shard other = {1, 8, 0, 8, nullptr, nullptr};  // not fce_nccl_shard's
+  EXPECT_EQ(fce_nccl_cross_entropy_workspace_size(&o, &other, 4, 1, &ws),
+            FCE_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(fce_nccl_last_error())
+                .find("fce_nccl_cross_entropy_workspace_size: shard->all_gather is not "
+                      "fusedce_nccl's"),
+            std::string::npos)
+      << fce_nccl_last_error();
+  EXPECT_EQ(ws, 12345u);
 }
 
 // The checks on a real communicator: sizes, pointers, workspace, the core's own checks (the
@@ -121,7 +140,7 @@ TEST(Nccl, BadArgumentsOnDevice) {
   Dev W(encode(FCE_FLOAT32, random_normal(rng, FCE_FLOAT32, V * D, 0.3)), s);
   Dev loss(4 * N, s), grad(4 * N * V, s);
   size_t wsb = 0;
-  ASSERT_TRUE(ok(fce_nccl_cross_entropy_workspace_size(&o, comm, N, V, V, 1, &wsb), "query"));
+  ASSERT_TRUE(ok(flat::nccl_ce_ws(&o, comm, N, V, V, 1, &wsb), "query"));
   EXPECT_STREQ(fce_nccl_last_error(), "");
   Dev ws(wsb + 256, s);
   loss.fill(kPoisonByte);
@@ -159,7 +178,7 @@ TEST(Nccl, BadArgumentsOnDevice) {
       << fce_nccl_last_error();
   EXPECT_FALSE(mentions("workspace_size", "")) << fce_nccl_last_error();
   size_t q = 0;
-  EXPECT_EQ(fce_nccl_cross_entropy_workspace_size(&o, comm, N, V, V, 1, &q),
+  EXPECT_EQ(flat::nccl_ce_ws(&o, comm, N, V, V, 1, &q),
             FCE_ERROR_INVALID_ARGUMENT);
   EXPECT_TRUE(mentions("fce_nccl_cross_entropy_workspace_size: options->label_smoothing", ""))
       << fce_nccl_last_error();
@@ -175,7 +194,7 @@ TEST(Nccl, BadArgumentsOnDevice) {
   EXPECT_EQ(grad.download(), grad0) << "a failing call wrote grad_logits";
   // linear
   size_t mn = 0;
-  ASSERT_TRUE(ok(fce_nccl_linear_ce_workspace_size(&o, comm, N, D, V, V, 1, &mn, nullptr), "q"));
+  ASSERT_TRUE(ok(flat::nccl_linear_ws(&o, comm, N, D, V, V, 1, &mn, nullptr), "q"));
   Dev lws(mn, s), gh(4 * N * D, s);
   auto lin = [&](const void* bias, void* gb, void* w, size_t b) {
     return flat::nccl_linear_ce(&o, comm, N, D, V, 0, V, h.ptr(), W.ptr(), bias, y.ptr(),
@@ -208,8 +227,8 @@ TEST(Nccl, EmptyBatch) {
   const int64_t V = 40, D = 16;
   TestOptions o = FCE_OPTIONS_INIT;
   size_t wsb = 1, mn = 1, op = 1;
-  ASSERT_TRUE(ok(fce_nccl_cross_entropy_workspace_size(&o, comm, 0, V, V, 1, &wsb), "query"));
-  ASSERT_TRUE(ok(fce_nccl_linear_ce_workspace_size(&o, comm, 0, D, V, V, 1, &mn, &op), "query"));
+  ASSERT_TRUE(ok(flat::nccl_ce_ws(&o, comm, 0, V, V, 1, &wsb), "query"));
+  ASSERT_TRUE(ok(flat::nccl_linear_ws(&o, comm, 0, D, V, V, 1, &mn, &op), "query"));
   EXPECT_EQ(wsb, 0u);
   EXPECT_EQ(mn, 0u);
   EXPECT_EQ(op, 0u);
@@ -344,7 +363,7 @@ void run_rank(ncclComm_t comm, int dev, int64_t start, int64_t local, int64_t ls
     o.argmax = b.argmax.p<int64_t>();
     o.accuracy = b.acc.p<float>();
     size_t wsb = 0;
-    fce_status st = fce_nccl_cross_entropy_workspace_size(&o, comm, c.N, c.V, local, 1, &wsb);
+    fce_status st = flat::nccl_ce_ws(&o, comm, c.N, c.V, local, 1, &wsb);
     auto call = [&] {
       return flat::nccl_cross_entropy(&o, comm, c.N, c.V, start, local, b.z.ptr(), b.y.ptr(),
                                     b.loss.p<float>(), b.lse.p<float>(), b.zl.p<float>(),
@@ -385,7 +404,7 @@ void run_rank(ncclComm_t comm, int dev, int64_t start, int64_t local, int64_t ls
     o.accuracy = b.acc.p<float>();
     size_t mn = 0, opt = 0;
     fce_status st =
-        fce_nccl_linear_ce_workspace_size(&o, comm, l.N, l.D, l.V, llocal, 1, &mn, &opt);
+        flat::nccl_linear_ws(&o, comm, l.N, l.D, l.V, llocal, 1, &mn, &opt);
     auto call = [&] {
       return flat::nccl_linear_ce(&o, comm, l.N, l.D, l.V, lstart, llocal, b.h.ptr(), b.W.ptr(),
                                 b.b.ptr(), b.y.ptr(), b.loss.p<float>(), b.lse.p<float>(),

@@ -6,9 +6,8 @@
 #include <string.h>
 
 int main(void) {
-  fce_options opt = FCE_OPTIONS_INIT;
-  size_t ws = 0;
-  fce_status s = fce_nccl_cross_entropy_workspace_size(&opt, NULL, 4, 8, 8, 1, &ws);
+  fce_vp_shard shard;
+  fce_status s = fce_nccl_shard(NULL, 8, 0, 8, &shard);
   printf("installed fusedce_nccl %u (fusedce %u): %s\n  NULL comm: status %d, \"%s\"\n",
          fce_nccl_version(), fce_version(), fce_nccl_build_info(), s, fce_nccl_last_error());
   return fce_nccl_version() == fce_version() && s == FCE_ERROR_NULL_POINTER &&

@@ -338,15 +338,14 @@ end
 
 # fce_status fce_vp_backward(const fce_options* options, const fce_vp_shard* shard, int64_t rows,
 #     const void* logits, const void* targets, const float* gathered_stats,
-#     const fce_outputs* outputs, const fce_gradients* gradients, void* workspace,
-#     size_t workspace_bytes, void* stream)
-function fce_vp_backward(options, shard, rows, logits, targets, gathered_stats, outputs, gradients,
+#     const fce_gradients* gradients, void* workspace, size_t workspace_bytes, void* stream)
+function fce_vp_backward(options, shard, rows, logits, targets, gathered_stats, gradients,
                          workspace, workspace_bytes, stream)
     status = ccall(libfusedce_symbol(:fce_vp_backward), Cint,
                    (Ref{FceOptions}, Ref{FceVpShard}, Int64, Ptr{Cvoid}, Ptr{Cvoid}, Ptr{Cfloat},
-                    Ref{FceOutputs}, Ref{FceGradients}, Ptr{Cvoid}, Csize_t, Ptr{Cvoid}),
-                   options, shard, rows, logits, targets, gathered_stats, outputs, gradients,
-                   workspace, workspace_bytes, stream)
+                    Ref{FceGradients}, Ptr{Cvoid}, Csize_t, Ptr{Cvoid}),
+                   options, shard, rows, logits, targets, gathered_stats, gradients, workspace,
+                   workspace_bytes, stream)
     return check_status(status)
 end
 
@@ -389,17 +388,16 @@ end
 
 # fce_status fce_vp_linear_backward(const fce_options* options, const fce_vp_shard* shard,
 #     int64_t rows, int64_t hidden, const void* hidden_states, const void* weight, const void* bias,
-#     const void* targets, const float* gathered_stats, const fce_outputs* outputs,
-#     const fce_gradients* gradients, void* workspace, size_t workspace_bytes, void* stream)
+#     const void* targets, const float* gathered_stats, const fce_gradients* gradients,
+#     void* workspace, size_t workspace_bytes, void* stream)
 function fce_vp_linear_backward(options, shard, rows, hidden, hidden_states, weight, bias, targets,
-                                gathered_stats, outputs, gradients, workspace, workspace_bytes,
-                                stream)
+                                gathered_stats, gradients, workspace, workspace_bytes, stream)
     status = ccall(libfusedce_symbol(:fce_vp_linear_backward), Cint,
                    (Ref{FceOptions}, Ref{FceVpShard}, Int64, Int64, Ptr{Cvoid}, Ptr{Cvoid},
-                    Ptr{Cvoid}, Ptr{Cvoid}, Ptr{Cfloat}, Ref{FceOutputs}, Ref{FceGradients},
-                    Ptr{Cvoid}, Csize_t, Ptr{Cvoid}),
+                    Ptr{Cvoid}, Ptr{Cvoid}, Ptr{Cfloat}, Ref{FceGradients}, Ptr{Cvoid}, Csize_t,
+                    Ptr{Cvoid}),
                    options, shard, rows, hidden, hidden_states, weight, bias, targets,
-                   gathered_stats, outputs, gradients, workspace, workspace_bytes, stream)
+                   gathered_stats, gradients, workspace, workspace_bytes, stream)
     return check_status(status)
 end
 
