@@ -347,13 +347,13 @@ def _declare(lib) -> frozenset:
         "fce_vp_loss_workspace_size": (st, [opt, i64, i64, i64, psz]),
         "fce_vp_loss": (st, [opt, shd, i64, vp, fp, out, vp, sz, vp]),
         "fce_vp_backward_workspace_size": (st, [opt, i64, i64, i64, i64, psz]),
-        "fce_vp_backward": (st, [opt, shd, i64, vp, vp, fp, out, grd, vp, sz, vp]),
+        "fce_vp_backward": (st, [opt, shd, i64, vp, vp, fp, grd, vp, sz, vp]),
         "fce_vp_linear_stats_workspace_size": (st, [opt, i64, i64, i64, psz, psz]),
         "fce_vp_linear_stats": (st, [opt, shd, i64, i64, vp, vp, vp, vp, fp, vp, sz, vp]),
         "fce_vp_linear_backward_workspace_size": (
             st, [opt, i64, i64, i64, i64, i64, c.c_int32, psz, psz]),
         "fce_vp_linear_backward": (
-            st, [opt, shd, i64, i64, vp, vp, vp, vp, fp, out, grd, vp, sz, vp]),
+            st, [opt, shd, i64, i64, vp, vp, vp, vp, fp, grd, vp, sz, vp]),
         "fce_vp_linear_ce_workspace_size": (
             st, [opt, i64, i64, i64, i64, i64, c.c_int, c.c_int32, psz, psz]),
         "fce_vp_linear_ce": (

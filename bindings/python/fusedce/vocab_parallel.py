@@ -76,7 +76,6 @@ class VPLinearGrads(NamedTuple):
     grad_hidden: Any   # [rows, hidden]: this rank's PARTIAL ∂h (sum it over the ranks)
     grad_weight: Any   # [vocab_local, hidden]: ∂W of this rank's rows, complete
     grad_bias: Any     # [vocab_local]
-    error_flags: Any
 
 
 def shard_range(vocab_total: int, rank: int, ranks: int, equal: bool = False) -> Tuple[int, int]:
@@ -343,11 +342,11 @@ def vp_backward(logits, targets, gathered_stats, grad_output=None, *, vocab_tota
                 shift: int = 0, token_scaling: bool = False, deterministic: bool = False,
                 dtype=None, target_dtype=None, backend=None, row_stride=None,
                 grad_row_stride=None, grad_logits=None, in_place: bool = False,
-                error_flags=None, workspace=None, stream=None):
+                workspace=None, stream=None):
     """Phase 3, the gradient of this rank's logits [rows, vocab_local] (fce_vp_backward) from the
     gathered statistics, scaled by ``grad_output`` (a float, or float32 () for mean/sum, [rows]
     for none; default 1). Returns grad_logits (allocated unless given; ``in_place=True`` writes
-    it over the logits). ``error_flags``: a uint32 word to OR flags into (none by default)."""
+    it over the logits). The step's error flags are :func:`vp_loss`'s."""
     _lib.require_vp()
     s_explicit = _stream_int(stream)
     z = _describe(logits, "logits", s_explicit)
@@ -384,9 +383,6 @@ def vp_backward(logits, targets, gathered_stats, grad_output=None, *, vocab_tota
             grs = _matrix(g_a, rows, vl, what="[rows, vocab_local]")
         _check_stride_kw(grad_row_stride, grs, "grad_row_stride")
         go_ptr, go_keep = _grad_output(grad_output, alloc, z, rows, red == FCE_REDUCTION_NONE)
-        flags_ptr = 0
-        if error_flags is not None and error_flags is not False:
-            _, flags_ptr = _error_flags(error_flags, alloc, z)
         opts = _options(z, dtype_code, tcode, red, kw, w, row_stride=rs, grad_row_stride=grs)
         need = ctypes.c_size_t(0)
         query_for("fce_vp_backward", "fce_vp_backward_workspace_size", ctypes.byref(opts), ranks,
@@ -396,10 +392,9 @@ def vp_backward(logits, targets, gathered_stats, grad_output=None, *, vocab_tota
         else:
             ws_ptr, ws_bytes, ws_keep = _user_workspace(workspace, z)
         shard = _lib.shard(ranks, vt, vs, vl)
-        out = _lib.outputs(error_flags=flags_ptr)
         grads = _lib.gradients(grad_output=go_ptr, grad_logits=g_a.ptr)
         _lib.call("fce_vp_backward", ctypes.byref(opts), ctypes.byref(shard), rows, z.ptr, y.ptr,
-                  g.ptr, ctypes.byref(out), ctypes.byref(grads), ws_ptr, ws_bytes, call_stream)
+                  g.ptr, ctypes.byref(grads), ws_ptr, ws_bytes, call_stream)
         del ws_keep, go_keep
     return grad_logits
 
@@ -413,15 +408,16 @@ def vp_linear_backward(hidden, weight, targets, gathered_stats, bias=None, grad_
                        dtype=None, target_dtype=None, backend=None, hidden_row_stride=None,
                        return_grad=True, grad_hidden_dtype="float32", accumulate: bool = False,
                        grad_weight_fp32: bool = False, grad_hidden=None, grad_weight=None,
-                       grad_bias=None, error_flags=None, workspace=None,
-                       workspace_size="optimal", stream=None) -> VPLinearGrads:
+                       grad_bias=None, workspace=None, workspace_size="optimal",
+                       stream=None) -> VPLinearGrads:
     """Phase 3 of the fused linear + CE (fce_vp_linear_backward): the gradients of this rank,
     scaled by ``grad_output`` (default 1). ``return_grad``: True or a subset of ('hidden',
     'weight', 'bias'), or pass the buffers. grad_hidden [rows, hidden] is this rank's PARTIAL ∂h,
     of ``grad_hidden_dtype`` ('float32', the default, keeps the sum over ranks exact to float32;
     or the inputs' dtype): ALL-REDUCE (sum) it over the ranks. grad_weight [vocab_local, hidden]
     and grad_bias [vocab_local] are the shard's, complete (the inputs' dtype, or float32 with
-    ``grad_weight_fp32``; ``accumulate`` adds into them)."""
+    ``grad_weight_fp32``; ``accumulate`` adds into them). The step's error flags are
+    :func:`vp_loss`'s."""
     _lib.require_vp()
     s_explicit = _stream_int(stream)
     h = _describe(hidden, "hidden", s_explicit)
@@ -454,9 +450,6 @@ def vp_linear_backward(hidden, weight, targets, gathered_stats, bias=None, grad_
             gh_what="grad_hidden_dtype", grad_weight_fp32=grad_weight_fp32, wdtype=gdtype,
             accumulate=accumulate, vocab_name="vocab_local")
         go_ptr, go_keep = _grad_output(grad_output, alloc, h, rows, red == FCE_REDUCTION_NONE)
-        flags_ptr = 0
-        if error_flags is not None and error_flags is not False:
-            _, flags_ptr = _error_flags(error_flags, alloc, h)
         opts = _options(h, dtype_code, tcode, red, kw, w, hidden_row_stride=hrs,
                         accumulate=accumulate, grad_weight_fp32=grad_weight_fp32)
         gh_code = _FLOAT_CODES[gh_name]
@@ -467,16 +460,14 @@ def vp_linear_backward(hidden, weight, targets, gathered_stats, bias=None, grad_
         ws_ptr, ws_bytes, ws_keep = _workspace(workspace, alloc, h, int(lo.value),
                                                int(hi.value), workspace_size)
         shard = _lib.shard(ranks, vt, vs, vl)
-        out = _lib.outputs(error_flags=flags_ptr)
         grads = _lib.gradients(grad_output=go_ptr, grad_hidden=_ptr(gh_a),
                                grad_weight=_ptr(gw_a), grad_bias=_ptr(gb_a),
                                grad_hidden_dtype=gh_code)
         _lib.call("fce_vp_linear_backward", ctypes.byref(opts), ctypes.byref(shard), rows, dim,
-                  h.ptr, W.ptr, _ptr(b), y.ptr, g.ptr, ctypes.byref(out), ctypes.byref(grads),
-                  ws_ptr, ws_bytes, call_stream)
+                  h.ptr, W.ptr, _ptr(b), y.ptr, g.ptr, ctypes.byref(grads), ws_ptr, ws_bytes,
+                  call_stream)
         del ws_keep, go_keep
-    return VPLinearGrads(grad_hidden, grad_weight, grad_bias,
-                         error_flags if error_flags is not False else None)
+    return VPLinearGrads(grad_hidden, grad_weight, grad_bias)
 
 
 # ================================================================ workspace sizes ====

@@ -220,7 +220,7 @@ def _ce_backward(logits, targets, cw, gathered, layout: Layout, opts: CEOptions,
     grads = _lib.gradients(grad_output=up.data_ptr(), grad_logits=grad.data_ptr())
     _check(_lib.load().fce_vp_backward(
         ctypes.byref(o), ctypes.byref(shard), n, logits.data_ptr(), targets.data_ptr(),
-        gathered.data_ptr(), None, ctypes.byref(grads), _tc._ptr(ws), ws_bytes,
+        gathered.data_ptr(), ctypes.byref(grads), _tc._ptr(ws), ws_bytes,
         _tc._stream(logits)), "fce_vp_backward")
     return grad
 
@@ -300,7 +300,7 @@ def _linear_backward(hidden, weight, bias, targets, cw, gathered, layout: Layout
                            grad_weight=_tc._ptr(gw), grad_bias=_tc._ptr(gb))
     _check(_lib.load().fce_vp_linear_backward(
         ctypes.byref(o), ctypes.byref(shard), n, d, h.data_ptr(), w.data_ptr(),
-        _tc._ptr(b), targets.data_ptr(), gathered.data_ptr(), None, ctypes.byref(grads),
+        _tc._ptr(b), targets.data_ptr(), gathered.data_ptr(), ctypes.byref(grads),
         _tc._ptr(ws), ws_bytes, _tc._stream(h)), "fce_vp_linear_backward")
     del ws
     if gh is not None:  # float32: the sum exact to float32
