@@ -774,8 +774,8 @@ FCE_API fce_status fce_distill_workspace_size(const fce_options* options,
  * t (teacher->logits [rows, teacher->row_stride]), targets [rows] of options->target_dtype or
  * NULL. gradients (optional): grad_logits [rows, options->grad_row_stride] (may be logits
  * itself, in place, as for fce_forward) for the upstream grad_output; the other fields NULL.
- * One kernel per call on CUDA (each row read twice, the second mostly from L2), after a count
- * of the rows when the mean needs it. */
+ * CUDA: three launches (the count of the rows that count, the row kernel, one block per row,
+ * reading each row two or three times, mostly from L2, and the reduction of the row losses). */
 FCE_API fce_status fce_distill(const fce_options* options, const fce_teacher* teacher,
                                int64_t rows, int64_t vocab, const void* logits,
                                const void* targets, const fce_outputs* outputs,
