@@ -118,7 +118,8 @@ fce_status cuda_linear_distill(const LinearDistillProblem& p) {
   char* lt = base + plan.head;
   char* zs = lt + plan.lt_bytes;
   char* zt = zs + plan.z_bytes;
-  const int64_t ldz = int64_t(plan.z_bytes / (size_t(plan.chunk_rows) * e));
+  const int64_t pad = cuda::linear::kVocabPad;
+  const int64_t ldz = (V + pad - 1) / pad * pad;  // rows of Z_c padded as fce_linear_ce's
   const bool none = p.opt.reduction == FCE_REDUCTION_NONE;
   const bool with_grad = p.with_grad();
   FCE_TRY(launch_count(fn, p.opt, N, p.targets, h.n, s));
