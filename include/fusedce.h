@@ -713,6 +713,118 @@ FCE_API fce_status fce_vp_linear_ce(const fce_options* options, const fce_vp_sha
                                     const fce_outputs* outputs, const fce_gradients* gradients,
                                     void* workspace, size_t workspace_bytes, void* stream);
 
+/* ----------------------------------------------------------- distillation ---- */
+/*
+ * Distillation against a teacher: a divergence between the student's and the teacher's
+ * softmax per row, and its gradient with respect to the student only (the teacher is a
+ * constant), without the logits ever held whole (docs/semantics.md rule 20). Per row, with the
+ * student's scaled, capped logits a (options->logit_scale and ->softcap as for fce_forward) and
+ * the teacher's logits t put through the SAME scale and cap, and T = teacher->temperature:
+ *   log p = log_softmax(a / T)   (student),   log q = log_softmax(t / T)   (teacher);
+ *   FCE_DIVERGENCE_FORWARD_KL  KL(q || p) = Σ_j q_j (log q_j − log p_j);
+ *   FCE_DIVERGENCE_REVERSE_KL  KL(p || q) = Σ_j p_j (log p_j − log q_j);
+ *   FCE_DIVERGENCE_JSD         Liger's generalised JSD with β = teacher->beta, m = β q + (1−β) p:
+ *                              β KL(q || m) + (1−β) KL(p || m) for 0 < β < 1, and, as Liger
+ *                              defines its ends, KL(q || p) at β = 0 and KL(p || q) at β = 1.
+ * No T² factor (Liger applies none): scale grad_output for Hinton's.
+ * Rows: with targets, a row whose target equals options->ignore_index is not counted (loss 0,
+ * zero gradient row); every other value counts (targets are not classes here and are not range
+ * checked); targets NULL: every row counts. Reductions: mean = the sum over counted rows / their
+ * number (Liger's batchmean over non-ignored tokens; 0 with a zero gradient when none counts),
+ * sum, none ([rows], 0 for rows not counted). outputs (required): loss (required), lse
+ * (optional: the student's log-sum-exp of a / T, every row), error_flags (optional, never set);
+ * the other outputs are refused. options->class_weights, label_smoothing, z_loss_scale,
+ * token_scaling and shift_seq_len, and gradients->grad_lse and grad_entropy are refused with
+ * FCE_ERROR_UNSUPPORTED naming the call and the field.
+ */
+typedef enum fce_divergence {
+  FCE_DIVERGENCE_FORWARD_KL = 0, /* KL(teacher || student) */
+  FCE_DIVERGENCE_REVERSE_KL = 1, /* KL(student || teacher) */
+  FCE_DIVERGENCE_JSD = 2         /* generalised JSD with beta, Liger's definition */
+} fce_divergence;
+
+/* The teacher of a distillation call, in the backend's memory, of the student's dtype
+ * (options->dtype). Start from FCE_TEACHER_INIT; fields are only ever appended, and struct_size
+ * must be the size of some version's struct (FCE_TEACHER_SIZE_V1_0). fce_distill reads logits
+ * and row_stride (hidden_states and weight must be NULL); fce_linear_distill reads
+ * hidden_states, weight, hidden and hidden_row_stride (logits must be NULL, row_stride 0). */
+typedef struct fce_teacher {
+  size_t struct_size;        /* sizeof(fce_teacher) */
+  int32_t divergence;        /* fce_divergence: FCE_DIVERGENCE_FORWARD_KL */
+  float beta;                /* β in [0, 1], read by FCE_DIVERGENCE_JSD (checked always): 0.5 */
+  float temperature;         /* T, finite and > 0, divides both rows' logits: 1 */
+  int32_t reserved0;         /* must be 0 */
+  const void* logits;        /* fce_distill: t [rows, row_stride] */
+  int64_t row_stride;        /* fce_distill: elements between rows of logits; 0 = vocab */
+  const void* hidden_states; /* fce_linear_distill: [rows, hidden_row_stride] */
+  const void* weight;        /* fce_linear_distill: [vocab, hidden] row-major, no bias */
+  int64_t hidden;            /* fce_linear_distill: the teacher's hidden size, >= 1 */
+  int64_t hidden_row_stride; /* fce_linear_distill: elements between rows of hidden_states;
+                                0 = hidden */
+} fce_teacher;
+
+#define FCE_TEACHER_INIT                                              \
+  {                                                                   \
+    sizeof(fce_teacher),       /* struct_size: this header's struct */ \
+    FCE_DIVERGENCE_FORWARD_KL, /* divergence */                       \
+    0.5f,                      /* beta (JSD): 0.5 */                  \
+    1.0f,                      /* temperature: 1 */                   \
+    0,                         /* reserved0: must be 0 */             \
+    NULL,                      /* logits */                           \
+    0,                         /* row_stride: vocab (dense) */        \
+    NULL,                      /* hidden_states */                    \
+    NULL,                      /* weight */                           \
+    0,                         /* hidden */                           \
+    0                          /* hidden_row_stride: hidden (dense) */ \
+  }
+
+/* sizeof(fce_teacher) in its first version (on LP64 and LLP64 targets). */
+#define FCE_TEACHER_SIZE_V1_0 72
+
+/* Workspace bytes fce_distill needs for these options, teacher and sizes. */
+FCE_API fce_status fce_distill_workspace_size(const fce_options* options,
+                                              const fce_teacher* teacher, int64_t rows,
+                                              int64_t vocab, size_t* workspace_bytes);
+
+/* The divergence over given logits: student a [rows, options->row_stride] (logits) and teacher
+ * t (teacher->logits [rows, teacher->row_stride]), targets [rows] of options->target_dtype or
+ * NULL. gradients (optional): grad_logits [rows, options->grad_row_stride] (may be logits
+ * itself, in place, as for fce_forward) for the upstream grad_output; the other fields NULL.
+ * CUDA: three launches (the count of the rows that count, the row kernel, one block per row,
+ * reading each row two or three times, mostly from L2, and the reduction of the row losses). */
+FCE_API fce_status fce_distill(const fce_options* options, const fce_teacher* teacher,
+                               int64_t rows, int64_t vocab, const void* logits,
+                               const void* targets, const fce_outputs* outputs,
+                               const fce_gradients* gradients, void* workspace,
+                               size_t workspace_bytes, void* stream);
+
+/* Workspace of fce_linear_distill (min_bytes required, optimal_bytes may be NULL); with_grad
+ * nonzero when any gradient will be asked for. */
+FCE_API fce_status fce_linear_distill_workspace_size(const fce_options* options,
+                                                     const fce_teacher* teacher, int64_t rows,
+                                                     int64_t hidden, int64_t vocab,
+                                                     int with_grad, size_t* min_bytes,
+                                                     size_t* optimal_bytes);
+
+/* The divergence of z = hidden · weightᵀ (student, hidden_states [rows, hidden] with
+ * options->hidden_row_stride, weight [vocab, hidden], no bias) against the teacher's
+ * teacher->hidden_states · teacher->weightᵀ, both made piece by piece in the workspace (token
+ * chunks: per chunk the student's and the teacher's logits, the student's gradient in place,
+ * then its share of ∂h and ∂W, as fce_linear_ce's token-chunk plan). gradients (optional):
+ * grad_hidden, grad_weight (the student's; dtype or float32 by options->grad_weight_fp32,
+ * options->accumulate) and grad_output, as fce_linear_ce; grad_bias must be NULL. The loss and
+ * the gradients are fce_distill's on the logits the GEMMs make, to float32 rounding. CUDA: a
+ * 16-bit grad_weight without grad_weight_fp32 needs the workspace of the token-chunk plan
+ * (optimal_bytes): a smaller one is refused with FCE_ERROR_UNSUPPORTED (fce_linear_ce would
+ * take its vocabulary-sliced plan there), as is a 16-bit grad_weight over more token chunks
+ * than the chunk rule allows; grad_weight_fp32 lifts both. */
+FCE_API fce_status fce_linear_distill(const fce_options* options, const fce_teacher* teacher,
+                                      int64_t rows, int64_t hidden, int64_t vocab,
+                                      const void* hidden_states, const void* weight,
+                                      const void* targets, const fce_outputs* outputs,
+                                      const fce_gradients* gradients, void* workspace,
+                                      size_t workspace_bytes, void* stream);
+
 /* --------------------------------------------------------- upstream scale ---- */
 /*
  * grad[i] = grad[i] * (*grad_output) for i < count, in place: applies an upstream gradient

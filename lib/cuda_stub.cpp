@@ -1,6 +1,7 @@
 // cuda_stub.cpp — the CUDA backend's entry points in a build without CUDA (FCE_WITH_CUDA=OFF):
 // the ABI layer reports FCE_ERROR_BACKEND_UNAVAILABLE before reaching them. Not globbed with
 // the other lib/*.cpp: CMakeLists.txt adds it when CUDA is off (lib/cuda/ otherwise).
+#include "distill.h"
 #include "internal.h"
 
 namespace fce {
@@ -52,4 +53,11 @@ bool cuda_vp_linear_ce_chunked(const CeOptions&, int64_t, int64_t, int64_t, int6
   return false;
 }
 fce_status cuda_vp_linear_ce(const VpLinearCeProblem& p) { return unavailable(p.lin.fn); }
+size_t cuda_distill_workspace_size(const DistillOptions&, int64_t, int64_t) { return 0; }
+fce_status cuda_distill(const DistillProblem& p) { return unavailable(p.fn); }
+void cuda_linear_distill_workspace_size(const DistillOptions&, int64_t, int64_t, int64_t, int64_t,
+                                        bool, bool, size_t* min_bytes, size_t* optimal_bytes) {
+  *min_bytes = *optimal_bytes = 0;
+}
+fce_status cuda_linear_distill(const LinearDistillProblem& p) { return unavailable(p.fn); }
 }  // namespace fce

@@ -29,6 +29,7 @@ const FCE_OUTPUTS_SIZE_V1_0 = 64
 const FCE_GRADIENTS_SIZE_V1_0 = 72
 const FCE_VP_STATS = 8
 const FCE_FLAG_SHARDS_INCONSISTENT = Cuint(2)  # 2u
+const FCE_TEACHER_SIZE_V1_0 = 72
 
 # ---------------------------------------------------------------- enum fce_status
 const fce_status = Cint
@@ -62,6 +63,12 @@ const FCE_REDUCTION_NONE = fce_reduction(2)
 const fce_backend = Cint
 const FCE_BACKEND_CUDA = fce_backend(0)
 const FCE_BACKEND_CPU = fce_backend(1)
+
+# ---------------------------------------------------------------- enum fce_divergence
+const fce_divergence = Cint
+const FCE_DIVERGENCE_FORWARD_KL = fce_divergence(0)
+const FCE_DIVERGENCE_REVERSE_KL = fce_divergence(1)
+const FCE_DIVERGENCE_JSD = fce_divergence(2)
 
 # ---------------------------------------------------------------- struct fce_options
 # Field for field the C struct (same names, order and types): pass it as Ref{FceOptions}.
@@ -157,6 +164,29 @@ const fce_vp_shard = FceVpShard
 @assert Int[fieldoffset(FceVpShard, i) for i in 1:fieldcount(FceVpShard)] ==
         [0, 8, 16, 24, 32, 40]
 
+# ---------------------------------------------------------------- struct fce_teacher
+# Field for field the C struct (same names, order and types): pass it as Ref{FceTeacher}.
+struct FceTeacher
+    struct_size::Csize_t       # size_t struct_size (offset 0)
+    divergence::Int32          # int32_t divergence (offset 8)
+    beta::Cfloat               # float beta (offset 12)
+    temperature::Cfloat        # float temperature (offset 16)
+    reserved0::Int32           # int32_t reserved0 (offset 20)
+    logits::Ptr{Cvoid}         # const void* logits (offset 24)
+    row_stride::Int64          # int64_t row_stride (offset 32)
+    hidden_states::Ptr{Cvoid}  # const void* hidden_states (offset 40)
+    weight::Ptr{Cvoid}         # const void* weight (offset 48)
+    hidden::Int64              # int64_t hidden (offset 56)
+    hidden_row_stride::Int64   # int64_t hidden_row_stride (offset 64)
+end
+const fce_teacher = FceTeacher
+
+# The C layout under the LP64 ABI (x86-64, aarch64): 72 bytes.
+@assert Sys.WORD_SIZE == 64 "fusedce's Julia binding needs a 64-bit platform"
+@assert sizeof(FceTeacher) == 72 "FceTeacher does not have the size of C's fce_teacher"
+@assert Int[fieldoffset(FceTeacher, i) for i in 1:fieldcount(FceTeacher)] ==
+        [0, 8, 12, 16, 20, 24, 32, 40, 48, 56, 64]
+
 # FCE_OPTIONS_INIT: the C initialiser, item for item.
 const FCE_OPTIONS_INIT = FceOptions(sizeof(FceOptions), C_NULL, -100, 0, 0, 0, 0, FCE_BACKEND_CUDA,
                                     FCE_FLOAT32, FCE_INT64, FCE_REDUCTION_MEAN, 0.0f0, 0.0f0, 0.0f0,
@@ -169,6 +199,10 @@ const FCE_OUTPUTS_INIT = FceOutputs(sizeof(FceOutputs), C_NULL, C_NULL, C_NULL, 
 # FCE_GRADIENTS_INIT: the C initialiser, item for item.
 const FCE_GRADIENTS_INIT = FceGradients(sizeof(FceGradients), C_NULL, C_NULL, C_NULL, C_NULL,
                                         C_NULL, FCE_FLOAT32, 0, C_NULL, C_NULL)
+
+# FCE_TEACHER_INIT: the C initialiser, item for item.
+const FCE_TEACHER_INIT = FceTeacher(sizeof(FceTeacher), FCE_DIVERGENCE_FORWARD_KL, 0.5f0, 1.0f0, 0,
+                                    C_NULL, 0, C_NULL, C_NULL, 0, 0)
 
 # ---------------------------------------------------------------- callback fce_vp_all_gather_fn
 # typedef fce_status (*fce_vp_all_gather_fn)(void* context, const float* send, float* recv,
@@ -185,7 +219,9 @@ const FCE_FUNCTIONS = (:fce_version, :fce_status_string, :fce_last_error, :fce_o
                        :fce_vp_backward_workspace_size, :fce_vp_backward,
                        :fce_vp_linear_stats_workspace_size, :fce_vp_linear_stats,
                        :fce_vp_linear_backward_workspace_size, :fce_vp_linear_backward,
-                       :fce_vp_linear_ce_workspace_size, :fce_vp_linear_ce, :fce_scale_gradient,
+                       :fce_vp_linear_ce_workspace_size, :fce_vp_linear_ce,
+                       :fce_distill_workspace_size, :fce_distill,
+                       :fce_linear_distill_workspace_size, :fce_linear_distill, :fce_scale_gradient,
                        :fce_cuda_available, :fce_build_info)
 
 # unsigned fce_version(void)
@@ -425,6 +461,55 @@ function fce_vp_linear_ce(options, shard, rows, hidden, hidden_states, weight, b
                     Ptr{Cvoid}, Ptr{Cvoid}, Ref{FceOutputs}, Ref{FceGradients}, Ptr{Cvoid}, Csize_t,
                     Ptr{Cvoid}),
                    options, shard, rows, hidden, hidden_states, weight, bias, targets, outputs,
+                   gradients, workspace, workspace_bytes, stream)
+    return check_status(status)
+end
+
+# fce_status fce_distill_workspace_size(const fce_options* options, const fce_teacher* teacher,
+#     int64_t rows, int64_t vocab, size_t* workspace_bytes)
+function fce_distill_workspace_size(options, teacher, rows, vocab, workspace_bytes)
+    status = ccall(libfusedce_symbol(:fce_distill_workspace_size), Cint,
+                   (Ref{FceOptions}, Ref{FceTeacher}, Int64, Int64, Ref{Csize_t}),
+                   options, teacher, rows, vocab, workspace_bytes)
+    return check_status(status)
+end
+
+# fce_status fce_distill(const fce_options* options, const fce_teacher* teacher, int64_t rows,
+#     int64_t vocab, const void* logits, const void* targets, const fce_outputs* outputs,
+#     const fce_gradients* gradients, void* workspace, size_t workspace_bytes, void* stream)
+function fce_distill(options, teacher, rows, vocab, logits, targets, outputs, gradients, workspace,
+                     workspace_bytes, stream)
+    status = ccall(libfusedce_symbol(:fce_distill), Cint,
+                   (Ref{FceOptions}, Ref{FceTeacher}, Int64, Int64, Ptr{Cvoid}, Ptr{Cvoid},
+                    Ref{FceOutputs}, Ref{FceGradients}, Ptr{Cvoid}, Csize_t, Ptr{Cvoid}),
+                   options, teacher, rows, vocab, logits, targets, outputs, gradients, workspace,
+                   workspace_bytes, stream)
+    return check_status(status)
+end
+
+# fce_status fce_linear_distill_workspace_size(const fce_options* options,
+#     const fce_teacher* teacher, int64_t rows, int64_t hidden, int64_t vocab, int with_grad,
+#     size_t* min_bytes, size_t* optimal_bytes)
+function fce_linear_distill_workspace_size(options, teacher, rows, hidden, vocab, with_grad,
+                                           min_bytes, optimal_bytes)
+    status = ccall(libfusedce_symbol(:fce_linear_distill_workspace_size), Cint,
+                   (Ref{FceOptions}, Ref{FceTeacher}, Int64, Int64, Int64, Cint, Ref{Csize_t},
+                    Ref{Csize_t}),
+                   options, teacher, rows, hidden, vocab, with_grad, min_bytes, optimal_bytes)
+    return check_status(status)
+end
+
+# fce_status fce_linear_distill(const fce_options* options, const fce_teacher* teacher,
+#     int64_t rows, int64_t hidden, int64_t vocab, const void* hidden_states, const void* weight,
+#     const void* targets, const fce_outputs* outputs, const fce_gradients* gradients,
+#     void* workspace, size_t workspace_bytes, void* stream)
+function fce_linear_distill(options, teacher, rows, hidden, vocab, hidden_states, weight, targets,
+                            outputs, gradients, workspace, workspace_bytes, stream)
+    status = ccall(libfusedce_symbol(:fce_linear_distill), Cint,
+                   (Ref{FceOptions}, Ref{FceTeacher}, Int64, Int64, Int64, Ptr{Cvoid}, Ptr{Cvoid},
+                    Ptr{Cvoid}, Ref{FceOutputs}, Ref{FceGradients}, Ptr{Cvoid}, Csize_t,
+                    Ptr{Cvoid}),
+                   options, teacher, rows, hidden, vocab, hidden_states, weight, targets, outputs,
                    gradients, workspace, workspace_bytes, stream)
     return check_status(status)
 end

@@ -10,6 +10,7 @@ pub const FCE_OUTPUTS_SIZE_V1_0: u32 = 64;
 pub const FCE_GRADIENTS_SIZE_V1_0: u32 = 72;
 pub const FCE_VP_STATS: u32 = 8;
 pub const FCE_FLAG_SHARDS_INCONSISTENT: u32 = 2;
+pub const FCE_TEACHER_SIZE_V1_0: u32 = 72;
 pub type __int32_t = ::std::os::raw::c_int;
 pub type __uint32_t = ::std::os::raw::c_uint;
 pub type __int64_t = ::std::os::raw::c_long;
@@ -1179,6 +1180,278 @@ extern "C" {
         hidden_states: *const ::std::os::raw::c_void,
         weight: *const ::std::os::raw::c_void,
         bias: *const ::std::os::raw::c_void,
+        targets: *const ::std::os::raw::c_void,
+        outputs: *const fce_outputs,
+        gradients: *const fce_gradients,
+        workspace: *mut ::std::os::raw::c_void,
+        workspace_bytes: usize,
+        stream: *mut ::std::os::raw::c_void,
+    ) -> fce_status;
+}
+pub const FCE_DIVERGENCE_FORWARD_KL: fce_divergence = 0;
+pub const FCE_DIVERGENCE_REVERSE_KL: fce_divergence = 1;
+pub const FCE_DIVERGENCE_JSD: fce_divergence = 2;
+pub type fce_divergence = ::std::os::raw::c_uint;
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct fce_teacher {
+    pub struct_size: usize,
+    pub divergence: i32,
+    pub beta: f32,
+    pub temperature: f32,
+    pub reserved0: i32,
+    pub logits: *const ::std::os::raw::c_void,
+    pub row_stride: i64,
+    pub hidden_states: *const ::std::os::raw::c_void,
+    pub weight: *const ::std::os::raw::c_void,
+    pub hidden: i64,
+    pub hidden_row_stride: i64,
+}
+#[test]
+fn bindgen_test_layout_fce_teacher() {
+    assert_eq!(
+        ::std::mem::size_of::<fce_teacher>(),
+        72usize,
+        concat!("Size of: ", stringify!(fce_teacher))
+    );
+    assert_eq!(
+        ::std::mem::align_of::<fce_teacher>(),
+        8usize,
+        concat!("Alignment of ", stringify!(fce_teacher))
+    );
+    fn test_field_struct_size() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<fce_teacher>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).struct_size) as usize - ptr as usize
+            },
+            0usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(fce_teacher),
+                "::",
+                stringify!(struct_size)
+            )
+        );
+    }
+    test_field_struct_size();
+    fn test_field_divergence() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<fce_teacher>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).divergence) as usize - ptr as usize
+            },
+            8usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(fce_teacher),
+                "::",
+                stringify!(divergence)
+            )
+        );
+    }
+    test_field_divergence();
+    fn test_field_beta() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<fce_teacher>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).beta) as usize - ptr as usize
+            },
+            12usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(fce_teacher),
+                "::",
+                stringify!(beta)
+            )
+        );
+    }
+    test_field_beta();
+    fn test_field_temperature() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<fce_teacher>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).temperature) as usize - ptr as usize
+            },
+            16usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(fce_teacher),
+                "::",
+                stringify!(temperature)
+            )
+        );
+    }
+    test_field_temperature();
+    fn test_field_reserved0() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<fce_teacher>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).reserved0) as usize - ptr as usize
+            },
+            20usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(fce_teacher),
+                "::",
+                stringify!(reserved0)
+            )
+        );
+    }
+    test_field_reserved0();
+    fn test_field_logits() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<fce_teacher>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).logits) as usize - ptr as usize
+            },
+            24usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(fce_teacher),
+                "::",
+                stringify!(logits)
+            )
+        );
+    }
+    test_field_logits();
+    fn test_field_row_stride() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<fce_teacher>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).row_stride) as usize - ptr as usize
+            },
+            32usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(fce_teacher),
+                "::",
+                stringify!(row_stride)
+            )
+        );
+    }
+    test_field_row_stride();
+    fn test_field_hidden_states() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<fce_teacher>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).hidden_states) as usize - ptr as usize
+            },
+            40usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(fce_teacher),
+                "::",
+                stringify!(hidden_states)
+            )
+        );
+    }
+    test_field_hidden_states();
+    fn test_field_weight() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<fce_teacher>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).weight) as usize - ptr as usize
+            },
+            48usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(fce_teacher),
+                "::",
+                stringify!(weight)
+            )
+        );
+    }
+    test_field_weight();
+    fn test_field_hidden() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<fce_teacher>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).hidden) as usize - ptr as usize
+            },
+            56usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(fce_teacher),
+                "::",
+                stringify!(hidden)
+            )
+        );
+    }
+    test_field_hidden();
+    fn test_field_hidden_row_stride() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<fce_teacher>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).hidden_row_stride) as usize - ptr as usize
+            },
+            64usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(fce_teacher),
+                "::",
+                stringify!(hidden_row_stride)
+            )
+        );
+    }
+    test_field_hidden_row_stride();
+}
+extern "C" {
+    pub fn fce_distill_workspace_size(
+        options: *const fce_options,
+        teacher: *const fce_teacher,
+        rows: i64,
+        vocab: i64,
+        workspace_bytes: *mut usize,
+    ) -> fce_status;
+}
+extern "C" {
+    pub fn fce_distill(
+        options: *const fce_options,
+        teacher: *const fce_teacher,
+        rows: i64,
+        vocab: i64,
+        logits: *const ::std::os::raw::c_void,
+        targets: *const ::std::os::raw::c_void,
+        outputs: *const fce_outputs,
+        gradients: *const fce_gradients,
+        workspace: *mut ::std::os::raw::c_void,
+        workspace_bytes: usize,
+        stream: *mut ::std::os::raw::c_void,
+    ) -> fce_status;
+}
+extern "C" {
+    pub fn fce_linear_distill_workspace_size(
+        options: *const fce_options,
+        teacher: *const fce_teacher,
+        rows: i64,
+        hidden: i64,
+        vocab: i64,
+        with_grad: ::std::os::raw::c_int,
+        min_bytes: *mut usize,
+        optimal_bytes: *mut usize,
+    ) -> fce_status;
+}
+extern "C" {
+    pub fn fce_linear_distill(
+        options: *const fce_options,
+        teacher: *const fce_teacher,
+        rows: i64,
+        hidden: i64,
+        vocab: i64,
+        hidden_states: *const ::std::os::raw::c_void,
+        weight: *const ::std::os::raw::c_void,
         targets: *const ::std::os::raw::c_void,
         outputs: *const fce_outputs,
         gradients: *const fce_gradients,
