@@ -136,7 +136,7 @@ TEST_F(DistillRefusals, OutputsAndGradients) {
 TEST_F(DistillRefusals, Linear) {
   const int64_t D = 8;
   Buf h(mat(FCE_FLOAT32, N, D)), w(mat(FCE_FLOAT32, V, D)), dw(mat(FCE_FLOAT32, V, D));
-  Buf ws(1 << 20);
+  Buf ws(8 << 20);  // the CUDA minimum is a few MiB
   fce_teacher lt = FCE_TEACHER_INIT;
   lt.hidden_states = h.ptr();
   lt.weight = w.ptr();
@@ -147,31 +147,36 @@ TEST_F(DistillRefusals, Linear) {
     return fce_linear_distill(&o, &tt, N, D, V, h.ptr(), w.ptr(), y.ptr(), &out, &gg, ws.ptr(),
                               bytes, test_stream());
   };
-  ASSERT_EQ(call(lt, lg, 1 << 20), FCE_SUCCESS) << fce_last_error();
+  size_t min_bytes = 0;
+  ASSERT_EQ(fce_linear_distill_workspace_size(&o, &lt, N, D, V, 1, &min_bytes, nullptr),
+            FCE_SUCCESS)
+      << fce_last_error();
+  ASSERT_LE(min_bytes, ws.size()) << "the test's workspace";
+  ASSERT_EQ(call(lt, lg, min_bytes), FCE_SUCCESS) << fce_last_error();
   ASSERT_TRUE(finish());
   fce_gradients bias = lg;
   bias.grad_bias = other.ptr();
-  EXPECT_EQ(call(lt, bias, 1 << 20), FCE_ERROR_UNSUPPORTED);
+  EXPECT_EQ(call(lt, bias, ws.size()), FCE_ERROR_UNSUPPORTED);
   EXPECT_TRUE(error_mentions("fce_linear_distill: gradients->grad_bias is not supported"));
   fce_teacher bad = lt;
   bad.logits = t.ptr();
-  EXPECT_EQ(call(bad, lg, 1 << 20), FCE_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(call(bad, lg, ws.size()), FCE_ERROR_INVALID_ARGUMENT);
   EXPECT_TRUE(error_mentions("fce_linear_distill: teacher->logits is set"));
   bad = lt;
   bad.hidden = 0;
-  EXPECT_EQ(call(bad, lg, 1 << 20), FCE_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(call(bad, lg, ws.size()), FCE_ERROR_INVALID_ARGUMENT);
   EXPECT_TRUE(error_mentions("fce_linear_distill: teacher->hidden (0)"));
   bad = lt;
   bad.hidden_row_stride = D - 1;
-  EXPECT_EQ(call(bad, lg, 1 << 20), FCE_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(call(bad, lg, ws.size()), FCE_ERROR_INVALID_ARGUMENT);
   EXPECT_TRUE(error_mentions("teacher->hidden_row_stride (7) is less than teacher->hidden"));
   bad = lt;
   bad.weight = nullptr;
-  EXPECT_EQ(call(bad, lg, 1 << 20), FCE_ERROR_NULL_POINTER);
+  EXPECT_EQ(call(bad, lg, ws.size()), FCE_ERROR_NULL_POINTER);
   EXPECT_TRUE(error_mentions("fce_linear_distill: teacher->weight is NULL"));
   bad = lt;
   bad.weight = dw.ptr();
-  EXPECT_EQ(call(bad, lg, 1 << 20), FCE_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(call(bad, lg, ws.size()), FCE_ERROR_INVALID_ARGUMENT);
   EXPECT_TRUE(error_mentions("teacher->weight overlaps gradients->grad_weight"));
   size_t lo = 0, hi = 0;
   ASSERT_EQ(fce_linear_distill_workspace_size(&o, &lt, N, D, V, 1, &lo, &hi), FCE_SUCCESS);
@@ -181,7 +186,7 @@ TEST_F(DistillRefusals, Linear) {
   }
   fce_gradients logits = FCE_GRADIENTS_INIT;
   logits.grad_logits = grad.ptr();
-  EXPECT_EQ(call(lt, logits, 1 << 20), FCE_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(call(lt, logits, ws.size()), FCE_ERROR_INVALID_ARGUMENT);
   EXPECT_TRUE(error_mentions("fce_linear_distill: gradients->grad_logits is given"));
 }
 

@@ -105,6 +105,7 @@ TEST(Nccl, BadArgumentsWithoutDevice) {
   EXPECT_EQ(ws, 12345u);
   EXPECT_EQ(mn, 12345u);
   // the shard: made by fce_nccl_shard from a communicator, refused otherwise
+  o = FCE_OPTIONS_INIT;
   fce_vp_shard sh{};
   EXPECT_EQ(fce_nccl_shard(no_comm, 8, 0, 8, &sh), FCE_ERROR_NULL_POINTER);
   EXPECT_NE(std::string(fce_nccl_last_error()).find("fce_nccl_shard: comm is NULL"),

@@ -247,74 +247,6 @@ __device__ __forceinline__ void online_vector(const uint4& raw, I j0, bool full,
   }
 }
 
-// The register path's fold of 16-bit rows in kUnit (regs_row, ce/kernels.cu; registers only)
-// takes two passes over the registers instead of online_vector's one: the thread's maximum m of its elements first, then
-// Σ exp(a − m) against it, with no running maximum to test and no rescale per vector. A full
-// 16-bit vector goes into a packed running maximum (max.bf16x2 / max.f16x2, sm_80+: like fmaxf,
-// a NaN loses against a number; a = z in kUnit, so the maximum of the raw values is the
-// maximum of the a's); a partial vector into a float one (only its in-row elements). 16-bit
-// rows only: float32 rows keep the online fold.
-template <class TZ> __device__ __forceinline__ uint32_t packed_neg_inf() {
-  static_assert(Ty<TZ>::kBytes == 2, "the two-pass fold is for 16-bit rows");
-  return std::is_same<TZ, __half>::value ? 0xfc00fc00u : 0xff80ff80u;
-}
-template <class TZ> __device__ __forceinline__ uint32_t max2_raw(uint32_t a, uint32_t b) {
-  uint32_t r;
-  if constexpr (std::is_same<TZ, __half>::value) asm("max.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-  else asm("max.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-  return r;
-}
-template <class TZ, class I>
-__device__ __forceinline__ void max_vector(const uint4& raw, I j0, bool full, int V, uint32_t& pm,
-                                           float& fm) {
-  constexpr int E = vec_elems<TZ>();
-  static_assert(E == 8, "the two-pass fold is for 16-bit rows");
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  if (full) {
-    pm = max2_raw<TZ>(pm, max2_raw<TZ>(max2_raw<TZ>(raw.x, raw.y), max2_raw<TZ>(raw.z, raw.w)));
-    return;
-  }
-#endif
-  float a[E];
-  unpack<TZ>(raw, a);
-#pragma unroll
-  for (int q = 0; q < E; ++q)
-    if (full || (j0 + q >= 0 && j0 + q < V)) fm = fmaxf(fm, a[q]);
-}
-// The maximum a max_vector pass left in (pm, fm).
-template <class TZ> __device__ __forceinline__ float max_total(uint32_t pm, float fm) {
-  return fmaxf(fm, fmaxf(raw_to_float<TZ>(pm & 0xffffu), raw_to_float<TZ>(pm >> 16)));
-}
-// Σ exp(a − ms) of a vector's in-row elements into s, each term as online_vector adds it.
-template <class TZ, class I>
-__device__ __forceinline__ void sumexp_vector(const uint4& raw, I j0, bool full, int V, float ms,
-                                              float& s) {
-  constexpr int E = vec_elems<TZ>();
-  float a[E];
-  unpack<TZ>(raw, a);
-  if (!full) {
-#pragma unroll
-    for (int q = 0; q < E; ++q)
-      if (j0 + q < 0 || j0 + q >= V) a[q] = neg_inf();
-  }
-#pragma unroll
-  for (int q = 0; q < E; ++q) s = __fadd_rn(s, ex2(__fmul_rn(__fsub_rn(a[q], ms), kLog2e)));
-}
-// The argmax candidate of the two passes: the first in-row element equal to the thread's
-// maximum m (> −inf), as online_vector's tracking leaves it; am < 0 until found.
-template <class TZ, class I>
-__device__ __forceinline__ void first_max_vector(const uint4& raw, I j0, bool full, int V,
-                                                 float m, int& am) {
-  constexpr int E = vec_elems<TZ>();
-  float a[E];
-  unpack<TZ>(raw, a);
-  int q0 = -1;
-#pragma unroll
-  for (int q = E - 1; q >= 0; --q)
-    if (a[q] == m && (full || (j0 + q >= 0 && j0 + q < V))) q0 = q;
-  if (q0 >= 0) am = static_cast<int>(j0) + q0;
-}
-
 // The smoothing sum's reference c of a row: its first transformed logit when finite, else 0
 // (a non-finite a_0 makes the smoothing term infinite or NaN anyway). Every thread of every CTA
 // of the row computes the same value from the same element.
@@ -680,66 +612,7 @@ __device__ __forceinline__ void fill_vector(I j0, bool full, bool vec_ok, int V,
   store_grad<TG, E>(grow, j0, full, vec_ok, V, g);
 }
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-// The register path's exchange of the k partials of a row without a cluster barrier: every CTA
-// stores its partial into slot `rank` of every CTA of the cluster (itself included) with
-// st.async, which completes a transaction on that CTA's mbarrier; each CTA waits on its own
-// mbarrier for k·16 bytes. No fence or barrier on the way (the transaction completion orders
-// the stores before the wait returns); the mbarrier is initialised once, before a cluster
-// barrier that its first remote store waits for (mbar_init / cluster_arrive_relaxed at the
-// start, cluster_wait before the first exchange).
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-// An mbarrier of `count` arrivals per phase; mbar_init_fence makes the initialisations visible
-// (to the cluster, and to the bulk-copy engine) before any use.
-__device__ __forceinline__ void mbar_init_count(uint64_t* bar, unsigned count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_init_fence() {
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-}
-__device__ __forceinline__ void mbar_init(uint64_t* bar) {
-  mbar_init_count(bar, 1);
-  mbar_init_fence();
-}
-// This CTA's arrival on its own mbarrier, expecting `bytes` of remote stores in this phase.
-__device__ __forceinline__ void mbar_expect(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)),
-               "r"(bytes) : "memory");
-}
-// 16 bytes (a Partial) into `slot` of CTA `rank` of the cluster, completing on its `bar`.
-__device__ __forceinline__ void st_async_partial(const Partial& v, const Partial* slot,
-                                                 const uint64_t* bar, int rank) {
-  uint32_t rslot, rbar;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(rslot) : "r"(smem_addr(slot)), "r"(rank));
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(rbar) : "r"(smem_addr(bar)), "r"(rank));
-  const uint64_t sw = static_cast<uint64_t>(__double_as_longlong(v.sw));
-  asm volatile(
-      "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];"
-      ::"r"(rslot), "r"(__float_as_uint(v.m)), "r"(__float_as_uint(v.s)), "r"(uint32_t(sw)),
-      "r"(uint32_t(sw >> 32)), "r"(rbar) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  asm volatile(
-      "{\n .reg .pred done;\n"
-      "WAIT_%=:\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
-      " @!done bra WAIT_%=;\n}\n" ::"r"(smem_addr(bar)), "r"(parity) : "memory");
-}
-
-// Release/acquire: the CTA's partial (shared memory) becomes visible to the cluster.
-__device__ __forceinline__ void cluster_sync_release_acquire() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
-  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-// "Done reading the others' shared memory" (the values read are already consumed): no fence.
-__device__ __forceinline__ void cluster_arrive_relaxed() {
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void cluster_wait() {
-  asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
-}
-#endif
+#include "cuda/ce/cluster.cuh"  // (sm_90: the cluster exchange of the register path)
 
 // fce_backward_rescale's prologue of the forward kernels (docs/semantics.md rule 14), read on the device:
 // returns true when the CTA is done: *grad_output is 1 (nothing to do), or 0 / ± a power of two

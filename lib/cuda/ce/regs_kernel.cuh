@@ -116,6 +116,78 @@ __device__ __forceinline__ double fold_t(const Partial& mine, float M, int k) {
   return static_cast<double>(t);
 }
 
+// The register path's fold of 16-bit rows in kUnit (regs_row, ce/kernels.cu; registers only)
+// takes two passes over the registers instead of online_vector's one: the thread's maximum m of its elements first, then
+// Σ exp(a − m) against it, with no running maximum to test and no rescale per vector. A full
+// 16-bit vector goes into a packed running maximum (max.bf16x2 / max.f16x2, sm_80+: like fmaxf,
+// a NaN loses against a number; a = z in kUnit, so the maximum of the raw values is the
+// maximum of the a's); a partial vector into a float one (only its in-row elements). 16-bit
+// rows only: float32 rows keep the online fold.
+template <class TZ>
+__device__ __forceinline__ uint32_t packed_neg_inf() {
+  static_assert(Ty<TZ>::kBytes == 2, "the two-pass fold is for 16-bit rows");
+  return std::is_same<TZ, __half>::value ? 0xfc00fc00u : 0xff80ff80u;
+}
+template <class TZ>
+__device__ __forceinline__ uint32_t max2_raw(uint32_t a, uint32_t b) {
+  uint32_t r;
+  if constexpr (std::is_same<TZ, __half>::value)
+    asm("max.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  else asm("max.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+template <class TZ, class I>
+__device__ __forceinline__ void max_vector(const uint4& raw, I j0, bool full, int V, uint32_t& pm,
+                                           float& fm) {
+  constexpr int E = vec_elems<TZ>();
+  static_assert(E == 8, "the two-pass fold is for 16-bit rows");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if (full) {
+    pm = max2_raw<TZ>(pm, max2_raw<TZ>(max2_raw<TZ>(raw.x, raw.y), max2_raw<TZ>(raw.z, raw.w)));
+    return;
+  }
+#endif
+  float a[E];
+  unpack<TZ>(raw, a);
+#pragma unroll
+  for (int q = 0; q < E; ++q)
+    if (full || (j0 + q >= 0 && j0 + q < V)) fm = fmaxf(fm, a[q]);
+}
+// The maximum a max_vector pass left in (pm, fm).
+template <class TZ>
+__device__ __forceinline__ float max_total(uint32_t pm, float fm) {
+  return fmaxf(fm, fmaxf(raw_to_float<TZ>(pm & 0xffffu), raw_to_float<TZ>(pm >> 16)));
+}
+// Σ exp(a − ms) of a vector's in-row elements into s, each term as online_vector adds it.
+template <class TZ, class I>
+__device__ __forceinline__ void sumexp_vector(const uint4& raw, I j0, bool full, int V, float ms,
+                                              float& s) {
+  constexpr int E = vec_elems<TZ>();
+  float a[E];
+  unpack<TZ>(raw, a);
+  if (!full) {
+#pragma unroll
+    for (int q = 0; q < E; ++q)
+      if (j0 + q < 0 || j0 + q >= V) a[q] = neg_inf();
+  }
+#pragma unroll
+  for (int q = 0; q < E; ++q) s = __fadd_rn(s, ex2(__fmul_rn(__fsub_rn(a[q], ms), kLog2e)));
+}
+// The argmax candidate of the two passes: the first in-row element equal to the thread's
+// maximum m (> −inf), as online_vector's tracking leaves it; am < 0 until found.
+template <class TZ, class I>
+__device__ __forceinline__ void first_max_vector(const uint4& raw, I j0, bool full, int V, float m,
+                                                 int& am) {
+  constexpr int E = vec_elems<TZ>();
+  float a[E];
+  unpack<TZ>(raw, a);
+  int q0 = -1;
+#pragma unroll
+  for (int q = E - 1; q >= 0; --q)
+    if (a[q] == m && (full || (j0 + q >= 0 && j0 + q < V))) q0 = q;
+  if (q0 >= 0) am = static_cast<int>(j0) + q0;
+}
+
 // ROWT, kUnit 16-bit rows in registers: Σ exp(a − ms) and t = Σ exp(a − ms)(a − ms) of a
 // vector's in-row elements against the thread's maximum (the second pass of the two-pass fold).
 // d is clamped to −FLT_MAX so that a −inf element (e = 0) adds 0, never 0·inf.
