@@ -35,8 +35,8 @@ struct CeSetup {
   bool targets_int64;
   int reduction;
   const float* grad_output;  // g: [1] (mean, sum) or [N] (none); nullptr = 1
-  double D;                  // docs/semantics.md rule 4: Σ ω_y over scored rows + the number of invalid rows
-  double n;                  // docs/semantics.md rule 4: the number of non-ignored rows
+  double D;  // docs/semantics.md rule 4: Σ ω_y over scored rows + the number of invalid rows
+  double n;  // docs/semantics.md rule 4: the number of non-ignored rows
   // docs/semantics.md rule 18: the entropy output is asked for, and the upstream gradients of
   // each row's lse and entropy ([N], nullptr = 0)
   bool entropy;
@@ -154,11 +154,14 @@ inline RowTerms row_terms(const CeSetup& setup, int64_t r) {
 // ------------------------------------------------------------- row by row ----
 
 // Steps 1 and 2, in place: a_j = s · z_j, then a_j = c · tanh(a_j / c) when c > 0.
-inline void scale_and_softcap(const CeSetup& setup, double* a) {
-  for (int64_t j = 0; j < setup.vocab; ++j) {
-    a[j] = setup.s * a[j];
-    if (setup.c > 0.0) a[j] = setup.c * std::tanh(a[j] / setup.c);
+inline void scale_and_softcap(double s, double c, double* a, int64_t vocab) {
+  for (int64_t j = 0; j < vocab; ++j) {
+    a[j] = s * a[j];
+    if (c > 0.0) a[j] = c * std::tanh(a[j] / c);
   }
+}
+inline void scale_and_softcap(const CeSetup& setup, double* a) {
+  scale_and_softcap(setup.s, setup.c, a, setup.vocab);
 }
 
 // Step 3 in two parts (docs/semantics.md rules 8-10): the row maximum m and log s, s = Σ_j exp(a_j − m), kept
@@ -323,8 +326,8 @@ inline RowStats row_stats_f32(const float* a, int64_t vocab) {
   }
   int64_t argmax = 0;
   while (argmax + 1 < vocab && a[argmax] != m) ++argmax;
-  const double log_s = std::isfinite(m) ? std::log(sum_exp_f32(a, vocab, m))
-                                         : infinite_max_log_s(m, vocab);
+  const double log_s =
+      std::isfinite(m) ? std::log(sum_exp_f32(a, vocab, m)) : infinite_max_log_s(m, vocab);
   return {double(m), log_s, double(m) + log_s, argmax};
 }
 
@@ -402,11 +405,11 @@ struct RowsJob {
   void* grad;  // nullptr: no gradient
   int64_t grad_stride;
   int grad_dtype;
-  const float* lse_in;   // fce_backward: the saved lse; nullptr: the row's own (m, log s)
-  float* lse_out;        // forward, optional
+  const float* lse_in;           // fce_backward: the saved lse; nullptr: the row's own (m, log s)
+  float* lse_out;                // forward, optional
   float* entropy_out = nullptr;  // forward, optional (rule 18)
-  int64_t* argmax;       // forward, optional (−1 for ignored rows)
-  RowResults* results;   // forward: ce, z-loss and accuracy per row; nullptr: gradient only
+  int64_t* argmax;               // forward, optional (−1 for ignored rows)
+  RowResults* results;           // forward: ce, z-loss and accuracy per row; nullptr: gradient only
 };
 
 // One row per thread (float32 on the fast path, else double), allocated before any output is
@@ -418,10 +421,8 @@ struct RowScratch {
   RowScratch(const CeSetup& setup, int64_t max_count) {
     const int64_t vocab = setup.vocab;
     threads = thread_count(max_count, std::max<int64_t>(1, (int64_t(1) << 16) / vocab));
-    if (float_path(setup))
-      frows.assign(size_t(threads), std::vector<float>(size_t(vocab)));
-    else
-      rows.assign(size_t(threads), std::vector<double>(size_t(vocab)));
+    if (float_path(setup)) frows.assign(size_t(threads), std::vector<float>(size_t(vocab)));
+    else rows.assign(size_t(threads), std::vector<double>(size_t(vocab)));
   }
 };
 
@@ -496,7 +497,7 @@ inline bool run_rows(const CeSetup& setup, const RowsJob& job, RowScratch& scrat
         if (float_row(setup, job, t, r, z_row, grad_row, af)) continue;
       } else if (read) {
         load_row(job.logits_dtype, z_row, V, a);
-        scale_and_softcap(setup, a);                                   // steps 1, 2
+        scale_and_softcap(setup, a);  // steps 1, 2
         const RowStats st = job.lse_in ? saved_stats(job.lse_in[r], a, V) : row_stats(a, V);  // 3
         if (job.lse_out) job.lse_out[r] = float(st.lse);
         if (job.entropy_out) job.entropy_out[r] = float(st.entropy);
@@ -510,21 +511,18 @@ inline bool run_rows(const CeSetup& setup, const RowsJob& job, RowScratch& scrat
         } else if (res && t.kind == RowKind::kScored) {
           res->ce[size_t(r)] = setup.soft ? soft_cross_entropy(setup, a, st, r)  // 4, rule 19
                                           : tscale * cross_entropy(setup, a, st, t.y);
-          res->z_loss[size_t(r)] = scaled_z_loss_term(setup, tscale, st.lse);    // 5
+          res->z_loss[size_t(r)] = scaled_z_loss_term(setup, tscale, st.lse);  // 5
           if (!res->correct.empty()) res->correct[size_t(r)] = st.argmax == t.y ? 1 : 0;
         }
         if ((grad_row && t.kind == RowKind::kScored) || ignored_terms) {
           const int64_t y = t.kind == RowKind::kScored ? t.y : -1;
-          if (setup.soft)
-            soft_gradient(setup, a, st, r, upstream_scales(setup, r), terms);
-          else
-            gradient(setup, a, st, y, upstream_scales(setup, r), tscale, terms);
+          if (setup.soft) soft_gradient(setup, a, st, r, upstream_scales(setup, r), terms);
+          else gradient(setup, a, st, y, upstream_scales(setup, r), tscale, terms);
           store_row(job.grad_dtype, a, V, grad_row);
           continue;
         }
       }
-      if (grad_row)
-        fill_row(job.grad_dtype, grad_row, V, t.kind == RowKind::kIgnored ? 0.0f : NAN);
+      if (grad_row) fill_row(job.grad_dtype, grad_row, V, t.kind == RowKind::kIgnored ? 0.0f : NAN);
     }
   });
   return invalid_seen.load();
@@ -532,8 +530,8 @@ inline bool run_rows(const CeSetup& setup, const RowsJob& job, RowScratch& scrat
 
 // docs/semantics.md rules 5, 7 and 15: the loss, the z-loss total and the accuracy from the rows' values,
 // summed in row order.
-inline void write_reduction(const CeSetup& setup, const RowResults& res, float* loss,
-                            float* z_loss, float* accuracy) {
+inline void write_reduction(const CeSetup& setup, const RowResults& res, float* loss, float* z_loss,
+                            float* accuracy) {
   double loss_sum = 0.0, ce_sum = 0.0, z_loss_sum = 0.0, correct = 0.0;
   for (int64_t r = 0; r < setup.rows; ++r) {
     loss_sum += res.ce[size_t(r)] + res.z_loss[size_t(r)];

@@ -1,5 +1,5 @@
 // distill_row.h — the distillation of one row against its teacher row (docs/semantics.md rule
-// 19) step by step in double, rows on threads, the reduction in row order; shared by distill.cpp
+// 20) step by step in double, rows on threads, the reduction in row order; shared by distill.cpp
 // (logits given) and linear_distill.cpp (logits made chunk by chunk). Everything is relative to
 // the row maxima: log p_j = (u_j − m) − log s, never exp of a raw logit.
 #pragma once
@@ -65,11 +65,8 @@ inline Div effective_divergence(const DistillSetup& d) {
 
 // u_j = (c · tanh(s · z_j / c), or s · z_j without a cap) / T, in place.
 inline void transform_row(const DistillSetup& d, double* u) {
-  for (int64_t j = 0; j < d.vocab; ++j) {
-    double a = d.s * u[j];
-    if (d.c > 0.0) a = d.c * std::tanh(a / d.c);
-    u[j] = a / d.T;
-  }
+  scale_and_softcap(d.s, d.c, u, d.vocab);
+  for (int64_t j = 0; j < d.vocab; ++j) u[j] /= d.T;
 }
 
 // log(e^x + e^y) without overflow; −inf when both are −inf.

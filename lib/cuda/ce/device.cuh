@@ -181,6 +181,28 @@ __device__ __forceinline__ float rescale_t(float m, float m2, float s, float t) 
   return m == neg_inf() || r == 0.f ? 0.f : __fmul_rn(r, __fmaf_rn(s, dm, t));
 }
 
+// rule 18's t of a CTA against its maximum M, from each thread's t against its own maximum acc.m:
+// rescaled to M, then summed in a fixed tree (every thread gets the same bits). s_warp, which
+// block_reduce_all has just read, is reused as scratch: SYNCED says a barrier has already
+// followed that read; without it one comes first.
+template <bool SYNCED>
+__device__ __forceinline__ float block_sum_t(const Partial& acc, float M, float tacc,
+                                             Partial* s_warp) {
+  if (acc.m != M) tacc = rescale_t(acc.m, M, acc.s, tacc);
+  float* s_sum = reinterpret_cast<float*>(s_warp);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) tacc = __fadd_rn(tacc, __shfl_xor_sync(0xffffffffu, tacc, o));
+  if constexpr (!SYNCED) __syncthreads();  // every warp has read s_warp
+  if (lane == 0) s_sum[warp] = tacc;
+  __syncthreads();
+  float tot = lane < nwarps ? s_sum[lane] : 0.f;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) tot = __fadd_rn(tot, __shfl_xor_sync(0xffffffffu, tot, o));
+  __syncthreads();  // s_warp may be used again
+  return tot;
+}
+
 // Phase 1 on one vector: online max / Σexp (and Σω·(a − c) when smoothing) of its in-row
 // elements. With `track`, am follows the index of the first element equal to the thread's
 // running maximum (a thread visits its vectors in increasing index order, so a later equal

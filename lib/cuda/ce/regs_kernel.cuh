@@ -83,27 +83,6 @@ __device__ __forceinline__ uint64_t unpack_key(uint32_t k) {
                           : (uint64_t(k >> 31) << 32) | static_cast<uint64_t>(k & 0x7fffffffu);
 }
 
-// ROWT (docs/semantics.md rule 18): the CTA's t = Σ exp(a − M)(a − M) against its maximum M,
-// from each thread's t against its own maximum acc.m: rescaled to M, then summed in a fixed tree
-// (every thread gets the same bits). s_warp, which block_reduce_all has just read, is reused
-// between barriers.
-__device__ __forceinline__ float block_sum_t(const Partial& acc, float M, float tacc,
-                                             Partial* s_warp) {
-  if (acc.m != M) tacc = rescale_t(acc.m, M, acc.s, tacc);
-  float* s_sum = reinterpret_cast<float*>(s_warp);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) tacc = __fadd_rn(tacc, __shfl_xor_sync(0xffffffffu, tacc, o));
-  __syncthreads();  // every warp has read s_warp
-  if (lane == 0) s_sum[warp] = tacc;
-  __syncthreads();
-  float tot = lane < nwarps ? s_sum[lane] : 0.f;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) tot = __fadd_rn(tot, __shfl_xor_sync(0xffffffffu, tot, o));
-  __syncthreads();  // s_warp may be used again
-  return tot;
-}
-
 // ROWT: the row's t against its maximum M from the cluster's k partials (lane r holds rank r's,
 // its t in sw), rescaled and summed in rank order: the same bits in every warp.
 __device__ __forceinline__ double fold_t(const Partial& mine, float M, int k) {
@@ -158,10 +137,13 @@ template <class TZ>
 __device__ __forceinline__ float max_total(uint32_t pm, float fm) {
   return fmaxf(fm, fmaxf(raw_to_float<TZ>(pm & 0xffffu), raw_to_float<TZ>(pm >> 16)));
 }
-// Σ exp(a − ms) of a vector's in-row elements into s, each term as online_vector adds it.
-template <class TZ, class I>
+// Σ exp(a − ms) of a vector's in-row elements into s, each term as online_vector adds it (the
+// second pass of the two-pass fold). WITH_T (ROWT, docs/semantics.md rule 18): also
+// t = Σ exp(a − ms)(a − ms) into t, with a − ms clamped to −FLT_MAX so that a −inf element
+// (e = 0) adds 0, never 0·inf; without it t is not touched.
+template <class TZ, bool WITH_T, class I>
 __device__ __forceinline__ void sumexp_vector(const uint4& raw, I j0, bool full, int V, float ms,
-                                              float& s) {
+                                              float& s, float& t) {
   constexpr int E = vec_elems<TZ>();
   float a[E];
   unpack<TZ>(raw, a);
@@ -171,7 +153,16 @@ __device__ __forceinline__ void sumexp_vector(const uint4& raw, I j0, bool full,
       if (j0 + q < 0 || j0 + q >= V) a[q] = neg_inf();
   }
 #pragma unroll
-  for (int q = 0; q < E; ++q) s = __fadd_rn(s, ex2(__fmul_rn(__fsub_rn(a[q], ms), kLog2e)));
+  for (int q = 0; q < E; ++q) {
+    if constexpr (WITH_T) {
+      const float d = fmaxf(__fsub_rn(a[q], ms), -3.40282347e38f);
+      const float e = ex2(__fmul_rn(d, kLog2e));
+      s = __fadd_rn(s, e);
+      t = __fmaf_rn(e, d, t);
+    } else {
+      s = __fadd_rn(s, ex2(__fmul_rn(__fsub_rn(a[q], ms), kLog2e)));
+    }
+  }
 }
 // The argmax candidate of the two passes: the first in-row element equal to the thread's
 // maximum m (> −inf), as online_vector's tracking leaves it; am < 0 until found.
@@ -186,29 +177,6 @@ __device__ __forceinline__ void first_max_vector(const uint4& raw, I j0, bool fu
   for (int q = E - 1; q >= 0; --q)
     if (a[q] == m && (full || (j0 + q >= 0 && j0 + q < V))) q0 = q;
   if (q0 >= 0) am = static_cast<int>(j0) + q0;
-}
-
-// ROWT, kUnit 16-bit rows in registers: Σ exp(a − ms) and t = Σ exp(a − ms)(a − ms) of a
-// vector's in-row elements against the thread's maximum (the second pass of the two-pass fold).
-// d is clamped to −FLT_MAX so that a −inf element (e = 0) adds 0, never 0·inf.
-template <class TZ>
-__device__ __forceinline__ void sumexp_t_vector(const uint4& raw, int j0, bool full, int V,
-                                                float ms, float& s, float& t) {
-  constexpr int E = vec_elems<TZ>();
-  float a[E];
-  unpack<TZ>(raw, a);
-  if (!full) {
-#pragma unroll
-    for (int q = 0; q < E; ++q)
-      if (j0 + q < 0 || j0 + q >= V) a[q] = neg_inf();
-  }
-#pragma unroll
-  for (int q = 0; q < E; ++q) {
-    const float d = fmaxf(__fsub_rn(a[q], ms), -3.40282347e38f);
-    const float e = ex2(__fmul_rn(d, kLog2e));
-    s = __fadd_rn(s, e);
-    t = __fmaf_rn(e, d, t);
-  }
 }
 
 // ROWT: the gradient of one vector of a row without label smoothing (the only rows ROWT kernels
@@ -349,7 +317,7 @@ __device__ __forceinline__ void regs_row(const KParams& p, int64_t lrow, int64_t
   float tacc = 0.f;  // ROWT: this thread's t = Σ exp(a − m)(a − m) against acc.m
   // ROWT: t is needed for the entropy or its gradient (the lse gradient alone needs none)
   const bool need_t = ROWT && (p.entropy_out != nullptr || p.grad_entropy != nullptr);
-  // kUnit, 16-bit, registers only: two passes (max_vector, sumexp_vector: ce/device.cuh), the
+  // kUnit, 16-bit, registers only: two passes (max_vector, sumexp_vector above), the
   // thread's maximum (two elements per compare) and then the sum. Measured on an H100 against the
   // online fold of the same kernels (dev/NOTES.md, 2026-11-28): forward + gradient
   // 1024×32000 bf16 64.0 → 65.6 % of copy, 1024×128256 84.4 → 85.3, 4096×32000 87.3 → 87.7, the
@@ -366,23 +334,17 @@ __device__ __forceinline__ void regs_row(const KParams& p, int64_t lrow, int64_t
     const float m = max_total<TZ>(pm, fm);
     const float ms = m == neg_inf() ? 0.f : m;  // all −inf: every term is exp(−inf) = 0
     float sum = 0.f;
-    if constexpr (ROWT) {
-      if (need_t) {
-#pragma unroll
-        for (int i = 0; i < kRegVpt; ++i) {
-          const int j0 = j00 + i * jstep;
-          if (v0 + i * nt < vend)
-            sumexp_t_vector<TZ>(buf[i], j0, is_full<int, E>(j0, V), V, ms, sum, tacc);
-        }
-      }
-    }
-    if (!ROWT || !need_t) {
+    const auto sum_pass = [&](auto with_t) {
 #pragma unroll
       for (int i = 0; i < kRegVpt; ++i) {
         const int j0 = j00 + i * jstep;
-        if (v0 + i * nt < vend) sumexp_vector<TZ>(buf[i], j0, is_full<int, E>(j0, V), V, ms, sum);
+        if (v0 + i * nt < vend)
+          sumexp_vector<TZ, decltype(with_t)::value>(buf[i], j0, is_full<int, E>(j0, V), V, ms, sum,
+                                                     tacc);
       }
-    }
+    };
+    if (ROWT && need_t) sum_pass(std::true_type{});
+    else sum_pass(std::false_type{});
     if (want_argmax && m != neg_inf()) {  // the first element equal to m
 #pragma unroll
       for (int i = 0; i < kRegVpt; ++i) {
@@ -434,7 +396,7 @@ __device__ __forceinline__ void regs_row(const KParams& p, int64_t lrow, int64_t
   // smoothing, which ROWT kernels never have) through the cluster's exchange
   Partial blk = block_reduce_all<SW>(acc, s_warp);
   if constexpr (ROWT)
-    if (need_t) blk.sw = static_cast<double>(block_sum_t(acc, blk.m, tacc, s_warp));
+    if (need_t) blk.sw = static_cast<double>(block_sum_t<false>(acc, blk.m, tacc, s_warp));
 
   // ---- the row's partial: this CTA's, or the cluster's folded in rank order
   Partial fin = blk;

@@ -65,22 +65,7 @@ __device__ __forceinline__ Partial stream_reduce(const KParams& p, const char* z
   const Partial blk = block_reduce_all<SW>(acc, s_warp);
   if (threadIdx.x == 0) *s_final = blk;
   __syncthreads();
-  if constexpr (ENT) {
-    // each thread's t against the row's maximum M, then their sum in a fixed tree (every thread
-    // gets the same bits); s_warp is free again after the barrier above
-    if (acc.m != blk.m) tacc = rescale_t(acc.m, blk.m, acc.s, tacc);
-    float* s_sum = reinterpret_cast<float*>(s_warp);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) tacc = __fadd_rn(tacc, __shfl_xor_sync(0xffffffffu, tacc, o));
-    if (lane == 0) s_sum[warp] = tacc;
-    __syncthreads();
-    float tot = lane < nwarps ? s_sum[lane] : 0.f;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) tot = __fadd_rn(tot, __shfl_xor_sync(0xffffffffu, tot, o));
-    *t_row = tot;
-    __syncthreads();  // s_warp may be used again
-  }
+  if constexpr (ENT) *t_row = block_sum_t<true>(acc, blk.m, tacc, s_warp);
   if constexpr (SOFT)
     *soft = soft_block_sum(sacc, acc.m, blk.m, reinterpret_cast<double2*>(s_warp));
   return *s_final;

@@ -19,23 +19,8 @@ fce_status cuda_distill(const DistillProblem& p) {
   const Head h = head_at(base, p.rows, p.opt.reduction);
   const bool none = p.opt.reduction == FCE_REDUCTION_NONE;
   FCE_TRY(launch_count(p.fn, p.opt, p.rows, p.targets, h.n, s));
-  RowsArgs a;
-  a.fn = p.fn;
-  a.opt = p.opt;
-  a.first = 0;
-  a.count = p.rows;
-  a.vocab = p.vocab;
-  a.student = p.logits;
-  a.student_ld = p.row_stride;
-  a.teacher = p.teacher;
-  a.teacher_ld = p.teacher_row_stride;
-  a.grad = p.grad;
-  a.grad_ld = p.grad_row_stride;
-  a.targets = p.targets;
-  a.n = h.n;
-  a.grad_output = p.grad_output;
-  a.row_loss = none ? p.loss : h.row_loss;
-  a.lse = p.lse;
+  const RowsArgs a = rows_args(p, h, 0, p.rows, p.logits, p.row_stride, p.teacher,
+                               p.teacher_row_stride, p.grad, p.grad_row_stride);
   FCE_TRY(launch_rows(a, s));
   if (none) return FCE_SUCCESS;
   return launch_reduce(p.fn, p.opt.reduction, p.rows, h.row_loss, h.n, p.loss, s);

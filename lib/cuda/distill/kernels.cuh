@@ -46,6 +46,32 @@ struct RowsArgs {
 };
 fce_status launch_rows(const RowsArgs& a, cudaStream_t s);
 
+// The RowsArgs of rows [first, first + count) of call p (a DistillProblem or a
+// LinearDistillProblem): the call's fields from p and the head h, the rows' buffers as given.
+template <class Problem>
+RowsArgs rows_args(const Problem& p, const Head& h, int64_t first, int64_t count,
+                   const void* student, int64_t student_ld, const void* teacher, int64_t teacher_ld,
+                   void* grad, int64_t grad_ld) {
+  RowsArgs a;
+  a.fn = p.fn;
+  a.opt = p.opt;
+  a.first = first;
+  a.count = count;
+  a.vocab = p.vocab;
+  a.student = student;
+  a.student_ld = student_ld;
+  a.teacher = teacher;
+  a.teacher_ld = teacher_ld;
+  a.grad = grad;
+  a.grad_ld = grad_ld;
+  a.targets = p.targets;
+  a.n = h.n;
+  a.grad_output = p.grad_output;
+  a.row_loss = p.opt.reduction == FCE_REDUCTION_NONE ? p.loss : h.row_loss;
+  a.lse = p.lse;
+  return a;
+}
+
 // loss[0] = Σ row_loss in a fixed order, divided by *n for mean (0 when n is 0 and the sum is
 // finite).
 fce_status launch_reduce(const char* fn, int reduction, int64_t rows, const float* row_loss,

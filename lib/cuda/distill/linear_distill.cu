@@ -133,23 +133,8 @@ fce_status cuda_linear_distill(const LinearDistillProblem& p) {
                                       nullptr, zs, ldz, lt, plan.lt_bytes, s));
     FCE_TRY(cuda::linear::logits_gemm(fn, dtype, rc, V, Dt, ht_c, p.teacher_hidden_row_stride,
                                       p.teacher_weight, nullptr, zt, ldz, lt, plan.lt_bytes, s));
-    RowsArgs a;
-    a.fn = fn;
-    a.opt = p.opt;
-    a.first = r0;
-    a.count = rc;
-    a.vocab = V;
-    a.student = zs;
-    a.student_ld = ldz;
-    a.teacher = zt;
-    a.teacher_ld = ldz;
-    a.grad = with_grad ? zs : nullptr;  // ∂Z_c over Z_c, in place
-    a.grad_ld = ldz;
-    a.targets = p.targets;
-    a.n = h.n;
-    a.grad_output = p.grad_output;
-    a.row_loss = none ? p.loss : h.row_loss;
-    a.lse = p.lse;
+    // ∂Z_c over Z_c, in place
+    const RowsArgs a = rows_args(p, h, r0, rc, zs, ldz, zt, ldz, with_grad ? zs : nullptr, ldz);
     FCE_TRY(launch_rows(a, s));
     if (!with_grad) continue;
     cuda::linear::ChunkGrads g{};
