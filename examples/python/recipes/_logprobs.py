@@ -39,8 +39,8 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--prompt-len", type=int, default=16)
-    p.add_argument("--response-len", type=int, default=32,
+    p.add_argument("--prompt-len", type=int, default=8)
+    p.add_argument("--response-len", type=int, default=24,
                    help="the longest response; each is 1 to this many tokens, then padding")
     return p
 
