@@ -76,6 +76,8 @@ def main(argv=None):
 
     gen = torch.Generator().manual_seed(args.seed + 1)
     ids, resp = random_sequences(args.prompts * args.group, args, gen)
+    p = args.prompt_len  # the responses of a group answer the same prompt
+    ids[:, :p] = ids[::args.group, :p].repeat_interleave(args.group, dim=0)
     rewards = ((ids % 2 == 0) & resp).sum(1).float() / resp.sum(1)
     adv = group_advantages(rewards, args.group)
     mask = resp[:, 1:]  # log-prob t scores token t + 1: the response's tokens
