@@ -111,16 +111,18 @@ elif [ $c_sanitizers = 1 ]; then
 fi
 if [ $python_suites = 1 ]; then
 suite "torch parity (tests/gpu)" python3 -m pytest -q "$ROOT/tests/gpu"
-if [ -f "$ROOT/bindings/python/tests/test_torch.py" ]; then
-  suite "Python binding on CUDA (torch, CuPy)" python3 -m pytest -q "$ROOT/bindings/python/tests/test_torch.py"
-fi
+suite "Python binding on CUDA (torch, CuPy; lse and entropy)" python3 -m pytest -q \
+  "$ROOT/bindings/python/tests/test_torch.py" "$ROOT/bindings/python/tests/test_torch_lse.py"
 suite "vocabulary-parallel: fusedce.torch.distributed (gloo processes, NCCL, CUDA phases)" \
   python3 -m pytest -q -rs -p no:cacheprovider "$ROOT/bindings/python/tests/test_distributed.py"
 suite "Hugging Face transformers (fusedce.transformers)" \
   python3 -m pytest -q -rs -p no:cacheprovider "$ROOT/bindings/python/tests/test_transformers.py"
 suite "JAX (fusedce.jax, CUDA custom calls)" env XLA_PYTHON_CLIENT_PREALLOCATE=false \
   FUSEDCE_JAX_CACHE_DIR="$BUILD/jax-shim" \
-  python3 -m pytest -q -rs -p no:cacheprovider "$ROOT/bindings/python/tests/test_jax.py"
+  python3 -m pytest -q -rs -p no:cacheprovider "$ROOT/bindings/python/tests/test_jax.py" \
+  "$ROOT/bindings/python/tests/test_jax_lse.py"
+suite "recipes (GRPO, DPO) on CPU and CUDA: their parity with plain torch" \
+  python3 -m pytest -q -rs -p no:cacheprovider "$ROOT/bindings/python/tests/test_recipes.py"
 suite "demo (CUDA)" "$BUILD/examples/demo" --small
 fi
 echo

@@ -1,6 +1,7 @@
-"""The RL recipes of examples/python/recipes (docs/recipes.md) on the CPU backend, a few steps on
-a small randomly initialised Llama: their first-step parity checks against plain torch (per-token
-log-probs, entropy, the loss and every parameter's gradient) must hold, and the losses be finite.
+"""The RL recipes of examples/python/recipes (docs/recipes.md) on the CPU backend (and on CUDA
+where torch sees a GPU), a few steps on a small randomly initialised Llama: their first-step
+parity checks against plain torch (per-token log-probs, entropy, the loss and every parameter's
+gradient) must hold, and the losses be finite.
 
     FUSEDCE_LIBRARY=build/libfusedce.so python -m pytest -q bindings/python/tests/test_recipes.py
 
@@ -26,9 +27,14 @@ if RECIPES not in sys.path:
 
 import dpo  # noqa: E402
 import grpo  # noqa: E402
+import torch  # noqa: E402
+
+# each recipe on the CPU backend, and on CUDA where torch sees a GPU
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device for torch"))]
 
 # small enough for a few seconds on the CPU, large enough for several chunks of the vocabulary
-SMALL = ["--device", "cpu", "--vocab", "3000", "--hidden", "64", "--prompt-len", "6",
+SMALL = ["--vocab", "3000", "--hidden", "64", "--prompt-len", "6",
          "--response-len", "10", "--steps", "3"]
 TOL = 1e-4  # float32: the two ways differ by rounding only
 
@@ -40,20 +46,23 @@ def _check_parity(result, names):
     assert all(math.isfinite(x) for x in result["loss"]), result["loss"]
 
 
-def test_grpo_parity():
-    result = grpo.main(SMALL + ["--prompts", "2", "--group", "3"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_grpo_parity(device):
+    result = grpo.main(SMALL + ["--device", device, "--prompts", "2", "--group", "3"])
     _check_parity(result, ["logp_max_diff", "entropy_max_diff", "kl_max_diff", "loss_diff"])
     assert all(e > 0 for e in result["entropy"])
     assert result["kl"][0] == 0 and result["kl"][-1] > 0  # the policy moved off the reference
 
 
-def test_grpo_without_reference():
-    result = grpo.main(SMALL + ["--kl-coef", "0", "--steps", "1"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_grpo_without_reference(device):
+    result = grpo.main(SMALL + ["--device", device, "--kl-coef", "0", "--steps", "1"])
     _check_parity(result, ["logp_max_diff", "entropy_max_diff", "loss_diff"])
 
 
-def test_dpo_parity():
-    result = dpo.main(SMALL + ["--pairs", "3", "--lr", "1e-4"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_dpo_parity(device):
+    result = dpo.main(SMALL + ["--device", device, "--pairs", "3", "--lr", "1e-4"])
     _check_parity(result, ["seq_logp_max_diff", "margin_max_diff", "loss_diff"])
     assert abs(result["loss"][0] - math.log(2)) < 1e-4  # the policy starts as the reference
     assert result["loss"][-1] < result["loss"][0]
