@@ -98,7 +98,7 @@ elif [ $c_sanitizers = 1 ]; then
     # (racecheck: the vocabulary-parallel CE kernels only; the linear cases run cuBLASLt's
     # GEMM kernels, in which racecheck reports shared-memory hazards of NVIDIA's own code)
     vp_filter='Vp.*:VpLinear.*:*bf16_mean_everything*:*f16_none*'
-    [ $tool = racecheck ] && vp_filter='Vp.*:*bf16_mean_everything*:*f16_none*'
+    [ $tool = racecheck ] && vp_filter='Vp.*:*VpMatrix*bf16_mean_everything*:*VpMatrix*f16_none*'
     suite "$tool test_vocab_parallel" env FCE_TEST_BACKEND=cuda compute-sanitizer --tool $tool \
       --error-exitcode 1 "$BUILD/tests/test_vocab_parallel" --gtest_filter="$vp_filter"
     # (NCCL's initialisation probes kernels with CUDA API calls that fail by design: not
