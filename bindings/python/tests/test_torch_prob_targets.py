@@ -211,3 +211,15 @@ def test_probabilities_refused():
         cross_entropy(z, q.double())
     with pytest.raises(ValueError, match="must have the shape of the logits"):
         linear_cross_entropy(torch.randn(4, 3), torch.randn(6, 3), q)
+    with pytest.raises(ValueError, match="inplace_backward"):
+        cross_entropy(torch.randn(4, 5, requires_grad=True).clone(), q.clone().requires_grad_(),
+                      inplace_backward=True)
+
+
+def test_inplace_backward_probabilities():
+    z = torch.randn(N, V, requires_grad=True)
+    q = probs(N, V)
+    (want,) = torch.autograd.grad(cross_entropy(z, q, label_smoothing=0.1), z)
+    (got,) = torch.autograd.grad(cross_entropy(z.clone(), q, label_smoothing=0.1,
+                                               inplace_backward=True), z)
+    assert_close(got, want, 1e-6)

@@ -207,6 +207,10 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Optional[Tensor] = None
     input is (C,), (N, C) or (N, C, d1, ...) as in torch (the last form is copied to put the
     classes last; give [N, C] for speed). A row stride larger than C (e.g. a slice of padded
     logits) is used without a copy. The loss is float32.
+
+    target holds class indices (an integer tensor: (), (N) or (N, d1, ...)), or class
+    probabilities: a floating tensor of input's shape and dtype, as torch's (the module's
+    docstring says what is refused with them, and how the target's own gradient is made).
     """
     red = _reduction(reduction)
     fn = "fusedce.torch.cross_entropy"
@@ -254,6 +258,9 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Optional[Tensor] = None
                  return_entropy)
     if q is not None:
         _soft.check_options(opts, ignore_index, want, check_targets, fn)
+        if inplace_backward and q.requires_grad and torch.is_grad_enabled():
+            raise ValueError(f"{fn}: inplace_backward=True with a target that requires grad: "
+                             "its gradient needs the logits, which the forward overwrites")
     lib_want = want.from_library(red)  # what the C call writes (lse included)
     check = bool(check_targets)
     need_grad = torch.is_grad_enabled() and logits.requires_grad
@@ -310,8 +317,9 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
     holding the [N, V] logits (fce_linear_ce).
 
     input [..., D] (leading dimensions flattened), linear_weight [V, D] (an nn.Linear(D, V) or a
-    tied embedding's weight), linear_bias [V], target [...] (the leading dimensions of input),
-    weight [V] class weights; the other keywords, the return convention (the loss, or a
+    tied embedding's weight), linear_bias [V], target [...] (the leading dimensions of input;
+    or class probabilities [..., V], floating, of the matmul's dtype), weight [V] class
+    weights; the other keywords, the return convention (the loss, or a
     ``CrossEntropyOutput`` named tuple ``(loss, z_loss, token_accuracy, predicted_tokens,
     lse, entropy)`` restricted to what was asked for; lse and the entropy differentiable,
     their gradients reaching input, linear_weight and linear_bias through a recompute) and
