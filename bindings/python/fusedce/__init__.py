@@ -23,10 +23,11 @@ from ._lib import (HEADER_VERSION_MAJOR, HEADER_VERSION_MINOR, HEADER_VERSION_NU
                    MisalignedError, NullPointerError, OutOfMemoryError, UnsupportedError,
                    VersionMismatchError, WorkspaceTooSmallError, build_info, cuda_available,
                    last_error, library_origin, library_path, load, status_string)
-from .core import (REDUCTIONS, ForwardResult, LinearCEResult, backward,
-                   backward_workspace_size, bfloat16_bits_to_float, check_error_flags,
+from .core import (REDUCTIONS, DistillResult, ForwardResult, LinearCEResult,
+                   LinearDistillResult, backward, backward_workspace_size,
+                   bfloat16_bits_to_float, check_error_flags, distill, distill_workspace_size,
                    float_to_bfloat16_bits, forward, forward_workspace_size, linear_ce,
-                   linear_ce_workspace_size)
+                   linear_ce_workspace_size, linear_distill, linear_distill_workspace_size)
 
 __version__ = "%d.%d.%d" % (HEADER_VERSION_MAJOR, HEADER_VERSION_MINOR, HEADER_VERSION_PATCH)
 
@@ -41,6 +42,8 @@ def library_version():
 __all__ = [
     "forward", "backward", "linear_ce", "forward_workspace_size", "backward_workspace_size",
     "linear_ce_workspace_size", "ForwardResult", "LinearCEResult", "REDUCTIONS",
+    "distill", "linear_distill", "distill_workspace_size", "linear_distill_workspace_size",
+    "DistillResult", "LinearDistillResult",
     "check_error_flags", "float_to_bfloat16_bits", "bfloat16_bits_to_float", "cuda_available",
     "last_error", "status_string", "library_path", "library_origin", "library_version",
     "build_info", "load", "FusedCEError",

@@ -14,7 +14,7 @@ from typing import Optional
 import numpy as np
 
 from . import _lib
-from ._args import _check_same_device, _matrix, _vector, _writable
+from ._args import _check_same_device, _check_stride_kw, _matrix, _vector, _writable
 from ._arrays import _NP_BF16, _Arr, _describe, _float_code, _need_dtype
 from ._errors import FusedCEError, as_call
 from ._lib import FCE_REDUCTION_NONE
@@ -258,6 +258,47 @@ def _argmax_accuracy(argmax, return_argmax, accuracy, return_accuracy, alloc: _A
         _vector(acc_a, rows if none else 1, "[rows] (reduction='none')" if none else "()",
                 allow_scalar=not none)
     return argmax, am_a, accuracy, acc_a
+
+
+def _loss_lse(alloc: _Alloc, ref: _Arr, rows: int, per_row: bool, loss, lse, return_lse: bool):
+    """(loss, its _Arr, lse, its _Arr or None): the loss (float32 [rows] for reduction 'none',
+    else ()) and lse (float32 [rows], when given or ``return_lse``) outputs of a call: the
+    caller's, checked, or allocated."""
+    if loss is None:
+        loss = alloc.empty((rows,) if per_row else (), "float32", "loss")
+    la = _out(loss, "loss", ref, "float32")
+    _vector(la, rows if per_row else 1, "(the loss)", allow_scalar=not per_row)
+    lse_a = None
+    if lse is None and return_lse:
+        lse = alloc.empty((rows,), "float32", "lse")
+    if lse is not None:
+        lse_a = _out(lse, "lse", ref, "float32")
+        _vector(lse_a, rows, "[rows]")
+    return loss, la, lse, lse_a
+
+
+def _grad_logits(alloc: _Alloc, logits, z: _Arr, row_stride: int, dtype_name: str, *,
+                 in_place: bool, grad_logits, return_grad: bool, grad_row_stride):
+    """(grad_logits, its _Arr or None, its row stride or 0): the gradient buffer of a call over
+    given logits (fce_forward, fce_distill): the logits themselves (``in_place``), the
+    caller's (checked), one allocated for ``return_grad``, or none."""
+    rows, vocab = z.shape
+    if in_place:
+        if grad_logits is not None:
+            raise ValueError("pass either in_place=True or grad_logits=, not both")
+        _writable(z)
+        grad_logits, g_a, grs = logits, z, row_stride
+    else:
+        g_a, grs = None, 0
+        if grad_logits is None and return_grad:
+            grad_logits = alloc.empty((rows, vocab), dtype_name, "grad_logits", like=z)
+        if grad_logits is not None:
+            g_a = _out(grad_logits, "grad_logits", z)
+            _float_code(g_a, dtype_name, "the logits' dtype")
+            grs = _matrix(g_a, rows, vocab)
+    if g_a is not None:
+        _check_stride_kw(grad_row_stride, grs, "grad_row_stride")
+    return grad_logits, g_a, grs
 
 
 def _ptr(a: Optional[_Arr]):

@@ -16,10 +16,10 @@ from typing import Optional, Tuple
 import numpy as np
 
 from . import _lib
-from ._arrays import _TARGET_CODES, _Arr, _dtype_name
+from ._arrays import _CODE_NAMES, _FLOAT_CODES, _TARGET_CODES, _Arr, _dtype_name, _float_code
 from ._lib import (FCE_BACKEND_CPU, FCE_BACKEND_CUDA, FCE_REDUCTION_MEAN, FCE_REDUCTION_NONE,
                    FCE_REDUCTION_SUM)
-from ._options import CEOptions
+from ._options import CEOptions, DistillOptions
 
 REDUCTIONS = {"mean": FCE_REDUCTION_MEAN, "sum": FCE_REDUCTION_SUM, "none": FCE_REDUCTION_NONE}
 
@@ -83,6 +83,17 @@ def _build_options(opts: CEOptions, *, backend, dtype, target_dtype, class_weigh
     return o
 
 
+def _build_teacher(opts: DistillOptions, *, logits=0, row_stride=0, hidden_states=0, weight=0,
+                   hidden=0, hidden_row_stride=0) -> _lib.Teacher:
+    """The fce_teacher of a distillation call: the caller's divergence, beta and temperature
+    (one :class:`DistillOptions`) and this call's teacher tensors (addresses, 0 for NULL) and
+    sizes. The fce_options of the same call: ``_build_options(opts.ce(), ...)``."""
+    return _lib.teacher(divergence=opts.divergence, beta=opts.beta,
+                        temperature=opts.temperature, logits=logits, row_stride=row_stride,
+                        hidden_states=hidden_states, weight=weight, hidden=hidden,
+                        hidden_row_stride=hidden_row_stride)
+
+
 # ======================================================================= checks ====
 def _check_same_device(ref: _Arr, *others: Optional[_Arr]):
     for a in others:
@@ -130,6 +141,16 @@ def _matrix(a: _Arr, rows: Optional[int] = None, cols: Optional[int] = None,
     return row_stride
 
 
+def _hidden_weight(h: _Arr, W: _Arr, vocab_name: str = "vocab") -> Tuple[int, int, int]:
+    """(rows, hidden, vocab) of a linear head's hidden states [rows, hidden] and weight
+    [vocab, hidden] (both 2-D; the columns and strides are checked with _matrix)."""
+    if len(h.shape) != 2:
+        raise ValueError(f"{h.name} must be 2-D [rows, hidden], got shape {h.shape}")
+    if len(W.shape) != 2:
+        raise ValueError(f"{W.name} must be 2-D [{vocab_name}, hidden], got shape {W.shape}")
+    return h.shape[0], h.shape[1], W.shape[0]
+
+
 def _vector(a: _Arr, n: int, what: str, allow_scalar: bool = False):
     """Check a contiguous [n] array (or () / (1,) for n == 1 with ``allow_scalar``)."""
     if allow_scalar and n == 1 and a.shape in ((), (1,)):
@@ -145,14 +166,37 @@ def _writable(a: _Arr):
         raise ValueError(f"{a.name} is read-only")
 
 
-def _targets_code(y: _Arr, rows: int, target_dtype) -> int:
+def _targets_code(y: _Arr, rows: int, target_dtype, vocab: Optional[int] = None,
+                  dtype_code: Optional[int] = None) -> int:
+    """The fce_dtype of targets: class indices y [rows] (int32 / int64), or, where the call takes
+    them (``vocab`` and the logits' ``dtype_code`` given: fce_forward, fce_backward,
+    fce_linear_ce), class probabilities q [rows, vocab], dense, of the logits' dtype
+    (docs/semantics.md rule 19)."""
     if y.dtype not in _TARGET_CODES:
-        raise TypeError(f"targets must be int32 or int64, got {y.dtype.replace('other:', '')}")
+        if vocab is not None and len(y.shape) == 2:
+            dname = _CODE_NAMES[dtype_code]
+            code = _float_code(y, dname, "the logits' dtype (class probabilities)")
+            kw = _dtype_name(target_dtype)
+            if kw is not None and kw != dname:
+                raise TypeError(f"targets have dtype {y.dtype} but target_dtype={target_dtype!r}")
+            _matrix(y, rows, vocab, dense=True, what="[rows, vocab] (class probabilities)")
+            return code
+        more = (" indices [rows], or class probabilities [rows, vocab] of the logits' dtype"
+                if vocab is not None else " (class indices: this call takes no probabilities)")
+        raise TypeError(f"targets must be int32 or int64{more}, got "
+                        f"{y.dtype.replace('other:', '')} of shape {y.shape}")
     kw = _dtype_name(target_dtype)
     if kw is not None and kw != y.dtype:
         raise TypeError(f"targets have dtype {y.dtype} but target_dtype={target_dtype!r}")
     _vector(y, rows, "[rows]")
     return _TARGET_CODES[y.dtype]
+
+
+def _target_dtype_code(target_dtype) -> int:
+    """The fce_dtype of a target_dtype keyword of a workspace query: int32 / int64 (class
+    indices, int64 by default) or a float dtype (class probabilities)."""
+    name = _dtype_name(target_dtype) or "int64"
+    return _TARGET_CODES.get(name, _FLOAT_CODES.get(name))
 
 
 def _check_stride_kw(value, actual, name):

@@ -176,14 +176,41 @@ class VpShard(ctypes.Structure):
     ]
 
 
+# fce_divergence (distillation)
+FCE_DIVERGENCE_FORWARD_KL = 0  # KL(teacher || student)
+FCE_DIVERGENCE_REVERSE_KL = 1  # KL(student || teacher)
+FCE_DIVERGENCE_JSD = 2         # generalised JSD(beta), Liger's definition
+
+
+class Teacher(ctypes.Structure):
+    """fce_teacher: the teacher of a distillation call (addresses in the backend's memory, None
+    for NULL). Only ever appended to, like the C struct."""
+
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("divergence", ctypes.c_int32),
+        ("beta", ctypes.c_float),
+        ("temperature", ctypes.c_float),
+        ("reserved0", ctypes.c_int32),
+        ("logits", ctypes.c_void_p),             # fce_distill: [rows, row_stride]
+        ("row_stride", ctypes.c_int64),
+        ("hidden_states", ctypes.c_void_p),      # fce_linear_distill: [rows, hidden_row_stride]
+        ("weight", ctypes.c_void_p),             # fce_linear_distill: [vocab, hidden]
+        ("hidden", ctypes.c_int64),
+        ("hidden_row_stride", ctypes.c_int64),
+    ]
+
+
 # sizeof of the versioned structs on every LP64 platform the library supports.
 FCE_OPTIONS_SIZE_V1_0 = 120
 FCE_OUTPUTS_SIZE_V1_0 = 64
 FCE_GRADIENTS_SIZE_V1_0 = 72
+FCE_TEACHER_SIZE_V1_0 = 72
 OPTIONS_C_SIZEOF = FCE_OPTIONS_SIZE_V1_0
 assert ctypes.sizeof(Options) == OPTIONS_C_SIZEOF, ctypes.sizeof(Options)
 assert ctypes.sizeof(Outputs) == FCE_OUTPUTS_SIZE_V1_0, ctypes.sizeof(Outputs)
 assert ctypes.sizeof(Gradients) == FCE_GRADIENTS_SIZE_V1_0, ctypes.sizeof(Gradients)
+assert ctypes.sizeof(Teacher) == FCE_TEACHER_SIZE_V1_0, ctypes.sizeof(Teacher)
 
 
 def outputs(loss=None, lse=None, z_loss=None, argmax=None, accuracy=None,
@@ -200,6 +227,16 @@ def gradients(grad_output=None, grad_logits=None, grad_hidden=None, grad_weight=
     return Gradients(FCE_GRADIENTS_SIZE_V1_0, grad_output or None, grad_logits or None,
                      grad_hidden or None, grad_weight or None, grad_bias or None,
                      int(grad_hidden_dtype), 0, grad_lse or None, grad_entropy or None)
+
+
+def teacher(divergence=FCE_DIVERGENCE_FORWARD_KL, beta=0.5, temperature=1.0, logits=None,
+            row_stride=0, hidden_states=None, weight=None, hidden=0,
+            hidden_row_stride=0) -> Teacher:
+    """An fce_teacher of these values and addresses (ints, or None / 0 for NULL), by name; the
+    defaults are FCE_TEACHER_INIT's."""
+    return Teacher(FCE_TEACHER_SIZE_V1_0, int(divergence), float(beta), float(temperature), 0,
+                   logits or None, int(row_stride), hidden_states or None, weight or None,
+                   int(hidden), int(hidden_row_stride))
 
 
 def shard(ranks, vocab_total, vocab_start, vocab_local, all_gather=None) -> VpShard:
@@ -314,8 +351,12 @@ VP_SYMBOLS = ("fce_vp_stats", "fce_vp_loss_workspace_size", "fce_vp_loss",
 # the one-call vocabulary-parallel linear CE (0.5): optional, fusedce.torch.distributed falls
 # back to the two-phase calls above without it (has_vp_linear_ce)
 VP_LINEAR_CE_SYMBOLS = ("fce_vp_linear_ce_workspace_size", "fce_vp_linear_ce")
+# distillation (1.0): a library without them raises UnsupportedError when they are called
+DISTILL_SYMBOLS = ("fce_distill_workspace_size", "fce_distill",
+                   "fce_linear_distill_workspace_size", "fce_linear_distill")
 SINCE = {"fce_scale_gradient": 200, "fce_backward_rescale": 200, "fce_build_info": 300,
-         **{name: 400 for name in VP_SYMBOLS}, **{name: 500 for name in VP_LINEAR_CE_SYMBOLS}}
+         **{name: 400 for name in VP_SYMBOLS}, **{name: 500 for name in VP_LINEAR_CE_SYMBOLS},
+         **{name: 10000 for name in DISTILL_SYMBOLS}}
 
 
 def _declare(lib) -> frozenset:
@@ -325,6 +366,7 @@ def _declare(lib) -> frozenset:
     i64, sz, vp, fp = c.c_int64, c.c_size_t, c.c_void_p, c.c_void_p
     opt = c.POINTER(Options)
     out, grd, shd = c.POINTER(Outputs), c.POINTER(Gradients), c.POINTER(VpShard)
+    tch = c.POINTER(Teacher)
     psz = c.POINTER(sz)
     st = c.c_int  # fce_status: a C enum, int-sized
     sigs = {
@@ -358,6 +400,12 @@ def _declare(lib) -> frozenset:
             st, [opt, i64, i64, i64, i64, i64, c.c_int, c.c_int32, psz, psz]),
         "fce_vp_linear_ce": (
             st, [opt, shd, i64, i64, vp, vp, vp, vp, out, grd, vp, sz, vp]),
+        "fce_distill_workspace_size": (st, [opt, tch, i64, i64, psz]),
+        "fce_distill": (st, [opt, tch, i64, i64, vp, vp, out, grd, vp, sz, vp]),
+        "fce_linear_distill_workspace_size": (
+            st, [opt, tch, i64, i64, i64, c.c_int, psz, psz]),
+        "fce_linear_distill": (
+            st, [opt, tch, i64, i64, i64, vp, vp, vp, out, grd, vp, sz, vp]),
     }
     missing = []
     for name, (restype, argtypes) in sigs.items():

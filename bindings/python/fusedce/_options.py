@@ -1,4 +1,5 @@
-"""The options of a loss and the outputs asked for, by name: :class:`CEOptions` and :class:`Want`.
+"""The options of a loss and the outputs asked for, by name: :class:`CEOptions` and :class:`Want`;
+the options of a distillation: :class:`DistillOptions`.
 
 A public function (``fusedce.torch.cross_entropy``, ``linear_cross_entropy``, the functions of
 ``fusedce.torch.distributed``, ``fusedce.jax``'s, and ``fusedce.core``'s and
@@ -22,7 +23,8 @@ import numbers
 from dataclasses import dataclass
 from typing import Tuple
 
-from ._lib import FCE_REDUCTION_MEAN, FCE_REDUCTION_NONE
+from ._lib import (FCE_DIVERGENCE_FORWARD_KL, FCE_DIVERGENCE_JSD, FCE_DIVERGENCE_REVERSE_KL,
+                   FCE_REDUCTION_MEAN, FCE_REDUCTION_NONE)
 
 
 def int_option(value, name: str) -> int:
@@ -44,6 +46,16 @@ def float_option(value, name: str) -> float:
         raise TypeError(f"{name} must be a real number, got {value!r}") from None
 
 
+def _cast_fields(options, casts) -> None:
+    """Give each field of a frozen options dataclass its declared type (``casts``: (name,
+    type) pairs): an option given as a NumPy scalar or a bool where an int is declared is
+    stored as the plain Python value, so that equal options hash alike."""
+    for f, cast in casts:
+        value = getattr(options, f)
+        if type(value) is not cast:
+            object.__setattr__(options, f, cast(value))
+
+
 @dataclass(frozen=True)
 class CEOptions:
     """The fce_options values of a loss that the caller chooses (the library's names in
@@ -62,10 +74,7 @@ class CEOptions:
     token_scaling: bool = False
 
     def __post_init__(self):
-        for f, cast in _CASTS:
-            value = getattr(self, f)
-            if type(value) is not cast:
-                object.__setattr__(self, f, cast(value))
+        _cast_fields(self, _CASTS)
 
     @property
     def per_row(self) -> bool:
@@ -179,3 +188,85 @@ NOTHING = Want()
 # The fields of CrossEntropyOutput: the loss, then the optional outputs in Want's order (Liger's
 # (loss, z_loss, token_accuracy, predicted_tokens), then CCE's lse, then the entropy).
 OUTPUT_FIELDS = ("loss", "z_loss", "token_accuracy", "predicted_tokens", "lse", "entropy")
+
+
+# ================================================================== distillation ====
+DIVERGENCES = {"forward_kl": FCE_DIVERGENCE_FORWARD_KL, "reverse_kl": FCE_DIVERGENCE_REVERSE_KL,
+               "jsd": FCE_DIVERGENCE_JSD}
+
+
+def divergence_code(divergence) -> int:
+    """An fce_divergence from its name ('forward_kl', 'reverse_kl', 'jsd') or its code (an int:
+    the library checks its value)."""
+    if isinstance(divergence, str):
+        if divergence.lower() in DIVERGENCES:
+            return DIVERGENCES[divergence.lower()]
+    elif isinstance(divergence, numbers.Integral) and not isinstance(divergence, bool):
+        return int(divergence)
+    raise ValueError(f"divergence must be 'forward_kl', 'reverse_kl' or 'jsd', got "
+                     f"{divergence!r}")
+
+
+@dataclass(frozen=True)
+class DistillOptions:
+    """The values of a distillation call (fce_distill, fce_linear_distill) that the caller
+    chooses: those of fce_options (reduction, ignore_index, softcap, logit_scale: :meth:`ce`)
+    and those of fce_teacher (divergence, beta, temperature). Per-call values (dtypes, strides,
+    pointers, the teacher's hidden size) are read from the tensors where the C call is made.
+    Hashable."""
+
+    reduction: int = FCE_REDUCTION_MEAN  # an fce_reduction code
+    ignore_index: int = -100
+    divergence: int = FCE_DIVERGENCE_FORWARD_KL  # an fce_divergence code
+    beta: float = 0.5
+    temperature: float = 1.0
+    softcap: float = 0.0
+    logit_scale: float = 1.0
+
+    def __post_init__(self):
+        _cast_fields(self, _DISTILL_CASTS)
+
+    @property
+    def per_row(self) -> bool:
+        return self.reduction == FCE_REDUCTION_NONE
+
+    @classmethod
+    def from_keywords(cls, *, reduction: int, divergence="forward_kl", beta=0.5,
+                      temperature=1.0, ignore_index=-100, softcap=0.0,
+                      logit_scale=1.0) -> "DistillOptions":
+        """The options of a public call, checked for what ctypes cannot see (types; the
+        ranges are the library's to check). ``reduction``: an fce_reduction code."""
+        return cls(reduction=reduction, ignore_index=int_option(ignore_index, "ignore_index"),
+                   divergence=divergence_code(divergence), beta=float_option(beta, "beta"),
+                   temperature=float_option(temperature, "temperature"),
+                   softcap=float_option(softcap, "softcap"),
+                   logit_scale=float_option(logit_scale, "logit_scale"))
+
+    def ce(self) -> CEOptions:
+        """The fce_options part: what the code filling the C struct from a CEOptions takes
+        (label smoothing, z-loss, token scaling and the shift stay off: the library refuses
+        them in a distillation)."""
+        return CEOptions(reduction=self.reduction, ignore_index=self.ignore_index,
+                         softcap=self.softcap, logit_scale=self.logit_scale)
+
+    # ---- the custom-op boundary: the only place that knows the order of the fields
+    def as_op_args(self) -> tuple:
+        """The fields as the positional scalars of a custom op, in
+        :data:`DISTILL_OP_ARG_NAMES` order."""
+        return (self.reduction, self.ignore_index, self.divergence, self.beta,
+                self.temperature, self.softcap, self.logit_scale)
+
+    @classmethod
+    def from_op_args(cls, reduction, ignore_index, divergence, beta, temperature, softcap,
+                     logit_scale) -> "DistillOptions":
+        """The inverse of :meth:`as_op_args`."""
+        return cls(reduction=reduction, ignore_index=ignore_index, divergence=divergence,
+                   beta=beta, temperature=temperature, softcap=softcap,
+                   logit_scale=logit_scale)
+
+
+_DISTILL_CASTS = tuple((f.name, {"int": int, "float": float}[f.type])
+                       for f in dataclasses.fields(DistillOptions))
+DISTILL_OP_ARG_NAMES = ("reduction", "ignore_index", "divergence", "beta", "temperature",
+                        "softcap", "logit_scale")
+N_DISTILL_OP_ARGS = len(DISTILL_OP_ARG_NAMES)

@@ -39,10 +39,20 @@ workspace's size, overlapping buffers) it reports itself, naming the argument: t
 :class:`fusedce.FusedCEError` subclass of its status carries that message. Checked here first is
 what the C ABI cannot see: Python types, array shapes, dtypes, devices and contiguity.
 
-The modules behind this one: _arrays.py (array description, DLPack, the CUDA array interface,
-dtypes), _args.py (keywords to fce_options, the checks the library cannot make), _alloc.py
-(outputs and workspaces), _streams.py (streams and devices), _errors.py and _lib.py (statuses,
-exceptions, the loaded library).
+Class-probability targets: :func:`forward`, :func:`backward` and :func:`linear_ce` take, in
+place of class indices, a float array q [rows, vocab] (dense, the logits' dtype) as targets:
+torch's ``F.cross_entropy(input, probabilities)``, label smoothing and class weights included;
+every row is scored (ignore_index does not apply), 'mean' divides by rows; token_scaling, the
+shift and the accuracy are refused by the library (docs/semantics.md rule 19).
+
+Distillation: :func:`distill` (student logits against teacher logits, fce_distill) and
+:func:`linear_distill` (student and teacher hidden states and weights, fce_linear_distill), in
+_distill.py.
+
+The modules behind this one: _distill.py (the distillation calls), _arrays.py (array
+description, DLPack, the CUDA array interface, dtypes), _args.py (keywords to fce_options, the
+checks the library cannot make), _alloc.py (outputs and workspaces), _streams.py (streams and
+devices), _errors.py and _lib.py (statuses, exceptions, the loaded library).
 """
 
 from __future__ import annotations
@@ -53,14 +63,17 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import _lib
-from ._alloc import (_Alloc, _argmax_accuracy, _class_weights, _error_flags, _linear_grads,  # noqa: F401
-                     _grad_output, _out, _ptr, _user_workspace, _workspace, query_for)
-from ._args import (REDUCTIONS, _backend_code, _build_options, _check_backend_kw,  # noqa: F401
-                    _check_same_device, _check_stride_kw, _grad_set, _matrix, _reduction_code,
-                    _targets_code, _vector, _writable)
+from ._alloc import (_Alloc, _argmax_accuracy, _class_weights, _error_flags, _grad_logits,  # noqa: F401
+                     _grad_output, _linear_grads, _loss_lse, _out, _ptr, _user_workspace,
+                     _workspace, query_for)
+from ._args import (REDUCTIONS, _backend_code, _build_options, _check_backend_kw,
+                    _check_same_device, _check_stride_kw, _grad_set, _hidden_weight, _matrix,
+                    _reduction_code, _target_dtype_code, _targets_code, _vector, _writable)
 from ._arrays import (_CODE_NAMES, _FLOAT_CODES, _ITEMSIZE, _NP_BF16, _TARGET_CODES,  # noqa: F401
                       _Arr, _describe, _dtype_name, _float_code, _is_torch, _need_dtype)
 from ._lib import FCE_FLAG_TARGET_OUT_OF_RANGE
+from ._distill import (DistillResult, LinearDistillResult, distill,  # noqa: F401
+                       distill_workspace_size, linear_distill, linear_distill_workspace_size)
 from ._options import CEOptions
 from ._streams import _call_stream, _device_of, _stream_int  # noqa: F401
 
@@ -68,6 +81,8 @@ __all__ = [
     "ForwardResult", "LinearCEResult", "forward", "backward", "linear_ce",
     "forward_workspace_size", "backward_workspace_size", "linear_ce_workspace_size",
     "check_error_flags", "float_to_bfloat16_bits", "bfloat16_bits_to_float", "REDUCTIONS",
+    "DistillResult", "LinearDistillResult", "distill", "linear_distill",
+    "distill_workspace_size", "linear_distill_workspace_size",
 ]
 
 
@@ -137,7 +152,7 @@ def _query_options(opts: CEOptions, backend, dtype, target_dtype, class_weights,
     return _build_options(
         opts, backend=_backend_code(backend),
         dtype=_FLOAT_CODES[_dtype_name(dtype) or "float32"],
-        target_dtype=_TARGET_CODES[_dtype_name(target_dtype) or "int64"],
+        target_dtype=_target_dtype_code(target_dtype),
         class_weights_ptr=w_ptr, deterministic=deterministic, accumulate=accumulate,
         grad_weight_fp32=grad_weight_fp32)
 
@@ -239,33 +254,20 @@ def forward(logits, targets, *, reduction="mean", ignore_index: int = -100, clas
     dtype_code = _float_code(z, _dtype_name(dtype), fn="fusedce.forward")
     rs = _matrix(z)
     _check_stride_kw(row_stride, rs, "row_stride")
+    tcode = _targets_code(y, rows, target_dtype, vocab, dtype_code)
     opts = CEOptions.from_keywords(
         reduction=_reduction_code(reduction), ignore_index=ignore_index,
         label_smoothing=label_smoothing, z_loss_scale=z_loss_scale, softcap=softcap,
         logit_scale=logit_scale, shift_seq_len=shift_seq_len, shift=shift,
         token_scaling=token_scaling)
-    tcode = _targets_code(y, rows, target_dtype)
     w = _class_weights(class_weights, z, vocab)
-    if in_place and grad_logits is not None:
-        raise ValueError("pass either in_place=True or grad_logits=, not both")
-    if in_place:
-        _writable(z)
 
     call_stream = _call_stream(s_explicit, [z, y, w]) if z.is_cuda else 0
     alloc = _Alloc(z, call_stream)
 
     with _device_of(z):
         # outputs
-        if loss is None:
-            loss = alloc.empty((rows,) if opts.per_row else (), "float32", "loss")
-        la = _out(loss, "loss", z, "float32")
-        _vector(la, rows if opts.per_row else 1, "(the loss)", allow_scalar=not opts.per_row)
-        lse_a = None
-        if lse is None and return_lse:
-            lse = alloc.empty((rows,), "float32", "lse")
-        if lse is not None:
-            lse_a = _out(lse, "lse", z, "float32")
-            _vector(lse_a, rows, "[rows]")
+        loss, la, lse, lse_a = _loss_lse(alloc, z, rows, opts.per_row, loss, lse, return_lse)
         zl_a = None
         if z_loss is None and return_z_loss:
             z_loss = alloc.empty((), "float32", "z_loss")
@@ -274,19 +276,9 @@ def forward(logits, targets, *, reduction="mean", ignore_index: int = -100, clas
             _vector(zl_a, 1, "()", allow_scalar=True)
         argmax, am_a, accuracy, acc_a = _argmax_accuracy(
             argmax, return_argmax, accuracy, return_accuracy, alloc, z, rows, opts.reduction)
-        g_a, grs = None, 0
-        if in_place:
-            grad_logits, g_a, grs = logits, z, rs
-        else:
-            if grad_logits is None and return_grad:
-                grad_logits = alloc.empty((rows, vocab), _CODE_NAMES[dtype_code], "grad_logits",
-                                          like=z)
-            if grad_logits is not None:
-                g_a = _out(grad_logits, "grad_logits", z)
-                _float_code(g_a, _CODE_NAMES[dtype_code], "the logits' dtype")
-                grs = _matrix(g_a, rows, vocab)
-        if g_a is not None:
-            _check_stride_kw(grad_row_stride, grs, "grad_row_stride")
+        grad_logits, g_a, grs = _grad_logits(
+            alloc, logits, z, rs, _CODE_NAMES[dtype_code], in_place=in_place,
+            grad_logits=grad_logits, return_grad=return_grad, grad_row_stride=grad_row_stride)
         go_ptr, go_keep = (_grad_output(grad_output, alloc, z, rows, opts.per_row)
                            if g_a is not None else (0, None))
         flags, flags_ptr = _error_flags(error_flags, alloc, z)
@@ -340,7 +332,7 @@ def backward(logits, targets, lse, grad_output=None, *, reduction="mean",
     dtype_code = _float_code(z, _dtype_name(dtype), fn="fusedce.backward")
     rs = _matrix(z)
     _check_stride_kw(row_stride, rs, "row_stride")
-    tcode = _targets_code(y, rows, target_dtype)
+    tcode = _targets_code(y, rows, target_dtype, vocab, dtype_code)
     _need_dtype(l, "float32")
     _vector(l, rows, "[rows]")
     opts = CEOptions.from_keywords(
@@ -420,12 +412,7 @@ def linear_ce(hidden, weight, targets, bias=None, *, reduction="mean", ignore_in
     b = _describe(bias, "bias", s_explicit) if bias is not None else None
     _check_same_device(h, W, y, b)
     backend_code = _check_backend_kw(h, backend)
-    if len(h.shape) != 2:
-        raise ValueError(f"hidden must be 2-D [rows, hidden], got shape {h.shape}")
-    rows, dim = h.shape
-    if len(W.shape) != 2:
-        raise ValueError(f"weight must be 2-D [vocab, hidden], got shape {W.shape}")
-    vocab = W.shape[0]
+    rows, dim, vocab = _hidden_weight(h, W)
     dkw = _dtype_name(dtype)
     dtype_code = _float_code(h, dkw, fn="fusedce.linear_ce")
     dname = _CODE_NAMES[dtype_code]
@@ -436,7 +423,7 @@ def linear_ce(hidden, weight, targets, bias=None, *, reduction="mean", ignore_in
     if b is not None:
         _float_code(b, dname, "the hidden states' dtype", fn="fusedce.linear_ce")
         _vector(b, vocab, "[vocab]")
-    tcode = _targets_code(y, rows, target_dtype)
+    tcode = _targets_code(y, rows, target_dtype, vocab, dtype_code)
     opts = CEOptions.from_keywords(
         reduction=_reduction_code(reduction), ignore_index=ignore_index,
         label_smoothing=label_smoothing, z_loss_scale=z_loss_scale, softcap=softcap,
@@ -449,16 +436,8 @@ def linear_ce(hidden, weight, targets, bias=None, *, reduction="mean", ignore_in
     call_stream = _call_stream(s_explicit, [h, W, y, b, w]) if h.is_cuda else 0
     alloc = _Alloc(h, call_stream)
     with _device_of(h):
-        if loss is None:
-            loss = alloc.empty((rows,) if opts.per_row else (), "float32", "loss")
-        la = _out(loss, "loss", h, "float32")
-        _vector(la, rows if opts.per_row else 1, "(the loss)", allow_scalar=not opts.per_row)
-        lse_a = zl_a = None
-        if lse is None and return_lse:
-            lse = alloc.empty((rows,), "float32", "lse")
-        if lse is not None:
-            lse_a = _out(lse, "lse", h, "float32")
-            _vector(lse_a, rows, "[rows]")
+        loss, la, lse, lse_a = _loss_lse(alloc, h, rows, opts.per_row, loss, lse, return_lse)
+        zl_a = None
         if z_loss is None and return_z_loss:
             z_loss = alloc.empty((), "float32", "z_loss")
         if z_loss is not None:

@@ -352,8 +352,8 @@ def test_modules():
 
 def test_errors():
     z, y, w = make(n=4, v=5)
-    with pytest.raises(TypeError, match="class-index"):
-        cross_entropy(z, torch.rand(4, 5))
+    with pytest.raises(ValueError, match="target of class probabilities must have the shape"):
+        cross_entropy(z, torch.rand(4, 6))
     with pytest.raises(ValueError, match="target has 3 elements"):
         cross_entropy(z, y[:3])
     with pytest.raises(ValueError, match="weight must have shape"):

@@ -56,10 +56,26 @@ Differences from torch, on purpose:
 * a target outside [0, C) that is not ``ignore_index`` gives a NaN loss (no host sync to raise
   an error; torch raises), unless ``check_targets=True``: then the library's error flag is read
   after the call (a host synchronisation) and torch's IndexError is raised;
-* class-probability targets are not supported; float64 inputs are refused (TypeError: the
+* float64 inputs are refused (TypeError: the
   library computes in float32 and casts nothing behind the caller's back; cast with
   ``.float()``), where torch would compute in float64;
 * no double backward (the gradients are not differentiable again).
+
+Class-probability targets: a floating ``target`` of the input's shape (the logits' shape for
+:func:`linear_cross_entropy`: input's leading dimensions and V) and dtype holds the probabilities
+q, as torch's ``F.cross_entropy(input, probabilities)``: label smoothing, class weights and the
+reductions as torch ('mean' divides by the rows), the z-loss and softcap as for class indices;
+every row is scored. Refused with ValueError naming the keyword (no target class):
+``use_token_scaling``, ``shift_seq_len`` / ``shift``, ``return_token_accuracy``,
+``check_targets``, and an ``ignore_index >= 0`` (torch's rule). When the target requires a
+gradient it gets one, -g (1 - ε) w_j log p_j, computed with torch ops from the [N, V] logits (of
+:func:`linear_cross_entropy`: formed whole for it, in the backward): that case costs what
+torch's costs.
+
+Distillation: :func:`distill` (student logits against teacher logits) and
+:func:`linear_distill` (student hidden states and head against the teacher's, logits never
+held whole): forward KL, reverse KL or Liger's generalised JSD at a temperature, gradients for
+the student only (_distill.py).
 
 Autocast: :func:`cross_entropy` takes logits of any of float32/float16/bfloat16 as they are
 (computing in float32 inside, as autocast's own cross-entropy does). :func:`linear_cross_entropy`
@@ -78,8 +94,10 @@ arguments).
 
 The modules behind this one (fusedce/torch/): _ops.py (the custom ops and autograd Functions),
 _args.py (argument handling, the return convention), _calls.py (the direct C calls),
-distributed.py (:mod:`fusedce.torch.distributed`). The options travel from the public function
-to the C struct as one :class:`fusedce._options.CEOptions`, the outputs asked for as one
+_soft.py (class-probability targets), _distill.py and _distill_ops.py (the distillation
+losses and their ops), distributed.py (:mod:`fusedce.torch.distributed`). The options travel
+from the public function to the C struct as one :class:`fusedce._options.CEOptions` (one
+:class:`fusedce._options.DistillOptions` for a distillation), the outputs asked for as one
 :class:`fusedce._options.Want`.
 """
 
@@ -97,11 +115,13 @@ from .._options import OUTPUT_FIELDS, CEOptions
 from ._ops import (_compiling, _CrossEntropyInPlace, _CrossEntropyOnePass,
                    _CrossEntropySavedLse, _ce_forward, _ce_forward_grad, _cw, _linear_ce)
 from . import _calls as _tc
-from . import _dtensor
+from . import _dtensor, _soft
+from ._distill import distill, linear_distill
 from ._args import (_finish, _float_input, _linear_dtype, _reduction, _resolve_shift, _targets,
                     _z_loss_rows, want as _want)
 
 __all__ = ["cross_entropy", "linear_cross_entropy", "module_linear_cross_entropy",
+           "distill", "linear_distill",
            "CrossEntropyLoss",
            "LinearCrossEntropyLoss", "DEFAULT_WORKSPACE_BYTES", "OUTPUT_FIELDS"]
 
@@ -187,11 +207,29 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Optional[Tensor] = None
     input is (C,), (N, C) or (N, C, d1, ...) as in torch (the last form is copied to put the
     classes last; give [N, C] for speed). A row stride larger than C (e.g. a slice of padded
     logits) is used without a copy. The loss is float32.
+
+    target holds class indices (an integer tensor: (), (N) or (N, d1, ...)), or class
+    probabilities: a floating tensor of input's shape and dtype, as torch's (the module's
+    docstring says what is refused with them, and how the target's own gradient is made).
     """
     red = _reduction(reduction)
-    input = _float_input(input, "fusedce.torch.cross_entropy", "input")
-    out_shape = None
-    if input.dim() == 1:
+    fn = "fusedce.torch.cross_entropy"
+    input = _float_input(input, fn, "input")
+    out_shape = q = None
+    if target.is_floating_point():  # class probabilities, of the input's shape
+        q = _soft.target(target, tuple(input.shape), input.dtype, fn)
+        if input.dim() == 1:
+            logits, q, out_shape = input.unsqueeze(0), q.unsqueeze(0), ()
+        elif input.dim() == 2:
+            logits = input
+        elif input.dim() > 2:
+            logits = input.movedim(1, -1).reshape(-1, input.shape[1])
+            q = q.movedim(1, -1).reshape(-1, input.shape[1])
+            out_shape = (input.shape[0],) + tuple(input.shape[2:])
+        else:
+            raise ValueError("input must have at least one dimension (the classes)")
+        tgt = q.detach().contiguous()
+    elif input.dim() == 1:
         logits, tgt = input.unsqueeze(0), _targets(target)
         out_shape = ()
     elif input.dim() == 2:
@@ -218,6 +256,11 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Optional[Tensor] = None
                      shift=k, token_scaling=use_token_scaling)
     want = _want(return_z_loss, return_token_accuracy, return_predicted_tokens, return_lse,
                  return_entropy)
+    if q is not None:
+        _soft.check_options(opts, ignore_index, want, check_targets, fn)
+        if inplace_backward and q.requires_grad and torch.is_grad_enabled():
+            raise ValueError(f"{fn}: inplace_backward=True with a target that requires grad: "
+                             "its gradient needs the logits, which the forward overwrites")
     lib_want = want.from_library(red)  # what the C call writes (lse included)
     check = bool(check_targets)
     need_grad = torch.is_grad_enabled() and logits.requires_grad
@@ -248,10 +291,13 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Optional[Tensor] = None
         loss, lse, zl, acc, am, ent = _ce_forward(logits, tgt, weight, *opts.as_op_args(),
                                                   lib_want.as_op_arg(), check)
 
+    if q is not None:
+        loss = _soft.with_target_grad(loss, q, logits, None, None, weight, opts)
     if not want and red != FCE_REDUCTION_NONE:
         return loss
     v = logits.shape[1]
-    return _finish(want, red, out_shape, loss, lse, zl, acc, am, lambda: _z_loss_rows(
+    return _finish(want, red, out_shape, loss, lse, zl, acc, am, lambda: _soft.z_loss_rows(
+        lse, opts) if q is not None else _z_loss_rows(
         lse, tgt, v, opts,
         lambda y: logits.detach().gather(1, y.unsqueeze(1)).squeeze(1)), ent)
 
@@ -271,8 +317,9 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
     holding the [N, V] logits (fce_linear_ce).
 
     input [..., D] (leading dimensions flattened), linear_weight [V, D] (an nn.Linear(D, V) or a
-    tied embedding's weight), linear_bias [V], target [...] (the leading dimensions of input),
-    weight [V] class weights; the other keywords, the return convention (the loss, or a
+    tied embedding's weight), linear_bias [V], target [...] (the leading dimensions of input;
+    or class probabilities [..., V], floating, of the matmul's dtype), weight [V] class
+    weights; the other keywords, the return convention (the loss, or a
     ``CrossEntropyOutput`` named tuple ``(loss, z_loss, token_accuracy, predicted_tokens,
     lse, entropy)`` restricted to what was asked for; lse and the entropy differentiable,
     their gradients reaching input, linear_weight and linear_bias through a recompute) and
@@ -325,15 +372,21 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
         raise ValueError(f"linear_bias must be [{vocab}], got {tuple(linear_bias.shape)}")
     if weight is not None and (weight.dim() != 1 or weight.shape[0] != vocab):
         raise ValueError(f"weight must have shape ({vocab},), got {tuple(weight.shape)}")
+    fn = "fusedce.torch.linear_cross_entropy"
     hidden = input.reshape(-1, input.shape[-1])
-    tgt = _targets(target)
+    cdt = _linear_dtype(fn, (("input", input), ("linear_weight", linear_weight),
+                             ("linear_bias", linear_bias)))
+    q, out_shape = None, tuple(target.shape)
+    if target.is_floating_point():  # class probabilities [..., V]
+        q = _soft.target(target, tuple(input.shape[:-1]) + (vocab,), cdt, fn,
+                         autocast=cdt != input.dtype).reshape(-1, vocab)
+        tgt, out_shape = q.detach().contiguous(), tuple(input.shape[:-1])
+    else:
+        tgt = _targets(target)
     if tgt.shape[0] != hidden.shape[0]:
         raise ValueError(f"target has {tgt.shape[0]} elements for {hidden.shape[0]} rows of "
                          f"input (input {tuple(input.shape)}, target {tuple(target.shape)})")
     t, k = _resolve_shift(shift, shift_seq_len, tuple(target.shape), hidden.shape[0])
-    cdt = _linear_dtype("fusedce.torch.linear_cross_entropy",
-                        (("input", input), ("linear_weight", linear_weight),
-                         ("linear_bias", linear_bias)))
     grad_on = torch.is_grad_enabled()
     need_h = grad_on and input.requires_grad
     need_w = grad_on and linear_weight.requires_grad
@@ -350,6 +403,8 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
                      shift=k, token_scaling=use_token_scaling)
     want = _want(return_z_loss, return_token_accuracy, return_predicted_tokens, return_lse,
                  return_entropy)
+    if q is not None:
+        _soft.check_options(opts, ignore_index, want, check_targets, fn)
     loss, lse, _, _, _, zl, acc, am, ent = _linear_ce(
         hidden, linear_weight, linear_bias, tgt, weight, None, None, None, *opts.as_op_args(),
         _tc.CODE_OF_TORCH[cdt], budget, bool(need_h and in_forward),
@@ -363,7 +418,13 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
             a = a + linear_bias.detach().to(cdt)[y].float()
         return a
 
-    return _finish(want, red, tuple(target.shape), loss, lse, zl, acc, am,
+    if q is not None:
+        loss = _soft.with_target_grad(loss, q, hidden.to(cdt), linear_weight.to(cdt),
+                                      linear_bias.to(cdt) if linear_bias is not None else None,
+                                      weight, opts)
+        return _finish(want, red, out_shape, loss, lse, zl, acc, am,
+                       lambda: _soft.z_loss_rows(lse, opts), ent)
+    return _finish(want, red, out_shape, loss, lse, zl, acc, am,
                    lambda: _z_loss_rows(lse, tgt, vocab, opts, target_logit), ent)
 
 
