@@ -158,7 +158,7 @@ typedef struct fce_options {
                                  gradients (but see grad_weight_fp32): FCE_FLOAT32 */
   int32_t target_dtype;       /* FCE_INT32 or FCE_INT64: targets are class indices [rows]
                                  (FCE_INT64, torch's, by default). FCE_FLOAT32, FCE_FLOAT16 or
-                                 FCE_BFLOAT16 (1.1): targets are class probabilities q [rows,
+                                 FCE_BFLOAT16: targets are class probabilities q [rows,
                                  vocab], dense (row stride = vocab), of that dtype, as torch's
                                  F.cross_entropy(input, probabilities): per row
                                  loss = -sum_j w_j q'_j log p_j, q' = (1-eps) q + eps/vocab, plus

@@ -89,9 +89,9 @@ fce_status check_soft_options(const char* fn, const fce_options& o) {
 fce_status refuse_soft_targets(const char* fn, const fce_options& o) {
   if (!is_soft_dtype(o.target_dtype)) return FCE_SUCCESS;
   return fail(FCE_ERROR_UNSUPPORTED,
-              "%s: options->target_dtype (%d) gives class probabilities, which the "
-              "vocabulary-parallel calls do not support",
-              fn, o.target_dtype);
+              "%s: options->target_dtype (%d) gives class probabilities, which %s does not "
+              "take (its targets are class indices)",
+              fn, o.target_dtype, fn);
 }
 
 fce_status refuse_soft_accuracy(const char* fn, const fce_options& o, const fce_outputs& out) {

@@ -95,6 +95,9 @@ TEST_F(DistillRefusals, Options) {
   o.shift_seq_len = 2;
   expect_refused(FCE_ERROR_UNSUPPORTED, "fce_distill: options->shift_seq_len is not supported");
   o = base;
+  o.target_dtype = FCE_FLOAT32;  // class probabilities: a distillation's targets only mark rows
+  expect_refused(FCE_ERROR_UNSUPPORTED, "fce_distill: options->target_dtype (0) gives class");
+  o = base;
   o.reserved0 = 1;
   expect_refused(FCE_ERROR_INVALID_ARGUMENT, "fce_distill: options->reserved0");
   o = base;

@@ -111,8 +111,11 @@ elif [ $c_sanitizers = 1 ]; then
 fi
 if [ $python_suites = 1 ]; then
 suite "torch parity (tests/gpu)" python3 -m pytest -q "$ROOT/tests/gpu"
-suite "Python binding on CUDA (torch, CuPy; lse and entropy)" python3 -m pytest -q \
-  "$ROOT/bindings/python/tests/test_torch.py" "$ROOT/bindings/python/tests/test_torch_lse.py"
+suite "Python binding on CUDA (torch, CuPy; lse, entropy, probability targets, distillation)" \
+  python3 -m pytest -q "$ROOT/bindings/python/tests/test_torch.py" \
+  "$ROOT/bindings/python/tests/test_torch_extras.py" "$ROOT/bindings/python/tests/test_torch_lse.py" \
+  "$ROOT/bindings/python/tests/test_torch_prob_targets.py" \
+  "$ROOT/bindings/python/tests/test_torch_distill.py"
 suite "vocabulary-parallel: fusedce.torch.distributed (gloo processes, NCCL, CUDA phases)" \
   python3 -m pytest -q -rs -p no:cacheprovider "$ROOT/bindings/python/tests/test_distributed.py"
 suite "Hugging Face transformers (fusedce.transformers)" \

@@ -10,7 +10,7 @@
 #      the libcublasLt files /proc/self/maps shows
 #   4. FUSEDCE_CUBLASLT=<missing file>: the CPU backend works, a CUDA call raises
 #      BackendUnavailableError naming libcublasLt
-#   5. the package's own tests (test_numpy, test_loading, test_torch, test_transformers; a copy
+#   5. the package's own tests (test_numpy*, test_loading, test_torch*, test_transformers; a copy
 #      outside the repository, so that conftest.py does not import the source tree)
 # The machine's python3 is expected to have torch (+cu13x, whose nvidia-cublas provides
 # libcublasLt.so.13), numpy, transformers and pytest. It has no nvidia-cublas-cu12: the cu12
@@ -159,8 +159,8 @@ for whl in "$WHEEL_DIR"/fusedce_cu13-*.whl "$WHEEL_DIR"/fusedce_cu12-*.whl; do
   check "FUSEDCE_CUBLASLT=/nonexistent/libcublasLt: CPU works, CUDA says what is missing" \
     env FUSEDCE_CUBLASLT=/nonexistent/libcublasLt.so "$PYTHON" -c "$MISSING_CALL"
   check "pytest: the package's tests against $TARGET" \
-    "$PYTHON" -m pytest -q -p no:cacheprovider "$TESTS/test_numpy.py" "$TESTS/test_loading.py" \
-      "$TESTS/test_torch.py" "$TESTS/test_transformers.py"
+    "$PYTHON" -m pytest -q -p no:cacheprovider "$TESTS"/test_numpy*.py "$TESTS/test_loading.py" \
+      "$TESTS"/test_torch*.py "$TESTS/test_transformers.py"
   echo "=================== $TAG: $(( SECONDS - t0 ))s"
 done
 unset PYTHONPATH
