@@ -53,6 +53,7 @@ fce_status check_distill_options(const char* fn, const fce_options* o, const fce
                                  int64_t rows, int64_t vocab, fce::DistillOptions* out) {
   fce::CeOptions ce;
   FCE_TRY(check_options(fn, o, rows, vocab, &ce));
+  FCE_TRY(refuse_batch_invariant(fn, ce));
   const struct {
     const char* name;
     bool set;
