@@ -322,7 +322,7 @@ impl<'w> Options<'w> {
     /// entropy, argmax and gradient row are bitwise the same whatever the other rows of the
     /// call, the row's position and (linear CE) the workspace size. Not the reduced loss, nor
     /// grad_weight / grad_bias. The CUDA backend needs 16-byte aligned logits rows; the
-    /// vocabulary-parallel and distillation calls refuse it. Default off. Since 1.1.
+    /// vocabulary-parallel and distillation calls refuse it. Default off. Since 1.0.
     pub fn batch_invariant(mut self, on: bool) -> Self {
         self.raw.batch_invariant = on as i32;
         self
