@@ -195,7 +195,23 @@ typedef struct fce_options {
                                  constant (Liger's use_token_scaling); the mean's denominators
                                  are unchanged; an invalid row (loss NaN) keeps its z-loss term
                                  unscaled. 0 (off) */
-  int32_t reserved1;          /* must be 0 */
+  int32_t batch_invariant;    /* nonzero: each row's loss (reduction none), lse, entropy,
+                                 argmax and gradient row (grad_logits; fce_linear_ce's
+                                 grad_hidden row) are bitwise identical whatever the number of
+                                 rows, the row's position among them and (fce_linear_ce) the
+                                 workspace size, for the same options, backend, device, dtype
+                                 and vocabulary: reductions over a row run in a fixed order
+                                 chosen without the row count, GEMMs in fixed token chunks.
+                                 Not invariant: whatever sums over rows (the mean / sum loss,
+                                 z_loss, accuracy, grad_weight, grad_bias) and, with reduction
+                                 mean, the gradient (scaled by 1/D, D the batch's count).
+                                 Holds for one library build and one setting of the
+                                 FCE_CUDA_* knobs. CUDA: every logits row of fce_forward /
+                                 fce_backward(_rescale) must start 16-byte aligned;
+                                 fce_linear_ce then needs its fixed-chunk workspace (the
+                                 query's) and, for a 16-bit grad_weight, few enough chunks.
+                                 Else, and in the fce_vp_* and distillation calls,
+                                 FCE_ERROR_UNSUPPORTED. docs/semantics.md rule 21. 0: off */
 } fce_options;
 
 /* The defaults, one value per field in declaration order (positional: designated initialisers
@@ -224,7 +240,7 @@ typedef struct fce_options {
     0,                   /* reserved0: must be 0 */                           \
     0,                   /* shift: 0 (= 1 with shift_seq_len) (0.3) */        \
     0,                   /* token_scaling: off (0.3) */                       \
-    0                    /* reserved1: must be 0 (0.3) */                     \
+    0                    /* batch_invariant: off */                           \
   }
 
 /* sizeof(fce_options) in version 1.0, the first of the stable ABI: the smallest struct_size any

@@ -55,6 +55,16 @@ fce_status ce_call(const char* fn, fce::CeMode mode, const CallArgs& a, int64_t 
   FCE_TRY(check_stride(fn, "options->row_stride", o->row_stride, vocab, &p.row_stride));
   FCE_TRY(
       check_stride(fn, "options->grad_row_stride", o->grad_row_stride, vocab, &p.grad_row_stride));
+  // docs/semantics.md rule 21: a CUDA row kernel splits a row by its 16-byte vectors, so a
+  // row's sum order follows its address; under batch_invariant every row must start aligned.
+  if (p.opt.batch_invariant && o->backend == FCE_BACKEND_CUDA && rows > 0 &&
+      ((reinterpret_cast<uintptr_t>(logits) & 15) != 0 ||
+       (static_cast<uint64_t>(p.row_stride) * e.esize & 15) != 0))
+    return fail(FCE_ERROR_UNSUPPORTED,
+                "%s: options->batch_invariant needs every row of logits 16-byte aligned on the "
+                "CUDA backend (logits %p, row stride %lld elements of %zu bytes): pad the row "
+                "stride to a multiple of %zu elements",
+                fn, logits, (long long)p.row_stride, e.esize, 16 / e.esize);
   const int64_t logits_bytes = span_bytes(rows, vocab, p.row_stride, e.esize);
   const int64_t grad_bytes = grad ? span_bytes(rows, vocab, p.grad_row_stride, e.esize) : 0;
   if (logits_bytes < 0 || grad_bytes < 0 || rows > kMaxBytes / 8)

@@ -54,6 +54,7 @@ fce_status check_distill_options(const char* fn, const fce_options* o, const fce
   fce::CeOptions ce;
   FCE_TRY(check_options(fn, o, rows, vocab, &ce));
   FCE_TRY(refuse_soft_targets(fn, *o));
+  FCE_TRY(refuse_batch_invariant(fn, ce));
   const struct {
     const char* name;
     bool set;

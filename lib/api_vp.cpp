@@ -22,6 +22,7 @@ fce_status vp_workspace_query(const char* fn, const fce_options* options, int64_
     FCE_TRY(check_vocab_total(fn, vocab_total));
   fce::CeOptions opt;
   FCE_TRY(check_options(fn, &o, rows, vocab_total, &opt));
+  FCE_TRY(refuse_batch_invariant(fn, opt));
   FCE_TRY(refuse_soft_targets(fn, o));
   FCE_TRY(check_vp_rows(fn, rows, &ranks));
   FCE_TRY(check_size_output(fn, bytes));
@@ -59,6 +60,7 @@ FCE_API fce_status fce_vp_stats(const fce_options* options, const fce_vp_shard* 
   fce::VpStatsProblem p{};
   FCE_TRY(check_vp_vocab(fn, vocab_total, vocab_start, vocab_local, true));
   FCE_TRY(check_options(fn, o, rows, vocab_total, &p.opt));
+  FCE_TRY(refuse_batch_invariant(fn, p.opt));
   FCE_TRY(refuse_soft_targets(fn, *o));
   FCE_TRY(check_vp_rows(fn, rows, nullptr));
   const bool empty = rows == 0;  // per-row buffers of no elements may be NULL
@@ -112,6 +114,7 @@ FCE_API fce_status fce_vp_loss(const fce_options* options, const fce_vp_shard* s
   fce::VpProblem p{};
   FCE_TRY(check_vocab_total(fn, vocab_total));
   FCE_TRY(check_options(fn, o, rows, vocab_total, &p.opt));
+  FCE_TRY(refuse_batch_invariant(fn, p.opt));
   FCE_TRY(refuse_soft_targets(fn, *o));
   FCE_TRY(check_vp_rows(fn, rows, &ranks));
   const Entries e(*o, rows);
@@ -175,6 +178,7 @@ FCE_API fce_status fce_vp_backward(const fce_options* options, const fce_vp_shar
   fce::VpProblem p{};
   FCE_TRY(check_vp_vocab(fn, vocab_total, vocab_start, vocab_local, true));
   FCE_TRY(check_options(fn, o, rows, vocab_total, &p.opt));
+  FCE_TRY(refuse_batch_invariant(fn, p.opt));
   FCE_TRY(refuse_soft_targets(fn, *o));
   FCE_TRY(check_vp_rows(fn, rows, &ranks));
   const bool empty = rows == 0;  // per-row buffers of no elements may be NULL

@@ -41,6 +41,7 @@ fce_status check_sizes(const char* fn, const fce_options& o, const int64_t* rank
                        int64_t vocab_local, fce::VpLinearProblem* p) {
   FCE_TRY(check_vp_vocab(fn, vocab_total, vocab_start, vocab_local, true));
   FCE_TRY(check_options(fn, &o, rows, vocab_total, &p->opt));
+  FCE_TRY(refuse_batch_invariant(fn, p->opt));
   FCE_TRY(refuse_soft_targets(fn, o));
   FCE_TRY(check_hidden(fn, hidden));
   FCE_TRY(check_vp_rows(fn, rows, ranks));
@@ -89,6 +90,7 @@ FCE_API fce_status fce_vp_linear_stats_workspace_size(const fce_options* options
                 (long long)vocab_local);
   fce::CeOptions opt;
   FCE_TRY(check_options(fn, &o, rows, vocab_local, &opt));
+  FCE_TRY(refuse_batch_invariant(fn, opt));
   FCE_TRY(refuse_soft_targets(fn, o));
   FCE_TRY(check_hidden(fn, hidden));
   FCE_TRY(check_vp_rows(fn, rows, nullptr));
@@ -159,6 +161,7 @@ FCE_API fce_status fce_vp_linear_backward_workspace_size(const fce_options* opti
   FCE_TRY(check_vp_vocab(fn, vocab_total, 0, vocab_local, false));
   fce::CeOptions opt;
   FCE_TRY(check_options(fn, &o, rows, vocab_total, &opt));
+  FCE_TRY(refuse_batch_invariant(fn, opt));
   FCE_TRY(refuse_soft_targets(fn, o));
   FCE_TRY(check_hidden(fn, hidden));
   FCE_TRY(check_vp_rows(fn, rows, &ranks));
@@ -356,6 +359,7 @@ FCE_API fce_status fce_vp_linear_ce_workspace_size(const fce_options* options, i
   FCE_TRY(check_vp_vocab(fn, vocab_total, 0, vocab_local, false));
   fce::CeOptions opt;
   FCE_TRY(check_options(fn, &o, rows, vocab_total, &opt));
+  FCE_TRY(refuse_batch_invariant(fn, opt));
   FCE_TRY(refuse_soft_targets(fn, o));
   FCE_TRY(check_hidden(fn, hidden));
   FCE_TRY(check_vp_rows(fn, rows, &ranks));

@@ -95,6 +95,8 @@ struct CeOptions {
   int64_t shift_seq_len;   // T, 0 = off
   int64_t shift;           // k >= 1 when T > 0 (options->shift, 0 resolved to 1); 0 when T = 0
   bool token_scaling;      // loss and gradient of each scored row times the detached p_y
+  bool batch_invariant;    // each row's results independent of the batch (docs/semantics.md
+                           // rule 21): paths and GEMM shapes chosen without the row count
 };
 
 // fce_forward, fce_backward and fce_backward_rescale (mode). Backward and rescale: lse_in and

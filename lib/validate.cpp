@@ -94,6 +94,14 @@ fce_status refuse_soft_targets(const char* fn, const fce_options& o) {
               fn, o.target_dtype, fn);
 }
 
+fce_status refuse_batch_invariant(const char* fn, const CeOptions& opt) {
+  if (!opt.batch_invariant) return FCE_SUCCESS;
+  return fail(FCE_ERROR_UNSUPPORTED,
+              "%s: options->batch_invariant is not supported by this call (only fce_forward, "
+              "fce_backward, fce_backward_rescale and fce_linear_ce honour it)",
+              fn);
+}
+
 fce_status refuse_soft_accuracy(const char* fn, const fce_options& o, const fce_outputs& out) {
   if (!is_soft_dtype(o.target_dtype) || !out.accuracy) return FCE_SUCCESS;
   return fail(FCE_ERROR_INVALID_ARGUMENT,
@@ -112,9 +120,6 @@ fce_status check_options(const char* fn, const fce_options* o, int64_t rows, int
   if (o->reserved0 != 0)
     return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: options->reserved0 (%d) must be 0", fn,
                 o->reserved0);
-  if (o->reserved1 != 0)
-    return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: options->reserved1 (%d) must be 0", fn,
-                o->reserved1);
   if (o->backend != FCE_BACKEND_CUDA && o->backend != FCE_BACKEND_CPU)
     return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: options->backend (%d) is not an fce_backend", fn,
                 o->backend);
@@ -190,6 +195,7 @@ fce_status check_options(const char* fn, const fce_options* o, int64_t rows, int
   // docs/semantics.md rule 1: k = options->shift, 0 meaning 1, with a shift; 0 without.
   out->shift = o->shift_seq_len > 0 ? (o->shift > 0 ? o->shift : 1) : 0;
   out->token_scaling = o->token_scaling != 0;
+  out->batch_invariant = o->batch_invariant != 0;
   return FCE_SUCCESS;
 }
 

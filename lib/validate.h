@@ -32,6 +32,9 @@ inline bool is_soft_dtype(int32_t target_dtype) {
 // Class-probability targets in a vocabulary-parallel call: FCE_ERROR_UNSUPPORTED naming the call
 // and options->target_dtype.
 fce_status refuse_soft_targets(const char* fn, const fce_options& o);
+// options->batch_invariant (docs/semantics.md rule 21) in a call that cannot honour it (the
+// vocabulary-parallel and distillation calls): FCE_ERROR_UNSUPPORTED naming the call and field.
+fce_status refuse_batch_invariant(const char* fn, const CeOptions& opt);
 // outputs->accuracy with class-probability targets (no target class): refused.
 fce_status refuse_soft_accuracy(const char* fn, const fce_options& o, const fce_outputs& out);
 

@@ -5,6 +5,8 @@
 // they are; float16/bfloat16 ones are widened (W and b once per call, in host memory; h chunk by
 // chunk); the per-row cross-entropy is ce_row.h's (float32 vectorised, sums in double).
 //
+// Under options->batch_invariant the logits and ∂h come from linear_chunks.h's per-row products
+// in a fixed order instead of BLAS (docs/semantics.md rule 21); ∂W stays a GEMM.
 // The chunk has a fixed number of rows that depends on the problem sizes only, never on the
 // workspace, so every workspace of at least min_bytes gives bit for bit the same result (BLAS
 // results depend on the shapes they are called with, ∂W on how its sum over rows is split). The
@@ -65,7 +67,10 @@ fce_status cpu_linear_ce(const LinearCeProblem& p) {
       int64_t ldh = 0;
       const float* h = hidden_chunk(dtype, p.hidden_states, p.hidden_row_stride, p.hidden, r0, count,
                                     chunk.hidden, &ldh);
-      logits_chunk(h, ldh, W, b.data(), count, p.hidden, p.vocab, chunk.logits);
+      if (p.opt.batch_invariant)
+        logits_rows_fixed(h, ldh, W, b.data(), count, p.hidden, p.vocab, chunk.logits);
+      else
+        logits_chunk(h, ldh, W, b.data(), count, p.hidden, p.vocab, chunk.logits);
 
       RowsJob job;
       job.first_row = r0;
@@ -85,7 +90,10 @@ fce_status cpu_linear_ce(const LinearCeProblem& p) {
       if (!with_grad) continue;
 
       const float* dz = chunk.logits;
-      if (p.grad_hidden)
+      if (p.grad_hidden && p.opt.batch_invariant)
+        grad_hidden_rows_fixed(dtype, p.grad_hidden, dz, W, r0, count, p.hidden, p.vocab,
+                               chunk.grad_hidden);
+      else if (p.grad_hidden)
         grad_hidden_chunk(dtype, p.grad_hidden, dz, W, r0, count, p.hidden, p.vocab,
                           chunk.grad_hidden);
       weight_grads.add(dz, h, ldh, count);

@@ -131,6 +131,69 @@ inline void grad_hidden_chunk(int dtype, void* grad_hidden, const float* dz, con
   for (int64_t i = 0; i < count * hidden; ++i) store_float(dtype, first, i, dh[i]);
 }
 
+// options->batch_invariant (docs/semantics.md rule 21): a BLAS's order of summation may follow
+// the rows it is given (its blocking, its threads, a GEMV for one row), so the per-row products
+// below replace the two GEMMs whose rows are outputs. The same code for every element: the
+// results depend on neither the rows nor the thread. x·y over n: eight float32 partial sums
+// (k mod 8), folded pairwise, then the tail in order.
+inline float fixed_dot(const float* x, const float* y, int64_t n) {
+  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  int64_t k = 0;
+  for (; k + 8 <= n; k += 8)
+    for (int u = 0; u < 8; ++u) acc[u] += x[k + u] * y[k + u];
+  float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+  for (; k < n; ++k) s += x[k] * y[k];
+  return s;
+}
+
+constexpr int64_t kFixedBlock = 256;  // columns of a work item of the per-row products
+
+// z [count, V] = h·Wᵀ + b row by row: z_ij = fixed_dot(h_i, W_j) + b_j.
+inline void logits_rows_fixed(const float* h, int64_t ldh, const FloatMatrix& W, const float* b,
+                              int64_t count, int64_t hidden, int64_t vocab, float* z) {
+  const int64_t blocks = (vocab + kFixedBlock - 1) / kFixedBlock;
+  const float* w = W.data();
+  parallel_for(count * blocks, thread_count(count * blocks, std::max<int64_t>(1, 64 / blocks)),
+               [&](int64_t begin, int64_t end, int) {
+                 for (int64_t item = begin; item < end; ++item) {
+                   const int64_t i = item / blocks, j0 = item % blocks * kFixedBlock;
+                   const int64_t j1 = std::min(vocab, j0 + kFixedBlock);
+                   const float* hi = h + size_t(i) * size_t(ldh);
+                   float* zi = z + size_t(i) * size_t(vocab);
+                   for (int64_t j = j0; j < j1; ++j)
+                     zi[j] = fixed_dot(hi, w + size_t(j) * size_t(W.ld), hidden) + (b ? b[j] : 0.f);
+                 }
+               });
+}
+
+// ∂h [count, D] = ∂z·W row by row, each element summed over j = 0..V-1 in order (float32), into
+// grad_hidden's rows [r0, r0 + count) as grad_hidden_chunk writes them.
+inline void grad_hidden_rows_fixed(int dtype, void* grad_hidden, const float* dz,
+                                   const FloatMatrix& W, int64_t r0, int64_t count, int64_t hidden,
+                                   int64_t vocab, float* buffer) {
+  const size_t esize = dtype_size(dtype);
+  char* first = static_cast<char*>(grad_hidden) + size_t(r0) * hidden * esize;
+  float* dh = dtype == FCE_FLOAT32 ? reinterpret_cast<float*>(first) : buffer;
+  const int64_t blocks = (hidden + kFixedBlock - 1) / kFixedBlock;
+  const float* w = W.data();
+  parallel_for(count * blocks, thread_count(count * blocks), [&](int64_t begin, int64_t end, int) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t i = item / blocks, k0 = item % blocks * kFixedBlock;
+      const int64_t k1 = std::min(hidden, k0 + kFixedBlock);
+      float* out = dh + size_t(i) * size_t(hidden);
+      const float* dzi = dz + size_t(i) * size_t(vocab);
+      std::fill(out + k0, out + k1, 0.f);
+      for (int64_t j = 0; j < vocab; ++j) {
+        const float g = dzi[j];
+        const float* wj = w + size_t(j) * size_t(W.ld);
+        for (int64_t k = k0; k < k1; ++k) out[k] += g * wj[k];
+      }
+    }
+  });
+  if (dtype == FCE_FLOAT32) return;
+  for (int64_t i = 0; i < count * hidden; ++i) store_float(dtype, first, i, dh[i]);
+}
+
 // ∂W [V, D] += ∂zᵀ·h over the chunk's rows, in float32.
 inline void grad_weight_chunk(const float* dz, const float* h, int64_t ldh, int64_t count, int64_t hidden,
                        int64_t vocab, float* dW) {

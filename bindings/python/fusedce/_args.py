@@ -72,6 +72,7 @@ def _build_options(opts: CEOptions, *, backend, dtype, target_dtype, class_weigh
     o.softcap, o.logit_scale = opts.softcap, opts.logit_scale
     o.shift_seq_len, o.shift = opts.shift_seq_len, opts.shift
     o.token_scaling = 1 if opts.token_scaling else 0
+    o.batch_invariant = 1 if opts.batch_invariant else 0
     o.class_weights = class_weights_ptr or None
     o.row_stride = row_stride
     o.grad_row_stride = grad_row_stride
@@ -79,7 +80,7 @@ def _build_options(opts: CEOptions, *, backend, dtype, target_dtype, class_weigh
     o.deterministic = 1 if deterministic else 0
     o.accumulate = 1 if accumulate else 0
     o.grad_weight_fp32 = 1 if grad_weight_fp32 else 0
-    o.reserved0 = o.reserved1 = 0
+    o.reserved0 = 0
     return o
 
 

@@ -72,6 +72,7 @@ class CEOptions:
     shift_seq_len: int = 0
     shift: int = 0  # the C value: 0 means 1 when shift_seq_len is set
     token_scaling: bool = False
+    batch_invariant: bool = False  # each row's results independent of the batch (rule 21)
 
     def __post_init__(self):
         _cast_fields(self, _CASTS)
@@ -87,7 +88,7 @@ class CEOptions:
     @classmethod
     def from_keywords(cls, *, reduction: int, ignore_index=-100, label_smoothing=0.0,
                       z_loss_scale=0.0, softcap=0.0, logit_scale=1.0, shift_seq_len=0,
-                      shift=0, token_scaling=False) -> "CEOptions":
+                      shift=0, token_scaling=False, batch_invariant=False) -> "CEOptions":
         """The options of a ``fusedce.core`` / ``fusedce.vocab_parallel`` call, keywords with
         the C names (``z_loss_scale``; ``shift`` the C value), checked for what ctypes cannot
         see: an int option must be an int (a float would be truncated), a real one a number.
@@ -98,7 +99,8 @@ class CEOptions:
                    softcap=float_option(softcap, "softcap"),
                    logit_scale=float_option(logit_scale, "logit_scale"),
                    shift_seq_len=int_option(shift_seq_len, "shift_seq_len"),
-                   shift=int_option(shift, "shift"), token_scaling=bool(token_scaling))
+                   shift=int_option(shift, "shift"), token_scaling=bool(token_scaling),
+                   batch_invariant=bool(batch_invariant))
 
     # ---- the custom-op boundary: the only place that knows the order of the fields
     def as_op_args(self) -> tuple:
@@ -106,16 +108,17 @@ class CEOptions:
         order (every op taking options declares these parameters, in this order)."""
         return (self.ignore_index, self.reduction, self.label_smoothing, self.z_loss,
                 self.softcap, self.logit_scale, self.shift_seq_len, self.shift,
-                self.token_scaling)
+                self.token_scaling, self.batch_invariant)
 
     @classmethod
     def from_op_args(cls, ignore_index, reduction, label_smoothing, z_loss, softcap,
-                     logit_scale, shift_seq_len, shift, token_scaling) -> "CEOptions":
+                     logit_scale, shift_seq_len, shift, token_scaling,
+                     batch_invariant=False) -> "CEOptions":
         """The inverse of :meth:`as_op_args`."""
         return cls(reduction=reduction, ignore_index=ignore_index,
                    label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                    logit_scale=logit_scale, shift_seq_len=shift_seq_len, shift=shift,
-                   token_scaling=token_scaling)
+                   token_scaling=token_scaling, batch_invariant=batch_invariant)
 
     # ---- the XLA FFI boundary (fusedce.jax): the attributes of the shim's handlers
     def as_ffi_attrs(self, workspace_bytes: int = 0, rescale: bool = False) -> Tuple[tuple, tuple]:
@@ -124,17 +127,18 @@ class CEOptions:
         fusedce/jax_ffi/fusedce_jax.cc reads). ``workspace_bytes``: fce_linear_ce's budget;
         ``rescale``: fce_backward_rescale in place of fce_backward."""
         return ((self.reduction, self.ignore_index, self.shift_seq_len, self.shift,
-                 int(self.token_scaling), int(workspace_bytes), int(bool(rescale)), 0),
+                 int(self.token_scaling), int(workspace_bytes), int(bool(rescale)),
+                 int(self.batch_invariant)),
                 (self.label_smoothing, self.z_loss, self.softcap, self.logit_scale))
 
 
 _CASTS = tuple((f.name, {"int": int, "float": float, "bool": bool}[f.type])
                for f in dataclasses.fields(CEOptions))
 OP_ARG_NAMES = ("ignore_index", "reduction", "label_smoothing", "z_loss", "softcap",
-                "logit_scale", "shift_seq_len", "shift", "token_scaling")
+                "logit_scale", "shift_seq_len", "shift", "token_scaling", "batch_invariant")
 N_OP_ARGS = len(OP_ARG_NAMES)  # the scalars CEOptions.as_op_args gives
 FFI_INT_NAMES = ("reduction", "ignore_index", "shift_seq_len", "shift", "token_scaling",
-                 "workspace_bytes", "rescale", "reserved")
+                 "workspace_bytes", "rescale", "batch_invariant")
 FFI_FLOAT_NAMES = ("label_smoothing", "z_loss", "softcap", "logit_scale")
 
 

@@ -240,14 +240,15 @@ def _zero_rows_result(want: Want, opts: CEOptions, out_shape):
 
 
 def _ce_options(reduction: str, ignore_index, label_smoothing, z_loss, softcap, logit_scale,
-                shift_seq_len, shift, use_token_scaling, target_shape, rows) -> CEOptions:
+                shift_seq_len, shift, use_token_scaling, target_shape, rows,
+                batch_invariant=False) -> CEOptions:
     """The CEOptions of a call from the public keywords (the causal shift resolved as
     fusedce.torch's: ``shift=k`` alone takes T = the last dimension of targets)."""
     t, k = _resolve_shift(shift, shift_seq_len, target_shape, rows)
     return CEOptions(reduction=_reduction(reduction), ignore_index=ignore_index,
                      label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                      logit_scale=logit_scale, shift_seq_len=t, shift=k,
-                     token_scaling=use_token_scaling)
+                     token_scaling=use_token_scaling, batch_invariant=bool(batch_invariant))
 
 
 def cross_entropy(logits, targets, *, reduction: str = "mean", ignore_index: int = -100,
@@ -256,7 +257,7 @@ def cross_entropy(logits, targets, *, reduction: str = "mean", ignore_index: int
                   shift: int = 0, use_token_scaling: bool = False,
                   return_z_loss: bool = False, return_token_accuracy: bool = False,
                   return_predicted_tokens: bool = False, return_lse: bool = False,
-                  return_entropy: bool = False):
+                  return_entropy: bool = False, batch_invariant: bool = False):
     """Cross-entropy of ``logits [..., V]`` (classes last, as optax) against integer
     ``targets [...]`` (one per row: ``targets.size`` = the number of rows), fused: the mean
     (default), sum or per-row ('none', shaped as ``targets``) of
@@ -286,6 +287,8 @@ def cross_entropy(logits, targets, *, reduction: str = "mean", ignore_index: int
                   fusedce.torch; predicted_tokens is int32). lse (of the scaled, capped logits)
                   and the entropy (H = lse - sum p a, float32 per row, ignored rows too) are
                   differentiable; the others are constants.
+    batch_invariant  each row's loss ('none'), lse, entropy, predicted token and gradient row
+                  bitwise the same whatever the other rows (docs/semantics.md rule 21).
 
     The loss is float32 (computed in float32 inside for 16-bit logits). Differentiable in
     ``logits`` (``jax.grad``, ``jax.vjp``; not ``jax.jvp``/``jax.jacfwd``, a custom_vjp).
@@ -305,7 +308,8 @@ def cross_entropy(logits, targets, *, reduction: str = "mean", ignore_index: int
                          f"(logits {tuple(jnp.shape(logits))}, targets {tuple(y_in.shape)})")
     out_shape = tuple(y_in.shape)
     opts = _ce_options(reduction, ignore_index, label_smoothing, z_loss, softcap, logit_scale,
-                       shift_seq_len, shift, use_token_scaling, out_shape, rows)
+                       shift_seq_len, shift, use_token_scaling, out_shape, rows,
+                       batch_invariant)
     want = Want(z_loss=bool(return_z_loss), accuracy=bool(return_token_accuracy),
                 argmax=bool(return_predicted_tokens), lse=bool(return_lse),
                 entropy=bool(return_entropy))
@@ -327,7 +331,8 @@ def linear_cross_entropy(hidden, weight, targets, bias=None, *, reduction: str =
                          use_token_scaling: bool = False, return_z_loss: bool = False,
                          return_token_accuracy: bool = False,
                          return_predicted_tokens: bool = False, return_lse: bool = False,
-                         return_entropy: bool = False, workspace_bytes: Optional[int] = None):
+                         return_entropy: bool = False, workspace_bytes: Optional[int] = None,
+                         batch_invariant: bool = False):
     """``cross_entropy(hidden @ weight.T + bias, targets, ...)`` without ever holding the
     [N, V] logits (fce_linear_ce): hidden [..., D] (leading dimensions flattened into rows),
     weight [V, D] (a Dense(D -> V) kernel transposed, or a tied embedding table), bias [V] or
@@ -367,7 +372,8 @@ def linear_cross_entropy(hidden, weight, targets, bias=None, *, reduction: str =
                          f"(hidden {tuple(jnp.shape(hidden))}, targets {tuple(y_in.shape)})")
     out_shape = tuple(y_in.shape)
     opts = _ce_options(reduction, ignore_index, label_smoothing, z_loss, softcap, logit_scale,
-                       shift_seq_len, shift, use_token_scaling, out_shape, rows)
+                       shift_seq_len, shift, use_token_scaling, out_shape, rows,
+                       batch_invariant)
     budget = _default_workspace_bytes() if workspace_bytes is None else int(workspace_bytes)
     if budget < 0:
         raise ValueError(f"workspace_bytes must be >= 0, got {workspace_bytes}")

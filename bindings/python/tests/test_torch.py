@@ -332,18 +332,19 @@ def test_opcheck_custom_ops():
     z, y, w = make(n=8, v=11)
     z.requires_grad_(True)
     # the options after class_weights: ignore_index, reduction, label_smoothing, z_loss, softcap,
-    # logit_scale, shift_seq_len, shift, token_scaling; then extras (bitmask), check_targets
+    # logit_scale, shift_seq_len, shift, token_scaling, batch_invariant; then extras (bitmask),
+    # check_targets
     every = 7  # z_loss | accuracy | argmax
     cases = [(0, 0, False, 0), (0, 0, False, every), (4, 2, True, every), (0, 0, False, 16)]
     for red in (0, 1, 2):
         for t, k, scaling, extras in cases:
             torch.library.opcheck(torch.ops.fusedce.ce_forward.default,
                                   (z, y, w, -100, red, 0.1, 1e-3, 0.0, 1.0, t, k, scaling,
-                                   extras, False))
+                                   False, extras, False))
         g = torch.rand(8) if red == 2 else torch.tensor(1.5)
         torch.library.opcheck(torch.ops.fusedce.ce_backward.default,
                               (g, z.detach(), y, torch.randn(8), w, -100, red, 0.1, 1e-3, 0.0,
-                               1.0, 0, 0, False))
+                               1.0, 0, 0, False, False))
     h = torch.randn(8, 6, requires_grad=True)
     W = torch.randn(11, 6, requires_grad=True)
     b = torch.randn(11, requires_grad=True)
@@ -357,12 +358,13 @@ def test_opcheck_custom_ops():
             utils = in_place_outputs if red == 0 and need[0] else None
             torch.library.opcheck(torch.ops.fusedce.linear_ce.default,
                                   (h, W, b, y, w, None, None, None, -100, red, 0.0, 0.0, 0.0,
-                                   1.0, 0, 0, False, 0, 1 << 30) + need + (every | 16, False),
+                                   1.0, 0, 0, False, False, 0, 1 << 30) + need
+                                  + (every | 16, False),
                                   **({"test_utils": utils} if utils else {}))
     for red in (0, 1):
         torch.library.opcheck(torch.ops.fusedce.ce_forward_grad.default,
                               (z.detach(), y, w, -100, red, 0.1, 1e-3, 0.0, 1.0, 0, 0, False,
-                               every, False),
+                               False, every, False),
                               test_utils=in_place_outputs)
     torch.library.opcheck(torch.ops.fusedce.scale_.default, (torch.randn(8, 11), torch.tensor(1.5)))
 

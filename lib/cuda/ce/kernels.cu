@@ -158,7 +158,9 @@ fce_status launch_rows_typed(const CeRowsArgs& a, KParams p, int pair, cudaStrea
   RowsQuery rq;
   rq.shape.backward = a.lse_in || a.stats_in;
   rq.shape.with_grad = a.grad != nullptr;
-  rq.shape.rows = a.row_count;
+  // batch_invariant (docs/semantics.md rule 21): the shape the policy gives a launch of many
+  // rows, whatever this one has, so that a row's kernel and split never follow the row count
+  rq.shape.rows = a.opt.batch_invariant ? kInvariantPolicyRows : a.row_count;
   rq.shape.vocab = a.vocab;
   rq.shape.elem_bytes = Ty<TZ>::kBytes;
   rq.shape.aligned_rows =

@@ -76,6 +76,10 @@ constexpr RowsTable kRowsTable = {
 // clang-format on
 
 // ------------------------------------------------------------ the inputs ----
+// The rows a launch under options->batch_invariant shows the policy (RowsShape::rows): more
+// than any launch has, so the choice is the one for many rows, made from V, dtype and device.
+constexpr int64_t kInvariantPolicyRows = int64_t{1} << 40;
+
 // The call's rows, as the policy sees them.
 struct RowsShape {
   bool backward;      // lse_in or stats_in given

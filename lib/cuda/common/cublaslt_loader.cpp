@@ -59,6 +59,7 @@ struct Table {
   decltype(&cublasLtMatmulPreferenceSetAttribute) pref_set;
   decltype(&cublasLtMatmulAlgoGetHeuristic) heuristic;
   decltype(&cublasLtMatmul) matmul;
+  decltype(&cublasLtMatmulAlgoConfigGetAttribute) algo_config_get;
 };
 
 struct State {
@@ -94,6 +95,7 @@ bool take(void* handle, std::string* why) {
   ok &= bind(handle, "cublasLtMatmulPreferenceSetAttribute", &t.pref_set, &missing);
   ok &= bind(handle, "cublasLtMatmulAlgoGetHeuristic", &t.heuristic, &missing);
   ok &= bind(handle, "cublasLtMatmul", &t.matmul, &missing);
+  ok &= bind(handle, "cublasLtMatmulAlgoConfigGetAttribute", &t.algo_config_get, &missing);
   if (!ok) {
     *why = "lacks " + missing;
     dlclose(handle);
@@ -271,6 +273,12 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t handle, cublasLtMatmulDesc_t desc
                               void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   return forward(&Table::matmul, handle, desc, alpha, a, a_layout, b, b_layout, beta, c, c_layout,
                  d, d_layout, algo, workspace, workspace_bytes, stream);
+}
+
+cublasStatus_t cublasLtMatmulAlgoConfigGetAttribute(const cublasLtMatmulAlgo_t* algo,
+                                                    cublasLtMatmulAlgoConfigAttributes_t attr,
+                                                    void* buf, size_t size, size_t* written) {
+  return forward(&Table::algo_config_get, algo, attr, buf, size, written);
 }
 
 }  // extern "C"

@@ -26,6 +26,27 @@ struct AlgoPick {
 };
 std::map<AlgoKey, AlgoPick> g_algos;
 constexpr size_t kMaxCachedAlgos = 4096;
+constexpr int kInvariantCandidates = 16;  // heuristic results searched for a whole-K algorithm
+
+// The first of `found` heuristic results that computes K in one piece (SPLITK_NUM 1, no
+// reduction), or -1.
+int first_whole_k(const cublasLtMatmulHeuristicResult_t* results, int found) {
+  for (int i = 0; i < found; ++i) {
+    if (results[i].state != CUBLAS_STATUS_SUCCESS) continue;
+    int32_t splits = 0;
+    uint32_t scheme = 1;
+    size_t written = 0;
+    if (cublasLtMatmulAlgoConfigGetAttribute(&results[i].algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM,
+                                             &splits, sizeof splits,
+                                             &written) != CUBLAS_STATUS_SUCCESS ||
+        cublasLtMatmulAlgoConfigGetAttribute(&results[i].algo,
+                                             CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &scheme,
+                                             sizeof scheme, &written) != CUBLAS_STATUS_SUCCESS)
+      continue;
+    if (splits <= 1 && scheme == CUBLASLT_REDUCTION_SCHEME_NONE) return i;
+  }
+  return -1;
+}
 
 cudaDataType_t cuda_type(int dtype) {
   switch (dtype) {
@@ -146,7 +167,8 @@ fce_status gemm(const RowMajorGemm& g, cudaStream_t s, bool* bias_applied) {
 
     const AlgoKey key = {device, (int64_t)v.m, (int64_t)v.n, (int64_t)v.k, ta, tb, ab_type,
                          c_type, first_ld, second_ld, out_ld, align_first, align_second,
-                         align_c, g.bias != nullptr, align_bias, (int64_t)ws_bytes, 0, 0, 0};
+                         align_c, g.bias != nullptr, align_bias, (int64_t)ws_bytes, g.whole_k,
+                         0, 0};
     AlgoPick pick;
     bool cached = false;
     {
@@ -170,12 +192,14 @@ fce_status gemm(const RowMajorGemm& g, cudaStream_t s, bool* bias_applied) {
       FCE_LT(cublasLtMatmulPreferenceSetAttribute(
           lt.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_c, sizeof align_c));
 
-      cublasLtMatmulHeuristicResult_t result = {};
+      cublasLtMatmulHeuristicResult_t results[kInvariantCandidates] = {};
+      cublasLtMatmulHeuristicResult_t& result = results[0];
+      const int wanted = g.whole_k ? kInvariantCandidates : 1;
       int found = 0;
       pick.bias_epilogue = g.bias != nullptr;
       what = "cublasLtMatmulAlgoGetHeuristic";
-      st = cublasLtMatmulAlgoGetHeuristic(handle, lt.desc, lt.a, lt.b, lt.c, lt.c, lt.pref, 1,
-                                          &result, &found);
+      st = cublasLtMatmulAlgoGetHeuristic(handle, lt.desc, lt.a, lt.b, lt.c, lt.c, lt.pref, wanted,
+                                          results, &found);
       if (g.bias && (st == CUBLAS_STATUS_NOT_SUPPORTED ||
                      (st == CUBLAS_STATUS_SUCCESS && found == 0))) {
         // No kernel fuses the bias here: plain GEMM, the caller adds the bias.
@@ -183,8 +207,17 @@ fce_status gemm(const RowMajorGemm& g, cudaStream_t s, bool* bias_applied) {
         FCE_LT(cublasLtMatmulDescSetAttribute(lt.desc, CUBLASLT_MATMUL_DESC_EPILOGUE,
                                               &epi_default, sizeof epi_default));
         what = "cublasLtMatmulAlgoGetHeuristic (without the bias epilogue)";
-        st = cublasLtMatmulAlgoGetHeuristic(handle, lt.desc, lt.a, lt.b, lt.c, lt.c, lt.pref, 1,
-                                            &result, &found);
+        st = cublasLtMatmulAlgoGetHeuristic(handle, lt.desc, lt.a, lt.b, lt.c, lt.c, lt.pref,
+                                            wanted, results, &found);
+      }
+      if (st == CUBLAS_STATUS_SUCCESS && g.whole_k) {
+        const int i = first_whole_k(results, found);
+        if (i < 0)
+          return fail(FCE_ERROR_UNSUPPORTED,
+                      "%s: options->batch_invariant: GEMM %s (row-major [%lld x %lld], K %lld): "
+                      "none of cuBLASLt's first %d algorithms computes K without a split",
+                      g.fn, g.name, (long long)g.M, (long long)g.N, (long long)g.K, found);
+        if (i > 0) result = results[i];
       }
       if (st == CUBLAS_STATUS_SUCCESS && (found == 0 || result.state != CUBLAS_STATUS_SUCCESS))
         st = CUBLAS_STATUS_NOT_SUPPORTED;

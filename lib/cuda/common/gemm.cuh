@@ -53,6 +53,9 @@ struct RowMajorGemm {
   const void* bias;   // [N] of c_dtype added to every row of C (before C's rounding), or nullptr
   void* workspace;    // cuBLASLt workspace (256-byte aligned), workspace_bytes of it
   size_t workspace_bytes;
+  // options->batch_invariant: only an algorithm without a split of K (CUBLASLT_ALGO_CONFIG_
+  // SPLITK_NUM 1, of the heuristic's first kInvariantCandidates); FCE_ERROR_UNSUPPORTED if none
+  bool whole_k = false;
 };
 
 // The cuBLASLt (column-major) view of a RowMajorGemm: the mapping written above, in one place

@@ -54,6 +54,13 @@
 //                 rows (one rounding), ∂h += ∂Z_s·W_s into a float32 [N, D] accumulator (128 MiB
 //                 at N = 8192, D = 4096; extra to the scratch), ∂b_s by column sums. The logits
 //                 scratch holds max(Nc·V, N·Vc) elements.
+//   batch_invariant (docs/semantics.md rule 21): token chunks of invariant_rows rows, a
+//                 function of V and dtype (never of N or the workspace); steps 1 and 3 always
+//                 multiply all of them (hidden rows copied, the last chunk padded with zero
+//                 rows; ∂h through a chunk buffer) with an algorithm that does not split K, so
+//                 each row's logits and ∂h come from the same GEMM whatever the batch; no
+//                 vocab-sliced plan (a 16-bit grad_weight over more than max_chunks16 chunks
+//                 is refused).
 // Determinism: the plan (mode, Nc, cuBLASLt workspace) is a function of the sizes, the options,
 // which gradients are asked for, and workspace_bytes only, and every step has a fixed order
 // (cuBLASLt picks one algorithm per shape and alignment; no atomics), so for a given workspace
@@ -78,7 +85,7 @@ namespace linear {
 
 fce_status logits_gemm(const char* fn, int dtype, int64_t M, int64_t N, int64_t K, const void* A,
                        int64_t lda, const void* W, const void* bias, void* Z, int64_t ldz,
-                       void* lt_ws, size_t lt_bytes, cudaStream_t s) {
+                       void* lt_ws, size_t lt_bytes, cudaStream_t s, bool whole_k) {
   RowMajorGemm g{};
   g.fn = fn;
   g.name = "logits (hidden · weightᵀ + bias)";
@@ -90,6 +97,7 @@ fce_status logits_gemm(const char* fn, int dtype, int64_t M, int64_t N, int64_t 
   g.alpha = 1.f; g.beta = 0.f;
   g.bias = bias;
   g.workspace = lt_ws; g.workspace_bytes = lt_bytes;
+  g.whole_k = whole_k;
   bool bias_applied = false;
   FCE_TRY(gemm(g, s, &bias_applied));
   // No algorithm fuses the bias for this shape: add it in a second pass (for f16/bf16 Z that
@@ -97,6 +105,51 @@ fce_status logits_gemm(const char* fn, int dtype, int64_t M, int64_t N, int64_t 
   if (bias && !bias_applied) FCE_TRY(launch_add_bias_rows(fn, Z, dtype, M, N, ldz, bias, s));
   return FCE_SUCCESS;
 }
+
+namespace {
+
+// options->batch_invariant (docs/semantics.md rule 21): `rows` rows of src (src_ld elements
+// apart) into dst, dense, then zero rows up to fixed_rows: the GEMMs always see fixed_rows.
+fce_status copy_fixed_rows(const char* fn, void* dst, const void* src, int64_t src_ld, int64_t rows,
+                           int64_t fixed_rows, int64_t cols, size_t e, cudaStream_t s) {
+  const size_t row = static_cast<size_t>(cols) * e;
+  cudaError_t err = cudaMemcpy2DAsync(dst, row, src, static_cast<size_t>(src_ld) * e, row,
+                                      static_cast<size_t>(rows), cudaMemcpyDeviceToDevice, s);
+  if (err == cudaSuccess && rows < fixed_rows)
+    err = cudaMemsetAsync(static_cast<char*>(dst) + static_cast<size_t>(rows) * row, 0,
+                          static_cast<size_t>(fixed_rows - rows) * row, s);
+  if (err != cudaSuccess)
+    return fail(FCE_ERROR_CUDA, "%s: copying a chunk of hidden rows failed: %s", fn,
+                cudaGetErrorString(err));
+  return FCE_SUCCESS;
+}
+
+// Step 3 under batch_invariant: ∂h of all fixed_rows rows of ∂Z_c into dh_fixed (K = V whole,
+// no split), then the chunk's rc rows of it into grad_hidden.
+fce_status fixed_grad_hidden(const ChunkGrads& g, int64_t fixed_rows, void* dh_fixed,
+                             cudaStream_t stream) {
+  RowMajorGemm gh{};
+  gh.fn = g.fn;
+  gh.name = "grad_hidden (dZ · weight), fixed rows";
+  gh.M = fixed_rows; gh.N = g.hidden; gh.K = g.cols;
+  gh.A = g.dz; gh.lda = g.ldz; gh.trans_a = false;
+  gh.B = g.weight; gh.ldb = g.hidden; gh.trans_b = false;
+  gh.ab_dtype = g.dtype;
+  gh.C = dh_fixed; gh.ldc = g.hidden; gh.c_dtype = g.grad_hidden_dtype;
+  gh.alpha = 1.f; gh.beta = 0.f;
+  gh.workspace = g.lt_ws; gh.workspace_bytes = g.lt_bytes;
+  gh.whole_k = true;
+  FCE_TRY(gemm(gh, stream, nullptr));
+  const size_t row = static_cast<size_t>(g.hidden) * dtype_size(g.grad_hidden_dtype);
+  const cudaError_t err = cudaMemcpyAsync(g.grad_hidden, dh_fixed, row * static_cast<size_t>(g.rc),
+                                          cudaMemcpyDeviceToDevice, stream);
+  if (err != cudaSuccess)
+    return fail(FCE_ERROR_CUDA, "%s: copying a chunk of grad_hidden rows failed: %s", g.fn,
+                cudaGetErrorString(err));
+  return FCE_SUCCESS;
+}
+
+}  // namespace
 
 fce_status chunk_grads(const ChunkGrads& g, cudaStream_t stream) {
   // 3. ∂h_c[rc, D] = ∂Z_c[rc, V] · W[V, D]
@@ -242,6 +295,15 @@ fce_status cuda_linear_ce(const LinearCeProblem& p) {
     return fail(FCE_ERROR_NULL_POINTER, "%s: workspace is NULL (%zu bytes needed)", fn,
                 plan.layout.total);
 
+  const bool invariant = opt.batch_invariant;
+  if (invariant && plan.mode == Mode::kChunked16 && plan.chunks > max_chunks16(N, V))
+    return fail(FCE_ERROR_UNSUPPORTED,
+                "%s: options->batch_invariant with a 16-bit grad_weight: %lld chunks of %lld "
+                "rows would round grad_weight more often than docs/semantics.md allows (%lld "
+                "times at most for these sizes): set options->grad_weight_fp32",
+                fn, (long long)plan.chunks, (long long)plan.chunk_rows,
+                (long long)max_chunks16(N, V));
+
   // ---- carve the workspace
   const Layout& L = plan.layout;
   char* base = aligned_base(p.workspace);
@@ -265,6 +327,8 @@ fce_status cuda_linear_ce(const LinearCeProblem& p) {
   // row's (m, log s, t) for the gradient pass; ∂h accumulates in a float32 workspace buffer
   CeRowStats* stats = sliced ? reinterpret_cast<CeRowStats*>(base + L.stats) : nullptr;
   float* dh32 = reinterpret_cast<float*>(base + L.dh);
+  void* h_fixed = base + L.h_fixed;  // batch_invariant: the chunk's hidden rows, its ∂h
+  void* dh_fixed = base + L.dh_fixed;
   const bool grad_in_chunks = with_grad && !sliced;
 
   cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
@@ -281,9 +345,20 @@ fce_status cuda_linear_ce(const LinearCeProblem& p) {
     const int64_t rc = std::min(plan.chunk_rows, N - r0);
     const void* h_c = hidden + static_cast<size_t>(r0) * static_cast<size_t>(hs) * e;
 
+    // batch_invariant: the GEMMs whose rows are outputs always get chunk_rows rows (a copy of
+    // the chunk's hidden rows, zero rows after the last)
+    const int64_t gm = invariant ? plan.chunk_rows : rc;
+    const void* h_gemm = h_c;
+    int64_t h_ld = hs;
+    if (invariant) {
+      FCE_TRY(copy_fixed_rows(fn, h_fixed, h_c, hs, rc, plan.chunk_rows, D, e, stream));
+      h_gemm = h_fixed;
+      h_ld = D;
+    }
+
     // 1. Z_c[rc, V] = h_c[rc, D] · W[V, D]ᵀ + b   (in dtype, float32 accumulation, ld = ldz)
-    FCE_TRY(logits_gemm(fn, dtype, rc, V, D, h_c, hs, p.weight, cs.bias, cs.z, ldz, cs.lt,
-                        plan.lt_bytes, stream));
+    FCE_TRY(logits_gemm(fn, dtype, gm, V, D, h_gemm, h_ld, p.weight, cs.bias, cs.z, ldz, cs.lt,
+                        plan.lt_bytes, stream, invariant));
 
     // 2. the CE pass: row losses, lse, and ∂Z_c in dtype, in place over Z_c
     CeRowsArgs a{};
@@ -318,9 +393,13 @@ fce_status cuda_linear_ce(const LinearCeProblem& p) {
 
     // 3-5. ∂h_c straight into grad_hidden, ∂W (+)= ∂Z_cᵀ·h_c (kChunked16: the 16-bit
     // grad_weight itself, one rounding per chunk; kChunked: the caller's float32 one), ∂b
-    FCE_TRY(chunk_grads(
-        chunk_grads_args(p, dtype, dtype, grad_w_dtype, V, cs, ldz, plan.lt_bytes, r0, rc),
-        stream));
+    ChunkGrads cg =
+        chunk_grads_args(p, dtype, dtype, grad_w_dtype, V, cs, ldz, plan.lt_bytes, r0, rc);
+    if (invariant && cg.grad_hidden) {
+      FCE_TRY(fixed_grad_hidden(cg, plan.chunk_rows, dh_fixed, stream));
+      cg.grad_hidden = nullptr;
+    }
+    FCE_TRY(chunk_grads(cg, stream));
   }
 
   // ---- the vocab-sliced gradient pass: per slice of columns [v0, v0 + vc), for all N rows

@@ -30,13 +30,15 @@ Sizes sizes_of(const CeOptions& opt, int64_t rows, int64_t hidden, int64_t vocab
   s.elem = dtype_size(opt.dtype);
   s.reduction_none = opt.reduction == FCE_REDUCTION_NONE;
   s.with_grad = with_grad;
+  s.invariant = opt.batch_invariant;
   return s;
 }
 
 // The slices of every plan; z_bytes is the logits scratch. `sliced` adds the vocab-sliced
 // plan's row statistics [N] (m, log s, t: CeRowStats) and float32 ∂h accumulator [N, D] (the
 // latter unless dtype is float32: then grad_hidden itself accumulates).
-Layout layout_bytes(const Sizes& s, size_t z_bytes, size_t lt_bytes, bool sliced) {
+Layout layout_bytes(const Sizes& s, size_t z_bytes, size_t lt_bytes, bool sliced,
+                    int64_t fixed_rows = 0) {
   Layout l;
   size_t at = 0;
   auto take = [&at](size_t bytes) {
@@ -56,6 +58,10 @@ Layout layout_bytes(const Sizes& s, size_t z_bytes, size_t lt_bytes, bool sliced
                   ? sat_mul(sat_mul(rows, static_cast<size_t>(s.hidden)), 4) : 0);
   l.lt = take(lt_bytes);
   l.z = take(z_bytes);                               // Z_c, then ∂Z_c in place
+  const size_t fixed =
+      sat_mul(sat_mul(static_cast<size_t>(fixed_rows), static_cast<size_t>(s.hidden)), s.elem);
+  l.h_fixed = take(fixed);
+  l.dh_fixed = take(s.with_grad ? fixed : 0);
   l.total = sat_add(at, kAlign);
   return l;
 }
@@ -189,6 +195,31 @@ bool plan_sliced(const Sizes& s, size_t workspace_bytes, Plan* out) {
   return true;
 }
 
+// options->batch_invariant: chunks of invariant_rows rows whatever N and the workspace, the
+// GEMMs given all of them (linear_ce.cu pads the last one), cuBLASLt kLtWorkspaceBudget.
+int64_t invariant_rows(const Sizes& s) {
+  const size_t row = std::max<size_t>(1, sat_mul(static_cast<size_t>(s.vocab_padded), s.elem));
+  const int64_t fit = static_cast<int64_t>(std::min<size_t>(kChunkBudget / 2 / row, 1 << 20));
+  return std::max(kRowQuantum, std::min(kFullSpeedRows, fit / kRowQuantum * kRowQuantum));
+}
+
+Layout invariant_layout(const Sizes& s) {
+  const int64_t rows = invariant_rows(s);
+  return layout_bytes(s, chunk_bytes(s, rows), kLtWorkspaceBudget, false, rows);
+}
+
+bool plan_invariant(const Sizes& s, bool need_dw, bool dw_fp32, size_t workspace_bytes, Plan* out) {
+  const Layout l = invariant_layout(s);
+  if (!fits(l, workspace_bytes)) return false;
+  out->mode = need_dw && !dw_fp32 ? Mode::kChunked16 : Mode::kChunked;
+  out->chunk_rows = invariant_rows(s);
+  out->chunks = (s.rows + out->chunk_rows - 1) / out->chunk_rows;
+  out->slice_cols = out->slices = 0;
+  out->lt_bytes = kLtWorkspaceBudget;
+  out->layout = l;
+  return true;
+}
+
 // need_dw: grad_weight is asked for; dw_fp32: it is float32 (grad_weight_fp32 or dtype f32).
 // A float32 ∂W (or none) accumulates over token chunks at any workspace. A 16-bit ∂W, in order
 // of preference: token chunks accumulated in grad_weight (≤ max_chunks16 roundings; one chunk
@@ -197,6 +228,7 @@ bool plan_sliced(const Sizes& s, size_t workspace_bytes, Plan* out) {
 // fits: the tests use it to run that plan at any size; it changes which plan runs, never the
 // promises.
 bool choose_plan(const Sizes& s, bool need_dw, bool dw_fp32, size_t workspace_bytes, Plan* out) {
+  if (s.invariant) return plan_invariant(s, need_dw, dw_fp32, workspace_bytes, out);
   if (!need_dw || dw_fp32)  // (the vocab-sliced plan as well when even 128 rows do not fit)
     return plan_mode(s, Mode::kChunked, workspace_bytes, out) ||
            (s.with_grad && !dw_fp32 && plan_sliced(s, workspace_bytes, out));
@@ -208,6 +240,7 @@ bool choose_plan(const Sizes& s, bool need_dw, bool dw_fp32, size_t workspace_by
 // The smallest workspace in which a call with these gradients (any subset of them, for
 // with_grad: grad_weight or not) has a plan.
 size_t min_workspace(const Sizes& s, bool need_dw, bool dw_fp32) {
+  if (s.invariant) return invariant_layout(s).total;
   const int64_t few = std::min(s.rows, kMinChunkRows);
   const size_t chunked = layout_of(s, few, kLtWorkspaceMin).total;
   if (!need_dw || dw_fp32) return chunked;
@@ -220,6 +253,7 @@ size_t min_workspace(const Sizes& s, bool need_dw, bool dw_fp32) {
 // The workspace of the full-speed plan: kChunked with full-speed chunks; for a 16-bit ∂W,
 // kChunked16 with chunks as large as the 1 GiB budget allows, but at most max_chunks16 of them.
 size_t optimal_workspace(const Sizes& s, bool need_dw, bool dw_fp32) {
+  if (s.invariant) return invariant_layout(s).total;
   if (!need_dw || dw_fp32) {
     Plan p;
     return plan_mode(s, Mode::kChunked, kHuge - 1, &p) ? p.layout.total : kHuge;

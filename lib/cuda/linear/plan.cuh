@@ -70,6 +70,7 @@ struct Sizes {
   size_t elem;          // bytes of one element of dtype: of Z_c / ∂Z_c and of the bias copy
   bool reduction_none;  // the per-row losses go straight into the caller's loss
   bool with_grad;       // ∂Z_c is produced (in place over Z_c)
+  bool invariant;       // options->batch_invariant: the fixed-chunk plan (plan_invariant)
 };
 Sizes sizes_of(const CeOptions& opt, int64_t rows, int64_t hidden, int64_t vocab, bool with_grad);
 
@@ -77,6 +78,9 @@ Sizes sizes_of(const CeOptions& opt, int64_t rows, int64_t hidden, int64_t vocab
 // slack for aligning the caller's (16-byte aligned) pointer; kHuge when it overflows.
 struct Layout {
   size_t denoms, row_loss, row_zloss, row_correct, bias, db, stats, dh, lt, z, total;
+  // options->batch_invariant: a chunk's hidden rows [Nc, D] and its ∂h [Nc, D], both in dtype
+  // (the GEMMs always see Nc rows, the last chunk padded with zero rows); 0 bytes otherwise
+  size_t h_fixed, dh_fixed;
 };
 
 // The workspace's 256-byte aligned base (the caller's pointer is 16-byte aligned; every
@@ -134,6 +138,9 @@ Layout layout_of(const Sizes& s, int64_t chunk_rows, size_t lt_bytes);
 // The plan of one token-chunk mode in workspace_bytes, or false when even its smallest chunk
 // does not fit.
 bool plan_mode(const Sizes& s, Mode mode, size_t workspace_bytes, Plan* out);
+// options->batch_invariant (docs/semantics.md rule 21): the rows of every token chunk, a function
+// of V and dtype only (never of N or the workspace).
+int64_t invariant_rows(const Sizes& s);
 // fce_linear_ce's plan in workspace_bytes (need_dw: grad_weight is asked for; dw_fp32: it is
 // float32), or false when none fits: see linear_plan.cu.
 bool choose_plan(const Sizes& s, bool need_dw, bool dw_fp32, size_t workspace_bytes, Plan* out);
@@ -147,7 +154,7 @@ size_t optimal_workspace(const Sizes& s, bool need_dw, bool dw_fp32);
 // bias added by a second kernel when no algorithm fuses it (gemm.cuh).
 fce_status logits_gemm(const char* fn, int dtype, int64_t M, int64_t N, int64_t K, const void* A,
                        int64_t lda, const void* W, const void* bias, void* Z, int64_t ldz,
-                       void* lt_ws, size_t lt_bytes, cudaStream_t s);
+                       void* lt_ws, size_t lt_bytes, cudaStream_t s, bool whole_k = false);
 
 // Steps 3-5 of a token chunk of rc rows (linear_ce.cu; fce_linear_ce and fce_vp_linear_ce run
 // exactly this), from ∂Z_c [rc, cols] in dtype (ldz elements apart, in place over the chunk's

@@ -316,10 +316,12 @@ The `fce_options` fields the high-level functions take as keywords. `backend`, `
 `target_dtype` and the strides are read off the arrays (a value given must agree with them;
 describe strided memory with a view), `class_weights` is a `Float32` vector of `vocab` weights
 on the data's backend, `struct_size` is `sizeof(FceOptions)` (`FCE_OPTIONS_SIZE_V1_0`) and
-`reserved0` and `reserved1` always 0. `shift` (the k of the causal shift: row b·T+t against target
+`reserved0` always 0. `shift` (the k of the causal shift: row b·T+t against target
 b·T+t+k, the last k rows of each sequence of `shift_seq_len` T ignored; 0 means 1, and it must
 be 0 without `shift_seq_len`) and `token_scaling` (each scored row's loss, z-loss term included,
-and gradient times p_y = exp(a_y - lse), a constant for the gradient). The outputs (`fce_outputs`:
+and gradient times p_y = exp(a_y - lse), a constant for the gradient) and `batch_invariant`
+(nonzero: each row's loss for reduction none, lse, entropy, argmax and gradient row bitwise the
+same whatever the other rows; docs/semantics.md rule 21). The outputs (`fce_outputs`:
 `argmax`, `accuracy`, ...) are not options but output arrays of
 [`forward!`](@ref) and [`linear_ce!`](@ref) (`argmax=true`, `accuracy=true` for
 [`forward`](@ref) and [`linear_ce`](@ref)).
@@ -327,7 +329,8 @@ and gradient times p_y = exp(a_y - lse), a constant for the gradient). The outpu
 const OPTION_KEYWORDS = (:class_weights, :ignore_index, :row_stride, :grad_row_stride,
                          :shift_seq_len, :hidden_row_stride, :backend, :dtype, :target_dtype,
                          :reduction, :label_smoothing, :z_loss_scale, :softcap, :logit_scale,
-                         :deterministic, :accumulate, :grad_weight_fp32, :shift, :token_scaling)
+                         :deterministic, :accumulate, :grad_weight_fp32, :shift, :token_scaling,
+                         :batch_invariant)
 
 # The options of one call: the caller's keywords, checked, then what the arrays say.
 function _options(kw, derived::NamedTuple, dense::NamedTuple, class_weights::Ptr)

@@ -45,7 +45,7 @@
 //   iopts  int64[8]: reduction, ignore_index, shift_seq_len, shift, token_scaling,
 //                    workspace_bytes (fusedce_linear_ce: the budget jax.py sized the workspace
 //                    result with; the handlers do not read it), rescale (fusedce_ce_bwd:
-//                    fce_backward_rescale instead of fce_backward), reserved (0)
+//                    fce_backward_rescale instead of fce_backward), batch_invariant
 //   fopts  float32[4]: label_smoothing, z_loss_scale, softcap, logit_scale
 // An optional input or output is passed as an empty (0,) array: a NULL pointer to the library.
 
@@ -208,7 +208,10 @@ void* Opt(ffi::Result<ffi::AnyBuffer>& b) {
 }
 
 constexpr size_t kIopts = 8, kFopts = 4;
-enum { kReduction, kIgnoreIndex, kShiftSeqLen, kShift, kTokenScaling, kWorkspaceBytes, kRescale };
+enum {
+  kReduction, kIgnoreIndex, kShiftSeqLen, kShift, kTokenScaling, kWorkspaceBytes, kRescale,
+  kBatchInvariant
+};
 
 ffi::Error MakeOptions(ffi::Span<const int64_t> iopts, ffi::Span<const float> fopts,
                        int32_t backend, int32_t dtype, int32_t target_dtype,
@@ -231,6 +234,7 @@ ffi::Error MakeOptions(ffi::Span<const int64_t> iopts, ffi::Span<const float> fo
   o->logit_scale = fopts[3];
   o->shift = iopts[kShift];
   o->token_scaling = static_cast<int32_t>(iopts[kTokenScaling] != 0);
+  o->batch_invariant = static_cast<int32_t>(iopts[kBatchInvariant] != 0);
   if (class_weights.element_count()) {
     if (class_weights.element_type() != ffi::DataType::F32 ||
         static_cast<int64_t>(class_weights.element_count()) != vocab)

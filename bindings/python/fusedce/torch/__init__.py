@@ -136,7 +136,8 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Optional[Tensor] = None
                   use_token_scaling: bool = False, return_z_loss: bool = False,
                   return_token_accuracy: bool = False, return_predicted_tokens: bool = False,
                   return_lse: bool = False, return_entropy: bool = False,
-                  check_targets: bool = False, inplace_backward: bool = False):
+                  check_targets: bool = False, inplace_backward: bool = False,
+                  batch_invariant: bool = False):
     """torch.nn.functional.cross_entropy, fused, plus the options below. When autograd will
     need the gradient (grad mode on, input requiring grad) and the reduction is 'mean' or
     'sum', the forward reads the logits once and writes the gradient once, for an upstream
@@ -191,6 +192,11 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Optional[Tensor] = None
                   upstream scalar is applied by scaling (16-bit: rounded twice unless it is
                   ±2^k). Runs as a torch.autograd.Function (torch.compile breaks the graph).
                   A gradient reaching lse or the entropy then raises (the logits are gone).
+    batch_invariant  each row's loss ('none'), lse, entropy, predicted token and gradient row
+                  are bitwise the same whatever the other rows of the batch (fce_options'
+                  batch_invariant, docs/semantics.md rule 21: e.g. a sampler's per-token
+                  log-probs against the trainer's). Not the 'mean'/'sum' loss, nor a 'mean'
+                  gradient (scaled by the batch's count). CUDA: rows 16-byte aligned.
 
     With inplace_backward=True the gradient is handed to autograd once: a second backward
     through the same graph (retain_graph=True) raises. Without it, a second backward recomputes.
@@ -253,7 +259,8 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Optional[Tensor] = None
     t, k = _resolve_shift(shift, shift_seq_len, tuple(target.shape), logits.shape[0])
     opts = CEOptions(reduction=red, ignore_index=ignore_index, label_smoothing=label_smoothing,
                      z_loss=z_loss, softcap=softcap, logit_scale=logit_scale, shift_seq_len=t,
-                     shift=k, token_scaling=use_token_scaling)
+                     shift=k, token_scaling=use_token_scaling,
+                     batch_invariant=batch_invariant)
     want = _want(return_z_loss, return_token_accuracy, return_predicted_tokens, return_lse,
                  return_entropy)
     if q is not None:
@@ -312,7 +319,7 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
                          return_token_accuracy: bool = False,
                          return_predicted_tokens: bool = False, return_lse: bool = False,
                          return_entropy: bool = False, check_targets: bool = False,
-                         workspace_bytes: Optional[int] = None):
+                         workspace_bytes: Optional[int] = None, batch_invariant: bool = False):
     """cross_entropy(F.linear(input, linear_weight, linear_bias), target, ...) without ever
     holding the [N, V] logits (fce_linear_ce).
 
@@ -350,8 +357,13 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
                   (8·N·D·V instead of 6·N·D·V FLOPs; its float32 [N, D] ∂h accumulator counts
                   towards the budget). A budget below the library's minimum (a few MiB) gets
                   the minimum.
+    batch_invariant  as in :func:`cross_entropy`; the plan is then fixed (token chunks of a
+                  size set by V and the dtype), whatever the budget.
     """
     if _dtensor.any_dtensor(input, linear_weight, linear_bias):
+        if batch_invariant:
+            raise ValueError("batch_invariant is not supported with DTensor arguments (the "
+                             "vocabulary-parallel calls refuse it)")
         return _dtensor.linear_cross_entropy(
             input, linear_weight, target, linear_bias, weight, dict(
                 reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing,
@@ -400,7 +412,8 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
         raise ValueError(f"workspace_bytes must be >= 0, got {workspace_bytes}")
     opts = CEOptions(reduction=red, ignore_index=ignore_index, label_smoothing=label_smoothing,
                      z_loss=z_loss, softcap=softcap, logit_scale=logit_scale, shift_seq_len=t,
-                     shift=k, token_scaling=use_token_scaling)
+                     shift=k, token_scaling=use_token_scaling,
+                     batch_invariant=batch_invariant)
     want = _want(return_z_loss, return_token_accuracy, return_predicted_tokens, return_lse,
                  return_entropy)
     if q is not None:

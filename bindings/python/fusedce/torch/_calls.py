@@ -50,6 +50,7 @@ def options(backend: int, dtype: int, target_dtype: int, opts: CEOptions,
         o.softcap, o.logit_scale = opts.softcap, opts.logit_scale
         o.shift_seq_len, o.shift = opts.shift_seq_len, opts.shift
         o.token_scaling = int(opts.token_scaling)
+        o.batch_invariant = int(opts.batch_invariant)
         o.grad_weight_fp32 = int(grad_weight_fp32)
         if len(_OPTIONS) > 256:
             _OPTIONS.clear()

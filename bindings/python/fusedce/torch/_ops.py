@@ -40,8 +40,8 @@ def _f32(t: Tensor) -> Tensor:
 
 # ============================================================ cross_entropy ops ====
 # Every op below takes the options as the scalars of CEOptions.as_op_args (ignore_index ...
-# token_scaling, in that order) and the outputs asked of the library as ``want``, an int
-# (Want.as_op_arg); an op returns an empty [0] tensor for an output not asked for.
+# token_scaling, batch_invariant, in that order) and the outputs asked of the library as
+# ``want``, an int (Want.as_op_arg); an op returns an empty [0] tensor for an output not asked for.
 def _or_empty(t: Optional[Tensor], like: Tensor, dtype=torch.float32) -> Tensor:
     return t if t is not None else like.new_empty((0,), dtype=dtype)
 
@@ -70,7 +70,7 @@ def _present(grad: Optional[Tensor]) -> Optional[Tensor]:
 def _ce_forward_grad(logits: Tensor, targets: Tensor, class_weights: Optional[Tensor],
                      ignore_index: int, reduction: int, label_smoothing: float, z_loss: float,
                      softcap: float, logit_scale: float, shift_seq_len: int, shift: int,
-                     token_scaling: bool, want: int, check_targets: bool
+                     token_scaling: bool, batch_invariant: bool, want: int, check_targets: bool
                      ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(loss, lse, dloss/dlogits for an upstream gradient of 1, z_loss, accuracy, argmax,
     entropy): one read, one write."""
@@ -78,7 +78,7 @@ def _ce_forward_grad(logits: Tensor, targets: Tensor, class_weights: Optional[Te
     loss, lse, zl, acc, am, ent = _tc.ce_forward(
         logits, targets, _cw(class_weights),
         CEOptions.from_op_args(ignore_index, reduction, label_smoothing, z_loss, softcap,
-                               logit_scale, shift_seq_len, shift, token_scaling),
+                               logit_scale, shift_seq_len, shift, token_scaling, batch_invariant),
         grad=grad, want=Want.from_op_arg(want), check_targets=check_targets)
     return (loss, lse, grad, _or_empty(zl, logits), _or_empty(acc, logits),
             _or_empty(am, logits, torch.int64), _or_empty(ent, logits))
@@ -87,7 +87,7 @@ def _ce_forward_grad(logits: Tensor, targets: Tensor, class_weights: Optional[Te
 @_ce_forward_grad.register_fake
 def _ce_forward_grad_fake(logits, targets, class_weights, ignore_index, reduction,
                           label_smoothing, z_loss, softcap, logit_scale, shift_seq_len, shift,
-                          token_scaling, want, check_targets):
+                          token_scaling, batch_invariant, want, check_targets):
     n = logits.shape[0]
     w = Want.from_op_arg(want)
     return (logits.new_empty((), dtype=torch.float32),
@@ -100,20 +100,21 @@ def _ce_forward_grad_fake(logits, targets, class_weights, ignore_index, reductio
 def _ce_rescale_(grad: Tensor, grad_loss: Tensor, logits: Tensor, targets: Tensor, lse: Tensor,
                  class_weights: Optional[Tensor], ignore_index: int, reduction: int,
                  label_smoothing: float, z_loss: float, softcap: float, logit_scale: float,
-                 shift_seq_len: int, shift: int, token_scaling: bool) -> None:
+                 shift_seq_len: int, shift: int, token_scaling: bool,
+                 batch_invariant: bool) -> None:
     """fce_backward_rescale: grad (the forward's, for an upstream 1) becomes the gradient for
     grad_loss, rounded once: nothing when it is 1, an exact in-place scale for ±2^k, else
     computed again from the logits; decided on the device."""
     _tc.ce_backward(logits, targets, lse, _f32(grad_loss), _cw(class_weights),
                     CEOptions.from_op_args(ignore_index, reduction, label_smoothing, z_loss,
                                            softcap, logit_scale, shift_seq_len, shift,
-                                           token_scaling), rescale=grad)
+                                           token_scaling, batch_invariant), rescale=grad)
 
 
 @_ce_rescale_.register_fake
 def _ce_rescale_fake(grad, grad_loss, logits, targets, lse, class_weights, ignore_index,
                      reduction, label_smoothing, z_loss, softcap, logit_scale, shift_seq_len,
-                     shift, token_scaling):
+                     shift, token_scaling, batch_invariant):
     return None
 
 
@@ -313,13 +314,13 @@ class _CrossEntropyInPlace(torch.autograd.Function):
 def _ce_forward(logits: Tensor, targets: Tensor, class_weights: Optional[Tensor],
                 ignore_index: int, reduction: int, label_smoothing: float, z_loss: float,
                 softcap: float, logit_scale: float, shift_seq_len: int, shift: int,
-                token_scaling: bool, want: int, check_targets: bool
+                token_scaling: bool, batch_invariant: bool, want: int, check_targets: bool
                 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(loss, lse, z_loss, accuracy, argmax, entropy)."""
     loss, lse, zl, acc, am, ent = _tc.ce_forward(
         logits, targets, _cw(class_weights),
         CEOptions.from_op_args(ignore_index, reduction, label_smoothing, z_loss, softcap,
-                               logit_scale, shift_seq_len, shift, token_scaling),
+                               logit_scale, shift_seq_len, shift, token_scaling, batch_invariant),
         want=Want.from_op_arg(want), check_targets=check_targets)
     return (loss, lse, _or_empty(zl, logits), _or_empty(acc, logits),
             _or_empty(am, logits, torch.int64), _or_empty(ent, logits))
@@ -327,7 +328,8 @@ def _ce_forward(logits: Tensor, targets: Tensor, class_weights: Optional[Tensor]
 
 @_ce_forward.register_fake
 def _ce_forward_fake(logits, targets, class_weights, ignore_index, reduction, label_smoothing,
-                     z_loss, softcap, logit_scale, shift_seq_len, shift, token_scaling, want,
+                     z_loss, softcap, logit_scale, shift_seq_len, shift, token_scaling,
+                     batch_invariant, want,
                      check_targets):
     n = logits.shape[0]
     w = Want.from_op_arg(want)
@@ -340,17 +342,18 @@ def _ce_forward_fake(logits, targets, class_weights, ignore_index, reduction, la
 def _ce_backward(grad_loss: Tensor, logits: Tensor, targets: Tensor, lse: Tensor,
                  class_weights: Optional[Tensor], ignore_index: int, reduction: int,
                  label_smoothing: float, z_loss: float, softcap: float, logit_scale: float,
-                 shift_seq_len: int, shift: int, token_scaling: bool) -> Tensor:
+                 shift_seq_len: int, shift: int, token_scaling: bool,
+                 batch_invariant: bool) -> Tensor:
     return _tc.ce_backward(logits, targets, lse, _f32(grad_loss), _cw(class_weights),
                            CEOptions.from_op_args(ignore_index, reduction, label_smoothing,
                                                   z_loss, softcap, logit_scale, shift_seq_len,
-                                                  shift, token_scaling))
+                                                  shift, token_scaling, batch_invariant))
 
 
 @_ce_backward.register_fake
 def _ce_backward_fake(grad_loss, logits, targets, lse, class_weights, ignore_index, reduction,
                       label_smoothing, z_loss, softcap, logit_scale, shift_seq_len, shift,
-                      token_scaling):
+                      token_scaling, batch_invariant):
     return logits.new_empty(logits.shape)  # dense [N, V] whatever the logits' row stride
 
 
@@ -359,13 +362,13 @@ def _ce_grad(grad_loss: Optional[Tensor], grad_lse: Optional[Tensor],
              grad_entropy: Optional[Tensor], logits: Tensor, targets: Tensor, lse: Tensor,
              class_weights: Optional[Tensor], ignore_index: int, reduction: int,
              label_smoothing: float, z_loss: float, softcap: float, logit_scale: float,
-             shift_seq_len: int, shift: int, token_scaling: bool) -> Tensor:
+             shift_seq_len: int, shift: int, token_scaling: bool, batch_invariant: bool) -> Tensor:
     """The gradient of the loss, lse and the entropy together (any upstream gradient None), in
     one C call: _calls.ce_grad."""
     return _tc.ce_grad(logits, targets, lse, _cw(class_weights),
                        CEOptions.from_op_args(ignore_index, reduction, label_smoothing, z_loss,
                                               softcap, logit_scale, shift_seq_len, shift,
-                                              token_scaling),
+                                              token_scaling, batch_invariant),
                        grad_loss, grad_lse, grad_entropy)
 
 
@@ -409,7 +412,8 @@ def _linear_ce(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: 
                grad_lse: Optional[Tensor], grad_entropy: Optional[Tensor],
                ignore_index: int, reduction: int, label_smoothing: float, z_loss: float,
                softcap: float, logit_scale: float, shift_seq_len: int, shift: int,
-               token_scaling: bool, compute_dtype: int, workspace_bytes: int, need_hidden: bool,
+               token_scaling: bool, batch_invariant: bool, compute_dtype: int,
+               workspace_bytes: int, need_hidden: bool,
                need_weight: bool, need_bias: bool, want: int, check_targets: bool
                ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
                           Tensor]:
@@ -432,7 +436,7 @@ def _linear_ce(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: 
     loss, lse, gh, gw, gb, zl, acc, am, ent = _tc.linear_ce(
         h, w, b, targets.contiguous(), _cw(class_weights), g,
         CEOptions.from_op_args(ignore_index, reduction, label_smoothing, z_loss, softcap,
-                               logit_scale, shift_seq_len, shift, token_scaling),
+                               logit_scale, shift_seq_len, shift, token_scaling, batch_invariant),
         grad_weight_fp32=fp32_grads, need=(need_hidden, need_weight, need_bias),
         workspace_bytes=int(workspace_bytes), want=Want.from_op_arg(want),
         check_targets=check_targets,
@@ -449,7 +453,8 @@ def _linear_ce(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: 
 @_linear_ce.register_fake
 def _linear_ce_fake(hidden, weight, bias, targets, class_weights, grad_output, grad_lse,
                     grad_entropy, ignore_index, reduction, label_smoothing, z_loss, softcap, logit_scale, shift_seq_len,
-                    shift, token_scaling, compute_dtype, workspace_bytes, need_hidden,
+                    shift, token_scaling, batch_invariant, compute_dtype, workspace_bytes,
+                    need_hidden,
                     need_weight, need_bias, want, check_targets):
     n = hidden.shape[0]
     loss = hidden.new_empty((n,) if reduction == FCE_REDUCTION_NONE else (), dtype=torch.float32)

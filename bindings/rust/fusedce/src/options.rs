@@ -182,7 +182,7 @@ impl<'w> Options<'w> {
             reserved0: 0,
             shift: 0,
             token_scaling: 0,
-            reserved1: 0,
+            batch_invariant: 0,
         };
         Options {
             raw,
@@ -318,6 +318,16 @@ impl<'w> Options<'w> {
         self
     }
 
+    /// Batch invariance (docs/semantics.md rule 21): each row's loss (reduction none), lse,
+    /// entropy, argmax and gradient row are bitwise the same whatever the other rows of the
+    /// call, the row's position and (linear CE) the workspace size. Not the reduced loss, nor
+    /// grad_weight / grad_bias. The CUDA backend needs 16-byte aligned logits rows; the
+    /// vocabulary-parallel and distillation calls refuse it. Default off. Since 1.0.
+    pub fn batch_invariant(mut self, on: bool) -> Self {
+        self.raw.batch_invariant = on as i32;
+        self
+    }
+
     /// Bitwise-identical results run to run.
     pub fn deterministic(mut self, on: bool) -> Self {
         self.raw.deterministic = on as i32;
@@ -415,6 +425,10 @@ impl<'w> Options<'w> {
     /// See [`Options::token_scaling`].
     pub fn get_token_scaling(&self) -> bool {
         self.raw.token_scaling != 0
+    }
+    /// See [`Options::batch_invariant`].
+    pub fn get_batch_invariant(&self) -> bool {
+        self.raw.batch_invariant != 0
     }
 
     // ---- the C struct
