@@ -195,7 +195,12 @@ typedef struct fce_options {
                                  constant (Liger's use_token_scaling); the mean's denominators
                                  are unchanged; an invalid row (loss NaN) keeps its z-loss term
                                  unscaled. 0 (off) */
-  int32_t reserved1;          /* must be 0 */
+  int32_t vp_entropy;         /* the fce_vp_* and fce_nccl_* calls: nonzero makes each shard's
+                                 statistics also carry its share of the entropy (one more sum
+                                 per element in fce_vp_stats and fce_vp_linear_stats), which
+                                 outputs->entropy and gradients->grad_entropy of those calls
+                                 need; pass the same value to every call of a step (it sets
+                                 the statistics' layout). The other calls require 0. 0 (off) */
 } fce_options;
 
 /* The defaults, one value per field in declaration order (positional: designated initialisers
@@ -224,7 +229,7 @@ typedef struct fce_options {
     0,                   /* reserved0: must be 0 */                           \
     0,                   /* shift: 0 (= 1 with shift_seq_len) (0.3) */        \
     0,                   /* token_scaling: off (0.3) */                       \
-    0                    /* reserved1: must be 0 (0.3) */                     \
+    0                    /* vp_entropy: off */                                \
   }
 
 /* sizeof(fce_options) in version 1.0, the first of the stable ABI: the smallest struct_size any

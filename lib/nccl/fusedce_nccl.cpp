@@ -135,6 +135,17 @@ fce_status check_shard_ranks(const char* fn, const fce_vp_shard* shard, int rank
   return FCE_SUCCESS;
 }
 
+// grad_lse / grad_entropy (docs/semantics.md rule 18) need a gradient to add them to: refused
+// without one (as fce_forward and fce_vp_linear_ce refuse them), never silently dropped.
+fce_status check_row_grads(const char* fn, const fce_gradients& g, bool with_grad,
+                           const char* none) {
+  if (with_grad || (!g.grad_lse && !g.grad_entropy)) return FCE_SUCCESS;
+  return fail(FCE_ERROR_INVALID_ARGUMENT,
+              "%s: gradients->%s is given but %s NULL: no gradient to "
+              "add it to",
+              fn, g.grad_lse ? "grad_lse" : "grad_entropy", none);
+}
+
 fce_status read_structs(const char* fn, const fce_vp_shard* shard, int ranks,
                         const fce_outputs* outputs, const fce_gradients* gradients,
                         fce_outputs* out, fce_gradients* g) {
@@ -488,6 +499,7 @@ FCE_API fce_status fce_nccl_cross_entropy(const fce_options* options, const fce_
   FCE_NCCL_TRY(check_sizes(fn, rows, vocab_total, vocab_start, vocab_local, true, ci.ranks,
                            &gathered_bytes));
   const bool with_grad = grad_logits != nullptr;
+  FCE_NCCL_TRY(check_row_grads(fn, gr, with_grad, "gradients->grad_logits is"));
   CeLayout l;
   FCE_NCCL_TRY(ce_layout(fn, options, ci.ranks, rows, vocab_total, vocab_local, with_grad,
                          gathered_bytes, &l));
@@ -614,6 +626,8 @@ FCE_API fce_status fce_nccl_linear_ce(const fce_options* options, const fce_vp_s
   FCE_NCCL_TRY(check_sizes(fn, rows, vocab_total, vocab_start, vocab_local, true, ci.ranks,
                            &gathered_bytes));
   const bool with_grad = grad_hidden || grad_weight || grad_bias;
+  FCE_NCCL_TRY(check_row_grads(fn, gr, with_grad,
+                               "gradients->grad_hidden, grad_weight and grad_bias are all"));
   LinLayout l;
   FCE_NCCL_TRY(lin_layout(fn, options, o, ci.ranks, rows, hidden, vocab_total, vocab_local,
                           with_grad, grad_hidden != nullptr, gathered_bytes, &l));

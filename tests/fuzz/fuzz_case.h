@@ -457,7 +457,7 @@ void gen_options(Input& in, Case& c) {
       case 17: o.reserved0 = interesting_i32(in); break;
       case 18: o.shift = interesting_i64(in, c); break;
       case 19: o.token_scaling = interesting_i32(in); break;
-      default: o.reserved1 = interesting_i32(in); break;
+      default: o.vp_entropy = interesting_i32(in); break;
     }
   }
   c.opt = o;
@@ -767,7 +767,7 @@ void judge(Case& c) {
     if (s != FCE_OPTIONS_SIZE_V1_0)
       add(c, kInvalid, INV, false, "struct_size is no version's size");
     if (o.reserved0 != 0) add(c, kInvalid, INV, false, "reserved0 != 0");
-    if (o.reserved1 != 0) add(c, kInvalid, INV, false, "reserved1 != 0");
+    if (o.vp_entropy != 0) add(c, kInvalid, INV, false, "vp_entropy != 0 (not a vp call)");
     if (o.backend != FCE_BACKEND_CPU && o.backend != FCE_BACKEND_CUDA)
       add(c, kInvalid, INV, false, "backend is no fce_backend");
     if (o.backend == FCE_BACKEND_CUDA)
