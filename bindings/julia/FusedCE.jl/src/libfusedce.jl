@@ -94,7 +94,7 @@ struct FceOptions
     reserved0::Int32            # int32_t reserved0 (offset 100)
     shift::Int64                # int64_t shift (offset 104)
     token_scaling::Int32        # int32_t token_scaling (offset 112)
-    reserved1::Int32            # int32_t reserved1 (offset 116)
+    vp_entropy::Int32           # int32_t vp_entropy (offset 116)
 end
 const fce_options = FceOptions
 

@@ -72,7 +72,7 @@ pub struct fce_options {
     pub reserved0: i32,
     pub shift: i64,
     pub token_scaling: i32,
-    pub reserved1: i32,
+    pub vp_entropy: i32,
 }
 #[test]
 fn bindgen_test_layout_fce_options() {
@@ -443,23 +443,23 @@ fn bindgen_test_layout_fce_options() {
         );
     }
     test_field_token_scaling();
-    fn test_field_reserved1() {
+    fn test_field_vp_entropy() {
         assert_eq!(
             unsafe {
                 let uninit = ::std::mem::MaybeUninit::<fce_options>::uninit();
                 let ptr = uninit.as_ptr();
-                ::std::ptr::addr_of!((*ptr).reserved1) as usize - ptr as usize
+                ::std::ptr::addr_of!((*ptr).vp_entropy) as usize - ptr as usize
             },
             116usize,
             concat!(
                 "Offset of field: ",
                 stringify!(fce_options),
                 "::",
-                stringify!(reserved1)
+                stringify!(vp_entropy)
             )
         );
     }
-    test_field_reserved1();
+    test_field_vp_entropy();
 }
 extern "C" {
     pub fn fce_options_default(options: *mut fce_options);

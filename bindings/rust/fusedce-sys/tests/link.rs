@@ -55,7 +55,7 @@ fn options_default_matches_the_header_initialiser() {
         (0, 0, 0, 0)
     );
     assert_eq!(o.shift, 0);
-    assert_eq!((o.token_scaling, o.reserved1), (0, 0));
+    assert_eq!((o.token_scaling, o.vp_entropy), (0, 0));
 }
 
 #[test]

@@ -182,7 +182,7 @@ impl<'w> Options<'w> {
             reserved0: 0,
             shift: 0,
             token_scaling: 0,
-            reserved1: 0,
+            vp_entropy: 0,
         };
         Options {
             raw,
