@@ -593,8 +593,9 @@ typedef struct fce_vp_shard {
 } fce_vp_shard;
 
 /* Phase 1 over this rank's logits [rows, vocab_local] (options->row_stride apart): writes
- * stats [rows, FCE_VP_STATS]. One read of the logits; no workspace. targets are the global
- * class indices (the same array on every rank). */
+ * stats [rows, FCE_VP_STATS] (with options->vp_entropy, the shard's entropy sums among them).
+ * One read of the logits; no workspace. targets are the global class indices (the same array
+ * on every rank). */
 FCE_API fce_status fce_vp_stats(const fce_options* options, const fce_vp_shard* shard,
                                 int64_t rows, const void* logits, const void* targets,
                                 float* stats, void* stream);
