@@ -488,6 +488,11 @@ TEST_F(Vp, EntropyAndRowGradients) {
          c.scale = 0.6f;
        }},
       {"token_scaling", [](VpCase& c) { c.token_scaling = true; }},
+      {"shift",
+       [](VpCase& c) {
+         c.shift = 6;
+         c.shift_k = 2;
+       }},
   };
   for_row_terms_cases<VpCase>(sets, 12, 203, 7, [](const VpCase& c) {
     check_vp_entropy(c, true);
