@@ -172,6 +172,15 @@ template <bool SW> __device__ __forceinline__ Partial block_reduce_all(Partial x
   return r;
 }
 
+// t = Σ exp(a − m)(a − m) of sums (s, t) against m, made against m' ≥ m:
+// exp(m − m')(t + s (m − m')); 0 when m = −inf (nothing summed) or exp(m − m') is 0 (m − m'
+// may even overflow to −inf, where s (m − m') would make 0·inf).
+__device__ __forceinline__ float rescale_t(float m, float m2, float s, float t) {
+  const float dm = __fsub_rn(m, m2);
+  const float r = ex2(__fmul_rn(dm, kLog2e));
+  return m == neg_inf() || r == 0.f ? 0.f : __fmul_rn(r, __fmaf_rn(s, dm, t));
+}
+
 // Phase 1 on one vector: online max / Σexp (and Σω·(a − c) when smoothing) of its in-row
 // elements. With `track`, am follows the index of the first element equal to the thread's
 // running maximum (a thread visits its vectors in increasing index order, so a later equal

@@ -1,9 +1,8 @@
 // ce/memory.cuh — how the cross-entropy row kernels (ce/kernels.cu) read and write a row (and the
-// few math helpers every CE and vocabulary-parallel kernel shares: Mode, ex2, prob,
-// rescale_t): dtype traits, element conversions, and 16-byte vector loads and stores that never
-// touch a byte outside [row, row + V) (the ≤ 2 partial vectors of a row go element by element).
-// The vector split itself (is_full, grad_vec_ok on addresses) is in ce/geometry.cuh, shared with
-// the host.
+// few math helpers every CE and vocabulary-parallel kernel shares: Mode, ex2, prob): dtype
+// traits, element conversions, and 16-byte vector loads and stores that never touch a byte
+// outside [row, row + V) (the ≤ 2 partial vectors of a row go element by element). The vector
+// split itself (is_full, grad_vec_ok on addresses) is in ce/geometry.cuh, shared with the host.
 //
 // Everything here is in an anonymous namespace, as it was when the row kernels were one file:
 // each kernel translation unit gets its own internal copy, so the compiler sees (and inlines)
@@ -51,15 +50,6 @@ __device__ __forceinline__ float qnan() { return __int_as_float(0x7fffffff); }
 // gradient, token scaling, the vocabulary-parallel combine) calls this one.
 __device__ __forceinline__ float prob(float a, float m, float ls) {
   return ex2(__fmaf_rn(__fsub_rn(a, m), kLog2e, -__fmul_rn(ls, kLog2e)));
-}
-
-// (docs/semantics.md rule 18) t = Σ exp(a − m)(a − m) of sums (s, t) against m, made against m' ≥ m:
-// exp(m − m')(t + s (m − m')); 0 when m = −inf (nothing summed) or exp(m − m') is 0 (m − m'
-// may even overflow to −inf, where s (m − m') would make 0·inf).
-__device__ __forceinline__ float rescale_t(float m, float m2, float s, float t) {
-  const float dm = __fsub_rn(m, m2);
-  const float r = ex2(__fmul_rn(dm, kLog2e));
-  return m == neg_inf() || r == 0.f ? 0.f : __fmul_rn(r, __fmaf_rn(s, dm, t));
 }
 
 // ------------------------------------------------------------------ dtype traits ----

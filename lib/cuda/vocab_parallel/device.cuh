@@ -54,6 +54,15 @@ struct SParams {
   float scale, softcap, s_over_c;
 };
 
+// e = Σ exp(a − m)(a − m) of sums (s, e) against m, made against m2 ≥ m: exp(m − m2)(e +
+// s (m − m2)); 0 when m = −inf (nothing summed) or exp(m − m2) is 0 (never 0·inf). (The CE
+// kernels' rescale_t, ce/device.cuh, which this header cannot include.)
+__device__ __forceinline__ float rebase_e(float m, float m2, float s, float e) {
+  const float dm = __fsub_rn(m, m2);
+  const float r = ex2(__fmul_rn(dm, kLog2e));
+  return (m == neg_inf() || r == 0.f) ? 0.f : __fmul_rn(r, __fmaf_rn(s, dm, e));
+}
+
 
 // (classify_row, rules 1-3, and RowKind: ce/memory.cuh, shared with the CE kernels)
 
@@ -160,7 +169,7 @@ __device__ __forceinline__ void stats_vector(const uint4& raw, int64_t j0, bool 
   const float mn = fmaxf(acc.m, vm);
   if (kSmoothMode && p.smooth) acc.u = rebase(acc.u, acc.w, acc.m, mn);
   if constexpr (ENT) {
-    if (acc.m != mn) *e = rescale_t(acc.m, mn, acc.s, *e);  // (ce/memory.cuh)
+    if (acc.m != mn) *e = rebase_e(acc.m, mn, acc.s, *e);
   }
   acc.s = acc.m == mn ? acc.s : __fmul_rn(acc.s, ex2(__fmul_rn(__fsub_rn(acc.m, mn), kLog2e)));
   acc.m = mn;

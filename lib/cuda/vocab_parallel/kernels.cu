@@ -111,7 +111,7 @@ __global__ void __launch_bounds__(kStatsThreads, 2) vp_stats_kernel(const SParam
   float e_row = 0.f;  // ENT: the row's e against fin.m (thread 0's)
   if constexpr (ENT) {
     __shared__ float s_e[32];
-    float e = acc.m != fin.m ? rescale_t(acc.m, fin.m, acc.s, e_acc) : e_acc;
+    float e = acc.m != fin.m ? rebase_e(acc.m, fin.m, acc.s, e_acc) : e_acc;
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) e = __fadd_rn(e, __shfl_xor_sync(0xffffffffu, e, o));
     if ((tid & 31) == 0) s_e[tid >> 5] = e;
