@@ -184,7 +184,12 @@ typedef struct fce_options {
   int32_t grad_weight_fp32;   /* fce_linear_ce, fce_vp_linear_backward: nonzero = grad_weight
                                  and grad_bias are float32 whatever dtype is; 0 = they have
                                  dtype */
-  int32_t reserved0;          /* must be 0 */
+  int32_t vp_entropy;         /* the fce_vp_* and fce_nccl_* calls: nonzero makes each shard's
+                                 statistics also carry its share of the entropy (one more sum
+                                 per element in fce_vp_stats and fce_vp_linear_stats), which
+                                 outputs->entropy and gradients->grad_entropy of those calls
+                                 need; pass the same value to every call of a step (it sets
+                                 the statistics' layout). The other calls require 0. 0 (off) */
   int64_t shift;              /* k >= 0, with shift_seq_len T > 0: row b*T+t is scored against
                                  target b*T+t+k and rows with t >= T-k are ignored (CCE's
                                  integer shift). 0 = 1 (the shift of 0.2). k >= T ignores
@@ -195,12 +200,7 @@ typedef struct fce_options {
                                  constant (Liger's use_token_scaling); the mean's denominators
                                  are unchanged; an invalid row (loss NaN) keeps its z-loss term
                                  unscaled. 0 (off) */
-  int32_t vp_entropy;         /* the fce_vp_* and fce_nccl_* calls: nonzero makes each shard's
-                                 statistics also carry its share of the entropy (one more sum
-                                 per element in fce_vp_stats and fce_vp_linear_stats), which
-                                 outputs->entropy and gradients->grad_entropy of those calls
-                                 need; pass the same value to every call of a step (it sets
-                                 the statistics' layout). The other calls require 0. 0 (off) */
+  int32_t reserved1;          /* must be 0 */
 } fce_options;
 
 /* The defaults, one value per field in declaration order (positional: designated initialisers
@@ -226,10 +226,10 @@ typedef struct fce_options {
     0,                   /* deterministic: 0 (every path already is) */       \
     0,                   /* accumulate: 0 (overwrite) */                      \
     0,                   /* grad_weight_fp32: 0 (gradients of dtype) */       \
-    0,                   /* reserved0: must be 0 */                           \
+    0,                   /* vp_entropy: off */                                \
     0,                   /* shift: 0 (= 1 with shift_seq_len) (0.3) */        \
     0,                   /* token_scaling: off (0.3) */                       \
-    0                    /* vp_entropy: off */                                \
+    0                    /* reserved1: must be 0 (0.3) */                     \
   }
 
 /* sizeof(fce_options) in version 1.0, the first of the stable ABI: the smallest struct_size any

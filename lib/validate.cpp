@@ -109,9 +109,9 @@ fce_status begin_call(const char* fn, const fce_options* options, fce_options* l
 
 fce_status check_options(const char* fn, const fce_options* o, int64_t rows, int64_t vocab,
                          CeOptions* out) {
-  if (o->reserved0 != 0)
-    return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: options->reserved0 (%d) must be 0", fn,
-                o->reserved0);
+  if (o->reserved1 != 0)
+    return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: options->reserved1 (%d) must be 0", fn,
+                o->reserved1);
   if (o->vp_entropy != 0 && std::strncmp(fn, "fce_vp_", 7) != 0)
     return fail(FCE_ERROR_INVALID_ARGUMENT,
                 "%s: options->vp_entropy (%d) must be 0: only the vocabulary-parallel calls "

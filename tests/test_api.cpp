@@ -101,16 +101,16 @@ void expect_defaults(const fce_options& o, size_t struct_size = sizeof(fce_optio
   EXPECT_EQ(o.deterministic, 0);
   EXPECT_EQ(o.accumulate, 0);
   EXPECT_EQ(o.grad_weight_fp32, 0);
-  EXPECT_EQ(o.reserved0, 0);
+  EXPECT_EQ(o.vp_entropy, 0);
   EXPECT_EQ(o.shift, 0);
   EXPECT_EQ(o.token_scaling, 0);
-  EXPECT_EQ(o.vp_entropy, 0);
+  EXPECT_EQ(o.reserved1, 0);
 }
 
 TEST(Api, OptionsLayout) {
   // The sizes are the header's, and the outputs leave the options (they are fce_outputs').
   EXPECT_EQ(sizeof(fce_options), (size_t)FCE_OPTIONS_SIZE_V1_0);
-  EXPECT_EQ(offsetof(fce_options, vp_entropy) + sizeof(int32_t), (size_t)FCE_OPTIONS_SIZE_V1_0);
+  EXPECT_EQ(offsetof(fce_options, reserved1) + sizeof(int32_t), (size_t)FCE_OPTIONS_SIZE_V1_0);
   EXPECT_EQ(sizeof(fce_outputs), (size_t)FCE_OUTPUTS_SIZE_V1_0);
   EXPECT_EQ(offsetof(fce_outputs, entropy) + sizeof(void*), (size_t)FCE_OUTPUTS_SIZE_V1_0);
   EXPECT_EQ(sizeof(fce_gradients), (size_t)FCE_GRADIENTS_SIZE_V1_0);
@@ -491,10 +491,10 @@ TEST_F(BadInput, ScalarOptions) {
                       sizeof(fce_options) + 8})
       expect_rejected(f, ("struct_size " + std::to_string(sz)).c_str(), FCE_ERROR_INVALID_ARGUMENT,
                       "struct_size", [sz](FwdArgs& x) { x.o.struct_size = sz; });
-    expect_rejected(f, "reserved0 != 0", FCE_ERROR_INVALID_ARGUMENT, "reserved0",
-                    [](FwdArgs& x) { x.o.reserved0 = 1; });
     expect_rejected(f, "vp_entropy != 0", FCE_ERROR_INVALID_ARGUMENT, "options->vp_entropy",
-                    [](FwdArgs& x) { x.o.vp_entropy = -7; });
+                    [](FwdArgs& x) { x.o.vp_entropy = 1; });
+    expect_rejected(f, "reserved1 != 0", FCE_ERROR_INVALID_ARGUMENT, "options->reserved1",
+                    [](FwdArgs& x) { x.o.reserved1 = -7; });
     // shift: k >= 0, and only with a sequence length.
     expect_rejected(f, "shift -1", FCE_ERROR_INVALID_ARGUMENT, "options->shift",
                     [](FwdArgs& x) { x.o.shift_seq_len = 4; x.o.shift = -1; });

@@ -95,8 +95,8 @@ TEST_F(DistillRefusals, Options) {
   o.shift_seq_len = 2;
   expect_refused(FCE_ERROR_UNSUPPORTED, "fce_distill: options->shift_seq_len is not supported");
   o = base;
-  o.reserved0 = 1;
-  expect_refused(FCE_ERROR_INVALID_ARGUMENT, "fce_distill: options->reserved0");
+  o.vp_entropy = 1;
+  expect_refused(FCE_ERROR_INVALID_ARGUMENT, "fce_distill: options->vp_entropy");
   o = base;
   size_t bytes = 0;
   o.label_smoothing = 0.1f;

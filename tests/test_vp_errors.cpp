@@ -282,8 +282,7 @@ TEST_F(VpBadInput, Options) {
           [](VpArgs& x) { x.o.shift_seq_len = 3; });
   for_all("shift without shift_seq_len", FCE_ERROR_INVALID_ARGUMENT, "options->shift",
           [](VpArgs& x) { x.o.shift = 2; });
-  for_all("reserved0", FCE_ERROR_INVALID_ARGUMENT, "reserved0",
-          [](VpArgs& x) { x.o.reserved0 = 1; });
+  for_all("reserved1", FCE_ERROR_INVALID_ARGUMENT, "reserved1", [](VpArgs& x) { x.o.reserved1 = 1; });
   for_all("class_weights +1 byte", FCE_ERROR_MISALIGNED, "class_weights",
           [](VpArgs& x) { x.o.class_weights = reinterpret_cast<const float*>(reinterpret_cast<const char*>(x.o.class_weights) + 1); });
   if (!fce_cuda_available()) {

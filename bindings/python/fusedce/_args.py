@@ -79,7 +79,7 @@ def _build_options(opts: CEOptions, *, backend, dtype, target_dtype, class_weigh
     o.deterministic = 1 if deterministic else 0
     o.accumulate = 1 if accumulate else 0
     o.grad_weight_fp32 = 1 if grad_weight_fp32 else 0
-    o.reserved0 = o.vp_entropy = 0
+    o.vp_entropy = o.reserved1 = 0
     return o
 
 

@@ -111,10 +111,10 @@ class Options(ctypes.Structure):
         ("deterministic", ctypes.c_int32),
         ("accumulate", ctypes.c_int32),
         ("grad_weight_fp32", ctypes.c_int32),
-        ("reserved0", ctypes.c_int32),
+        ("vp_entropy", ctypes.c_int32),
         ("shift", ctypes.c_int64),
         ("token_scaling", ctypes.c_int32),
-        ("vp_entropy", ctypes.c_int32),
+        ("reserved1", ctypes.c_int32),
     ]
 
 

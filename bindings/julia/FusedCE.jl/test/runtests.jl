@@ -187,7 +187,7 @@ const CASES = [
     @test FceOptions() == FCE_OPTIONS_INIT
     @test FceOptions(reduction=:sum).reduction == FusedCE.FCE_REDUCTION_SUM
     o3 = FceOptions(shift=2, token_scaling=1)
-    @test o3.shift == 2 && o3.token_scaling == 1 && o3.vp_entropy == 0
+    @test o3.shift == 2 && o3.token_scaling == 1 && o3.reserved1 == 0
     @test :shift in FusedCE.OPTION_KEYWORDS && :token_scaling in FusedCE.OPTION_KEYWORDS
     @test_throws ArgumentError FceOptions(no_such_field=1)
     @test startswith(FusedCE.status_string(FusedCE.FCE_ERROR_NULL_POINTER),

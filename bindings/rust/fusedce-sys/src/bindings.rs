@@ -69,10 +69,10 @@ pub struct fce_options {
     pub deterministic: i32,
     pub accumulate: i32,
     pub grad_weight_fp32: i32,
-    pub reserved0: i32,
+    pub vp_entropy: i32,
     pub shift: i64,
     pub token_scaling: i32,
-    pub vp_entropy: i32,
+    pub reserved1: i32,
 }
 #[test]
 fn bindgen_test_layout_fce_options() {
@@ -392,23 +392,23 @@ fn bindgen_test_layout_fce_options() {
         );
     }
     test_field_grad_weight_fp32();
-    fn test_field_reserved0() {
+    fn test_field_vp_entropy() {
         assert_eq!(
             unsafe {
                 let uninit = ::std::mem::MaybeUninit::<fce_options>::uninit();
                 let ptr = uninit.as_ptr();
-                ::std::ptr::addr_of!((*ptr).reserved0) as usize - ptr as usize
+                ::std::ptr::addr_of!((*ptr).vp_entropy) as usize - ptr as usize
             },
             100usize,
             concat!(
                 "Offset of field: ",
                 stringify!(fce_options),
                 "::",
-                stringify!(reserved0)
+                stringify!(vp_entropy)
             )
         );
     }
-    test_field_reserved0();
+    test_field_vp_entropy();
     fn test_field_shift() {
         assert_eq!(
             unsafe {
@@ -443,23 +443,23 @@ fn bindgen_test_layout_fce_options() {
         );
     }
     test_field_token_scaling();
-    fn test_field_vp_entropy() {
+    fn test_field_reserved1() {
         assert_eq!(
             unsafe {
                 let uninit = ::std::mem::MaybeUninit::<fce_options>::uninit();
                 let ptr = uninit.as_ptr();
-                ::std::ptr::addr_of!((*ptr).vp_entropy) as usize - ptr as usize
+                ::std::ptr::addr_of!((*ptr).reserved1) as usize - ptr as usize
             },
             116usize,
             concat!(
                 "Offset of field: ",
                 stringify!(fce_options),
                 "::",
-                stringify!(vp_entropy)
+                stringify!(reserved1)
             )
         );
     }
-    test_field_vp_entropy();
+    test_field_reserved1();
 }
 extern "C" {
     pub fn fce_options_default(options: *mut fce_options);

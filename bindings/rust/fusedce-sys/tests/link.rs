@@ -50,12 +50,12 @@ fn options_default_matches_the_header_initialiser() {
             o.deterministic,
             o.accumulate,
             o.grad_weight_fp32,
-            o.reserved0
+            o.vp_entropy
         ),
         (0, 0, 0, 0)
     );
     assert_eq!(o.shift, 0);
-    assert_eq!((o.token_scaling, o.vp_entropy), (0, 0));
+    assert_eq!((o.token_scaling, o.reserved1), (0, 0));
 }
 
 #[test]

@@ -426,7 +426,7 @@ fn options_builder_sets_every_field() {
             r.deterministic,
             r.accumulate,
             r.grad_weight_fp32,
-            r.reserved0
+            r.vp_entropy
         ),
         (1, 1, 1, 0)
     );
@@ -438,6 +438,6 @@ fn options_builder_sets_every_field() {
     assert_eq!(o.get_dtype(), Some(Dtype::Float16));
     assert_eq!(o.get_backend(), Some(Backend::Cpu));
     assert!(o.get_accumulate() && o.get_deterministic() && o.get_grad_weight_fp32());
-    assert_eq!((r.shift, r.token_scaling, r.vp_entropy), (2, 1, 0));
+    assert_eq!((r.shift, r.token_scaling, r.reserved1), (2, 1, 0));
     assert_eq!((o.get_shift(), o.get_token_scaling()), (2, true));
 }
