@@ -150,7 +150,8 @@ def run_group(section, shape, make, records, slow=False, floor_ms=None):
     leaves, variants = make(*shape, gen)
     base = None
     for name, fn in variants.items():
-        rec = {"section": section, "shape": "x".join(map(str, shape)), "variant": name}
+        rec = {"section": section, "shape": "x".join(map(str, shape)), "variant": name,
+               "impl": "torch-eager" if name.startswith("torch") else "fusedce"}
         try:
             r = bench_torch.measure(bench_torch.step_of(fn, leaves, ()), leaves, slow, 5)
             rec.update(ms=round(r["ms"], 4), extra_mib=round(r["extra_mib"], 1))

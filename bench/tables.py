@@ -386,9 +386,41 @@ def t_headline(device):
             f"({doc['date']}; full tables below):", ""] + out
 
 
+def t_heads(device):
+    """bench/bench_heads.py: per section, each variant's ms (× the section's first row, or × the
+    floor), and the memory beyond the inputs and the gradients returned; shapes as columns."""
+    doc = doc_of("heads", device)
+    titles = {"ce": "cross-entropy, logits N×V", "linear": "linear cross-entropy, N×D×V",
+              "distill": "distillation, logits N×V",
+              "linear_distill": "linear distillation, N×D×Dt×V (× the floor)"}
+    lines = [f"{device_words(doc['device'])}, {runs_line(doc, doc['records'])}. bf16, loss + "
+             "`.backward()`: ms (× the section's first row; linear distillation: × its floor, "
+             "6·N·D·V + 2·N·Dt·V FLOPs at the GEMM rate) and the memory beyond the inputs and "
+             "the gradients returned.", ""]
+    for sec, title in titles.items():
+        recs = [r for r in doc["records"] if r["section"] == sec]
+        if not recs:
+            continue
+        shapes = list(dict.fromkeys(r["shape"] for r in recs))
+        got = {(r["variant"], r["shape"]): r for r in recs}
+
+        def cell(r):
+            if r is None:
+                return "–"
+            if r.get("ms") is None:
+                return "failed: " + short(r.get("error", ""), 60)
+            rel = r.get("x_floor") or r.get("x_first")
+            return f"{ms(r['ms'])} ({rel:.2f}×), {mib(r['extra_mib'])}"
+        rows = [[v] + [cell(got.get((v, s))) for s in shapes]
+                for v in dict.fromkeys(r["variant"] for r in recs)]
+        lines += grid(rows, [f"**{title}**", *[s.replace("x", "×") for s in shapes]])
+        lines.append("")
+    return lines[:-1]
+
+
 TABLES = {"headline": t_headline, "ce": t_ce, "linear": t_linear, "linear-dw": t_linear_dw, "vp": t_vp,
           "ce-raw": t_ce_raw, "linear-raw": t_linear_raw, "options": t_options,
-          "accuracy-dw": t_accuracy_dw, "cpu": t_cpu}
+          "accuracy-dw": t_accuracy_dw, "cpu": t_cpu, "heads": t_heads}
 
 
 def render(name, device=None):

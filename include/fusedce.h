@@ -184,7 +184,12 @@ typedef struct fce_options {
   int32_t grad_weight_fp32;   /* fce_linear_ce, fce_vp_linear_backward: nonzero = grad_weight
                                  and grad_bias are float32 whatever dtype is; 0 = they have
                                  dtype */
-  int32_t reserved0;          /* must be 0 */
+  int32_t vp_entropy;         /* the fce_vp_* and fce_nccl_* calls: nonzero makes each shard's
+                                 statistics also carry its share of the entropy (one more sum
+                                 per element in fce_vp_stats and fce_vp_linear_stats), which
+                                 outputs->entropy and gradients->grad_entropy of those calls
+                                 need; pass the same value to every call of a step (it sets
+                                 the statistics' layout). The other calls require 0. 0 (off) */
   int64_t shift;              /* k >= 0, with shift_seq_len T > 0: row b*T+t is scored against
                                  target b*T+t+k and rows with t >= T-k are ignored (CCE's
                                  integer shift). 0 = 1 (the shift of 0.2). k >= T ignores
@@ -237,7 +242,7 @@ typedef struct fce_options {
     0,                   /* deterministic: 0 (every path already is) */       \
     0,                   /* accumulate: 0 (overwrite) */                      \
     0,                   /* grad_weight_fp32: 0 (gradients of dtype) */       \
-    0,                   /* reserved0: must be 0 */                           \
+    0,                   /* vp_entropy: off */                                \
     0,                   /* shift: 0 (= 1 with shift_seq_len) (0.3) */        \
     0,                   /* token_scaling: off (0.3) */                       \
     0                    /* batch_invariant: off */                           \
@@ -262,8 +267,8 @@ FCE_API void fce_options_default(fce_options* options);
  * fields past it are absent (NULL).
  *
  * Which calls read it: fce_forward, fce_linear_ce, fce_vp_loss and fce_vp_linear_ce write every
- * field (loss required, the others optional), except entropy, which the vocabulary-parallel
- * calls refuse (fce_vp_loss, fce_vp_linear_ce: "not supported"); the gradient-only calls
+ * field (loss required, the others optional; entropy, for the vocabulary-parallel ones, with
+ * options->vp_entropy); the gradient-only calls
  * fce_backward and fce_backward_rescale write error_flags only, and refuse a structure with any
  * other output set. The pointer itself may be NULL where no output is required: for those two
  * (then no error flags are written); never for the calls that write a loss (their message:
@@ -298,8 +303,9 @@ typedef struct fce_outputs {
                             to the row maximum m (with s = sum exp(a - m) and
                             t = sum exp(a - m)(a - m): H = log s - t/s), so rows of huge
                             magnitude are exact; -inf entries (p = 0) add nothing. Written by
-                            fce_forward and fce_linear_ce; the fce_vp_* calls refuse it. Its
-                            gradient: gradients->grad_entropy. */
+                            fce_forward, fce_linear_ce, fce_vp_loss and fce_vp_linear_ce (these
+                            two with options->vp_entropy, else refused). Its gradient:
+                            gradients->grad_entropy. */
 } fce_outputs;
 
 #define FCE_OUTPUTS_INIT                                          \
@@ -328,8 +334,11 @@ typedef struct fce_outputs {
  *   fce_forward, fce_backward, fce_backward_rescale, fce_vp_backward: grad_logits, grad_output;
  *   fce_linear_ce, fce_vp_linear_backward, fce_vp_linear_ce: grad_hidden, grad_weight,
  *   grad_bias, grad_output (and, for the fce_vp_linear_* calls, grad_hidden_dtype);
- *   grad_lse: fce_forward (with grad_logits), fce_backward, fce_linear_ce (with any gradient);
- *   grad_entropy: fce_forward (with grad_logits), fce_linear_ce (with any gradient).
+ *   grad_lse: fce_forward (with grad_logits), fce_backward, fce_linear_ce (with any gradient),
+ *   fce_vp_backward, fce_vp_linear_backward, fce_vp_linear_ce (with any gradient);
+ *   grad_entropy: fce_forward (with grad_logits), fce_linear_ce (with any gradient), and the
+ *   three fce_vp_* calls above with options->vp_entropy (the shards' statistics then carry the
+ *   entropy's sums; without it: FCE_ERROR_INVALID_ARGUMENT).
  *   The others refuse a non-NULL grad_lse / grad_entropy with a message naming the call and
  *   the field (fce_backward refuses grad_entropy: it needs the row's mean logit, which only a
  *   pass over the whole row makes: use fce_forward with a gradient).
@@ -544,9 +553,12 @@ FCE_API fce_status fce_linear_ce(const fce_options* options, int64_t rows, int64
  * the target. Every call below has the same options as the one-GPU calls (reduction, ignore_index,
  * class_weights [vocab_total] — the WHOLE vocabulary's weights on every rank —, label
  * smoothing, z-loss, softcap, logit_scale, shift, token_scaling; outputs->argmax and ->accuracy are written by
- * fce_vp_loss), and the loss, the gradients and the mean's denominator are those of the
- * unsharded call to float32 rounding. All ranks must pass the same options, rows, vocab_total
- * and targets. If the gathered statistics do not tile [0, vocab_total) — their vocab_local do
+ * fce_vp_loss; outputs->entropy and gradients->grad_lse / ->grad_entropy of rule 18 too, the
+ * entropy and its gradient with options->vp_entropy on every call of the step: phase 1 then
+ * also sums e_r = Σ exp(a_j − m_r)(a_j − m_r) over the shard, in the same read, and H and
+ * μ = Σ p_j a_j come from the combination), and the loss, the gradients and the mean's
+ * denominator are those of the unsharded call to float32 rounding. All ranks must pass the
+ * same options, rows, vocab_total and targets. If the gathered statistics do not tile [0, vocab_total) — their vocab_local do
  * not sum to vocab_total, a row's target is held by no shard or by two, or two shards report the
  * same argmax (a shard's statistics gathered twice) — the rows concerned get a NaN loss, lse
  * and gradient and an argmax of -1, and FCE_FLAG_SHARDS_INCONSISTENT is set. (What cannot be
@@ -597,8 +609,9 @@ typedef struct fce_vp_shard {
 } fce_vp_shard;
 
 /* Phase 1 over this rank's logits [rows, vocab_local] (options->row_stride apart): writes
- * stats [rows, FCE_VP_STATS]. One read of the logits; no workspace. targets are the global
- * class indices (the same array on every rank). */
+ * stats [rows, FCE_VP_STATS] (with options->vp_entropy, the shard's entropy sums among them).
+ * One read of the logits; no workspace. targets are the global class indices (the same array
+ * on every rank). */
 FCE_API fce_status fce_vp_stats(const fce_options* options, const fce_vp_shard* shard,
                                 int64_t rows, const void* logits, const void* targets,
                                 float* stats, void* stream);
@@ -609,8 +622,8 @@ FCE_API fce_status fce_vp_loss_workspace_size(const fce_options* options, int64_
                                               size_t* workspace_bytes);
 
 /* Phase 3, the loss: loss ([1] for mean/sum, [rows] for none; required), lse [rows], z_loss [1]
- * argmax, accuracy (optional), all in outputs (required), as fce_forward writes them for the
- * unsharded logits. error_flags as fce_forward (targets outside [0, vocab_total)) plus
+ * argmax, accuracy, entropy (optional; entropy with options->vp_entropy), all in outputs
+ * (required), as fce_forward writes them for the unsharded logits. error_flags as fce_forward (targets outside [0, vocab_total)) plus
  * FCE_FLAG_SHARDS_INCONSISTENT. Reads gathered_stats, the targets and, with class weights,
  * their targets' weights: never the logits. */
 FCE_API fce_status fce_vp_loss(const fce_options* options, const fce_vp_shard* shard,
@@ -625,7 +638,8 @@ FCE_API fce_status fce_vp_backward_workspace_size(const fce_options* options, in
 
 /* Phase 3, the gradient of this rank's logits: grad_logits [rows, vocab_local]
  * (options->grad_row_stride apart; may be logits itself, in place, as for fce_backward), for
- * the upstream grad_output (as fce_backward: NULL = 1). One read of the logits, one write. No
+ * the upstream grad_output (as fce_backward: NULL = 1) and, optional, gradients->grad_lse and
+ * ->grad_entropy (rule 18, every row; grad_entropy with options->vp_entropy). One read of the logits, one write. No
  * outputs: fce_vp_loss on the same gathered_stats reports the error flags (a row with an invalid
  * target, or of inconsistent shards, gets a NaN gradient row here). */
 FCE_API fce_status fce_vp_backward(const fce_options* options, const fce_vp_shard* shard,

@@ -119,13 +119,16 @@ FCE_API fce_status fce_nccl_cross_entropy_workspace_size(const fce_options* opti
  * made by fce_nccl_shard (it carries the communicator).
  *   logits       this rank's z [rows, vocab_local] of options->dtype, options->row_stride apart
  *   targets      y [rows] (global class indices; the same on every rank)
- *   outputs      (required) loss, lse, z_loss, argmax, accuracy: as fce_forward writes them for
- *                the unsharded logits (loss required); identical on every rank
+ *   outputs      (required) loss, lse, z_loss, argmax, accuracy, entropy: as fce_forward
+ *                writes them for the unsharded logits (loss required; entropy with
+ *                options->vp_entropy); identical on every rank
  *   gradients    optional (NULL: the loss only). gradients->grad_logits:
  *                dloss/dz of this rank's columns [rows, vocab_local],
  *                options->grad_row_stride apart, for the upstream grad_output (as fce_forward:
- *                NULL = 1); may be logits itself (in place: then grad_row_stride must equal
- *                row_stride). NULL: the loss only (no backward call).
+ *                NULL = 1) and grad_lse / grad_entropy (rule 18; grad_entropy with
+ *                options->vp_entropy, both refused without grad_logits); may be logits itself
+ *                (in place: then grad_row_stride must equal row_stride). NULL: the loss only
+ *                (no backward call).
  *   outputs->error_flags  optional, as fce_vp_loss / fce_vp_backward (FCE_FLAG_TARGET_OUT_OF_RANGE,
  *                FCE_FLAG_SHARDS_INCONSISTENT when the ranks' shards do not tile the vocabulary)
  * Reads the logits twice when grad_logits is given (phase 1 and the gradient). */
@@ -150,8 +153,10 @@ FCE_API fce_status fce_nccl_linear_ce_workspace_size(const fce_options* options,
  *   weight, bias   this rank's W[vocab_start : vocab_start + vocab_local, :] [vocab_local,
  *                  hidden] and b [vocab_local] (or NULL)
  *   targets, outputs: as fce_nccl_cross_entropy; shard as there (the weight's rows)
- *   gradients      optional (NULL: the loss only); grad_output as fce_nccl_cross_entropy;
- *                  grad_hidden_dtype must be FCE_FLOAT32 (the default); grad_logits NULL
+ *   gradients      optional (NULL: the loss only); grad_output, grad_lse and grad_entropy
+ *                  as fce_nccl_cross_entropy (refused without grad_hidden, grad_weight or
+ *                  grad_bias); grad_hidden_dtype must be FCE_FLOAT32 (the default);
+ *                  grad_logits NULL
  *   grad_hidden    the FULL dloss/dh [rows, hidden] dense, of dtype (the sum over ranks of
  *                  every rank's share, all-reduced in float32 and rounded once to dtype),
  *                  always overwritten, identical on every rank; or NULL (on every rank)

@@ -105,7 +105,7 @@ FCE_API fce_status fce_vp_loss(const fce_options* options, const fce_vp_shard* s
   const char* fn = "fce_vp_loss";
   CallArgs a;
   FCE_TRY(begin_compute(fn, options, shard, true, outputs, nullptr, kLossCall, &a));
-  FCE_TRY(refuse_vp_entropy(fn, a.out));
+  FCE_TRY(check_vp_entropy(fn, a.o, a.out.entropy, nullptr));
   const fce_outputs& out = a.out;
   const int64_t ranks = a.shard.ranks, vocab_total = a.shard.vocab_total;
   float* loss = out.loss;
@@ -133,6 +133,7 @@ FCE_API fce_status fce_vp_loss(const fce_options* options, const fce_vp_shard* s
       workspace_arg(workspace, workspace_bytes),
       e.argmax(out.argmax),
       e.accuracy(out.accuracy),
+      e.entropy(out.entropy),
   };
   FCE_TRY(check_args(fn, args));
   FCE_TRY(check_workspace(fn, vp_workspace(*o, p.opt, ranks, rows, vocab_total, 0, false),
@@ -149,6 +150,7 @@ FCE_API fce_status fce_vp_loss(const fce_options* options, const fce_vp_shard* s
   p.targets = targets;
   p.gathered = gathered_stats;
   set_loss_outputs(&p, out);
+  p.entropy = out.entropy;
   p.error_flags = out.error_flags;
   set_workspace(&p, workspace, workspace_bytes, stream);
   return dispatch(*o, args, p, fce::cpu_vp, fce::cuda_vp);
@@ -169,7 +171,7 @@ FCE_API fce_status fce_vp_backward(const fce_options* options, const fce_vp_shar
   const char* fn = "fce_vp_backward";
   CallArgs a;
   FCE_TRY(begin_compute(fn, options, shard, true, nullptr, gradients, kLogitsGradCall, &a));
-  FCE_TRY(refuse_row_grads(fn, a.g, false, kVpRowGrads));
+  FCE_TRY(check_vp_entropy(fn, a.o, nullptr, a.g.grad_entropy));
   const fce_gradients& g = a.g;
   const auto [ranks, vocab_total, vocab_start, vocab_local, gather, context] = a.shard;
   void* grad_logits = g.grad_logits;
@@ -202,6 +204,8 @@ FCE_API fce_status fce_vp_backward(const fce_options* options, const fce_vp_shar
       e.grad_output(grad_output),
       {"gradients->grad_logits", grad_logits, grad_bytes, e.esize, true},
       workspace_arg(workspace, workspace_bytes),
+      e.grad_lse(g.grad_lse),
+      e.grad_entropy(g.grad_entropy),
   };
   const InPlace in_place{p.row_stride, p.grad_row_stride};
   FCE_TRY(check_args(fn, args, &in_place));
@@ -220,6 +224,8 @@ FCE_API fce_status fce_vp_backward(const fce_options* options, const fce_vp_shar
   p.logits = logits;
   p.grad_output = grad_output;
   p.grad = grad_logits;
+  p.grad_lse = g.grad_lse;
+  p.grad_entropy = g.grad_entropy;
   set_workspace(&p, workspace, workspace_bytes, stream);
   return dispatch(*o, args, p, fce::cpu_vp, fce::cuda_vp);
 }

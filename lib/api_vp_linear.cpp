@@ -185,7 +185,7 @@ FCE_API fce_status fce_vp_linear_backward(const fce_options* options,
   CallArgs a;
   FCE_TRY(begin_compute(fn, options, shard, true, nullptr, gradients,
                         {OutputsUse::kFlagsOnly, GradientsUse::kVpLinear, true}, &a));
-  FCE_TRY(refuse_row_grads(fn, a.g, false, kVpRowGrads));
+  FCE_TRY(check_vp_entropy(fn, a.o, nullptr, a.g.grad_entropy));
   const auto [ranks, vocab_total, vocab_start, vocab_local, gather, context] = a.shard;
   const auto [g_size, grad_output, g_logits, grad_hidden, grad_weight, grad_bias,
               grad_hidden_dtype, g_reserved, g_lse, g_entropy] = a.g;
@@ -227,6 +227,8 @@ FCE_API fce_status fce_vp_linear_backward(const fce_options* options,
       {"gradients->grad_weight", grad_weight, vd * gw_size, gw_size, true},
       {"gradients->grad_bias", grad_bias, v * gw_size, gw_size, true},
       workspace_arg(workspace, workspace_bytes),
+      e.grad_lse(g_lse),
+      e.grad_entropy(g_entropy),
   };
   FCE_TRY(check_args(fn, args));
   size_t min_bytes = 0, optimal_bytes = 0;
@@ -244,6 +246,8 @@ FCE_API fce_status fce_vp_linear_backward(const fce_options* options,
   p.grad_output = grad_output;
   set_linear_grads(&p, *o, grad_hidden, grad_weight, grad_bias);
   p.grad_hidden_dtype = grad_hidden_dtype;
+  p.grad_lse = g_lse;
+  p.grad_entropy = g_entropy;
   set_workspace(&p, workspace, workspace_bytes, stream);
   return dispatch(*o, args, p, fce::cpu_vp_linear, fce::cuda_vp_linear);
 }
@@ -328,6 +332,7 @@ fce_status gather_once(const fce_options& o, const fce::VpLinearCeProblem& P,
   v.z_loss = P.z_loss;
   v.argmax = P.argmax;
   v.accuracy = P.accuracy;
+  v.entropy = P.entropy;
   v.error_flags = p.error_flags;
   set_workspace(&v, sub, sub_bytes, p.stream);
   FCE_TRY(cpu ? fce::cpu_vp(v) : fce::cuda_vp(v));
@@ -401,8 +406,7 @@ FCE_API fce_status fce_vp_linear_ce(const fce_options* options, const fce_vp_sha
   CallArgs a;
   FCE_TRY(begin_compute(fn, options, shard, true, outputs, gradients,
                         {OutputsUse::kLoss, GradientsUse::kVpLinear, false}, &a));
-  FCE_TRY(refuse_vp_entropy(fn, a.out));
-  FCE_TRY(refuse_row_grads(fn, a.g, false, kVpRowGrads));
+  FCE_TRY(check_vp_entropy(fn, a.o, a.out.entropy, a.g.grad_entropy));
   const fce_outputs& out = a.out;
   const auto [ranks, vocab_total, vocab_start, vocab_local, all_gather, context] = a.shard;
   float* loss = out.loss;
@@ -415,6 +419,8 @@ FCE_API fce_status fce_vp_linear_ce(const fce_options* options, const fce_vp_sha
   fce::VpLinearProblem& p = P.lin;
   FCE_TRY(check_sizes(fn, *o, &ranks, rows, hidden, vocab_total, vocab_start, vocab_local, &p));
   FCE_TRY(check_grad_hidden_dtype(fn, grad_hidden_dtype, o->dtype));
+  FCE_TRY(check_row_grads_have_gradient(fn, a.g, grad_hidden || grad_weight || grad_bias,
+                                        "gradients->grad_hidden, grad_weight and grad_bias"));
   const Entries e(*o, rows);
   const bool empty = rows == 0;  // per-row buffers of no elements may be NULL
   FCE_TRY(check_required(fn, {{"hidden_states", hidden_states, empty},
@@ -451,6 +457,9 @@ FCE_API fce_status fce_vp_linear_ce(const fce_options* options, const fce_vp_sha
       workspace_arg(workspace, workspace_bytes),
       e.argmax(out.argmax),
       e.accuracy(out.accuracy),
+      e.entropy(out.entropy),
+      e.grad_lse(g_lse),
+      e.grad_entropy(g_entropy),
   };
   FCE_TRY(check_args(fn, args));
   if (empty) {  // no statistics to gather (all_gather is not called), the outputs 0
@@ -480,8 +489,11 @@ FCE_API fce_status fce_vp_linear_ce(const fce_options* options, const fce_vp_sha
   set_linear_grads(&p, *o, grad_hidden, grad_weight, grad_bias);
   p.grad_hidden_dtype = grad_hidden_dtype;
   p.error_flags = error_flags;
+  p.grad_lse = g_lse;
+  p.grad_entropy = g_entropy;
   set_workspace(&p, workspace, workspace_bytes, stream);
   set_loss_outputs(&P, out);
+  P.entropy = out.entropy;
   P.all_gather = all_gather;
   P.context = context;
   if (o->backend != FCE_BACKEND_CPU) FCE_TRY(check_device_pointers(fn, args));

@@ -97,6 +97,7 @@ struct CeOptions {
   bool token_scaling;      // loss and gradient of each scored row times the detached p_y
   bool batch_invariant;    // each row's results independent of the batch (docs/semantics.md
                            // rule 21): paths and GEMM shapes chosen without the row count
+  bool vp_entropy;         // fce_vp_*: the shard statistics carry the entropy's sum (kVpEntropy)
 };
 
 // fce_forward, fce_backward and fce_backward_rescale (mode). Backward and rescale: lse_in and
@@ -174,6 +175,11 @@ enum VpStat {
   kVpCount = 8
 };
 static_assert(kVpCount == FCE_VP_STATS, "stats layout");
+// With options->vp_entropy (docs/semantics.md rule 18) slot kVpHit carries the entropy's sum
+// instead, and h_r moves to the sign bit of kVpLocal (vocab_local < 2^31 leaves it free):
+constexpr int kVpEntropy = kVpHit;  // u_r = Σ_j exp(a_j − m_r)(a_j − m_r): 0 when m_r = −inf,
+                                    // NaN when m_r is NaN or +inf
+constexpr uint32_t kVpHitBit = 0x80000000u;  // in kVpLocal: the row's target is in the shard
 
 // fce_vp_stats (logits given) — validated as fce_forward's logits (row_stride >= vocab_local).
 struct VpStatsProblem {
@@ -208,6 +214,9 @@ struct VpProblem {
   const void* logits;         // [rows, row_stride], this rank's shard
   const float* grad_output;   // nullptr = 1
   void* grad;                 // [rows, grad_row_stride]; may == logits
+  float* entropy;             // loss: optional [rows] (needs opt.vp_entropy)
+  const float* grad_lse;      // backward: optional [rows], nullptr = 0
+  const float* grad_entropy;  // backward: optional [rows] (needs opt.vp_entropy), nullptr = 0
   uint32_t* error_flags;      // optional
   void* workspace;
   size_t workspace_bytes;
@@ -236,6 +245,8 @@ struct VpLinearProblem {
   bool grad_weight_fp32;
   bool accumulate;
   uint32_t* error_flags;      // optional (phase 3)
+  const float* grad_lse;      // phase 3: optional [rows], nullptr = 0
+  const float* grad_entropy;  // phase 3: optional [rows] (needs opt.vp_entropy), nullptr = 0
   void* workspace;
   size_t workspace_bytes;
   void* stream;
@@ -251,6 +262,7 @@ struct VpLinearCeProblem {
   float* z_loss;              // optional [1]
   int64_t* argmax;            // optional [rows]
   float* accuracy;            // optional [1] or [rows]
+  float* entropy;             // optional [rows] (needs opt.vp_entropy)
   fce_vp_all_gather_fn all_gather;
   void* context;
 };

@@ -117,9 +117,11 @@ fce_status begin_call(const char* fn, const fce_options* options, fce_options* l
 
 fce_status check_options(const char* fn, const fce_options* o, int64_t rows, int64_t vocab,
                          CeOptions* out) {
-  if (o->reserved0 != 0)
-    return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: options->reserved0 (%d) must be 0", fn,
-                o->reserved0);
+  if (o->vp_entropy != 0 && std::strncmp(fn, "fce_vp_", 7) != 0)
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "%s: options->vp_entropy (%d) must be 0: only the vocabulary-parallel calls "
+                "read it",
+                fn, o->vp_entropy);
   if (o->backend != FCE_BACKEND_CUDA && o->backend != FCE_BACKEND_CPU)
     return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: options->backend (%d) is not an fce_backend", fn,
                 o->backend);
@@ -196,6 +198,7 @@ fce_status check_options(const char* fn, const fce_options* o, int64_t rows, int
   out->shift = o->shift_seq_len > 0 ? (o->shift > 0 ? o->shift : 1) : 0;
   out->token_scaling = o->token_scaling != 0;
   out->batch_invariant = o->batch_invariant != 0;
+  out->vp_entropy = o->vp_entropy != 0;
   return FCE_SUCCESS;
 }
 
@@ -460,10 +463,17 @@ fce_status check_row_grads_have_gradient(const char* fn, const fce_gradients& g,
               gradient_names, std::strchr(gradient_names, ',') ? "are all" : "is");
 }
 
-fce_status refuse_vp_entropy(const char* fn, const fce_outputs& out) {
-  if (!out.entropy) return FCE_SUCCESS;
-  return fail(FCE_ERROR_UNSUPPORTED,
-              "%s: outputs->entropy is not supported by the vocabulary-parallel calls", fn);
+fce_status check_vp_entropy(const char* fn, const fce_options& o, const float* entropy,
+                            const float* grad_entropy) {
+  if (o.vp_entropy != 0) return FCE_SUCCESS;
+  const char* name = entropy        ? "outputs->entropy"
+                     : grad_entropy ? "gradients->grad_entropy"
+                                    : nullptr;
+  if (!name) return FCE_SUCCESS;
+  return fail(FCE_ERROR_INVALID_ARGUMENT,
+              "%s: %s is given but options->vp_entropy is 0: the shard statistics carry the "
+              "entropy's sums only with options->vp_entropy set (on every call of the step)",
+              fn, name);
 }
 
 fce_status check_shard(const char* fn, const fce_vp_shard* shard) {

@@ -66,8 +66,10 @@ fce_status refuse_row_grads(const char* fn, const fce_gradients& g, bool allow_l
 // (fce_forward without grad_logits, fce_linear_ce without any gradient).
 fce_status check_row_grads_have_gradient(const char* fn, const fce_gradients& g,
                                          bool with_grad, const char* gradient_names);
-// outputs->entropy given to a vocabulary-parallel call that writes a loss.
-fce_status refuse_vp_entropy(const char* fn, const fce_outputs& out);
+// outputs->entropy or gradients->grad_entropy (either may be nullptr) given to a
+// vocabulary-parallel call without options->vp_entropy, which their statistics need.
+fce_status check_vp_entropy(const char* fn, const fce_options& o, const float* entropy,
+                            const float* grad_entropy);
 // refuse_row_grads' `why` for the vocabulary-parallel calls.
 constexpr const char* kVpRowGrads = " (the vocabulary-parallel calls do not read it)";
 

@@ -101,7 +101,7 @@ void expect_defaults(const fce_options& o, size_t struct_size = sizeof(fce_optio
   EXPECT_EQ(o.deterministic, 0);
   EXPECT_EQ(o.accumulate, 0);
   EXPECT_EQ(o.grad_weight_fp32, 0);
-  EXPECT_EQ(o.reserved0, 0);
+  EXPECT_EQ(o.vp_entropy, 0);
   EXPECT_EQ(o.shift, 0);
   EXPECT_EQ(o.token_scaling, 0);
   EXPECT_EQ(o.batch_invariant, 0);
@@ -492,8 +492,8 @@ TEST_F(BadInput, ScalarOptions) {
                       sizeof(fce_options) + 8})
       expect_rejected(f, ("struct_size " + std::to_string(sz)).c_str(), FCE_ERROR_INVALID_ARGUMENT,
                       "struct_size", [sz](FwdArgs& x) { x.o.struct_size = sz; });
-    expect_rejected(f, "reserved0 != 0", FCE_ERROR_INVALID_ARGUMENT, "reserved0",
-                    [](FwdArgs& x) { x.o.reserved0 = 1; });
+    expect_rejected(f, "vp_entropy != 0", FCE_ERROR_INVALID_ARGUMENT, "options->vp_entropy",
+                    [](FwdArgs& x) { x.o.vp_entropy = 1; });
     // shift: k >= 0, and only with a sequence length.
     expect_rejected(f, "shift -1", FCE_ERROR_INVALID_ARGUMENT, "options->shift",
                     [](FwdArgs& x) { x.o.shift_seq_len = 4; x.o.shift = -1; });

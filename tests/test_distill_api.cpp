@@ -98,8 +98,8 @@ TEST_F(DistillRefusals, Options) {
   o.target_dtype = FCE_FLOAT32;  // class probabilities: a distillation's targets only mark rows
   expect_refused(FCE_ERROR_UNSUPPORTED, "fce_distill: options->target_dtype (0) gives class");
   o = base;
-  o.reserved0 = 1;
-  expect_refused(FCE_ERROR_INVALID_ARGUMENT, "fce_distill: options->reserved0");
+  o.vp_entropy = 1;
+  expect_refused(FCE_ERROR_INVALID_ARGUMENT, "fce_distill: options->vp_entropy");
   o = base;
   size_t bytes = 0;
   o.label_smoothing = 0.1f;

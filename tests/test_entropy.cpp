@@ -10,65 +10,13 @@
 #include <string>
 #include <vector>
 
+#include "entropy_ref.h"
 #include "ref.h"
 #include "test_util.h"
 
 namespace {
 
 using namespace fcet;
-
-// ------------------------------------------------------------------ the reference ----------
-// Rule 18 on top of ref.h's cross_entropy (which gives a, m, log s and the loss's gradient):
-// per row μ − m = t/s with t = Σ exp(a − m)(a − m), H = log s − t/s, and the extra gradient
-// (gl p − ge p (a − μ)) · s · (1 − (a/c)²). Long double, −inf entries (p = 0) adding nothing.
-struct RowTermsRef {
-  std::vector<double> entropy;  // [N]
-  std::vector<double> dz;       // [N * V] the extra gradient over z
-};
-
-RowTermsRef row_terms_ref(const fceref::Options& o, const fceref::CeResult& ce, int64_t N,
-                          int64_t V, const std::vector<double>* gl, const std::vector<double>* ge) {
-  RowTermsRef res;
-  res.entropy.assign(static_cast<size_t>(N), fceref::kNaN);
-  res.dz.assign(static_cast<size_t>(N * V), 0.0);
-  for (int64_t r = 0; r < N; ++r) {
-    const double m = ce.m[static_cast<size_t>(r)], ls = ce.log_s[static_cast<size_t>(r)];
-    const double* a = &ce.a[static_cast<size_t>(r * V)];
-    const double cl = gl ? (*gl)[static_cast<size_t>(r)] : 0.0;
-    const double ch = ge ? (*ge)[static_cast<size_t>(r)] : 0.0;
-    double* d = &res.dz[static_cast<size_t>(r * V)];
-    if (!std::isfinite(m) || std::isnan(ls)) {
-      if (cl != 0.0 || ch != 0.0)
-        for (int64_t j = 0; j < V; ++j) d[j] = fceref::kNaN;
-      continue;
-    }
-    long double s = 0, t = 0;
-    for (int64_t j = 0; j < V; ++j) {
-      const long double e = std::exp(static_cast<long double>(a[j]) - m);
-      s += e;
-      if (e != 0) t += e * (static_cast<long double>(a[j]) - m);
-    }
-    const long double mu_m = t / s;
-    res.entropy[static_cast<size_t>(r)] = static_cast<double>(static_cast<long double>(ls) - mu_m);
-    if (cl == 0.0 && ch == 0.0) continue;
-    for (int64_t j = 0; j < V; ++j) {
-      const long double p = std::exp((static_cast<long double>(a[j]) - m) - ls);
-      long double da = 0;
-      if (p != 0) da = cl * p - ch * p * ((static_cast<long double>(a[j]) - m) - mu_m);
-      long double dzj = da * o.logit_scale;
-      if (o.softcap > 0) dzj *= 1 - (a[j] / o.softcap) * (a[j] / o.softcap);
-      d[j] = static_cast<double>(dzj);
-    }
-  }
-  return res;
-}
-
-// The whole gradient over z: the loss's (ce.grad, upstream applied) plus the row terms.
-std::vector<double> total_grad(const fceref::CeResult& ce, const RowTermsRef& t) {
-  std::vector<double> g = ce.grad;
-  for (size_t i = 0; i < g.size(); ++i) g[i] += t.dz[i];
-  return g;
-}
 
 // ------------------------------------------------------------ finite differences ----------
 // The reference's formulas against central differences of f(z) = Σ_i gl_i lse_i + ge_i H_i,
@@ -554,6 +502,8 @@ TEST_F(EntropyRefusals, GradientOnlyCallsRefuseEntropyOutput) {
                  FCE_ERROR_INVALID_ARGUMENT, "fce_backward: outputs->entropy");
 }
 
+// The vocabulary-parallel calls take the entropy and its gradient only with options->vp_entropy
+// (their statistics carry the entropy's sums then); grad_lse needs no more than the plain ones.
 TEST_F(EntropyRefusals, VocabParallel) {
   fce_vp_shard s{1, V, 0, V, nullptr, nullptr};
   fce_outputs out = FCE_OUTPUTS_INIT;
@@ -561,19 +511,21 @@ TEST_F(EntropyRefusals, VocabParallel) {
   out.entropy = rows2.p<float>();
   expect_refused(fce_vp_loss(&o, &s, N, y.ptr(), stats.p<const float>(), &out, ws.ptr(), ws.size(),
                              test_stream()),
-                 FCE_ERROR_UNSUPPORTED,
-                 "fce_vp_loss: outputs->entropy is not supported by the vocabulary-parallel calls");
-  fce_gradients g = with_lse();
+                 FCE_ERROR_INVALID_ARGUMENT,
+                 "fce_vp_loss: outputs->entropy is given but options->vp_entropy is 0");
+  fce_gradients g = FCE_GRADIENTS_INIT;
+  g.grad_logits = grad.ptr();
+  g.grad_entropy = rows.p<const float>();
   expect_refused(fce_vp_backward(&o, &s, N, z.ptr(), y.ptr(), stats.p<const float>(), &g, ws.ptr(),
                                  ws.size(), test_stream()),
-                 FCE_ERROR_UNSUPPORTED, "fce_vp_backward: gradients->grad_lse");
+                 FCE_ERROR_INVALID_ARGUMENT, "fce_vp_backward: gradients->grad_entropy|vp_entropy");
   fce_gradients lg = FCE_GRADIENTS_INIT;
   lg.grad_hidden = gh.ptr();
   lg.grad_entropy = rows.p<const float>();
-  expect_refused(fce_vp_linear_backward(&o, &s, N, D, h.ptr(), W.ptr(), nullptr, y.ptr(),
-                                        stats.p<const float>(), &lg, ws.ptr(), ws.size(),
-                                        test_stream()),
-                 FCE_ERROR_UNSUPPORTED, "fce_vp_linear_backward: gradients->grad_entropy");
+  expect_refused(
+      fce_vp_linear_backward(&o, &s, N, D, h.ptr(), W.ptr(), nullptr, y.ptr(),
+                             stats.p<const float>(), &lg, ws.ptr(), ws.size(), test_stream()),
+      FCE_ERROR_INVALID_ARGUMENT, "fce_vp_linear_backward: gradients->grad_entropy|vp_entropy");
   auto gather = [](void*, const float* send, float* recv, int64_t count, void*) {
     std::memcpy(recv, send, static_cast<size_t>(count) * 4);
     return FCE_SUCCESS;
@@ -581,12 +533,22 @@ TEST_F(EntropyRefusals, VocabParallel) {
   s.all_gather = gather;
   expect_refused(fce_vp_linear_ce(&o, &s, N, D, h.ptr(), W.ptr(), nullptr, y.ptr(), &out, nullptr,
                                   ws.ptr(), ws.size(), test_stream()),
-                 FCE_ERROR_UNSUPPORTED,
-                 "fce_vp_linear_ce: outputs->entropy is not supported by the vocabulary-parallel");
+                 FCE_ERROR_INVALID_ARGUMENT, "fce_vp_linear_ce: outputs->entropy|vp_entropy");
+  // with the option: grad_entropy still needs a gradient to add it to
+  fce_options ov = o;
+  ov.vp_entropy = 1;
   out.entropy = nullptr;
-  expect_refused(fce_vp_linear_ce(&o, &s, N, D, h.ptr(), W.ptr(), nullptr, y.ptr(), &out, &lg,
+  fce_gradients none = FCE_GRADIENTS_INIT;
+  none.grad_entropy = rows.p<const float>();
+  expect_refused(fce_vp_linear_ce(&ov, &s, N, D, h.ptr(), W.ptr(), nullptr, y.ptr(), &out, &none,
                                   ws.ptr(), ws.size(), test_stream()),
-                 FCE_ERROR_UNSUPPORTED, "fce_vp_linear_ce: gradients->grad_entropy");
+                 FCE_ERROR_INVALID_ARGUMENT, "fce_vp_linear_ce: gradients->grad_entropy|all NULL");
+  // and the other calls refuse the option
+  fce_outputs fo = FCE_OUTPUTS_INIT;
+  fo.loss = loss.p<float>();
+  expect_refused(
+      fce_forward(&ov, N, V, z.ptr(), y.ptr(), &fo, nullptr, ws.ptr(), ws.size(), test_stream()),
+      FCE_ERROR_INVALID_ARGUMENT, "fce_forward: options->vp_entropy");
 }
 
 TEST_F(EntropyRefusals, AlignmentAndOverlap) {

@@ -342,7 +342,7 @@ TEST_F(LinearBadInput, Options) {
                   [](LinArgs& x) { x.o.shift_seq_len = 3; });
   expect_rejected("struct_size too small", FCE_ERROR_INVALID_ARGUMENT, "struct_size",
                   [](LinArgs& x) { x.o.struct_size = 8; });
-  expect_rejected("reserved0", FCE_ERROR_INVALID_ARGUMENT, "reserved0", [](LinArgs& x) { x.o.reserved0 = 1; });
+  expect_rejected("vp_entropy", FCE_ERROR_INVALID_ARGUMENT, "options->vp_entropy", [](LinArgs& x) { x.o.vp_entropy = 1; });
   expect_rejected("struct_size of 0.x", FCE_ERROR_INVALID_ARGUMENT, "struct_size",
                   [](LinArgs& x) { x.o.struct_size = 104; });  // a 0.x struct
   expect_rejected("shift -2", FCE_ERROR_INVALID_ARGUMENT, "options->shift",

@@ -17,6 +17,7 @@
 // logits: the option matrix, corner cases, the tiling check, adversarial rows),
 // test_vp_linear.cpp (the linear calls and the fused fce_vp_linear_ce), test_vp_errors.cpp (bad
 // input and workspace queries); the cases and runners are vp_ce_runner.h and vp_linear_runner.h.
+#include "entropy_ref.h"
 #include "vp_ce_runner.h"
 
 namespace {
@@ -347,3 +348,154 @@ TEST_F(Vp, AdversarialRows) {
 }
 
 }  // namespace
+
+// ---------------------------------------------------------------- rule 18 on shards ----
+// outputs->entropy (fce_vp_loss) and grad_lse / grad_entropy (fce_vp_backward) with
+// options->vp_entropy, P = 1..4 uneven shards and P = 3 even, against the unsharded fce_forward
+// with the same outputs and gradients and against the float64 reference (entropy_ref.h).
+// entropy_terms false: grad_lse alone, without options->vp_entropy (the plain statistics).
+void check_vp_entropy(VpCase c, bool entropy_terms) {
+  SCOPED_TRACE(case_label(c) + (entropy_terms ? " entropy" : " grad_lse alone"));
+  const int64_t N = c.N, V = c.V;
+  CeData d = ce_data(c, 1.0, 30.0);
+  std::mt19937_64 rng = spec_rng(c, 18);
+  const std::vector<double> gl_v = random_uniform(rng, size_t(N), -2.0, 2.0);
+  const std::vector<double> ge_v = random_uniform(rng, size_t(N), -2.0, 2.0);
+  const fceref::Options ro = reference_options(c, d.w);
+  const fceref::CeResult ref = fceref::cross_entropy(ro, N, V, d.z, d.y, &d.g, true);
+  const RowTermsRef rt = row_terms_ref(ro, ref, N, V, &gl_v, entropy_terms ? &ge_v : nullptr);
+  const std::vector<double> ref_grad = total_grad(ref, rt);
+  Buf wb = d.w.empty() ? Buf() : f32_buf(d.w), y = targets_buf(d.y, c.tdtype);
+  Buf gl = f32_buf(gl_v), ge = f32_buf(ge_v), g = c.gout ? f32_buf(d.g) : Buf();
+  TestOptions o = spec_options(c);
+  o.class_weights = wb.p<const float>();
+  o.vp_entropy = entropy_terms ? 1 : 0;
+  const Mat lm = vec(FCE_FLOAT32, c.reduction == FCE_REDUCTION_NONE ? N : 1);
+  const Mat rm = vec(FCE_FLOAT32, N);
+  fce_gradients gr = FCE_GRADIENTS_INIT;
+  gr.grad_output = g.p<const float>();
+  gr.grad_lse = gl.p<const float>();
+  gr.grad_entropy = entropy_terms ? ge.p<const float>() : nullptr;
+
+  // the unsharded call
+  const Mat zm = mat(c.dtype, N, V);
+  Buf z(zm), grad = poisoned(zm), loss = poisoned(lm), ent = poisoned(rm);
+  write_mat(z, zm, d.z);
+  z.push();
+  TestOptions uo = o;
+  uo.vp_entropy = 0;
+  size_t wsb = 0;
+  ASSERT_EQ(fce_forward_workspace_size(&uo, N, V, &wsb), FCE_SUCCESS) << fce_last_error();
+  Buf ws = workspace_buf(wsb);
+  fce_outputs out = FCE_OUTPUTS_INIT;
+  out.loss = loss.p<float>();
+  out.entropy = entropy_terms ? ent.p<float>() : nullptr;
+  gr.grad_logits = grad.ptr();
+  ASSERT_EQ(fce_forward(&uo, N, V, z.ptr(), y.ptr(), &out, &gr, ws.ptr(), wsb, test_stream()),
+            FCE_SUCCESS)
+      << fce_last_error();
+  ASSERT_TRUE(finish());
+  for (Buf* b : {&grad, &loss, &ent}) b->pull();
+  const std::vector<double> whole_grad = read_mat(grad, zm), whole_loss = read_mat(loss, lm);
+  const std::vector<double> whole_ent = entropy_terms ? read_mat(ent, rm) : std::vector<double>();
+
+  for (const auto& [P, uneven] :
+       std::vector<std::pair<int, bool>>{{1, true}, {2, true}, {3, true}, {4, true}, {3, false}}) {
+    SCOPED_TRACE("P=" + std::to_string(P) + (uneven ? " uneven" : " even"));
+    const std::vector<Shard> shards = make_shards(V, P, uneven);
+    std::vector<Buf> stats, logits;
+    for (const Shard& s : shards) {
+      const Mat sm = mat(c.dtype, N, s.local);
+      std::vector<double> cols(size_t(N * s.local));
+      for (int64_t r = 0; r < N; ++r)
+        for (int64_t j = 0; j < s.local; ++j)
+          cols[size_t(r * s.local + j)] = d.z[size_t(r * V + s.start + j)];
+      logits.emplace_back(sm);
+      write_mat(logits.back(), sm, cols);
+      logits.back().push();
+      stats.push_back(poisoned(vec(FCE_FLOAT32, N * FCE_VP_STATS)));
+      const fce_vp_shard sh{P, V, s.start, s.local, nullptr, nullptr};
+      ASSERT_EQ(fce_vp_stats(&o, &sh, N, logits.back().ptr(), y.ptr(), stats.back().p<float>(),
+                             test_stream()),
+                FCE_SUCCESS)
+          << fce_last_error();
+    }
+    std::vector<const Buf*> order;
+    for (int q : rank_order(P, true)) order.push_back(&stats[size_t(q)]);
+    ASSERT_TRUE(finish());
+    for (Buf& b : stats) b.pull();
+    Buf gathered = gather(order, N);
+    const fce_vp_shard all{P, V, 0, V, nullptr, nullptr};
+    ASSERT_EQ(fce_vp_loss_workspace_size(&o, P, N, V, &wsb), FCE_SUCCESS) << fce_last_error();
+    Buf lws = workspace_buf(wsb);
+    Buf vloss = poisoned(lm), vent = poisoned(rm);
+    fce_outputs vout = FCE_OUTPUTS_INIT;
+    vout.loss = vloss.p<float>();
+    vout.entropy = entropy_terms ? vent.p<float>() : nullptr;
+    ASSERT_EQ(fce_vp_loss(&o, &all, N, y.ptr(), gathered.p<const float>(), &vout, lws.ptr(), wsb,
+                          test_stream()),
+              FCE_SUCCESS)
+        << fce_last_error();
+    std::vector<double> vgrad(size_t(N * V), -12345.0);
+    for (size_t k = 0; k < shards.size(); ++k) {
+      const Shard& s = shards[k];
+      const fce_vp_shard sh{P, V, s.start, s.local, nullptr, nullptr};
+      const Mat sm = mat(c.dtype, N, s.local);
+      Buf sg = poisoned(sm);
+      ASSERT_EQ(fce_vp_backward_workspace_size(&o, P, N, V, s.local, &wsb), FCE_SUCCESS);
+      Buf bws = workspace_buf(wsb);
+      fce_gradients sgr = gr;
+      sgr.grad_logits = sg.ptr();
+      ASSERT_EQ(fce_vp_backward(&o, &sh, N, logits[k].ptr(), y.ptr(), gathered.p<const float>(),
+                                &sgr, bws.ptr(), wsb, test_stream()),
+                FCE_SUCCESS)
+          << fce_last_error();
+      ASSERT_TRUE(finish());
+      sg.pull();
+      EXPECT_TRUE(all_written(sg, sm, "grad_logits (shard)"));
+      const std::vector<double> v = read_mat(sg, sm);
+      for (int64_t r = 0; r < N; ++r)
+        for (int64_t j = 0; j < s.local; ++j)
+          vgrad[size_t(r * V + s.start + j)] = v[size_t(r * s.local + j)];
+    }
+    for (Buf* b : {&vloss, &vent}) b->pull();
+    const double tol = tolerance(c.dtype);
+    if (entropy_terms) {
+      EXPECT_TRUE(all_written(vent, rm, "entropy"));
+      EXPECT_TRUE(close_normwise(read_mat(vent, rm), whole_ent, 1e-5, "entropy vs unsharded"));
+      EXPECT_TRUE(close_normwise(read_mat(vent, rm), rt.entropy, 1e-5, "entropy vs reference"));
+    }
+    EXPECT_TRUE(close_normwise(read_mat(vloss, lm), whole_loss, tol, "loss vs unsharded"));
+    EXPECT_TRUE(close_normwise(vgrad, whole_grad, tol, "grad_logits vs unsharded"));
+    EXPECT_TRUE(close_normwise(vgrad, ref_grad, tol, "grad_logits vs reference"));
+  }
+}
+
+TEST_F(Vp, EntropyAndRowGradients) {
+  const CaseEdits<VpCase> sets = {
+      {"plain", [](VpCase&) {}},
+      {"ignored", [](VpCase& c) { c.ignore_frac = 0.3; }},
+      {"weights_label_smoothing_zloss",
+       [](VpCase& c) {
+         c.weights = true;
+         c.eps = 0.1f;
+         c.lambda = 1e-3f;
+         c.ignore_frac = 0.2;
+       }},
+      {"softcap_scale",
+       [](VpCase& c) {
+         c.softcap = 15.0f;
+         c.scale = 0.6f;
+       }},
+      {"token_scaling", [](VpCase& c) { c.token_scaling = true; }},
+      {"shift",
+       [](VpCase& c) {
+         c.shift = 6;
+         c.shift_k = 2;
+       }},
+  };
+  for_row_terms_cases<VpCase>(sets, 12, 203, 7, [](const VpCase& c) {
+    check_vp_entropy(c, true);
+    if (c.dtype == FCE_FLOAT32 && c.reduction == FCE_REDUCTION_MEAN) check_vp_entropy(c, false);
+  });
+}

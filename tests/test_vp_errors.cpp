@@ -282,7 +282,6 @@ TEST_F(VpBadInput, Options) {
           [](VpArgs& x) { x.o.shift_seq_len = 3; });
   for_all("shift without shift_seq_len", FCE_ERROR_INVALID_ARGUMENT, "options->shift",
           [](VpArgs& x) { x.o.shift = 2; });
-  for_all("reserved0", FCE_ERROR_INVALID_ARGUMENT, "reserved0", [](VpArgs& x) { x.o.reserved0 = 1; });
   for_all("batch_invariant", FCE_ERROR_UNSUPPORTED, "options->batch_invariant",
           [](VpArgs& x) { x.o.batch_invariant = 1; });
   for_all("class_weights +1 byte", FCE_ERROR_MISALIGNED, "class_weights",

@@ -3,6 +3,7 @@
 // process, against the unsharded fce_linear_ce and the float64 reference: the option matrix,
 // workspace sizes, fused chunks, a failing all-gather. Part of the test_vocab_parallel
 // executable (test_vp_ce.cpp says what the others hold).
+#include "entropy_ref.h"
 #include "vp_linear_runner.h"
 
 namespace {
@@ -141,6 +142,273 @@ TEST_F(VpLinear, FusedAllGatherStatus) {
       << err;
   EXPECT_EQ(run.fused_one(nullptr, nullptr, &err), FCE_ERROR_NULL_POINTER);
   EXPECT_NE(err.find("fce_vp_linear_ce: shard->all_gather is NULL"), std::string::npos) << err;
+}
+
+// ---------------------------------------------------------------- rule 18 on shards ----
+// outputs->entropy and grad_lse / grad_entropy with options->vp_entropy through the fused
+// fce_vp_linear_ce (P ranks as threads, ws_min: the gather-once plan on CUDA too) and the two
+// phases (fce_vp_linear_stats, fce_vp_loss, fce_vp_linear_backward), P = 1..4 uneven shards,
+// against the unsharded fce_linear_ce with the same outputs and gradients and the float64
+// reference (entropy_ref.h through ref.h's linear_backward).
+struct LinRowTerms {
+  LinVpCase c;
+  LinearData d;
+  std::vector<double> gl, ge;
+  fceref::LinearResult ref;  // with the row terms' gradients
+  std::vector<double> ref_entropy;
+  Buf h, y, w, g, glb, geb;
+  TestOptions o;
+  int64_t N, D, V;
+
+  explicit LinRowTerms(LinVpCase cc) : c(std::move(cc)) {
+    if (c.zstd < 0) c.zstd = c.dtype == FCE_FLOAT32 ? 8.0 : 1.5;
+    N = c.N, D = c.D, V = c.V;
+    std::mt19937_64 rng = linear_rng(c);
+    d = linear_data(rng, c);
+    gl = random_uniform(rng, size_t(N), -2.0, 2.0);
+    ge = random_uniform(rng, size_t(N), -2.0, 2.0);
+    const fceref::Options ro = reference_options(c, d.w);
+    ref = fceref::linear_cross_entropy(ro, N, D, V, d.h, d.W, d.b, d.y, &d.g, true);
+    const RowTermsRef rt = row_terms_ref(ro, ref.ce, N, V, &gl, &ge);
+    ref_entropy = rt.entropy;
+    fceref::linear_backward(N, D, V, d.h, d.W, total_grad(ref.ce, rt), ref);
+    const Mat hm = mat(c.dtype, N, D);
+    h = Buf(hm);
+    write_mat(h, hm, d.h);
+    h.push();
+    y = targets_buf(d.y, c.tdtype);
+    if (!d.w.empty()) w = f32_buf(d.w);
+    if (c.gout) g = f32_buf(d.g);
+    glb = f32_buf(gl);
+    geb = f32_buf(ge);
+    o = spec_options(c);
+    o.class_weights = w.p<const float>();
+    o.grad_weight_fp32 = 1;
+    o.vp_entropy = 1;
+  }
+  Buf rows_of(const std::vector<double>& m, int64_t cols, int64_t start, int64_t local) const {
+    const Mat bm = mat(c.dtype, local, cols);
+    Buf b(bm);
+    write_mat(b, bm,
+              std::vector<double>(m.begin() + start * cols, m.begin() + (start + local) * cols));
+    b.push();
+    return b;
+  }
+  fce_gradients grads(void* gh, void* gw, void* gb) const {
+    fce_gradients gr = FCE_GRADIENTS_INIT;
+    gr.grad_output = g.p<const float>();
+    gr.grad_hidden = gh;
+    gr.grad_weight = gw;
+    gr.grad_bias = c.bias ? gb : nullptr;
+    gr.grad_lse = glb.p<const float>();
+    gr.grad_entropy = geb.p<const float>();
+    return gr;
+  }
+  // What a step gives: loss, entropy, Σ_ranks grad_hidden, grad_weight and grad_bias (all rows).
+  struct Result {
+    std::vector<double> loss, entropy, gh, gw, gb;
+  };
+  Mat loss_m() const { return vec(FCE_FLOAT32, c.reduction == FCE_REDUCTION_NONE ? N : 1); }
+
+  Result unsharded() {
+    Buf W = rows_of(d.W, D, 0, V), b = c.bias ? rows_of(d.b, 1, 0, V) : Buf();
+    Buf loss = poisoned(loss_m()), ent = poisoned(vec(FCE_FLOAT32, N));
+    Buf gh = poisoned(mat(c.dtype, N, D)), gw = poisoned(mat(FCE_FLOAT32, V, D)),
+        gb = poisoned(vec(FCE_FLOAT32, V));
+    TestOptions uo = o;
+    uo.vp_entropy = 0;
+    size_t mn = 0, op = 0;
+    EXPECT_EQ(fce_linear_ce_workspace_size(&uo, N, D, V, 1, &mn, &op), FCE_SUCCESS);
+    Buf ws = workspace_buf(op);
+    fce_outputs out = FCE_OUTPUTS_INIT;
+    out.loss = loss.p<float>();
+    out.entropy = ent.p<float>();
+    const fce_gradients gr = grads(gh.ptr(), gw.ptr(), gb.ptr());
+    EXPECT_EQ(fce_linear_ce(&uo, N, D, V, h.ptr(), W.ptr(), b.ptr(), y.ptr(), &out, &gr, ws.ptr(),
+                            op, test_stream()),
+              FCE_SUCCESS)
+        << fce_last_error();
+    EXPECT_TRUE(finish());
+    for (Buf* x : {&loss, &ent, &gh, &gw, &gb}) x->pull();
+    Result r;
+    r.loss = read_mat(loss, loss_m());
+    r.entropy = read_mat(ent, vec(FCE_FLOAT32, N));
+    r.gh = read_mat(gh, mat(c.dtype, N, D));
+    r.gw = read_mat(gw, mat(FCE_FLOAT32, V, D));
+    r.gb = read_mat(gb, vec(FCE_FLOAT32, V));
+    return r;
+  }
+
+  // P ranks: fused (fce_vp_linear_ce through SimGather) or the two phases.
+  Result sharded(int P, bool fused, bool ws_min) {
+    const std::vector<Shard> shards = make_shards(V, P, true);
+    struct RankBufs {
+      Buf W, b, loss, ent, gh, gw, gb, ws, stats;
+      size_t wsb = 0;
+      fce_status st = FCE_ERROR_INTERNAL;
+      std::string err;
+    };
+    std::vector<RankBufs> rb(static_cast<size_t>(P));
+    for (int r = 0; r < P; ++r) {
+      const Shard& s = shards[size_t(r)];
+      RankBufs& b = rb[size_t(r)];
+      b.W = rows_of(d.W, D, s.start, s.local);
+      if (c.bias) b.b = rows_of(d.b, 1, s.start, s.local);
+      b.loss = poisoned(loss_m());
+      b.ent = poisoned(vec(FCE_FLOAT32, N));
+      b.gh = poisoned(mat(FCE_FLOAT32, N, D));
+      b.gw = poisoned(mat(FCE_FLOAT32, s.local, D));
+      b.gb = poisoned(vec(FCE_FLOAT32, s.local));
+      b.stats = poisoned(vec(FCE_FLOAT32, N * FCE_VP_STATS));
+    }
+    size_t wsb = 0;
+    for (const Shard& s : shards) {
+      size_t mn = 0, op = 0;
+      if (fused)
+        EXPECT_EQ(
+            fce_vp_linear_ce_workspace_size(&o, P, N, D, V, s.local, 1, FCE_FLOAT32, &mn, &op),
+            FCE_SUCCESS)
+            << fce_last_error();
+      else
+        EXPECT_EQ(
+            fce_vp_linear_backward_workspace_size(&o, P, N, D, V, s.local, FCE_FLOAT32, &mn, &op),
+            FCE_SUCCESS)
+            << fce_last_error();
+      size_t smn = 0, sop = 0, lws = 0;
+      EXPECT_EQ(fce_vp_linear_stats_workspace_size(&o, N, D, s.local, &smn, &sop), FCE_SUCCESS);
+      EXPECT_EQ(fce_vp_loss_workspace_size(&o, P, N, V, &lws), FCE_SUCCESS);
+      if (!fused) mn = std::max({mn, smn, lws}), op = std::max({op, sop, lws});
+      wsb = std::max(wsb, ws_min ? mn : op);
+    }
+    for (RankBufs& b : rb) b.ws = workspace_buf(wsb);
+    EXPECT_TRUE(finish());
+    const Mat lm = loss_m();
+    if (fused) {
+      SimGather sg(P, rank_order(P, true));
+      std::vector<SimGather::Rank> ctx;
+      for (int r = 0; r < P; ++r) ctx.push_back({&sg, r});
+      std::vector<std::thread> threads;
+      for (int r = 0; r < P; ++r)
+        threads.emplace_back([&, r] {
+          const Shard& s = shards[size_t(r)];
+          RankBufs& b = rb[size_t(r)];
+          const fce_vp_shard sh{P, V, s.start, s.local, SimGather::fn, &ctx[size_t(r)]};
+          fce_outputs out = FCE_OUTPUTS_INIT;
+          out.loss = b.loss.p<float>();
+          out.entropy = b.ent.p<float>();
+          fce_gradients gr = grads(b.gh.ptr(), b.gw.ptr(), b.gb.ptr());
+          b.st = fce_vp_linear_ce(&o, &sh, N, D, h.ptr(), b.W.ptr(), b.b.ptr(), y.ptr(), &out, &gr,
+                                  b.ws.ptr(), wsb, test_stream());
+          if (b.st != FCE_SUCCESS) b.err = fce_last_error();
+          sg.leave();
+        });
+      for (auto& t : threads) t.join();
+    } else {
+      for (int r = 0; r < P; ++r) {
+        const Shard& s = shards[size_t(r)];
+        RankBufs& b = rb[size_t(r)];
+        const fce_vp_shard sh{P, V, s.start, s.local, nullptr, nullptr};
+        b.st = fce_vp_linear_stats(&o, &sh, N, D, h.ptr(), b.W.ptr(), b.b.ptr(), y.ptr(),
+                                   b.stats.p<float>(), b.ws.ptr(), wsb, test_stream());
+        if (b.st != FCE_SUCCESS) b.err = fce_last_error();
+      }
+      EXPECT_TRUE(finish());
+      for (RankBufs& b : rb) b.stats.pull();
+      std::vector<const Buf*> order;
+      for (int q : rank_order(P, true)) order.push_back(&rb[size_t(q)].stats);
+      Buf gathered = gather(order, N);
+      for (int r = 0; r < P && !testing::Test::HasFailure(); ++r) {
+        const Shard& s = shards[size_t(r)];
+        RankBufs& b = rb[size_t(r)];
+        const fce_vp_shard sh{P, V, s.start, s.local, nullptr, nullptr};
+        fce_outputs out = FCE_OUTPUTS_INIT;
+        out.loss = b.loss.p<float>();
+        out.entropy = b.ent.p<float>();
+        EXPECT_EQ(fce_vp_loss(&o, &sh, N, y.ptr(), gathered.p<const float>(), &out, b.ws.ptr(), wsb,
+                              test_stream()),
+                  FCE_SUCCESS)
+            << fce_last_error();
+        fce_gradients gr = grads(b.gh.ptr(), b.gw.ptr(), b.gb.ptr());
+        b.st =
+            fce_vp_linear_backward(&o, &sh, N, D, h.ptr(), b.W.ptr(), b.b.ptr(), y.ptr(),
+                                   gathered.p<const float>(), &gr, b.ws.ptr(), wsb, test_stream());
+        if (b.st != FCE_SUCCESS) b.err = fce_last_error();
+      }
+    }
+    EXPECT_TRUE(finish());
+    Result res;
+    res.gh.assign(size_t(N * D), 0.0);
+    res.gw.assign(size_t(V * D), 0.0);
+    res.gb.assign(size_t(V), 0.0);
+    for (int r = 0; r < P; ++r) {
+      const Shard& s = shards[size_t(r)];
+      RankBufs& b = rb[size_t(r)];
+      EXPECT_EQ(b.st, FCE_SUCCESS) << "rank " << r << ": " << b.err;
+      if (b.st != FCE_SUCCESS) return res;
+      for (Buf* x : {&b.loss, &b.ent, &b.gh, &b.gw, &b.gb}) x->pull();
+      const std::vector<double> l = read_mat(b.loss, lm), e = read_mat(b.ent, vec(FCE_FLOAT32, N));
+      if (r == 0) res.loss = l, res.entropy = e;
+      EXPECT_TRUE(l == res.loss && e == res.entropy) << "rank " << r << ": another loss/entropy";
+      const std::vector<double> gh = read_mat(b.gh, mat(FCE_FLOAT32, N, D));
+      for (size_t i = 0; i < gh.size(); ++i) res.gh[i] += gh[i];
+      const std::vector<double> gw = read_mat(b.gw, mat(FCE_FLOAT32, s.local, D));
+      std::copy(gw.begin(), gw.end(), res.gw.begin() + s.start * D);
+      if (c.bias) {
+        const std::vector<double> gb = read_mat(b.gb, vec(FCE_FLOAT32, s.local));
+        std::copy(gb.begin(), gb.end(), res.gb.begin() + s.start);
+      }
+    }
+    return res;
+  }
+
+  void run() {
+    SCOPED_TRACE(lin_label(c));
+    const Result whole = unsharded();
+    if (testing::Test::HasFailure()) return;
+    const double tol = lin_tolerance(c.dtype, ref.logits);
+    EXPECT_TRUE(
+        close_normwise(whole.entropy, ref_entropy, tol, "entropy (unsharded) vs reference"));
+    for (int P : {1, 2, 3, 4})
+      for (const auto& [fused, ws_min] :
+           std::vector<std::pair<bool, bool>>{{true, false}, {true, true}, {false, false}}) {
+        SCOPED_TRACE("P=" + std::to_string(P) + (fused ? " fce_vp_linear_ce" : " two phases") +
+                     (ws_min ? " min_bytes" : ""));
+        const Result v = sharded(P, fused, ws_min);
+        if (testing::Test::HasFailure()) return;
+        EXPECT_TRUE(close_normwise(v.loss, whole.loss, tol, "loss vs unsharded"));
+        EXPECT_TRUE(close_normwise(v.entropy, whole.entropy, tol, "entropy vs unsharded"));
+        EXPECT_TRUE(close_normwise(v.entropy, ref_entropy, tol, "entropy vs reference"));
+        EXPECT_TRUE(close_normwise(v.gh, whole.gh, tol, "Σ grad_hidden vs unsharded"));
+        EXPECT_TRUE(close_normwise(v.gh, ref.grad_hidden, tol, "Σ grad_hidden vs reference"));
+        EXPECT_TRUE(close_normwise(v.gw, whole.gw, tol, "grad_weight vs unsharded"));
+        EXPECT_TRUE(close_normwise(v.gw, ref.grad_weight, tol, "grad_weight vs reference"));
+        if (c.bias) {
+          EXPECT_TRUE(close_normwise(v.gb, whole.gb, tol, "grad_bias vs unsharded"));
+          EXPECT_TRUE(close_normwise(v.gb, ref.grad_bias, tol, "grad_bias vs reference"));
+        }
+      }
+  }
+};
+
+TEST_F(VpLinear, EntropyAndRowGradients) {
+  const CaseEdits<LinVpCase> sets = {
+      {"plain", [](LinVpCase&) {}},
+      {"weights_smoothing_zloss_ignored",
+       [](LinVpCase& c) {
+         c.weights = true;
+         c.eps = 0.1f;
+         c.lambda = 1e-3f;
+         c.ignore_frac = 0.2;
+       }},
+      {"softcap_scale_no_bias",
+       [](LinVpCase& c) {
+         c.softcap = 15.0f;
+         c.scale = 0.8f;
+         c.bias = false;
+       }},
+  };
+  for_row_terms_cases<LinVpCase>(sets, 20, 157, 11,
+                                 [](const LinVpCase& c) { LinRowTerms(c).run(); });
 }
 
 }  // namespace

@@ -1,9 +1,11 @@
 // vp_common.h — what the vocabulary-parallel suites (test_vp_*.cpp) share: the shards of a
 // vocabulary, the order the ranks' stats are gathered in, targets at every shard's edges, the
-// sharded argmax against the unsharded one, and the loss outputs kept for comparison.
+// sharded argmax against the unsharded one, the loss outputs kept for comparison, and the cases
+// of the rule 18 tests.
 #pragma once
 
 #include <algorithm>
+#include <functional>
 #include <numeric>
 
 #include "check_ce.h"
@@ -95,5 +97,27 @@ struct LossOut {
   std::vector<int64_t> am;
   uint32_t flags = 0;
 };
+
+// The cases of the rule 18 tests (entropy, grad_lse, grad_entropy on shards): each option set
+// (a name and an edit of the default case) × {float32, bfloat16} × {mean, none}, N × V.
+template <class Case>
+using CaseEdits = std::vector<std::pair<const char*, std::function<void(Case&)>>>;
+template <class Case>
+void for_row_terms_cases(const CaseEdits<Case>& sets, int64_t N, int64_t V, uint64_t seed,
+                         const std::function<void(const Case&)>& run) {
+  for (const auto& [name, edit] : sets)
+    for (int dtype : {FCE_FLOAT32, FCE_BFLOAT16})
+      for (int reduction : {FCE_REDUCTION_MEAN, FCE_REDUCTION_NONE}) {
+        Case c;
+        c.name = name;
+        c.dtype = dtype;
+        c.reduction = reduction;
+        c.N = N;
+        c.V = V;
+        c.seed = seed;
+        edit(c);
+        run(c);
+      }
+}
 
 }  // namespace

@@ -1,11 +1,14 @@
 // vocab_parallel.cpp — the vocabulary-parallel calls on the CPU (fce_vp_*, docs/semantics.md rule 16):
 //   phase 1  each rank's FCE_VP_STATS float32 per row over its shard of the classes (m_r, s_r,
 //            t_r, h_r, u_r, W_r, the shard's argmax, V_r), from given logits (fce_vp_stats) or
-//            from z = h·W_shardᵀ + b_shard made chunk by chunk (fce_vp_linear_stats);
+//            from z = h·W_shardᵀ + b_shard made chunk by chunk (fce_vp_linear_stats); with
+//            options->vp_entropy also e_r = Σ exp(a_j − m_r)(a_j − m_r) (rule 18);
 //   phase 3  the gathered stats of all ranks combined per row, in gathered order, in double:
-//            M, S, ls = log S, lse = M + ls, t, Ω, U, the argmax and the tiling check; then the
+//            M, S, ls = log S, lse = M + ls, t, Ω, U, the argmax and the tiling check (and
+//            μ − M = Σ_r exp(m_r − M)(e_r + (m_r − M) s_r) / S, H = ls − (μ − M)); then the
 //            loss (fce_vp_loss) or the gradient of this rank's columns (fce_vp_backward,
-//            fce_vp_linear_backward, which also makes ∂h's share, ∂W and ∂b of the shard).
+//            fce_vp_linear_backward, which also makes ∂h's share, ∂W and ∂b of the shard),
+//            with rule 18's grad_lse and grad_entropy terms.
 // Everything per row is ce_row.h's arithmetic with the row maximum m and log s of rule 9 taken
 // from the combination: the float32 vectorised row when a = z (logit_scale 1, no softcap), sums
 // in double; the double row otherwise. Rows run on threads; the reduction over rows is
@@ -53,18 +56,22 @@ struct VpSetup {
   int64_t start = 0, local = 0;
   const float* omega_shard;   // ω + start, or nullptr without class weights
   double shard_weight = 0;    // W_r = Σ ω_j over the shard
+  bool entropy;               // options->vp_entropy: e_r in kVpEntropy, h_r in kVpLocal's bit
   bool fast;                  // a = z: the float32 row (ce_row.h's float_path)
 };
 
+// grad_lse, grad_entropy: phase 3 of a gradient, [rows] or nullptr (rule 18).
 VpSetup make_vp_setup(const CeOptions& opt, int64_t rows, int64_t vocab_total, int64_t start,
-                      int64_t local, const void* targets, const float* grad_output) {
+                      int64_t local, const void* targets, const float* grad_output,
+                      const float* grad_lse = nullptr, const float* grad_entropy = nullptr) {
   VpSetup s;
-  s.ce = make_setup(opt, rows, vocab_total, targets, grad_output);
+  s.ce = make_setup(opt, rows, vocab_total, targets, grad_output, false, grad_lse, grad_entropy);
+  s.entropy = opt.vp_entropy;
   s.start = start;
   s.local = local;
   s.omega_shard = opt.class_weights ? opt.class_weights + start : nullptr;
   for (int64_t j = 0; j < local; ++j) s.shard_weight += omega_of(s.ce, start + j);
-  s.fast = float_path(s.ce);
+  s.fast = float_path(s.ce) && !s.entropy;  // rule 18's sums and terms: the double row
   return s;
 }
 
@@ -74,8 +81,9 @@ bool in_shard(const VpSetup& s, const RowTarget& t) {
 
 // ------------------------------------------------------------------ phase 1 ----
 
+// e: the entropy's sum e_r, stored with s.entropy only.
 void write_stats(const VpSetup& s, float m, double sum, double target, bool hit, double u,
-                 int64_t argmax_local, float* out) {
+                 int64_t argmax_local, float* out, double e = 0.0) {
   out[kVpMax] = m;
   out[kVpSumExp] = float(sum);
   out[kVpTarget] = hit ? float(target) : 0.0f;
@@ -84,6 +92,10 @@ void write_stats(const VpSetup& s, float m, double sum, double target, bool hit,
   out[kVpWeight] = float(s.shard_weight);
   out[kVpArgmax] = int_as_float(s.start + argmax_local);
   out[kVpLocal] = int_as_float(s.local);
+  if (s.entropy) {
+    out[kVpEntropy] = float(e);
+    out[kVpLocal] = bits_float(uint32_t(s.local) | (hit ? kVpHitBit : 0u));
+  }
 }
 
 // The stats of a shard row of float32 a (= z: the fast path).
@@ -117,7 +129,7 @@ void row_stats_shard_f64(const VpSetup& s, const double* a, const RowTarget& t, 
   int64_t argmax = 0;
   for (int64_t j = 0; j < n; ++j) {
     if (std::isnan(a[j])) {
-      write_stats(s, float(kNaN), kNaN, a_y, hit, 0.0, j, out);
+      write_stats(s, float(kNaN), kNaN, a_y, hit, 0.0, j, out, kNaN);
       return;
     }
     if (a[j] > m) {
@@ -136,7 +148,16 @@ void row_stats_shard_f64(const VpSetup& s, const double* a, const RowTarget& t, 
   double u = 0.0;
   if (s.ce.eps > 0.0 && m > -kInf)
     for (int64_t j = 0; j < n; ++j) u += omega_of(s.ce, s.start + j) * (md - a[j]);
-  write_stats(s, mf, sum, a_y, hit, u, argmax, out);
+  // e_r = Σ exp(a_j − m_r)(a_j − m_r) (a −inf entry adds 0): 0 when m_r = −inf, NaN for +inf
+  double e = md < 0 ? 0.0 : kNaN;
+  if (s.entropy && std::isfinite(md)) {
+    e = 0.0;
+    for (int64_t j = 0; j < n; ++j) {
+      const double x = std::exp(a[j] - md);
+      if (x != 0.0) e += x * (a[j] - md);
+    }
+  }
+  write_stats(s, mf, sum, a_y, hit, u, argmax, out, e);
 }
 
 // Steps 1 and 2 on the shard's row: a_j = s · z_j, then c · tanh(a_j / c) when c > 0.
@@ -197,6 +218,7 @@ struct Combined {
   double Omega;      // Σ_r W_r
   double U;          // Σ_j ω_j (M − a_j) (ε > 0)
   int64_t argmax;    // the global argmax
+  double mu_m = 0.0, H = kNaN;  // rule 18 (s.entropy): μ − M and the entropy ls − (μ − M)
 };
 
 Combined combine(const VpSetup& s, const float* gathered, int64_t ranks, int64_t r,
@@ -227,7 +249,8 @@ Combined combine(const VpSetup& s, const float* gathered, int64_t ranks, int64_t
   // S = Σ_r s_r exp(m_r − M) over ranks with m_r > −inf (0 when M = −inf; an m_r equal to M
   // counts s_r: NaN for M = +inf, rule 10), t = Σ t_r, Ω = Σ W_r, U = Σ (u_r + W_r (M − m_r)),
   // Σ h_r, Σ V_r.
-  double S = 0.0, t = 0.0, hits = 0.0, Omega = 0.0, U = 0.0;
+  // With s.entropy: E = Σ_r exp(m_r − M)(e_r + (m_r − M) s_r) = Σ_j exp(a_j − M)(a_j − M).
+  double S = 0.0, t = 0.0, hits = 0.0, Omega = 0.0, U = 0.0, E = 0.0;
   int64_t local_sum = 0;
   const bool smoothing = s.ce.eps > 0.0;
   for (int64_t q = 0; q < ranks; ++q) {
@@ -235,10 +258,19 @@ Combined combine(const VpSetup& s, const float* gathered, int64_t ranks, int64_t
     const double m = st[kVpMax];
     if (m > -kInf) S += m == M ? double(st[kVpSumExp]) : double(st[kVpSumExp]) * std::exp(m - M);
     t += st[kVpTarget];
-    hits += st[kVpHit];
     Omega += st[kVpWeight];
     if (smoothing) U += double(st[kVpSmooth]) + double(st[kVpWeight]) * (M - m);
-    local_sum += float_as_int(st[kVpLocal]);
+    if (!s.entropy) {
+      hits += st[kVpHit];
+      local_sum += float_as_int(st[kVpLocal]);
+      continue;
+    }
+    const uint32_t local_bits = float_bits(st[kVpLocal]);
+    hits += (local_bits & kVpHitBit) ? 1.0 : 0.0;
+    local_sum += int64_t(local_bits & ~kVpHitBit);
+    if (m > -kInf)
+      E += m == M ? double(st[kVpEntropy])
+                  : std::exp(m - M) * (double(st[kVpEntropy]) + (m - M) * double(st[kVpSumExp]));
   }
   if (nan_seen) S = kNaN;
   c.M = M;
@@ -248,6 +280,10 @@ Combined combine(const VpSetup& s, const float* gathered, int64_t ranks, int64_t
   c.Omega = Omega;
   c.U = U;
   c.argmax = best_j;
+  if (s.entropy) {  // NaN without a finite maximum, as row_stats
+    c.mu_m = std::isfinite(M) ? E / S : kNaN;
+    c.H = c.ls - c.mu_m;
+  }
   // Two disjoint shards never report the same argmax (a global index inside each): equal ones
   // mean a shard's statistics were gathered twice (in place of another's of the same size).
   bool duplicate = false;
@@ -285,10 +321,12 @@ fce_status vp_loss(const VpProblem& p) {
         res.ce[ri] = kNaN;
         res.z_loss[ri] = s.ce.lambda == 0.0 ? 0.0 : kNaN;
         if (p.lse) p.lse[r] = float(kNaN);
+        if (p.entropy) p.entropy[r] = float(kNaN);
         if (p.argmax) p.argmax[r] = -1;
         continue;
       }
       if (p.lse) p.lse[r] = float(c.lse);
+      if (p.entropy) p.entropy[r] = float(c.H);
       if (p.argmax) p.argmax[r] = t.kind == RowKind::kIgnored ? -1 : c.argmax;
       if (t.kind == RowKind::kInvalid) {
         res.ce[ri] = kNaN;
@@ -339,23 +377,25 @@ void gradient_shard_f32(const VpSetup& s, const float* a, const Combined& c, con
 }
 
 // The gradient of a double shard row (the double path), in place: ce_row.h's gradient with
-// m = M, log s = ls over the shard's columns.
-void gradient_shard_f64(const VpSetup& s, double* a, const Combined& c, const RowTarget& t,
-                        const Upstream& up, double ts) {
-  const double target_weight = (1.0 - s.ce.eps) * omega_of(s.ce, t.y);
-  const double smoothing = s.ce.eps / double(s.ce.vocab);
-  const double z_loss = s.ce.lambda == 0.0 ? 0.0 : 2.0 * s.ce.lambda * c.lse;
+// m = M, log s = ls, μ − m = μ − M over the shard's columns; y < 0: a row without a loss term
+// (ignored) whose rule 18 terms flow.
+void gradient_shard_f64(const VpSetup& s, double* a, const Combined& c, int64_t y,
+                        const Upstream& up, double ts, const RowTerms& terms) {
+  const double target_weight = y < 0 ? 0.0 : (1.0 - s.ce.eps) * omega_of(s.ce, y);
+  const double smoothing = y < 0 ? 0.0 : s.ce.eps / double(s.ce.vocab);
+  const double z_loss = y < 0 || s.ce.lambda == 0.0 ? 0.0 : 2.0 * s.ce.lambda * c.lse;
+  RowStats st{};  // what element_gradient reads of the row
+  st.m = c.M;
+  st.mu_m = c.mu_m;
   for (int64_t j = 0; j < s.local; ++j) {
     const int64_t global = s.start + j;
     const double p = std::exp((a[j] - c.M) - c.ls);
-    double d_ce = target_weight * (p - (global == t.y ? 1.0 : 0.0));
+    double d_ce = target_weight * (p - (global == y ? 1.0 : 0.0));
     if (smoothing != 0.0) d_ce += smoothing * (c.Omega * p - omega_of(s.ce, global));
     double d_a = up.k1 * d_ce;
     if (z_loss != 0.0) d_a += up.kz1 * z_loss * p;
     if (s.ce.token_scaling) d_a *= ts;
-    double d_z = d_a * s.ce.s;
-    if (s.ce.c > 0.0) d_z *= 1.0 - (a[j] / s.ce.c) * (a[j] / s.ce.c);
-    a[j] = up.g * d_z;
+    a[j] = element_gradient(s.ce, a[j], p, st, d_a, y >= 0, up, terms);
   }
 }
 
@@ -376,7 +416,9 @@ uint32_t gradient_rows(const VpSetup& s, const float* gathered, int64_t ranks, i
       void* g_row = static_cast<char*>(grad) + size_t(i) * size_t(grad_stride) * gsize;
       if (t.kind == RowKind::kInvalid) flags.fetch_or(FCE_FLAG_TARGET_OUT_OF_RANGE);
       if (!c.consistent) flags.fetch_or(FCE_FLAG_SHARDS_INCONSISTENT);
-      if (!c.consistent || t.kind != RowKind::kScored) {
+      const RowTerms terms = row_terms(s.ce, r);  // rule 18: an ignored row's terms flow
+      const bool ignored_terms = t.kind == RowKind::kIgnored && terms.any();
+      if (!c.consistent || (t.kind != RowKind::kScored && !ignored_terms)) {
         fill_row(grad_dtype, g_row, s.local,
                  c.consistent && t.kind == RowKind::kIgnored ? 0.0f : NAN);
         continue;
@@ -397,7 +439,7 @@ uint32_t gradient_rows(const VpSetup& s, const float* gathered, int64_t ranks, i
         double* a = scratch.rows[size_t(thread)].data();
         load_row(logits_dtype, z, s.local, a);
         scale_and_softcap_shard(s, a);
-        gradient_shard_f64(s, a, c, t, up, ts);
+        gradient_shard_f64(s, a, c, t.kind == RowKind::kScored ? t.y : -1, up, ts, terms);
         store_row(grad_dtype, a, s.local, g_row);
       }
     }
@@ -424,7 +466,7 @@ fce_status vp_linear(const VpLinearProblem& p) {
   try {
     // Everything is allocated before any output is written.
     const VpSetup s = make_vp_setup(p.opt, p.rows, p.vocab_total, p.vocab_start, p.vocab_local,
-                                    p.targets, p.grad_output);
+                                    p.targets, p.grad_output, p.grad_lse, p.grad_entropy);
     ShardScratch scratch(s, R);
     const FloatMatrix W = as_float(dtype, p.weight, p.vocab_local, p.hidden);
     const FloatMatrix b = p.bias ? as_float(dtype, p.bias, 1, p.vocab_local) : FloatMatrix();
@@ -492,7 +534,7 @@ fce_status cpu_vp(const VpProblem& p) {
   try {
     if (!p.backward) return vp_loss(p);
     const VpSetup s = make_vp_setup(p.opt, p.rows, p.vocab_total, p.vocab_start, p.vocab_local,
-                                    p.targets, p.grad_output);
+                                    p.targets, p.grad_output, p.grad_lse, p.grad_entropy);
     ShardScratch scratch(s, p.rows);
     const uint32_t flags =
         gradient_rows(s, p.gathered, p.ranks, 0, p.rows, p.logits, p.row_stride, p.opt.dtype,

@@ -77,6 +77,14 @@ fce_status check_shard_ranks(const char* fn, const fce_vp_shard* shard, int rank
   return FCE_SUCCESS;
 }
 
+fce_status check_row_grads(const char* fn, const fce_gradients& g, bool with_grad,
+                           const char* none) {
+  if (with_grad || (!g.grad_lse && !g.grad_entropy)) return FCE_SUCCESS;
+  return fail(FCE_ERROR_INVALID_ARGUMENT,
+              "%s: gradients->%s is given but %s NULL: no gradient to add it to", fn,
+              g.grad_lse ? "grad_lse" : "grad_entropy", none);
+}
+
 fce_status read_structs(const char* fn, const fce_vp_shard* shard, int ranks,
                         const fce_outputs* outputs, const fce_gradients* gradients,
                         fce_outputs* out, fce_gradients* g) {

@@ -72,6 +72,10 @@ inline fce_status read_versioned(const char* fn, const char* name, const T* in, 
 }
 
 fce_status check_shard_ranks(const char* fn, const fce_vp_shard* shard, int ranks);
+// grad_lse / grad_entropy (docs/semantics.md rule 18) need a gradient to add them to: refused
+// without one (as fce_forward and fce_vp_linear_ce refuse them), never silently dropped.
+fce_status check_row_grads(const char* fn, const fce_gradients& g, bool with_grad,
+                           const char* none);
 fce_status read_structs(const char* fn, const fce_vp_shard* shard, int ranks,
                         const fce_outputs* outputs, const fce_gradients* gradients,
                         fce_outputs* out, fce_gradients* g);

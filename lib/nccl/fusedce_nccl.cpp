@@ -185,6 +185,7 @@ FCE_API fce_status fce_nccl_cross_entropy(const fce_options* options, const fce_
   FCE_NCCL_TRY(check_sizes(fn, rows, vocab_total, vocab_start, vocab_local, true, ci.ranks,
                            &gathered_bytes));
   const bool with_grad = grad_logits != nullptr;
+  FCE_NCCL_TRY(check_row_grads(fn, gr, with_grad, "gradients->grad_logits is"));
   CeLayout l;
   FCE_NCCL_TRY(ce_layout(fn, options, ci.ranks, rows, vocab_total, vocab_local, with_grad,
                          gathered_bytes, &l));
@@ -311,6 +312,8 @@ FCE_API fce_status fce_nccl_linear_ce(const fce_options* options, const fce_vp_s
   FCE_NCCL_TRY(check_sizes(fn, rows, vocab_total, vocab_start, vocab_local, true, ci.ranks,
                            &gathered_bytes));
   const bool with_grad = grad_hidden || grad_weight || grad_bias;
+  FCE_NCCL_TRY(check_row_grads(fn, gr, with_grad,
+                               "gradients->grad_hidden, grad_weight and grad_bias are all"));
   LinLayout l;
   FCE_NCCL_TRY(lin_layout(fn, options, o, ci.ranks, rows, hidden, vocab_total, vocab_local,
                           with_grad, grad_hidden != nullptr, gathered_bytes, &l));

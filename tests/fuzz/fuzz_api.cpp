@@ -87,13 +87,13 @@ std::string describe(const Case& c) {
                 "ignore_index=%lld row_stride=%lld grad_row_stride=%lld hidden_row_stride=%lld "
                 "shift_seq_len=%lld shift=%lld\n  label_smoothing=%g z_loss_scale=%g softcap=%g "
                 "logit_scale=%g deterministic=%d accumulate=%d grad_weight_fp32=%d "
-                "token_scaling=%d reserved0=%d batch_invariant=%d (readable bytes %llu)\n",
+                "token_scaling=%d vp_entropy=%d batch_invariant=%d (readable bytes %llu)\n",
                 c.opt_null ? " (passed NULL)" : "", o.struct_size, o.backend, o.dtype,
                 o.target_dtype, o.reduction, (long long)o.ignore_index, (long long)o.row_stride,
                 (long long)o.grad_row_stride, (long long)o.hidden_row_stride,
                 (long long)o.shift_seq_len, (long long)o.shift, (double)o.label_smoothing,
                 (double)o.z_loss_scale, (double)o.softcap, (double)o.logit_scale,
-                o.deterministic, o.accumulate, o.grad_weight_fp32, o.token_scaling, o.reserved0,
+                o.deterministic, o.accumulate, o.grad_weight_fp32, o.token_scaling, o.vp_entropy,
                 o.batch_invariant, (unsigned long long)c.opt_bytes);
   s += line;
   if (c.fn == kScale) {

@@ -454,7 +454,7 @@ void gen_options(Input& in, Case& c) {
       case 14: o.deterministic = interesting_i32(in); break;
       case 15: o.accumulate = interesting_i32(in); break;
       case 16: o.grad_weight_fp32 = interesting_i32(in); break;
-      case 17: o.reserved0 = interesting_i32(in); break;
+      case 17: o.vp_entropy = interesting_i32(in); break;
       case 18: o.shift = interesting_i64(in, c); break;
       case 19: o.token_scaling = interesting_i32(in); break;
       default: o.batch_invariant = interesting_i32(in); break;
@@ -766,7 +766,7 @@ void judge(Case& c) {
     const size_t s = c.opt.struct_size;
     if (s != FCE_OPTIONS_SIZE_V1_0)
       add(c, kInvalid, INV, false, "struct_size is no version's size");
-    if (o.reserved0 != 0) add(c, kInvalid, INV, false, "reserved0 != 0");
+    if (o.vp_entropy != 0) add(c, kInvalid, INV, false, "vp_entropy != 0 (not a vp call)");
     if (o.backend != FCE_BACKEND_CPU && o.backend != FCE_BACKEND_CUDA)
       add(c, kInvalid, INV, false, "backend is no fce_backend");
     if (o.backend == FCE_BACKEND_CUDA)

@@ -6,7 +6,8 @@
 //   options (label smoothing + z-loss + ignored rows, reduction none with a per-row upstream,
 //   sum with class weights, softcap and int32 targets, in place, loss only, accumulate,
 //   grad_weight_fp32, the minimum workspace), loss / lse / z_loss / argmax / accuracy and every
-//   gradient; a CUDA graph capturing both calls replays them bit for bit.
+//   gradient; the entropy with grad_lse / grad_entropy (options->vp_entropy); a CUDA graph
+//   capturing both calls replays them bit for bit.
 //   Two or more GPUs: the vocabulary sharded unevenly over up to 4 of them, the shards in the
 //   reverse of the rank order, one host thread per rank: every rank's loss is the same bits,
 //   and loss, gradients and the all-reduced grad_hidden match the unsharded calls; each rank's
@@ -286,6 +287,70 @@ TEST(Nccl, LinearCeMatchesUnsharded) {
     ASSERT_TRUE(lin_nccl(c, d, &got, false));
     expect_lin_equal(c, d, got, ref);
   }
+}
+
+// Rule 18 through fce_nccl_cross_entropy with options->vp_entropy on a one-rank communicator:
+// the entropy and the gradient with grad_lse and grad_entropy equal fce_forward's; grad_lse
+// without grad_logits is refused.
+TEST(Nccl, EntropyAndRowGradientsMatchUnsharded) {
+  REQUIRE_GPU();
+  cudaStream_t s = stream0();
+  ncclComm_t comm = comm1();
+  const int64_t N = 24, V = 3001;
+  std::mt19937_64 rng(18);
+  std::normal_distribution<double> nd(0.0, 4.0);
+  std::uniform_real_distribution<double> ud(-2.0, 2.0);
+  std::vector<double> z(static_cast<size_t>(N * V)), gl(N), ge(N);
+  std::vector<int64_t> y(static_cast<size_t>(N));
+  for (double& v : z) v = static_cast<float>(nd(rng));
+  for (int64_t r = 0; r < N; ++r) {
+    y[size_t(r)] = r % 5 == 1 ? -100 : static_cast<int64_t>(rng() % uint64_t(V));
+    gl[size_t(r)] = ud(rng);
+    ge[size_t(r)] = ud(rng);
+  }
+  Dev zd(encode(FCE_FLOAT32, z), s), yd(encode_targets(FCE_INT64, y), s);
+  Dev gld(encode(FCE_FLOAT32, gl), s), ged(encode(FCE_FLOAT32, ge), s);
+  TestOptions o = FCE_OPTIONS_INIT;
+  o.label_smoothing = 0.05f;
+  o.reduction = FCE_REDUCTION_SUM;
+  size_t wsb = 0;
+  ASSERT_TRUE(ok(fce_forward_workspace_size(&o, N, V, &wsb), "fce_forward_workspace_size"));
+  Dev ws(wsb, s), loss(4, s), ent(size_t(N) * 4, s), grad(size_t(N * V) * 4, s);
+  fce_outputs out = FCE_OUTPUTS_INIT;
+  out.loss = loss.p<float>();
+  out.entropy = ent.p<float>();
+  fce_gradients g = FCE_GRADIENTS_INIT;
+  g.grad_logits = grad.ptr();
+  g.grad_lse = gld.p<const float>();
+  g.grad_entropy = ged.p<const float>();
+  ASSERT_TRUE(
+      ok(fce_forward(&o, N, V, zd.ptr(), yd.ptr(), &out, &g, ws.ptr(), wsb, s), "fce_forward"));
+  const std::vector<double> ref_loss = decode(FCE_FLOAT32, loss.download());
+  const std::vector<double> ref_ent = decode(FCE_FLOAT32, ent.download());
+  const std::vector<double> ref_grad = decode(FCE_FLOAT32, grad.download());
+  o.vp_entropy = 1;
+  ASSERT_TRUE(ok(flat::nccl_ce_ws(&o, comm, N, V, V, 1, &wsb), "query"));
+  Dev nws(wsb, s);
+  loss.fill(kPoisonByte);
+  ent.fill(kPoisonByte);
+  grad.fill(kPoisonByte);
+  fce_vp_shard sh;
+  const fce_vp_shard* shard = flat::comm_shard(comm, V, 0, V, &sh);
+  ASSERT_NE(shard, nullptr);
+  ASSERT_TRUE(
+      ok(fce_nccl_cross_entropy(&o, shard, N, zd.ptr(), yd.ptr(), &out, &g, nws.ptr(), wsb, s),
+         "fce_nccl_cross_entropy"));
+  EXPECT_TRUE(close_normwise(decode(FCE_FLOAT32, loss.download()), ref_loss, kTolF32, "loss"));
+  EXPECT_TRUE(close_normwise(decode(FCE_FLOAT32, ent.download()), ref_ent, kTolF32, "entropy"));
+  EXPECT_TRUE(close_normwise(decode(FCE_FLOAT32, grad.download()), ref_grad, kTolF32, "grad"));
+  fce_gradients lone = FCE_GRADIENTS_INIT;
+  lone.grad_lse = gld.p<const float>();
+  EXPECT_EQ(
+      fce_nccl_cross_entropy(&o, shard, N, zd.ptr(), yd.ptr(), &out, &lone, nws.ptr(), wsb, s),
+      FCE_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(fce_nccl_last_error()).find("gradients->grad_lse"), std::string::npos)
+      << fce_nccl_last_error();
+  ASSERT_TRUE(finish());
 }
 
 // Both calls captured in CUDA graphs after an eager call; two replays give the eager bits.

@@ -287,7 +287,7 @@ def test_struct_field_type_fails(pkg: Path):
 
 def test_struct_missing_field_fails(pkg: Path):
     edit(pkg, "src/libfusedce.jl",
-         "    reserved0::Int32            # int32_t reserved0 (offset 100)\n", "")
+         "    vp_entropy::Int32           # int32_t vp_entropy (offset 100)\n", "")
     found = problems(pkg)
     assert only(found, "struct FceOptions fields"), found
 

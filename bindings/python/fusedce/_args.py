@@ -80,7 +80,7 @@ def _build_options(opts: CEOptions, *, backend, dtype, target_dtype, class_weigh
     o.deterministic = 1 if deterministic else 0
     o.accumulate = 1 if accumulate else 0
     o.grad_weight_fp32 = 1 if grad_weight_fp32 else 0
-    o.reserved0 = 0
+    o.vp_entropy = 0
     return o
 
 

@@ -111,7 +111,7 @@ class Options(ctypes.Structure):
         ("deterministic", ctypes.c_int32),
         ("accumulate", ctypes.c_int32),
         ("grad_weight_fp32", ctypes.c_int32),
-        ("reserved0", ctypes.c_int32),
+        ("vp_entropy", ctypes.c_int32),
         ("shift", ctypes.c_int64),
         ("token_scaling", ctypes.c_int32),
         ("batch_invariant", ctypes.c_int32),
@@ -527,11 +527,11 @@ def load(reload: bool = False):
             size = _options_size_of(lib_version)
             probe = Options()
             probe.struct_size = size
-            probe.batch_invariant = 7  # overwritten with its default 0
+            probe.batch_invariant = probe.vp_entropy = 7  # overwritten with their defaults 0
             lib.fce_options_default(ctypes.byref(probe))
             if (probe.struct_size != size or probe.ignore_index != -100
                     or probe.logit_scale != 1.0 or probe.target_dtype != FCE_INT64
-                    or probe.batch_invariant != 0):
+                    or probe.batch_invariant != 0 or probe.vp_entropy != 0):
                 raise VersionMismatchError(
                     "fce_options_default() of libfusedce %s (struct_size %d) does not fill the "
                     "defaults this binding expects: the header and this binding disagree" %

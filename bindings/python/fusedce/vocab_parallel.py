@@ -68,6 +68,7 @@ class VPLossResult(NamedTuple):
     error_flags: Any   # uint32 [1] (int32 for torch)
     argmax: Any = None    # int64 [rows]: global class index, -1 for ignored rows
     accuracy: Any = None  # float32: () for mean/sum, [rows] for none
+    entropy: Any = None   # float32 [rows]: each row's entropy (statistics made with entropy=True)
 
 
 class VPLinearGrads(NamedTuple):
@@ -167,11 +168,13 @@ def vp_stats(logits, targets, *, vocab_total: int, vocab_start: int, reduction="
              z_loss_scale: float = 0.0, softcap: float = 0.0, logit_scale: float = 1.0,
              shift_seq_len: int = 0, shift: int = 0, token_scaling: bool = False,
              deterministic: bool = False, dtype=None, target_dtype=None, backend=None,
-             row_stride=None, stats=None, stream=None):
+             row_stride=None, stats=None, stream=None, entropy: bool = False):
     """Phase 1 (fce_vp_stats) over this rank's logits [rows, vocab_local] (columns
     ``[vocab_start, vocab_start + vocab_local)`` of the whole vocabulary; a row stride larger
     than vocab_local is fine): returns ``stats`` float32 [rows, VP_STATS] (allocated, 16-byte
-    aligned, unless given). ``targets`` [rows] are global class indices."""
+    aligned, unless given). ``targets`` [rows] are global class indices. ``entropy=True``: the
+    statistics also carry the shard's entropy sums, for :func:`vp_loss`'s ``return_entropy``
+    (docs/semantics.md rule 18); every call of the step must then pass it."""
     _lib.require_vp()
     s_explicit = _stream_int(stream)
     z = _describe(logits, "logits", s_explicit)
@@ -194,6 +197,7 @@ def vp_stats(logits, targets, *, vocab_total: int, vocab_start: int, reduction="
     with _device_of(z):
         stats, sa = _stats_out(stats, alloc, z, rows)
         opts = _options(z, dtype_code, tcode, red, kw, w, row_stride=rs)
+        opts.vp_entropy = 1 if entropy else 0
         shard = _lib.shard(1, vt, vs, vl)
         _lib.call("fce_vp_stats", ctypes.byref(opts), ctypes.byref(shard), rows, z.ptr, y.ptr,
                   sa.ptr, call_stream)
@@ -206,11 +210,13 @@ def vp_linear_stats(hidden, weight, targets, bias=None, *, vocab_total: int, voc
                     softcap: float = 0.0, logit_scale: float = 1.0, shift_seq_len: int = 0,
                     shift: int = 0, token_scaling: bool = False, deterministic: bool = False,
                     dtype=None, target_dtype=None, backend=None, hidden_row_stride=None,
-                    stats=None, workspace=None, workspace_size="optimal", stream=None):
+                    stats=None, workspace=None, workspace_size="optimal", stream=None,
+                    entropy: bool = False):
     """Phase 1 of the fused linear + CE (fce_vp_linear_stats): the statistics of
     z = hidden [rows, D] · weightᵀ + bias over this rank's weight rows [vocab_local, D] (and
     bias [vocab_local]), the logits made piece by piece in the workspace (``workspace_size``:
-    'optimal', 'min' or bytes, when it is allocated here). Returns stats [rows, VP_STATS]."""
+    'optimal', 'min' or bytes, when it is allocated here). Returns stats [rows, VP_STATS].
+    ``entropy``: as :func:`vp_stats`'s."""
     _lib.require_vp()
     s_explicit = _stream_int(stream)
     h = _describe(hidden, "hidden", s_explicit)
@@ -231,6 +237,7 @@ def vp_linear_stats(hidden, weight, targets, bias=None, *, vocab_total: int, voc
     with _device_of(h):
         stats, sa = _stats_out(stats, alloc, h, rows)
         opts = _options(h, dtype_code, tcode, red, kw, w, hidden_row_stride=hrs)
+        opts.vp_entropy = 1 if entropy else 0
         lo, hi = ctypes.c_size_t(0), ctypes.c_size_t(0)
         query_for("fce_vp_linear_stats", "fce_vp_linear_stats_workspace_size", ctypes.byref(opts),
                   rows, dim, vl, ctypes.byref(lo), ctypes.byref(hi))
@@ -271,13 +278,16 @@ def vp_loss(gathered_stats, targets, *, vocab_total: int, reduction="mean",
             return_lse: bool = False, return_z_loss: bool = False, return_argmax: bool = False,
             return_accuracy: bool = False, loss=None, lse=None, z_loss=None, argmax=None,
             accuracy=None, error_flags=None, workspace=None, stream=None,
-            check_targets: bool = False) -> VPLossResult:
+            check_targets: bool = False, entropy: bool = False,
+            return_entropy: bool = False) -> VPLossResult:
     """Phase 3 (fce_vp_loss): the loss of the whole vocabulary from the ranks' gathered
     statistics [ranks, rows, VP_STATS] (any rank order; [ranks * rows, VP_STATS] too), identical
     on every rank. Outputs as :func:`fusedce.forward`'s (loss, and when asked lse, z_loss, argmax
     as global class indices, accuracy). ``dtype``: the logits' dtype (the same options as phase
     1; it does not change the result). ``check_targets`` reads the error flags (a host sync on
-    CUDA) and raises ValueError for an out-of-range target or shards that do not tile."""
+    CUDA) and raises ValueError for an out-of-range target or shards that do not tile.
+    ``return_entropy``: each row's entropy too (docs/semantics.md rule 18), from statistics made
+    with ``entropy=True``, which every call of the step must then pass (it is implied here)."""
     _lib.require_vp()
     s_explicit = _stream_int(stream)
     g = _describe(gathered_stats, "gathered_stats", s_explicit)
@@ -317,6 +327,11 @@ def vp_loss(gathered_stats, targets, *, vocab_total: int, reduction="mean",
                                                          return_accuracy, alloc, g, rows, red)
         flags, flags_ptr = _error_flags(error_flags, alloc, g)
         opts = _options(g, dtype_code, tcode, red, kw, w)
+        opts.vp_entropy = 1 if (entropy or return_entropy) else 0
+        ent_a = None
+        if return_entropy:
+            ent = alloc.empty((rows,), "float32", "entropy")
+            ent_a = _out(ent, "entropy", g, "float32")
         need = ctypes.c_size_t(0)
         query_for("fce_vp_loss", "fce_vp_loss_workspace_size", ctypes.byref(opts), ranks, rows,
                   vt, ctypes.byref(need))
@@ -326,13 +341,14 @@ def vp_loss(gathered_stats, targets, *, vocab_total: int, reduction="mean",
             ws_ptr, ws_bytes, ws_keep = _user_workspace(workspace, g)
         shard = _lib.shard(ranks, vt, 0, vt)
         out = _lib.outputs(loss=la.ptr, lse=_ptr(lse_a), z_loss=_ptr(zl_a), argmax=_ptr(am_a),
-                           accuracy=_ptr(acc_a), error_flags=flags_ptr)
+                           accuracy=_ptr(acc_a), error_flags=flags_ptr, entropy=_ptr(ent_a))
         _lib.call("fce_vp_loss", ctypes.byref(opts), ctypes.byref(shard), rows, y.ptr, g.ptr,
                   ctypes.byref(out), ws_ptr, ws_bytes, call_stream)
         del ws_keep
     if check_targets:
         check_error_flags(flags)
-    return VPLossResult(loss, lse, z_loss, flags, argmax, accuracy)
+    return VPLossResult(loss, lse, z_loss, flags, argmax, accuracy,
+                        ent if return_entropy else None)
 
 
 def vp_backward(logits, targets, gathered_stats, grad_output=None, *, vocab_total: int,
@@ -342,11 +358,12 @@ def vp_backward(logits, targets, gathered_stats, grad_output=None, *, vocab_tota
                 shift: int = 0, token_scaling: bool = False, deterministic: bool = False,
                 dtype=None, target_dtype=None, backend=None, row_stride=None,
                 grad_row_stride=None, grad_logits=None, in_place: bool = False,
-                workspace=None, stream=None):
+                workspace=None, stream=None, entropy: bool = False):
     """Phase 3, the gradient of this rank's logits [rows, vocab_local] (fce_vp_backward) from the
     gathered statistics, scaled by ``grad_output`` (a float, or float32 () for mean/sum, [rows]
     for none; default 1). Returns grad_logits (allocated unless given; ``in_place=True`` writes
-    it over the logits). The step's error flags are :func:`vp_loss`'s."""
+    it over the logits). The step's error flags are :func:`vp_loss`'s. ``entropy``: the
+    statistics were made with ``entropy=True``."""
     _lib.require_vp()
     s_explicit = _stream_int(stream)
     z = _describe(logits, "logits", s_explicit)
@@ -384,6 +401,7 @@ def vp_backward(logits, targets, gathered_stats, grad_output=None, *, vocab_tota
         _check_stride_kw(grad_row_stride, grs, "grad_row_stride")
         go_ptr, go_keep = _grad_output(grad_output, alloc, z, rows, red == FCE_REDUCTION_NONE)
         opts = _options(z, dtype_code, tcode, red, kw, w, row_stride=rs, grad_row_stride=grs)
+        opts.vp_entropy = 1 if entropy else 0
         need = ctypes.c_size_t(0)
         query_for("fce_vp_backward", "fce_vp_backward_workspace_size", ctypes.byref(opts), ranks,
                   rows, vt, vl, ctypes.byref(need))
@@ -409,7 +427,7 @@ def vp_linear_backward(hidden, weight, targets, gathered_stats, bias=None, grad_
                        return_grad=True, grad_hidden_dtype="float32", accumulate: bool = False,
                        grad_weight_fp32: bool = False, grad_hidden=None, grad_weight=None,
                        grad_bias=None, workspace=None, workspace_size="optimal",
-                       stream=None) -> VPLinearGrads:
+                       stream=None, entropy: bool = False) -> VPLinearGrads:
     """Phase 3 of the fused linear + CE (fce_vp_linear_backward): the gradients of this rank,
     scaled by ``grad_output`` (default 1). ``return_grad``: True or a subset of ('hidden',
     'weight', 'bias'), or pass the buffers. grad_hidden [rows, hidden] is this rank's PARTIAL ∂h,
@@ -417,7 +435,7 @@ def vp_linear_backward(hidden, weight, targets, gathered_stats, bias=None, grad_
     or the inputs' dtype): ALL-REDUCE (sum) it over the ranks. grad_weight [vocab_local, hidden]
     and grad_bias [vocab_local] are the shard's, complete (the inputs' dtype, or float32 with
     ``grad_weight_fp32``; ``accumulate`` adds into them). The step's error flags are
-    :func:`vp_loss`'s."""
+    :func:`vp_loss`'s. ``entropy``: the statistics were made with ``entropy=True``."""
     _lib.require_vp()
     s_explicit = _stream_int(stream)
     h = _describe(hidden, "hidden", s_explicit)
@@ -452,6 +470,7 @@ def vp_linear_backward(hidden, weight, targets, gathered_stats, bias=None, grad_
         go_ptr, go_keep = _grad_output(grad_output, alloc, h, rows, red == FCE_REDUCTION_NONE)
         opts = _options(h, dtype_code, tcode, red, kw, w, hidden_row_stride=hrs,
                         accumulate=accumulate, grad_weight_fp32=grad_weight_fp32)
+        opts.vp_entropy = 1 if entropy else 0
         gh_code = _FLOAT_CODES[gh_name]
         lo, hi = ctypes.c_size_t(0), ctypes.c_size_t(0)
         query_for("fce_vp_linear_backward", "fce_vp_linear_backward_workspace_size",

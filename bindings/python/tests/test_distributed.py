@@ -13,6 +13,7 @@ Tests skip with their reason where torch, CUDA or a 0.4 library is missing.
 
 import ctypes
 import datetime
+import importlib
 import os
 import sys
 
@@ -860,7 +861,7 @@ CASES = {"ce": _cases_ce, "linear": _cases_linear, "misc": _cases_misc,
          "subgroups": _cases_subgroups, "fused": _cases_fused}
 
 
-def _worker(rank, world, backend, init_file, cases):
+def _worker(rank, world, backend, init_file, cases, module=None):
     global DEV
     torch.set_num_threads(1)
     if backend == "nccl":
@@ -870,22 +871,25 @@ def _worker(rank, world, backend, init_file, cases):
                             world_size=world, timeout=datetime.timedelta(seconds=300))
     try:
         group = dist.group.WORLD
+        table = importlib.import_module(module).CASES if module else CASES
         for name in cases:
-            CASES[name](group, rank, world)
+            table[name](group, rank, world)
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-def _spawn(world, backend, cases, tmp_path, monkeypatch):
+def _spawn(world, backend, cases, tmp_path, monkeypatch, module=None):
+    """Runs the named cases (of ``module``'s CASES, by default this one's) on `world`
+    processes of `backend`."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("OPENBLAS_NUM_THREADS", "1")
     init_file = str(tmp_path / f"store-{backend}-{world}-{'-'.join(cases)}")
     if os.path.dirname(__file__) not in sys.path:  # the workers import this module
         sys.path.insert(0, os.path.dirname(__file__))
     import torch.multiprocessing as mp
-    mp.start_processes(_worker, args=(world, backend, init_file, tuple(cases)), nprocs=world,
-                       join=True, start_method="spawn")
+    mp.start_processes(_worker, args=(world, backend, init_file, tuple(cases), module),
+                       nprocs=world, join=True, start_method="spawn")
 
 
 @needs_vp

@@ -53,13 +53,13 @@ def test_options_struct_layout():
     assert o.backend == _lib.FCE_BACKEND_CUDA and o.dtype == _lib.FCE_FLOAT32
     assert o.target_dtype == _lib.FCE_INT64 and o.reduction == _lib.FCE_REDUCTION_MEAN
     assert (o.row_stride, o.grad_row_stride, o.shift_seq_len, o.hidden_row_stride) == (0, 0, 0, 0)
-    assert (o.deterministic, o.accumulate, o.grad_weight_fp32, o.reserved0) == (0, 0, 0, 0)
+    assert (o.deterministic, o.accumulate, o.grad_weight_fp32, o.vp_entropy) == (0, 0, 0, 0)
     # field offsets as in the C header
     offsets = {name: getattr(_lib.Options, name).offset for name, _ in _lib.Options._fields_}
     assert offsets["ignore_index"] == 16 and offsets["backend"] == 56
-    assert offsets["label_smoothing"] == 72 and offsets["reserved0"] == 100
+    assert offsets["label_smoothing"] == 72 and offsets["vp_entropy"] == 100
     assert (offsets["shift"], offsets["token_scaling"], offsets["batch_invariant"]) == (104, 112, 116)
-    assert (o.shift, o.token_scaling, o.batch_invariant) == (0, 0, 0)
+    assert (o.shift, o.token_scaling, o.vp_entropy, o.batch_invariant) == (0, 0, 0, 0)
     # the outputs, by name, in the order of the C header
     out = _lib.outputs(loss=8, argmax=16, error_flags=24)
     assert out.struct_size == 64 and (out.loss, out.lse, out.argmax, out.error_flags) == (

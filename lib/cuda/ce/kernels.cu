@@ -257,10 +257,12 @@ fce_status launch_ce_rows(const CeRowsArgs& a, cudaStream_t s) {
   if (a.rescale && (backward || !a.grad || !a.grad_output))
     return fail(FCE_ERROR_INTERNAL,
                 "%s: launch_ce_rows: rescale needs a forward with grad and grad_output", fn);
-  if ((a.grad_lse || a.grad_entropy) && (a.rescale || a.stats_in || (backward && a.grad_entropy)))
+  // (a backward from stats_in takes both: the vocabulary-parallel statistics carry μ − m)
+  if ((a.grad_lse || a.grad_entropy) &&
+      (a.rescale || (backward && !a.stats_in && a.grad_entropy)))
     return fail(FCE_ERROR_INTERNAL,
-                "%s: launch_ce_rows: grad_lse / grad_entropy with a rescale, a column slice or "
-                "(grad_entropy) a backward",
+                "%s: launch_ce_rows: grad_lse / grad_entropy with a rescale, or grad_entropy with "
+                "a backward from the saved lse",
                 fn);
   const int64_t vocab_total = a.vocab_total > 0 ? a.vocab_total : a.vocab;
   if (a.col_begin < 0 || a.col_begin + a.vocab > vocab_total || vocab_total > INT32_MAX ||

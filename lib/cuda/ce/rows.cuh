@@ -85,7 +85,8 @@ struct CeRowsArgs {
   // docs/semantics.md rule 18, by global row (the stream kernels run them: ce/policy.h):
   float* entropy_out;          // forward: [total_rows] entropy, or nullptr
   const float* grad_lse;       // with grad: [total_rows] upstream gradient of lse, or nullptr
-  const float* grad_entropy;   // forward with grad: [total_rows] of the entropy, or nullptr
+  const float* grad_entropy;   // forward with grad, or a backward from stats_in whose pad holds
+                               // μ − m (vp_combine's with vp_entropy): [total_rows], or nullptr
 };
 // A launch over all `rows` rows of a [rows, vocab] problem whose logits and gradient are
 // opt.dtype (fce_forward / fce_backward / fce_backward_rescale, fce_vp_backward); the caller

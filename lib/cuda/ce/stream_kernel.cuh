@@ -139,6 +139,8 @@ __global__ void __launch_bounds__(BWD ? kBackwardThreads : kTwoPassThreads, BWD 
     if (p.stats_in) {
       const CeRowStats st = p.stats_in[row];
       vals = RowVals{st.m, st.ls, __fadd_rn(st.m, st.ls), st.t};
+      // the vocabulary-parallel statistics of options->vp_entropy carry μ − m in pad
+      if constexpr (ROWT && !SOFT) mum = p.grad_entropy ? st.pad : 0.f;
     } else {
       const float lse = p.lse_in[row];
       const bool flows = s_info.kind == kValid || (ROWT && s_info.kind == kIgnored);

@@ -215,10 +215,12 @@ fce_status slice_pass(const SlicePass& sp, cudaStream_t stream) {
                         sp.lt_bytes, stream));
 
     // b. ∂Z_s from the saved row statistics, in place (the backward kernel on a column slice)
-    FCE_TRY(launch_ce_rows(slice_backward_args(sp.fn, opt, N, 0, N, sp.vocab_total,
-                                               sp.col_offset + v0, vc, z, lds, sp.targets,
-                                               sp.denoms, sp.grad_output, sp.stats),
-                           stream));
+    CeRowsArgs ra = slice_backward_args(sp.fn, opt, N, 0, N, sp.vocab_total, sp.col_offset + v0,
+                                        vc, z, lds, sp.targets, sp.denoms, sp.grad_output,
+                                        sp.stats);
+    ra.grad_lse = sp.grad_lse;  // (fce_vp_linear_backward's rule 18 terms)
+    ra.grad_entropy = sp.grad_entropy;
+    FCE_TRY(launch_ce_rows(ra, stream));
     if (sp.fix_dz) FCE_TRY(sp.fix_dz(sp.fix_ctx, z, N, vc, lds, stream));
 
     // c. ∂W_s[vc, D] = ∂Z_sᵀ · h over all N rows: one GEMM, one rounding

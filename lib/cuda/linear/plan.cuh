@@ -228,6 +228,10 @@ struct SlicePass {
   fce_status (*fix_dz)(const void* ctx, void* dz, int64_t rows, int64_t cols, int64_t ld,
                        cudaStream_t s);
   const void* fix_ctx;
+  // Rule 18's upstream gradients [rows] or nullptr (fce_vp_linear_backward; fce_linear_ce
+  // refuses them on this plan): grad_entropy needs stats' pad to hold μ − m.
+  const float* grad_lse;
+  const float* grad_entropy;
 };
 fce_status slice_pass(const SlicePass& sp, cudaStream_t s);
 

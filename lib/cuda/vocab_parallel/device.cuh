@@ -3,7 +3,7 @@
 // classification and the logit transform of docs/semantics.md rules 1-3 and docs/semantics.md steps 1-2 (as
 // ce/device.cuh's), and phase 1's per-thread statistics of a row (Acc: maximum, Σexp, the
 // argmax, the label-smoothing sums relative to the running maximum) with their fixed-order
-// warp / CTA tree.
+// warp / CTA tree; ENT (options->vp_entropy): the entropy's sum e beside them, per thread.
 //
 // In an anonymous namespace, as when the kernels and these helpers were one file: each kernel
 // translation unit compiles its own internal copy (the compiler sees exactly the program it
@@ -53,6 +53,16 @@ struct SParams {
   int write_weight;            // kVpWeight = vocab (no class weights); else already written
   float scale, softcap, s_over_c;
 };
+
+// e = Σ exp(a − m)(a − m) of sums (s, e) against m, made against m2 ≥ m: exp(m − m2)(e +
+// s (m − m2)); 0 when m = −inf (nothing summed) or exp(m − m2) is 0 (never 0·inf). (The CE
+// kernels' rescale_t, ce/device.cuh, which this header cannot include.)
+__device__ __forceinline__ float rebase_e(float m, float m2, float s, float e) {
+  const float dm = __fsub_rn(m, m2);
+  const float r = ex2(__fmul_rn(dm, kLog2e));
+  return (m == neg_inf() || r == 0.f) ? 0.f : __fmul_rn(r, __fmaf_rn(s, dm, e));
+}
+
 
 // (classify_row, rules 1-3, and RowKind: ce/memory.cuh, shared with the CE kernels)
 
@@ -131,10 +141,11 @@ template <bool SMOOTH> __device__ __forceinline__ Acc block_reduce(Acc x, Acc* s
 }
 
 // One vector of the row into a thread's partial (elements outside the row are −inf for the
-// maximum and Σexp, and skipped by the smoothing sums).
-template <class TZ, int MODE>
+// maximum and Σexp, and skipped by the smoothing sums). ENT: *e, the thread's entropy sum
+// against acc.m, follows it (a −inf element adds nothing).
+template <class TZ, int MODE, bool ENT = false>
 __device__ __forceinline__ void stats_vector(const uint4& raw, int64_t j0, bool full,
-                                             const SParams& p, Acc& acc) {
+                                             const SParams& p, Acc& acc, float* e = nullptr) {
   constexpr int E = vec_elems<TZ>();
   constexpr bool kSmoothMode = MODE == kGeneral;
   float a[E];
@@ -157,13 +168,26 @@ __device__ __forceinline__ void stats_vector(const uint4& raw, int64_t j0, bool 
   }
   const float mn = fmaxf(acc.m, vm);
   if (kSmoothMode && p.smooth) acc.u = rebase(acc.u, acc.w, acc.m, mn);
+  if constexpr (ENT) {
+    if (acc.m != mn) *e = rebase_e(acc.m, mn, acc.s, *e);
+  }
   acc.s = acc.m == mn ? acc.s : __fmul_rn(acc.s, ex2(__fmul_rn(__fsub_rn(acc.m, mn), kLog2e)));
   acc.m = mn;
   // all −inf so far: every term is exp(−inf) = 0. A +inf maximum makes its own term
   // exp(+inf − +inf) = NaN, and so s_r (rule 16, as the CE row kernels and torch's log_softmax)
   const float ms = mn == neg_inf() ? 0.f : mn;
+  if constexpr (ENT) {
 #pragma unroll
-  for (int q = 0; q < E; ++q) acc.s = __fadd_rn(acc.s, ex2(__fmul_rn(__fsub_rn(a[q], ms), kLog2e)));
+    for (int q = 0; q < E; ++q) {
+      const float d = __fsub_rn(a[q], ms);
+      const float x = ex2(__fmul_rn(d, kLog2e));
+      acc.s = __fadd_rn(acc.s, x);
+      *e = x != 0.f ? __fmaf_rn(x, d, *e) : *e;
+    }
+  } else {
+#pragma unroll
+    for (int q = 0; q < E; ++q) acc.s = __fadd_rn(acc.s, ex2(__fmul_rn(__fsub_rn(a[q], ms), kLog2e)));
+  }
   if (kSmoothMode && p.smooth) {
     // Σ ω (mn − a) over the vector's finite elements (each term ≥ 0), Σ ω of them, and ω·∞ for
     // its −inf elements; +inf and NaN elements make u NaN or 0 at the end (rule 16)

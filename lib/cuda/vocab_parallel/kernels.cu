@@ -5,7 +5,8 @@
 // Why it is fast: phase 1 reads the shard ONCE, one CTA per row in 16-byte vectors, with the
 // label-smoothing sums kept relative to the running maximum (no second pass, no cancellation);
 // phase 3 is one thread per row over P × 32 bytes. Fixed-order trees, no float atomics:
-// deterministic. The device helpers: vocab_parallel/device.cuh.
+// deterministic. ENT instantiations (options->vp_entropy, rule 18): phase 1 also sums e_r and
+// phase 3 makes μ − M and the entropy. The device helpers: vocab_parallel/device.cuh.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -50,7 +51,9 @@ namespace fce {
 namespace cuda {
 namespace {
 
-template <class TZ, int MODE>
+// ENT: e_r = Σ exp(a − m_r)(a − m_r) beside s_r (each thread's against its running maximum,
+// moved to the row's and summed in a fixed tree), in kVpEntropy, h_r in kVpLocal's sign bit.
+template <class TZ, int MODE, bool ENT = false>
 __global__ void __launch_bounds__(kStatsThreads, 2) vp_stats_kernel(const SParams p) {
   constexpr int E = vec_elems<TZ>();
   constexpr int eb = Ty<TZ>::kBytes;
@@ -80,6 +83,7 @@ __global__ void __launch_bounds__(kStatsThreads, 2) vp_stats_kernel(const SParam
   }
 
   Acc acc = acc_identity();
+  float e_acc = 0.f;  // ENT: this thread's e against acc.m
   for (int64_t base = tid; base < nvec; base += step) {
     uint4 buf[U];
 #pragma unroll
@@ -93,13 +97,28 @@ __global__ void __launch_bounds__(kStatsThreads, 2) vp_stats_kernel(const SParam
     for (int u = 0; u < U; ++u) {
       const int64_t v = base + int64_t(u) * nt;
       const int64_t j0 = v * E - lead;
-      if (v < nvec) stats_vector<TZ, MODE>(buf[u], j0, is_full<int64_t, E>(j0, V), p, acc);
+      if (v >= nvec) continue;
+      if constexpr (ENT)
+        stats_vector<TZ, MODE, true>(buf[u], j0, is_full<int64_t, E>(j0, V), p, acc, &e_acc);
+      else
+        stats_vector<TZ, MODE>(buf[u], j0, is_full<int64_t, E>(j0, V), p, acc);
     }
   }
   const Acc blk = block_reduce<SMOOTH>(acc, s_warp);
   if (tid == 0) s_final = blk;
   __syncthreads();
   const Acc fin = s_final;
+  float e_row = 0.f;  // ENT: the row's e against fin.m (thread 0's)
+  if constexpr (ENT) {
+    __shared__ float s_e[32];
+    float e = acc.m != fin.m ? rebase_e(acc.m, fin.m, acc.s, e_acc) : e_acc;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) e = __fadd_rn(e, __shfl_xor_sync(0xffffffffu, e, o));
+    if ((tid & 31) == 0) s_e[tid >> 5] = e;
+    __syncthreads();
+    if (tid == 0)
+      for (int w = 0; w < (nt >> 5); ++w) e_row = __fadd_rn(e_row, s_e[w]);
+  }
 
   // Σexp NaN: the row holds a NaN or a +inf. Its first NaN, if any (a second read, rare rows only)
   int nan_j = INT_MAX;
@@ -133,9 +152,14 @@ __global__ void __launch_bounds__(kStatsThreads, 2) vp_stats_kernel(const SParam
     if (SMOOTH && p.smooth && m > neg_inf())
       u = m == pos_inf() ? qnan() : __fadd_rn(static_cast<float>(fin.u), fin.ninf);
     const float am_bits = __int_as_float(static_cast<int>(p.vocab_start + am));
-    const float local_bits = __int_as_float(V);
+    float local_bits = __int_as_float(V);
+    float slot3 = h_r;
+    if constexpr (ENT) {  // e_r: 0 when m = −inf, NaN when m is NaN or +inf
+      slot3 = m == neg_inf() ? 0.f : isfinite(m) ? e_row : qnan();
+      local_bits = __uint_as_float(static_cast<unsigned>(V) | (h_r != 0.f ? kVpHitBit : 0u));
+    }
     float* out = p.stats + row * FCE_VP_STATS;
-    reinterpret_cast<float4*>(out)[0] = make_float4(m, s, t_r, h_r);
+    reinterpret_cast<float4*>(out)[0] = make_float4(m, s, t_r, slot3);
     if (p.write_weight) {
       reinterpret_cast<float4*>(out)[1] = make_float4(u, static_cast<float>(V), am_bits, local_bits);
     } else {
@@ -205,8 +229,13 @@ struct CParams {
   int64_t* argmax;
   float* row_correct;
   uint32_t* error_flags;
+  float* entropy;              // ENT: [rows] H, or nullptr
 };
 
+// ENT (options->vp_entropy, rule 18): the layout with e_r, and E = Σ_r exp(m_r − M)(e_r +
+// (m_r − M) s_r), μ − M = E/S, H = log S − E/S (NaN without a finite M); the row statistics
+// carry μ − M in pad, and NaN in t marks an inconsistent row (launch_vp_nan_rows by_t).
+template <bool ENT = false>
 __global__ void __launch_bounds__(kCombineThreads) vp_combine_kernel(const CParams p) {
   uint32_t flags = 0;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
@@ -228,7 +257,7 @@ __global__ void __launch_bounds__(kCombineThreads) vp_combine_kernel(const CPara
     if (any_nan) M = qnan();
 
     // the rest, ranks in gathered order, float32
-    float S = 0.f, T = 0.f, H = 0.f, Om = 0.f, Us = 0.f;
+    float S = 0.f, T = 0.f, H = 0.f, Om = 0.f, Us = 0.f, Es = 0.f;
     int64_t sum_local = 0;
     bool best_nan = false, have_best = false;
     float best_m = neg_inf();
@@ -236,9 +265,20 @@ __global__ void __launch_bounds__(kCombineThreads) vp_combine_kernel(const CPara
     for (int64_t r = 0; r < p.ranks; ++r) {
       const float4 lo = *reinterpret_cast<const float4*>(g + r * rank_stride);
       const float4 hi = *reinterpret_cast<const float4*>(g + r * rank_stride + 4);
-      const float m_r = lo.x, s_r = lo.y, t_r = lo.z, h_r = lo.w;
+      const float m_r = lo.x, s_r = lo.y, t_r = lo.z;
+      float h_r = lo.w;
       const float u_r = hi.x, w_r = hi.y;
-      const int j_r = __float_as_int(hi.z), v_r = __float_as_int(hi.w);
+      const int j_r = __float_as_int(hi.z);
+      int v_r = __float_as_int(hi.w);
+      if constexpr (ENT) {
+        const unsigned bits = __float_as_uint(hi.w);
+        h_r = (bits & kVpHitBit) ? 1.f : 0.f;
+        v_r = static_cast<int>(bits & ~kVpHitBit);
+        if (m_r > neg_inf())
+          Es = __fadd_rn(Es, m_r == M ? lo.w
+                                      : __fmul_rn(expf(__fsub_rn(m_r, M)),
+                                                  __fmaf_rn(s_r, __fsub_rn(m_r, M), lo.w)));
+      }
       if (m_r > neg_inf()) S = __fadd_rn(S, m_r == M ? s_r : __fmul_rn(s_r, expf(__fsub_rn(m_r, M))));
       T = __fadd_rn(T, t_r);
       H = __fadd_rn(H, h_r);
@@ -277,9 +317,16 @@ __global__ void __launch_bounds__(kCombineThreads) vp_combine_kernel(const CPara
       flags |= FCE_FLAG_SHARDS_INCONSISTENT;
     }
     // (pad = 1: an ignored row whose gradient must be NaN all the same, launch_vp_nan_rows)
-    if (p.stats_out)
+    if constexpr (ENT) {
+      const float mum = isfinite(M) ? __fdiv_rn(Es, S) : qnan();
+      if (p.entropy) p.entropy[row] = (inconsistent || !isfinite(M)) ? qnan() : __fsub_rn(ls, mum);
+      if (p.stats_out)
+        p.stats_out[row] = inconsistent ? CeRowStats{qnan(), qnan(), qnan(), qnan()}
+                                        : CeRowStats{M, ls, ts, mum};
+    } else if (p.stats_out) {
       p.stats_out[row] = inconsistent ? CeRowStats{qnan(), qnan(), qnan(), kind == kIgnored ? 1.f : 0.f}
                                       : CeRowStats{M, ls, ts, 0.f};
+    }
 
     // the row's loss (rule 16 into rule 8), as launch_ce_rows' write_row_outputs
     float zl = (kind != kIgnored && p.lambda != 0.f) ? __fmul_rn(p.lambda, __fmul_rn(lse, lse)) : 0.f;
@@ -312,15 +359,20 @@ __global__ void __launch_bounds__(kCombineThreads) vp_combine_kernel(const CPara
   if ((threadIdx.x & 31) == 0 && flags && p.error_flags) atomicOr(p.error_flags, flags);
 }
 
-// The rows flagged by the combine (CeRowStats.pad ≠ 0: ignored rows of an inconsistent tiling)
-// get a NaN gradient row; one warp per row, the others return after reading their flag.
-template <class TG>
+// The rows flagged by the combine (CeRowStats.pad ≠ 0: ignored rows of an inconsistent tiling;
+// BY_T, the ENT combine's: t NaN, which only such rows and rows already NaN have) get a NaN
+// gradient row; one warp per row, the others return after reading their flag.
+template <class TG, bool BY_T = false>
 __global__ void __launch_bounds__(256) vp_nan_rows_kernel(const CeRowStats* stats, int64_t rows,
                                                           char* g, int64_t cols, int64_t ld) {
   const int lane = threadIdx.x & 31;
   const int64_t warps = (int64_t(gridDim.x) * blockDim.x) >> 5;
   for (int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5; row < rows; row += warps) {
-    if (stats[row].pad == 0.f) continue;
+    if constexpr (BY_T) {
+      if (!isnan(stats[row].t)) continue;
+    } else {
+      if (stats[row].pad == 0.f) continue;
+    }
     TG* out = reinterpret_cast<TG*>(g + row * ld * int64_t(sizeof(TG)));
     for (int64_t j = lane; j < cols; j += 32) out[j] = TG(qnan());
   }
@@ -347,9 +399,17 @@ fce_status launch_stats_typed(const VpStatsArgs& a, SParams p, cudaStream_t s) {
     q.row_begin = a.row_begin + r0;
     q.logits = static_cast<const char*>(a.logits) + r0 * p.z_row_bytes;
     const unsigned blocks = static_cast<unsigned>(n);
-    if (mode == kPlain) vp_stats_kernel<TZ, kPlain><<<blocks, threads, 0, s>>>(q);
-    else if (mode == kCap) vp_stats_kernel<TZ, kCap><<<blocks, threads, 0, s>>>(q);
-    else vp_stats_kernel<TZ, kGeneral><<<blocks, threads, 0, s>>>(q);
+    if (a.opt.vp_entropy) {  // (the general mode's e sum rides on its halved unroll)
+      if (mode == kPlain) vp_stats_kernel<TZ, kPlain, true><<<blocks, threads, 0, s>>>(q);
+      else if (mode == kCap) vp_stats_kernel<TZ, kCap, true><<<blocks, threads, 0, s>>>(q);
+      else vp_stats_kernel<TZ, kGeneral, true><<<blocks, threads, 0, s>>>(q);
+    } else if (mode == kPlain) {
+      vp_stats_kernel<TZ, kPlain><<<blocks, threads, 0, s>>>(q);
+    } else if (mode == kCap) {
+      vp_stats_kernel<TZ, kCap><<<blocks, threads, 0, s>>>(q);
+    } else {
+      vp_stats_kernel<TZ, kGeneral><<<blocks, threads, 0, s>>>(q);
+    }
     FCE_TRY(launch_check(a.fn, "vp_stats_kernel"));
   }
   return FCE_SUCCESS;
@@ -412,20 +472,24 @@ fce_status launch_vp_weights(const char* fn, const CeOptions& opt, int64_t rows,
 }
 
 fce_status launch_vp_nan_rows(const char* fn, const CeRowStats* stats, int64_t rows, void* g,
-                              int dtype, int64_t cols, int64_t ld, cudaStream_t s) {
+                              int dtype, int64_t cols, int64_t ld, cudaStream_t s, bool by_t) {
   if (rows <= 0 || cols <= 0) return FCE_SUCCESS;
   int64_t blocks = (rows + 7) / 8;  // 8 warps of 256 threads
   if (blocks > 4096) blocks = 4096;
   char* gp = static_cast<char*>(g);
+  const unsigned nb = static_cast<unsigned>(blocks);
   switch (dtype) {
     case FCE_FLOAT32:
-      vp_nan_rows_kernel<float><<<static_cast<unsigned>(blocks), 256, 0, s>>>(stats, rows, gp, cols, ld);
+      if (by_t) vp_nan_rows_kernel<float, true><<<nb, 256, 0, s>>>(stats, rows, gp, cols, ld);
+      else vp_nan_rows_kernel<float><<<nb, 256, 0, s>>>(stats, rows, gp, cols, ld);
       break;
     case FCE_FLOAT16:
-      vp_nan_rows_kernel<__half><<<static_cast<unsigned>(blocks), 256, 0, s>>>(stats, rows, gp, cols, ld);
+      if (by_t) vp_nan_rows_kernel<__half, true><<<nb, 256, 0, s>>>(stats, rows, gp, cols, ld);
+      else vp_nan_rows_kernel<__half><<<nb, 256, 0, s>>>(stats, rows, gp, cols, ld);
       break;
     case FCE_BFLOAT16:
-      vp_nan_rows_kernel<__nv_bfloat16><<<static_cast<unsigned>(blocks), 256, 0, s>>>(stats, rows, gp, cols, ld);
+      if (by_t) vp_nan_rows_kernel<__nv_bfloat16, true><<<nb, 256, 0, s>>>(stats, rows, gp, cols, ld);
+      else vp_nan_rows_kernel<__nv_bfloat16><<<nb, 256, 0, s>>>(stats, rows, gp, cols, ld);
       break;
     default:
       return fail(FCE_ERROR_INTERNAL, "%s: launch_vp_nan_rows: dtype %d", fn, dtype);
@@ -468,9 +532,13 @@ fce_status launch_vp_combine(const VpCombineArgs& a, cudaStream_t s) {
   p.argmax = a.argmax;
   p.row_correct = a.row_correct;
   p.error_flags = a.error_flags;
+  p.entropy = a.entropy;
   int64_t blocks = (a.rows + kCombineThreads - 1) / kCombineThreads;
   if (blocks > 65536) blocks = 65536;
-  vp_combine_kernel<<<static_cast<unsigned>(blocks), kCombineThreads, 0, s>>>(p);
+  if (opt.vp_entropy)
+    vp_combine_kernel<true><<<static_cast<unsigned>(blocks), kCombineThreads, 0, s>>>(p);
+  else
+    vp_combine_kernel<<<static_cast<unsigned>(blocks), kCombineThreads, 0, s>>>(p);
   return launch_check(a.fn, "vp_combine_kernel");
 }
 

@@ -76,7 +76,10 @@ fce_status launch_vp_weights(const char* fn, const CeOptions& opt, int64_t rows,
 //   (an inconsistent row, ignored or not: loss NaN, z-loss NaN when λ ≠ 0, lse NaN, argmax −1)
 //   lse, argmax, row_correct as fce_forward's
 //   error_flags  FCE_FLAG_TARGET_OUT_OF_RANGE, FCE_FLAG_SHARDS_INCONSISTENT
-// Every output pointer may be null.
+//   entropy      (opt.vp_entropy) H per row, NaN as lse
+// With opt.vp_entropy (the statistics carry e_r) stats_out's pad holds μ − M (what the row
+// kernel's grad_entropy terms need) and an inconsistent row is {NaN, NaN, NaN, NaN} (t NaN:
+// launch_vp_nan_rows with by_t). Every output pointer may be null.
 struct VpCombineArgs {
   const char* fn;
   CeOptions opt;
@@ -91,15 +94,18 @@ struct VpCombineArgs {
   int64_t* argmax;
   float* row_correct;
   uint32_t* error_flags;
+  float* entropy;
 };
 fce_status launch_vp_combine(const VpCombineArgs& a, cudaStream_t s);
 
 // The gradient rows [rows, cols] (ld elements apart, dtype f32 / f16 / bf16) of the rows the
 // combine flagged (stats[row].pad ≠ 0: ignored rows of an inconsistent tiling, whose gradient is
 // NaN like every other row's, docs/semantics.md rule 16) set to NaN; the other rows untouched. Run it
-// after the row kernel wrote the gradient (it writes 0 for ignored rows).
+// after the row kernel wrote the gradient (it writes 0 for ignored rows). by_t: the statistics of
+// an opt.vp_entropy combine (the flag is t NaN).
 fce_status launch_vp_nan_rows(const char* fn, const CeRowStats* stats, int64_t rows, void* g,
-                              int dtype, int64_t cols, int64_t ld, cudaStream_t s);
+                              int dtype, int64_t cols, int64_t ld, cudaStream_t s,
+                              bool by_t = false);
 
 }  // namespace cuda
 }  // namespace fce

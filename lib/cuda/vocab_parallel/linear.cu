@@ -59,11 +59,12 @@ struct NanRows {
   const char* fn;
   const CeRowStats* stats;
   int dtype;
+  bool by_t;  // the statistics of options->vp_entropy
 };
 fce_status nan_rows(const void* ctx, void* dz, int64_t rows, int64_t cols, int64_t ld,
                     cudaStream_t s) {
   const NanRows* c = static_cast<const NanRows*>(ctx);
-  return launch_vp_nan_rows(c->fn, c->stats, rows, dz, c->dtype, cols, ld, s);
+  return launch_vp_nan_rows(c->fn, c->stats, rows, dz, c->dtype, cols, ld, s, c->by_t);
 }
 
 fce_status vp_linear_stats(const VpLinearProblem& p) {
@@ -200,9 +201,11 @@ fce_status vp_linear_backward(const VpLinearProblem& p) {
   sp.db = p.grad_bias;  // each slice's columns complete: straight into grad_bias
   sp.db_dtype = grad_w_dtype;
   sp.db_add_old = p.accumulate;
-  const NanRows fix{fn, stats, dtype};
+  const NanRows fix{fn, stats, dtype, opt.vp_entropy};
   sp.fix_dz = nan_rows;
   sp.fix_ctx = &fix;
+  sp.grad_lse = p.grad_lse;
+  sp.grad_entropy = p.grad_entropy;
   FCE_TRY(linear::slice_pass(sp, stream));
 
   // ---- a 16-bit grad_hidden out of its float32 accumulator (one rounding)

@@ -145,14 +145,17 @@ fce_status cuda_vp_linear_ce(const VpLinearCeProblem& P) {
     cb.argmax = P.argmax;
     cb.row_correct = cs.row_correct;
     cb.error_flags = p.error_flags;
+    cb.entropy = P.entropy;
     FCE_TRY(launch_vp_combine(cb, stream));
 
-    // 5. ∂Z_c in place: the backward row kernel on the shard's column slice
-    FCE_TRY(launch_ce_rows(slice_backward_args(fn, opt, N, r0, rc, p.vocab_total, p.vocab_start,
-                                               Vs, cs.z, ldz, p.targets, cs.denoms,
-                                               p.grad_output, rowstats),
-                           stream));
-    FCE_TRY(launch_vp_nan_rows(fn, rowstats + r0, rc, cs.z, dtype, Vs, ldz, stream));
+    // 5. ∂Z_c in place: the backward row kernel on the shard's column slice (rule 18's terms)
+    CeRowsArgs ra = slice_backward_args(fn, opt, N, r0, rc, p.vocab_total, p.vocab_start, Vs,
+                                        cs.z, ldz, p.targets, cs.denoms, p.grad_output, rowstats);
+    ra.grad_lse = p.grad_lse;
+    ra.grad_entropy = p.grad_entropy;
+    FCE_TRY(launch_ce_rows(ra, stream));
+    FCE_TRY(launch_vp_nan_rows(fn, rowstats + r0, rc, cs.z, dtype, Vs, ldz, stream,
+                               opt.vp_entropy));
 
     // 6-7. this rank's ∂h_c = ∂Z_c · W_s (grad_hidden_dtype), ∂W_s (+)= ∂Z_cᵀ · h_c, ∂b_s:
     // fce_linear_ce's very steps 3-5 (chunk_grads)

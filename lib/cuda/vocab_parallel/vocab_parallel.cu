@@ -152,6 +152,7 @@ fce_status cuda_vp(const VpProblem& p) {
     c.lse = p.lse;
     c.argmax = p.argmax;
     c.row_correct = row_correct;
+    c.entropy = p.entropy;
     FCE_TRY(cuda::launch_vp_combine(c, stream));
     // ---- 3. the fixed-order reduction (for none the rows are the outputs: only z_loss left)
     FCE_TRY(cuda::launch_ce_finalize(fn, opt, p.rows, row_loss, row_zloss, row_correct, denoms,
@@ -173,10 +174,12 @@ fce_status cuda_vp(const VpProblem& p) {
   a.col_begin = p.vocab_start;
   a.stats_in = stats;
   a.error_flags = p.error_flags;
+  a.grad_lse = p.grad_lse;  // rule 18's terms: the stream kernel's ROWT backward
+  a.grad_entropy = p.grad_entropy;
   FCE_TRY(cuda::launch_ce_rows(a, stream));
   // ---- 4. ignored rows of an inconsistent tiling: NaN as well (the row kernel wrote 0)
   return cuda::launch_vp_nan_rows(fn, stats, p.rows, p.grad, opt.dtype, p.vocab_local,
-                                  p.grad_row_stride, stream);
+                                  p.grad_row_stride, stream, opt.vp_entropy);
 }
 
 }  // namespace fce

@@ -316,7 +316,7 @@ The `fce_options` fields the high-level functions take as keywords. `backend`, `
 `target_dtype` and the strides are read off the arrays (a value given must agree with them;
 describe strided memory with a view), `class_weights` is a `Float32` vector of `vocab` weights
 on the data's backend, `struct_size` is `sizeof(FceOptions)` (`FCE_OPTIONS_SIZE_V1_0`) and
-`reserved0` always 0. `shift` (the k of the causal shift: row b·T+t against target
+`vp_entropy` is read by the vocabulary-parallel calls only. `shift` (the k of the causal shift: row b·T+t against target
 b·T+t+k, the last k rows of each sequence of `shift_seq_len` T ignored; 0 means 1, and it must
 be 0 without `shift_seq_len`) and `token_scaling` (each scored row's loss, z-loss term included,
 and gradient times p_y = exp(a_y - lse), a constant for the gradient) and `batch_invariant`

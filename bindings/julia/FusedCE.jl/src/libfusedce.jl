@@ -91,7 +91,7 @@ struct FceOptions
     deterministic::Int32        # int32_t deterministic (offset 88)
     accumulate::Int32           # int32_t accumulate (offset 92)
     grad_weight_fp32::Int32     # int32_t grad_weight_fp32 (offset 96)
-    reserved0::Int32            # int32_t reserved0 (offset 100)
+    vp_entropy::Int32           # int32_t vp_entropy (offset 100)
     shift::Int64                # int64_t shift (offset 104)
     token_scaling::Int32        # int32_t token_scaling (offset 112)
     batch_invariant::Int32      # int32_t batch_invariant (offset 116)

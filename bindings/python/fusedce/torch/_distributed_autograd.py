@@ -24,17 +24,19 @@ def _all_rows(hidden, layout, reduce_grad_hidden):
 
 
 def _loss_differentiable(ctx, outputs, gathered) -> tuple:
-    """A two-phase Function's outputs (loss, lse, z_loss, accuracy, argmax, gathered
-    statistics): only the loss differentiable, and no zero gradients made for the others."""
-    loss, lse, zl, acc, am = outputs
+    """A two-phase Function's outputs (loss, lse, z_loss, accuracy, argmax, entropy, gathered
+    statistics): the loss, lse and the entropy differentiable (docs/semantics.md rule 18), and
+    no zero gradients made for what got none."""
+    loss, lse, zl, acc, am, ent = outputs
     ctx.set_materialize_grads(False)
-    _non_differentiable(ctx, lse, zl, acc, am, gathered)
-    return loss, lse, zl, acc, am, gathered
+    ctx.entropy = ent is not None  # (the statistics carry the entropy's sums)
+    _non_differentiable(ctx, zl, acc, am, gathered)
+    return loss, lse, zl, acc, am, ent, gathered
 
 
 class _VocabParallelCE(torch.autograd.Function):
-    """Returns (loss, lse, z_loss, accuracy, argmax, gathered statistics), None for what was not
-    asked for."""
+    """Returns (loss, lse, z_loss, accuracy, argmax, entropy, gathered statistics), None for what
+    was not asked for."""
 
     @staticmethod
     def forward(ctx, logits, targets, cw, layout, opts, want, check, inplace):
@@ -45,21 +47,22 @@ class _VocabParallelCE(torch.autograd.Function):
         return _loss_differentiable(ctx, outputs, gathered)
 
     @staticmethod
-    def backward(ctx, grad_loss, *_unused):
+    def backward(ctx, grad_loss, grad_lse, _zl, _acc, _am, grad_entropy, _gathered):
         nones = (None,) * 7
-        if grad_loss is None or not ctx.needs_input_grad[0]:
+        if (grad_loss is None and grad_lse is None and grad_entropy is None) or \
+                not ctx.needs_input_grad[0]:
             return (None,) + nones
         logits, targets, cw, gathered = ctx.saved_tensors
         if ctx.inplace:
             _hand_out_once(ctx)
         grad = _ce_backward(logits, targets, cw, gathered, ctx.layout, ctx.opts, grad_loss,
-                            ctx.inplace)
+                            ctx.inplace, grad_lse, grad_entropy, ctx.entropy)
         return (grad,) + nones
 
 
 class _VocabParallelLinearCE(torch.autograd.Function):
-    """Returns (loss, lse, z_loss, accuracy, argmax, gathered statistics), None for what was not
-    asked for."""
+    """Returns (loss, lse, z_loss, accuracy, argmax, entropy, gathered statistics), None for what
+    was not asked for."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, cw, layout, opts, cdt, budget, want,
@@ -76,9 +79,9 @@ class _VocabParallelLinearCE(torch.autograd.Function):
         return _loss_differentiable(ctx, outputs, gathered)
 
     @staticmethod
-    def backward(ctx, grad_loss, *_unused):
+    def backward(ctx, grad_loss, grad_lse, _zl, _acc, _am, grad_entropy, _gathered):
         nones = (None,) * 9
-        if grad_loss is None:
+        if grad_loss is None and grad_lse is None and grad_entropy is None:
             return (None,) * 3 + nones
         hidden, weight, bias, targets, cw, gathered = ctx.saved_tensors
         need = (bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1]),
@@ -87,7 +90,7 @@ class _VocabParallelLinearCE(torch.autograd.Function):
             return (None,) * 3 + nones
         return _linear_backward(hidden, weight, bias, targets, cw, gathered, ctx.layout,
                                 ctx.opts, ctx.cdt, ctx.budget, need, ctx.reduce_grad_hidden,
-                                grad_loss) + nones
+                                grad_loss, grad_lse, grad_entropy, ctx.entropy) + nones
 
 
 class _VocabParallelLinearCEFused(torch.autograd.Function):
@@ -95,15 +98,17 @@ class _VocabParallelLinearCEFused(torch.autograd.Function):
     loss and the gradients for an upstream 1 (∂hidden all-reduced there); the backward scales
     them by the scalar upstream gradient in place (fce_scale_gradient: nothing is touched when it
     is exactly 1) and hands them out. A second backward through the graph (retain_graph) makes
-    them again with the real upstream gradient (the collectives again, on every rank).
-    Returns (loss, lse, z_loss, accuracy, argmax), None for what was not asked for."""
+    them again with the real upstream gradient (the collectives again, on every rank), as does
+    one where lse or the entropy got a gradient (docs/semantics.md rule 18: their terms join
+    the loss's in that call). Returns (loss, lse, z_loss, accuracy, argmax, entropy), None for
+    what was not asked for."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, cw, layout, opts, cdt, budget, want,
                 check, reduce_grad_hidden):
         need = (bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1]),
                 bias is not None and bool(ctx.needs_input_grad[2]))
-        loss, lse, zl, acc, am, grads = _linear_fused(
+        loss, lse, zl, acc, am, grads, ent = _linear_fused(
             _all_rows(hidden, layout, reduce_grad_hidden), weight, bias, targets, cw, layout,
             opts, cdt, budget, want, check, need, reduce_grad_hidden, None, _tc._stream(hidden))
         # the gradients, not version-tracked (scaled in place, handed out once); the inputs
@@ -111,20 +116,22 @@ class _VocabParallelLinearCEFused(torch.autograd.Function):
         ctx.grads, ctx.computed = grads, need
         ctx.save_for_backward(hidden, weight, bias, targets, cw)
         ctx.args = (layout, opts, cdt, budget, reduce_grad_hidden)
+        ctx.entropy = ent is not None
         ctx.set_materialize_grads(False)
-        _non_differentiable(ctx, lse, zl, acc, am)
-        return loss, lse, zl, acc, am
+        _non_differentiable(ctx, zl, acc, am)
+        return loss, lse, zl, acc, am, ent
 
     @staticmethod
-    def backward(ctx, grad_loss, *_unused):
+    def backward(ctx, grad_loss, grad_lse, _zl, _acc, _am, grad_entropy):
         nones = (None,) * 9
-        if grad_loss is None:
+        if grad_loss is None and grad_lse is None and grad_entropy is None:
             ctx.grads = None
             return (None,) * 3 + nones
         need = (bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1]),
                 ctx.computed[2] and bool(ctx.needs_input_grad[2]))
         grads = ctx.grads
-        if grads is not None and all(c or not w for c, w in zip(ctx.computed, need)):
+        if (grads is not None and grad_loss is not None and grad_lse is None
+                and grad_entropy is None and all(c or not w for c, w in zip(ctx.computed, need))):
             ctx.grads = None  # handed out: a later backward makes them again
             out = tuple(g if w else None for g, w in zip(grads, need))
             for g in out:
@@ -133,7 +140,10 @@ class _VocabParallelLinearCEFused(torch.autograd.Function):
         else:
             hidden, weight, bias, targets, cw = ctx.saved_tensors
             layout, opts, cdt, budget, reduce_grad_hidden = ctx.args
+            up = (_f32(grad_loss) if grad_loss is not None
+                  else torch.zeros((), dtype=torch.float32, device=hidden.device))
             out = _linear_fused(_all_rows(hidden, layout, reduce_grad_hidden), weight, bias,
                                 targets, cw, layout, opts, cdt, budget, NOTHING, False, need,
-                                reduce_grad_hidden, _f32(grad_loss), _tc._stream(hidden))[5]
+                                reduce_grad_hidden, up, _tc._stream(hidden), grad_lse,
+                                grad_entropy, ctx.entropy)[5]
         return out + nones

@@ -127,20 +127,22 @@ def _query(skey, fn, *args, pair=False):
 
 
 def _opts_struct(t: Tensor, dtype, targets: Tensor, opts: CEOptions, class_weights,
-                 grad_weight_fp32: bool = False):
+                 grad_weight_fp32: bool = False, entropy: bool = False):
     """(key, fce_options) of a call on t (its backend) computing in dtype: the struct of
-    _calls.options with the class weights set and the row strides 0 (the caller's to set)."""
+    _calls.options with the class weights set and the row strides 0 (the caller's to set);
+    ``entropy``: vp_entropy, the statistics with the entropy's sums (every call of the step)."""
     key, o = _tc.options(_tc._backend(t), _tc._CODE[dtype], _tc._CODE[targets.dtype], opts,
                          grad_weight_fp32=grad_weight_fp32)
     o.class_weights = _tc._ptr(class_weights)
+    o.vp_entropy = 1 if entropy else 0
     o.row_stride = o.grad_row_stride = o.hidden_row_stride = 0
     return key, o
 
 
 def _vp_loss(o, key, size: int, n: int, vt: int, targets: Tensor, gathered: Tensor,
              reduction: int, want: Want, check: bool, stream):
-    """fce_vp_loss: (loss, lse, z_loss, accuracy, argmax, flags), lse and the others None
-    unless ``want`` asks for them."""
+    """fce_vp_loss: (loss, lse, z_loss, accuracy, argmax, flags, entropy), lse and the others
+    None unless ``want`` asks for them (the entropy needs ``o.vp_entropy``)."""
     dev = gathered.device
     z_loss, accuracy, argmax = _tc.extras(want, n, reduction, dev)
     skey = ("vp_loss", key, size, n, vt, argmax is not None, accuracy is not None)
@@ -148,17 +150,18 @@ def _vp_loss(o, key, size: int, n: int, vt: int, targets: Tensor, gathered: Tens
     loss = torch.empty((n,) if reduction == _lib.FCE_REDUCTION_NONE else (),
                        dtype=torch.float32, device=dev)
     lse = torch.empty((n,), dtype=torch.float32, device=dev) if want.lse else None
+    ent = torch.empty((n,), dtype=torch.float32, device=dev) if want.entropy else None
     flags = torch.zeros((1,), dtype=torch.int32, device=dev) if check else None
     ws = _tc._workspace(ws_bytes, gathered)
     shard = _lib.shard(size, vt, 0, vt)
     out = _lib.outputs(loss=loss.data_ptr(), lse=_tc._ptr(lse), z_loss=_tc._ptr(z_loss),
                        argmax=_tc._ptr(argmax), accuracy=_tc._ptr(accuracy),
-                       error_flags=_tc._ptr(flags))
+                       error_flags=_tc._ptr(flags), entropy=_tc._ptr(ent))
     status = _lib.load().fce_vp_loss(
         ctypes.byref(o), ctypes.byref(shard), n, targets.data_ptr(), gathered.data_ptr(),
         ctypes.byref(out), _tc._ptr(ws), ws_bytes, stream)
     _check(status, "fce_vp_loss")
-    return loss, lse, z_loss, accuracy, argmax, flags
+    return loss, lse, z_loss, accuracy, argmax, flags, ent
 
 
 def _check_flags(flags: Optional[Tensor], targets: Tensor, vt: int, opts: CEOptions) -> None:
@@ -182,11 +185,11 @@ def _check_flags(flags: Optional[Tensor], targets: Tensor, vt: int, opts: CEOpti
 # ======================================================= cross-entropy on logits ====
 def _ce_forward(logits, targets, cw, layout: Layout, opts: CEOptions, want: Want, check: bool,
                 stream):
-    """fce_vp_stats, the all-gather, fce_vp_loss: ((loss, lse, z_loss, accuracy, argmax),
-    the gathered statistics)."""
+    """fce_vp_stats, the all-gather, fce_vp_loss: ((loss, lse, z_loss, accuracy, argmax,
+    entropy), the gathered statistics)."""
     group, size, vs, vt = layout
     n, vl = logits.shape
-    key, o = _opts_struct(logits, logits.dtype, targets, opts, cw)
+    key, o = _opts_struct(logits, logits.dtype, targets, opts, cw, entropy=want.entropy)
     o.row_stride = logits.stride(0) if n > 1 else vl
     stats = torch.empty((n, VP_STATS), dtype=torch.float32, device=logits.device)
     shard = _lib.shard(size, vt, vs, vl)
@@ -195,17 +198,29 @@ def _ce_forward(logits, targets, cw, layout: Layout, opts: CEOptions, want: Want
     gathered = _all_gather(stats, group, size)
     out = _vp_loss(o, key, size, n, vt, targets, gathered, opts.reduction, want, check, stream)
     _check_flags(out[5], targets, vt, opts)
-    return out[:5], gathered
+    return out[:5] + out[6:], gathered
+
+
+def _upstream(grad_loss, grad_lse, grad_entropy, like: Tensor, reduction: int):
+    """The float32 upstream gradients of a gradient call: the loss's (0 when None: only lse or
+    the entropy got one), lse's and the entropy's ([rows], None: none)."""
+    if grad_loss is None:
+        shape = (like.shape[0],) if reduction == _lib.FCE_REDUCTION_NONE else ()
+        grad_loss = torch.zeros(shape, dtype=torch.float32, device=like.device)
+    rows = [None if g is None else g.to(torch.float32).reshape(-1).contiguous()
+            for g in (grad_lse, grad_entropy)]
+    return (grad_loss.to(torch.float32).contiguous(), *rows)
 
 
 def _ce_backward(logits, targets, cw, gathered, layout: Layout, opts: CEOptions, grad_loss,
-                 inplace: bool):
-    """fce_vp_backward: the gradient of this rank's logits for the upstream grad_loss, written
-    over the logits when ``inplace``."""
+                 inplace: bool, grad_lse=None, grad_entropy=None, entropy: bool = False):
+    """fce_vp_backward: the gradient of this rank's logits for the upstream grad_loss, and
+    grad_lse / grad_entropy (docs/semantics.md rule 18; ``entropy``: the statistics carry the
+    entropy's sums), written over the logits when ``inplace``."""
     _, size, vs, vt = layout
     n, vl = logits.shape
-    up = grad_loss.to(torch.float32).contiguous()
-    key, o = _opts_struct(logits, logits.dtype, targets, opts, cw)
+    up, gl, ge = _upstream(grad_loss, grad_lse, grad_entropy, logits, opts.reduction)
+    key, o = _opts_struct(logits, logits.dtype, targets, opts, cw, entropy=entropy)
     o.row_stride = logits.stride(0) if n > 1 else vl
     if inplace:
         grad = logits
@@ -217,7 +232,8 @@ def _ce_backward(logits, targets, cw, gathered, layout: Layout, opts: CEOptions,
                       ctypes.byref(o), size, n, vt, vl)[0]
     ws = _tc._workspace(ws_bytes, logits)
     shard = _lib.shard(size, vt, vs, vl)
-    grads = _lib.gradients(grad_output=up.data_ptr(), grad_logits=grad.data_ptr())
+    grads = _lib.gradients(grad_output=up.data_ptr(), grad_logits=grad.data_ptr(),
+                           grad_lse=_tc._ptr(gl), grad_entropy=_tc._ptr(ge))
     _check(_lib.load().fce_vp_backward(
         ctypes.byref(o), ctypes.byref(shard), n, logits.data_ptr(), targets.data_ptr(),
         gathered.data_ptr(), ctypes.byref(grads), _tc._ptr(ws), ws_bytes,
@@ -227,7 +243,7 @@ def _ce_backward(logits, targets, cw, gathered, layout: Layout, opts: CEOptions,
 
 # ===================================================== fused linear + CE, sharded ====
 def _linear_setup(hidden, weight, bias, targets, cw, opts: CEOptions, cdt,
-                  fp32_grads: bool = False):
+                  fp32_grads: bool = False, entropy: bool = False):
     """(h, w, b, key, o) of a linear call: the inputs cast to cdt (hidden with last stride 1,
     weight and bias dense) and the fce_options (with the hidden row stride) for them;
     ``fp32_grads``: grad_weight_fp32."""
@@ -237,7 +253,7 @@ def _linear_setup(hidden, weight, bias, targets, cw, opts: CEOptions, cdt,
     w = weight.to(cdt).contiguous()
     b = bias.to(cdt).contiguous() if bias is not None else None
     n, d = h.shape
-    key, o = _opts_struct(h, cdt, targets, opts, cw, grad_weight_fp32=fp32_grads)
+    key, o = _opts_struct(h, cdt, targets, opts, cw, grad_weight_fp32=fp32_grads, entropy=entropy)
     o.hidden_row_stride = h.stride(0) if n > 1 else d
     return h, w, b, key, o
 
@@ -250,9 +266,10 @@ def _fp32_grads(weight, cdt) -> bool:
 def _linear_forward(hidden, weight, bias, targets, cw, layout: Layout, opts: CEOptions, cdt,
                     budget: int, want: Want, check: bool, stream):
     """fce_vp_linear_stats within the budget, the all-gather, fce_vp_loss: ((loss, lse, z_loss,
-    accuracy, argmax), the gathered statistics)."""
+    accuracy, argmax, entropy), the gathered statistics)."""
     group, size, vs, vt = layout
-    h, w, b, key, o = _linear_setup(hidden, weight, bias, targets, cw, opts, cdt)
+    h, w, b, key, o = _linear_setup(hidden, weight, bias, targets, cw, opts, cdt,
+                                    entropy=want.entropy)
     n, d = h.shape
     vl = w.shape[0]
     lo, hi = _query(("vp_lin_stats", key, n, d, vl), "fce_vp_linear_stats_workspace_size",
@@ -269,19 +286,21 @@ def _linear_forward(hidden, weight, bias, targets, cw, layout: Layout, opts: CEO
     gathered = _all_gather(stats, group, size)
     out = _vp_loss(o, key, size, n, vt, targets, gathered, opts.reduction, want, check, stream)
     _check_flags(out[5], targets, vt, opts)
-    return out[:5], gathered
+    return out[:5] + out[6:], gathered
 
 
 def _linear_backward(hidden, weight, bias, targets, cw, gathered, layout: Layout,
                      opts: CEOptions, cdt, budget: int, need, reduce_grad_hidden: bool,
-                     grad_loss) -> tuple:
+                     grad_loss, grad_lse=None, grad_entropy=None,
+                     entropy: bool = False) -> tuple:
     """fce_vp_linear_backward within the budget: (∂hidden, ∂weight, ∂bias) for the upstream
     grad_loss, those of ``need`` (None for the others); ∂hidden all-reduced (sum, float32) over
     the group when reduce_grad_hidden, then in hidden's dtype; ∂weight and ∂bias in theirs."""
     group, size, vs, vt = layout
     need_h, need_w, need_b = need
     fp32_grads = _fp32_grads(weight, cdt)
-    h, w, b, key, o = _linear_setup(hidden, weight, bias, targets, cw, opts, cdt, fp32_grads)
+    h, w, b, key, o = _linear_setup(hidden, weight, bias, targets, cw, opts, cdt, fp32_grads,
+                                    entropy=entropy)
     n, d = h.shape
     vl = w.shape[0]
     dev = h.device
@@ -289,7 +308,7 @@ def _linear_backward(hidden, weight, bias, targets, cw, gathered, layout: Layout
     gh = torch.empty((n, d), dtype=torch.float32, device=dev) if need_h else None
     gw = torch.empty((vl, d), dtype=gw_dtype, device=dev) if need_w else None
     gb = torch.empty((vl,), dtype=gw_dtype, device=dev) if need_b else None
-    up = grad_loss.to(torch.float32).contiguous()
+    up, gl, ge = _upstream(grad_loss, grad_lse, grad_entropy, h, opts.reduction)
     lo, hi = _query(("vp_lin_bwd", key, size, n, d, vt, vl),
                     "fce_vp_linear_backward_workspace_size", ctypes.byref(o), size, n, d, vt,
                     vl, _lib.FCE_FLOAT32, pair=True)
@@ -297,7 +316,8 @@ def _linear_backward(hidden, weight, bias, targets, cw, gathered, layout: Layout
     ws = _tc._workspace(ws_bytes, h)
     shard = _lib.shard(size, vt, vs, vl)
     grads = _lib.gradients(grad_output=up.data_ptr(), grad_hidden=_tc._ptr(gh),
-                           grad_weight=_tc._ptr(gw), grad_bias=_tc._ptr(gb))
+                           grad_weight=_tc._ptr(gw), grad_bias=_tc._ptr(gb),
+                           grad_lse=_tc._ptr(gl), grad_entropy=_tc._ptr(ge))
     _check(_lib.load().fce_vp_linear_backward(
         ctypes.byref(o), ctypes.byref(shard), n, d, h.data_ptr(), w.data_ptr(),
         _tc._ptr(b), targets.data_ptr(), gathered.data_ptr(), ctypes.byref(grads),
@@ -382,15 +402,18 @@ def _fused_workspace(o, key, size: int, n: int, d: int, vt: int, vl: int, budget
 
 def _linear_fused(hidden, weight, bias, targets, cw, layout: Layout, opts: CEOptions, cdt,
                   budget: int, want: Want, check: bool, need, reduce_grad_hidden: bool,
-                  grad_output, stream):
+                  grad_output, stream, grad_lse=None, grad_entropy=None,
+                  entropy: bool = False):
     """fce_vp_linear_ce with the gradients of ``need`` (hidden, weight, bias) for the upstream
-    grad_output (None: 1): (loss, lse, z_loss, accuracy, argmax, (∂hidden, ∂weight, ∂bias)), None
-    for what was not asked for; ∂hidden all-reduced (sum, float32) over the group when
-    reduce_grad_hidden, then in hidden's dtype; ∂weight and ∂bias in theirs. The workspace is
-    freed before the all-reduce and the casts."""
+    grad_output (None: 1) and grad_lse / grad_entropy ([rows] float32 or None; ``entropy``, or
+    want.entropy: the statistics carry the entropy's sums): (loss, lse, z_loss, accuracy,
+    argmax, (∂hidden, ∂weight, ∂bias), entropy), None for what was not asked for; ∂hidden
+    all-reduced (sum, float32) over the group when reduce_grad_hidden, then in hidden's dtype;
+    ∂weight and ∂bias in theirs. The workspace is freed before the all-reduce and the casts."""
     group, size, vs, vt = layout
     fp32_grads = _fp32_grads(weight, cdt)
-    h, w, b, key, o = _linear_setup(hidden, weight, bias, targets, cw, opts, cdt, fp32_grads)
+    h, w, b, key, o = _linear_setup(hidden, weight, bias, targets, cw, opts, cdt, fp32_grads,
+                                    entropy=entropy or want.entropy)
     n, d = h.shape
     vl = w.shape[0]
     dev = h.device
@@ -401,6 +424,7 @@ def _linear_fused(hidden, weight, bias, targets, cw, layout: Layout, opts: CEOpt
     loss = torch.empty((n,) if reduction == _lib.FCE_REDUCTION_NONE else (),
                        dtype=torch.float32, device=dev)
     lse = torch.empty((n,), dtype=torch.float32, device=dev) if want.lse else None
+    ent = torch.empty((n,), dtype=torch.float32, device=dev) if want.entropy else None
     flags = torch.zeros((1,), dtype=torch.int32, device=dev) if check else None
     gw_dtype = torch.float32 if fp32_grads else cdt
     # ∂hidden: this rank's partial in float32 (its all-reduce exact to float32), even when it
@@ -414,9 +438,12 @@ def _linear_fused(hidden, weight, bias, targets, cw, layout: Layout, opts: CEOpt
     shard = _lib.shard(size, vt, vs, vl, all_gather=gather.fn)
     out = _lib.outputs(loss=loss.data_ptr(), lse=_tc._ptr(lse), z_loss=_tc._ptr(z_loss),
                        argmax=_tc._ptr(argmax), accuracy=_tc._ptr(accuracy),
-                       error_flags=_tc._ptr(flags))
+                       error_flags=_tc._ptr(flags), entropy=_tc._ptr(ent))
+    gl, ge = (None if g is None else g.to(torch.float32).reshape(-1).contiguous()
+              for g in (grad_lse, grad_entropy))
     grads = _lib.gradients(grad_output=_tc._ptr(grad_output), grad_hidden=_tc._ptr(gh),
-                           grad_weight=_tc._ptr(gw), grad_bias=_tc._ptr(gb))
+                           grad_weight=_tc._ptr(gw), grad_bias=_tc._ptr(gb),
+                           grad_lse=_tc._ptr(gl), grad_entropy=_tc._ptr(ge))
     status = _lib.load().fce_vp_linear_ce(
         ctypes.byref(o), ctypes.byref(shard), n, d, h.data_ptr(), w.data_ptr(), _tc._ptr(b),
         targets.data_ptr(), ctypes.byref(out), ctypes.byref(grads), _tc._ptr(ws), ws_bytes,
@@ -434,4 +461,4 @@ def _linear_fused(hidden, weight, bias, targets, cw, layout: Layout, opts: CEOpt
         gw = gw.to(weight.dtype)
     if gb is not None:
         gb = gb.to(bias.dtype)
-    return loss, lse, z_loss, accuracy, argmax, (gh, gw, gb)
+    return loss, lse, z_loss, accuracy, argmax, (gh, gw, gb), ent

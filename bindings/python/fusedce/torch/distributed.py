@@ -79,7 +79,12 @@ over the whole vocabulary: ``weight`` (class weights [vocab_total], the whole vo
 every rank), ``reduction``, ``z_loss``, ``softcap``, ``logit_scale``, ``shift_seq_len``/``shift``
 (rows b·T+t: batch-major; Megatron's [s, b] layout is sequence-major, whose labels are shifted
 already), ``use_token_scaling``, ``return_z_loss``, ``return_token_accuracy``,
-``return_predicted_tokens`` (global class indices), ``return_lse``, ``check_targets``.
+``return_predicted_tokens`` (global class indices), ``return_lse``, ``return_entropy``,
+``check_targets``. The returned lse and entropy are differentiable (docs/semantics.md rule 18:
+their upstream gradients join the loss's in the one backward call); the entropy makes every
+rank's statistics carry one more sum (``options->vp_entropy``). The fused linear step, whose
+forward makes the gradients for an upstream 1, makes them again in the backward when lse or the
+entropy gets a gradient (one more fce_vp_linear_ce, collectives included).
 
 These functions are plain torch.autograd.Functions calling the C library and torch.distributed:
 eager mode; torch.compile does not trace into them (they run under ``torch.compiler.disable``:
@@ -248,7 +253,8 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: Tensor, target: Tensor,
                                  use_token_scaling: bool = False, return_z_loss: bool = False,
                                  return_token_accuracy: bool = False,
                                  return_predicted_tokens: bool = False, return_lse: bool = False,
-                                 check_targets: bool = False, inplace_backward: bool = False):
+                                 check_targets: bool = False, inplace_backward: bool = False,
+                                 return_entropy: bool = False):
     """Cross-entropy of logits whose vocabulary is sharded over ``group``: a drop-in for
     ``megatron.core.tensor_parallel.vocab_parallel_cross_entropy(vocab_parallel_logits, target,
     label_smoothing, tp_group)`` (see the module docstring for the differences).
@@ -294,18 +300,19 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: Tensor, target: Tensor,
     opts, want, lib_want = _options(
         red, vt, t, k, ignore_index, _smoothing(label_smoothing, label_smoothing_formula, vt),
         z_loss, softcap, logit_scale, use_token_scaling,
-        (return_z_loss, return_token_accuracy, return_predicted_tokens, return_lse))
+        (return_z_loss, return_token_accuracy, return_predicted_tokens, return_lse,
+         return_entropy))
     layout = Layout(group, size, vs, vt)
     if torch.is_grad_enabled() and logits.requires_grad:
-        loss, lse, zl, acc, am, gathered = _VocabParallelCE.apply(
+        loss, lse, zl, acc, am, ent, gathered = _VocabParallelCE.apply(
             logits, tgt, cw, layout, opts, lib_want, bool(check_targets),
             bool(inplace_backward))
     else:
-        (loss, lse, zl, acc, am), gathered = _ce_forward(logits, tgt, cw, layout, opts,
-                                                         lib_want, bool(check_targets),
-                                                         _stream(logits))
+        (loss, lse, zl, acc, am, ent), gathered = _ce_forward(logits, tgt, cw, layout, opts,
+                                                              lib_want, bool(check_targets),
+                                                              _stream(logits))
     return _ta._finish(want, red, tuple(target.shape), loss, lse, zl, acc, am,
-                       lambda: _z_rows_from_stats(lse, tgt, vt, opts, gathered, size))
+                       lambda: _z_rows_from_stats(lse, tgt, vt, opts, gathered, size), ent)
 
 
 @_eager_only
@@ -326,7 +333,8 @@ def vocab_parallel_linear_cross_entropy(hidden: Tensor, weight_shard: Tensor, ta
                                         return_lse: bool = False, check_targets: bool = False,
                                         reduce_grad_hidden: bool = True,
                                         workspace_bytes: Optional[int] = None,
-                                        sequence_parallel: bool = False):
+                                        sequence_parallel: bool = False,
+                                        return_entropy: bool = False):
     """The output layer and its cross-entropy with the vocabulary sharded over ``group``
     (Megatron's ColumnParallelLinear output layer with parallel_output=True, followed by
     vocab_parallel_cross_entropy), without ever forming the logits: each rank makes its
@@ -406,28 +414,29 @@ def vocab_parallel_linear_cross_entropy(hidden: Tensor, weight_shard: Tensor, ta
     opts, want, lib_want = _options(
         red, vt, t, k, ignore_index, _smoothing(label_smoothing, label_smoothing_formula, vt),
         z_loss, softcap, logit_scale, use_token_scaling,
-        (return_z_loss, return_token_accuracy, return_predicted_tokens, return_lse))
+        (return_z_loss, return_token_accuracy, return_predicted_tokens, return_lse,
+         return_entropy))
     layout = Layout(group, size, vs, vt)
     grad_on = torch.is_grad_enabled() and (
         h2.requires_grad or weight_shard.requires_grad
         or (bias is not None and bias.requires_grad))
     gathered = None  # (the statistics: reduction 'none''s per-row z-loss reads them)
     if grad_on and red != _lib.FCE_REDUCTION_NONE and _lib.has_vp_linear_ce():
-        loss, lse, zl, acc, am = _VocabParallelLinearCEFused.apply(
+        loss, lse, zl, acc, am, ent = _VocabParallelLinearCEFused.apply(
             h2, weight_shard, bias, tgt, cw, layout, opts, cdt, budget, lib_want,
             bool(check_targets), _grad_mode(reduce_grad_hidden))
     elif grad_on:
-        loss, lse, zl, acc, am, gathered = _VocabParallelLinearCE.apply(
+        loss, lse, zl, acc, am, ent, gathered = _VocabParallelLinearCE.apply(
             h2, weight_shard, bias, tgt, cw, layout, opts, cdt, budget, lib_want,
             bool(check_targets), _grad_mode(reduce_grad_hidden))
     else:
         if sequence_parallel:
             h2 = _gather_tokens(h2, group, size)
-        (loss, lse, zl, acc, am), gathered = _linear_forward(
+        (loss, lse, zl, acc, am, ent), gathered = _linear_forward(
             h2, weight_shard, bias, tgt, cw, layout, opts, cdt, budget, lib_want,
             bool(check_targets), _stream(h2))
     return _ta._finish(want, red, tuple(target.shape), loss, lse, zl, acc, am,
-                       lambda: _z_rows_from_stats(lse, tgt, vt, opts, gathered, size))
+                       lambda: _z_rows_from_stats(lse, tgt, vt, opts, gathered, size), ent)
 
 
 # ============================================== Megatron-Core's fused linear CE ====

@@ -69,7 +69,7 @@ pub struct fce_options {
     pub deterministic: i32,
     pub accumulate: i32,
     pub grad_weight_fp32: i32,
-    pub reserved0: i32,
+    pub vp_entropy: i32,
     pub shift: i64,
     pub token_scaling: i32,
     pub batch_invariant: i32,
@@ -392,23 +392,23 @@ fn bindgen_test_layout_fce_options() {
         );
     }
     test_field_grad_weight_fp32();
-    fn test_field_reserved0() {
+    fn test_field_vp_entropy() {
         assert_eq!(
             unsafe {
                 let uninit = ::std::mem::MaybeUninit::<fce_options>::uninit();
                 let ptr = uninit.as_ptr();
-                ::std::ptr::addr_of!((*ptr).reserved0) as usize - ptr as usize
+                ::std::ptr::addr_of!((*ptr).vp_entropy) as usize - ptr as usize
             },
             100usize,
             concat!(
                 "Offset of field: ",
                 stringify!(fce_options),
                 "::",
-                stringify!(reserved0)
+                stringify!(vp_entropy)
             )
         );
     }
-    test_field_reserved0();
+    test_field_vp_entropy();
     fn test_field_shift() {
         assert_eq!(
             unsafe {

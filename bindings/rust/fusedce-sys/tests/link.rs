@@ -50,7 +50,7 @@ fn options_default_matches_the_header_initialiser() {
             o.deterministic,
             o.accumulate,
             o.grad_weight_fp32,
-            o.reserved0
+            o.vp_entropy
         ),
         (0, 0, 0, 0)
     );

@@ -179,7 +179,7 @@ impl<'w> Options<'w> {
             deterministic: 0,
             accumulate: 0,
             grad_weight_fp32: 0,
-            reserved0: 0,
+            vp_entropy: 0,
             shift: 0,
             token_scaling: 0,
             batch_invariant: 0,

@@ -426,7 +426,7 @@ fn options_builder_sets_every_field() {
             r.deterministic,
             r.accumulate,
             r.grad_weight_fp32,
-            r.reserved0
+            r.vp_entropy
         ),
         (1, 1, 1, 0)
     );
