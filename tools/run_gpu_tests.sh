@@ -117,7 +117,9 @@ suite "Python binding on CUDA (torch, CuPy; lse, entropy, probability targets, d
   "$ROOT/bindings/python/tests/test_torch_prob_targets.py" \
   "$ROOT/bindings/python/tests/test_torch_distill.py"
 suite "vocabulary-parallel: fusedce.torch.distributed (gloo processes, NCCL, CUDA phases)" \
-  python3 -m pytest -q -rs -p no:cacheprovider "$ROOT/bindings/python/tests/test_distributed.py"
+  python3 -m pytest -q -rs -p no:cacheprovider "$ROOT/bindings/python/tests/test_distributed.py" \
+  "$ROOT/bindings/python/tests/test_distributed_entropy.py" \
+  "$ROOT/bindings/python/tests/test_vp_phases.py"
 suite "Hugging Face transformers (fusedce.transformers)" \
   python3 -m pytest -q -rs -p no:cacheprovider "$ROOT/bindings/python/tests/test_transformers.py"
 suite "JAX (fusedce.jax, CUDA custom calls)" env XLA_PYTHON_CLIENT_PREALLOCATE=false \
