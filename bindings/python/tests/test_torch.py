@@ -15,6 +15,7 @@ import fusedce  # noqa: E402
 from fusedce.torch import (CrossEntropyLoss, LinearCrossEntropyLoss,  # noqa: E402
                            cross_entropy, linear_cross_entropy)
 from torch_cases import (  # noqa: E402
+    linear_inputs,
     check_empty_batch, _compile_check, _compile_extras_check, loss_and_grad, make,
     needs_cuda, OPTIONS, REDUCTIONS, reference, rel_err, resolve)
 
@@ -140,13 +141,7 @@ def test_empty_batch_cuda():
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("bias", [True, False])
 def test_linear_cross_entropy_cpu(reduction, bias):
-    gen = torch.Generator().manual_seed(1)
-    h = torch.randn(3, 8, 16, generator=gen)
-    W = torch.randn(53, 16, generator=gen) / 4
-    b = torch.randn(53, generator=gen) if bias else None
-    y = torch.randint(0, 53, (3, 8), generator=gen)
-    y[0, :3] = -100
-    w = torch.rand(53, generator=gen) + 0.5
+    h, W, b, y, w = linear_inputs(1, bias)
     kw = dict(weight=w, label_smoothing=0.1, z_loss=1e-3, shift_seq_len=8)
     ps = [t.clone().requires_grad_(True) for t in (h, W) + ((b,) if bias else ())]
     loss = linear_cross_entropy(ps[0], ps[1], y, linear_bias=ps[2] if bias else None,

@@ -16,6 +16,7 @@ import fusedce  # noqa: E402
 from fusedce import core  # noqa: E402
 from fusedce.torch import OUTPUT_FIELDS, CrossEntropyLoss, cross_entropy, linear_cross_entropy  # noqa: E402
 from torch_cases import (  # noqa: E402
+    linear_inputs,
     adversarial_check, ALL_EXTRAS, check_extras, _compile_check, _compile_extras_check, HAS_CUDA,
     loss_and_grad, make, needs_cuda, NEW_OPTIONS, OPTIONS, REDUCTIONS, reference, rel_err, resolve)
 
@@ -62,13 +63,7 @@ def test_new_keywords_cpu_against_float64(case, reduction):
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("bias", [True, False])
 def test_linear_new_keywords_cpu(reduction, bias):
-    gen = torch.Generator().manual_seed(5)
-    h = torch.randn(3, 8, 16, generator=gen)
-    W = torch.randn(53, 16, generator=gen) / 4
-    b = torch.randn(53, generator=gen) if bias else None
-    y = torch.randint(0, 53, (3, 8), generator=gen)
-    y[0, :3] = -100
-    w = torch.rand(53, generator=gen) + 0.5
+    h, W, b, y, w = linear_inputs(5, bias)
     kw = dict(weight=w, label_smoothing=0.1, z_loss=1e-3, softcap=9.0, shift=2,
               use_token_scaling=True)  # shift alone: T = target.shape[-1] = 8
     ps = [t.clone().requires_grad_(True) for t in (h, W) + ((b,) if bias else ())]

@@ -319,3 +319,16 @@ def assert_matches_with_nonfinite(x, ref, tol, what):
         scale = ref[fin].abs().max().clamp_min(1e-30)
         err = ((x[fin] - ref[fin]).abs() / scale).max().item()
         assert err <= tol, f"{what}: {err:.3e} > {tol:.1e}"
+
+
+def linear_inputs(seed, bias):
+    """hidden [3, 8, 16], weight [53, 16], bias or None, targets [3, 8] (three ignored) and class
+    weights [53] for the linear CE tests."""
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn(3, 8, 16, generator=gen)
+    W = torch.randn(53, 16, generator=gen) / 4
+    b = torch.randn(53, generator=gen) if bias else None
+    y = torch.randint(0, 53, (3, 8), generator=gen)
+    y[0, :3] = -100
+    w = torch.rand(53, generator=gen) + 0.5
+    return h, W, b, y, w
