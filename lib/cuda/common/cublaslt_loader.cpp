@@ -60,6 +60,8 @@ struct Table {
   decltype(&cublasLtMatmulAlgoGetHeuristic) heuristic;
   decltype(&cublasLtMatmul) matmul;
   decltype(&cublasLtMatmulAlgoConfigGetAttribute) algo_config_get;
+  decltype(&cublasLtMatmulAlgoConfigSetAttribute) algo_config_set;
+  decltype(&cublasLtMatmulAlgoCheck) algo_check;
 };
 
 struct State {
@@ -96,6 +98,8 @@ bool take(void* handle, std::string* why) {
   ok &= bind(handle, "cublasLtMatmulAlgoGetHeuristic", &t.heuristic, &missing);
   ok &= bind(handle, "cublasLtMatmul", &t.matmul, &missing);
   ok &= bind(handle, "cublasLtMatmulAlgoConfigGetAttribute", &t.algo_config_get, &missing);
+  ok &= bind(handle, "cublasLtMatmulAlgoConfigSetAttribute", &t.algo_config_set, &missing);
+  ok &= bind(handle, "cublasLtMatmulAlgoCheck", &t.algo_check, &missing);
   if (!ok) {
     *why = "lacks " + missing;
     dlclose(handle);
@@ -279,6 +283,20 @@ cublasStatus_t cublasLtMatmulAlgoConfigGetAttribute(const cublasLtMatmulAlgo_t* 
                                                     cublasLtMatmulAlgoConfigAttributes_t attr,
                                                     void* buf, size_t size, size_t* written) {
   return forward(&Table::algo_config_get, algo, attr, buf, size, written);
+}
+
+cublasStatus_t cublasLtMatmulAlgoConfigSetAttribute(cublasLtMatmulAlgo_t* algo,
+                                                    cublasLtMatmulAlgoConfigAttributes_t attr,
+                                                    const void* buf, size_t size) {
+  return forward(&Table::algo_config_set, algo, attr, buf, size);
+}
+
+cublasStatus_t cublasLtMatmulAlgoCheck(cublasLtHandle_t handle, cublasLtMatmulDesc_t desc,
+                                       cublasLtMatrixLayout_t a, cublasLtMatrixLayout_t b,
+                                       cublasLtMatrixLayout_t c, cublasLtMatrixLayout_t d,
+                                       const cublasLtMatmulAlgo_t* algo,
+                                       cublasLtMatmulHeuristicResult_t* result) {
+  return forward(&Table::algo_check, handle, desc, a, b, c, d, algo, result);
 }
 
 }  // extern "C"

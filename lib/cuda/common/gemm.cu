@@ -48,6 +48,36 @@ int first_whole_k(const cublasLtMatmulHeuristicResult_t* results, int found) {
   return -1;
 }
 
+// When every heuristic result splits K: the first of them that cuBLASLt accepts with K in one
+// piece (SPLITK_NUM 1, no reduction; cublasLtMatmulAlgoCheck, within the workspace), written
+// into *out, else false. The tile and stage choice stay the heuristic's.
+bool unsplit_candidate(cublasLtHandle_t handle, cublasLtMatmulDesc_t desc,
+                       cublasLtMatrixLayout_t a, cublasLtMatrixLayout_t b,
+                       cublasLtMatrixLayout_t c, const cublasLtMatmulHeuristicResult_t* results,
+                       int found, uint64_t ws_bytes, cublasLtMatmulHeuristicResult_t* out) {
+  for (int i = 0; i < found; ++i) {
+    if (results[i].state != CUBLAS_STATUS_SUCCESS) continue;
+    cublasLtMatmulAlgo_t algo = results[i].algo;
+    const int32_t one = 1;
+    const uint32_t none = CUBLASLT_REDUCTION_SCHEME_NONE;
+    if (cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &one,
+                                             sizeof one) != CUBLAS_STATUS_SUCCESS ||
+        cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &none,
+                                             sizeof none) != CUBLAS_STATUS_SUCCESS)
+      continue;
+    cublasLtMatmulHeuristicResult_t checked = {};
+    if (cublasLtMatmulAlgoCheck(handle, desc, a, b, c, c, &algo, &checked) !=
+            CUBLAS_STATUS_SUCCESS ||
+        checked.state != CUBLAS_STATUS_SUCCESS || checked.workspaceSize > ws_bytes)
+      continue;
+    checked.algo = algo;
+    if (first_whole_k(&checked, 1) != 0) continue;
+    *out = checked;
+    return true;
+  }
+  return false;
+}
+
 cudaDataType_t cuda_type(int dtype) {
   switch (dtype) {
     case FCE_FLOAT16: return CUDA_R_16F;
@@ -212,10 +242,12 @@ fce_status gemm(const RowMajorGemm& g, cudaStream_t s, bool* bias_applied) {
       }
       if (st == CUBLAS_STATUS_SUCCESS && g.whole_k) {
         const int i = first_whole_k(results, found);
-        if (i < 0)
+        if (i < 0 && !unsplit_candidate(handle, lt.desc, lt.a, lt.b, lt.c, results, found,
+                                        ws_bytes, &result))
           return fail(FCE_ERROR_UNSUPPORTED,
                       "%s: options->batch_invariant: GEMM %s (row-major [%lld x %lld], K %lld): "
-                      "none of cuBLASLt's first %d algorithms computes K without a split",
+                      "none of cuBLASLt's first %d algorithms computes K without a split, even "
+                      "when asked to",
                       g.fn, g.name, (long long)g.M, (long long)g.N, (long long)g.K, found);
         if (i > 0) result = results[i];
       }

@@ -54,7 +54,8 @@ struct RowMajorGemm {
   void* workspace;    // cuBLASLt workspace (256-byte aligned), workspace_bytes of it
   size_t workspace_bytes;
   // options->batch_invariant: only an algorithm without a split of K (CUBLASLT_ALGO_CONFIG_
-  // SPLITK_NUM 1, of the heuristic's first kInvariantCandidates); FCE_ERROR_UNSUPPORTED if none
+  // SPLITK_NUM 1): the first such of the heuristic's first kInvariantCandidates, else the first
+  // of them that cublasLtMatmulAlgoCheck accepts set to one split; FCE_ERROR_UNSUPPORTED if none
   bool whole_k = false;
 };
 
