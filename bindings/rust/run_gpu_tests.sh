@@ -28,8 +28,8 @@
 #   bindings/rust/run_gpu_tests.sh run OUTDIR|OUT.tgz [TEST ARGS...]   (there; no cargo needed)
 #     (a tarball is unpacked into a temporary directory first; the packed directory also holds
 #     a copy of this script, so neither needs the source tree)
-#     Runs every packed test executable, tests/cuda.rs's first (--show-output: it prints the
-#     runtime it opened and the device count), then the examples, with
+#     Runs every packed test executable, tests/cuda.rs's and cuda_linear.rs's first
+#     (--show-output: they print the runtime opened and the device count), then the examples, with
 #       LD_LIBRARY_PATH=OUTDIR/lib:/usr/local/cuda/lib64:$LD_LIBRARY_PATH
 #       FUSEDCE_CUDART_DIR=OUTDIR/lib   FUSEDCE_REQUIRE_CUDA=1 (a CUDA test that would skip fails)
 #     (and, if libcublasLt.so.13 is not found that way, the first one under /usr/local, /opt or
@@ -208,17 +208,20 @@ run() {
       echo "--- $name: FAILED"
     fi
   }
-  if [ -x "$out/bin/fusedce--cuda" ]; then
-    suite "fusedce--cuda" "$out/bin/fusedce--cuda" --show-output "$@"
-  else
-    failed=$((failed + 1))
-    failed_names+=("fusedce--cuda (not packed)")
-  fi
+  local crate
+  for crate in fusedce--cuda fusedce--cuda_linear; do
+    if [ -x "$out/bin/$crate" ]; then
+      suite "$crate" "$out/bin/$crate" --show-output "$@"
+    else
+      failed=$((failed + 1))
+      failed_names+=("$crate (not packed)")
+    fi
+  done
   local exe name
   for exe in "$out"/bin/*--*; do
     name="$(basename "$exe")"
     case "$name" in
-      fusedce--cuda | example--*) ;;
+      fusedce--cuda | fusedce--cuda_linear | example--*) ;;
       *) suite "$name" "$exe" "$@" ;;
     esac
   done

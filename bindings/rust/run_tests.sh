@@ -2,10 +2,10 @@
 # The Rust binding's tests, against the libfusedce.so in build dir $1 (what `make test` runs):
 #   1. check_bindings.sh: fusedce-sys/src/bindings.rs is what bindgen makes of include/fusedce.h
 #   2. cargo test for fusedce-sys and fusedce (CPU backend; float64 reference in the tests;
-#      tests/cuda.rs runs the CUDA entry points against the CPU where a GPU is visible, and
+#      tests/cuda.rs and cuda_linear.rs run the CUDA entry points against the CPU where a GPU is visible, and
 #      prints "skipped: no CUDA device" otherwise)
-#   3. tests/cuda.rs's harness on the CPU backend over host memory (FUSEDCE_CUDA_TESTS_ON_CPU=1),
-#      so that it is exercised without a GPU too
+#   3. tests/cuda.rs's and cuda_linear.rs's harness on the CPU backend over host memory
+#      (FUSEDCE_CUDA_TESTS_ON_CPU=1), so that it is exercised without a GPU too
 #   4. the example: cargo run --example cross_entropy
 #   5. the `bundled` feature: fusedce-sys builds libfusedce from the repository's sources with
 #      cmake into its OUT_DIR (CPU-only here, FUSEDCE_BUNDLED_CUDA=OFF: a CUDA build would add
@@ -40,8 +40,8 @@ bash "$here/check_bindings.sh"
 step "cargo test (fusedce-sys, fusedce)"
 "$CARGO" test "${cargo_flags[@]}" --workspace
 
-step "tests/cuda.rs's harness on the CPU backend (FUSEDCE_CUDA_TESTS_ON_CPU=1)"
-FUSEDCE_CUDA_TESTS_ON_CPU=1 "$CARGO" test "${cargo_flags[@]}" -p fusedce --test cuda
+step "tests/cuda.rs's and cuda_linear.rs's harness on the CPU backend (FUSEDCE_CUDA_TESTS_ON_CPU=1)"
+FUSEDCE_CUDA_TESTS_ON_CPU=1 "$CARGO" test "${cargo_flags[@]}" -p fusedce --test cuda --test cuda_linear
 
 step "example: cargo run --example cross_entropy"
 "$CARGO" run "${cargo_flags[@]}" -p fusedce --example cross_entropy
