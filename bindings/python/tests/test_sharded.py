@@ -1,7 +1,7 @@
 """Sharded training on CPU with gloo (2 and 4 processes), and on 2 GPUs with NCCL, each result
 against the unsharded single-process call on the same device: DTensor weights (Replicate,
-Shard(0) even and uneven, the placements that raise), sequence parallelism (a DTensor hidden
-Shard(0), and fusedce.torch.distributed.megatron_linear_cross_entropy with sequence_parallel on
+Shard(0) even and uneven, with the lse and entropy; the placements that raise), sequence
+parallelism (a DTensor hidden Shard(0), and fusedce.torch.distributed.megatron_linear_cross_entropy with sequence_parallel on
 and off), reductions mean/sum/none and ignore_index; a tiny randomly initialised Llama under
 FSDP2 (fully_shard, lm_head in the root unit and as its own unit) and with a tensor-parallel lm_head
 (parallelize_module, ColwiseParallel) through fusedce.transformers.apply; DeepSpeed ZeRO-3
@@ -168,6 +168,28 @@ def _cases_dtensor(rank, world, dev):
             assert isinstance(hd.grad, DTensor) and hd.grad.placements == (placement,)
             _close(hd.grad.full_tensor(), gh_ref, torch.float32, "grad_hidden " + what)
             _close(wd.grad.full_tensor(), gw_ref, torch.float32, "grad_weight " + what)
+    # the lse and the entropy from the sharded weight, differentiable, against torch from the
+    # whole logits (float32): H = lse − Σ p·a, ∂ through loss, lse and H together
+    for reduction in ("mean", "none"):
+        h, w, y, up = _problem(10, d, 8 * world + 3, torch.float32, seed=11, dev=dev)
+        hr, wr = h.clone().requires_grad_(), w.clone().requires_grad_()
+        z = F.linear(hr, wr)
+        logp = torch.log_softmax(z, dim=-1)
+        ref_loss = F.cross_entropy(z, y, reduction=reduction)
+        ref_lse, ref_ent = torch.logsumexp(z, dim=-1), -(logp.exp() * logp).sum(-1)
+        (_upstream(ref_loss, reduction, up) + (0.3 * ref_lse + 0.5 * ref_ent * up).sum()).backward()
+        wd = distribute_tensor(w, mesh, [Shard(0)]).requires_grad_()
+        hh = h.clone().requires_grad_()
+        loss, lse, ent = linear_cross_entropy(hh, wd, y, reduction=reduction, return_lse=True,
+                                              return_entropy=True)
+        _same_on_every_rank(ent)
+        (_upstream(loss, reduction, up) + (0.3 * lse + 0.5 * ent * up).sum()).backward()
+        what = f"entropy Shard(0) {reduction} P={world}"
+        _close(loss, ref_loss, torch.float32, "loss " + what)
+        _close(lse, ref_lse, torch.float32, "lse " + what)
+        _close(ent, ref_ent, torch.float32, what)
+        _close(hh.grad, hr.grad, torch.float32, "grad_hidden " + what)
+        _close(wd.grad.full_tensor(), wr.grad, torch.float32, "grad_weight " + what)
     # placements that raise (every rank alike): Shard(1), an empty shard
     h, w, y, _ = _problem(4, d, 8 * world, torch.float32, seed=9, dev=dev)
     with pytest.raises(ValueError, match="Shard\\(dim=1\\)"):
@@ -387,7 +409,7 @@ CASES = {"dtensor": _cases_dtensor, "megatron": _cases_megatron, "fsdp": _cases_
 
 # _close calls per case (the same for every world size and device): a case that ran fewer did
 # not run all of its comparisons
-EXPECTED = {"dtensor": 61, "megatron": 88, "fsdp": 88, "tp": 22, "zero3": 1}
+EXPECTED = {"dtensor": 71, "megatron": 88, "fsdp": 88, "tp": 22, "zero3": 1}
 
 
 def _worker(rank, world, init_file, cases, backend, out_dir):

@@ -109,10 +109,6 @@ def linear_cross_entropy(input, linear_weight, target, linear_bias, weight, kwar
             "the others. Redistribute it (DTensor.redistribute) or, for a weight sharded by "
             "FSDP2, compute the loss inside the module's forward "
             "(fusedce.torch.module_linear_cross_entropy)")
-    if kwargs.pop("return_entropy", False):
-        raise ValueError("fusedce.torch.linear_cross_entropy: return_entropy is not supported on "
-                         "the vocabulary-parallel path (linear_weight sharded over the "
-                         "vocabulary)")
     k = shard_dims[0]
     group, size = mesh.get_group(k), mesh.size(k)
     vocab, coord = linear_weight.shape[0], mesh.get_local_rank(k)
