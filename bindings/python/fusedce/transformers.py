@@ -67,9 +67,10 @@ gathered weight the framework holds anyway and the workspace budget is allocated
 ``FullyShardedDataParallel`` wrapping the whole model gathers in the root's forward (lm_head
 in the root unit). A tensor-parallel head (``parallelize_module`` with ``ColwiseParallel``: a
 DTensor weight ``Shard(0)``) takes the vocabulary-parallel path by itself
-(:func:`fusedce.torch.linear_cross_entropy` with a DTensor weight); FSDP2 over such a head
-(2-D) is not supported (the tensor-parallel output hook expects logits): it falls back to the
-original forward with a warning.
+(:func:`fusedce.torch.linear_cross_entropy` with a DTensor weight); so does FSDP2 over such a
+head (2-D: data-parallel × tensor-parallel), inside ``lm_head``'s call with FSDP2's hooks and
+without the tensor-parallel plan's (which would turn the input into a DTensor and expect logits
+out): FSDP2 gathers the weight over the data-parallel ranks into its tensor-parallel shard.
 """
 
 from __future__ import annotations
@@ -252,27 +253,22 @@ def _is_fsdp_hook(module, hook) -> bool:
     return name.startswith("_register_group_forward_hooks.")
 
 
-def _is_tp_hook(hook) -> bool:
-    """An input or output hook of torch.distributed.tensor's distribute_module
-    (parallelize_module): it only redistributes the layer's input and output."""
-    return getattr(hook, "__qualname__", "").startswith("distribute_module.")
-
-
 def _head_access(head) -> Optional[str]:
     """How the fused path reads lm_head's parameters: "direct" (no hooks: its parameters as they
     are; a tensor-parallel DTensor weight included, its hooks only redistributing the layer's
     input and output), "module" (FSDP2's or DeepSpeed ZeRO-3's hooks gather the weight: the loss
     is computed inside the head's own call, so that they run), None (other hooks: not fusable)."""
+    from .torch._dtensor import any_dtensor, is_tp_hook
     hooks = list(head._forward_pre_hooks.values()) + list(head._forward_hooks.values())
     if not hooks:
         return "direct"
     if hasattr(head.weight, "ds_id"):  # a ZeRO-3 partitioned parameter: its module hooks
         return "module"
-    if all(_is_fsdp_hook(head, h) for h in hooks):
-        return "module"
-    from .torch._dtensor import any_dtensor
-    if any_dtensor(head.weight) and all(_is_tp_hook(h) for h in hooks):
-        return "direct"
+    tp = any_dtensor(head.weight) and any(is_tp_hook(h) for h in hooks)
+    if all(_is_fsdp_hook(head, h) or (tp and is_tp_hook(h)) for h in hooks):
+        # FSDP2's hooks, with a tensor-parallel plan's (2-D: FSDP2 over a tensor-parallel
+        # head; module_forward sets the plan's aside for the loss) or without
+        return "module" if any(_is_fsdp_hook(head, h) for h in hooks) else "direct"
     return None
 
 

@@ -3,9 +3,9 @@ against the unsharded single-process call on the same device: DTensor weights (R
 Shard(0) even and uneven, with the lse and entropy; the placements that raise), sequence
 parallelism (a DTensor hidden Shard(0), and fusedce.torch.distributed.megatron_linear_cross_entropy with sequence_parallel on
 and off), reductions mean/sum/none and ignore_index; a tiny randomly initialised Llama under
-FSDP2 (fully_shard, lm_head in the root unit and as its own unit) and with a tensor-parallel lm_head
-(parallelize_module, ColwiseParallel) through fusedce.transformers.apply; DeepSpeed ZeRO-3
-on gloo only.
+FSDP2 (fully_shard, lm_head in the root unit and as its own unit), with a tensor-parallel lm_head
+(parallelize_module, ColwiseParallel) and with both on a 2×2 mesh (4 processes) through
+fusedce.transformers.apply; DeepSpeed ZeRO-3 on gloo only.
 
     FUSEDCE_LIBRARY=build/libfusedce.so python -m pytest -q bindings/python/tests/test_sharded.py
 
@@ -367,6 +367,42 @@ def _cases_tp(rank, world, dev):
         _close(_full(p.grad), grads[name], torch.float32, f"grad {name} {what}")
 
 
+def _cases_fsdp_tp(rank, world, dev):
+    """FSDP2 over a tensor-parallel lm_head on a 2-D mesh (data-parallel × tensor-parallel, 2×2):
+    the loss inside lm_head's call, FSDP2 gathering the weight over the data-parallel ranks into
+    its tensor-parallel shard, the vocabulary-parallel path over the tensor-parallel ones."""
+    import fusedce.transformers as fh
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    mesh = init_device_mesh(dev.type, (world // 2, 2), mesh_dim_names=("dp", "tp"))
+    dp = mesh.get_local_rank("dp")
+    batches = _batches(world // 2, steps=2, seed=5)  # one batch per data-parallel rank
+    ref = _reference_steps(world // 2, batches, averaged=True, dev=dev)
+    model = _tiny_llama().to(dev)
+    fh.apply(model)
+    parallelize_module(model, mesh["tp"], {"lm_head": ColwiseParallel()})
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model.lm_head, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    assert fh._head_access(model.lm_head) == "module"
+    model.train()
+    for (ids, labels), (losses, grads) in zip((s[dp] for s in batches), ref):
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=ids.to(dev), labels=labels.to(dev))
+        assert out.logits is None, "the fused path"
+        _same_on_every_rank(out.loss, mesh.get_group("tp"))
+        out.loss.backward()
+        what = f"FSDP2 x TP lm_head {world // 2}x2"
+        _close(out.loss, losses[dp], torch.float32, "loss " + what)
+        assert isinstance(model.lm_head.weight.grad, DTensor)
+        for name, p in model.named_parameters():
+            assert p.grad is not None, f"{name}: no gradient ({what})"
+            _close(_full(p.grad), grads[name], torch.float32, f"grad {name} {what}")
+
+
 def _zero3_losses(rank, patched, steps=3):
     """Each step's loss of this rank under DeepSpeed ZeRO-3 (SGD, so that the later losses
     depend on the gradients of the earlier steps)."""
@@ -404,12 +440,12 @@ def _cases_zero3(rank, world, dev):
 
 
 CASES = {"dtensor": _cases_dtensor, "megatron": _cases_megatron, "fsdp": _cases_fsdp,
-         "tp": _cases_tp, "zero3": _cases_zero3}
+         "tp": _cases_tp, "fsdp_tp": _cases_fsdp_tp, "zero3": _cases_zero3}
 
 
 # _close calls per case (the same for every world size and device): a case that ran fewer did
 # not run all of its comparisons
-EXPECTED = {"dtensor": 71, "megatron": 88, "fsdp": 88, "tp": 22, "zero3": 1}
+EXPECTED = {"dtensor": 71, "megatron": 88, "fsdp": 88, "tp": 22, "fsdp_tp": 44, "zero3": 1}
 
 
 def _worker(rank, world, init_file, cases, backend, out_dir):
@@ -472,6 +508,7 @@ def test_gloo_sharded(world, tmp_path, monkeypatch):
     with a tensor-parallel lm_head, against the unsharded call. One spawn per size (a process
     importing torch costs seconds): a failure names its case."""
     cases = ("dtensor", "megatron") + (("fsdp", "tp") if HAS_HF else ())
+    cases += ("fsdp_tp",) if HAS_HF and world == 4 else ()  # a 2×2 mesh
     _spawn(world, cases, tmp_path, monkeypatch)
 
 

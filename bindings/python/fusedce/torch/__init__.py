@@ -453,7 +453,8 @@ def module_linear_cross_entropy(module: torch.nn.Module, input: Tensor, target: 
     itself gathers and the workspace budget is held. The weight read there may be a DTensor
     (FSDP2 over a tensor-parallel weight): handled as :func:`linear_cross_entropy` does.
     ``module``: an ``nn.Linear`` (or any module with ``weight`` [V, D] and ``bias`` [V] or None);
-    forward hooks that change the output (tensor-parallel ones) do not apply to a loss."""
+    a tensor-parallel plan's hooks (parallelize_module), which change the input and expect logits
+    out, are set aside for the call: the DTensor weight takes the vocabulary-parallel path."""
     def forward(hidden):
         return linear_cross_entropy(hidden, module.weight, target,
                                     linear_bias=getattr(module, "bias", None), **kwargs)

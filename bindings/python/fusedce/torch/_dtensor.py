@@ -144,12 +144,26 @@ def linear_cross_entropy(input, linear_weight, target, linear_bias, weight, kwar
         vocab_total=vocab, weight=weight, sequence_parallel=sequence_parallel, **kwargs)
 
 
+def is_tp_hook(hook) -> bool:
+    """An input or output hook of torch.distributed.tensor's distribute_module
+    (parallelize_module): it only redistributes the layer's input and output."""
+    return getattr(hook, "__qualname__", "").startswith("distribute_module.")
+
+
 def module_forward(module, fn, *args):
     """``module(*args)`` with ``module.forward`` replaced by ``fn`` for this one call: the
     module's forward hooks run around ``fn`` (FSDP2's unshard before it and its reshard and
     backward hooks after it, DeepSpeed ZeRO-3's parameter fetch and release), and ``fn`` reads
-    the module's parameters as its own forward would."""
+    the module's parameters as its own forward would. A tensor-parallel plan's hooks
+    (parallelize_module: they turn the input into a DTensor and the output logits into the
+    plan's layout) are set aside for the call: ``fn`` returns a loss, not logits, and reads the
+    DTensor weight itself (FSDP2 over a tensor-parallel head: the 2-D case)."""
     own = vars(module).get("forward")
+    hook_dicts = (module._forward_pre_hooks, module._forward_hooks)
+    saved = [dict(d) for d in hook_dicts]
+    for d in hook_dicts:
+        for key in [key for key, hook in d.items() if is_tp_hook(hook)]:
+            del d[key]
     module.forward = fn
     try:
         return module(*args)
@@ -158,3 +172,8 @@ def module_forward(module, fn, *args):
             del module.forward
         else:
             module.forward = own
+        for d, kept in zip(hook_dicts, saved):  # in their order, FSDP2's added ones kept
+            added = {key: hook for key, hook in d.items() if key not in kept}
+            d.clear()
+            d.update(kept)
+            d.update(added)
