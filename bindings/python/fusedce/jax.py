@@ -11,9 +11,9 @@ backend on the stream XLA gives the call; arrays on the CPU run on the CPU backe
 library's workspace is one more result of each custom call, a uint8 buffer sized at trace time
 with the library's own queries and dropped at once (under ``jax.jit`` an XLA temporary; see
 "Workspaces" below). No host synchronisation, no copy of the inputs. The
-handlers live in a small C++ shim, libfusedce_jax.so (``fusedce/jax_ffi/fusedce_jax.cc``),
-which calls libfusedce's public C ABI; it is compiled on first use against the installed
-jaxlib's FFI headers (``jax.ffi.include_dir()``) with the C++ compiler (``$CXX``, ``c++``) and
+handlers live in a small C++ shim, libfusedce_jax.so (``fusedce/jax_ffi/fusedce_jax.cc`` and
+``fusedce_jax_distill.cc``), which calls libfusedce's public C ABI; it is compiled on first
+use against the installed jaxlib's FFI headers (``jax.ffi.include_dir()``) with the C++ compiler (``$CXX``, ``c++``) and
 cached in ``~/.cache/fusedce/jax`` (see :mod:`fusedce.jax_ffi`), or taken prebuilt from
 ``FUSEDCE_JAX_LIBRARY``. ``python -m fusedce.jax build [--output DIR]`` builds it ahead of time;
 ``python -m fusedce.jax info`` says which is used. The losses are float32 whatever the input
@@ -135,11 +135,12 @@ _resolve_shift = _args._resolve_shift
 _default_workspace_bytes = _alloc.default_workspace_bytes
 
 
-def _targets(targets) -> jax.Array:
+def _targets(targets, fn: str = "fusedce.jax.cross_entropy") -> jax.Array:
     targets = jnp.asarray(targets)
     if not jnp.issubdtype(targets.dtype, jnp.integer):
-        raise TypeError("fusedce supports class-index targets only (an integer array), not "
-                        f"{targets.dtype}")
+        raise TypeError(f"{fn}: targets must be class indices (an integer array)"
+                        + (" or class probabilities (a float array of the logits' shape)"
+                           if fn.endswith(".cross_entropy") else "") + f", not {targets.dtype}")
     if targets.dtype not in (jnp.int32, jnp.int64):
         targets = targets.astype(jnp.int32)
     return targets.reshape(-1)
@@ -434,7 +435,7 @@ def linear_cross_entropy(hidden, weight, targets, bias=None, *, reduction: str =
     rows = int(np.prod(h.shape[:-1], dtype=np.int64))
     h = h.reshape(rows, d)
     y_in = jnp.asarray(targets)
-    y = _targets(y_in)
+    y = _targets(y_in, "fusedce.jax.linear_cross_entropy")
     if y.shape[0] != rows:
         raise ValueError(f"targets has {y.shape[0]} elements for {rows} rows of hidden "
                          f"(hidden {tuple(jnp.shape(hidden))}, targets {tuple(y_in.shape)})")
