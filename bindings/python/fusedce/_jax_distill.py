@@ -25,7 +25,8 @@ import jax.numpy as jnp
 from . import _alloc, _lib
 from . import _jax_calls as _calls
 from ._args import _build_options, _build_teacher
-from ._jax_calls import _CPU, _F32, _FLOAT_CODES, _empty, _ffi_call, _per_platform, _scale, _sds
+from ._jax_calls import (_CPU, _CUDA, _F32, _FLOAT_CODES, _cuda_usable, _empty, _ffi_call,
+                         _per_platform, _scale, _sds)
 from ._jax_vjp import _is_zero, _need_marker, _primal
 from ._options import DistillOptions
 
@@ -45,12 +46,13 @@ def _dattrs(opts: DistillOptions) -> dict:
                               np.float32)}
 
 
-def _query_options(opts: DistillOptions, backend: int, dtype, targets):
+def _query_options(opts: DistillOptions, backend: int, dtype, targets,
+                   grad_weight_fp32: bool = False):
     """The fce_options the handler builds: int32 targets when there are none (the library
     reads target_dtype only with targets)."""
     tdt = _lib.FCE_INT64 if targets.dtype == jnp.int64 else _lib.FCE_INT32
     return _build_options(opts.ce(), backend=backend, dtype=_FLOAT_CODES[jnp.dtype(dtype).name],
-                          target_dtype=tdt)
+                          target_dtype=tdt, grad_weight_fp32=grad_weight_fp32)
 
 
 def _distill_workspace(opts: DistillOptions, logits, targets) -> Tuple[int, int]:
@@ -66,28 +68,49 @@ def _distill_workspace(opts: DistillOptions, logits, targets) -> Tuple[int, int]
     return _per_platform(query)
 
 
-def _linear_workspace(opts: DistillOptions, budget: int, hidden, weight, teacher_hidden,
-                      targets, need: Tuple[bool, bool]) -> Tuple[int, int]:
-    """CPU: min_bytes. CUDA: the fastest plan's when within the budget, else the budget, never
-    below min_bytes; and the token-chunk plan's (optimal_bytes) whenever a 16-bit grad_weight
-    is written, the only size the library takes for it (fusedce.h, fce_linear_distill)."""
+def _linear_sizes(opts: DistillOptions, backend: int, hidden, weight, teacher_hidden, targets,
+                  with_grad: bool, fp32: bool) -> Tuple[int, int]:
+    """(min_bytes, optimal_bytes) of fce_linear_distill_workspace_size."""
     n, d = hidden.shape
-    v = weight.shape[0]
+    o = _query_options(opts, backend, hidden.dtype, targets, fp32)
+    t = _build_teacher(opts, hidden=teacher_hidden.shape[1])
+    lo, hi = ctypes.c_size_t(0), ctypes.c_size_t(0)
+    _alloc.query_for("fce_linear_distill", "fce_linear_distill_workspace_size", ctypes.byref(o),
+                     ctypes.byref(t), n, d, weight.shape[0], 1 if with_grad else 0,
+                     ctypes.byref(lo), ctypes.byref(hi))
+    return lo.value, hi.value
+
+
+def _cuda_bytes(lo: int, hi: int, budget: int) -> int:
+    """CUDA: the fastest plan's workspace when within the budget, else the budget, never below
+    min_bytes (as linear_cross_entropy's)."""
+    return hi if hi < budget else max(budget, lo)
+
+
+def _grad_weight_fp32(opts: DistillOptions, budget: int, hidden, weight, teacher_hidden,
+                      targets, need: Tuple[bool, bool]) -> bool:
+    """Whether a 16-bit grad_weight is accumulated in float32 (and rounded once after the
+    call), as fusedce.torch does: CUDA refuses a 16-bit grad_weight below the token-chunk
+    plan's workspace (fusedce.h, fce_linear_distill), which the budget may not hold. Decided
+    from the CUDA sizes, and then used on both platforms, whose results must have one type."""
+    if not need[1] or jnp.dtype(hidden.dtype) == jnp.float32 or not _cuda_usable():
+        return False
+    try:
+        lo, hi = _linear_sizes(opts, _CUDA, hidden, weight, teacher_hidden, targets, True, False)
+    except _lib.FusedCEError:
+        return False  # the workspace query reports it (_per_platform)
+    return _cuda_bytes(lo, hi, budget) < hi
+
+
+def _linear_workspace(opts: DistillOptions, budget: int, hidden, weight, teacher_hidden,
+                      targets, need: Tuple[bool, bool], fp32: bool) -> Tuple[int, int]:
+    """CPU: min_bytes. CUDA: :func:`_cuda_bytes`."""
     with_grad = need[0] or need[1]
-    sixteen = jnp.dtype(hidden.dtype) != jnp.float32
 
     def query(backend):
-        o = _query_options(opts, backend, hidden.dtype, targets)
-        t = _build_teacher(opts, hidden=teacher_hidden.shape[1])
-        lo, hi = ctypes.c_size_t(0), ctypes.c_size_t(0)
-        _alloc.query_for("fce_linear_distill", "fce_linear_distill_workspace_size",
-                         ctypes.byref(o), ctypes.byref(t), n, d, v, 1 if with_grad else 0,
-                         ctypes.byref(lo), ctypes.byref(hi))
-        if backend == _CPU:
-            return lo.value
-        if need[1] and sixteen:
-            return max(hi.value, lo.value)
-        return hi.value if hi.value < budget else max(budget, lo.value)
+        lo, hi = _linear_sizes(opts, backend, hidden, weight, teacher_hidden, targets,
+                               with_grad, fp32)
+        return lo if backend == _CPU else _cuda_bytes(lo, hi, budget)
     return _per_platform(query)
 
 
@@ -113,13 +136,15 @@ def _linear_distill_call(hidden, weight, teacher_hidden, teacher_weight, targets
     """(loss, grad_hidden|(0,), grad_weight|(0,)) from fusedce_linear_distill."""
     n, d = hidden.shape
     v = weight.shape[0]
+    fp32 = _grad_weight_fp32(opts, budget, hidden, weight, teacher_hidden, targets, need)
     outs = [_sds((n,) if opts.per_row else (), _F32),
             _sds((n, d) if need[0] else (0,), hidden.dtype),
-            _sds((v, d) if need[1] else (0,), weight.dtype)]
-    ws = _linear_workspace(opts, budget, hidden, weight, teacher_hidden, targets, need)
-    return _ffi_call("fusedce_linear_distill", outs,
-                     (hidden, weight, teacher_hidden, teacher_weight, targets,
-                      _upstream(grad_output)), _dattrs(opts), ws)
+            _sds((v, d) if need[1] else (0,), _F32 if fp32 else weight.dtype)]
+    ws = _linear_workspace(opts, budget, hidden, weight, teacher_hidden, targets, need, fp32)
+    loss, gh, gw = _ffi_call("fusedce_linear_distill", outs,
+                             (hidden, weight, teacher_hidden, teacher_weight, targets,
+                              _upstream(grad_output)), _dattrs(opts), ws)
+    return loss, gh, gw.astype(weight.dtype)
 
 
 def _row_or_scalar_ct(ct, opts: DistillOptions, n: int):

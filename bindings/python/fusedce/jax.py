@@ -560,9 +560,9 @@ def linear_distill(hidden, weight, teacher_hidden, teacher_weight, targets=None,
     hidden [..., D] and weight [V, D] (no bias) of one dtype; teacher_hidden [..., D'] (the
     same leading dimensions) and teacher_weight [V, D'] (the same vocabulary), cast to the
     student's dtype (constants). ``workspace_bytes``: the CUDA workspace budget (None:
-    FUSEDCE_WORKSPACE_BYTES, else 1 GiB), never below the library's minimum; a 16-bit weight
-    being differentiated gets the token-chunk plan's workspace on CUDA (the only one the
-    library takes for it); the CPU backend gets the minimum. The loss is float32."""
+    FUSEDCE_WORKSPACE_BYTES, else 1 GiB), never below the library's minimum; where that is below
+    the token-chunk plan's, a 16-bit grad_weight is accumulated in float32 and rounded once (as
+    fusedce.torch); the CPU backend gets the minimum. The loss is float32."""
     fn = "fusedce.jax.linear_distill"
     h = _distill_float(hidden, fn, "hidden")
     wt = _distill_float(weight, fn, "weight")

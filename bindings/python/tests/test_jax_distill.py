@@ -343,6 +343,17 @@ def test_distill_jit_leading_dims_and_teacher_constant(dev):
     assert not np.asarray(gt).any()
 
 
+def test_distill_vmap(dev):
+    """jax.vmap runs the calls one batch element after another: the same as a loop."""
+    z, t = _put(dev, _rand((3, N, V), 26), _rand((3, N, V), 27))
+    f = jax.vmap(jax.value_and_grad(lambda a, b: distill(a, b, divergence="jsd")))
+    losses, grads = f(z, t)
+    for i in range(3):
+        loss, g = jax.value_and_grad(lambda a: distill(a, t[i], divergence="jsd"))(z[i])
+        np.testing.assert_array_equal(np.asarray(losses[i]), np.asarray(loss))
+        np.testing.assert_array_equal(np.asarray(grads[i]), np.asarray(g))
+
+
 def test_distill_every_row_ignored(dev):
     z, t = _put(dev, _rand((6, V), 20), _rand((6, V), 21))
     y = _put(dev, np.full(6, -1, np.int32))
@@ -432,6 +443,31 @@ def test_linear_distill_jit_and_options(dev):
     # the teacher's inputs are constants
     gt = jax.grad(lambda c: linear_distill(hd, wd, c, twd))(thd)
     assert not np.asarray(gt).any()
+
+
+@pytest.mark.parametrize("fp32", [False, True])
+def test_linear_distill_16bit(dev, fp32, monkeypatch):
+    """bfloat16 student and teacher; fp32: the grad_weight accumulated in float32 and rounded
+    once (what a CUDA budget below the token-chunk plan's workspace gets), forced here."""
+    from fusedce import _jax_distill
+    asked = []
+    if fp32:
+        monkeypatch.setattr(_jax_distill, "_grad_weight_fp32", lambda *a: asked.append(a) or True)
+    _jax_distill._linear_distill_call.clear_cache()  # trace again, with the patch
+    args = [a.astype(jnp.bfloat16) for a in _put(dev, *_linear_inputs(seed=45))]
+    f = jax.jit(jax.value_and_grad(lambda h, w: linear_distill(h, w, *args[2:], reduction="sum"),
+                                   argnums=(0, 1)))
+    loss, (gh, gw) = f(*args[:2])
+    assert gh.dtype == jnp.bfloat16 and gw.dtype == jnp.bfloat16
+    assert bool(asked) == fp32
+    _jax_distill._linear_distill_call.clear_cache()
+    a32 = [np.asarray(a.astype(jnp.float32)) for a in args]
+    want, (wh, ww) = _ref_value_and_grad(lambda *a: _ref_linear(*a, reduction="sum"), a32,
+                                         (0, 1), np.float32(1.0))
+    np.testing.assert_allclose(float(loss), float(want), rtol=2e-2)
+    for g, w in ((gh, wh), (gw, ww)):
+        err = np.abs(np.asarray(g, np.float64) - w).max()
+        assert err <= 3e-2 * np.abs(w).max() + 1e-3, err
 
 
 def test_linear_distill_zero_rows(dev):

@@ -223,7 +223,7 @@ ffi::Error Distill(int32_t backend, void* stream, ffi::AnyBuffer logits, ffi::An
 // linear_distill: hidden [N, D], weight [V, D], teacher_hidden [N, D'], teacher_weight [V, D']
 //   (one dtype), targets [N] | (0,), grad_output (() | [N]) float32 | (0,) (= 1)
 //   -> loss (() | [N]), grad_hidden [N, D] | (0,), grad_weight [V, D] | (0,) (the student's,
-//      of its dtype), workspace uint8 [>= min_bytes of fce_linear_distill_workspace_size]
+//      of its dtype; grad_weight may be float32 for a 16-bit weight), workspace uint8 [>= min_bytes of fce_linear_distill_workspace_size]
 ffi::Error LinearDistill(int32_t backend, void* stream, ffi::AnyBuffer hidden,
                          ffi::AnyBuffer weight, ffi::AnyBuffer teacher_hidden,
                          ffi::AnyBuffer teacher_weight, ffi::AnyBuffer targets,
@@ -253,12 +253,15 @@ ffi::Error LinearDistill(int32_t backend, void* stream, ffi::AnyBuffer hidden,
   if (gh && (grad_hidden->element_type() != hidden.element_type() ||
              static_cast<int64_t>(grad_hidden->element_count()) != n * d))
     return DInvalid("grad_hidden must be [N, D] of the hidden states' dtype");
-  if (gw && (grad_weight->element_type() != weight.element_type() ||
+  if (gw && ((grad_weight->element_type() != weight.element_type() &&
+              grad_weight->element_type() != ffi::DataType::F32) ||
              static_cast<int64_t>(grad_weight->element_count()) != v * d))
-    return DInvalid("grad_weight must be [V, D] of the weight's dtype");
+    return DInvalid("grad_weight must be [V, D] of the weight's dtype or float32");
   fce_options o;
   fce_teacher t;
   if (auto e = MakeDistill(iopts, fopts, backend, dt, targets, n, &o, &t); e.failure()) return e;
+  // a float32 grad_weight for a 16-bit weight: accumulated in float32 (grad_weight_fp32)
+  if (gw && grad_weight->element_type() != weight.element_type()) o.grad_weight_fp32 = 1;
   if (auto e = LossAndUpstream(o, n, *loss, grad_output); e.failure()) return e;
   t.hidden_states = teacher_hidden.untyped_data();
   t.weight = teacher_weight.untyped_data();
