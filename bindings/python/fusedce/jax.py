@@ -67,7 +67,8 @@ on a GPU, its handler then says so instead of computing.
 Differences from optax / ``jax.nn`` conventions, on purpose (the library's, as fusedce.torch):
 a 'mean' over zero non-ignored rows is 0 with zero gradients; a target outside [0, V) that is
 not ``ignore_index`` gives a NaN loss (no host synchronisation to raise). Class-probability
-targets (:func:`cross_entropy` with float targets [..., V]) are constants: they get no gradient.
+targets (float targets [..., V] in :func:`cross_entropy` and :func:`linear_cross_entropy`) are
+constants: they get no gradient.
 
 Distillation (:func:`distill`, :func:`linear_distill`, fce_distill / fce_linear_distill): the
 divergence between the student's and the teacher's softmax per row, differentiable in the
@@ -355,15 +356,43 @@ def _soft_cross_entropy(z, q_in, logits_shape, *, reduction, ignore_index, class
     """:func:`cross_entropy` against class probabilities q [..., V] (torch's
     F.cross_entropy(input, probabilities), docs/semantics.md rule 19): the same custom calls
     with a float target dtype; every row is scored, 'mean' divides by the rows."""
-    fn = "fusedce.jax.cross_entropy"
     rows, vocab = z.shape
+    q, opts, want, out_shape = _soft_setup(
+        "fusedce.jax.cross_entropy", q_in, logits_shape, z.dtype, rows, reduction=reduction,
+        ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
+        softcap=softcap, logit_scale=logit_scale, shift_seq_len=shift_seq_len, shift=shift,
+        use_token_scaling=use_token_scaling, return_z_loss=return_z_loss,
+        return_token_accuracy=return_token_accuracy,
+        return_predicted_tokens=return_predicted_tokens, return_lse=return_lse,
+        return_entropy=return_entropy, batch_invariant=batch_invariant)
+    if rows == 0:
+        return _zero_rows_result(want, opts, out_shape)
+    register()
+    outs = _ce(z, q, _class_weights(class_weights, vocab), opts,
+               want.from_library(opts.reduction))
+    return _finish(want, opts, out_shape, outs, lambda lse: _soft_z_loss_rows(lse, opts))
+
+
+def _soft_z_loss_rows(lse, opts: CEOptions):
+    """Per-row z-loss with class-probability targets: lambda lse^2 on every row (no row is
+    ignored)."""
+    return opts.z_loss * jnp.square(lse) if opts.z_loss else jnp.zeros_like(lse)
+
+
+def _soft_setup(fn, q_in, logits_shape, dtype, rows, *, reduction, ignore_index,
+                label_smoothing, z_loss, softcap, logit_scale, shift_seq_len, shift,
+                use_token_scaling, return_z_loss, return_token_accuracy,
+                return_predicted_tokens, return_lse, return_entropy, batch_invariant):
+    """(q [rows, V] as a constant, CEOptions, Want, the per-row shape) of a call with
+    class-probability targets, checked as fusedce.torch checks them, naming ``fn``."""
+    vocab = logits_shape[-1]
     if tuple(q_in.shape) != tuple(logits_shape):
         raise ValueError(f"{fn}: targets of class probabilities must have the shape of the "
                          f"logits {tuple(logits_shape)}, got {tuple(q_in.shape)}")
     q = q_in.astype(_F32) if q_in.dtype == jnp.float64 else q_in
-    if q.dtype != z.dtype:
+    if q.dtype != dtype:
         raise TypeError(f"{fn}: targets (class probabilities) have dtype {q.dtype} but the "
-                        f"logits have {z.dtype}: they must match")
+                        f"logits have {dtype}: they must match")
     refused = (("use_token_scaling", use_token_scaling),
                ("shift_seq_len / shift", bool(shift_seq_len) or bool(shift)),
                ("return_token_accuracy", return_token_accuracy))
@@ -380,16 +409,7 @@ def _soft_cross_entropy(z, q_in, logits_shape, *, reduction, ignore_index, class
     want = Want(z_loss=bool(return_z_loss), accuracy=False,
                 argmax=bool(return_predicted_tokens), lse=bool(return_lse),
                 entropy=bool(return_entropy))
-    if rows == 0:
-        return _zero_rows_result(want, opts, out_shape)
-    register()
-    q = lax.stop_gradient(q.reshape(rows, vocab))
-    outs = _ce(z, q, _class_weights(class_weights, vocab), opts,
-               want.from_library(opts.reduction))
-    # every row's z-loss is lambda lse^2 (no row is ignored)
-    return _finish(want, opts, out_shape, outs,
-                   lambda lse: opts.z_loss * jnp.square(lse) if opts.z_loss
-                   else jnp.zeros_like(lse))
+    return lax.stop_gradient(q.reshape(rows, vocab)), opts, want, out_shape
 
 
 def linear_cross_entropy(hidden, weight, targets, bias=None, *, reduction: str = "mean",
@@ -405,9 +425,10 @@ def linear_cross_entropy(hidden, weight, targets, bias=None, *, reduction: str =
     """``cross_entropy(hidden @ weight.T + bias, targets, ...)`` without ever holding the
     [N, V] logits (fce_linear_ce): hidden [..., D] (leading dimensions flattened into rows),
     weight [V, D] (a Dense(D -> V) kernel transposed, or a tied embedding table), bias [V] or
-    None, targets [...] (the leading dimensions of hidden). hidden, weight and bias must have
-    one dtype (float32, float16 or bfloat16; cast a float32 master copy to the compute dtype
-    before the call: JAX's cast carries the gradient back). The other keywords and the return
+    None, targets [...] (the leading dimensions of hidden; or class probabilities [..., V], as
+    for :func:`cross_entropy`). hidden, weight and bias must have one dtype (float32, float16
+    or bfloat16; cast a float32 master copy to the compute dtype before the call: JAX's cast
+    carries the gradient back). The other keywords and the return
     convention are :func:`cross_entropy`'s.
 
     Differentiable in hidden, weight and bias (only the ones being differentiated are
@@ -435,6 +456,25 @@ def linear_cross_entropy(hidden, weight, targets, bias=None, *, reduction: str =
     rows = int(np.prod(h.shape[:-1], dtype=np.int64))
     h = h.reshape(rows, d)
     y_in = jnp.asarray(targets)
+    budget = _default_workspace_bytes() if workspace_bytes is None else int(workspace_bytes)
+    if budget < 0:
+        raise ValueError(f"workspace_bytes must be >= 0, got {workspace_bytes}")
+    if jnp.issubdtype(y_in.dtype, jnp.floating):
+        q, opts, want, out_shape = _soft_setup(
+            "fusedce.jax.linear_cross_entropy", y_in, tuple(jnp.shape(hidden))[:-1] + (vocab,),
+            h.dtype, rows, reduction=reduction, ignore_index=ignore_index,
+            label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+            logit_scale=logit_scale, shift_seq_len=shift_seq_len, shift=shift,
+            use_token_scaling=use_token_scaling, return_z_loss=return_z_loss,
+            return_token_accuracy=return_token_accuracy,
+            return_predicted_tokens=return_predicted_tokens, return_lse=return_lse,
+            return_entropy=return_entropy, batch_invariant=batch_invariant)
+        if rows == 0:
+            return _zero_rows_result(want, opts, out_shape)
+        register()
+        outs = _linear(h, wt, b, q, _class_weights(class_weights, vocab), opts,
+                       want.from_library(opts.reduction), budget)
+        return _finish(want, opts, out_shape, outs, lambda lse: _soft_z_loss_rows(lse, opts))
     y = _targets(y_in, "fusedce.jax.linear_cross_entropy")
     if y.shape[0] != rows:
         raise ValueError(f"targets has {y.shape[0]} elements for {rows} rows of hidden "
@@ -443,9 +483,6 @@ def linear_cross_entropy(hidden, weight, targets, bias=None, *, reduction: str =
     opts = _ce_options(reduction, ignore_index, label_smoothing, z_loss, softcap, logit_scale,
                        shift_seq_len, shift, use_token_scaling, out_shape, rows,
                        batch_invariant)
-    budget = _default_workspace_bytes() if workspace_bytes is None else int(workspace_bytes)
-    if budget < 0:
-        raise ValueError(f"workspace_bytes must be >= 0, got {workspace_bytes}")
     want = Want(z_loss=bool(return_z_loss), accuracy=bool(return_token_accuracy),
                 argmax=bool(return_predicted_tokens), lse=bool(return_lse),
                 entropy=bool(return_entropy))

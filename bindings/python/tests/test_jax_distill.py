@@ -38,7 +38,8 @@ def _shim_cache(tmp_path_factory):
     del os.environ["FUSEDCE_JAX_CACHE_DIR"]
 
 
-from fusedce.jax import cross_entropy, distill, linear_distill  # noqa: E402
+from fusedce.jax import (cross_entropy, distill, linear_cross_entropy,  # noqa: E402
+                         linear_distill)
 
 REDUCTIONS = ["mean", "sum", "none"]
 DIVERGENCES = ["forward_kl", "reverse_kl", "jsd"]
@@ -281,6 +282,33 @@ def test_soft_targets_errors(dev):
         cross_entropy(z, q, ignore_index=0)
     with pytest.raises(ValueError, match="label_smoothing"):
         jax.block_until_ready(cross_entropy(z, q, label_smoothing=1.5))
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("argnums", [(0,), (1,), (0, 1, 2)])
+@pytest.mark.parametrize("case", ["plain", "smoothing", "z_loss"])
+def test_linear_soft_targets(dev, reduction, argnums, case):
+    """linear_cross_entropy against class probabilities: cross_entropy's loss of
+    hidden @ weight.T + bias, gradients to hidden, weight and bias."""
+    opts = SOFT_OPTIONS[case]
+    h, w, b = _rand((N, D), 70, 1.0), _rand((V, D), 71, 0.4), _rand((V,), 72, 0.5)
+    q = _probs((N, V), 73)
+    _check(lambda hh, ww, bb, qq: linear_cross_entropy(hh, ww, qq, bb, reduction=reduction,
+                                                       **opts),
+           lambda hh, ww, bb, qq: ref_soft_ce(hh @ ww.T + bb, qq, reduction=reduction, **opts),
+           (h, w, b, q), argnums, reduction, dev, scale=5.0)
+
+
+def test_linear_soft_targets_errors_and_zero_rows(dev):
+    h, w = _put(dev, _rand((6, D), 74), _rand((V, D), 75))
+    q = _put(dev, _probs((6, V), 76))
+    fn = "fusedce.jax.linear_cross_entropy"
+    with pytest.raises(ValueError, match=f"{fn}: targets of class probabilities must have"):
+        linear_cross_entropy(h, w, q[:, :4])
+    with pytest.raises(ValueError, match=f"{fn}: use_token_scaling"):
+        linear_cross_entropy(h, w, q, use_token_scaling=True)
+    h0, q0 = _put(dev, np.zeros((0, D), np.float32), np.zeros((0, V), np.float32))
+    assert float(linear_cross_entropy(h0, w, q0)) == 0.0
 
 
 # ------------------------------------------------------------------- distill ----

@@ -13,8 +13,8 @@
 //   fusedce_scale       fce_scale_gradient, in place (input 0 = output 0)
 //
 // and, in fusedce_jax_distill.cc (compiled into the same library), fusedce_distill and
-// fusedce_linear_distill. The targets of fusedce_ce_fwd / _bwd are class indices or class
-// probabilities [N, V] of the logits' dtype.
+// fusedce_linear_distill. The targets of fusedce_ce_fwd / _bwd and fusedce_linear_ce are class
+// indices or class probabilities [N, V] of the logits' dtype.
 //
 // each as Fusedce<Name>Cpu (the CPU backend, host buffers, synchronous) and Fusedce<Name>Cuda
 // (the CUDA backend on the stream XLA gives the custom call, PlatformStream<cudaStream_t>).
@@ -206,8 +206,9 @@ bool TargetCode(ffi::DataType t, int32_t* code) {
   }
 }
 
-// The targets of fusedce_ce_fwd / fusedce_ce_bwd: class indices (int32/int64 [N]), or class
-// probabilities [N, V] of the logits' dtype (a float target_dtype, docs/semantics.md rule 19).
+// The targets of fusedce_ce_fwd / _bwd and fusedce_linear_ce: class indices (int32/int64 [N]),
+// or class probabilities [N, V] of the logits' (hidden states') dtype (a float target_dtype,
+// docs/semantics.md rule 19).
 ffi::Error Targets(const ffi::AnyBuffer& targets, const ffi::AnyBuffer& logits, int64_t n,
                    int64_t v, int32_t* code) {
   if (TargetCode(targets.element_type(), code)) {
@@ -457,9 +458,7 @@ ffi::Error LinearCe(int32_t backend, void* stream, ffi::AnyBuffer hidden,
     return Invalid("hidden, weight and bias must have one dtype");
   if (bias.element_count() && static_cast<int64_t>(bias.element_count()) != v)
     return Invalid("bias must be [V]");
-  if (!TargetCode(targets.element_type(), &tdt)) return Invalid("targets must be int32/int64");
-  if (static_cast<int64_t>(targets.element_count()) != n)
-    return Invalid("targets must have one element per row");
+  if (auto e = Targets(targets, hidden, n, v, &tdt); e.failure()) return e;
   void* gh = Opt(grad_hidden);
   void* gw = Opt(grad_weight);
   void* gb = Opt(grad_bias);
