@@ -50,8 +50,9 @@ _DISTILL_ERROR = None
 def register() -> str:
     """Load libfusedce (the Python binding's) and the shim (building it if needed), bind the
     shim to the library and register the FFI targets for the "cpu" and "CUDA" platforms. Done
-    once, on the first call of :func:`cross_entropy` / :func:`linear_cross_entropy`; returns
-    the shim's path."""
+    once, on the first call of :func:`cross_entropy` / :func:`linear_cross_entropy` (or of
+    the distillation calls, which also need fce_jax_distill_init to succeed); returns the
+    shim's path."""
     global _SHIM, _SHIM_PATH, _DISTILL_ERROR
     with _LOCK:
         if _SHIM is not None:

@@ -431,6 +431,16 @@ def test_distill_errors(dev):
         distill(z, t, temperature=0.0)
 
 
+def test_distill_without_library_support(dev, monkeypatch):
+    """A libfusedce without the distillation calls: distill says so, naming itself."""
+    from fusedce import _jax_calls
+    z = _put(dev, _rand((4, V), 28))
+    _jax_calls.register()
+    monkeypatch.setattr(_jax_calls, "_DISTILL_ERROR", "libfusedce.so lacks fce_distill")
+    with pytest.raises(RuntimeError, match="fusedce.jax.distill: .* lacks fce_distill"):
+        distill(z, z)
+
+
 # ------------------------------------------------------------ linear_distill ----
 def _linear_inputs(seed=30, lead=(N,)):
     return (_rand(lead + (D,), seed, 1.0), _rand((V, D), seed + 1, 0.4),
