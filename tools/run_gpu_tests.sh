@@ -125,7 +125,7 @@ suite "Hugging Face transformers (fusedce.transformers)" \
 suite "JAX (fusedce.jax, CUDA custom calls)" env XLA_PYTHON_CLIENT_PREALLOCATE=false \
   FUSEDCE_JAX_CACHE_DIR="$BUILD/jax-shim" \
   python3 -m pytest -q -rs -p no:cacheprovider "$ROOT/bindings/python/tests/test_jax.py" \
-  "$ROOT/bindings/python/tests/test_jax_lse.py"
+  "$ROOT/bindings/python/tests/test_jax_lse.py" "$ROOT/bindings/python/tests/test_jax_distill.py"
 suite "recipes (GRPO, DPO) on CPU and CUDA: their parity with plain torch" \
   python3 -m pytest -q -rs -p no:cacheprovider "$ROOT/bindings/python/tests/test_recipes.py"
 suite "demo (CUDA)" "$BUILD/examples/demo" --small

@@ -34,20 +34,26 @@ _TARGETS = {
     "fusedce_ce_bwd": "FusedceCeBackward",
     "fusedce_linear_ce": "FusedceLinearCe",
     "fusedce_scale": "FusedceScale",
+    "fusedce_distill": "FusedceDistill",
+    "fusedce_linear_distill": "FusedceLinearDistill",
 }
 
 # ----------------------------------------------------------------- registration ----
 _LOCK = threading.Lock()
 _SHIM = None
 _SHIM_PATH = None
+# why the distillation handlers could not be bound (a library without fce_distill), else None:
+# the cross-entropy calls work without them, fusedce.jax.distill raises this
+_DISTILL_ERROR = None
 
 
 def register() -> str:
     """Load libfusedce (the Python binding's) and the shim (building it if needed), bind the
     shim to the library and register the FFI targets for the "cpu" and "CUDA" platforms. Done
-    once, on the first call of :func:`cross_entropy` / :func:`linear_cross_entropy`; returns
-    the shim's path."""
-    global _SHIM, _SHIM_PATH
+    once, on the first call of :func:`cross_entropy` / :func:`linear_cross_entropy` (or of
+    the distillation calls, which also need fce_jax_distill_init to succeed); returns the
+    shim's path."""
+    global _SHIM, _SHIM_PATH, _DISTILL_ERROR
     with _LOCK:
         if _SHIM is not None:
             return _SHIM_PATH
@@ -66,6 +72,11 @@ def register() -> str:
         if shim.fce_jax_init(os.fsencode(lib_path), _lib.options_size()) != 0:
             raise ImportError("fusedce.jax: binding %s to %s failed: %s" % (
                 path, lib_path, shim.fce_jax_init_error().decode("utf-8", "replace")))
+        shim.fce_jax_distill_init.restype = ctypes.c_int
+        shim.fce_jax_distill_init.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+        shim.fce_jax_distill_init_error.restype = ctypes.c_char_p
+        if shim.fce_jax_distill_init(os.fsencode(lib_path), _lib.options_size()) != 0:
+            _DISTILL_ERROR = shim.fce_jax_distill_init_error().decode("utf-8", "replace")
         for name, symbol in _TARGETS.items():
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(shim, symbol + "Cpu")),
                                         platform="cpu")
@@ -138,13 +149,22 @@ def _cuda_usable() -> bool:
         return False
 
 
+def _target_code(target_dtype) -> int:
+    """The fce_dtype of a call's targets: class indices (int32/int64), or class probabilities
+    of a float dtype (docs/semantics.md rule 19)."""
+    name = jnp.dtype(target_dtype).name
+    if name in _FLOAT_CODES:
+        return _FLOAT_CODES[name]
+    return _lib.FCE_INT64 if name == "int64" else _lib.FCE_INT32
+
+
 def _query_options(opts: CEOptions, backend: int, dtype, target_dtype,
                    class_weights: bool) -> _lib.Options:
     """The fce_options the shim's handler builds (MakeOptions in fusedce_jax.cc) for these
     options, dtypes and class weights: what the workspace queries must see."""
     return _build_options(
         opts, backend=backend, dtype=_FLOAT_CODES[jnp.dtype(dtype).name],
-        target_dtype=_lib.FCE_INT64 if jnp.dtype(target_dtype) == jnp.int64 else _lib.FCE_INT32,
+        target_dtype=_target_code(target_dtype),
         class_weights_ptr=_PLACEHOLDER.ctypes.data if class_weights else 0)
 
 

@@ -11,9 +11,9 @@ backend on the stream XLA gives the call; arrays on the CPU run on the CPU backe
 library's workspace is one more result of each custom call, a uint8 buffer sized at trace time
 with the library's own queries and dropped at once (under ``jax.jit`` an XLA temporary; see
 "Workspaces" below). No host synchronisation, no copy of the inputs. The
-handlers live in a small C++ shim, libfusedce_jax.so (``fusedce/jax_ffi/fusedce_jax.cc``),
-which calls libfusedce's public C ABI; it is compiled on first use against the installed
-jaxlib's FFI headers (``jax.ffi.include_dir()``) with the C++ compiler (``$CXX``, ``c++``) and
+handlers live in a small C++ shim, libfusedce_jax.so (``fusedce/jax_ffi/fusedce_jax.cc`` and
+``fusedce_jax_distill.cc``), which calls libfusedce's public C ABI; it is compiled on first
+use against the installed jaxlib's FFI headers (``jax.ffi.include_dir()``) with the C++ compiler (``$CXX``, ``c++``) and
 cached in ``~/.cache/fusedce/jax`` (see :mod:`fusedce.jax_ffi`), or taken prebuilt from
 ``FUSEDCE_JAX_LIBRARY``. ``python -m fusedce.jax build [--output DIR]`` builds it ahead of time;
 ``python -m fusedce.jax info`` says which is used. The losses are float32 whatever the input
@@ -66,8 +66,14 @@ on a GPU, its handler then says so instead of computing.
 
 Differences from optax / ``jax.nn`` conventions, on purpose (the library's, as fusedce.torch):
 a 'mean' over zero non-ignored rows is 0 with zero gradients; a target outside [0, V) that is
-not ``ignore_index`` gives a NaN loss (no host synchronisation to raise); class-probability
-targets are not supported.
+not ``ignore_index`` gives a NaN loss (no host synchronisation to raise). Class-probability
+targets (float targets [..., V] in :func:`cross_entropy` and :func:`linear_cross_entropy`) are
+constants: they get no gradient.
+
+Distillation (:func:`distill`, :func:`linear_distill`, fce_distill / fce_linear_distill): the
+divergence between the student's and the teacher's softmax per row, differentiable in the
+student's inputs only, the gradients planned as the cross-entropy's ('mean' / 'sum': written
+with the loss, scaled in the backward; 'none': computed in the backward).
 
 Errors: what the library checks (option ranges, the causal shift's values, ...) it reports
 itself at trace time, from the workspace queries (:class:`fusedce.FusedCEError` subclasses,
@@ -100,9 +106,11 @@ from ._jax_calls import (_F32, _TARGETS, _argmax_of, _attrs, _ce_bwd_call,  # no
                          _query_options, _scale, _sds, register, shim_path)
 from ._jax_vjp import (_ce, _ce_bwd, _ce_fwd, _is_zero, _linear, _linear_bwd,  # noqa: F401
                        _linear_fwd, _need_marker, _primal)
-from ._options import OUTPUT_FIELDS, CEOptions, Want
+from ._jax_distill import _distill, _linear_distill, check_ready
+from ._options import OUTPUT_FIELDS, CEOptions, DistillOptions, Want, divergence_code
 
-__all__ = ["cross_entropy", "linear_cross_entropy", "register", "shim_path",
+__all__ = ["cross_entropy", "linear_cross_entropy", "distill", "linear_distill", "register",
+           "shim_path",
            "DEFAULT_WORKSPACE_BYTES", "OUTPUT_FIELDS"]
 
 DEFAULT_WORKSPACE_BYTES = _alloc.DEFAULT_WORKSPACE_BYTES
@@ -128,11 +136,12 @@ _resolve_shift = _args._resolve_shift
 _default_workspace_bytes = _alloc.default_workspace_bytes
 
 
-def _targets(targets) -> jax.Array:
+def _targets(targets, fn: str = "fusedce.jax.cross_entropy") -> jax.Array:
     targets = jnp.asarray(targets)
     if not jnp.issubdtype(targets.dtype, jnp.integer):
-        raise TypeError("fusedce supports class-index targets only (an integer array), not "
-                        f"{targets.dtype}")
+        raise TypeError(f"{fn}: targets must be class indices (an integer array)"
+                        + (" or class probabilities (a float array of the logits' shape)"
+                           if fn.endswith(".cross_entropy") else "") + f", not {targets.dtype}")
     if targets.dtype not in (jnp.int32, jnp.int64):
         targets = targets.astype(jnp.int32)
     return targets.reshape(-1)
@@ -290,6 +299,14 @@ def cross_entropy(logits, targets, *, reduction: str = "mean", ignore_index: int
     batch_invariant  each row's loss ('none'), lse, entropy, predicted token and gradient row
                   bitwise the same whatever the other rows (docs/semantics.md rule 21).
 
+    Class-probability targets: float ``targets`` of the logits' shape [..., V] (and dtype;
+    float64 is taken as float32) are scored as torch's ``F.cross_entropy(logits,
+    probabilities)``: loss_i = -sum_j w_j q'_j log p_ij, q' = (1 - eps) q + eps / V, plus the
+    z-loss; every row is scored ('mean' divides by the rows, class weights or not; a
+    non-negative ``ignore_index`` is refused), the targets are constants (no gradient), and
+    ``use_token_scaling``, the causal shift and ``return_token_accuracy`` are refused (there
+    is no target class); the per-row outputs have the logits' leading shape.
+
     The loss is float32 (computed in float32 inside for 16-bit logits). Differentiable in
     ``logits`` (``jax.grad``, ``jax.vjp``; not ``jax.jvp``/``jax.jacfwd``, a custom_vjp).
     """
@@ -302,6 +319,15 @@ def cross_entropy(logits, targets, *, reduction: str = "mean", ignore_index: int
         raise ValueError("logits must have at least one class")
     rows = int(np.prod(z.shape[:-1], dtype=np.int64))
     z = z.reshape(rows, vocab)
+    if jnp.issubdtype(y_in.dtype, jnp.floating):
+        return _soft_cross_entropy(
+            z, y_in, tuple(jnp.shape(logits)), reduction=reduction, ignore_index=ignore_index,
+            class_weights=class_weights, label_smoothing=label_smoothing, z_loss=z_loss,
+            softcap=softcap, logit_scale=logit_scale, shift_seq_len=shift_seq_len, shift=shift,
+            use_token_scaling=use_token_scaling, return_z_loss=return_z_loss,
+            return_token_accuracy=return_token_accuracy,
+            return_predicted_tokens=return_predicted_tokens, return_lse=return_lse,
+            return_entropy=return_entropy, batch_invariant=batch_invariant)
     y = _targets(y_in)
     if y.shape[0] != rows:
         raise ValueError(f"targets has {y.shape[0]} elements for {rows} rows of logits "
@@ -323,6 +349,69 @@ def cross_entropy(logits, targets, *, reduction: str = "mean", ignore_index: int
         lambda yy: jnp.take_along_axis(lax.stop_gradient(z), yy[:, None], axis=1)[:, 0]))
 
 
+def _soft_cross_entropy(z, q_in, logits_shape, *, reduction, ignore_index, class_weights,
+                        label_smoothing, z_loss, softcap, logit_scale, shift_seq_len, shift,
+                        use_token_scaling, return_z_loss, return_token_accuracy,
+                        return_predicted_tokens, return_lse, return_entropy, batch_invariant):
+    """:func:`cross_entropy` against class probabilities q [..., V] (torch's
+    F.cross_entropy(input, probabilities), docs/semantics.md rule 19): the same custom calls
+    with a float target dtype; every row is scored, 'mean' divides by the rows."""
+    rows, vocab = z.shape
+    q, opts, want, out_shape = _soft_setup(
+        "fusedce.jax.cross_entropy", q_in, logits_shape, z.dtype, rows, reduction=reduction,
+        ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
+        softcap=softcap, logit_scale=logit_scale, shift_seq_len=shift_seq_len, shift=shift,
+        use_token_scaling=use_token_scaling, return_z_loss=return_z_loss,
+        return_token_accuracy=return_token_accuracy,
+        return_predicted_tokens=return_predicted_tokens, return_lse=return_lse,
+        return_entropy=return_entropy, batch_invariant=batch_invariant)
+    if rows == 0:
+        return _zero_rows_result(want, opts, out_shape)
+    register()
+    outs = _ce(z, q, _class_weights(class_weights, vocab), opts,
+               want.from_library(opts.reduction))
+    return _finish(want, opts, out_shape, outs, lambda lse: _soft_z_loss_rows(lse, opts))
+
+
+def _soft_z_loss_rows(lse, opts: CEOptions):
+    """Per-row z-loss with class-probability targets: lambda lse^2 on every row (no row is
+    ignored)."""
+    return opts.z_loss * jnp.square(lse) if opts.z_loss else jnp.zeros_like(lse)
+
+
+def _soft_setup(fn, q_in, logits_shape, dtype, rows, *, reduction, ignore_index,
+                label_smoothing, z_loss, softcap, logit_scale, shift_seq_len, shift,
+                use_token_scaling, return_z_loss, return_token_accuracy,
+                return_predicted_tokens, return_lse, return_entropy, batch_invariant):
+    """(q [rows, V] as a constant, CEOptions, Want, the per-row shape) of a call with
+    class-probability targets, checked as fusedce.torch checks them, naming ``fn``."""
+    vocab = logits_shape[-1]
+    if tuple(q_in.shape) != tuple(logits_shape):
+        raise ValueError(f"{fn}: targets of class probabilities must have the shape of the "
+                         f"logits {tuple(logits_shape)}, got {tuple(q_in.shape)}")
+    q = q_in.astype(_F32) if q_in.dtype == jnp.float64 else q_in
+    if q.dtype != dtype:
+        raise TypeError(f"{fn}: targets (class probabilities) have dtype {q.dtype} but the "
+                        f"logits have {dtype}: they must match")
+    refused = (("use_token_scaling", use_token_scaling),
+               ("shift_seq_len / shift", bool(shift_seq_len) or bool(shift)),
+               ("return_token_accuracy", return_token_accuracy))
+    for name, on in refused:
+        if on:
+            raise ValueError(f"{fn}: {name} is not supported with class-probability targets "
+                             "(there is no target class)")
+    if ignore_index >= 0:  # torch's rule: every row is scored
+        raise ValueError(f"{fn}: ignore_index ({ignore_index}) is not supported with "
+                         "class-probability targets (every row is scored)")
+    out_shape = tuple(logits_shape[:-1])
+    opts = _ce_options(reduction, ignore_index, label_smoothing, z_loss, softcap, logit_scale,
+                       0, 0, False, out_shape, rows, batch_invariant)
+    want = Want(z_loss=bool(return_z_loss), accuracy=False,
+                argmax=bool(return_predicted_tokens), lse=bool(return_lse),
+                entropy=bool(return_entropy))
+    return lax.stop_gradient(q.reshape(rows, vocab)), opts, want, out_shape
+
+
 def linear_cross_entropy(hidden, weight, targets, bias=None, *, reduction: str = "mean",
                          ignore_index: int = -100, class_weights=None,
                          label_smoothing: float = 0.0, z_loss: float = 0.0,
@@ -336,9 +425,10 @@ def linear_cross_entropy(hidden, weight, targets, bias=None, *, reduction: str =
     """``cross_entropy(hidden @ weight.T + bias, targets, ...)`` without ever holding the
     [N, V] logits (fce_linear_ce): hidden [..., D] (leading dimensions flattened into rows),
     weight [V, D] (a Dense(D -> V) kernel transposed, or a tied embedding table), bias [V] or
-    None, targets [...] (the leading dimensions of hidden). hidden, weight and bias must have
-    one dtype (float32, float16 or bfloat16; cast a float32 master copy to the compute dtype
-    before the call: JAX's cast carries the gradient back). The other keywords and the return
+    None, targets [...] (the leading dimensions of hidden; or class probabilities [..., V], as
+    for :func:`cross_entropy`). hidden, weight and bias must have one dtype (float32, float16
+    or bfloat16; cast a float32 master copy to the compute dtype before the call: JAX's cast
+    carries the gradient back). The other keywords and the return
     convention are :func:`cross_entropy`'s.
 
     Differentiable in hidden, weight and bias (only the ones being differentiated are
@@ -366,7 +456,26 @@ def linear_cross_entropy(hidden, weight, targets, bias=None, *, reduction: str =
     rows = int(np.prod(h.shape[:-1], dtype=np.int64))
     h = h.reshape(rows, d)
     y_in = jnp.asarray(targets)
-    y = _targets(y_in)
+    budget = _default_workspace_bytes() if workspace_bytes is None else int(workspace_bytes)
+    if budget < 0:
+        raise ValueError(f"workspace_bytes must be >= 0, got {workspace_bytes}")
+    if jnp.issubdtype(y_in.dtype, jnp.floating):
+        q, opts, want, out_shape = _soft_setup(
+            "fusedce.jax.linear_cross_entropy", y_in, tuple(jnp.shape(hidden))[:-1] + (vocab,),
+            h.dtype, rows, reduction=reduction, ignore_index=ignore_index,
+            label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+            logit_scale=logit_scale, shift_seq_len=shift_seq_len, shift=shift,
+            use_token_scaling=use_token_scaling, return_z_loss=return_z_loss,
+            return_token_accuracy=return_token_accuracy,
+            return_predicted_tokens=return_predicted_tokens, return_lse=return_lse,
+            return_entropy=return_entropy, batch_invariant=batch_invariant)
+        if rows == 0:
+            return _zero_rows_result(want, opts, out_shape)
+        register()
+        outs = _linear(h, wt, b, q, _class_weights(class_weights, vocab), opts,
+                       want.from_library(opts.reduction), budget)
+        return _finish(want, opts, out_shape, outs, lambda lse: _soft_z_loss_rows(lse, opts))
+    y = _targets(y_in, "fusedce.jax.linear_cross_entropy")
     if y.shape[0] != rows:
         raise ValueError(f"targets has {y.shape[0]} elements for {rows} rows of hidden "
                          f"(hidden {tuple(jnp.shape(hidden))}, targets {tuple(y_in.shape)})")
@@ -374,9 +483,6 @@ def linear_cross_entropy(hidden, weight, targets, bias=None, *, reduction: str =
     opts = _ce_options(reduction, ignore_index, label_smoothing, z_loss, softcap, logit_scale,
                        shift_seq_len, shift, use_token_scaling, out_shape, rows,
                        batch_invariant)
-    budget = _default_workspace_bytes() if workspace_bytes is None else int(workspace_bytes)
-    if budget < 0:
-        raise ValueError(f"workspace_bytes must be >= 0, got {workspace_bytes}")
     want = Want(z_loss=bool(return_z_loss), accuracy=bool(return_token_accuracy),
                 argmax=bool(return_predicted_tokens), lse=bool(return_lse),
                 entropy=bool(return_entropy))
@@ -395,6 +501,141 @@ def linear_cross_entropy(hidden, weight, targets, bias=None, *, reduction: str =
 
     return _finish(want, opts, out_shape, outs,
                    lambda lse: _z_loss_rows(lse, y, vocab, opts, target_logit))
+
+
+# ------------------------------------------------------------------- distillation ----
+def _distill_options(reduction, divergence, beta, temperature, ignore_index, softcap,
+                     logit_scale, fn: str) -> DistillOptions:
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"{fn}: reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    try:
+        return DistillOptions.from_keywords(
+            reduction=_REDUCTIONS[reduction], divergence=divergence_code(divergence), beta=beta,
+            temperature=temperature, ignore_index=ignore_index, softcap=softcap,
+            logit_scale=logit_scale)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{fn}: {e}") from None
+
+
+def _distill_targets(targets, lead: tuple, fn: str) -> jax.Array:
+    """Class indices [N] (only ignore_index is read: those rows are not counted), or an empty
+    int32 array for None (every row counts)."""
+    if targets is None:
+        return jnp.zeros((0,), jnp.int32)
+    y = jnp.asarray(targets)
+    if not jnp.issubdtype(y.dtype, jnp.integer):
+        raise TypeError(f"{fn}: targets must hold integers (rows equal to ignore_index are not "
+                        f"counted), got {y.dtype}")
+    if tuple(y.shape) != lead:
+        raise ValueError(f"{fn}: targets must have the shape {lead} (the student's leading "
+                         f"dimensions), got {tuple(y.shape)}")
+    if y.dtype not in (jnp.int32, jnp.int64):
+        y = y.astype(jnp.int32)
+    return lax.stop_gradient(y.reshape(-1))
+
+
+def _distill_float(x, fn: str, name: str) -> jax.Array:
+    x = jnp.asarray(x)
+    if x.dtype == jnp.float64:
+        return x.astype(_F32)  # computed in float32, as cross_entropy
+    if x.dtype not in (jnp.float32, jnp.float16, jnp.bfloat16):
+        raise TypeError(f"{fn}: {name} must be float32, float16 or bfloat16, got {x.dtype}")
+    return x
+
+
+def distill(student_logits, teacher_logits, targets=None, *, divergence: str = "forward_kl",
+            beta: float = 0.5, temperature: float = 1.0, reduction: str = "mean",
+            ignore_index: int = -100, softcap: float = 0.0, logit_scale: float = 1.0):
+    """The divergence between the student's and the teacher's softmax per row (fce_distill,
+    as :func:`fusedce.torch.distill`), differentiable in ``student_logits`` only. With the
+    student's logits a and the teacher's t both put through ``logit_scale`` and ``softcap``
+    and divided by the temperature T: p = softmax(a / T), q = softmax(t / T);
+
+    divergence  'forward_kl': KL(q || p); 'reverse_kl': KL(p || q); 'jsd': Liger's generalised
+                JSD(beta), m = beta q + (1 - beta) p: beta KL(q || m) + (1 - beta) KL(p || m)
+                for 0 < beta < 1, KL(q || p) at beta 0, KL(p || q) at beta 1. No T^2 factor.
+    targets     [...] (the leading dimensions) integers, or None: rows equal to
+                ``ignore_index`` are not counted (loss 0, zero gradient); None counts every row.
+    reduction   'mean' (over the counted rows; 0 with a zero gradient when none counts),
+                'sum' or 'none' (the leading shape).
+
+    student_logits [..., V]; teacher_logits of the same shape (cast to the student's dtype, a
+    constant). ``beta`` (in [0, 1]) and ``temperature`` (> 0) are checked by the library when
+    the call is traced. The loss is float32."""
+    fn = "fusedce.jax.distill"
+    z = _distill_float(student_logits, fn, "student_logits")
+    t = _distill_float(teacher_logits, fn, "teacher_logits")
+    if z.ndim < 1:
+        raise ValueError(f"{fn}: student_logits must be [..., V], got a scalar")
+    if t.shape != z.shape:
+        raise ValueError(f"{fn}: teacher_logits must have the shape of student_logits "
+                         f"{tuple(z.shape)}, got {tuple(t.shape)}")
+    lead, vocab = tuple(z.shape[:-1]), z.shape[-1]
+    if vocab < 1:
+        raise ValueError(f"{fn}: student_logits must have at least one class")
+    opts = _distill_options(reduction, divergence, beta, temperature, ignore_index, softcap,
+                            logit_scale, fn)
+    y = _distill_targets(targets, lead, fn)
+    rows = int(np.prod(lead, dtype=np.int64))
+    if rows == 0:  # the library's empty problem: 0, and a constant's zero gradient
+        return jnp.zeros(lead if opts.per_row else (), _F32)
+    check_ready(fn)
+    t = lax.stop_gradient(t.astype(z.dtype)).reshape(rows, vocab)
+    loss = _distill(z.reshape(rows, vocab), t, y, opts)
+    return loss.reshape(lead) if opts.per_row else loss
+
+
+def linear_distill(hidden, weight, teacher_hidden, teacher_weight, targets=None, *,
+                   divergence: str = "forward_kl", beta: float = 0.5, temperature: float = 1.0,
+                   reduction: str = "mean", ignore_index: int = -100, softcap: float = 0.0,
+                   logit_scale: float = 1.0, workspace_bytes: Optional[int] = None):
+    """:func:`distill` of ``hidden @ weight.T`` (the student's head) against ``teacher_hidden
+    @ teacher_weight.T`` (the teacher's) without either [N, V] logits ever held whole
+    (fce_linear_distill: token chunks), as :func:`fusedce.torch.linear_distill`;
+    differentiable in hidden and weight (only those being differentiated are computed).
+
+    hidden [..., D] and weight [V, D] (no bias) of one dtype; teacher_hidden [..., D'] (the
+    same leading dimensions) and teacher_weight [V, D'] (the same vocabulary), cast to the
+    student's dtype (constants). ``workspace_bytes``: the CUDA workspace budget (None:
+    FUSEDCE_WORKSPACE_BYTES, else 1 GiB), never below the library's minimum; where that is below
+    the token-chunk plan's, a 16-bit grad_weight is accumulated in float32 and rounded once (as
+    fusedce.torch); the CPU backend gets the minimum. The loss is float32."""
+    fn = "fusedce.jax.linear_distill"
+    h = _distill_float(hidden, fn, "hidden")
+    wt = _distill_float(weight, fn, "weight")
+    th = _distill_float(teacher_hidden, fn, "teacher_hidden")
+    tw = _distill_float(teacher_weight, fn, "teacher_weight")
+    if h.ndim < 1:
+        raise ValueError(f"{fn}: hidden must be [..., D], got a scalar")
+    d = h.shape[-1]
+    if wt.ndim != 2 or wt.shape[1] != d:
+        raise ValueError(f"{fn}: weight must be [V, {d}], got {tuple(wt.shape)}")
+    if wt.dtype != h.dtype:
+        raise TypeError(f"{fn}: weight has dtype {wt.dtype} but hidden has {h.dtype}: cast "
+                        "them to one compute dtype")
+    vocab = wt.shape[0]
+    lead = tuple(h.shape[:-1])
+    if th.ndim < 1 or tuple(th.shape[:-1]) != lead:
+        raise ValueError(f"{fn}: teacher_hidden must be [{', '.join(map(str, lead))}, D'] (the "
+                         f"leading dimensions of hidden), got {tuple(th.shape)}")
+    td = th.shape[-1]
+    if tw.ndim != 2 or tuple(tw.shape) != (vocab, td):
+        raise ValueError(f"{fn}: teacher_weight must be [{vocab}, {td}] (the student's "
+                         f"vocabulary, the teacher's hidden size), got {tuple(tw.shape)}")
+    budget = _default_workspace_bytes() if workspace_bytes is None else int(workspace_bytes)
+    if budget < 0:
+        raise ValueError(f"{fn}: workspace_bytes must be >= 0, got {workspace_bytes}")
+    opts = _distill_options(reduction, divergence, beta, temperature, ignore_index, softcap,
+                            logit_scale, fn)
+    y = _distill_targets(targets, lead, fn)
+    rows = int(np.prod(lead, dtype=np.int64))
+    if rows == 0:
+        return jnp.zeros(lead if opts.per_row else (), _F32)
+    check_ready(fn)
+    sg = lax.stop_gradient
+    loss = _linear_distill(h.reshape(rows, d), wt, sg(th.astype(h.dtype)).reshape(rows, td),
+                           sg(tw.astype(h.dtype)), y, opts, budget)
+    return loss.reshape(lead) if opts.per_row else loss
 
 
 # --------------------------------------------------------------------- command line ----

@@ -299,8 +299,10 @@ def test_validation_errors():
         cross_entropy(z, y, reduction="avg")
     with pytest.raises(ValueError, match="targets has"):
         cross_entropy(z, y[:5])
-    with pytest.raises(TypeError, match="class-index"):
-        cross_entropy(z, y.astype(np.float32))
+    with pytest.raises(ValueError, match="shape of the logits"):
+        cross_entropy(z, y.astype(np.float32))  # float: class probabilities, [N, V]
+    with pytest.raises(TypeError, match="class indices"):
+        cross_entropy(z, y.astype(np.bool_))
     with pytest.raises(TypeError, match="float32, float16 or bfloat16"):
         cross_entropy(z.astype(np.int32), y)
     with pytest.raises(ValueError, match="class_weights"):

@@ -1,6 +1,7 @@
 """Building and finding libfusedce_jax.so, the XLA FFI shim of :mod:`fusedce.jax`.
 
-The shim (``fusedce_jax.cc`` beside this file) is C++ compiled against the XLA FFI headers of
+The shim (``fusedce_jax.cc`` and ``fusedce_jax_distill.cc`` beside this file, compiled into one
+library) is C++ compiled against the XLA FFI headers of
 the jaxlib that will run it (``jax.ffi.include_dir()``, shipped in the jaxlib wheel) and
 ``fusedce.h``; it needs neither the CUDA toolkit nor libfusedce at build time (it binds to the
 library the Python binding loaded, at run time, with dlopen). Importing this module imports
@@ -34,8 +35,10 @@ from typing import List, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.join(HERE, "fusedce_jax.cc")
+# every source of the one library: the cross-entropy handlers and the distillation handlers
+SOURCES = (SOURCE, os.path.join(HERE, "fusedce_jax_distill.cc"))
 LIBRARY_NAME = "libfusedce_jax.so"
-SHIM_ABI = 4  # FCE_JAX_ABI in fusedce_jax.cc: the handlers' argument / attribute layout
+SHIM_ABI = 5  # FCE_JAX_ABI in fusedce_jax.cc: the handlers' argument / attribute layout
 
 _PKG = os.path.dirname(HERE)                                   # .../fusedce
 _REPO_INCLUDE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(_PKG))),
@@ -115,17 +118,18 @@ def _command(cxx: str, xla_inc: str, fce_inc: str, out: str) -> List[str]:
     cuda = _cuda_include()
     if cuda:
         cmd += ["-DFCE_JAX_HAVE_CUDA_RUNTIME", "-isystem", cuda]
-    return cmd + [SOURCE, "-o", out, "-ldl"]
+    return cmd + list(SOURCES) + ["-o", out, "-ldl"]
 
 
 def _key(cmd: List[str], xla_inc: str, fce_inc: str) -> str:
     h = hashlib.sha256()
-    paths = [SOURCE, os.path.join(fce_inc, "fusedce.h")] + [
+    paths = list(SOURCES) + [os.path.join(fce_inc, "fusedce.h")] + [
         os.path.join(xla_inc, "xla", "ffi", "api", f) for f in ("api.h", "c_api.h", "ffi.h")]
     for path in paths:
         with open(path, "rb") as f:
             h.update(f.read())
-    h.update("\0".join(cmd[:-4]).encode())  # the flags and the compiler, not the paths out
+    # the flags and the compiler, not the paths of the sources and the output
+    h.update("\0".join(cmd[:-(len(SOURCES) + 3)]).encode())
     h.update(str(SHIM_ABI).encode())
     return h.hexdigest()[:20]
 

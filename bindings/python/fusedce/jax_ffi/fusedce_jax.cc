@@ -12,6 +12,10 @@
 //   fusedce_linear_ce   fce_linear_ce (loss only, or with gradients, for a given upstream)
 //   fusedce_scale       fce_scale_gradient, in place (input 0 = output 0)
 //
+// and, in fusedce_jax_distill.cc (compiled into the same library), fusedce_distill and
+// fusedce_linear_distill. The targets of fusedce_ce_fwd / _bwd and fusedce_linear_ce are class
+// indices or class probabilities [N, V] of the logits' dtype.
+//
 // each as Fusedce<Name>Cpu (the CPU backend, host buffers, synchronous) and Fusedce<Name>Cuda
 // (the CUDA backend on the stream XLA gives the custom call, PlatformStream<cudaStream_t>).
 //
@@ -77,7 +81,8 @@ namespace ffi = xla::ffi;
 #define FCE_JAX_API extern "C" __attribute__((visibility("default")))
 
 // Bumped whenever the handlers' arguments or attributes change: fusedce/jax.py checks it.
-#define FCE_JAX_ABI 4  // 4: entropy, grad_lse, grad_entropy (3: libfusedce 1.0's calls)
+#define FCE_JAX_ABI 5  // 5: probability targets, the distillation handlers (4: entropy,
+                       // grad_lse, grad_entropy; 3: libfusedce 1.0's calls)
 
 namespace {
 
@@ -199,6 +204,23 @@ bool TargetCode(ffi::DataType t, int32_t* code) {
     case ffi::DataType::S64: *code = FCE_INT64; return true;
     default: return false;
   }
+}
+
+// The targets of fusedce_ce_fwd / _bwd and fusedce_linear_ce: class indices (int32/int64 [N]),
+// or class probabilities [N, V] of the logits' (hidden states') dtype (a float target_dtype,
+// docs/semantics.md rule 19).
+ffi::Error Targets(const ffi::AnyBuffer& targets, const ffi::AnyBuffer& logits, int64_t n,
+                   int64_t v, int32_t* code) {
+  if (TargetCode(targets.element_type(), code)) {
+    if (static_cast<int64_t>(targets.element_count()) != n)
+      return Invalid("targets must have one element per row");
+    return ffi::Error::Success();
+  }
+  if (targets.element_type() != logits.element_type() || !FloatCode(targets.element_type(), code))
+    return Invalid("targets must be int32/int64, or class probabilities of the logits' dtype");
+  if (static_cast<int64_t>(targets.element_count()) != n * v)
+    return Invalid("class-probability targets must be [N, V]");
+  return ffi::Error::Success();
 }
 
 // An optional buffer: NULL when empty.
@@ -330,9 +352,7 @@ ffi::Error CeForward(int32_t backend, void* stream, ffi::AnyBuffer logits, ffi::
   int32_t dt, tdt;
   if (!FloatCode(logits.element_type(), &dt))
     return Invalid("logits must be float32, float16 or bfloat16");
-  if (!TargetCode(targets.element_type(), &tdt)) return Invalid("targets must be int32/int64");
-  if (static_cast<int64_t>(targets.element_count()) != n)
-    return Invalid("targets must have one element per row");
+  if (auto e = Targets(targets, logits, n, v, &tdt); e.failure()) return e;
   void* g = Opt(grad);
   if (g && (grad->element_type() != logits.element_type() ||
             static_cast<int64_t>(grad->element_count()) != n * v))
@@ -375,11 +395,9 @@ ffi::Error CeBackward(int32_t backend, void* stream, ffi::AnyBuffer logits,
   int32_t dt, tdt;
   if (!FloatCode(logits.element_type(), &dt))
     return Invalid("logits must be float32, float16 or bfloat16");
-  if (!TargetCode(targets.element_type(), &tdt)) return Invalid("targets must be int32/int64");
+  if (auto e = Targets(targets, logits, n, v, &tdt); e.failure()) return e;
   if (lse.element_type() != ffi::DataType::F32 || static_cast<int64_t>(lse.element_count()) != n)
     return Invalid("lse must be float32 [N]");
-  if (static_cast<int64_t>(targets.element_count()) != n)
-    return Invalid("targets must have one element per row");
   if (grad->element_type() != logits.element_type() ||
       static_cast<int64_t>(grad->element_count()) != n * v)
     return Invalid("grad must be [N, V] of the logits' dtype");
@@ -440,9 +458,7 @@ ffi::Error LinearCe(int32_t backend, void* stream, ffi::AnyBuffer hidden,
     return Invalid("hidden, weight and bias must have one dtype");
   if (bias.element_count() && static_cast<int64_t>(bias.element_count()) != v)
     return Invalid("bias must be [V]");
-  if (!TargetCode(targets.element_type(), &tdt)) return Invalid("targets must be int32/int64");
-  if (static_cast<int64_t>(targets.element_count()) != n)
-    return Invalid("targets must have one element per row");
+  if (auto e = Targets(targets, hidden, n, v, &tdt); e.failure()) return e;
   void* gh = Opt(grad_hidden);
   void* gw = Opt(grad_weight);
   void* gb = Opt(grad_bias);

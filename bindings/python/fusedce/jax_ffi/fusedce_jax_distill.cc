@@ -1,0 +1,368 @@
+// fusedce_jax_distill.cc — the distillation handlers of libfusedce_jax.so (built into the same
+// library as fusedce_jax.cc, which holds the cross-entropy handlers and describes the shim:
+// dlsym binding, workspaces as the last result, CPU and CUDA handlers per call).
+//
+//   fusedce_distill         fce_distill (the loss; with the student's gradient for a given
+//                           upstream, 1 when grad_output is empty)
+//   fusedce_linear_distill  fce_linear_distill (the loss; with the student's grad_hidden and
+//                           grad_weight when their results are not empty)
+//
+// each as Fusedce<Name>Cpu and Fusedce<Name>Cuda. This file binds its own functions
+// (fce_jax_distill_init, called by fusedce/_jax_calls.py after fce_jax_init) so that the
+// cross-entropy handlers keep working with a library that predates distillation.
+//
+// Attributes:
+//   iopts  int64[3]: reduction, ignore_index, divergence
+//   fopts  float32[4]: beta, temperature, softcap, logit_scale
+// An optional input or output is passed as an empty (0,) array: a NULL pointer to the library.
+
+#include <dlfcn.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <mutex>
+#include <string>
+
+#include "fusedce.h"
+#include "xla/ffi/api/ffi.h"
+
+#if !defined(FCE_JAX_HAVE_CUDA_RUNTIME)
+struct CUstream_st;  // as in fusedce_jax.cc: an opaque handle, no CUDA toolkit needed
+typedef struct CUstream_st* cudaStream_t;
+#else
+#include <cuda_runtime_api.h>
+#endif
+
+namespace ffi = xla::ffi;
+
+#define FCE_JAX_API extern "C" __attribute__((visibility("default")))
+
+namespace {
+
+struct DistillApi {
+  const char* (*last_error)(void);
+  const char* (*status_string)(fce_status);
+  void (*options_default)(fce_options*);
+  fce_status (*distill)(const fce_options*, const fce_teacher*, int64_t, int64_t, const void*,
+                        const void*, const fce_outputs*, const fce_gradients*, void*, size_t,
+                        void*);
+  fce_status (*linear_distill)(const fce_options*, const fce_teacher*, int64_t, int64_t,
+                               int64_t, const void*, const void*, const void*,
+                               const fce_outputs*, const fce_gradients*, void*, size_t, void*);
+};
+
+DistillApi g_dapi;
+bool g_dready = false;
+size_t g_doptions_size = 0;
+std::string g_dinit_error = "fce_jax_distill_init was not called";
+std::mutex g_dinit_mutex;
+
+ffi::Error DInvalid(const std::string& what) {
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument, "fusedce_jax: " + what);
+}
+
+ffi::Error DNotReady() {
+  return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                    "fusedce_jax: the distillation handlers are not initialised (" +
+                        g_dinit_error + "); import fusedce.jax to register them");
+}
+
+ffi::Error DFail(fce_status st, const char* fn) {
+  const char* msg = g_dapi.last_error();
+  std::string text = std::string("fusedce (") + fn + "): " + (msg ? msg : "") + " [" +
+                     g_dapi.status_string(st) + "]";
+  ffi::ErrorCode code = ffi::ErrorCode::kInternal;
+  switch (st) {
+    case FCE_ERROR_INVALID_ARGUMENT:
+    case FCE_ERROR_NULL_POINTER:
+    case FCE_ERROR_MISALIGNED:
+    case FCE_ERROR_WORKSPACE_TOO_SMALL:
+      code = ffi::ErrorCode::kInvalidArgument;
+      break;
+    case FCE_ERROR_UNSUPPORTED:
+      code = ffi::ErrorCode::kUnimplemented;
+      break;
+    case FCE_ERROR_BACKEND_UNAVAILABLE:
+      code = ffi::ErrorCode::kUnavailable;
+      break;
+    default:
+      break;
+  }
+  if (st == FCE_ERROR_WORKSPACE_TOO_SMALL)
+    text += " (the workspace is the call's last result, sized by fusedce/jax.py when the "
+            "function was traced: was it traced for another backend?)";
+  return ffi::Error(code, std::move(text));
+}
+
+bool DFloatCode(ffi::DataType t, int32_t* code) {
+  switch (t) {
+    case ffi::DataType::F32: *code = FCE_FLOAT32; return true;
+    case ffi::DataType::F16: *code = FCE_FLOAT16; return true;
+    case ffi::DataType::BF16: *code = FCE_BFLOAT16; return true;
+    default: return false;
+  }
+}
+
+void* DOpt(const ffi::AnyBuffer& b) { return b.element_count() ? b.untyped_data() : nullptr; }
+void* DOpt(ffi::Result<ffi::AnyBuffer>& b) {
+  return b->element_count() ? b->untyped_data() : nullptr;
+}
+
+ffi::Error DMatrix(const ffi::AnyBuffer& b, const char* name, int64_t* rows, int64_t* cols) {
+  auto d = b.dimensions();
+  if (d.size() != 2) return DInvalid(std::string(name) + " must be rank 2");
+  *rows = d[0];
+  *cols = d[1];
+  return ffi::Error::Success();
+}
+
+constexpr size_t kDIopts = 3, kDFopts = 4;
+
+// The options and the teacher (without its arrays) of a distillation call; the targets, when
+// present, int32 or int64 [N] (only ignore_index is read from them). What
+// fusedce/_jax_calls.py gives the workspace queries: int32 targets when there are none.
+ffi::Error MakeDistill(ffi::Span<const int64_t> iopts, ffi::Span<const float> fopts,
+                       int32_t backend, int32_t dtype, const ffi::AnyBuffer& targets, int64_t n,
+                       fce_options* o, fce_teacher* t) {
+  if (iopts.size() != kDIopts || fopts.size() != kDFopts)
+    return DInvalid("distillation iopts must hold 3 int64 and fopts 4 float32 (fusedce/jax.py "
+                    "and the shim disagree: rebuild the shim)");
+  int32_t tdt = FCE_INT32;
+  if (targets.element_count()) {
+    if (targets.element_type() == ffi::DataType::S64)
+      tdt = FCE_INT64;
+    else if (targets.element_type() != ffi::DataType::S32)
+      return DInvalid("targets must be int32/int64");
+    if (static_cast<int64_t>(targets.element_count()) != n)
+      return DInvalid("targets must have one element per row");
+  }
+  std::memset(o, 0, sizeof(*o));
+  o->struct_size = g_doptions_size;
+  g_dapi.options_default(o);
+  o->backend = backend;
+  o->dtype = dtype;
+  o->target_dtype = tdt;
+  o->reduction = static_cast<int32_t>(iopts[0]);
+  o->ignore_index = iopts[1];
+  o->softcap = fopts[2];
+  o->logit_scale = fopts[3];
+  const fce_teacher init = FCE_TEACHER_INIT;
+  *t = init;
+  t->divergence = static_cast<int32_t>(iopts[2]);
+  t->beta = fopts[0];
+  t->temperature = fopts[1];
+  return ffi::Error::Success();
+}
+
+// loss (() | [N]) float32 and grad_output (() | [N]) float32 | (0,) (= 1).
+ffi::Error LossAndUpstream(const fce_options& o, int64_t n, const ffi::AnyBuffer& loss,
+                           const ffi::AnyBuffer& grad_output) {
+  const int64_t per = o.reduction == FCE_REDUCTION_NONE ? n : 1;
+  if (loss.element_type() != ffi::DataType::F32 ||
+      static_cast<int64_t>(loss.element_count()) != per)
+    return DInvalid("loss must be float32 of " + std::to_string(per) + " elements");
+  if (grad_output.element_count() &&
+      (grad_output.element_type() != ffi::DataType::F32 ||
+       static_cast<int64_t>(grad_output.element_count()) != per))
+    return DInvalid("grad_output must be float32 of " + std::to_string(per) +
+                    " elements (or empty)");
+  return ffi::Error::Success();
+}
+
+ffi::Error DWorkspace(ffi::Result<ffi::AnyBuffer>& ws, void** ptr, size_t* bytes) {
+  if (ws->element_type() != ffi::DataType::U8 || ws->dimensions().size() != 1)
+    return DInvalid("the workspace (the last result) must be a uint8 vector (fusedce/jax.py "
+                    "and the shim disagree: rebuild the shim)");
+  *bytes = ws->size_bytes();
+  *ptr = *bytes ? ws->untyped_data() : nullptr;
+  return ffi::Error::Success();
+}
+
+// distill: logits [N, V], teacher_logits [N, V] (the same dtype), targets [N] | (0,),
+//   grad_output (() | [N]) float32 | (0,) (= 1)
+//   -> loss (() | [N]), grad [N, V] of the logits' dtype | (0,),
+//      workspace uint8 [fce_distill_workspace_size] | (0,)
+ffi::Error Distill(int32_t backend, void* stream, ffi::AnyBuffer logits, ffi::AnyBuffer teacher,
+                   ffi::AnyBuffer targets, ffi::AnyBuffer grad_output,
+                   ffi::Result<ffi::AnyBuffer> loss, ffi::Result<ffi::AnyBuffer> grad,
+                   ffi::Result<ffi::AnyBuffer> workspace, ffi::Span<const int64_t> iopts,
+                   ffi::Span<const float> fopts) {
+  if (!g_dready) return DNotReady();
+  int64_t n, v, tn, tv;
+  if (auto e = DMatrix(logits, "logits", &n, &v); e.failure()) return e;
+  if (auto e = DMatrix(teacher, "teacher_logits", &tn, &tv); e.failure()) return e;
+  int32_t dt;
+  if (!DFloatCode(logits.element_type(), &dt))
+    return DInvalid("logits must be float32, float16 or bfloat16");
+  if (teacher.element_type() != logits.element_type() || tn != n || tv != v)
+    return DInvalid("teacher_logits must be [N, V] of the student logits' dtype");
+  void* g = DOpt(grad);
+  if (g && (grad->element_type() != logits.element_type() ||
+            static_cast<int64_t>(grad->element_count()) != n * v))
+    return DInvalid("grad must be [N, V] of the logits' dtype");
+  fce_options o;
+  fce_teacher t;
+  if (auto e = MakeDistill(iopts, fopts, backend, dt, targets, n, &o, &t); e.failure()) return e;
+  if (auto e = LossAndUpstream(o, n, *loss, grad_output); e.failure()) return e;
+  t.logits = teacher.untyped_data();
+  fce_outputs out = FCE_OUTPUTS_INIT;
+  out.loss = static_cast<float*>(loss->untyped_data());
+  fce_gradients grads = FCE_GRADIENTS_INIT;
+  grads.grad_logits = g;
+  grads.grad_output = static_cast<const float*>(DOpt(grad_output));
+  void* ws;
+  size_t ws_bytes;
+  if (auto e = DWorkspace(workspace, &ws, &ws_bytes); e.failure()) return e;
+  if (fce_status st = g_dapi.distill(&o, &t, n, v, logits.untyped_data(), DOpt(targets), &out,
+                                     g ? &grads : nullptr, ws, ws_bytes, stream))
+    return DFail(st, "fce_distill");
+  return ffi::Error::Success();
+}
+
+// linear_distill: hidden [N, D], weight [V, D], teacher_hidden [N, D'], teacher_weight [V, D']
+//   (one dtype), targets [N] | (0,), grad_output (() | [N]) float32 | (0,) (= 1)
+//   -> loss (() | [N]), grad_hidden [N, D] | (0,), grad_weight [V, D] | (0,) (the student's,
+//      of its dtype; grad_weight may be float32 for a 16-bit weight), workspace uint8 [>= min_bytes of fce_linear_distill_workspace_size]
+ffi::Error LinearDistill(int32_t backend, void* stream, ffi::AnyBuffer hidden,
+                         ffi::AnyBuffer weight, ffi::AnyBuffer teacher_hidden,
+                         ffi::AnyBuffer teacher_weight, ffi::AnyBuffer targets,
+                         ffi::AnyBuffer grad_output, ffi::Result<ffi::AnyBuffer> loss,
+                         ffi::Result<ffi::AnyBuffer> grad_hidden,
+                         ffi::Result<ffi::AnyBuffer> grad_weight,
+                         ffi::Result<ffi::AnyBuffer> workspace, ffi::Span<const int64_t> iopts,
+                         ffi::Span<const float> fopts) {
+  if (!g_dready) return DNotReady();
+  int64_t n, d, v, d2, tn, td, tv, td2;
+  if (auto e = DMatrix(hidden, "hidden", &n, &d); e.failure()) return e;
+  if (auto e = DMatrix(weight, "weight", &v, &d2); e.failure()) return e;
+  if (auto e = DMatrix(teacher_hidden, "teacher_hidden", &tn, &td); e.failure()) return e;
+  if (auto e = DMatrix(teacher_weight, "teacher_weight", &tv, &td2); e.failure()) return e;
+  if (d2 != d) return DInvalid("weight must be [V, D] with the D of hidden");
+  if (tn != n || tv != v || td2 != td)
+    return DInvalid("teacher_hidden must be [N, D'] and teacher_weight [V, D']");
+  int32_t dt;
+  if (!DFloatCode(hidden.element_type(), &dt))
+    return DInvalid("hidden must be float32, float16 or bfloat16");
+  if (weight.element_type() != hidden.element_type() ||
+      teacher_hidden.element_type() != hidden.element_type() ||
+      teacher_weight.element_type() != hidden.element_type())
+    return DInvalid("hidden, weight, teacher_hidden and teacher_weight must have one dtype");
+  void* gh = DOpt(grad_hidden);
+  void* gw = DOpt(grad_weight);
+  if (gh && (grad_hidden->element_type() != hidden.element_type() ||
+             static_cast<int64_t>(grad_hidden->element_count()) != n * d))
+    return DInvalid("grad_hidden must be [N, D] of the hidden states' dtype");
+  if (gw && ((grad_weight->element_type() != weight.element_type() &&
+              grad_weight->element_type() != ffi::DataType::F32) ||
+             static_cast<int64_t>(grad_weight->element_count()) != v * d))
+    return DInvalid("grad_weight must be [V, D] of the weight's dtype or float32");
+  fce_options o;
+  fce_teacher t;
+  if (auto e = MakeDistill(iopts, fopts, backend, dt, targets, n, &o, &t); e.failure()) return e;
+  // a float32 grad_weight for a 16-bit weight: accumulated in float32 (grad_weight_fp32)
+  if (gw && grad_weight->element_type() != weight.element_type()) o.grad_weight_fp32 = 1;
+  if (auto e = LossAndUpstream(o, n, *loss, grad_output); e.failure()) return e;
+  t.hidden_states = teacher_hidden.untyped_data();
+  t.weight = teacher_weight.untyped_data();
+  t.hidden = td;
+  fce_outputs out = FCE_OUTPUTS_INIT;
+  out.loss = static_cast<float*>(loss->untyped_data());
+  fce_gradients grads = FCE_GRADIENTS_INIT;
+  grads.grad_hidden = gh;
+  grads.grad_weight = gw;
+  grads.grad_output = static_cast<const float*>(DOpt(grad_output));
+  void* ws;
+  size_t ws_bytes;
+  if (auto e = DWorkspace(workspace, &ws, &ws_bytes); e.failure()) return e;
+  if (fce_status st = g_dapi.linear_distill(&o, &t, n, d, v, hidden.untyped_data(),
+                                            weight.untyped_data(), DOpt(targets), &out,
+                                            (gh || gw) ? &grads : nullptr, ws, ws_bytes,
+                                            stream))
+    return DFail(st, "fce_linear_distill");
+  return ffi::Error::Success();
+}
+
+using Buf = ffi::AnyBuffer;
+using Ret = ffi::Result<ffi::AnyBuffer>;
+using I64s = ffi::Span<const int64_t>;
+using F32s = ffi::Span<const float>;
+
+ffi::Error DistillCpu(Buf z, Buf t, Buf y, Buf go, Ret loss, Ret grad, Ret ws, I64s io,
+                      F32s fo) {
+  return Distill(FCE_BACKEND_CPU, nullptr, z, t, y, go, loss, grad, ws, io, fo);
+}
+ffi::Error DistillCuda(cudaStream_t stream, Buf z, Buf t, Buf y, Buf go, Ret loss, Ret grad,
+                       Ret ws, I64s io, F32s fo) {
+  return Distill(FCE_BACKEND_CUDA, stream, z, t, y, go, loss, grad, ws, io, fo);
+}
+ffi::Error LinearDistillCpu(Buf h, Buf w, Buf th, Buf tw, Buf y, Buf go, Ret loss, Ret gh,
+                            Ret gw, Ret ws, I64s io, F32s fo) {
+  return LinearDistill(FCE_BACKEND_CPU, nullptr, h, w, th, tw, y, go, loss, gh, gw, ws, io, fo);
+}
+ffi::Error LinearDistillCuda(cudaStream_t stream, Buf h, Buf w, Buf th, Buf tw, Buf y, Buf go,
+                             Ret loss, Ret gh, Ret gw, Ret ws, I64s io, F32s fo) {
+  return LinearDistill(FCE_BACKEND_CUDA, stream, h, w, th, tw, y, go, loss, gh, gw, ws, io, fo);
+}
+
+}  // namespace
+
+#define FCE_DATTRS .Attr<I64s>("iopts").Attr<F32s>("fopts")
+#define FCE_DCUDA_CTX .Ctx<ffi::PlatformStream<cudaStream_t>>()
+#define FCE_DISTILL_SIG \
+  .Arg<Buf>().Arg<Buf>().Arg<Buf>().Arg<Buf>().Ret<Buf>().Ret<Buf>().Ret<Buf>() FCE_DATTRS
+#define FCE_LINEAR_DISTILL_SIG                                                             \
+  .Arg<Buf>().Arg<Buf>().Arg<Buf>().Arg<Buf>().Arg<Buf>().Arg<Buf>().Ret<Buf>().Ret<Buf>() \
+      .Ret<Buf>().Ret<Buf>() FCE_DATTRS
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedceDistillCpu, DistillCpu, ffi::Ffi::Bind() FCE_DISTILL_SIG);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedceDistillCuda, DistillCuda,
+                              ffi::Ffi::Bind() FCE_DCUDA_CTX FCE_DISTILL_SIG);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedceLinearDistillCpu, LinearDistillCpu,
+                              ffi::Ffi::Bind() FCE_LINEAR_DISTILL_SIG);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedceLinearDistillCuda, LinearDistillCuda,
+                              ffi::Ffi::Bind() FCE_DCUDA_CTX FCE_LINEAR_DISTILL_SIG);
+
+// Binds the distillation handlers to libfusedce (the library fce_jax_init was given). Returns
+// 0, or -1 with fce_jax_distill_init_error() saying why (a library without fce_distill: the
+// cross-entropy handlers still work, fusedce.jax.distill raises that message). Idempotent.
+FCE_JAX_API int fce_jax_distill_init(const char* library_path, size_t options_size) {
+  std::lock_guard<std::mutex> lock(g_dinit_mutex);
+  if (g_dready) return 0;
+  if (options_size < FCE_OPTIONS_SIZE_V1_0 || options_size > sizeof(fce_options)) {
+    g_dinit_error = "options_size " + std::to_string(options_size) + " is not a size this shim "
+                    "knows";
+    return -1;
+  }
+  void* h = dlopen(library_path, RTLD_NOW | RTLD_LOCAL);
+  if (!h) {
+    const char* e = dlerror();
+    g_dinit_error = std::string("dlopen(") + library_path + ") failed: " + (e ? e : "?");
+    return -1;
+  }
+  DistillApi a{};
+  const char* names[] = {"fce_last_error", "fce_status_string", "fce_options_default",
+                         "fce_distill", "fce_linear_distill"};
+  void* ptrs[5];
+  std::string missing;
+  for (int i = 0; i < 5; ++i) {
+    ptrs[i] = dlsym(h, names[i]);
+    if (!ptrs[i]) missing += missing.empty() ? names[i] : std::string(", ") + names[i];
+  }
+  if (!missing.empty()) {
+    g_dinit_error = std::string(library_path) + " lacks " + missing;
+    return -1;
+  }
+  a.last_error = reinterpret_cast<decltype(a.last_error)>(ptrs[0]);
+  a.status_string = reinterpret_cast<decltype(a.status_string)>(ptrs[1]);
+  a.options_default = reinterpret_cast<decltype(a.options_default)>(ptrs[2]);
+  a.distill = reinterpret_cast<decltype(a.distill)>(ptrs[3]);
+  a.linear_distill = reinterpret_cast<decltype(a.linear_distill)>(ptrs[4]);
+  g_dapi = a;
+  g_doptions_size = options_size;
+  g_dready = true;
+  g_dinit_error.clear();
+  return 0;
+}
+
+FCE_JAX_API const char* fce_jax_distill_init_error(void) { return g_dinit_error.c_str(); }
