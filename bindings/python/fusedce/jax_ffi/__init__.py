@@ -1,8 +1,8 @@
 """Building and finding libfusedce_jax.so, the XLA FFI shim of :mod:`fusedce.jax`.
 
-The shim (``fusedce_jax.cc`` and ``fusedce_jax_distill.cc`` beside this file, compiled into one
-library) is C++ compiled against the XLA FFI headers of
-the jaxlib that will run it (``jax.ffi.include_dir()``, shipped in the jaxlib wheel) and
+The shim (``fusedce_jax.cc`` and ``fusedce_jax_distill.cc`` beside this file, with
+``fusedce_jax_common.h``, compiled into one library) is C++ compiled against the XLA FFI
+headers of the jaxlib that will run it (``jax.ffi.include_dir()``, shipped in the jaxlib wheel) and
 ``fusedce.h``; it needs neither the CUDA toolkit nor libfusedce at build time (it binds to the
 library the Python binding loaded, at run time, with dlopen). Importing this module imports
 nothing but the standard library; :func:`build` imports jax for the headers.
@@ -37,6 +37,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.join(HERE, "fusedce_jax.cc")
 # every source of the one library: the cross-entropy handlers and the distillation handlers
 SOURCES = (SOURCE, os.path.join(HERE, "fusedce_jax_distill.cc"))
+HEADERS = (os.path.join(HERE, "fusedce_jax_common.h"),)  # included by both sources
 LIBRARY_NAME = "libfusedce_jax.so"
 SHIM_ABI = 5  # FCE_JAX_ABI in fusedce_jax.cc: the handlers' argument / attribute layout
 
@@ -123,7 +124,7 @@ def _command(cxx: str, xla_inc: str, fce_inc: str, out: str) -> List[str]:
 
 def _key(cmd: List[str], xla_inc: str, fce_inc: str) -> str:
     h = hashlib.sha256()
-    paths = list(SOURCES) + [os.path.join(fce_inc, "fusedce.h")] + [
+    paths = list(SOURCES) + list(HEADERS) + [os.path.join(fce_inc, "fusedce.h")] + [
         os.path.join(xla_inc, "xla", "ffi", "api", f) for f in ("api.h", "c_api.h", "ffi.h")]
     for path in paths:
         with open(path, "rb") as f:

@@ -53,8 +53,6 @@
 //   fopts  float32[4]: label_smoothing, z_loss_scale, softcap, logit_scale
 // An optional input or output is passed as an empty (0,) array: a NULL pointer to the library.
 
-#include <dlfcn.h>
-
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -62,29 +60,18 @@
 #include <cstring>
 #include <mutex>
 #include <string>
-#include <type_traits>
 
-#include "fusedce.h"
-#include "xla/ffi/api/ffi.h"
-
-#if defined(FCE_JAX_HAVE_CUDA_RUNTIME)
-#include <cuda_runtime_api.h>
-static_assert(std::is_same_v<cudaStream_t, struct CUstream_st*>,
-              "cudaStream_t is expected to be struct CUstream_st*");
-#else
-struct CUstream_st;                  // as CUDA's driver_types.h: an opaque handle
-typedef struct CUstream_st* cudaStream_t;
-#endif
+#include "fusedce_jax_common.h"
 
 namespace ffi = xla::ffi;
-
-#define FCE_JAX_API extern "C" __attribute__((visibility("default")))
 
 // Bumped whenever the handlers' arguments or attributes change: fusedce/jax.py checks it.
 #define FCE_JAX_ABI 5  // 5: probability targets, the distillation handlers (4: entropy,
                        // grad_lse, grad_entropy; 3: libfusedce 1.0's calls)
 
 namespace {
+
+using namespace fce_jax;
 
 // ------------------------------------------------------------ the library, by dlsym ----
 struct Api {
@@ -112,17 +99,6 @@ size_t g_options_size = 0;
 std::string g_init_error = "fce_jax_init was not called";
 std::mutex g_init_mutex;
 
-template <typename F>
-bool Sym(void* handle, const char* name, F& out, std::string& missing) {
-  void* p = dlsym(handle, name);
-  if (!p) {
-    missing += missing.empty() ? name : std::string(", ") + name;
-    return false;
-  }
-  out = reinterpret_cast<F>(p);
-  return true;
-}
-
 ffi::Error NotReady() {
   return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
                     "fusedce_jax: the shim is not initialised (" + g_init_error +
@@ -130,52 +106,7 @@ ffi::Error NotReady() {
 }
 
 ffi::Error Fail(fce_status st, const char* fn) {
-  const char* msg = g_api.last_error ? g_api.last_error() : "";
-  std::string text = std::string("fusedce (") + fn + "): " +
-                     (msg && *msg ? msg : "") + " [" +
-                     (g_api.status_string ? g_api.status_string(st) : "?") + "]";
-  ffi::ErrorCode code = ffi::ErrorCode::kInternal;
-  switch (st) {
-    case FCE_ERROR_INVALID_ARGUMENT:
-    case FCE_ERROR_NULL_POINTER:
-    case FCE_ERROR_MISALIGNED:
-    case FCE_ERROR_WORKSPACE_TOO_SMALL:
-      code = ffi::ErrorCode::kInvalidArgument;
-      break;
-    case FCE_ERROR_UNSUPPORTED:
-      code = ffi::ErrorCode::kUnimplemented;
-      break;
-    case FCE_ERROR_BACKEND_UNAVAILABLE:
-      code = ffi::ErrorCode::kUnavailable;
-      break;
-    default:
-      break;
-  }
-  if (st == FCE_ERROR_WORKSPACE_TOO_SMALL)
-    text += " (the workspace is the call's last result, sized by fusedce/jax.py when the function "
-            "was traced: was it traced for another backend, where libfusedce had no CUDA backend, "
-            "or with a different FUSEDCE_LIBRARY?)";
-  return ffi::Error(code, std::move(text));
-}
-
-ffi::Error Invalid(const std::string& what) {
-  return ffi::Error(ffi::ErrorCode::kInvalidArgument, "fusedce_jax: " + what);
-}
-
-// ------------------------------------------------------------------- workspaces ----
-// The workspace result (the last one): its pointer (NULL when empty) and byte size, all of it
-// passed to the library, which checks it holds what its query asks for and is 16-byte aligned
-// (its message, through Fail, names workspace_bytes; fusedce/jax.py sized it at trace time).
-ffi::Error Workspace(ffi::Result<ffi::AnyBuffer>& ws, void** ptr, size_t* bytes) {
-  *ptr = nullptr;
-  *bytes = 0;
-  if (ws->element_type() != ffi::DataType::U8 || ws->dimensions().size() != 1)
-    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                      "fusedce_jax: the workspace (the last result) must be a uint8 vector "
-                      "(fusedce/jax.py and the shim disagree: rebuild the shim)");
-  *bytes = ws->size_bytes();
-  if (*bytes) *ptr = ws->untyped_data();
-  return ffi::Error::Success();
+  return StatusError(st, fn, g_api.last_error, g_api.status_string);
 }
 
 // A function or option the loaded library is too old for (bindings/README.md, "Library
@@ -189,15 +120,6 @@ ffi::Error NeedsError(const char* what, const char* since) {
 }
 
 // ---------------------------------------------------------------------- helpers ----
-bool FloatCode(ffi::DataType t, int32_t* code) {
-  switch (t) {
-    case ffi::DataType::F32: *code = FCE_FLOAT32; return true;
-    case ffi::DataType::F16: *code = FCE_FLOAT16; return true;
-    case ffi::DataType::BF16: *code = FCE_BFLOAT16; return true;
-    default: return false;
-  }
-}
-
 bool TargetCode(ffi::DataType t, int32_t* code) {
   switch (t) {
     case ffi::DataType::S32: *code = FCE_INT32; return true;
@@ -223,11 +145,6 @@ ffi::Error Targets(const ffi::AnyBuffer& targets, const ffi::AnyBuffer& logits, 
   return ffi::Error::Success();
 }
 
-// An optional buffer: NULL when empty.
-void* Opt(const ffi::AnyBuffer& b) { return b.element_count() ? b.untyped_data() : nullptr; }
-void* Opt(ffi::Result<ffi::AnyBuffer>& b) {
-  return b->element_count() ? b->untyped_data() : nullptr;
-}
 
 constexpr size_t kIopts = 8, kFopts = 4;
 enum {

@@ -16,29 +16,19 @@
 //   fopts  float32[4]: beta, temperature, softcap, logit_scale
 // An optional input or output is passed as an empty (0,) array: a NULL pointer to the library.
 
-#include <dlfcn.h>
-
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <mutex>
 #include <string>
 
-#include "fusedce.h"
-#include "xla/ffi/api/ffi.h"
-
-#if !defined(FCE_JAX_HAVE_CUDA_RUNTIME)
-struct CUstream_st;  // as in fusedce_jax.cc: an opaque handle, no CUDA toolkit needed
-typedef struct CUstream_st* cudaStream_t;
-#else
-#include <cuda_runtime_api.h>
-#endif
+#include "fusedce_jax_common.h"
 
 namespace ffi = xla::ffi;
 
-#define FCE_JAX_API extern "C" __attribute__((visibility("default")))
-
 namespace {
+
+using namespace fce_jax;
 
 struct DistillApi {
   const char* (*last_error)(void);
@@ -58,10 +48,6 @@ size_t g_doptions_size = 0;
 std::string g_dinit_error = "fce_jax_distill_init was not called";
 std::mutex g_dinit_mutex;
 
-ffi::Error DInvalid(const std::string& what) {
-  return ffi::Error(ffi::ErrorCode::kInvalidArgument, "fusedce_jax: " + what);
-}
-
 ffi::Error DNotReady() {
   return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
                     "fusedce_jax: the distillation handlers are not initialised (" +
@@ -69,49 +55,12 @@ ffi::Error DNotReady() {
 }
 
 ffi::Error DFail(fce_status st, const char* fn) {
-  const char* msg = g_dapi.last_error();
-  std::string text = std::string("fusedce (") + fn + "): " + (msg ? msg : "") + " [" +
-                     g_dapi.status_string(st) + "]";
-  ffi::ErrorCode code = ffi::ErrorCode::kInternal;
-  switch (st) {
-    case FCE_ERROR_INVALID_ARGUMENT:
-    case FCE_ERROR_NULL_POINTER:
-    case FCE_ERROR_MISALIGNED:
-    case FCE_ERROR_WORKSPACE_TOO_SMALL:
-      code = ffi::ErrorCode::kInvalidArgument;
-      break;
-    case FCE_ERROR_UNSUPPORTED:
-      code = ffi::ErrorCode::kUnimplemented;
-      break;
-    case FCE_ERROR_BACKEND_UNAVAILABLE:
-      code = ffi::ErrorCode::kUnavailable;
-      break;
-    default:
-      break;
-  }
-  if (st == FCE_ERROR_WORKSPACE_TOO_SMALL)
-    text += " (the workspace is the call's last result, sized by fusedce/jax.py when the "
-            "function was traced: was it traced for another backend?)";
-  return ffi::Error(code, std::move(text));
-}
-
-bool DFloatCode(ffi::DataType t, int32_t* code) {
-  switch (t) {
-    case ffi::DataType::F32: *code = FCE_FLOAT32; return true;
-    case ffi::DataType::F16: *code = FCE_FLOAT16; return true;
-    case ffi::DataType::BF16: *code = FCE_BFLOAT16; return true;
-    default: return false;
-  }
-}
-
-void* DOpt(const ffi::AnyBuffer& b) { return b.element_count() ? b.untyped_data() : nullptr; }
-void* DOpt(ffi::Result<ffi::AnyBuffer>& b) {
-  return b->element_count() ? b->untyped_data() : nullptr;
+  return StatusError(st, fn, g_dapi.last_error, g_dapi.status_string);
 }
 
 ffi::Error DMatrix(const ffi::AnyBuffer& b, const char* name, int64_t* rows, int64_t* cols) {
   auto d = b.dimensions();
-  if (d.size() != 2) return DInvalid(std::string(name) + " must be rank 2");
+  if (d.size() != 2) return Invalid(std::string(name) + " must be rank 2");
   *rows = d[0];
   *cols = d[1];
   return ffi::Error::Success();
@@ -126,16 +75,16 @@ ffi::Error MakeDistill(ffi::Span<const int64_t> iopts, ffi::Span<const float> fo
                        int32_t backend, int32_t dtype, const ffi::AnyBuffer& targets, int64_t n,
                        fce_options* o, fce_teacher* t) {
   if (iopts.size() != kDIopts || fopts.size() != kDFopts)
-    return DInvalid("distillation iopts must hold 3 int64 and fopts 4 float32 (fusedce/jax.py "
+    return Invalid("distillation iopts must hold 3 int64 and fopts 4 float32 (fusedce/jax.py "
                     "and the shim disagree: rebuild the shim)");
   int32_t tdt = FCE_INT32;
   if (targets.element_count()) {
     if (targets.element_type() == ffi::DataType::S64)
       tdt = FCE_INT64;
     else if (targets.element_type() != ffi::DataType::S32)
-      return DInvalid("targets must be int32/int64");
+      return Invalid("targets must be int32/int64");
     if (static_cast<int64_t>(targets.element_count()) != n)
-      return DInvalid("targets must have one element per row");
+      return Invalid("targets must have one element per row");
   }
   std::memset(o, 0, sizeof(*o));
   o->struct_size = g_doptions_size;
@@ -161,21 +110,12 @@ ffi::Error LossAndUpstream(const fce_options& o, int64_t n, const ffi::AnyBuffer
   const int64_t per = o.reduction == FCE_REDUCTION_NONE ? n : 1;
   if (loss.element_type() != ffi::DataType::F32 ||
       static_cast<int64_t>(loss.element_count()) != per)
-    return DInvalid("loss must be float32 of " + std::to_string(per) + " elements");
+    return Invalid("loss must be float32 of " + std::to_string(per) + " elements");
   if (grad_output.element_count() &&
       (grad_output.element_type() != ffi::DataType::F32 ||
        static_cast<int64_t>(grad_output.element_count()) != per))
-    return DInvalid("grad_output must be float32 of " + std::to_string(per) +
+    return Invalid("grad_output must be float32 of " + std::to_string(per) +
                     " elements (or empty)");
-  return ffi::Error::Success();
-}
-
-ffi::Error DWorkspace(ffi::Result<ffi::AnyBuffer>& ws, void** ptr, size_t* bytes) {
-  if (ws->element_type() != ffi::DataType::U8 || ws->dimensions().size() != 1)
-    return DInvalid("the workspace (the last result) must be a uint8 vector (fusedce/jax.py "
-                    "and the shim disagree: rebuild the shim)");
-  *bytes = ws->size_bytes();
-  *ptr = *bytes ? ws->untyped_data() : nullptr;
   return ffi::Error::Success();
 }
 
@@ -193,14 +133,14 @@ ffi::Error Distill(int32_t backend, void* stream, ffi::AnyBuffer logits, ffi::An
   if (auto e = DMatrix(logits, "logits", &n, &v); e.failure()) return e;
   if (auto e = DMatrix(teacher, "teacher_logits", &tn, &tv); e.failure()) return e;
   int32_t dt;
-  if (!DFloatCode(logits.element_type(), &dt))
-    return DInvalid("logits must be float32, float16 or bfloat16");
+  if (!FloatCode(logits.element_type(), &dt))
+    return Invalid("logits must be float32, float16 or bfloat16");
   if (teacher.element_type() != logits.element_type() || tn != n || tv != v)
-    return DInvalid("teacher_logits must be [N, V] of the student logits' dtype");
-  void* g = DOpt(grad);
+    return Invalid("teacher_logits must be [N, V] of the student logits' dtype");
+  void* g = Opt(grad);
   if (g && (grad->element_type() != logits.element_type() ||
             static_cast<int64_t>(grad->element_count()) != n * v))
-    return DInvalid("grad must be [N, V] of the logits' dtype");
+    return Invalid("grad must be [N, V] of the logits' dtype");
   fce_options o;
   fce_teacher t;
   if (auto e = MakeDistill(iopts, fopts, backend, dt, targets, n, &o, &t); e.failure()) return e;
@@ -210,11 +150,11 @@ ffi::Error Distill(int32_t backend, void* stream, ffi::AnyBuffer logits, ffi::An
   out.loss = static_cast<float*>(loss->untyped_data());
   fce_gradients grads = FCE_GRADIENTS_INIT;
   grads.grad_logits = g;
-  grads.grad_output = static_cast<const float*>(DOpt(grad_output));
+  grads.grad_output = static_cast<const float*>(Opt(grad_output));
   void* ws;
   size_t ws_bytes;
-  if (auto e = DWorkspace(workspace, &ws, &ws_bytes); e.failure()) return e;
-  if (fce_status st = g_dapi.distill(&o, &t, n, v, logits.untyped_data(), DOpt(targets), &out,
+  if (auto e = Workspace(workspace, &ws, &ws_bytes); e.failure()) return e;
+  if (fce_status st = g_dapi.distill(&o, &t, n, v, logits.untyped_data(), Opt(targets), &out,
                                      g ? &grads : nullptr, ws, ws_bytes, stream))
     return DFail(st, "fce_distill");
   return ffi::Error::Success();
@@ -238,25 +178,25 @@ ffi::Error LinearDistill(int32_t backend, void* stream, ffi::AnyBuffer hidden,
   if (auto e = DMatrix(weight, "weight", &v, &d2); e.failure()) return e;
   if (auto e = DMatrix(teacher_hidden, "teacher_hidden", &tn, &td); e.failure()) return e;
   if (auto e = DMatrix(teacher_weight, "teacher_weight", &tv, &td2); e.failure()) return e;
-  if (d2 != d) return DInvalid("weight must be [V, D] with the D of hidden");
+  if (d2 != d) return Invalid("weight must be [V, D] with the D of hidden");
   if (tn != n || tv != v || td2 != td)
-    return DInvalid("teacher_hidden must be [N, D'] and teacher_weight [V, D']");
+    return Invalid("teacher_hidden must be [N, D'] and teacher_weight [V, D']");
   int32_t dt;
-  if (!DFloatCode(hidden.element_type(), &dt))
-    return DInvalid("hidden must be float32, float16 or bfloat16");
+  if (!FloatCode(hidden.element_type(), &dt))
+    return Invalid("hidden must be float32, float16 or bfloat16");
   if (weight.element_type() != hidden.element_type() ||
       teacher_hidden.element_type() != hidden.element_type() ||
       teacher_weight.element_type() != hidden.element_type())
-    return DInvalid("hidden, weight, teacher_hidden and teacher_weight must have one dtype");
-  void* gh = DOpt(grad_hidden);
-  void* gw = DOpt(grad_weight);
+    return Invalid("hidden, weight, teacher_hidden and teacher_weight must have one dtype");
+  void* gh = Opt(grad_hidden);
+  void* gw = Opt(grad_weight);
   if (gh && (grad_hidden->element_type() != hidden.element_type() ||
              static_cast<int64_t>(grad_hidden->element_count()) != n * d))
-    return DInvalid("grad_hidden must be [N, D] of the hidden states' dtype");
+    return Invalid("grad_hidden must be [N, D] of the hidden states' dtype");
   if (gw && ((grad_weight->element_type() != weight.element_type() &&
               grad_weight->element_type() != ffi::DataType::F32) ||
              static_cast<int64_t>(grad_weight->element_count()) != v * d))
-    return DInvalid("grad_weight must be [V, D] of the weight's dtype or float32");
+    return Invalid("grad_weight must be [V, D] of the weight's dtype or float32");
   fce_options o;
   fce_teacher t;
   if (auto e = MakeDistill(iopts, fopts, backend, dt, targets, n, &o, &t); e.failure()) return e;
@@ -271,12 +211,12 @@ ffi::Error LinearDistill(int32_t backend, void* stream, ffi::AnyBuffer hidden,
   fce_gradients grads = FCE_GRADIENTS_INIT;
   grads.grad_hidden = gh;
   grads.grad_weight = gw;
-  grads.grad_output = static_cast<const float*>(DOpt(grad_output));
+  grads.grad_output = static_cast<const float*>(Opt(grad_output));
   void* ws;
   size_t ws_bytes;
-  if (auto e = DWorkspace(workspace, &ws, &ws_bytes); e.failure()) return e;
+  if (auto e = Workspace(workspace, &ws, &ws_bytes); e.failure()) return e;
   if (fce_status st = g_dapi.linear_distill(&o, &t, n, d, v, hidden.untyped_data(),
-                                            weight.untyped_data(), DOpt(targets), &out,
+                                            weight.untyped_data(), Opt(targets), &out,
                                             (gh || gw) ? &grads : nullptr, ws, ws_bytes,
                                             stream))
     return DFail(st, "fce_linear_distill");
@@ -341,23 +281,16 @@ FCE_JAX_API int fce_jax_distill_init(const char* library_path, size_t options_si
     return -1;
   }
   DistillApi a{};
-  const char* names[] = {"fce_last_error", "fce_status_string", "fce_options_default",
-                         "fce_distill", "fce_linear_distill"};
-  void* ptrs[5];
   std::string missing;
-  for (int i = 0; i < 5; ++i) {
-    ptrs[i] = dlsym(h, names[i]);
-    if (!ptrs[i]) missing += missing.empty() ? names[i] : std::string(", ") + names[i];
-  }
+  Sym(h, "fce_last_error", a.last_error, missing);
+  Sym(h, "fce_status_string", a.status_string, missing);
+  Sym(h, "fce_options_default", a.options_default, missing);
+  Sym(h, "fce_distill", a.distill, missing);
+  Sym(h, "fce_linear_distill", a.linear_distill, missing);
   if (!missing.empty()) {
     g_dinit_error = std::string(library_path) + " lacks " + missing;
     return -1;
   }
-  a.last_error = reinterpret_cast<decltype(a.last_error)>(ptrs[0]);
-  a.status_string = reinterpret_cast<decltype(a.status_string)>(ptrs[1]);
-  a.options_default = reinterpret_cast<decltype(a.options_default)>(ptrs[2]);
-  a.distill = reinterpret_cast<decltype(a.distill)>(ptrs[3]);
-  a.linear_distill = reinterpret_cast<decltype(a.linear_distill)>(ptrs[4]);
   g_dapi = a;
   g_doptions_size = options_size;
   g_dready = true;
