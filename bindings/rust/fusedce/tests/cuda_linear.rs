@@ -4,17 +4,7 @@
 #![allow(dead_code, unused_imports)]
 mod common;
 
-use std::ffi::c_void;
-use std::ptr;
-
-use common::{assert_close, backward_rtol, to_f64, Rng};
-use fusedce::bits::{bf16_to_f32, f32_to_bf16};
-use fusedce::{
-    backward, backward_rescale, forward, linear_ce, raw, Backend, BackwardBuffers, Dtype,
-    ForwardBuffers, LinearCeBuffers, Options, Reduction, Status, TargetDtype,
-    FLAG_TARGET_OUT_OF_RANGE,
-};
-
+// the harness, with the imports both crates use
 include!("cuda_support/harness.rs");
 
 // ============================================================================ linear_ce ==

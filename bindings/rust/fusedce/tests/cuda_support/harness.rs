@@ -2,6 +2,17 @@
 // include!: the CUDA runtime opened with dlopen, device buffers and streams, the dtypes and
 // the comparisons. Each crate uses part of it.
 
+use std::ffi::c_void;
+use std::ptr;
+
+use common::{assert_close, backward_rtol, to_f64, Rng};
+use fusedce::bits::{bf16_to_f32, f32_to_bf16};
+use fusedce::{
+    backward, backward_rescale, forward, linear_ce, raw, Backend, BackwardBuffers, Dtype,
+    ForwardBuffers, LinearCeBuffers, Options, Reduction, Status, TargetDtype,
+    FLAG_TARGET_OUT_OF_RANGE,
+};
+
 // =============================================================== the CUDA runtime, dlopen'ed ==
 
 mod cudart {
