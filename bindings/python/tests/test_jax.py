@@ -34,20 +34,7 @@ if ON_GPU and not fusedce.cuda_available():
                 allow_module_level=True)
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _shim_cache(tmp_path_factory):
-    """Build the shim into a temporary cache (once per session) unless told where it is."""
-    if os.environ.get("FUSEDCE_JAX_LIBRARY") or os.environ.get("FUSEDCE_JAX_CACHE_DIR"):
-        yield
-        return
-    try:
-        jax_ffi.compiler()
-    except jax_ffi.ShimBuildError as e:
-        pytest.skip(str(e))
-    os.environ["FUSEDCE_JAX_CACHE_DIR"] = str(tmp_path_factory.mktemp("fusedce_jax_cache"))
-    yield
-    del os.environ["FUSEDCE_JAX_CACHE_DIR"]
-
+pytestmark = pytest.mark.usefixtures("jax_shim_cache")
 
 from fusedce.jax import OUTPUT_FIELDS, cross_entropy, linear_cross_entropy  # noqa: E402
 

@@ -8,7 +8,6 @@ backend (the latter skipped where JAX has no GPU or libfusedce no CUDA backend).
 Skipped as a whole when jax is not installed (fusedce.jax is optional).
 """
 
-import os
 
 import numpy as np
 import pytest
@@ -20,23 +19,8 @@ if not hasattr(jax, "ffi") or not hasattr(jax.ffi, "ffi_call"):
     pytest.skip("fusedce.jax needs jax >= 0.4.35 (jax.ffi)", allow_module_level=True)
 
 import fusedce  # noqa: E402
-from fusedce import jax_ffi  # noqa: E402
 
-
-@pytest.fixture(scope="session", autouse=True)
-def _shim_cache(tmp_path_factory):
-    """Build the shim into a temporary cache (once per session) unless told where it is."""
-    if os.environ.get("FUSEDCE_JAX_LIBRARY") or os.environ.get("FUSEDCE_JAX_CACHE_DIR"):
-        yield
-        return
-    try:
-        jax_ffi.compiler()
-    except jax_ffi.ShimBuildError as e:
-        pytest.skip(str(e))
-    os.environ["FUSEDCE_JAX_CACHE_DIR"] = str(tmp_path_factory.mktemp("fusedce_jax_cache"))
-    yield
-    del os.environ["FUSEDCE_JAX_CACHE_DIR"]
-
+pytestmark = pytest.mark.usefixtures("jax_shim_cache")
 
 from fusedce.jax import (cross_entropy, distill, linear_cross_entropy,  # noqa: E402
                          linear_distill)

@@ -11,6 +11,8 @@ import jax.numpy as jnp  # noqa: E402
 
 from fusedce.jax import cross_entropy, linear_cross_entropy  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("jax_shim_cache")
+
 REDUCTIONS = ["mean", "sum", "none"]
 S, C = 0.8, 4.0  # logit_scale, softcap
 TOL = 2e-5
