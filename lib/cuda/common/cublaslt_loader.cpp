@@ -98,8 +98,11 @@ bool take(void* handle, std::string* why) {
   ok &= bind(handle, "cublasLtMatmulAlgoGetHeuristic", &t.heuristic, &missing);
   ok &= bind(handle, "cublasLtMatmul", &t.matmul, &missing);
   ok &= bind(handle, "cublasLtMatmulAlgoConfigGetAttribute", &t.algo_config_get, &missing);
-  ok &= bind(handle, "cublasLtMatmulAlgoConfigSetAttribute", &t.algo_config_set, &missing);
-  ok &= bind(handle, "cublasLtMatmulAlgoCheck", &t.algo_check, &missing);
+  // optional: only batch_invariant's fallback to an unsplit algorithm calls them (absent, the
+  // call answers CUBLAS_STATUS_NOT_INITIALIZED and that GEMM is refused with a message)
+  std::string optional;
+  bind(handle, "cublasLtMatmulAlgoConfigSetAttribute", &t.algo_config_set, &optional);
+  bind(handle, "cublasLtMatmulAlgoCheck", &t.algo_check, &optional);
   if (!ok) {
     *why = "lacks " + missing;
     dlclose(handle);
