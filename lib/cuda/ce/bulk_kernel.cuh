@@ -215,7 +215,9 @@ __device__ __forceinline__ void bulk_produce(const KParams& p, BulkShared& sh, c
 }
 
 // Thread ct's share of a stage's nv whole vectors (vectors ct, ct + kBulkConsumers, …, the row's
-// vectors v_begin + i), folded into its partial; U vectors read from shared memory at a time.
+// vectors v_begin + i), folded into its partial; U vectors read from shared memory at a time,
+// a whole group of 16-bit kUnit vectors with the maximum first (fold_group_unit) unless the
+// argmax is tracked.
 template <class TZ, int MODE>
 __device__ __forceinline__ void fold_stage(const KParams& p, const uint4* sv, int nv, int v_begin,
                                            int lead, float c, int ct, Partial& acc,
@@ -228,6 +230,12 @@ __device__ __forceinline__ void fold_stage(const KParams& p, const uint4* sv, in
     for (int u = 0; u < U; ++u) {
       const int i = i0 + u * kBulkConsumers;
       buf[u] = i < nv ? sv[i] : make_uint4(0u, 0u, 0u, 0u);
+    }
+    if constexpr (MODE == kUnit && E == 8) {  // a whole group: the maximum first
+      if (!want_argmax && i0 + (U - 1) * kBulkConsumers < nv) {
+        fold_group_unit<TZ, U>(buf, acc);
+        continue;
+      }
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {

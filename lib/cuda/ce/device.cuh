@@ -159,10 +159,40 @@ template <bool SW> __device__ __forceinline__ void warp_reduce(Partial& x) {
   }
 }
 
+// A sum s taken against m, rescaled to M ≥ m: s itself when m = M (which also covers
+// m = M = ±inf: no inf − inf), else s·exp(m − M) (0 when m = −inf or the factor underflows);
+// combine's term.
+__device__ __forceinline__ float rescaled(float s, float m, float M) {
+  return m == M ? s : __fmul_rn(s, ex2(__fmul_rn(__fsub_rn(m, M), kLog2e)));
+}
+
+// A warp's (max, Σ) with the maximum first: the lanes' maximum M (a butterfly of fmaxf), then
+// each lane's sum rescaled to M once and the sums added in a butterfly. Every lane ends with
+// the same bits. Against warp_reduce's merge at each of five levels (two exponentials, a
+// compare and a select each): 4 instructions per lane in place of about 45.
+__device__ __forceinline__ Partial warp_reduce_max_first(const Partial& x) {
+  float M = x.m;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+  float s = rescaled(x.s, x.m, M);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, o));
+  return Partial{M, s, 0.0};
+}
+
 // CTA-wide reduce that every warp finishes itself (the same tree, so the same bits in every
-// lane of every warp): no second barrier to broadcast the result.
+// lane of every warp): no second barrier to broadcast the result. Without label smoothing
+// (SW = false) both levels take the maximum first (warp_reduce_max_first).
 template <bool SW> __device__ __forceinline__ Partial block_reduce_all(Partial x, Partial* s_warp) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  if constexpr (!SW) {
+    x = warp_reduce_max_first(x);
+    if (lane == 0) s_warp[warp] = x;
+    __syncthreads();
+    Partial r = partial_identity();
+    if (lane < nwarps) r = s_warp[lane];
+    return warp_reduce_max_first(r);
+  }
   warp_reduce<SW>(x);
   if (lane == 0) s_warp[warp] = x;
   __syncthreads();
@@ -201,6 +231,84 @@ __device__ __forceinline__ float block_sum_t(const Partial& acc, float M, float 
   for (int o = 16; o > 0; o >>= 1) tot = __fadd_rn(tot, __shfl_xor_sync(0xffffffffu, tot, o));
   __syncthreads();  // s_warp may be used again
   return tot;
+}
+
+// ------------------------------------------- 16-bit rows, the maximum first ----
+// A row's (or a thread's share's) maximum can be taken on the raw 16-bit values two at a time
+// (max.bf16x2 / max.f16x2, sm_80+: like fmaxf, a NaN loses against a number) when a = z (kUnit),
+// and its Σ exp then against that maximum with no running maximum to test and no rescale per
+// vector (the register path's two-pass fold, regs_row; the bulk kernel's groups, fold_group_unit).
+template <class TZ>
+__device__ __forceinline__ uint32_t packed_neg_inf() {
+  static_assert(Ty<TZ>::kBytes == 2, "the two-pass fold is for 16-bit rows");
+  return std::is_same<TZ, __half>::value ? 0xfc00fc00u : 0xff80ff80u;
+}
+template <class TZ>
+__device__ __forceinline__ uint32_t max2_raw(uint32_t a, uint32_t b) {
+  uint32_t r;
+  if constexpr (std::is_same<TZ, __half>::value)
+    asm("max.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  else asm("max.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+// The maximum of a packed running maximum pm (max2_raw) and a float one fm.
+template <class TZ>
+__device__ __forceinline__ float max_total(uint32_t pm, float fm) {
+  return fmaxf(fm, fmaxf(raw_to_float<TZ>(pm & 0xffffu), raw_to_float<TZ>(pm >> 16)));
+}
+// Σ exp(a − ms) of a vector's in-row elements into s2 with one FFMA per term (the second pass of
+// the two-pass fold, without t): the term is 2^(a·log2e − C), C = ms·log2e rounded, which is
+// exp(a − ms) to the same one rounding of its exponent as sumexp_vector's (a − ms exact, then
+// ·log2e) times 2^r, r = ms·log2e − C (exact by an FMA), the same factor in every term: the
+// caller multiplies the sum by 2^−r once. Only for |ms| < kFfmaSumMax = 2^20, where |r| ≤ 2^−4
+// (half an ulp of C); a row whose maximum is larger (up to ±FLT_MAX: rule 9's constant huge
+// rows) keeps the subtraction, exact there.
+constexpr float kFfmaSumMax = 1048576.f;
+template <class TZ, class I>
+__device__ __forceinline__ void sumexp_vector_c(const uint4& raw, I j0, bool full, int V, float C,
+                                                float& s2) {
+  constexpr int E = vec_elems<TZ>();
+  float a[E];
+  unpack<TZ>(raw, a);
+  if (!full) {
+#pragma unroll
+    for (int q = 0; q < E; ++q)
+      if (j0 + q < 0 || j0 + q >= V) a[q] = neg_inf();
+  }
+#pragma unroll
+  for (int q = 0; q < E; ++q) s2 = __fadd_rn(s2, ex2(__fmaf_rn(a[q], kLog2e, -C)));
+}
+// kUnit, 16-bit: U full vectors folded into acc with the maximum first: their maximum on the
+// packed raw values, one rescale of acc to the new maximum, then one FFMA and an exponential per
+// element (sumexp_vector_c) — against online_vector's maximum, test and rescale per vector.
+// The caller keeps online_vector where the argmax is tracked.
+template <class TZ, int U>
+__device__ __forceinline__ void fold_group_unit(const uint4 (&buf)[U], Partial& acc) {
+  uint32_t pm = packed_neg_inf<TZ>();
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+    pm = max2_raw<TZ>(pm, max2_raw<TZ>(max2_raw<TZ>(buf[u].x, buf[u].y),
+                                       max2_raw<TZ>(buf[u].z, buf[u].w)));
+  const float mn = fmaxf(acc.m, max_total<TZ>(pm, neg_inf()));
+  acc.s = rescaled(acc.s, acc.m, mn);
+  acc.m = mn;
+  const float ms = mn == neg_inf() ? 0.f : mn;  // all −inf so far: every term is exp(−inf) = 0
+  if (fabsf(ms) < kFfmaSumMax) {
+    const float C = __fmul_rn(ms, kLog2e), r = __fmaf_rn(ms, kLog2e, -C);
+    float s2 = 0.f;
+#pragma unroll
+    for (int u = 0; u < U; ++u) sumexp_vector_c<TZ>(buf[u], 0, true, 0, C, s2);
+    acc.s = __fadd_rn(acc.s, __fmul_rn(s2, ex2(-r)));
+  } else {  // (a huge or infinite maximum: the subtraction, exact)
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      float a[vec_elems<TZ>()];
+      unpack<TZ>(buf[u], a);
+#pragma unroll
+      for (int q = 0; q < vec_elems<TZ>(); ++q)
+        acc.s = __fadd_rn(acc.s, ex2(__fmul_rn(__fsub_rn(a[q], ms), kLog2e)));
+    }
+  }
 }
 
 // Phase 1 on one vector: online max / Σexp (and Σω·(a − c) when smoothing) of its in-row

@@ -9,7 +9,9 @@
 // registers keep two CTAs per SM, one's loads under the other's math (the general mode, label
 // smoothing, runs one). Each CTA first asks the L2 for a later row's slice. Four modes per dtype
 // pair (unit: s = 1, plain, softcap, general) keep the hot ones lean; ROWT instantiations (all but
-// general) add rule 18's entropy and lse / entropy gradient terms. Included by ce/kernels.cu
+// general) add rule 18's entropy and lse / entropy gradient terms. A thread whose register slots
+// are all full and inside its slice (the fast slots) runs its loops without a test per slot, and
+// the reductions take the maximum first. Included by ce/kernels.cu
 // alone (its anonymous namespace). The measurements behind each choice: dev/NOTES.md.
 #pragma once
 
@@ -46,6 +48,10 @@ struct RegShared {
   uint64_t best_part;
   alignas(16) Partial slots[kMaxCluster];  // the cluster's partials (the mbarrier exchange)
   uint64_t mbar;
+  // The fast slots (regs_row): the thread whose registers hold the target's vector (−1: none)
+  // and the target's logit z_y, for it to store the target's gradient after its vectors.
+  int own;
+  float zy;
 };
 
 // Asks the L2 to fetch this CTA's slice of row lrow (of this launch) now: the full 16-byte
@@ -102,19 +108,6 @@ __device__ __forceinline__ double fold_t(const Partial& mine, float M, int k) {
 // a NaN loses against a number; a = z in kUnit, so the maximum of the raw values is the
 // maximum of the a's); a partial vector into a float one (only its in-row elements). 16-bit
 // rows only: float32 rows keep the online fold.
-template <class TZ>
-__device__ __forceinline__ uint32_t packed_neg_inf() {
-  static_assert(Ty<TZ>::kBytes == 2, "the two-pass fold is for 16-bit rows");
-  return std::is_same<TZ, __half>::value ? 0xfc00fc00u : 0xff80ff80u;
-}
-template <class TZ>
-__device__ __forceinline__ uint32_t max2_raw(uint32_t a, uint32_t b) {
-  uint32_t r;
-  if constexpr (std::is_same<TZ, __half>::value)
-    asm("max.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-  else asm("max.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-  return r;
-}
 template <class TZ, class I>
 __device__ __forceinline__ void max_vector(const uint4& raw, I j0, bool full, int V, uint32_t& pm,
                                            float& fm) {
@@ -131,11 +124,6 @@ __device__ __forceinline__ void max_vector(const uint4& raw, I j0, bool full, in
 #pragma unroll
   for (int q = 0; q < E; ++q)
     if (full || (j0 + q >= 0 && j0 + q < V)) fm = fmaxf(fm, a[q]);
-}
-// The maximum a max_vector pass left in (pm, fm).
-template <class TZ>
-__device__ __forceinline__ float max_total(uint32_t pm, float fm) {
-  return fmaxf(fm, fmaxf(raw_to_float<TZ>(pm & 0xffffu), raw_to_float<TZ>(pm >> 16)));
 }
 // Σ exp(a − ms) of a vector's in-row elements into s, each term as online_vector adds it (the
 // second pass of the two-pass fold). WITH_T (ROWT, docs/semantics.md rule 18): also
@@ -237,6 +225,38 @@ grad_vector_lean(const uint4& raw, int j0, bool full, bool vec_ok, const KParams
   }
 }
 
+// The gradient of one full vector of a valid row without label smoothing, stored at dst (a
+// 16-byte vector store: the fast slots of regs_row), its target element aside (regs_row stores
+// that after its vectors, from RowInfo::zy): grad_vector's other elements, the same bits, without
+// its tests. nlsl = −ls·log2e, prob's second term, once per row.
+template <class TZ, class TG, int MODE>
+__device__ __forceinline__ void grad_vector_full(const uint4& raw, const KParams& p,
+                                                 const RowGrad& rg, float nlsl, char* dst) {
+  constexpr int E = vec_elems<TZ>();
+  float g[E];
+  unpack<TZ>(raw, g);
+#pragma unroll
+  for (int q = 0; q < E; ++q) {
+    float t;
+    const float a = xform<MODE>(g[q], p, t);
+    const float pr = ex2(__fmaf_rn(__fsub_rn(a, rg.m), kLog2e, nlsl));  // prob(a, rg.m, rg.ls)
+    g[q] = grad_elem<MODE>(p, rg, pr, 0.f, t);
+  }
+  store_grad<TG, E>(dst, 0, true, true, p.vocab, g);
+}
+
+// The cluster's (max, Σ) from its k CTA partials (lane r holds rank r's) with the maximum
+// first: M over the ranks, each lane's sum rescaled to M once, the sums added in rank order.
+// Every warp gets the same bits. (With label smoothing regs_row merges them with combine.)
+__device__ __forceinline__ Partial fold_ranks(const Partial& mine, int k) {
+  float M = neg_inf();
+  for (int r = 0; r < k; ++r) M = fmaxf(M, __shfl_sync(0xffffffffu, mine.m, r));
+  const float term = rescaled(mine.s, mine.m, M);
+  float s = 0.f;
+  for (int r = 0; r < k; ++r) s = __fadd_rn(s, __shfl_sync(0xffffffffu, term, r));
+  return Partial{M, s, 0.0};
+}
+
 // One row (lrow, of this launch) by one CTA of its cluster: the body of ce_rows_regs_kernel.
 // xmbar: the cluster's partials are exchanged through st.async and this CTA's mbarrier (one
 // row per CTA, no argmax: ce_rows_regs_kernel set it up), else through cluster barriers.
@@ -269,14 +289,40 @@ __device__ __forceinline__ void regs_row(const KParams& p, int64_t lrow, int64_t
   }
   if (tid == 0 && next_lrow < p.rows_in_launch) prefetch_slice<TZ>(p, next_lrow, k, rank);
   const bool want_argmax = p.argmax_out != nullptr || p.row_correct != nullptr;
+  // The fast slots (16-bit rows without label smoothing): when this thread's register slots are
+  // all inside the slice and full, but perhaps the last, which is then past the slice, and its
+  // gradient row takes vector stores, its loops over them below run without a test per slot
+  // (the slice's end, a partial vector's element loads, a scalar store, the target's column): on
+  // the H200 those tests were about a fifth of the kernel's instructions at 16384×128256 bf16
+  // (docs/performance.md). Every other thread (at most a warp or two of a CTA: the row's ends,
+  // the slice's end) takes the general loops, and shared-memory slots keep theirs.
+  constexpr bool kFast = E == 8 && !SW;
+  bool fast = false, has_last = false;
+  if constexpr (kFast) {
+    has_last = v0 + (kRegVpt - 1) * nt < vend;
+    const int jl = j00 + (has_last ? kRegVpt - 1 : kRegVpt - 2) * jstep;  // the last held slot
+    fast = j00 >= 0 && v0 + (kRegVpt - 2) * nt < vend && jl <= V - E &&
+           (!p.grad || grad_vec_ok<TZ, TG>(p.grad + lrow * p.g_row_bytes, lead));
+  }
   // ---- all loads of the slice in flight at once
   uint4 buf[kRegVpt];
+  if (fast) {
+    const char* b = zrow + int64_t(j00) * eb;
+    const int64_t sb = int64_t(jstep) * eb;
 #pragma unroll
-  for (int i = 0; i < kRegVpt; ++i) {
-    const int j0 = j00 + i * jstep;
-    buf[i] = make_uint4(0u, 0u, 0u, 0u);
-    if (v0 + i * nt < vend)
-      buf[i] = load_vector<TZ, kStreaming>(zrow, j0, is_full<int, E>(j0, V), V);
+    for (int i = 0; i < kRegVpt - 1; ++i)
+      buf[i] = ld_vec<kStreaming>(reinterpret_cast<const uint4*>(b + i * sb));
+    buf[kRegVpt - 1] = make_uint4(0u, 0u, 0u, 0u);
+    if (has_last)
+      buf[kRegVpt - 1] = ld_vec<kStreaming>(reinterpret_cast<const uint4*>(b + (kRegVpt - 1) * sb));
+  } else {
+#pragma unroll
+    for (int i = 0; i < kRegVpt; ++i) {
+      const int j0 = j00 + i * jstep;
+      buf[i] = make_uint4(0u, 0u, 0u, 0u);
+      if (v0 + i * nt < vend)
+        buf[i] = load_vector<TZ, kStreaming>(zrow, j0, is_full<int, E>(j0, V), V);
+    }
   }
   // the argmax keys of the registers' elements against the row's maximum m (a row with a NaN or
   // +inf: the argmax note above)
@@ -307,8 +353,18 @@ __device__ __forceinline__ void regs_row(const KParams& p, int64_t lrow, int64_t
   // 86.6 %).
   constexpr bool kInfoAfterFold = Ty<TZ>::kBytes == 4;
 
-  if (!kInfoAfterFold && tid == 0)
+  if (!kInfoAfterFold && tid == 0) {
     s_info = load_row_info<TZ, MODE>(p, row, zrow, rank == 0 || p.token_scaling);
+    if constexpr (kFast) {  // the thread whose registers hold the target's vector, and z_y
+      const int yl = s_info.kind == kValid ? local_target<int, E>(p, s_info.y) : -1;
+      const int dv = (yl + lead) / E - v0;  // (tid 0: v0 is the CTA's first vector)
+      sh.own = -1;
+      if (p.grad && yl >= 0 && dv >= 0 && dv < kRegVpt * nt && v0 + dv < vend) {
+        sh.own = dv % nt;
+        sh.zy = raw_to_float<TZ>(ld_elem<TZ>(zrow + int64_t(yl) * eb));
+      }
+    }
+  }
   const float c = smoothing_reference<TZ, MODE>(p, zrow);
 
   // ---- phase 1: (max, Σexp[, Σω·(a − c)]) of the slice
@@ -326,21 +382,52 @@ __device__ __forceinline__ void regs_row(const KParams& p, int64_t lrow, int64_t
   if constexpr (MODE == kUnit && !SMEM && E == 8) {
     uint32_t pm = packed_neg_inf<TZ>();
     float fm = neg_inf();
+    if (fast) {
 #pragma unroll
-    for (int i = 0; i < kRegVpt; ++i) {
-      const int j0 = j00 + i * jstep;
-      if (v0 + i * nt < vend) max_vector<TZ>(buf[i], j0, is_full<int, E>(j0, V), V, pm, fm);
+      for (int i = 0; i < kRegVpt - 1; ++i) max_vector<TZ>(buf[i], 0, true, V, pm, fm);
+      if (has_last) max_vector<TZ>(buf[kRegVpt - 1], 0, true, V, pm, fm);
+    } else {
+#pragma unroll
+      for (int i = 0; i < kRegVpt; ++i) {
+        const int j0 = j00 + i * jstep;
+        if (v0 + i * nt < vend) max_vector<TZ>(buf[i], j0, is_full<int, E>(j0, V), V, pm, fm);
+      }
     }
     const float m = max_total<TZ>(pm, fm);
     const float ms = m == neg_inf() ? 0.f : m;  // all −inf: every term is exp(−inf) = 0
     float sum = 0.f;
     const auto sum_pass = [&](auto with_t) {
+      constexpr bool WT = decltype(with_t)::value;
+      if (!WT && fabsf(ms) < kFfmaSumMax) {  // one FFMA per term (sumexp_vector_c)
+        const float C = __fmul_rn(ms, kLog2e), r = __fmaf_rn(ms, kLog2e, -C);
+        float s2 = 0.f;
+        if (fast) {
+#pragma unroll
+          for (int i = 0; i < kRegVpt - 1; ++i) sumexp_vector_c<TZ>(buf[i], 0, true, V, C, s2);
+          if (has_last) sumexp_vector_c<TZ>(buf[kRegVpt - 1], 0, true, V, C, s2);
+        } else {
+#pragma unroll
+          for (int i = 0; i < kRegVpt; ++i) {
+            const int j0 = j00 + i * jstep;
+            if (v0 + i * nt < vend)
+              sumexp_vector_c<TZ>(buf[i], j0, is_full<int, E>(j0, V), V, C, s2);
+          }
+        }
+        sum = __fmul_rn(s2, ex2(-r));
+        return;
+      }
+      if (fast) {
+#pragma unroll
+        for (int i = 0; i < kRegVpt - 1; ++i)
+          sumexp_vector<TZ, WT>(buf[i], 0, true, V, ms, sum, tacc);
+        if (has_last) sumexp_vector<TZ, WT>(buf[kRegVpt - 1], 0, true, V, ms, sum, tacc);
+        return;
+      }
 #pragma unroll
       for (int i = 0; i < kRegVpt; ++i) {
         const int j0 = j00 + i * jstep;
         if (v0 + i * nt < vend)
-          sumexp_vector<TZ, decltype(with_t)::value>(buf[i], j0, is_full<int, E>(j0, V), V, ms, sum,
-                                                     tacc);
+          sumexp_vector<TZ, WT>(buf[i], j0, is_full<int, E>(j0, V), V, ms, sum, tacc);
       }
     };
     if (ROWT && need_t) sum_pass(std::true_type{});
@@ -355,19 +442,24 @@ __device__ __forceinline__ void regs_row(const KParams& p, int64_t lrow, int64_t
     }
     acc = Partial{m, sum, 0.0};
   } else {
+    const auto fold = [&](const uint4& raw, int j0, bool full) {
+      if constexpr (ROWT) {
+        if (need_t)
+          online_vector<TZ, MODE, int, true>(raw, j0, full, p, c, acc, want_argmax, am, &tacc);
+        else online_vector<TZ, MODE>(raw, j0, full, p, c, acc, want_argmax, am);
+      } else {
+        online_vector<TZ, MODE>(raw, j0, full, p, c, acc, want_argmax, am);
+      }
+    };
+    if (fast) {
 #pragma unroll
-    for (int i = 0; i < kRegVpt; ++i) {
-      const int j0 = j00 + i * jstep;
-      if (v0 + i * nt < vend) {
-        if constexpr (ROWT) {
-          if (need_t)
-            online_vector<TZ, MODE, int, true>(buf[i], j0, is_full<int, E>(j0, V), p, c, acc,
-                                               want_argmax, am, &tacc);
-          else
-            online_vector<TZ, MODE>(buf[i], j0, is_full<int, E>(j0, V), p, c, acc, want_argmax, am);
-        } else {
-          online_vector<TZ, MODE>(buf[i], j0, is_full<int, E>(j0, V), p, c, acc, want_argmax, am);
-        }
+      for (int i = 0; i < kRegVpt - 1; ++i) fold(buf[i], j00 + i * jstep, true);
+      if (has_last) fold(buf[kRegVpt - 1], j00 + (kRegVpt - 1) * jstep, true);
+    } else {
+#pragma unroll
+      for (int i = 0; i < kRegVpt; ++i) {
+        const int j0 = j00 + i * jstep;
+        if (v0 + i * nt < vend) fold(buf[i], j0, is_full<int, E>(j0, V));
       }
     }
     if constexpr (SMEM) {
@@ -412,9 +504,13 @@ __device__ __forceinline__ void regs_row(const KParams& p, int64_t lrow, int64_t
       Partial mine = partial_identity();
       if (lane < k) mine = sh.slots[lane];
       Partial f = partial_identity();
-      for (int r = 0; r < k; ++r)
-        combine<SW>(f, __shfl_sync(0xffffffffu, mine.m, r), __shfl_sync(0xffffffffu, mine.s, r),
-                    SW ? __shfl_sync(0xffffffffu, mine.sw, r) : 0.0);
+      if constexpr (SW) {
+        for (int r = 0; r < k; ++r)
+          combine<SW>(f, __shfl_sync(0xffffffffu, mine.m, r), __shfl_sync(0xffffffffu, mine.s, r),
+                      __shfl_sync(0xffffffffu, mine.sw, r));
+      } else {
+        f = fold_ranks(mine, k);
+      }
       if constexpr (ROWT)
         if (need_t) f.sw = fold_t(mine, f.m, k);
       fin = f;
@@ -425,9 +521,13 @@ __device__ __forceinline__ void regs_row(const KParams& p, int64_t lrow, int64_t
         Partial mine = partial_identity();
         if (tid < k) mine = *cooperative_groups::this_cluster().map_shared_rank(&sh.part, tid);
         Partial f = partial_identity();
-        for (int r = 0; r < k; ++r)
-          combine<SW>(f, __shfl_sync(0xffffffffu, mine.m, r), __shfl_sync(0xffffffffu, mine.s, r),
-                      SW ? __shfl_sync(0xffffffffu, mine.sw, r) : 0.0);
+        if constexpr (SW) {
+          for (int r = 0; r < k; ++r)
+            combine<SW>(f, __shfl_sync(0xffffffffu, mine.m, r), __shfl_sync(0xffffffffu, mine.s, r),
+                        __shfl_sync(0xffffffffu, mine.sw, r));
+        } else {
+          f = fold_ranks(mine, k);
+        }
         if constexpr (ROWT)
           if (need_t) f.sw = fold_t(mine, f.m, k);
         if (tid == 0) sh.fin = f;
@@ -499,12 +599,22 @@ __device__ __forceinline__ void regs_row(const KParams& p, int64_t lrow, int64_t
         const int yl = ri.kind == kValid ? local_target<int, E>(p, ri.y) : -2 * E;
         auto grad_all = [&](auto es) {
           constexpr bool ES = decltype(es)::value;
+          if (fast) {
 #pragma unroll
-          for (int i = 0; i < kRegVpt; ++i) {
-            const int j0 = j00 + i * jstep;
-            if (v0 + i * nt < vend)
-              grad_vector_lean<TZ, TG, MODE, ES>(buf[i], j0, is_full<int, E>(j0, V), vec_ok, p, rg,
-                                                 lt, rt, yl, grow);
+            for (int i = 0; i < kRegVpt - 1; ++i)
+              grad_vector_lean<TZ, TG, MODE, ES>(buf[i], j00 + i * jstep, true, true, p, rg, lt, rt,
+                                                 yl, grow);
+            if (has_last)
+              grad_vector_lean<TZ, TG, MODE, ES>(buf[kRegVpt - 1], j00 + (kRegVpt - 1) * jstep,
+                                                 true, true, p, rg, lt, rt, yl, grow);
+          } else {
+#pragma unroll
+            for (int i = 0; i < kRegVpt; ++i) {
+              const int j0 = j00 + i * jstep;
+              if (v0 + i * nt < vend)
+                grad_vector_lean<TZ, TG, MODE, ES>(buf[i], j0, is_full<int, E>(j0, V), vec_ok, p,
+                                                   rg, lt, rt, yl, grow);
+            }
           }
           if constexpr (SMEM) {
 #pragma unroll 1
@@ -521,6 +631,27 @@ __device__ __forceinline__ void regs_row(const KParams& p, int64_t lrow, int64_t
       }
     }
     if (done) {
+    } else if (ri.kind == kValid && fast) {
+      const RowGrad rg = make_row_grad<MODE>(p, ri, vals);
+      const float nlsl = -__fmul_rn(rg.ls, kLog2e);
+      char* const gb = grow + int64_t(j00) * Ty<TG>::kBytes;
+      const int64_t sb = int64_t(jstep) * Ty<TG>::kBytes;
+#pragma unroll
+      for (int i = 0; i < kRegVpt - 1; ++i)
+        grad_vector_full<TZ, TG, MODE>(buf[i], p, rg, nlsl, gb + i * sb);
+      if (has_last)
+        grad_vector_full<TZ, TG, MODE>(buf[kRegVpt - 1], p, rg, nlsl, gb + (kRegVpt - 1) * sb);
+      const int yl = local_target<int, E>(p, ri.y);
+      if (tid == sh.own)  // after its vector, by the same thread: this value stays
+        store_target<TG, MODE>(p, rg, sh.zy, int64_t(yl), grow);
+      if constexpr (SMEM) {  // the slots in shared memory, as below
+#pragma unroll 1
+        for (int i = 0; i < ns_used; ++i) {
+          const int j0 = j00 + (kRegVpt + i) * jstep;
+          grad_vector<TZ, TG, MODE>(svec[i * nt + tid], j0, is_full<int, E>(j0, V), vec_ok, p, rg,
+                                    yl, grow);
+        }
+      }
     } else if (ri.kind == kValid) {
       const RowGrad rg = make_row_grad<MODE>(p, ri, vals);
       const int yl = local_target<int, E>(p, ri.y);
