@@ -344,10 +344,14 @@ void choose_rows_path(const DeviceInfo& dev, const RowsQuery& q, RowsChoice* out
   const bool grad_fits = row_bytes + 16 <= kBulkRowBytes;
   RegConfig rc{1, kRegThreads, 0, 0};
   bool regs_ok = regs_possible && q.with_grad && choose_regs_shape(dev, q, &rc);
-  const bool grad_wins =
-      overrides().bulk_grad == 1 ||
-      (overrides().bulk_grad < 0 && row_bytes > int64_t{kRegVecsPerCta} * 16 &&
-       (!q.aligned_rows || row_bytes > int64_t{88} << 10) && !(regs_ok && rc.smem > 0));
+  // (since the fast register slots: 16-bit rows on a device of 4 TB/s or more, or of an unknown
+  // rate, even over a shape with slots)
+  const double dram = dev.m->props.dram_bytes_per_s;
+  const bool fast_dram = !(dram > 0 && dram < 4.0e12);
+  const bool grad_wins = overrides().bulk_grad == 1 ||
+                         (overrides().bulk_grad < 0 && row_bytes > int64_t{kRegVecsPerCta} * 16 &&
+                          (!q.aligned_rows || row_bytes > int64_t{88} << 10) &&
+                          ((q.elem_bytes == 2 && fast_dram) || !(regs_ok && rc.smem > 0)));
   const bool bulk_grad = (grad_wins || overrides().bulk == 2) && grad_fits;
   if (!q.backward && (!q.with_grad || bulk_grad) && overrides().bulk && overrides().path == 0 &&
       q.vocab <= (int64_t{1} << 30) && (row_bytes >= kBulkMinRowBytes || overrides().bulk == 2)) {

@@ -180,9 +180,13 @@ RowsChoice choose_rows(const DeviceProps& dev, const Knobs& knobs, const RowsSha
   // With a gradient the register shape decides the bulk rule, or is the path taken.
   RegConfig rc{1, kRegThreads, 0, 0};
   bool regs_ok = regs_possible && q.with_grad && choose_regs_shape(dev, knobs, q, kernels, &rc);
+  // (16-bit rows take it even where the register shape has slots on a device of
+  // bulk_grad_slots_dram or more, or of an unknown rate: policy.h's table)
+  const bool fast_dram =
+      !(dev.dram_bytes_per_s > 0 && dev.dram_bytes_per_s < t.bulk_grad_slots_dram);
   const bool bulk_grad_rule = row > t.bulk_grad_min_row &&
                               (!q.aligned_rows || row > t.bulk_grad_aligned_row) &&
-                              !(regs_ok && rc.smem > 0);
+                              ((q.elem_bytes == 2 && fast_dram) || !(regs_ok && rc.smem > 0));
   const bool bulk_grad =
       ((knobs.bulk_grad && bulk_grad_rule) || knobs.bulk == 2) && row + 16 <= kBulkRowBytes;
   // (V ≤ 2^30: the bulk kernel indexes a row's elements with int)

@@ -35,7 +35,8 @@ struct DeviceProps {
 //   sm_90+, forward only, row ≥ bulk_min_row, no row_terms           kBulk
 //   sm_90+, with a gradient, bulk_grad_min_row < row,
 //     row + 16 ≤ kBulkRowBytes, row unaligned or > bulk_grad_aligned_row,
-//     the register shape has no shared-memory slots, no row_terms     kBulk (with the gradient)
+//     a register shape without shared-memory slots (16-bit rows: any
+//     shape where DRAM ≥ bulk_grad_slots_dram), no row_terms       kBulk (with the gradient)
 //   forward only, row ≥ stream_min_row                               kTwoPass
 //   the register path's shape fits a cluster resident on the device  kRegisters
 //   otherwise                                                        kTwoPass
@@ -51,8 +52,13 @@ struct RowsTable {
   int64_t bulk_min_row;           // bytes
   int64_t bulk_grad_min_row;      // bytes: a register-path CTA holds less (kRegVecsPerCta)
   int64_t bulk_grad_aligned_row;  // bytes
-  int64_t stream_min_row;         // bytes
-  double resident_enough;         // of half the register file
+  // bytes/s: from this DRAM rate (or an unknown one) 16-bit rows take the bulk kernel with the
+  // gradient over a register shape with slots. The H200 (4.8 TB/s), where the slots' loops run
+  // instruction bound: 16384×50257 bf16 1.097 ms with slots (70 % of copy), 0.912 in bulk (84 %).
+  // The H100 (3.35 TB/s) measured the slots faster (89.7 → 92.5 %, before the fast slots).
+  double bulk_grad_slots_dram;
+  int64_t stream_min_row;  // bytes
+  double resident_enough;  // of half the register file
   int64_t smem_min_waves;
   double slot_share;
   int held_gain_pct;  // percent more row bytes resident per SM
@@ -65,6 +71,7 @@ constexpr RowsTable kRowsTable = {
     /* bulk_min_row          */ 16 << 10,
     /* bulk_grad_min_row     */ int64_t{kRegVecsPerCta} * 16,  // 64 KiB
     /* bulk_grad_aligned_row */ 88 << 10,
+    /* bulk_grad_slots_dram  */ 4.0e12,
     /* stream_min_row        */ 128 << 10,
     /* resident_enough       */ 115.0 / 128.0,  // 115 KiB of the 128 KiB of sm_80 / sm_90
     /* smem_min_waves        */ 16,
