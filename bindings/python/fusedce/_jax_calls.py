@@ -42,18 +42,14 @@ _TARGETS = {
 _LOCK = threading.Lock()
 _SHIM = None
 _SHIM_PATH = None
-# why the distillation handlers could not be bound (a library without fce_distill), else None:
-# the cross-entropy calls work without them, fusedce.jax.distill raises this
-_DISTILL_ERROR = None
 
 
 def register() -> str:
     """Load libfusedce (the Python binding's) and the shim (building it if needed), bind the
     shim to the library and register the FFI targets for the "cpu" and "CUDA" platforms. Done
     once, on the first call of :func:`cross_entropy` / :func:`linear_cross_entropy` (or of
-    the distillation calls, which also need fce_jax_distill_init to succeed); returns the
-    shim's path."""
-    global _SHIM, _SHIM_PATH, _DISTILL_ERROR
+    the distillation calls); returns the shim's path."""
+    global _SHIM, _SHIM_PATH
     with _LOCK:
         if _SHIM is not None:
             return _SHIM_PATH
@@ -72,11 +68,6 @@ def register() -> str:
         if shim.fce_jax_init(os.fsencode(lib_path), _lib.options_size()) != 0:
             raise ImportError("fusedce.jax: binding %s to %s failed: %s" % (
                 path, lib_path, shim.fce_jax_init_error().decode("utf-8", "replace")))
-        shim.fce_jax_distill_init.restype = ctypes.c_int
-        shim.fce_jax_distill_init.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
-        shim.fce_jax_distill_init_error.restype = ctypes.c_char_p
-        if shim.fce_jax_distill_init(os.fsencode(lib_path), _lib.options_size()) != 0:
-            _DISTILL_ERROR = shim.fce_jax_distill_init_error().decode("utf-8", "replace")
         for name, symbol in _TARGETS.items():
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(shim, symbol + "Cpu")),
                                         platform="cpu")

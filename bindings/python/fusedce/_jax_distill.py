@@ -32,11 +32,12 @@ from ._options import DistillOptions
 
 
 def check_ready(fn: str):
-    """Raise when the distillation handlers could not be bound to the loaded library."""
+    """Register the handlers; raise when the loaded library lacks the distillation calls."""
     _calls.register()
-    if _calls._DISTILL_ERROR is not None:
+    missing = _lib.lacks(_lib.DISTILL_SYMBOLS)
+    if missing:
         raise RuntimeError(f"{fn}: the loaded libfusedce has no distillation calls "
-                           f"({_calls._DISTILL_ERROR})")
+                           f"({_lib.library_path()} lacks {', '.join(missing)})")
 
 
 def _dattrs(opts: DistillOptions) -> dict:

@@ -467,6 +467,12 @@ def options_size() -> int:
     return _options_size_of(_LIB_VERSION)
 
 
+def lacks(names) -> list:
+    """Those of these functions (added after 0.1) that the loaded library lacks."""
+    load()
+    return [name for name in names if name in _LIB_MISSING]
+
+
 def has_vp() -> bool:
     """True when the loaded library has the vocabulary-parallel calls (fce_vp_*, 0.4)."""
     load()

@@ -417,10 +417,10 @@ def test_distill_errors(dev):
 
 def test_distill_without_library_support(dev, monkeypatch):
     """A libfusedce without the distillation calls: distill says so, naming itself."""
-    from fusedce import _jax_calls
+    from fusedce import _jax_calls, _lib
     z = _put(dev, _rand((4, V), 28))
     _jax_calls.register()
-    monkeypatch.setattr(_jax_calls, "_DISTILL_ERROR", "libfusedce.so lacks fce_distill")
+    monkeypatch.setattr(_lib, "_LIB_MISSING", _lib._LIB_MISSING | {"fce_distill"})
     with pytest.raises(RuntimeError, match="fusedce.jax.distill: .* lacks fce_distill"):
         distill(z, z)
 

@@ -39,7 +39,7 @@ SOURCE = os.path.join(HERE, "fusedce_jax.cc")
 SOURCES = (SOURCE, os.path.join(HERE, "fusedce_jax_distill.cc"))
 HEADERS = (os.path.join(HERE, "fusedce_jax_common.h"),)  # included by both sources
 LIBRARY_NAME = "libfusedce_jax.so"
-SHIM_ABI = 5  # FCE_JAX_ABI in fusedce_jax.cc: the handlers' argument / attribute layout
+SHIM_ABI = 6  # FCE_JAX_ABI in fusedce_jax.cc: the handlers' argument / attribute layout
 
 _PKG = os.path.dirname(HERE)                                   # .../fusedce
 _REPO_INCLUDE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(_PKG))),

@@ -66,38 +66,16 @@
 namespace ffi = xla::ffi;
 
 // Bumped whenever the handlers' arguments or attributes change: fusedce/jax.py checks it.
-#define FCE_JAX_ABI 5  // 5: probability targets, the distillation handlers (4: entropy,
+#define FCE_JAX_ABI 6  // 6: one init binds the distillation calls too (5: probability
+                       // targets, the distillation handlers; 4: entropy,
                        // grad_lse, grad_entropy; 3: libfusedce 1.0's calls)
 
-namespace {
-
-using namespace fce_jax;
-
-// ------------------------------------------------------------ the library, by dlsym ----
-struct Api {
-  unsigned (*version)(void);
-  const char* (*last_error)(void);
-  const char* (*status_string)(fce_status);
-  void (*options_default)(fce_options*);
-  fce_status (*forward)(const fce_options*, int64_t, int64_t, const void*, const void*,
-                        const fce_outputs*, const fce_gradients*, void*, size_t, void*);
-  fce_status (*backward)(const fce_options*, int64_t, int64_t, const void*, const void*,
-                         const float*, const fce_outputs*, const fce_gradients*, void*, size_t,
-                         void*);
-  fce_status (*backward_rescale)(const fce_options*, int64_t, int64_t, const void*, const void*,
-                                 const float*, const fce_outputs*, const fce_gradients*, void*,
-                                 size_t, void*);
-  fce_status (*linear_ce)(const fce_options*, int64_t, int64_t, int64_t, const void*,
-                          const void*, const void*, const void*, const fce_outputs*,
-                          const fce_gradients*, void*, size_t, void*);
-  fce_status (*scale_gradient)(int32_t, int32_t, int64_t, void*, const float*, void*);
-};
+namespace fce_jax {
 
 Api g_api;
 bool g_ready = false;
 size_t g_options_size = 0;
 std::string g_init_error = "fce_jax_init was not called";
-std::mutex g_init_mutex;
 
 ffi::Error NotReady() {
   return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
@@ -109,8 +87,6 @@ ffi::Error Fail(fce_status st, const char* fn) {
   return StatusError(st, fn, g_api.last_error, g_api.status_string);
 }
 
-// A function or option the loaded library is too old for (bindings/README.md, "Library
-// versions"): "<what>: needs libfusedce >= <since>; the loaded library is <version>".
 ffi::Error NeedsError(const char* what, const char* since) {
   unsigned v = g_api.version ? g_api.version() : 0;
   return ffi::Error(ffi::ErrorCode::kUnimplemented,
@@ -118,6 +94,14 @@ ffi::Error NeedsError(const char* what, const char* since) {
                         "; the loaded library is " + std::to_string(v / 10000) + "." +
                         std::to_string(v / 100 % 100) + "." + std::to_string(v % 100));
 }
+
+}  // namespace fce_jax
+
+namespace {
+
+using namespace fce_jax;
+
+std::mutex g_init_mutex;
 
 // ---------------------------------------------------------------------- helpers ----
 bool TargetCode(ffi::DataType t, int32_t* code) {
@@ -553,6 +537,10 @@ FCE_JAX_API int fce_jax_init(const char* library_path, size_t options_size) {
   std::string optional;
   Sym(h, "fce_backward_rescale", a.backward_rescale, optional);
   Sym(h, "fce_scale_gradient", a.scale_gradient, optional);
+  // 1.0's distillation calls (fusedce_jax_distill.cc): optional like those (NeedsError), so
+  // that the cross-entropy handlers keep working with a library that lacks them
+  Sym(h, "fce_distill", a.distill, optional);
+  Sym(h, "fce_linear_distill", a.linear_distill, optional);
   if (!missing.empty()) {
     g_init_error = std::string(library_path) + " lacks " + missing;
     return -1;

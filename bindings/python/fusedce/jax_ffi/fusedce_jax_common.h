@@ -1,7 +1,8 @@
 // fusedce_jax_common.h — what both translation units of libfusedce_jax.so share
 // (fusedce_jax.cc: the cross-entropy handlers; fusedce_jax_distill.cc: the distillation ones):
 // the stream handle type, the library's status as an XLA error, the workspace result, optional
-// buffers, dtype codes and dlsym binding. Each unit binds its own library functions.
+// buffers, dtype codes, dlsym binding and the library's functions (bound once, by
+// fusedce_jax.cc's fce_jax_init).
 #pragma once
 
 #include <dlfcn.h>
@@ -94,6 +95,46 @@ inline void* Opt(const ffi::AnyBuffer& b) {
 inline void* Opt(ffi::Result<ffi::AnyBuffer>& b) {
   return b->element_count() ? b->untyped_data() : nullptr;
 }
+
+// ------------------------------------------------ the library, bound by fce_jax_init ----
+// The functions of the libfusedce the Python binding loaded (dlsym, fusedce_jax.cc's
+// fce_jax_init); those added after 0.1 may be NULL (a handler that needs one says so,
+// NeedsError). Both units' handlers call through g_api.
+struct Api {
+  unsigned (*version)(void);
+  const char* (*last_error)(void);
+  const char* (*status_string)(fce_status);
+  void (*options_default)(fce_options*);
+  fce_status (*forward)(const fce_options*, int64_t, int64_t, const void*, const void*,
+                        const fce_outputs*, const fce_gradients*, void*, size_t, void*);
+  fce_status (*backward)(const fce_options*, int64_t, int64_t, const void*, const void*,
+                         const float*, const fce_outputs*, const fce_gradients*, void*, size_t,
+                         void*);
+  fce_status (*backward_rescale)(const fce_options*, int64_t, int64_t, const void*, const void*,
+                                 const float*, const fce_outputs*, const fce_gradients*, void*,
+                                 size_t, void*);
+  fce_status (*linear_ce)(const fce_options*, int64_t, int64_t, int64_t, const void*,
+                          const void*, const void*, const void*, const fce_outputs*,
+                          const fce_gradients*, void*, size_t, void*);
+  fce_status (*scale_gradient)(int32_t, int32_t, int64_t, void*, const float*, void*);
+  fce_status (*distill)(const fce_options*, const fce_teacher*, int64_t, int64_t, const void*,
+                        const void*, const fce_outputs*, const fce_gradients*, void*, size_t,
+                        void*);
+  fce_status (*linear_distill)(const fce_options*, const fce_teacher*, int64_t, int64_t,
+                               int64_t, const void*, const void*, const void*,
+                               const fce_outputs*, const fce_gradients*, void*, size_t, void*);
+};
+extern Api g_api;
+extern bool g_ready;            // fce_jax_init succeeded
+extern size_t g_options_size;   // the fce_options struct_size to pass the library
+
+// The shim is not bound yet (fce_jax_init failed or was not called).
+ffi::Error NotReady();
+// A library status of fn as an XLA error (StatusError with the library's own strings).
+ffi::Error Fail(fce_status st, const char* fn);
+// A function or option the loaded library is too old for (bindings/README.md, "Library
+// versions"): "<what>: needs libfusedce >= <since>; the loaded library is <version>".
+ffi::Error NeedsError(const char* what, const char* since);
 
 // out = dlsym(handle, name), else name appended to missing (", "-separated); whether found.
 template <typename F>

@@ -7,9 +7,8 @@
 //   fusedce_linear_distill  fce_linear_distill (the loss; with the student's grad_hidden and
 //                           grad_weight when their results are not empty)
 //
-// each as Fusedce<Name>Cpu and Fusedce<Name>Cuda. This file binds its own functions
-// (fce_jax_distill_init, called by fusedce/_jax_calls.py after fce_jax_init) so that the
-// cross-entropy handlers keep working with a library that predates distillation.
+// each as Fusedce<Name>Cpu and Fusedce<Name>Cuda, calling the library through g_api
+// (fusedce_jax_common.h, bound by fce_jax_init).
 //
 // Attributes:
 //   iopts  int64[3]: reduction, ignore_index, divergence
@@ -19,7 +18,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
-#include <mutex>
 #include <string>
 
 #include "fusedce_jax_common.h"
@@ -29,34 +27,6 @@ namespace ffi = xla::ffi;
 namespace {
 
 using namespace fce_jax;
-
-struct DistillApi {
-  const char* (*last_error)(void);
-  const char* (*status_string)(fce_status);
-  void (*options_default)(fce_options*);
-  fce_status (*distill)(const fce_options*, const fce_teacher*, int64_t, int64_t, const void*,
-                        const void*, const fce_outputs*, const fce_gradients*, void*, size_t,
-                        void*);
-  fce_status (*linear_distill)(const fce_options*, const fce_teacher*, int64_t, int64_t,
-                               int64_t, const void*, const void*, const void*,
-                               const fce_outputs*, const fce_gradients*, void*, size_t, void*);
-};
-
-DistillApi g_dapi;
-bool g_dready = false;
-size_t g_doptions_size = 0;
-std::string g_dinit_error = "fce_jax_distill_init was not called";
-std::mutex g_dinit_mutex;
-
-ffi::Error DNotReady() {
-  return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                    "fusedce_jax: the distillation handlers are not initialised (" +
-                        g_dinit_error + "); import fusedce.jax to register them");
-}
-
-ffi::Error DFail(fce_status st, const char* fn) {
-  return StatusError(st, fn, g_dapi.last_error, g_dapi.status_string);
-}
 
 ffi::Error DMatrix(const ffi::AnyBuffer& b, const char* name, int64_t* rows, int64_t* cols) {
   auto d = b.dimensions();
@@ -87,8 +57,8 @@ ffi::Error MakeDistill(ffi::Span<const int64_t> iopts, ffi::Span<const float> fo
       return Invalid("targets must have one element per row");
   }
   std::memset(o, 0, sizeof(*o));
-  o->struct_size = g_doptions_size;
-  g_dapi.options_default(o);
+  o->struct_size = g_options_size;
+  g_api.options_default(o);
   o->backend = backend;
   o->dtype = dtype;
   o->target_dtype = tdt;
@@ -128,7 +98,8 @@ ffi::Error Distill(int32_t backend, void* stream, ffi::AnyBuffer logits, ffi::An
                    ffi::Result<ffi::AnyBuffer> loss, ffi::Result<ffi::AnyBuffer> grad,
                    ffi::Result<ffi::AnyBuffer> workspace, ffi::Span<const int64_t> iopts,
                    ffi::Span<const float> fopts) {
-  if (!g_dready) return DNotReady();
+  if (!g_ready) return NotReady();
+  if (!g_api.distill) return NeedsError("fce_distill", "1.0");
   int64_t n, v, tn, tv;
   if (auto e = DMatrix(logits, "logits", &n, &v); e.failure()) return e;
   if (auto e = DMatrix(teacher, "teacher_logits", &tn, &tv); e.failure()) return e;
@@ -154,9 +125,9 @@ ffi::Error Distill(int32_t backend, void* stream, ffi::AnyBuffer logits, ffi::An
   void* ws;
   size_t ws_bytes;
   if (auto e = Workspace(workspace, &ws, &ws_bytes); e.failure()) return e;
-  if (fce_status st = g_dapi.distill(&o, &t, n, v, logits.untyped_data(), Opt(targets), &out,
+  if (fce_status st = g_api.distill(&o, &t, n, v, logits.untyped_data(), Opt(targets), &out,
                                      g ? &grads : nullptr, ws, ws_bytes, stream))
-    return DFail(st, "fce_distill");
+    return Fail(st, "fce_distill");
   return ffi::Error::Success();
 }
 
@@ -172,7 +143,8 @@ ffi::Error LinearDistill(int32_t backend, void* stream, ffi::AnyBuffer hidden,
                          ffi::Result<ffi::AnyBuffer> grad_weight,
                          ffi::Result<ffi::AnyBuffer> workspace, ffi::Span<const int64_t> iopts,
                          ffi::Span<const float> fopts) {
-  if (!g_dready) return DNotReady();
+  if (!g_ready) return NotReady();
+  if (!g_api.linear_distill) return NeedsError("fce_linear_distill", "1.0");
   int64_t n, d, v, d2, tn, td, tv, td2;
   if (auto e = DMatrix(hidden, "hidden", &n, &d); e.failure()) return e;
   if (auto e = DMatrix(weight, "weight", &v, &d2); e.failure()) return e;
@@ -215,11 +187,11 @@ ffi::Error LinearDistill(int32_t backend, void* stream, ffi::AnyBuffer hidden,
   void* ws;
   size_t ws_bytes;
   if (auto e = Workspace(workspace, &ws, &ws_bytes); e.failure()) return e;
-  if (fce_status st = g_dapi.linear_distill(&o, &t, n, d, v, hidden.untyped_data(),
+  if (fce_status st = g_api.linear_distill(&o, &t, n, d, v, hidden.untyped_data(),
                                             weight.untyped_data(), Opt(targets), &out,
                                             (gh || gw) ? &grads : nullptr, ws, ws_bytes,
                                             stream))
-    return DFail(st, "fce_linear_distill");
+    return Fail(st, "fce_linear_distill");
   return ffi::Error::Success();
 }
 
@@ -263,39 +235,3 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedceLinearDistillCpu, LinearDistillCpu,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedceLinearDistillCuda, LinearDistillCuda,
                               ffi::Ffi::Bind() FCE_DCUDA_CTX FCE_LINEAR_DISTILL_SIG);
 
-// Binds the distillation handlers to libfusedce (the library fce_jax_init was given). Returns
-// 0, or -1 with fce_jax_distill_init_error() saying why (a library without fce_distill: the
-// cross-entropy handlers still work, fusedce.jax.distill raises that message). Idempotent.
-FCE_JAX_API int fce_jax_distill_init(const char* library_path, size_t options_size) {
-  std::lock_guard<std::mutex> lock(g_dinit_mutex);
-  if (g_dready) return 0;
-  if (options_size < FCE_OPTIONS_SIZE_V1_0 || options_size > sizeof(fce_options)) {
-    g_dinit_error = "options_size " + std::to_string(options_size) + " is not a size this shim "
-                    "knows";
-    return -1;
-  }
-  void* h = dlopen(library_path, RTLD_NOW | RTLD_LOCAL);
-  if (!h) {
-    const char* e = dlerror();
-    g_dinit_error = std::string("dlopen(") + library_path + ") failed: " + (e ? e : "?");
-    return -1;
-  }
-  DistillApi a{};
-  std::string missing;
-  Sym(h, "fce_last_error", a.last_error, missing);
-  Sym(h, "fce_status_string", a.status_string, missing);
-  Sym(h, "fce_options_default", a.options_default, missing);
-  Sym(h, "fce_distill", a.distill, missing);
-  Sym(h, "fce_linear_distill", a.linear_distill, missing);
-  if (!missing.empty()) {
-    g_dinit_error = std::string(library_path) + " lacks " + missing;
-    return -1;
-  }
-  g_dapi = a;
-  g_doptions_size = options_size;
-  g_dready = true;
-  g_dinit_error.clear();
-  return 0;
-}
-
-FCE_JAX_API const char* fce_jax_distill_init_error(void) { return g_dinit_error.c_str(); }
