@@ -320,9 +320,11 @@ def cross_entropy(logits, targets, *, reduction: str = "mean", ignore_index: int
     rows = int(np.prod(z.shape[:-1], dtype=np.int64))
     z = z.reshape(rows, vocab)
     if jnp.issubdtype(y_in.dtype, jnp.floating):
-        return _soft_cross_entropy(
-            z, y_in, tuple(jnp.shape(logits)), reduction=reduction, ignore_index=ignore_index,
-            class_weights=class_weights, label_smoothing=label_smoothing, z_loss=z_loss,
+        return _soft_call(
+            "fusedce.jax.cross_entropy", y_in, tuple(jnp.shape(logits)), z.dtype, rows,
+            class_weights, lambda q, cw, opts, lib_want: _ce(z, q, cw, opts, lib_want),
+            reduction=reduction, ignore_index=ignore_index,
+            label_smoothing=label_smoothing, z_loss=z_loss,
             softcap=softcap, logit_scale=logit_scale, shift_seq_len=shift_seq_len, shift=shift,
             use_token_scaling=use_token_scaling, return_z_loss=return_z_loss,
             return_token_accuracy=return_token_accuracy,
@@ -349,27 +351,18 @@ def cross_entropy(logits, targets, *, reduction: str = "mean", ignore_index: int
         lambda yy: jnp.take_along_axis(lax.stop_gradient(z), yy[:, None], axis=1)[:, 0]))
 
 
-def _soft_cross_entropy(z, q_in, logits_shape, *, reduction, ignore_index, class_weights,
-                        label_smoothing, z_loss, softcap, logit_scale, shift_seq_len, shift,
-                        use_token_scaling, return_z_loss, return_token_accuracy,
-                        return_predicted_tokens, return_lse, return_entropy, batch_invariant):
-    """:func:`cross_entropy` against class probabilities q [..., V] (torch's
-    F.cross_entropy(input, probabilities), docs/semantics.md rule 19): the same custom calls
-    with a float target dtype; every row is scored, 'mean' divides by the rows."""
-    rows, vocab = z.shape
-    q, opts, want, out_shape = _soft_setup(
-        "fusedce.jax.cross_entropy", q_in, logits_shape, z.dtype, rows, reduction=reduction,
-        ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
-        softcap=softcap, logit_scale=logit_scale, shift_seq_len=shift_seq_len, shift=shift,
-        use_token_scaling=use_token_scaling, return_z_loss=return_z_loss,
-        return_token_accuracy=return_token_accuracy,
-        return_predicted_tokens=return_predicted_tokens, return_lse=return_lse,
-        return_entropy=return_entropy, batch_invariant=batch_invariant)
+def _soft_call(fn, q_in, logits_shape, dtype, rows, class_weights, call, **setup):
+    """A call against class probabilities q [..., V] (torch's F.cross_entropy(input,
+    probabilities), docs/semantics.md rule 19): the same custom calls with a float target
+    dtype, ``call(q, class_weights, opts, want_from_library)`` making them (over logits or
+    fused with the linear layer); every row is scored, 'mean' divides by the rows. ``setup``:
+    the caller's options, checked by :func:`_soft_setup`."""
+    q, opts, want, out_shape = _soft_setup(fn, q_in, logits_shape, dtype, rows, **setup)
     if rows == 0:
         return _zero_rows_result(want, opts, out_shape)
     register()
-    outs = _ce(z, q, _class_weights(class_weights, vocab), opts,
-               want.from_library(opts.reduction))
+    outs = call(q, _class_weights(class_weights, logits_shape[-1]), opts,
+                want.from_library(opts.reduction))
     return _finish(want, opts, out_shape, outs, lambda lse: _soft_z_loss_rows(lse, opts))
 
 
@@ -460,21 +453,17 @@ def linear_cross_entropy(hidden, weight, targets, bias=None, *, reduction: str =
     if budget < 0:
         raise ValueError(f"workspace_bytes must be >= 0, got {workspace_bytes}")
     if jnp.issubdtype(y_in.dtype, jnp.floating):
-        q, opts, want, out_shape = _soft_setup(
+        return _soft_call(
             "fusedce.jax.linear_cross_entropy", y_in, tuple(jnp.shape(hidden))[:-1] + (vocab,),
-            h.dtype, rows, reduction=reduction, ignore_index=ignore_index,
+            h.dtype, rows, class_weights,
+            lambda q, cw, opts, lib_want: _linear(h, wt, b, q, cw, opts, lib_want, budget),
+            reduction=reduction, ignore_index=ignore_index,
             label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
             logit_scale=logit_scale, shift_seq_len=shift_seq_len, shift=shift,
             use_token_scaling=use_token_scaling, return_z_loss=return_z_loss,
             return_token_accuracy=return_token_accuracy,
             return_predicted_tokens=return_predicted_tokens, return_lse=return_lse,
             return_entropy=return_entropy, batch_invariant=batch_invariant)
-        if rows == 0:
-            return _zero_rows_result(want, opts, out_shape)
-        register()
-        outs = _linear(h, wt, b, q, _class_weights(class_weights, vocab), opts,
-                       want.from_library(opts.reduction), budget)
-        return _finish(want, opts, out_shape, outs, lambda lse: _soft_z_loss_rows(lse, opts))
     y = _targets(y_in, "fusedce.jax.linear_cross_entropy")
     if y.shape[0] != rows:
         raise ValueError(f"targets has {y.shape[0]} elements for {rows} rows of hidden "
