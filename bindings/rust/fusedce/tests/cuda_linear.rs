@@ -333,22 +333,10 @@ impl<T: El> LinProblem<T> {
 
     #[track_caller]
     fn check(&self, what: &str, got: &Lin, want: &Lin, tol: Tol) {
-        assert_close(
-            &format!("{what}: loss"),
-            &got.loss,
-            &to_f64(&want.loss),
-            tol.loss,
-        );
-        assert_close(
-            &format!("{what}: lse"),
-            &got.lse,
-            &to_f64(&want.lse),
-            tol.loss,
-        );
-        assert_close(
-            &format!("{what}: z_loss"),
-            &[got.z_loss],
-            &[want.z_loss as f64],
+        check_loss_lse(
+            what,
+            (&got.loss, &got.lse, got.z_loss),
+            (&want.loss, &want.lse, want.z_loss),
             tol.loss,
         );
         assert_close(

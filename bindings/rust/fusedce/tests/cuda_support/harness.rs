@@ -501,6 +501,25 @@ fn check_argmax(
     }
 }
 
+/// The per-call values both calls return, CUDA's against the CPU's: the loss, the lse and the
+/// z-loss total, within `tol` (relative).
+#[track_caller]
+fn check_loss_lse(
+    what: &str,
+    (loss, lse, z_loss): (&[f32], &[f32], f32),
+    (want_loss, want_lse, want_z_loss): (&[f32], &[f32], f32),
+    tol: f64,
+) {
+    assert_close(&format!("{what}: loss"), loss, &to_f64(want_loss), tol);
+    assert_close(&format!("{what}: lse"), lse, &to_f64(want_lse), tol);
+    assert_close(
+        &format!("{what}: z_loss"),
+        &[z_loss],
+        &[want_z_loss as f64],
+        tol,
+    );
+}
+
 /// accuracy: the same as the CPU's when the predicted classes are the same (else in [0, 1]).
 #[track_caller]
 fn check_accuracy(what: &str, got: &[f32], want: &[f32], same_argmax: bool) {
