@@ -136,14 +136,19 @@ struct Partial {
 };
 __device__ __forceinline__ Partial partial_identity() { return Partial{neg_inf(), 0.f, 0.0}; }
 
+// A sum s taken against m, rescaled to M ≥ m: s itself when m = M (which also covers
+// m = M = ±inf: no inf − inf), else s·exp(m − M) (0 when m = −inf or the factor underflows).
+__device__ __forceinline__ float rescaled(float s, float m, float M) {
+  return m == M ? s : __fmul_rn(s, ex2(__fmul_rn(__fsub_rn(m, M), kLog2e)));
+}
+
 // Merges (m2, s2, sw2) into x. Symmetric bit for bit (merge(x, y) == merge(y, x)), so a
 // butterfly leaves the same value in every lane. SW = false: Σω·a is not carried.
 template <bool SW>
 __device__ __forceinline__ void combine(Partial& x, float m2, float s2, double sw2) {
   const float mn = fmaxf(x.m, m2);
   // the equal case also covers m = mn = ±inf (no inf − inf)
-  const float s1 = x.m == mn ? x.s : __fmul_rn(x.s, ex2(__fmul_rn(__fsub_rn(x.m, mn), kLog2e)));
-  const float t2 = m2 == mn ? s2 : __fmul_rn(s2, ex2(__fmul_rn(__fsub_rn(m2, mn), kLog2e)));
+  const float s1 = rescaled(x.s, x.m, mn), t2 = rescaled(s2, m2, mn);
   x.m = mn;
   x.s = __fadd_rn(s1, t2);
   if (SW) x.sw = __dadd_rn(x.sw, sw2);
@@ -157,13 +162,6 @@ template <bool SW> __device__ __forceinline__ void warp_reduce(Partial& x) {
     const double w2 = SW ? __shfl_xor_sync(0xffffffffu, x.sw, o) : 0.0;
     combine<SW>(x, m2, s2, w2);
   }
-}
-
-// A sum s taken against m, rescaled to M ≥ m: s itself when m = M (which also covers
-// m = M = ±inf: no inf − inf), else s·exp(m − M) (0 when m = −inf or the factor underflows);
-// combine's term.
-__device__ __forceinline__ float rescaled(float s, float m, float M) {
-  return m == M ? s : __fmul_rn(s, ex2(__fmul_rn(__fsub_rn(m, M), kLog2e)));
 }
 
 // A warp's (max, Σ) with the maximum first: the lanes' maximum M (a butterfly of fmaxf), then
@@ -256,6 +254,19 @@ template <class TZ>
 __device__ __forceinline__ float max_total(uint32_t pm, float fm) {
   return fmaxf(fm, fmaxf(raw_to_float<TZ>(pm & 0xffffu), raw_to_float<TZ>(pm >> 16)));
 }
+// A vector [j0, j0 + E) as floats, its elements outside the row [0, V) set to −inf when it is
+// not full (they add exp(−inf) = 0 to a sum).
+template <class TZ, class I>
+__device__ __forceinline__ void unpack_in_row(const uint4& raw, I j0, bool full, int V,
+                                              float (&a)[vec_elems<TZ>()]) {
+  unpack<TZ>(raw, a);
+  if (!full) {
+#pragma unroll
+    for (int q = 0; q < vec_elems<TZ>(); ++q)
+      if (j0 + q < 0 || j0 + q >= V) a[q] = neg_inf();
+  }
+}
+
 // Σ exp(a − ms) of a vector's in-row elements into s2 with one FFMA per term (the second pass of
 // the two-pass fold, without t): the term is 2^(a·log2e − C), C = ms·log2e rounded, which is
 // exp(a − ms) to the same one rounding of its exponent as sumexp_vector's (a − ms exact, then
@@ -269,12 +280,7 @@ __device__ __forceinline__ void sumexp_vector_c(const uint4& raw, I j0, bool ful
                                                 float& s2) {
   constexpr int E = vec_elems<TZ>();
   float a[E];
-  unpack<TZ>(raw, a);
-  if (!full) {
-#pragma unroll
-    for (int q = 0; q < E; ++q)
-      if (j0 + q < 0 || j0 + q >= V) a[q] = neg_inf();
-  }
+  unpack_in_row<TZ>(raw, j0, full, V, a);
 #pragma unroll
   for (int q = 0; q < E; ++q) s2 = __fadd_rn(s2, ex2(__fmaf_rn(a[q], kLog2e, -C)));
 }

@@ -134,12 +134,7 @@ __device__ __forceinline__ void sumexp_vector(const uint4& raw, I j0, bool full,
                                               float& s, float& t) {
   constexpr int E = vec_elems<TZ>();
   float a[E];
-  unpack<TZ>(raw, a);
-  if (!full) {
-#pragma unroll
-    for (int q = 0; q < E; ++q)
-      if (j0 + q < 0 || j0 + q >= V) a[q] = neg_inf();
-  }
+  unpack_in_row<TZ>(raw, j0, full, V, a);
 #pragma unroll
   for (int q = 0; q < E; ++q) {
     if constexpr (WITH_T) {
