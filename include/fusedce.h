@@ -357,10 +357,9 @@ typedef struct fce_outputs {
  * (rule 12). CUDA: a call with outputs->entropy, grad_lse or grad_entropy runs its rows in
  * registers where the plain call's rows fit there (one read; its bulk-kernel rows too), else, and
  * with label smoothing, on the two-pass kernel (each row read twice, the second read mostly from
- * L2); either costs more than the plain loss + gradient (docs/performance.md); fce_linear_ce's vocabulary-sliced plan (a 16-bit grad_weight given less
- * workspace than the token chunks need) refuses grad_lse and grad_entropy with
- * FCE_ERROR_UNSUPPORTED (give optimal_bytes, or set grad_weight_fp32). Given without a gradient to add them to (fce_forward without
- * grad_logits, fce_linear_ce without grad_hidden, grad_weight and grad_bias), they are refused.
+ * L2); either costs more than the plain loss + gradient (docs/performance.md). Given without a
+ * gradient to add them to (fce_forward without grad_logits, fce_linear_ce without grad_hidden,
+ * grad_weight and grad_bias), they are refused.
  *
  * The pointer itself may be NULL: no gradient (the loss only, for fce_forward, fce_linear_ce and
  * fce_vp_linear_ce); the calls that compute nothing else (fce_backward, fce_backward_rescale,

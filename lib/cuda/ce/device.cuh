@@ -521,12 +521,13 @@ __device__ __forceinline__ void write_argmax_outputs(const KParams& p, int64_t r
 }
 
 // Forward per-row outputs (docs/semantics.md rules 2, 3, 8), by one thread per row. c is the smoothing
-// reference (online_vector).
+// reference (online_vector); mum the row's μ − m where the kernel has it (ROWT), which the saved
+// statistics carry for a later column slice's entropy gradient.
 template <int MODE>
 __device__ void write_row_outputs(const KParams& p, int64_t row, const RowInfo& ri,
-                                  const Partial& f, const RowVals& v, float c) {
+                                  const Partial& f, const RowVals& v, float c, float mum = 0.f) {
   if (p.lse_out) p.lse_out[row] = v.lse;
-  if (p.stats_out) p.stats_out[row] = CeRowStats{v.m, v.ls, v.t, 0.f};
+  if (p.stats_out) p.stats_out[row] = CeRowStats{v.m, v.ls, v.t, mum};
   float zl = (ri.kind != kIgnored && p.lambda != 0.f) ? __fmul_rn(p.lambda, __fmul_rn(v.lse, v.lse)) : 0.f;
   float ce = 0.f;
   if (ri.kind == kInvalid) {

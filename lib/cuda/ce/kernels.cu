@@ -168,7 +168,7 @@ fce_status launch_rows_typed(const CeRowsArgs& a, KParams p, int pair, cudaStrea
   rq.shape.rescale = p.rescale != 0;
   // rule 18's entropy and gradient terms: the ROWT register kernels without label smoothing,
   // else the stream kernels (ce/policy.h); never persistent (fce_backward_rescale has none)
-  const bool rowt = p.entropy_out || p.grad_lse || p.grad_entropy;
+  const bool rowt = p.entropy_out || p.grad_lse || p.grad_entropy || (p.stats_out && a.stats_mu);
   const bool soft = a.opt.soft_targets;  // rule 19: the stream kernels only
   const bool terms_in_regs = rowt && mode != kGeneral && !soft;
   rq.shape.row_terms = rowt || soft;

@@ -366,8 +366,10 @@ __device__ __forceinline__ void regs_row(const KParams& p, int64_t lrow, int64_t
   Partial acc = partial_identity();
   int am = -1;
   float tacc = 0.f;  // ROWT: this thread's t = Σ exp(a − m)(a − m) against acc.m
-  // ROWT: t is needed for the entropy or its gradient (the lse gradient alone needs none)
-  const bool need_t = ROWT && (p.entropy_out != nullptr || p.grad_entropy != nullptr);
+  // ROWT: t is needed for the entropy, its gradient and the saved statistics' μ − m (the lse
+  // gradient alone needs none)
+  const bool need_t =
+      ROWT && (p.entropy_out != nullptr || p.grad_entropy != nullptr || p.stats_out != nullptr);
   // kUnit, 16-bit, registers only: two passes (max_vector, sumexp_vector above), the
   // thread's maximum (two elements per compare) and then the sum. Measured on an H100 against the
   // online fold of the same kernels (dev/NOTES.md, 2026-11-28): forward + gradient
@@ -545,7 +547,6 @@ __device__ __forceinline__ void regs_row(const KParams& p, int64_t lrow, int64_t
 #endif
   const RowInfo ri = s_info;
   const RowVals vals = row_vals(p, ri, fin);
-  if (rank == 0 && tid == 0) write_row_outputs<MODE>(p, row, ri, fin, vals, c);
   float mum = 0.f;  // ROWT: μ − m = t/s
   if constexpr (ROWT) {
     mum = __fdiv_rn(static_cast<float>(fin.sw), fin.s);
@@ -553,6 +554,7 @@ __device__ __forceinline__ void regs_row(const KParams& p, int64_t lrow, int64_t
     if (rank == 0 && tid == 0 && p.entropy_out)
       p.entropy_out[row] = isfinite(fin.m) ? __fsub_rn(vals.ls, mum) : qnan();
   }
+  if (rank == 0 && tid == 0) write_row_outputs<MODE>(p, row, ri, fin, vals, c, mum);
   // the argmax's reduction comes after the gradient: this thread's candidate waits in shared
   // memory (no register held through the gradient). With SMEM a row with a NaN or +inf (the
   // argmax note above) scans its elements for the candidate first, while the registers hold the

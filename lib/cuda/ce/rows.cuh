@@ -28,7 +28,8 @@ struct CeDenoms {
 // What a forward pass keeps of a row for a later gradient of a column slice (fce_linear_ce's
 // vocabulary-sliced plan): the row maximum m, log s, and the token-scaling factor t (1 when off).
 // p_j = exp((a_j − m) − ls) needs both m and ls: lse = m + ls in float32 loses ls when |m| is
-// huge (docs/semantics.md rule 9).
+// huge (docs/semantics.md rule 9). pad: μ − m for the entropy's gradient (CeRowsArgs::stats_mu,
+// the vocabulary-parallel combine with vp_entropy), else 0 (or a flag of the combine's).
 struct CeRowStats {
   float m, ls, t, pad;
 };
@@ -86,7 +87,11 @@ struct CeRowsArgs {
   float* entropy_out;          // forward: [total_rows] entropy, or nullptr
   const float* grad_lse;       // with grad: [total_rows] upstream gradient of lse, or nullptr
   const float* grad_entropy;   // forward with grad, or a backward from stats_in whose pad holds
-                               // μ − m (vp_combine's with vp_entropy): [total_rows], or nullptr
+                               // μ − m (vp_combine's with vp_entropy, or stats_mu's): [total_rows],
+                               // or nullptr
+  // forward with stats_out: the row's μ − m into its pad (the ROWT kernels), for a backward on
+  // column slices with grad_entropy (fce_linear_ce's vocabulary-sliced plan)
+  bool stats_mu;
 };
 // A launch over all `rows` rows of a [rows, vocab] problem whose logits and gradient are
 // opt.dtype (fce_forward / fce_backward / fce_backward_rescale, fce_vp_backward); the caller

@@ -172,7 +172,7 @@ __global__ void __launch_bounds__(BWD ? kBackwardThreads : kTwoPassThreads, BWD 
     if constexpr (SOFT) {
       if (tid == 0) soft_row_outputs(p, row, vals, soft);
     } else {
-      if (tid == 0) write_row_outputs<MODE>(p, row, ri, fin, vals, c);
+      if (tid == 0) write_row_outputs<MODE>(p, row, ri, fin, vals, c, mum);
     }
   }
   bool grad_pass = p.grad && ri.kind == kValid;

@@ -313,17 +313,14 @@ fce_status cuda_linear_ce(const LinearCeProblem& p) {
       chunk_slices(L, base, opt, p.loss, p.z_loss != nullptr, p.accuracy, p.bias != nullptr);
   const int64_t ldz = s.vocab_padded;
   const bool sliced = plan.mode == Mode::kVocabSliced;
-  // (its gradient pass has no lse / entropy terms yet, docs/semantics.md rule 18)
-  // nor class-probability targets (docs/semantics.md rule 19)
-  if (sliced && with_grad && (p.grad_lse || p.grad_entropy || opt.soft_targets))
+  // (its gradient pass has no class-probability targets, docs/semantics.md rule 19)
+  if (sliced && with_grad && opt.soft_targets)
     return fail(FCE_ERROR_UNSUPPORTED,
-                "%s: %s is not supported by the CUDA backend's vocabulary-sliced plan "
-                "(a 16-bit grad_weight with less workspace than the token chunks need): give the "
-                "workspace query's optimal_bytes, or set options->grad_weight_fp32",
-                fn,
-                p.grad_lse       ? "gradients->grad_lse"
-                : p.grad_entropy ? "gradients->grad_entropy"
-                                 : "options->target_dtype of class probabilities");
+                "%s: options->target_dtype of class probabilities is not supported by the CUDA "
+                "backend's vocabulary-sliced plan (a 16-bit grad_weight with less workspace than "
+                "the token chunks need): give the workspace query's optimal_bytes, or set "
+                "options->grad_weight_fp32",
+                fn);
   // the vocab-sliced plan (only ever chosen for a 16-bit dtype whose grad_weight and grad_bias
   // are 16-bit too: choose_plan takes token chunks for float32 ones): the lse pass keeps each
   // row's (m, log s, t) for the gradient pass; ∂h accumulates in a float32 workspace buffer
@@ -390,6 +387,8 @@ fce_status cuda_linear_ce(const LinearCeProblem& p) {
     a.entropy_out = p.entropy;
     a.grad_lse = grad_in_chunks ? p.grad_lse : nullptr;
     a.grad_entropy = grad_in_chunks ? p.grad_entropy : nullptr;
+    // the sliced plan's lse pass keeps μ − m for its entropy gradient (rule 18)
+    a.stats_mu = sliced && with_grad && p.grad_entropy;
     FCE_TRY(launch_ce_rows(a, stream));
     if (!grad_in_chunks) continue;
 
@@ -435,6 +434,8 @@ fce_status cuda_linear_ce(const LinearCeProblem& p) {
     sp.db = p.grad_bias ? cs.db32 : nullptr;  // complete per slice; stored below
     sp.db_dtype = FCE_FLOAT32;
     sp.db_add_old = false;
+    sp.grad_lse = p.grad_lse;  // rule 18's terms: the lse pass saved μ − m (stats_mu)
+    sp.grad_entropy = p.grad_entropy;
     FCE_TRY(slice_pass(sp, stream));
   }
   if (sliced && p.grad_hidden)

@@ -228,8 +228,8 @@ struct SlicePass {
   fce_status (*fix_dz)(const void* ctx, void* dz, int64_t rows, int64_t cols, int64_t ld,
                        cudaStream_t s);
   const void* fix_ctx;
-  // Rule 18's upstream gradients [rows] or nullptr (fce_vp_linear_backward; fce_linear_ce
-  // refuses them on this plan): grad_entropy needs stats' pad to hold μ − m.
+  // Rule 18's upstream gradients [rows] or nullptr: grad_entropy needs stats' pad to hold μ − m
+  // (fce_vp_linear_backward's combine, fce_linear_ce's lse pass with stats_mu).
   const float* grad_lse;
   const float* grad_entropy;
 };
