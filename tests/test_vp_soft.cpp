@@ -426,12 +426,12 @@ TEST_F(VpSoft, EntropyAndRowGradients) {
 }
 
 // A constant row at −1e30, a row of huge spread, −inf entries with q = 0 (finite), a −inf entry
-// with q > 0 (loss +inf), a row of −inf (NaN), a NaN logit, and a row whose last classes (all
-// of the last shard of P = 2 and 3) are −inf with q = 0 there: that shard's m_r is −inf and its
-// W_r 0, which adds nothing.
+// with q > 0 (loss +inf), a row of −inf (NaN), a NaN logit, a row whose last classes (all of
+// the last shard of P = 2 and 3) are −inf with q = 0 there: that shard's m_r is −inf and its
+// W_r 0, which adds nothing; and a NaN q_j (not checked: NaN loss and gradient row).
 TEST_F(VpSoft, AdversarialRows) {
   for (int dtype : {FCE_FLOAT32, FCE_BFLOAT16}) {
-    const int64_t N = 7, V = 67;
+    const int64_t N = 8, V = 67;
     const double big = dtype == FCE_BFLOAT16 ? 3.38e38 : 3.4e38;
     std::mt19937_64 rng(17);
     std::vector<double> z = random_logits(rng, dtype, N, V, 1.0, 10.0);
@@ -444,6 +444,7 @@ TEST_F(VpSoft, AdversarialRows) {
     for (int64_t j = 0; j < V; ++j) z[4 * V + j] = -INFINITY;
     z[5 * V + 9] = kNaN;
     for (int64_t j = V / 3; j < V; ++j) z[6 * V + j] = -INFINITY, q[6 * V + j] = 0.0;
+    q[7 * V + 30] = kNaN;
     SoftVpCase c;
     c.name = "adversarial";
     c.dtype = dtype;
@@ -454,7 +455,8 @@ TEST_F(VpSoft, AdversarialRows) {
     ASSERT_TRUE(std::isfinite(r.row_loss[0]) && std::isfinite(r.row_loss[2]) &&
                 std::isfinite(r.row_loss[6]));
     ASSERT_EQ(r.row_loss[3], INFINITY);
-    ASSERT_TRUE(std::isnan(r.row_loss[4]) && std::isnan(r.row_loss[5]));
+    ASSERT_TRUE(std::isnan(r.row_loss[4]) && std::isnan(r.row_loss[5]) &&
+                std::isnan(r.row_loss[7]));
     ASSERT_NO_FATAL_FAILURE(run.unsharded());
     for (int P : {1, 2, 3}) {
       SCOPED_TRACE(std::string(dtype_name(dtype)) + " P=" + std::to_string(P));
@@ -474,7 +476,7 @@ TEST_F(VpSoft, AdversarialRows) {
         const std::vector<double> got(grad.begin() + i * V, grad.begin() + (i + 1) * V);
         const std::vector<double> want(run.whole().grad.begin() + i * V,
                                        run.whole().grad.begin() + (i + 1) * V);
-        if (i == 4 || i == 5) {  // no distribution: NaN rows
+        if (i == 4 || i == 5 || i == 7) {  // no distribution, or a NaN q_j: NaN rows
           for (double x : got) EXPECT_TRUE(std::isnan(x));
           continue;
         }

@@ -89,15 +89,16 @@ bool in_shard(const VpSetup& s, const RowTarget& t) {
 
 // ------------------------------------------------------------------ phase 1 ----
 
-// e: the entropy's sum e_r, stored with s.entropy only; W: W_r (the shard's Σ ω_j by default).
+// e: the entropy's sum e_r, stored with s.entropy only; W: W_r of the row (class
+// probabilities), nullptr: the shard's Σ ω_j.
 void write_stats(const VpSetup& s, float m, double sum, double target, bool hit, double u,
-                 int64_t argmax_local, float* out, double e = 0.0, double W = kNaN) {
+                 int64_t argmax_local, float* out, double e = 0.0, const double* W = nullptr) {
   out[kVpMax] = m;
   out[kVpSumExp] = float(sum);
   out[kVpTarget] = hit ? float(target) : 0.0f;
   out[kVpHit] = hit ? 1.0f : 0.0f;
   out[kVpSmooth] = float(u);
-  out[kVpWeight] = float(std::isnan(W) ? s.shard_weight : W);
+  out[kVpWeight] = float(W ? *W : s.shard_weight);
   out[kVpArgmax] = int_as_float(s.start + argmax_local);
   out[kVpLocal] = int_as_float(s.local);
   if (s.entropy) {
@@ -154,7 +155,7 @@ void row_stats_shard_f64(const VpSetup& s, const double* a, int64_t r, const Row
     sum = 0.0;
     for (int64_t j = 0; j < n; ++j) sum += std::exp(a[j] - md);
   }
-  double u = 0.0, W = kNaN;  // W: the shard's Σ ω_j unless class probabilities
+  double u = 0.0, W = 0.0;  // W: the row's Σ ω_j q'_j (class probabilities)
   if (s.soft) {
     // u_r = Σ ω_j q'_j (m_r − a_j): 0 when m_r = −inf (rule 16's "else 0"), NaN for +inf
     const SoftSums q = soft_shard_sums(s.ce, a, md, r, s.start, n);
@@ -172,7 +173,7 @@ void row_stats_shard_f64(const VpSetup& s, const double* a, int64_t r, const Row
       if (x != 0.0) e += x * (a[j] - md);
     }
   }
-  write_stats(s, mf, sum, a_y, hit, u, argmax, out, e, W);
+  write_stats(s, mf, sum, a_y, hit, u, argmax, out, e, s.soft ? &W : nullptr);
 }
 
 // Steps 1 and 2 on the shard's row: a_j = s · z_j, then c · tanh(a_j / c) when c > 0.
