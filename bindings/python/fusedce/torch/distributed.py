@@ -91,7 +91,9 @@ probabilities)`` over the whole vocabulary): a floating ``target`` is THIS RANK'
 probabilities, [..., V_local] (its columns of q [..., vocab_total]), of the logits' dtype (the
 matmul's for the linear call). What :func:`fusedce.torch.cross_entropy` refuses with them is
 refused here too (use_token_scaling, the shift, return_token_accuracy, check_targets, a
-non-negative ignore_index), and so is a target that requires a gradient.
+non-negative ignore_index). A target that requires a gradient gets its own, -g (1 - eps) w_j
+log p_j on this rank's columns (log p_j = a_j - lse, lse the whole row's), as torch's; with
+``sequence_parallel`` that is refused.
 
 These functions are plain torch.autograd.Functions calling the C library and torch.distributed:
 eager mode; torch.compile does not trace into them (they run under ``torch.compiler.disable``:
@@ -100,6 +102,7 @@ a graph break).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 from typing import Optional, Tuple
@@ -223,6 +226,11 @@ def _class_weights(weight: Optional[Tensor], vt: int, device) -> Optional[Tensor
     return weight.to(device=device, dtype=torch.float32).contiguous()
 
 
+def _columns(class_weights: Optional[Tensor], vs: int, vl: int) -> Optional[Tensor]:
+    """This rank's entries of the whole vocabulary's class weights (or None)."""
+    return None if class_weights is None else class_weights[vs:vs + vl]
+
+
 def _grad_mode(reduce_grad_hidden):
     return SCATTER if reduce_grad_hidden == SCATTER else bool(reduce_grad_hidden)
 
@@ -237,24 +245,21 @@ def _targets(target: Tensor, n: int, what: str, device) -> Tensor:
 
 
 def _probabilities(target: Tensor, n: int, vl: int, dtype, what: str, device, fn: str,
-                   autocast: bool = False) -> Tensor:
+                   autocast: bool = False) -> Tuple[Tensor, Tensor]:
     """A floating target: this rank's shard of the class probabilities, [..., V_local] with n
-    rows, of ``dtype`` (cast to it under autocast), as the library takes it: [n, V_local] dense."""
+    rows, of ``dtype`` (cast to it under autocast): (q [n, V_local], which carries the target's
+    gradient, and what the library takes, q detached and dense)."""
     if target.dim() < 1 or target.shape[-1] != vl:
         raise ValueError(f"{fn}: target of class probabilities must be this rank's shard "
                          f"[..., {vl}] (its columns of the probabilities), got "
                          f"{tuple(target.shape)}")
-    if torch.is_grad_enabled() and target.requires_grad:
-        raise ValueError(f"{fn}: a target of class probabilities that requires a gradient is "
-                         "not supported on the vocabulary-parallel calls (detach it)")
-    q = _soft.target(target, tuple(target.shape), dtype, fn, autocast=autocast)
-    q = q.reshape(-1, vl).contiguous()
+    q = _soft.target(target, tuple(target.shape), dtype, fn, autocast=autocast).reshape(-1, vl)
     if q.shape[0] != n:
         raise ValueError(f"{fn}: target has {q.shape[0]} rows of class probabilities for {n} "
                          f"rows of {what}")
     if q.device != device:
         raise ValueError(f"target is on {q.device} but {what} is on {device}")
-    return q
+    return q, q.detach().contiguous()
 
 
 def _z_rows_from_stats(lse: Tensor, tgt: Tensor, vt: int, opts: CEOptions, gathered: Tensor,
@@ -326,7 +331,8 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: Tensor, target: Tensor,
     fn = "fusedce.torch.distributed.vocab_parallel_cross_entropy"
     soft = target.is_floating_point()  # this rank's shard of class probabilities
     if soft:
-        tgt = _probabilities(target, n, vl, x.dtype, "vocab_parallel_logits", logits.device, fn)
+        q, tgt = _probabilities(target, n, vl, x.dtype, "vocab_parallel_logits", logits.device,
+                                fn)
         out_shape = tuple(target.shape[:-1])
     else:
         tgt = _targets(target, n, "vocab_parallel_logits", logits.device)
@@ -339,8 +345,11 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: Tensor, target: Tensor,
         z_loss, softcap, logit_scale, use_token_scaling,
         (return_z_loss, return_token_accuracy, return_predicted_tokens, return_lse,
          return_entropy))
+    q_grad = soft and torch.is_grad_enabled() and q.requires_grad
     if soft:
         _soft.check_options(opts, ignore_index, want, check_targets, fn)
+        if q_grad:  # its gradient needs the whole row's lse
+            lib_want = dataclasses.replace(lib_want, lse=True)
     layout = Layout(group, size, vs, vt)
     if torch.is_grad_enabled() and logits.requires_grad:
         loss, lse, zl, acc, am, ent, gathered = _VocabParallelCE.apply(
@@ -350,6 +359,9 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: Tensor, target: Tensor,
         (loss, lse, zl, acc, am, ent), gathered = _ce_forward(logits, tgt, cw, layout, opts,
                                                               lib_want, bool(check_targets),
                                                               _stream(logits))
+    if q_grad:
+        loss = _soft.with_target_grad(loss, q, logits, None, None, _columns(cw, vs, vl), opts,
+                                      lse)
     return _ta._finish(want, red, out_shape, loss, lse, zl, acc, am,
                        (lambda: _soft.z_loss_rows(lse, opts)) if soft else
                        (lambda: _z_rows_from_stats(lse, tgt, vt, opts, gathered, size)), ent)
@@ -447,8 +459,8 @@ def vocab_parallel_linear_cross_entropy(hidden: Tensor, weight_shard: Tensor, ta
     what = "hidden" + (" on the group's ranks (sequence_parallel)" if sequence_parallel else "")
     soft = target.is_floating_point()  # this rank's shard of class probabilities
     if soft:
-        tgt = _probabilities(target, n, vl, cdt, what, hidden.device, fn,
-                             autocast=cdt != hidden.dtype)
+        q, tgt = _probabilities(target, n, vl, cdt, what, hidden.device, fn,
+                                autocast=cdt != hidden.dtype)
         out_shape = tuple(target.shape[:-1])
     else:
         tgt = _targets(target, n, what, hidden.device)
@@ -465,8 +477,14 @@ def vocab_parallel_linear_cross_entropy(hidden: Tensor, weight_shard: Tensor, ta
         z_loss, softcap, logit_scale, use_token_scaling,
         (return_z_loss, return_token_accuracy, return_predicted_tokens, return_lse,
          return_entropy))
+    q_grad = soft and torch.is_grad_enabled() and q.requires_grad
     if soft:
         _soft.check_options(opts, ignore_index, want, check_targets, fn)
+        if q_grad and sequence_parallel:
+            raise ValueError(f"{fn}: a target of class probabilities that requires a gradient is "
+                             "not supported with sequence_parallel (detach it)")
+        if q_grad:  # its gradient needs the whole row's lse
+            lib_want = dataclasses.replace(lib_want, lse=True)
     layout = Layout(group, size, vs, vt)
     grad_on = torch.is_grad_enabled() and (
         h2.requires_grad or weight_shard.requires_grad
@@ -486,6 +504,10 @@ def vocab_parallel_linear_cross_entropy(hidden: Tensor, weight_shard: Tensor, ta
         (loss, lse, zl, acc, am, ent), gathered = _linear_forward(
             h2, weight_shard, bias, tgt, cw, layout, opts, cdt, budget, lib_want,
             bool(check_targets), _stream(h2))
+    if q_grad:
+        loss = _soft.with_target_grad(loss, q, h2.to(cdt), weight_shard.to(cdt),
+                                      bias.to(cdt) if bias is not None else None,
+                                      _columns(cw, vs, vl), opts, lse)
     return _ta._finish(want, red, out_shape, loss, lse, zl, acc, am,
                        (lambda: _soft.z_loss_rows(lse, opts)) if soft else
                        (lambda: _z_rows_from_stats(lse, tgt, vt, opts, gathered, size)), ent)
