@@ -167,7 +167,9 @@ typedef struct fce_options {
                                  rule 19. q is not checked: a negative or NaN q_j gives what the
                                  formula gives (NaN propagates, as torch's). Refused with them:
                                  token_scaling and outputs->accuracy (no target class),
-                                 shift_seq_len, the fce_vp_* calls (FCE_ERROR_UNSUPPORTED).
+                                 shift_seq_len (FCE_ERROR_UNSUPPORTED). The fce_vp_* calls
+                                 take each rank's shard of q, [rows, vocab_local] (see
+                                 there).
                                  error_flags never get FCE_FLAG_TARGET_OUT_OF_RANGE */
   int32_t reduction;          /* fce_reduction: FCE_REDUCTION_MEAN */
   float label_smoothing;      /* epsilon in [0, 1): 0 */
@@ -557,7 +559,14 @@ FCE_API fce_status fce_linear_ce(const fce_options* options, int64_t rows, int64
  * also sums e_r = Σ exp(a_j − m_r)(a_j − m_r) over the shard, in the same read, and H and
  * μ = Σ p_j a_j come from the combination), and the loss, the gradients and the mean's
  * denominator are those of the unsharded call to float32 rounding. All ranks must pass the
- * same options, rows, vocab_total and targets. If the gathered statistics do not tile [0, vocab_total) — their vocab_local do
+ * same options, rows, vocab_total and targets. Class-probability targets (a float
+ * options->target_dtype, rule 19): targets of fce_vp_stats, fce_vp_backward,
+ * fce_vp_linear_stats, fce_vp_linear_backward and fce_vp_linear_ce is THIS RANK'S SHARD of q,
+ * [rows, vocab_local] dense (columns vocab_start .. vocab_start + vocab_local - 1 of q [rows,
+ * vocab_total]), and fce_vp_loss does not read targets (NULL allowed); every row is scored, the
+ * mean divides by rows, and token_scaling, shift_seq_len and outputs->accuracy are refused as
+ * by fce_forward. On CUDA their fce_vp_linear_ce always runs the gather-once plan.
+ * If the gathered statistics do not tile [0, vocab_total) — their vocab_local do
  * not sum to vocab_total, a row's target is held by no shard or by two, or two shards report the
  * same argmax (a shard's statistics gathered twice) — the rows concerned get a NaN loss, lse
  * and gradient and an argmax of -1, and FCE_FLAG_SHARDS_INCONSISTENT is set. (What cannot be
@@ -609,8 +618,9 @@ typedef struct fce_vp_shard {
 
 /* Phase 1 over this rank's logits [rows, vocab_local] (options->row_stride apart): writes
  * stats [rows, FCE_VP_STATS] (with options->vp_entropy, the shard's entropy sums among them).
- * One read of the logits; no workspace. targets are the global class indices (the same array
- * on every rank). */
+ * One read of the logits (CUDA, class probabilities: two); no workspace. targets are the
+ * global class indices (the same array on every rank), or this rank's shard of class
+ * probabilities q [rows, vocab_local]. */
 FCE_API fce_status fce_vp_stats(const fce_options* options, const fce_vp_shard* shard,
                                 int64_t rows, const void* logits, const void* targets,
                                 float* stats, void* stream);
@@ -624,7 +634,8 @@ FCE_API fce_status fce_vp_loss_workspace_size(const fce_options* options, int64_
  * argmax, accuracy, entropy (optional; entropy with options->vp_entropy), all in outputs
  * (required), as fce_forward writes them for the unsharded logits. error_flags as fce_forward (targets outside [0, vocab_total)) plus
  * FCE_FLAG_SHARDS_INCONSISTENT. Reads gathered_stats, the targets and, with class weights,
- * their targets' weights: never the logits. */
+ * their targets' weights: never the logits. With class probabilities targets is not read (it
+ * may be NULL) and outputs->accuracy is refused. */
 FCE_API fce_status fce_vp_loss(const fce_options* options, const fce_vp_shard* shard,
                                int64_t rows, const void* targets, const float* gathered_stats,
                                const fce_outputs* outputs, void* workspace,
@@ -729,7 +740,7 @@ FCE_API fce_status fce_vp_linear_backward(const fce_options* options,
  * nonzero when any gradient will be asked for (all of them assumed). min_bytes runs the
  * gather-once plan (on CUDA a few MiB plus, for a 16-bit grad_hidden_dtype, rows·hidden·4);
  * optimal_bytes on CUDA with a gradient the token-chunk plan (about 1 GiB at large-vocabulary
- * sizes). vocab_local enters only through max(vocab_local, ⌈vocab_total / ranks⌉). */
+ * sizes; with class probabilities the gather-once plan's, the one they run). vocab_local enters only through max(vocab_local, ⌈vocab_total / ranks⌉). */
 FCE_API fce_status fce_vp_linear_ce_workspace_size(const fce_options* options, int64_t ranks,
                                                    int64_t rows, int64_t hidden,
                                                    int64_t vocab_total, int64_t vocab_local,

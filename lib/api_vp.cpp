@@ -23,7 +23,6 @@ fce_status vp_workspace_query(const char* fn, const fce_options* options, int64_
   fce::CeOptions opt;
   FCE_TRY(check_options(fn, &o, rows, vocab_total, &opt));
   FCE_TRY(refuse_batch_invariant(fn, opt));
-  FCE_TRY(refuse_soft_targets(fn, o));
   FCE_TRY(check_vp_rows(fn, rows, &ranks));
   FCE_TRY(check_size_output(fn, bytes));
   *bytes = vp_workspace(o, opt, ranks, rows, vocab_total, vocab_local, backward);
@@ -61,7 +60,6 @@ FCE_API fce_status fce_vp_stats(const fce_options* options, const fce_vp_shard* 
   FCE_TRY(check_vp_vocab(fn, vocab_total, vocab_start, vocab_local, true));
   FCE_TRY(check_options(fn, o, rows, vocab_total, &p.opt));
   FCE_TRY(refuse_batch_invariant(fn, p.opt));
-  FCE_TRY(refuse_soft_targets(fn, *o));
   FCE_TRY(check_vp_rows(fn, rows, nullptr));
   const bool empty = rows == 0;  // per-row buffers of no elements may be NULL
   FCE_TRY(check_required(
@@ -73,7 +71,7 @@ FCE_API fce_status fce_vp_stats(const fce_options* options, const fce_vp_shard* 
   FCE_TRY(shard_bytes(fn, rows, vocab_local, p.row_stride, e.esize, &logits_bytes));
   const fce::Arg args[] = {
       {"logits", logits, logits_bytes, e.esize, false},
-      e.targets(targets),
+      e.targets(targets, vocab_local),  // class probabilities: this rank's shard of q
       e.class_weights(vocab_total),
       e.stats(stats),
   };
@@ -115,11 +113,13 @@ FCE_API fce_status fce_vp_loss(const fce_options* options, const fce_vp_shard* s
   FCE_TRY(check_vocab_total(fn, vocab_total));
   FCE_TRY(check_options(fn, o, rows, vocab_total, &p.opt));
   FCE_TRY(refuse_batch_invariant(fn, p.opt));
-  FCE_TRY(refuse_soft_targets(fn, *o));
+  FCE_TRY(refuse_soft_accuracy(fn, *o, out));
   FCE_TRY(check_vp_rows(fn, rows, &ranks));
   const Entries e(*o, rows);
   const bool empty = rows == 0;  // per-row buffers of no elements may be NULL
-  FCE_TRY(check_required(fn, {{"targets", targets, empty},
+  // class probabilities: the statistics carry all the loss needs, targets are not read
+  if (e.soft) targets = nullptr;
+  FCE_TRY(check_required(fn, {{"targets", targets, empty || e.soft},
                               {"gathered_stats", gathered_stats, empty},
                               {"outputs->loss", loss, e.reduced_floats() == 0}}));
   const fce::Arg args[] = {
@@ -181,7 +181,6 @@ FCE_API fce_status fce_vp_backward(const fce_options* options, const fce_vp_shar
   FCE_TRY(check_vp_vocab(fn, vocab_total, vocab_start, vocab_local, true));
   FCE_TRY(check_options(fn, o, rows, vocab_total, &p.opt));
   FCE_TRY(refuse_batch_invariant(fn, p.opt));
-  FCE_TRY(refuse_soft_targets(fn, *o));
   FCE_TRY(check_vp_rows(fn, rows, &ranks));
   const bool empty = rows == 0;  // per-row buffers of no elements may be NULL
   FCE_TRY(check_required(fn, {{"logits", logits, empty},
@@ -198,7 +197,7 @@ FCE_API fce_status fce_vp_backward(const fce_options* options, const fce_vp_shar
   FCE_TRY(shard_bytes(fn, rows, vocab_local, p.grad_row_stride, e.esize, &grad_bytes));
   const fce::Arg args[] = {
       {"logits", logits, logits_bytes, e.esize, false},
-      e.targets(targets),
+      e.targets(targets, vocab_local),  // class probabilities: this rank's shard of q
       e.class_weights(vocab_total),
       e.gathered_stats(gathered_stats, ranks),
       e.grad_output(grad_output),

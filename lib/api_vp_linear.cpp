@@ -42,7 +42,6 @@ fce_status check_sizes(const char* fn, const fce_options& o, const int64_t* rank
   FCE_TRY(check_vp_vocab(fn, vocab_total, vocab_start, vocab_local, true));
   FCE_TRY(check_options(fn, &o, rows, vocab_total, &p->opt));
   FCE_TRY(refuse_batch_invariant(fn, p->opt));
-  FCE_TRY(refuse_soft_targets(fn, o));
   FCE_TRY(check_hidden(fn, hidden));
   FCE_TRY(check_vp_rows(fn, rows, ranks));
   p->fn = fn;
@@ -91,7 +90,6 @@ FCE_API fce_status fce_vp_linear_stats_workspace_size(const fce_options* options
   fce::CeOptions opt;
   FCE_TRY(check_options(fn, &o, rows, vocab_local, &opt));
   FCE_TRY(refuse_batch_invariant(fn, opt));
-  FCE_TRY(refuse_soft_targets(fn, o));
   FCE_TRY(check_hidden(fn, hidden));
   FCE_TRY(check_vp_rows(fn, rows, nullptr));
   FCE_TRY(check_size_outputs(fn, min_bytes, optimal_bytes));
@@ -129,7 +127,7 @@ FCE_API fce_status fce_vp_linear_stats(const fce_options* options, const fce_vp_
       {"hidden_states", hidden_states, h_bytes, e.esize, false},
       {"weight", weight, vd * e.esize, e.esize, false},
       {"bias", bias, static_cast<uint64_t>(vocab_local) * e.esize, e.esize, false},
-      e.targets(targets),
+      e.targets(targets, vocab_local),  // class probabilities: this rank's shard of q
       e.class_weights(vocab_total),
       e.stats(stats),
       workspace_arg(workspace, workspace_bytes),
@@ -162,7 +160,6 @@ FCE_API fce_status fce_vp_linear_backward_workspace_size(const fce_options* opti
   fce::CeOptions opt;
   FCE_TRY(check_options(fn, &o, rows, vocab_total, &opt));
   FCE_TRY(refuse_batch_invariant(fn, opt));
-  FCE_TRY(refuse_soft_targets(fn, o));
   FCE_TRY(check_hidden(fn, hidden));
   FCE_TRY(check_vp_rows(fn, rows, &ranks));
   FCE_TRY(check_grad_hidden_dtype(fn, grad_hidden_dtype, o.dtype));
@@ -219,7 +216,7 @@ FCE_API fce_status fce_vp_linear_backward(const fce_options* options,
       {"hidden_states", hidden_states, h_bytes, e.esize, false},
       {"weight", weight, vd * e.esize, e.esize, false},
       {"bias", bias, v * e.esize, e.esize, false},
-      e.targets(targets),
+      e.targets(targets, vocab_local),  // class probabilities: this rank's shard of q
       e.class_weights(vocab_total),
       e.gathered_stats(gathered_stats, ranks),
       e.grad_output(grad_output),
@@ -365,7 +362,6 @@ FCE_API fce_status fce_vp_linear_ce_workspace_size(const fce_options* options, i
   fce::CeOptions opt;
   FCE_TRY(check_options(fn, &o, rows, vocab_total, &opt));
   FCE_TRY(refuse_batch_invariant(fn, opt));
-  FCE_TRY(refuse_soft_targets(fn, o));
   FCE_TRY(check_hidden(fn, hidden));
   FCE_TRY(check_vp_rows(fn, rows, &ranks));
   FCE_TRY(check_grad_hidden_dtype(fn, grad_hidden_dtype, o.dtype));
@@ -379,8 +375,8 @@ FCE_API fce_status fce_vp_linear_ce_workspace_size(const fce_options* options, i
       once_layout(o, opt, ranks, rows, hidden, vocab_total, width, with_grad != 0,
                   grad_hidden_dtype);
   size_t lo = l.min_total, hi = l.optimal_total;
-  if (with_grad && o.backend != FCE_BACKEND_CPU) {
-    // full speed: the token-chunk plan (with or without grad_weight: the larger of the two)
+  if (with_grad && o.backend != FCE_BACKEND_CPU && !opt.soft_targets) {
+    // full speed: the token-chunk plan (class indices only) (with or without grad_weight: the larger of the two)
     const bool fp32 = o.grad_weight_fp32 != 0 || o.dtype == FCE_FLOAT32;
     size_t chunked = 0;
     for (bool need_dw : {true, false}) {
@@ -419,6 +415,7 @@ FCE_API fce_status fce_vp_linear_ce(const fce_options* options, const fce_vp_sha
   fce::VpLinearProblem& p = P.lin;
   FCE_TRY(check_sizes(fn, *o, &ranks, rows, hidden, vocab_total, vocab_start, vocab_local, &p));
   FCE_TRY(check_grad_hidden_dtype(fn, grad_hidden_dtype, o->dtype));
+  FCE_TRY(refuse_soft_accuracy(fn, *o, out));
   FCE_TRY(check_row_grads_have_gradient(fn, a.g, grad_hidden || grad_weight || grad_bias,
                                         "gradients->grad_hidden, grad_weight and grad_bias"));
   const Entries e(*o, rows);
@@ -444,7 +441,7 @@ FCE_API fce_status fce_vp_linear_ce(const fce_options* options, const fce_vp_sha
       {"hidden_states", hidden_states, h_bytes, e.esize, false},
       {"weight", weight, vd * e.esize, e.esize, false},
       {"bias", bias, v * e.esize, e.esize, false},
-      e.targets(targets),
+      e.targets(targets, vocab_local),  // class probabilities: this rank's shard of q
       e.class_weights(vocab_total),
       e.grad_output(grad_output),
       e.loss(loss),
@@ -475,7 +472,7 @@ FCE_API fce_status fce_vp_linear_ce(const fce_options* options, const fce_vp_sha
   // the plan: a function of what every rank passes alike (never of vocab_start / vocab_local)
   size_t threshold = 0, need = 0;
   const bool chunked =
-      with_grad && o->backend != FCE_BACKEND_CPU &&
+      with_grad && o->backend != FCE_BACKEND_CPU && !p.opt.soft_targets &&
       fce::cuda_vp_linear_ce_chunked(p.opt, ranks, rows, hidden, vocab_total, vocab_local,
                                      grad_weight != nullptr, fp32, workspace_bytes, &threshold,
                                      &need);

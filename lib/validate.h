@@ -29,8 +29,8 @@ inline bool is_soft_dtype(int32_t target_dtype) {
   return target_dtype == FCE_FLOAT32 || target_dtype == FCE_FLOAT16 ||
          target_dtype == FCE_BFLOAT16;
 }
-// Class-probability targets in a vocabulary-parallel call: FCE_ERROR_UNSUPPORTED naming the call
-// and options->target_dtype.
+// Class-probability targets in a call that takes class indices only (the distillation calls):
+// FCE_ERROR_UNSUPPORTED naming the call and options->target_dtype.
 fce_status refuse_soft_targets(const char* fn, const fce_options& o);
 // options->batch_invariant (docs/semantics.md rule 21) in a call that cannot honour it (the
 // vocabulary-parallel and distillation calls): FCE_ERROR_UNSUPPORTED naming the call and field.

@@ -2,8 +2,8 @@
 // [rows, vocab] of FCE_FLOAT32 / FCE_FLOAT16 / FCE_BFLOAT16 through fce_forward,
 // fce_backward, fce_backward_rescale and fce_linear_ce, against a float64 reference of the
 // rule's formulas (checked by finite differences first), against the hard-target call for
-// one-hot q, on adversarial rows, and every refusal with its message. Self-contained on
-// test_util.h.
+// one-hot q, on adversarial rows, and every refusal with its message. The reference:
+// soft_ref.h.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -13,107 +13,12 @@
 #include <string>
 #include <vector>
 
-#include "test_util.h"
+#include "soft_ref.h"
 
 namespace {
 
 using namespace fcet;
-
-constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
-
-// ------------------------------------------------------------------ the reference ----------
-struct Opts {
-  int reduction = FCE_REDUCTION_MEAN;
-  double eps = 0.0, lambda = 0.0, softcap = 0.0, scale = 1.0;
-  std::vector<double> w;  // class weights, empty = all 1
-};
-
-struct Ref {
-  std::vector<double> a, lse, row_loss, grad;  // a, grad: [N * V]
-  std::vector<int64_t> argmax;
-  double loss = 0.0, z_loss = 0.0;
-};
-
-// Rule 19 in long double: q' = (1 − ε) q + ε/V, ce = Q log s − Σ_{ωq' ≠ 0} ωq'(a − m),
-// zl = λ lse², ∂/∂a_j = k (Q p_j − ω_j q'_j + 2λ lse p_j), times s (1 − (a_j/c)²).
-// g: the upstream gradient ([1], or [N] for none).
-Ref soft_ref(const Opts& o, int64_t N, int64_t V, const std::vector<double>& z,
-             const std::vector<double>& q, const std::vector<double>& g) {
-  Ref r;
-  r.a.resize(static_cast<size_t>(N * V));
-  r.grad.assign(static_cast<size_t>(N * V), 0.0);
-  r.lse.resize(static_cast<size_t>(N));
-  r.row_loss.resize(static_cast<size_t>(N));
-  r.argmax.resize(static_cast<size_t>(N));
-  long double total = 0, ztotal = 0;
-  for (int64_t i = 0; i < N; ++i) {
-    const double* zr = &z[static_cast<size_t>(i * V)];
-    double* a = &r.a[static_cast<size_t>(i * V)];
-    double m = -INFINITY;
-    int64_t am = 0;
-    bool nan = false;
-    for (int64_t j = 0; j < V; ++j) {
-      a[j] = o.scale * zr[j];
-      if (o.softcap > 0) a[j] = o.softcap * std::tanh(a[j] / o.softcap);
-      if (std::isnan(a[j]) && !nan) nan = true, am = j;
-      if (!nan && a[j] > m) m = a[j], am = j;
-    }
-    r.argmax[static_cast<size_t>(i)] = am;
-    long double s = 0, mass = 0, shifted = 0;
-    for (int64_t j = 0; j < V; ++j) s += std::exp(static_cast<long double>(a[j]) - m);
-    const long double ls = std::log(s), lse = m + ls;
-    auto qp = [&](int64_t j) {
-      return (1 - o.eps) * q[static_cast<size_t>(i * V + j)] + o.eps / static_cast<double>(V);
-    };
-    auto wj = [&](int64_t j) { return o.w.empty() ? 1.0 : o.w[static_cast<size_t>(j)]; };
-    for (int64_t j = 0; j < V; ++j) {
-      const long double wq = wj(j) * qp(j);
-      mass += wq;
-      if (wq != 0) shifted += wq * (static_cast<long double>(a[j]) - m);
-    }
-    const bool finite = std::isfinite(m) && !nan;
-    const long double ce = finite ? mass * ls - shifted : kNaN;
-    const long double zl = o.lambda == 0 ? 0 : o.lambda * lse * lse;
-    r.lse[static_cast<size_t>(i)] = nan ? kNaN : static_cast<double>(finite ? lse : m + ls);
-    r.row_loss[static_cast<size_t>(i)] = static_cast<double>(ce + zl);
-    total += ce + zl;
-    ztotal += zl;
-    const double gi = g.size() == 1 ? g[0] : g[static_cast<size_t>(i)];
-    const long double k = o.reduction == FCE_REDUCTION_MEAN ? gi / static_cast<long double>(N) : gi;
-    for (int64_t j = 0; j < V; ++j) {
-      const long double p = std::exp((static_cast<long double>(a[j]) - m) - ls);
-      long double da = k * (mass * p - wj(j) * qp(j) + 2 * o.lambda * lse * p);
-      da *= o.scale;
-      if (o.softcap > 0) da *= 1 - (a[j] / o.softcap) * (a[j] / o.softcap);
-      r.grad[static_cast<size_t>(i * V + j)] = static_cast<double>(da);
-    }
-  }
-  const bool mean = o.reduction == FCE_REDUCTION_MEAN;
-  r.loss = static_cast<double>(mean && N > 0 ? total / N : total);
-  r.z_loss = static_cast<double>(mean && N > 0 ? ztotal / N : ztotal);
-  return r;
-}
-
-// Random probabilities, each row summing to 1 (a few rows sparse: most entries exactly 0),
-// rounded to qdtype.
-std::vector<double> random_probs(std::mt19937_64& rng, int qdtype, int64_t N, int64_t V) {
-  std::vector<double> q(static_cast<size_t>(N * V));
-  std::uniform_real_distribution<double> u(0.0, 1.0);
-  for (int64_t i = 0; i < N; ++i) {
-    const bool sparse = i % 3 == 1;
-    double sum = 0;
-    for (int64_t j = 0; j < V; ++j) {
-      double v = std::pow(u(rng), 4.0);
-      if (sparse && u(rng) < 0.9) v = 0;
-      q[static_cast<size_t>(i * V + j)] = v;
-      sum += v;
-    }
-    if (sum == 0) q[static_cast<size_t>(i * V)] = sum = 1;
-    for (int64_t j = 0; j < V; ++j)
-      q[static_cast<size_t>(i * V + j)] = round_to(qdtype, q[static_cast<size_t>(i * V + j)] / sum);
-  }
-  return q;
-}
+using namespace softref;
 
 // The finite-difference check of the reference's gradient (logit_scale, softcap, smoothing,
 // weights, z-loss, sum).
@@ -567,28 +472,22 @@ TEST_F(SoftRefusals, TokenScalingShiftAccuracy) {
   expect(forward(o), FCE_ERROR_INVALID_ARGUMENT, "fce_forward", "options->target_dtype");
 }
 
-TEST_F(SoftRefusals, VocabularyParallel) {
+// The vocabulary-parallel calls take class probabilities (test_vp_soft.cpp): their workspace
+// queries answer for them.
+TEST_F(SoftRefusals, VocabularyParallelQueries) {
   const TestOptions o = soft();
-  fce_vp_shard shard = {2, V, 0, V / 2, nullptr, nullptr};
-  Buf stats(N * FCE_VP_STATS * 4), gathered(2 * N * FCE_VP_STATS * 4);
-  expect(fce_vp_stats(&o, &shard, N, z.ptr(), q.ptr(), stats.p<float>(), test_stream()),
-         FCE_ERROR_UNSUPPORTED, "fce_vp_stats", "options->target_dtype");
   size_t bytes = 0, lo = 0;
-  expect(fce_vp_loss_workspace_size(&o, 2, N, V, &bytes), FCE_ERROR_UNSUPPORTED,
-         "fce_vp_loss_workspace_size", "options->target_dtype");
-  fce_outputs out = FCE_OUTPUTS_INIT;
-  out.loss = loss.p<float>();
-  expect(fce_vp_loss(&o, &shard, N, q.ptr(), gathered.p<const float>(), &out, ws.ptr(), 1 << 20,
-                     test_stream()),
-         FCE_ERROR_UNSUPPORTED, "fce_vp_loss", "options->target_dtype");
-  expect(fce_vp_backward_workspace_size(&o, 2, N, V, V / 2, &bytes), FCE_ERROR_UNSUPPORTED,
-         "fce_vp_backward_workspace_size", "options->target_dtype");
-  expect(fce_vp_linear_stats_workspace_size(&o, N, 8, V / 2, &lo, nullptr), FCE_ERROR_UNSUPPORTED,
-         "fce_vp_linear_stats_workspace_size", "options->target_dtype");
-  expect(fce_vp_linear_ce_workspace_size(&o, 2, N, 8, V, V / 2, 1, FCE_FLOAT32, &lo, nullptr),
-         FCE_ERROR_UNSUPPORTED, "fce_vp_linear_ce_workspace_size", "options->target_dtype");
-  expect(fce_vp_linear_backward_workspace_size(&o, 2, N, 8, V, V / 2, FCE_FLOAT32, &lo, nullptr),
-         FCE_ERROR_UNSUPPORTED, "fce_vp_linear_backward_workspace_size", "options->target_dtype");
+  EXPECT_EQ(fce_vp_loss_workspace_size(&o, 2, N, V, &bytes), FCE_SUCCESS) << fce_last_error();
+  EXPECT_EQ(fce_vp_backward_workspace_size(&o, 2, N, V, V / 2, &bytes), FCE_SUCCESS)
+      << fce_last_error();
+  EXPECT_EQ(fce_vp_linear_stats_workspace_size(&o, N, 8, V / 2, &lo, nullptr), FCE_SUCCESS)
+      << fce_last_error();
+  EXPECT_EQ(fce_vp_linear_ce_workspace_size(&o, 2, N, 8, V, V / 2, 1, FCE_FLOAT32, &lo, nullptr),
+            FCE_SUCCESS)
+      << fce_last_error();
+  EXPECT_EQ(fce_vp_linear_backward_workspace_size(&o, 2, N, 8, V, V / 2, FCE_FLOAT32, &lo, nullptr),
+            FCE_SUCCESS)
+      << fce_last_error();
 }
 
 // Every row is scored: ignore_index does not apply (a row of q equal to it is still a row).

@@ -267,8 +267,17 @@ TEST_F(VpBadInput, Options) {
   for_all("struct_size 8", FCE_ERROR_INVALID_ARGUMENT, "struct_size",
           [](VpArgs& x) { x.o.struct_size = 8; });
   for_all("dtype 7", FCE_ERROR_INVALID_ARGUMENT, "dtype", [](VpArgs& x) { x.o.dtype = 7; });
-  for_all("target_dtype float32 (class probabilities)", FCE_ERROR_UNSUPPORTED, "target_dtype",
-          [](VpArgs& x) { x.o.target_dtype = FCE_FLOAT32; });
+  // class probabilities (target_dtype float32) take neither token scaling nor the shift
+  for_all("token_scaling with class probabilities", FCE_ERROR_INVALID_ARGUMENT,
+          "options->token_scaling", [](VpArgs& x) {
+            x.o.target_dtype = FCE_FLOAT32;
+            x.o.token_scaling = 1;
+          });
+  for_all("shift_seq_len 2 with class probabilities", FCE_ERROR_UNSUPPORTED,
+          "options->shift_seq_len", [](VpArgs& x) {
+            x.o.target_dtype = FCE_FLOAT32;
+            x.o.shift_seq_len = 2;
+          });
   for_all("reduction 3", FCE_ERROR_INVALID_ARGUMENT, "reduction", [](VpArgs& x) { x.o.reduction = 3; });
   for_all("backend 2", FCE_ERROR_INVALID_ARGUMENT, "backend", [](VpArgs& x) { x.o.backend = 2; });
   for_all("label_smoothing 1", FCE_ERROR_INVALID_ARGUMENT, "label_smoothing",

@@ -273,6 +273,19 @@ inline double element_gradient(const CeSetup& setup, double a_j, double p, const
 double soft_cross_entropy(const CeSetup& setup, const double* a, const RowStats& st, int64_t r);
 void soft_gradient(const CeSetup& setup, double* a, const RowStats& st, int64_t r,
                    const Upstream& up, const RowTerms& terms);
+// The same on a vocabulary shard (rule 16; lib/cpu/vocab_parallel.cpp): setup.targets is the
+// shard's q [rows, local] of classes [start, start + local), a the shard's row.
+// soft_shard_sums: W = Σ_j ω_j q'_j and Σ_j ω_j q'_j (a_j − m) over the shard (the terms with
+// ω_j q'_j = 0 left out of the second); soft_shard_gradient: ∂/∂z_j of the shard's columns in
+// place, with st the combined row statistics and mass = Q of the whole row.
+struct SoftSums {
+  double mass, shifted;
+};
+SoftSums soft_shard_sums(const CeSetup& setup, const double* a, double m, int64_t r, int64_t start,
+                         int64_t local);
+void soft_shard_gradient(const CeSetup& setup, double* a, const RowStats& st, double mass,
+                         int64_t r, int64_t start, int64_t local, const Upstream& up,
+                         const RowTerms& terms);
 
 // The gradient (docs/semantics.md rules 9 and 18), in place: a_j in, ∂/∂z_j out:
 //   ∂ce/∂a_j = (1−ε) ω_y (p_j − [j = y]) + (ε/V)(Ω p_j − ω_j),  ∂zl/∂a_j = 2 λ lse p_j

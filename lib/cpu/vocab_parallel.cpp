@@ -14,6 +14,12 @@
 // in double; the double row otherwise. Rows run on threads; the reduction over rows is
 // write_reduction's, in row order: deterministic, the same bits on every rank.
 //
+// Class probabilities (rule 19): the targets of phase 1 and of the gradient are this rank's
+// shard of q [rows, vocab_local]; with ω_j q'_j in place of label smoothing's (ε/V) ω_j, per row,
+// u_r = Σ_j ω_j q'_j (m_r − a_j) and W_r = Σ_j ω_j q'_j over the shard (soft_row.cpp), and
+// phase 3 makes Q = Σ_r W_r, U = Σ_r (u_r + W_r (M − m_r)), ce = Q ls + U and
+// ∂ce/∂a_j = Q p_j − ω_j q'_j: no target class, every row scored.
+//
 // Phase 1's m_r is stored as a float32; s_r and u_r are computed relative to that stored value
 // (not to the unrounded double maximum of the double path), so that the combination's algebra
 // (S = Σ s_r exp(m_r − M), U = Σ u_r + W_r (M − m_r)) is exact in the stored values and the
@@ -57,6 +63,7 @@ struct VpSetup {
   const float* omega_shard;   // ω + start, or nullptr without class weights
   double shard_weight = 0;    // W_r = Σ ω_j over the shard
   bool entropy;               // options->vp_entropy: e_r in kVpEntropy, h_r in kVpLocal's bit
+  bool soft;                  // class probabilities: ce.targets is the shard's q [rows, local]
   bool fast;                  // a = z: the float32 row (ce_row.h's float_path)
 };
 
@@ -67,6 +74,7 @@ VpSetup make_vp_setup(const CeOptions& opt, int64_t rows, int64_t vocab_total, i
   VpSetup s;
   s.ce = make_setup(opt, rows, vocab_total, targets, grad_output, false, grad_lse, grad_entropy);
   s.entropy = opt.vp_entropy;
+  s.soft = opt.soft_targets;
   s.start = start;
   s.local = local;
   s.omega_shard = opt.class_weights ? opt.class_weights + start : nullptr;
@@ -81,15 +89,16 @@ bool in_shard(const VpSetup& s, const RowTarget& t) {
 
 // ------------------------------------------------------------------ phase 1 ----
 
-// e: the entropy's sum e_r, stored with s.entropy only.
+// e: the entropy's sum e_r, stored with s.entropy only; W: W_r of the row (class
+// probabilities), nullptr: the shard's Σ ω_j.
 void write_stats(const VpSetup& s, float m, double sum, double target, bool hit, double u,
-                 int64_t argmax_local, float* out, double e = 0.0) {
+                 int64_t argmax_local, float* out, double e = 0.0, const double* W = nullptr) {
   out[kVpMax] = m;
   out[kVpSumExp] = float(sum);
   out[kVpTarget] = hit ? float(target) : 0.0f;
   out[kVpHit] = hit ? 1.0f : 0.0f;
   out[kVpSmooth] = float(u);
-  out[kVpWeight] = float(s.shard_weight);
+  out[kVpWeight] = float(W ? *W : s.shard_weight);
   out[kVpArgmax] = int_as_float(s.start + argmax_local);
   out[kVpLocal] = int_as_float(s.local);
   if (s.entropy) {
@@ -120,8 +129,9 @@ void row_stats_shard_f32(const VpSetup& s, const float* a, const RowTarget& t, f
   write_stats(s, m, sum, a_y, hit, u, argmax, out);
 }
 
-// The stats of a shard row of double a (scaled and capped: the double path).
-void row_stats_shard_f64(const VpSetup& s, const double* a, const RowTarget& t, float* out) {
+// The stats of row r of the shard, double a (scaled and capped: the double path).
+void row_stats_shard_f64(const VpSetup& s, const double* a, int64_t r, const RowTarget& t,
+                         float* out) {
   const int64_t n = s.local;
   const bool hit = in_shard(s, t);
   const double a_y = hit ? a[t.y - s.start] : 0.0;
@@ -145,9 +155,15 @@ void row_stats_shard_f64(const VpSetup& s, const double* a, const RowTarget& t, 
     sum = 0.0;
     for (int64_t j = 0; j < n; ++j) sum += std::exp(a[j] - md);
   }
-  double u = 0.0;
-  if (s.ce.eps > 0.0 && m > -kInf)
+  double u = 0.0, W = 0.0;  // W: the row's Σ ω_j q'_j (class probabilities)
+  if (s.soft) {
+    // u_r = Σ ω_j q'_j (m_r − a_j): 0 when m_r = −inf (rule 16's "else 0"), NaN for +inf
+    const SoftSums q = soft_shard_sums(s.ce, a, md, r, s.start, n);
+    W = q.mass;
+    u = std::isfinite(md) ? -q.shifted : md < 0 ? 0.0 : kNaN;
+  } else if (s.ce.eps > 0.0 && m > -kInf) {
     for (int64_t j = 0; j < n; ++j) u += omega_of(s.ce, s.start + j) * (md - a[j]);
+  }
   // e_r = Σ exp(a_j − m_r)(a_j − m_r) (a −inf entry adds 0): 0 when m_r = −inf, NaN for +inf
   double e = md < 0 ? 0.0 : kNaN;
   if (s.entropy && std::isfinite(md)) {
@@ -157,7 +173,7 @@ void row_stats_shard_f64(const VpSetup& s, const double* a, const RowTarget& t, 
       if (x != 0.0) e += x * (a[j] - md);
     }
   }
-  write_stats(s, mf, sum, a_y, hit, u, argmax, out, e);
+  write_stats(s, mf, sum, a_y, hit, u, argmax, out, e, s.soft ? &W : nullptr);
 }
 
 // Steps 1 and 2 on the shard's row: a_j = s · z_j, then c · tanh(a_j / c) when c > 0.
@@ -202,7 +218,7 @@ void stats_rows(const VpSetup& s, int64_t first_row, int64_t count, const void* 
         double* a = scratch.rows[size_t(thread)].data();
         load_row(dtype, z, s.local, a);
         scale_and_softcap_shard(s, a);
-        row_stats_shard_f64(s, a, t, out);
+        row_stats_shard_f64(s, a, r, t, out);
       }
     }
   });
@@ -215,8 +231,8 @@ struct Combined {
   bool consistent;   // the tiling check passed
   double M, ls, lse;  // m and log s of rule 9, lse = M + ls
   double t;          // a_y (scored rows)
-  double Omega;      // Σ_r W_r
-  double U;          // Σ_j ω_j (M − a_j) (ε > 0)
+  double Omega;      // Σ_r W_r (class probabilities: Q = Σ_j ω_j q'_j)
+  double U;          // Σ_j ω_j (M − a_j) (ε > 0); class probabilities: Σ_j ω_j q'_j (M − a_j)
   int64_t argmax;    // the global argmax
   double mu_m = 0.0, H = kNaN;  // rule 18 (s.entropy): μ − M and the entropy ls − (μ − M)
 };
@@ -252,7 +268,7 @@ Combined combine(const VpSetup& s, const float* gathered, int64_t ranks, int64_t
   // With s.entropy: E = Σ_r exp(m_r − M)(e_r + (m_r − M) s_r) = Σ_j exp(a_j − M)(a_j − M).
   double S = 0.0, t = 0.0, hits = 0.0, Omega = 0.0, U = 0.0, E = 0.0;
   int64_t local_sum = 0;
-  const bool smoothing = s.ce.eps > 0.0;
+  const bool smoothing = s.ce.eps > 0.0 && !s.soft;
   for (int64_t q = 0; q < ranks; ++q) {
     const float* st = at(q);
     const double m = st[kVpMax];
@@ -260,6 +276,9 @@ Combined combine(const VpSetup& s, const float* gathered, int64_t ranks, int64_t
     t += st[kVpTarget];
     Omega += st[kVpWeight];
     if (smoothing) U += double(st[kVpSmooth]) + double(st[kVpWeight]) * (M - m);
+    // class probabilities: a shard of no probability mass adds nothing (even with m_r = −inf)
+    if (s.soft && st[kVpWeight] != 0.0f)
+      U += double(st[kVpSmooth]) + double(st[kVpWeight]) * (M - m);
     if (!s.entropy) {
       hits += st[kVpHit];
       local_sum += float_as_int(st[kVpLocal]);
@@ -291,7 +310,7 @@ Combined combine(const VpSetup& s, const float* gathered, int64_t ranks, int64_t
     for (int64_t o = 0; o < q && !duplicate; ++o)
       duplicate = float_as_int(at(q)[kVpArgmax]) == float_as_int(at(o)[kVpArgmax]);
   c.consistent = local_sum == s.ce.vocab && !duplicate &&
-                 (kind != RowKind::kScored || hits == 1.0);
+                 (kind != RowKind::kScored || s.soft || hits == 1.0);
   return c;
 }
 
@@ -331,6 +350,10 @@ fce_status vp_loss(const VpProblem& p) {
       if (t.kind == RowKind::kInvalid) {
         res.ce[ri] = kNaN;
         res.z_loss[ri] = z_loss_term(s.ce, c.lse);  // never scaled
+      } else if (s.soft) {
+        // rule 19: ce = Q ls + U, NaN without a finite maximum (rule 10)
+        res.ce[ri] = std::isfinite(c.M) ? c.Omega * c.ls + c.U : kNaN;
+        res.z_loss[ri] = z_loss_term(s.ce, c.lse);
       } else if (t.kind == RowKind::kScored) {
         // ce = (1−ε) ω_y ((M − t) + ls) + (ε/V)(U + Ω ls), zl = λ lse², both times p_y
         double ce = (1.0 - eps) * omega_of(s.ce, t.y) * ((c.M - c.t) + c.ls);
@@ -379,8 +402,17 @@ void gradient_shard_f32(const VpSetup& s, const float* a, const Combined& c, con
 // The gradient of a double shard row (the double path), in place: ce_row.h's gradient with
 // m = M, log s = ls, μ − m = μ − M over the shard's columns; y < 0: a row without a loss term
 // (ignored) whose rule 18 terms flow.
-void gradient_shard_f64(const VpSetup& s, double* a, const Combined& c, int64_t y,
+void gradient_shard_f64(const VpSetup& s, double* a, const Combined& c, int64_t r, int64_t y,
                         const Upstream& up, double ts, const RowTerms& terms) {
+  if (s.soft) {  // rule 19 over the shard's columns, Q = Ω of the combination
+    RowStats st{};
+    st.m = c.M;
+    st.log_s = c.ls;
+    st.lse = c.lse;
+    st.mu_m = c.mu_m;
+    soft_shard_gradient(s.ce, a, st, c.Omega, r, s.start, s.local, up, terms);
+    return;
+  }
   const double target_weight = y < 0 ? 0.0 : (1.0 - s.ce.eps) * omega_of(s.ce, y);
   const double smoothing = y < 0 ? 0.0 : s.ce.eps / double(s.ce.vocab);
   const double z_loss = y < 0 || s.ce.lambda == 0.0 ? 0.0 : 2.0 * s.ce.lambda * c.lse;
@@ -439,7 +471,7 @@ uint32_t gradient_rows(const VpSetup& s, const float* gathered, int64_t ranks, i
         double* a = scratch.rows[size_t(thread)].data();
         load_row(logits_dtype, z, s.local, a);
         scale_and_softcap_shard(s, a);
-        gradient_shard_f64(s, a, c, t.kind == RowKind::kScored ? t.y : -1, up, ts, terms);
+        gradient_shard_f64(s, a, c, r, t.kind == RowKind::kScored ? t.y : -1, up, ts, terms);
         store_row(grad_dtype, a, s.local, g_row);
       }
     }

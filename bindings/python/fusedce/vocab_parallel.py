@@ -20,7 +20,9 @@ call takes (all ranks and both phases must pass the same): ``reduction``, ``igno
 ``class_weights`` (float32 [vocab_total]: the WHOLE vocabulary's weights on every rank),
 ``label_smoothing``, ``z_loss_scale``, ``softcap``, ``logit_scale``, ``shift_seq_len``,
 ``shift``, ``token_scaling``, ``deterministic``. Targets are the global class indices, the same
-array on every rank. The loss, the gradients and the mean's denominator are those of the
+array on every rank, or class probabilities (docs/semantics.md rule 19): each rank passes ITS
+SHARD of q, [rows, vocab_local] of the logits' dtype (its columns of q [rows, vocab_total]), and
+:func:`vp_loss` does not read them (any rank's shard, or None with ``rows=``). The loss, the gradients and the mean's denominator are those of the
 unsharded call (:func:`fusedce.forward` / :func:`fusedce.linear_ce` on the whole vocabulary) to
 float32 rounding. Gathered shards that do not tile ``[0, vocab_total)`` give NaN rows and set
 ``FCE_FLAG_SHARDS_INCONSISTENT`` in ``error_flags`` (``check_targets=True`` raises).
@@ -40,9 +42,9 @@ from ._lib import FCE_REDUCTION_NONE, FCE_VP_STATS
 from ._alloc import (_Alloc, _argmax_accuracy, _class_weights, _error_flags, _grad_output,
                      _linear_grads, _out, _ptr, _user_workspace, _workspace, query_for)
 from ._args import (_backend_code, _build_options, _check_backend_kw, _check_same_device,
-                    _check_stride_kw, _grad_set, _matrix, _reduction_code, _targets_code,
-                    _vector, _writable)
-from ._arrays import (_CODE_NAMES, _FLOAT_CODES, _TARGET_CODES, _Arr, _describe, _dtype_name,
+                    _check_stride_kw, _grad_set, _matrix, _reduction_code, _target_dtype_code,
+                    _targets_code, _vector, _writable)
+from ._arrays import (_CODE_NAMES, _FLOAT_CODES, _Arr, _describe, _dtype_name,
                       _float_code, _need_dtype)
 from ._options import CEOptions
 from ._options import int_option as _int_option
@@ -172,7 +174,8 @@ def vp_stats(logits, targets, *, vocab_total: int, vocab_start: int, reduction="
     """Phase 1 (fce_vp_stats) over this rank's logits [rows, vocab_local] (columns
     ``[vocab_start, vocab_start + vocab_local)`` of the whole vocabulary; a row stride larger
     than vocab_local is fine): returns ``stats`` float32 [rows, VP_STATS] (allocated, 16-byte
-    aligned, unless given). ``targets`` [rows] are global class indices. ``entropy=True``: the
+    aligned, unless given). ``targets`` [rows] are global class indices, or this rank's shard of
+    class probabilities [rows, vocab_local] of the logits' dtype. ``entropy=True``: the
     statistics also carry the shard's entropy sums, for :func:`vp_loss`'s ``return_entropy``
     (docs/semantics.md rule 18); every call of the step must then pass it."""
     _lib.require_vp()
@@ -187,7 +190,7 @@ def vp_stats(logits, targets, *, vocab_total: int, vocab_start: int, reduction="
     dtype_code = _float_code(z, _dtype_name(dtype), fn="fusedce.vocab_parallel.vp_stats")
     rs = _matrix(z, what="[rows, vocab_local]")
     _check_stride_kw(row_stride, rs, "row_stride")
-    tcode = _targets_code(y, rows, target_dtype)
+    tcode = _targets_code(y, rows, target_dtype, vl, dtype_code)
     red = _reduction_code(reduction)
     w = _class_weights(class_weights, z, vt)
     kw = _opt_kw(reduction, ignore_index, class_weights, label_smoothing, z_loss_scale, softcap,
@@ -227,7 +230,7 @@ def vp_linear_stats(hidden, weight, targets, bias=None, *, vocab_total: int, voc
     rows, dim, vl, dname, dtype_code, hrs = _linear_args(
         "fusedce.vocab_parallel.vp_linear_stats", h, W, b, dtype, hidden_row_stride)
     vt, vs = _sizes(vocab_total, vocab_start)
-    tcode = _targets_code(y, rows, target_dtype)
+    tcode = _targets_code(y, rows, target_dtype, vl, dtype_code)
     red = _reduction_code(reduction)
     w = _class_weights(class_weights, h, vt)
     kw = _opt_kw(reduction, ignore_index, class_weights, label_smoothing, z_loss_scale, softcap,
@@ -270,7 +273,7 @@ def _linear_args(fn: str, h: _Arr, W: _Arr, b: Optional[_Arr], dtype, hidden_row
 
 
 # ======================================================================== phase 3 ====
-def vp_loss(gathered_stats, targets, *, vocab_total: int, reduction="mean",
+def vp_loss(gathered_stats, targets=None, *, vocab_total: int, rows=None, reduction="mean",
             ignore_index: int = -100, class_weights=None, label_smoothing: float = 0.0,
             z_loss_scale: float = 0.0, softcap: float = 0.0, logit_scale: float = 1.0,
             shift_seq_len: int = 0, shift: int = 0, token_scaling: bool = False,
@@ -287,19 +290,37 @@ def vp_loss(gathered_stats, targets, *, vocab_total: int, reduction="mean",
     1; it does not change the result). ``check_targets`` reads the error flags (a host sync on
     CUDA) and raises ValueError for an out-of-range target or shards that do not tile.
     ``return_entropy``: each row's entropy too (docs/semantics.md rule 18), from statistics made
-    with ``entropy=True``, which every call of the step must then pass (it is implied here)."""
+    with ``entropy=True``, which every call of the step must then pass (it is implied here).
+    Class probabilities are not read: ``targets`` may be any rank's shard of q [rows,
+    vocab_local], or None with ``rows`` and ``target_dtype`` (the probabilities' dtype)."""
     _lib.require_vp()
     s_explicit = _stream_int(stream)
     g = _describe(gathered_stats, "gathered_stats", s_explicit)
-    y = _describe(targets, "targets", s_explicit)
-    _check_same_device(g, y)
-    if len(y.shape) != 1:
-        raise ValueError(f"targets must be 1-D [rows], got shape {y.shape}")
-    rows = y.shape[0]
-    ranks = _gathered(g, rows)
     vt, _ = _sizes(vocab_total)
     dtype_code = _FLOAT_CODES[_dtype_name(dtype) or "float32"]
-    tcode = _targets_code(y, rows, target_dtype)
+    if targets is None:  # class probabilities, which the loss does not read
+        tname = _dtype_name(target_dtype)
+        if rows is None or tname not in _FLOAT_CODES:
+            raise ValueError("targets=None needs rows= and a floating-point target_dtype= (class "
+                             "probabilities, which vp_loss does not read)")
+        y, rows, tcode = None, _int_option(rows, "rows"), _FLOAT_CODES[tname]
+    else:
+        y = _describe(targets, "targets", s_explicit)
+        _check_same_device(g, y)
+        if len(y.shape) == 2 and y.dtype in _FLOAT_CODES:  # class probabilities: not read
+            tname = _dtype_name(target_dtype)
+            if tname is not None and tname != y.dtype:
+                raise TypeError(f"targets have dtype {y.dtype} but target_dtype={target_dtype!r}")
+            tcode = _FLOAT_CODES[y.dtype]
+        elif len(y.shape) != 1:
+            raise ValueError(f"targets must be 1-D [rows] (class indices) or 2-D [rows, "
+                             f"vocab_local] (class probabilities), got shape {y.shape}")
+        else:
+            tcode = _targets_code(y, y.shape[0], target_dtype)
+        if rows is not None and _int_option(rows, "rows") != y.shape[0]:
+            raise ValueError(f"rows={rows} disagrees with targets of shape {y.shape}")
+        rows = y.shape[0]
+    ranks = _gathered(g, rows)
     red = _reduction_code(reduction)
     w = _class_weights(class_weights, g, vt)
     kw = _opt_kw(reduction, ignore_index, class_weights, label_smoothing, z_loss_scale, softcap,
@@ -307,6 +328,8 @@ def vp_loss(gathered_stats, targets, *, vocab_total: int, reduction="mean",
     call_stream = _call_stream(s_explicit, [g, y, w]) if g.is_cuda else 0
     alloc = _Alloc(g, call_stream)
     none = red == FCE_REDUCTION_NONE
+    # class probabilities: the library does not read targets (NULL)
+    y_ptr = 0 if (y is None or tcode in _FLOAT_CODES.values()) else y.ptr
     with _device_of(g):
         if loss is None:
             loss = alloc.empty((rows,) if none else (), "float32", "loss")
@@ -342,7 +365,7 @@ def vp_loss(gathered_stats, targets, *, vocab_total: int, reduction="mean",
         shard = _lib.shard(ranks, vt, 0, vt)
         out = _lib.outputs(loss=la.ptr, lse=_ptr(lse_a), z_loss=_ptr(zl_a), argmax=_ptr(am_a),
                            accuracy=_ptr(acc_a), error_flags=flags_ptr, entropy=_ptr(ent_a))
-        _lib.call("fce_vp_loss", ctypes.byref(opts), ctypes.byref(shard), rows, y.ptr, g.ptr,
+        _lib.call("fce_vp_loss", ctypes.byref(opts), ctypes.byref(shard), rows, y_ptr, g.ptr,
                   ctypes.byref(out), ws_ptr, ws_bytes, call_stream)
         del ws_keep
     if check_targets:
@@ -377,7 +400,7 @@ def vp_backward(logits, targets, gathered_stats, grad_output=None, *, vocab_tota
     dtype_code = _float_code(z, _dtype_name(dtype), fn="fusedce.vocab_parallel.vp_backward")
     rs = _matrix(z, what="[rows, vocab_local]")
     _check_stride_kw(row_stride, rs, "row_stride")
-    tcode = _targets_code(y, rows, target_dtype)
+    tcode = _targets_code(y, rows, target_dtype, vl, dtype_code)
     ranks = _gathered(g, rows)
     red = _reduction_code(reduction)
     w = _class_weights(class_weights, z, vt)
@@ -447,7 +470,7 @@ def vp_linear_backward(hidden, weight, targets, gathered_stats, bias=None, grad_
     rows, dim, vl, dname, dtype_code, hrs = _linear_args(
         "fusedce.vocab_parallel.vp_linear_backward", h, W, b, dtype, hidden_row_stride)
     vt, vs = _sizes(vocab_total, vocab_start)
-    tcode = _targets_code(y, rows, target_dtype)
+    tcode = _targets_code(y, rows, target_dtype, vl, dtype_code)
     ranks = _gathered(g, rows)
     red = _reduction_code(reduction)
     w = _class_weights(class_weights, h, vt)
@@ -497,7 +520,7 @@ def _query(dtype, target_dtype, reduction, class_weights, backend, kw, **extra):
         _ce_options(_reduction_code(reduction), kw),
         backend=b if b is not None else _lib.FCE_BACKEND_CPU,
         dtype=_FLOAT_CODES[_dtype_name(dtype) or "float32"],
-        target_dtype=_TARGET_CODES[_dtype_name(target_dtype) or "int64"],
+        target_dtype=_target_dtype_code(target_dtype),
         class_weights_ptr=w_ptr, deterministic=kw["deterministic"], **extra)
 
 

@@ -220,6 +220,105 @@ def test_argument_errors():
         vp.shard_range(10, 0, 3, equal=True)
 
 
+def _probs(rows, vocab, seed):
+    """Class probabilities q [rows, vocab] float32, each row summing to 1 (some entries 0)."""
+    rng = np.random.default_rng(seed)
+    q = rng.uniform(0.0, 1.0, (rows, vocab)) ** 4
+    q[rng.uniform(0.0, 1.0, (rows, vocab)) < 0.3] = 0.0
+    q[:, 0] += 1e-3
+    return (q / q.sum(axis=1, keepdims=True)).astype(np.float32)
+
+
+@needs_vp
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("options", ["plain", "smoothing", "weights", "zloss-softcap-scale"])
+def test_class_probabilities_match_unsharded(ranks, reduction, options):
+    """Class-probability targets (docs/semantics.md rule 19): each rank passes its columns of q
+    to vp_stats and vp_backward; vp_loss reads none (its shard, or None with rows=)."""
+    rows, vocab = 12, 53
+    z, _ = _inputs(rows, vocab, seed=20 + ranks)
+    q = _probs(rows, vocab, seed=ranks)
+    kw = dict(OPTION_SETS[options])
+    if kw.pop("class_weights", False):
+        kw["class_weights"] = np.random.default_rng(7).uniform(0.5, 2.0, vocab).astype(np.float32)
+    kw["reduction"] = reduction
+    g_out = (np.random.default_rng(3).standard_normal(rows).astype(np.float32)
+             if reduction == "none" else 1.7)
+    ref = fusedce.forward(z, q, return_lse=True, return_z_loss=True, return_argmax=True,
+                          return_grad=True, grad_output=g_out, **kw)
+    shards = _shards(vocab, ranks, uneven=True)
+    q_shards = [np.ascontiguousarray(q[:, s:s + n]) for s, n in shards]  # dense, as the C ABI
+    gathered = np.stack([vp.vp_stats(z[:, s:s + n], qs, vocab_start=s, vocab_total=vocab, **kw)
+                         for (s, n), qs in zip(shards, q_shards)][::-1])
+    res = vp.vp_loss(gathered, q[:, :shards[0][1]], vocab_total=vocab, return_lse=True,
+                     return_z_loss=True, return_argmax=True, check_targets=True, **kw)
+    _close(res.loss, ref.loss, what="loss")
+    _close(res.lse, ref.lse, what="lse")
+    _close(res.z_loss, ref.z_loss, what="z_loss")
+    np.testing.assert_array_equal(res.argmax, ref.argmax)
+    res2 = vp.vp_loss(gathered, None, vocab_total=vocab, rows=rows, target_dtype="float32", **kw)
+    np.testing.assert_array_equal(res2.loss, res.loss)
+    grads = [vp.vp_backward(z[:, s:s + n], qs, gathered, g_out, vocab_start=s,
+                            vocab_total=vocab, **kw) for (s, n), qs in zip(shards, q_shards)]
+    _close(np.concatenate(grads, axis=1), ref.grad_logits, what="gradient")
+
+
+@needs_vp
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_linear_class_probabilities_match_unsharded(ranks):
+    rows, dim, vocab = 14, 24, 45
+    rng = np.random.default_rng(ranks)
+    h = rng.standard_normal((rows, dim)).astype(np.float32)
+    w = (rng.standard_normal((vocab, dim)) * 0.3).astype(np.float32)
+    b = (rng.standard_normal(vocab) * 0.2).astype(np.float32)
+    q = _probs(rows, vocab, seed=30 + ranks)
+    kw = dict(reduction="mean", label_smoothing=0.1, z_loss_scale=1e-3)
+    ref = fusedce.linear_ce(h, w, q, b, return_grad=True, return_lse=True, **kw)
+    shards = _shards(vocab, ranks, uneven=True)
+    q_shards = [np.ascontiguousarray(q[:, s:s + n]) for s, n in shards]
+    gathered = np.stack([vp.vp_linear_stats(h, w[s:s + n], qs, b[s:s + n], vocab_start=s,
+                                            vocab_total=vocab, **kw)
+                         for (s, n), qs in zip(shards, q_shards)])
+    res = vp.vp_loss(gathered, q[:, :shards[0][1]], vocab_total=vocab, return_lse=True, **kw)
+    _close(res.loss, ref.loss, what="loss")
+    _close(res.lse, ref.lse, what="lse")
+    gh = np.zeros((rows, dim), np.float32)
+    gws, gbs = [], []
+    for (s, n), qs in zip(shards, q_shards):
+        r = vp.vp_linear_backward(h, w[s:s + n], qs, gathered, b[s:s + n], vocab_start=s,
+                                  vocab_total=vocab, **kw)
+        gh += r.grad_hidden
+        gws.append(r.grad_weight)
+        gbs.append(r.grad_bias)
+    _close(gh, ref.grad_hidden, rtol=1e-4, what="grad_hidden")
+    _close(np.concatenate(gws), ref.grad_weight, rtol=1e-4, what="grad_weight")
+    _close(np.concatenate(gbs), ref.grad_bias, rtol=1e-4, what="grad_bias")
+    # the query takes the probabilities' dtype (the same scratch as for class indices)
+    assert (vp.vp_loss_workspace_size(ranks, rows, vocab, target_dtype="float32") ==
+            vp.vp_loss_workspace_size(ranks, rows, vocab))
+
+
+@needs_vp
+def test_class_probabilities_argument_errors():
+    z, _ = _inputs(4, 20, seed=8)
+    q = _probs(4, 20, seed=8)
+    with pytest.raises(ValueError, match="columns"):  # the shard's columns of q, not all of them
+        vp.vp_stats(z[:, :10], q, vocab_start=0, vocab_total=20)
+    q0 = np.ascontiguousarray(q[:, :10])
+    with pytest.raises(ValueError, match="dense"):  # the C ABI takes the shard dense
+        vp.vp_stats(z[:, :10], q[:, :10], vocab_start=0, vocab_total=20)
+    with pytest.raises(TypeError, match="logits' dtype"):
+        vp.vp_stats(z[:, :10], q0.astype(np.float16), vocab_start=0, vocab_total=20)
+    st = vp.vp_stats(z[:, :10], q0, vocab_start=0, vocab_total=20)
+    with pytest.raises(ValueError, match="rows="):
+        vp.vp_loss(np.stack([st, st]), None, vocab_total=20)
+    with pytest.raises(fusedce.FusedCEError, match="fce_vp_loss: outputs->accuracy"):
+        vp.vp_loss(np.stack([st, st]), q[:, :10], vocab_total=20, return_accuracy=True)
+    with pytest.raises(fusedce.FusedCEError, match="fce_vp_stats: options->token_scaling"):
+        vp.vp_stats(z[:, :10], q0, vocab_start=0, vocab_total=20, token_scaling=True)
+
+
 def test_older_library_refuses_clearly(monkeypatch):
     """A 0.3 library (or a 0.4 one made to look older) is still accepted for everything else;
     the vocabulary-parallel calls raise UnsupportedError naming the version."""

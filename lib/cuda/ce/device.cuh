@@ -80,8 +80,11 @@ struct KParams {
   const float* grad_lse;       // with a gradient: the upstream gradient of each row's lse, or nullptr
   const float* grad_entropy;   // forward with a gradient: of each row's entropy, or nullptr
   // docs/semantics.md rule 19 (the SOFT instantiations of the stream kernel only): targets are
-  // class probabilities [total rows, vocab_total] of this dtype
+  // class probabilities of this dtype, q_ld elements between rows, the buffers' first column at
+  // q_col: [total rows, vocab_total] from column col_begin, or a vocabulary shard's own
+  // [total rows, vocab_local] (fce_vp_backward, fce_vp_linear_backward)
   int q_dtype;
+  int64_t q_ld, q_col;
 };
 
 template <int MODE> __device__ __forceinline__ bool use_cap(const KParams& p) {
@@ -798,6 +801,8 @@ inline KParams make_params(const CeOptions& opt, int64_t vocab) {
   p.lambda = opt.z_loss_scale;
   p.two_lambda = 2.f * opt.z_loss_scale;
   p.q_dtype = opt.q_dtype;
+  p.q_ld = vocab;
+  p.q_col = 0;
   return p;
 }
 

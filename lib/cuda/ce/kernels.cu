@@ -271,7 +271,7 @@ fce_status launch_ce_rows(const CeRowsArgs& a, cudaStream_t s) {
                 fn, static_cast<long long>(a.col_begin), static_cast<long long>(a.vocab),
                 static_cast<long long>(vocab_total));
   if (a.row_count == 0) return FCE_SUCCESS;
-  if (a.opt.soft_targets && (a.stats_in || a.stats_out))
+  if (a.opt.soft_targets && (a.stats_out || (a.stats_in && a.q_row_stride <= 0)))
     return fail(FCE_ERROR_INTERNAL,
                 "%s: launch_ce_rows: class-probability targets with saved row statistics", fn);
   KParams p = make_params(a.opt, vocab_total);  // ε/V and Ω of the whole vocabulary
@@ -279,6 +279,8 @@ fce_status launch_ce_rows(const CeRowsArgs& a, cudaStream_t s) {
   if (a.opt.soft_targets) p.smooth = 0;
   p.vocab = static_cast<int>(a.vocab);            // the row length of these buffers
   p.col_begin = a.col_begin;
+  p.q_ld = a.q_row_stride > 0 ? a.q_row_stride : vocab_total;
+  p.q_col = a.q_row_stride > 0 ? a.q_col : a.col_begin;
   p.targets = a.targets;
   p.denoms = a.denoms;
   p.grad_output = a.grad_output;

@@ -162,7 +162,9 @@ __global__ void __launch_bounds__(kReduceThreads) ce_finalize_kernel(
 fce_status launch_ce_denominators(const char* fn, const CeOptions& opt, int64_t rows,
                                   int64_t vocab, const void* targets, CeDenoms* out,
                                   cudaStream_t s, const float* skip_if_one) {
-  if (rows < 0 || vocab < 1 || vocab > INT32_MAX || (rows > 0 && !targets) || !out)
+  // (class probabilities are not read here: fce_vp_loss may have none)
+  if (rows < 0 || vocab < 1 || vocab > INT32_MAX || (rows > 0 && !targets && !opt.soft_targets) ||
+      !out)
     return fail(FCE_ERROR_INTERNAL,
                 "%s: launch_ce_denominators: bad arguments (rows %lld, vocab %lld)", fn,
                 static_cast<long long>(rows), static_cast<long long>(vocab));

@@ -76,6 +76,12 @@ struct CeRowsArgs {
   // those of the whole vocabulary). vocab_total = 0 means vocab (whole rows).
   int64_t vocab_total;
   int64_t col_begin;
+  // Class probabilities (opt.soft_targets) of a vocabulary shard (fce_vp_backward,
+  // fce_vp_linear_backward): targets is the shard's own [total_rows, q_row_stride], class
+  // col_begin in its column q_col, and stats_in's t holds each row's Q = Σ_j ω_j q'_j over the
+  // whole vocabulary (vp_combine's). q_row_stride 0: targets are [total_rows, vocab_total], no
+  // stats_in.
+  int64_t q_row_stride, q_col;
   // fce_backward_rescale (forward kernels, lse_in null, no outputs but grad): grad holds the
   // gradient for an upstream 1; the kernel reads *grad_output on the device: 1 → returns, 0 or
   // ±2^k → scales the valid rows of grad in place, else the forward's gradient computation.

@@ -22,7 +22,7 @@ namespace {
 
 // q'_j of global row `row`, column j of this launch's buffers.
 __device__ __forceinline__ float soft_q(const KParams& p, int64_t row, int64_t j) {
-  const int64_t i = row * int64_t(p.vocab_total) + p.col_begin + j;
+  const int64_t i = row * p.q_ld + p.q_col + j;
   float q;
   if (p.q_dtype == FCE_FLOAT32) {
     q = __ldg(static_cast<const float*>(p.targets) + i);

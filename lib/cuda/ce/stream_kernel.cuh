@@ -135,12 +135,15 @@ __global__ void __launch_bounds__(BWD ? kBackwardThreads : kTwoPassThreads, BWD 
     }
   } else {
     __syncthreads();  // s_info
-    if constexpr (SOFT) soft.Q = soft_mass(p, row, reinterpret_cast<double2*>(s_warp));
+    // (the vocabulary-parallel statistics of class probabilities carry the row's Q in t)
+    if constexpr (SOFT)
+      if (!p.stats_in) soft.Q = soft_mass(p, row, reinterpret_cast<double2*>(s_warp));
     if (p.stats_in) {
       const CeRowStats st = p.stats_in[row];
       vals = RowVals{st.m, st.ls, __fadd_rn(st.m, st.ls), st.t};
+      if constexpr (SOFT) soft.Q = static_cast<double>(st.t);
       // the vocabulary-parallel statistics of options->vp_entropy carry μ − m in pad
-      if constexpr (ROWT && !SOFT) mum = p.grad_entropy ? st.pad : 0.f;
+      if constexpr (ROWT) mum = p.grad_entropy ? st.pad : 0.f;
     } else {
       const float lse = p.lse_in[row];
       const bool flows = s_info.kind == kValid || (ROWT && s_info.kind == kIgnored);

@@ -218,6 +218,8 @@ fce_status slice_pass(const SlicePass& sp, cudaStream_t stream) {
     CeRowsArgs ra = slice_backward_args(sp.fn, opt, N, 0, N, sp.vocab_total, sp.col_offset + v0,
                                         vc, z, lds, sp.targets, sp.denoms, sp.grad_output,
                                         sp.stats);
+    ra.q_row_stride = sp.q_row_stride;  // (a shard's class probabilities: from column v0)
+    ra.q_col = v0;
     ra.grad_lse = sp.grad_lse;  // (fce_vp_linear_backward's rule 18 terms)
     ra.grad_entropy = sp.grad_entropy;
     FCE_TRY(launch_ce_rows(ra, stream));

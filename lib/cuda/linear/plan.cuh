@@ -207,7 +207,10 @@ struct SlicePass {
   const void* hidden_states;   // [rows, hidden_row_stride]
   const void* weight;          // [cols, hidden] dense
   const void* bias;            // [cols] of dtype (256-byte aligned copy) or nullptr
-  const void* targets;         // global class indices (shift rule applied inside)
+  const void* targets;         // global class indices (shift rule applied inside), or
+                               // (fce_vp_linear_backward, q_row_stride > 0) the shard's class
+                               // probabilities [rows, q_row_stride], weight row 0 in column 0
+  int64_t q_row_stride;        // 0: targets are class indices
   const CeDenoms* denoms;      // device, of the whole problem
   const float* grad_output;    // nullptr = 1
   const CeRowStats* stats;     // [rows]

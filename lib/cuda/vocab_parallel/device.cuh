@@ -7,7 +7,7 @@
 //
 // In an anonymous namespace, as when the kernels and these helpers were one file: each kernel
 // translation unit compiles its own internal copy (the compiler sees exactly the program it
-// always did). Include it only from vocab_parallel/kernels.cu.
+// always did). Include it only from the kernel files of vocab_parallel/ (kernels.cu, soft.cu).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -48,7 +48,9 @@ struct SParams {
   int vocab;                   // vocab_local: elements of a row
   int vocab_total;
   int targets_int64;
-  int smooth;                  // label smoothing ε > 0 (u_r)
+  int smooth;                  // label smoothing ε > 0 with class indices (u_r)
+  int soft;                    // class probabilities (rule 19): no target class; u_r and W_r
+                               // are vp_soft_sums_kernel's (vocab_parallel/soft.cu)
   int cap;
   int write_weight;            // kVpWeight = vocab (no class weights); else already written
   float scale, softcap, s_over_c;

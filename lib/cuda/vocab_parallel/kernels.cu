@@ -76,7 +76,8 @@ __global__ void __launch_bounds__(kStatsThreads, 2) vp_stats_kernel(const SParam
   float t_r = 0.f, h_r = 0.f;
   if (tid == 0) {
     int64_t y;
-    if (classify_row(p, row, &y) == kValid && y >= p.vocab_start && y - p.vocab_start < V) {
+    if (!p.soft && classify_row(p, row, &y) == kValid && y >= p.vocab_start &&
+        y - p.vocab_start < V) {
       t_r = xform<MODE>(raw_to_float<TZ>(ld_elem<TZ>(zrow + (y - p.vocab_start) * eb)), p);
       h_r = 1.f;
     }
@@ -221,6 +222,8 @@ struct CParams {
   int targets_int64;
   int reduction;
   int smooth, token_scaling, loss_has_z;
+  int soft;                    // class probabilities (rule 19): every row scored, no target
+                               // class; U and Ω of the rows' own ω_j q'_j, stats_out's t = Ω
   float one_minus_eps, eps_over_V, lambda;
   CeRowStats* stats_out;
   float* row_loss;
@@ -241,8 +244,8 @@ __global__ void __launch_bounds__(kCombineThreads) vp_combine_kernel(const CPara
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t lr = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; lr < p.rows; lr += stride) {
     const int64_t row = p.row_begin + lr;  // global: the targets and every output
-    int64_t y;
-    const int kind = classify_row(p, row, &y);
+    int64_t y = -1;
+    const int kind = p.soft ? kValid : classify_row(p, row, &y);
     const float* g = p.gathered + lr * FCE_VP_STATS;
     const int64_t rank_stride = p.rows * FCE_VP_STATS;
 
@@ -284,6 +287,9 @@ __global__ void __launch_bounds__(kCombineThreads) vp_combine_kernel(const CPara
       H = __fadd_rn(H, h_r);
       Om = __fadd_rn(Om, w_r);
       if (p.smooth) Us = __fadd_rn(Us, __fadd_rn(u_r, __fmul_rn(w_r, __fsub_rn(M, m_r))));
+      // (a shard of no probability mass adds nothing, even when its m_r is −inf)
+      if (p.soft && w_r != 0.f)
+        Us = __fadd_rn(Us, __fadd_rn(u_r, __fmul_rn(w_r, __fsub_rn(M, m_r))));
       sum_local += v_r;
       // argmax: a NaN shard first (the smallest global index among them: the first NaN), else
       // the largest m_r, the smallest global index among equal maxima
@@ -308,10 +314,11 @@ __global__ void __launch_bounds__(kCombineThreads) vp_combine_kernel(const CPara
         duplicate = __float_as_int(g[q * rank_stride + kVpArgmax]) == __float_as_int(j_r);
     }
     const bool inconsistent =
-        sum_local != p.vocab_total || duplicate || (kind == kValid && H != 1.f);
-    const float wy = kind == kValid ? (p.class_weights ? p.class_weights[y] : 1.f) : 0.f;
-    const float ts = (p.token_scaling && kind == kValid)
-                         ? prob(T, M, ls) : 1.f;
+        sum_local != p.vocab_total || duplicate || (kind == kValid && !p.soft && H != 1.f);
+    const float wy =
+        kind == kValid && !p.soft ? (p.class_weights ? p.class_weights[y] : 1.f) : 0.f;
+    // t of the row statistics: p_y with token scaling, Ω with class probabilities, else 1
+    const float ts = p.soft ? Om : (p.token_scaling && kind == kValid) ? prob(T, M, ls) : 1.f;
     if (inconsistent) {
       lse = qnan();
       flags |= FCE_FLAG_SHARDS_INCONSISTENT;
@@ -334,6 +341,9 @@ __global__ void __launch_bounds__(kCombineThreads) vp_combine_kernel(const CPara
     if (kind == kInvalid) {
       ce = qnan();
       flags |= FCE_FLAG_TARGET_OUT_OF_RANGE;
+    } else if (p.soft) {
+      // rule 19: ce = Ω log S + U, NaN without a finite maximum (rule 10)
+      ce = isfinite(M) ? __fadd_rn(__fmul_rn(Om, ls), Us) : qnan();
     } else if (kind == kValid) {
       // NaN when M is infinite (rule 10): −inf − (−inf) on a row of −inf, a NaN ls with a +inf
       const float nll = __fadd_rn(__fsub_rn(M, T), ls);
@@ -442,19 +452,22 @@ fce_status launch_vp_stats(const VpStatsArgs& a, cudaStream_t s) {
   p.vocab = static_cast<int>(a.vocab_local);
   p.vocab_total = static_cast<int>(a.vocab_total);
   p.targets_int64 = opt.targets_int64 ? 1 : 0;
-  p.smooth = opt.label_smoothing > 0.f ? 1 : 0;
+  p.smooth = opt.label_smoothing > 0.f && !opt.soft_targets ? 1 : 0;
+  p.soft = opt.soft_targets ? 1 : 0;
   p.cap = opt.softcap > 0.f ? 1 : 0;
   p.write_weight = a.weight_written ? 0 : 1;
   p.scale = opt.logit_scale;
   p.softcap = opt.softcap;
   p.s_over_c = opt.softcap > 0.f ? opt.logit_scale / opt.softcap : 0.f;
   switch (a.logits_dtype) {
-    case FCE_FLOAT32: return launch_stats_typed<float>(a, p, s);
-    case FCE_FLOAT16: return launch_stats_typed<__half>(a, p, s);
-    case FCE_BFLOAT16: return launch_stats_typed<__nv_bfloat16>(a, p, s);
+    case FCE_FLOAT32: FCE_TRY(launch_stats_typed<float>(a, p, s)); break;
+    case FCE_FLOAT16: FCE_TRY(launch_stats_typed<__half>(a, p, s)); break;
+    case FCE_BFLOAT16: FCE_TRY(launch_stats_typed<__nv_bfloat16>(a, p, s)); break;
     default:
       return fail(FCE_ERROR_UNSUPPORTED, "%s: logits dtype %d", a.fn, a.logits_dtype);
   }
+  // class probabilities: u_r and W_r of the row's own ω_j q'_j, against the m_r just written
+  return opt.soft_targets ? launch_vp_soft_sums(a, s) : FCE_SUCCESS;
 }
 
 fce_status launch_vp_weights(const char* fn, const CeOptions& opt, int64_t rows,
@@ -462,7 +475,8 @@ fce_status launch_vp_weights(const char* fn, const CeOptions& opt, int64_t rows,
                              cudaStream_t s) {
   if (!opt.class_weights || rows < 0 || vocab_start < 0 || vocab_local < 1 || !stats)
     return fail(FCE_ERROR_INTERNAL, "%s: launch_vp_weights: bad arguments", fn);
-  if (rows == 0) return FCE_SUCCESS;
+  // class probabilities: W_r = Σ_j ω_j q'_j differs by row (launch_vp_stats writes it)
+  if (rows == 0 || opt.soft_targets) return FCE_SUCCESS;
   // a few blocks share the row writes (each sums the weights itself, in the same order)
   const int64_t per_block = int64_t(kWeightThreads) * 64;
   const int64_t blocks = (rows + per_block - 1) / per_block;
@@ -499,7 +513,7 @@ fce_status launch_vp_nan_rows(const char* fn, const CeRowStats* stats, int64_t r
 
 fce_status launch_vp_combine(const VpCombineArgs& a, cudaStream_t s) {
   if (a.ranks < 1 || a.rows < 0 || a.row_begin < 0 || a.vocab_total < 1 ||
-      a.vocab_total > INT32_MAX || !a.targets || !a.gathered)
+      a.vocab_total > INT32_MAX || (!a.targets && !a.opt.soft_targets) || !a.gathered)
     return fail(FCE_ERROR_INTERNAL, "%s: launch_vp_combine: bad arguments", a.fn);
   if (a.rows == 0) return FCE_SUCCESS;
   const CeOptions& opt = a.opt;
@@ -519,6 +533,8 @@ fce_status launch_vp_combine(const VpCombineArgs& a, cudaStream_t s) {
   p.reduction = opt.reduction;
   p.smooth = opt.label_smoothing > 0.f ? 1 : 0;
   p.token_scaling = opt.token_scaling ? 1 : 0;
+  p.soft = opt.soft_targets ? 1 : 0;
+  if (p.soft) p.smooth = 0;  // ε is in q'
   p.loss_has_z = opt.reduction == FCE_REDUCTION_NONE ? 1 : 0;
   // as ce/device.cuh's make_params
   p.one_minus_eps = static_cast<float>(1.0 - static_cast<double>(opt.label_smoothing));

@@ -31,7 +31,12 @@ struct VpStatsArgs {
   float* stats;            // [rows, FCE_VP_STATS] (global rows), 16-byte aligned
   bool weight_written;     // kVpWeight already written (class weights): leave it
 };
+// With class-probability targets (opt.soft_targets; targets is this shard's q [rows,
+// vocab_local] of opt.q_dtype, global rows) it runs launch_vp_soft_sums after the stats kernel.
 fce_status launch_vp_stats(const VpStatsArgs& a, cudaStream_t s);
+// Class probabilities (vocab_parallel/soft.cu): kVpSmooth u_r = Σ_j ω_j q'_j (m_r − a_j) and
+// kVpWeight W_r = Σ_j ω_j q'_j of the rows, against the stored m_r (launch_vp_stats' own).
+fce_status launch_vp_soft_sums(const VpStatsArgs& a, cudaStream_t s);
 
 // The arguments of phase 1 over a token chunk of a linear call's logits z (opt.dtype, ld
 // elements apart; fce_vp_linear_stats, fce_vp_linear_ce), kVpWeight written beforehand by

@@ -186,6 +186,7 @@ fce_status vp_linear_backward(const VpLinearProblem& p) {
   sp.weight = p.weight;
   sp.bias = bias_ws;
   sp.targets = p.targets;
+  sp.q_row_stride = opt.soft_targets ? Vs : 0;  // this rank's shard of q [N, Vs]
   sp.denoms = denoms;
   sp.grad_output = p.grad_output;
   sp.stats = stats;

@@ -4,12 +4,14 @@
 // combination of the gathered stats). The ABI layer has checked every argument, the device
 // pointers included (cuda_check_pointers); every message starts with p.fn.
 //
-// cuda_vp_stats: launch_vp_weights (class weights only) → launch_vp_stats.
+// cuda_vp_stats: launch_vp_weights (class weights only) → launch_vp_stats (with class
+// probabilities, their sums u_r and W_r after it: vocab_parallel/soft.cu).
 // cuda_vp (loss): launch_ce_denominators (D, n from the targets) → combine → launch_ce_finalize.
 // cuda_vp (backward): launch_ce_denominators → combine (row statistics) → launch_ce_rows in
 // backward mode on the shard as a column slice [vocab_start, vocab_start + vocab_local) of rows
 // of vocab_total classes with stats_in: exactly the gradient of rule 9 with m = M, log s = log S
-// (the one-hot term only where the target lies in the shard).
+// (the one-hot term only where the target lies in the shard); with class probabilities the
+// stream kernel's rule 19 gradient over the shard's q, Q = Ω of the combination.
 // Everything on the caller's stream, no allocation, no host synchronisation: graph-capturable;
 // every reduction has a fixed order: deterministic.
 #include <cuda_runtime.h>
@@ -173,6 +175,7 @@ fce_status cuda_vp(const VpProblem& p) {
   a.vocab_total = p.vocab_total;
   a.col_begin = p.vocab_start;
   a.stats_in = stats;
+  if (opt.soft_targets) a.q_row_stride = p.vocab_local;  // this rank's shard of q, from column 0
   a.error_flags = p.error_flags;
   a.grad_lse = p.grad_lse;  // rule 18's terms: the stream kernel's ROWT backward
   a.grad_entropy = p.grad_entropy;

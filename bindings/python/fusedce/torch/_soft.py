@@ -64,22 +64,24 @@ class _TargetGrad(torch.autograd.Function):
     """Zero (the loss's shape) in the forward; in the backward the gradient of the loss with
     respect to the probabilities q [N, V]: -g (1 - eps) w_j log p_j, p the softmax of the
     scaled, capped logits: ``source`` itself, or ``source`` · weightᵀ + bias (the hidden
-    states of linear_cross_entropy), made in the backward only. The options travel as the
-    scalars of CEOptions.as_op_args (what torch.compile traces through)."""
+    states of linear_cross_entropy), made in the backward only. With ``lse`` [N] (a vocabulary
+    shard's columns, fusedce.torch.distributed): log p_j = a_j - lse, the whole row's lse. The
+    options travel as the scalars of CEOptions.as_op_args (what torch.compile traces through)."""
 
     @staticmethod
-    def forward(ctx, q, source, weight, bias, class_weights, *op_args):
+    def forward(ctx, q, source, weight, bias, class_weights, lse, *op_args):
         opts = CEOptions.from_op_args(*op_args)
         ctx.opts = opts
-        ctx.save_for_backward(source, weight, bias, class_weights)
+        ctx.save_for_backward(source, weight, bias, class_weights, lse)
         return q.new_zeros((q.shape[0],) if opts.per_row else (), dtype=torch.float32)
 
     @staticmethod
     def backward(ctx, grad):
-        source, weight, bias, w = ctx.saved_tensors
+        source, weight, bias, w, lse = ctx.saved_tensors
         opts = ctx.opts
         z = source if weight is None else torch.nn.functional.linear(source, weight, bias)
-        log_p = torch.log_softmax(_transform(z, opts.logit_scale, opts.softcap), dim=-1)
+        a = _transform(z, opts.logit_scale, opts.softcap)
+        log_p = torch.log_softmax(a, dim=-1) if lse is None else a - lse.float().unsqueeze(1)
         g = grad.to(log_p.dtype)
         if opts.per_row:
             g = g.unsqueeze(1)
@@ -88,15 +90,17 @@ class _TargetGrad(torch.autograd.Function):
         dq = -(1.0 - opts.label_smoothing) * g * log_p
         if w is not None:
             dq = dq * w.to(log_p.dtype)
-        return (dq,) + (None,) * (4 + N_OP_ARGS)
+        return (dq,) + (None,) * (5 + N_OP_ARGS)
 
 
 def with_target_grad(loss: Tensor, q: Tensor, source: Tensor, weight: Optional[Tensor],
                      bias: Optional[Tensor], class_weights: Optional[Tensor],
-                     opts: CEOptions) -> Tensor:
+                     opts: CEOptions, lse: Optional[Tensor] = None) -> Tensor:
     """``loss`` plus a zero carrying the gradient of q when q requires one (else ``loss``):
-    the logits are ``source`` [N, V], or ``source`` · weightᵀ + bias (all taken detached)."""
+    the logits are ``source`` [N, V], or ``source`` · weightᵀ + bias (all taken detached);
+    ``lse`` [N]: they are a vocabulary shard's columns and lse the whole rows'."""
     if not (torch.is_grad_enabled() and q.requires_grad):
         return loss
-    detached = [t.detach() if t is not None else None for t in (source, weight, bias)]
-    return loss + _TargetGrad.apply(q, *detached, class_weights, *opts.as_op_args())
+    detached = [t.detach() if t is not None else None for t in (source, weight, bias, lse)]
+    return loss + _TargetGrad.apply(q, *detached[:3], class_weights, detached[3],
+                                    *opts.as_op_args())

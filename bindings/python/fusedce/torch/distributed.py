@@ -86,6 +86,15 @@ rank's statistics carry one more sum (``options->vp_entropy``). The fused linear
 forward makes the gradients for an upstream 1, makes them again in the backward when lse or the
 entropy gets a gradient (one more fce_vp_linear_ce, collectives included).
 
+Class-probability targets (docs/semantics.md rule 19, torch's ``F.cross_entropy(input,
+probabilities)`` over the whole vocabulary): a floating ``target`` is THIS RANK'S SHARD of the
+probabilities, [..., V_local] (its columns of q [..., vocab_total]), of the logits' dtype (the
+matmul's for the linear call). What :func:`fusedce.torch.cross_entropy` refuses with them is
+refused here too (use_token_scaling, the shift, return_token_accuracy, check_targets, a
+non-negative ignore_index). A target that requires a gradient gets its own, -g (1 - eps) w_j
+log p_j on this rank's columns (log p_j = a_j - lse, lse the whole row's), as torch's; with
+``sequence_parallel`` that is refused.
+
 These functions are plain torch.autograd.Functions calling the C library and torch.distributed:
 eager mode; torch.compile does not trace into them (they run under ``torch.compiler.disable``:
 a graph break).
@@ -93,6 +102,7 @@ a graph break).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 from typing import Optional, Tuple
@@ -105,6 +115,7 @@ from .. import _alloc, _lib
 from .._options import CEOptions, Want
 from ..vocab_parallel import VP_STATS, shard_range
 from . import _args as _ta  # argument handling, the return convention
+from . import _soft
 from ._distributed_autograd import (_VocabParallelCE, _VocabParallelLinearCE,
                                     _VocabParallelLinearCEFused)
 from ._calls import _stream
@@ -215,6 +226,11 @@ def _class_weights(weight: Optional[Tensor], vt: int, device) -> Optional[Tensor
     return weight.to(device=device, dtype=torch.float32).contiguous()
 
 
+def _columns(class_weights: Optional[Tensor], vs: int, vl: int) -> Optional[Tensor]:
+    """This rank's entries of the whole vocabulary's class weights (or None)."""
+    return None if class_weights is None else class_weights[vs:vs + vl]
+
+
 def _grad_mode(reduce_grad_hidden):
     return SCATTER if reduce_grad_hidden == SCATTER else bool(reduce_grad_hidden)
 
@@ -226,6 +242,24 @@ def _targets(target: Tensor, n: int, what: str, device) -> Tensor:
     if tgt.device != device:
         raise ValueError(f"target is on {tgt.device} but {what} is on {device}")
     return tgt
+
+
+def _probabilities(target: Tensor, n: int, vl: int, dtype, what: str, device, fn: str,
+                   autocast: bool = False) -> Tuple[Tensor, Tensor]:
+    """A floating target: this rank's shard of the class probabilities, [..., V_local] with n
+    rows, of ``dtype`` (cast to it under autocast): (q [n, V_local], which carries the target's
+    gradient, and what the library takes, q detached and dense)."""
+    if target.dim() < 1 or target.shape[-1] != vl:
+        raise ValueError(f"{fn}: target of class probabilities must be this rank's shard "
+                         f"[..., {vl}] (its columns of the probabilities), got "
+                         f"{tuple(target.shape)}")
+    q = _soft.target(target, tuple(target.shape), dtype, fn, autocast=autocast).reshape(-1, vl)
+    if q.shape[0] != n:
+        raise ValueError(f"{fn}: target has {q.shape[0]} rows of class probabilities for {n} "
+                         f"rows of {what}")
+    if q.device != device:
+        raise ValueError(f"target is on {q.device} but {what} is on {device}")
+    return q, q.detach().contiguous()
 
 
 def _z_rows_from_stats(lse: Tensor, tgt: Tensor, vt: int, opts: CEOptions, gathered: Tensor,
@@ -261,7 +295,8 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: Tensor, target: Tensor,
 
     vocab_parallel_logits  [..., V_local] (Megatron: [s, b, V/P]), float32/float16/bfloat16:
                   this rank's classes [vocab_start, vocab_start + V_local).
-    target        [...] (the leading dimensions): global class indices, the same on every rank.
+    target        [...] (the leading dimensions): global class indices, the same on every rank;
+                  or, floating, this rank's shard of class probabilities [..., V_local].
     label_smoothing  ε, torch's formula over the whole vocabulary (``label_smoothing_formula=
                   "megatron"``: Megatron/NeMo's coefficient ε·V/(V−1)).
     group / tp_group  the process group the vocabulary is sharded over (None: Megatron's
@@ -293,15 +328,28 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: Tensor, target: Tensor,
     if logits.stride(-1) != 1 and vl > 1:
         logits = logits.contiguous()
     n = logits.shape[0]  # (rows >= 0, vocab_local >= 1: the library checks them)
-    tgt = _targets(target, n, "vocab_parallel_logits", logits.device)
+    fn = "fusedce.torch.distributed.vocab_parallel_cross_entropy"
+    soft = target.is_floating_point()  # this rank's shard of class probabilities
+    if soft:
+        q, tgt = _probabilities(target, n, vl, x.dtype, "vocab_parallel_logits", logits.device,
+                                fn)
+        out_shape = tuple(target.shape[:-1])
+    else:
+        tgt = _targets(target, n, "vocab_parallel_logits", logits.device)
+        out_shape = tuple(target.shape)
     vs, vt = _layout(vl, rank, size, vocab_start, vocab_total)
     cw = _class_weights(weight, vt, logits.device)
-    t, k = _ta._resolve_shift(shift, shift_seq_len, tuple(target.shape), n)
+    t, k = _ta._resolve_shift(shift, shift_seq_len, out_shape, n)
     opts, want, lib_want = _options(
         red, vt, t, k, ignore_index, _smoothing(label_smoothing, label_smoothing_formula, vt),
         z_loss, softcap, logit_scale, use_token_scaling,
         (return_z_loss, return_token_accuracy, return_predicted_tokens, return_lse,
          return_entropy))
+    q_grad = soft and torch.is_grad_enabled() and q.requires_grad
+    if soft:
+        _soft.check_options(opts, ignore_index, want, check_targets, fn)
+        if q_grad:  # its gradient needs the whole row's lse
+            lib_want = dataclasses.replace(lib_want, lse=True)
     layout = Layout(group, size, vs, vt)
     if torch.is_grad_enabled() and logits.requires_grad:
         loss, lse, zl, acc, am, ent, gathered = _VocabParallelCE.apply(
@@ -311,8 +359,12 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: Tensor, target: Tensor,
         (loss, lse, zl, acc, am, ent), gathered = _ce_forward(logits, tgt, cw, layout, opts,
                                                               lib_want, bool(check_targets),
                                                               _stream(logits))
-    return _ta._finish(want, red, tuple(target.shape), loss, lse, zl, acc, am,
-                       lambda: _z_rows_from_stats(lse, tgt, vt, opts, gathered, size), ent)
+    if q_grad:
+        loss = _soft.with_target_grad(loss, q, logits, None, None, _columns(cw, vs, vl), opts,
+                                      lse)
+    return _ta._finish(want, red, out_shape, loss, lse, zl, acc, am,
+                       (lambda: _soft.z_loss_rows(lse, opts)) if soft else
+                       (lambda: _z_rows_from_stats(lse, tgt, vt, opts, gathered, size)), ent)
 
 
 @_eager_only
@@ -356,7 +408,8 @@ def vocab_parallel_linear_cross_entropy(hidden: Tensor, weight_shard: Tensor, ta
     hidden        [..., D], the same on every rank of the group (leading dimensions flattened).
     weight_shard  [V_local, D]: this rank's rows of the output layer's weight (classes
                   [vocab_start, vocab_start + V_local)); ``bias`` its [V_local] entries or None.
-    target        [...] (hidden's leading dimensions): global class indices.
+    target        [...] (hidden's leading dimensions): global class indices; or, floating,
+                  this rank's shard of class probabilities [..., V_local].
     group, vocab_start, vocab_total, label_smoothing(_formula), ignore_index and the other
                   options: as :func:`vocab_parallel_cross_entropy` (default reduction 'mean';
                   ``weight``: class weights [vocab_total], not the output layer's weight).
@@ -400,13 +453,21 @@ def vocab_parallel_linear_cross_entropy(hidden: Tensor, weight_shard: Tensor, ta
     if sequence_parallel:
         n *= size  # this rank's rows, gathered with the others' before the library call
         reduce_grad_hidden = SCATTER
-    tgt = _targets(target, n, "hidden" + (" on the group's ranks (sequence_parallel)"
-                                          if sequence_parallel else ""), hidden.device)
+    fn = "fusedce.torch.distributed.vocab_parallel_linear_cross_entropy"
+    cdt = _ta._linear_dtype(fn, (("hidden", hidden), ("weight_shard", weight_shard),
+                                 ("bias", bias)))
+    what = "hidden" + (" on the group's ranks (sequence_parallel)" if sequence_parallel else "")
+    soft = target.is_floating_point()  # this rank's shard of class probabilities
+    if soft:
+        q, tgt = _probabilities(target, n, vl, cdt, what, hidden.device, fn,
+                                autocast=cdt != hidden.dtype)
+        out_shape = tuple(target.shape[:-1])
+    else:
+        tgt = _targets(target, n, what, hidden.device)
+        out_shape = tuple(target.shape)
     vs, vt = _layout(vl, rank, size, vocab_start, vocab_total)
     cw = _class_weights(weight, vt, hidden.device)
-    t, k = _ta._resolve_shift(shift, shift_seq_len, tuple(target.shape), n)
-    cdt = _ta._linear_dtype("fusedce.torch.distributed.vocab_parallel_linear_cross_entropy",
-                            (("hidden", hidden), ("weight_shard", weight_shard), ("bias", bias)))
+    t, k = _ta._resolve_shift(shift, shift_seq_len, out_shape, n)
     budget = (_alloc.default_workspace_bytes() if workspace_bytes is None
               else int(workspace_bytes))
     if budget < 0:
@@ -416,6 +477,14 @@ def vocab_parallel_linear_cross_entropy(hidden: Tensor, weight_shard: Tensor, ta
         z_loss, softcap, logit_scale, use_token_scaling,
         (return_z_loss, return_token_accuracy, return_predicted_tokens, return_lse,
          return_entropy))
+    q_grad = soft and torch.is_grad_enabled() and q.requires_grad
+    if soft:
+        _soft.check_options(opts, ignore_index, want, check_targets, fn)
+        if q_grad and sequence_parallel:
+            raise ValueError(f"{fn}: a target of class probabilities that requires a gradient is "
+                             "not supported with sequence_parallel (detach it)")
+        if q_grad:  # its gradient needs the whole row's lse
+            lib_want = dataclasses.replace(lib_want, lse=True)
     layout = Layout(group, size, vs, vt)
     grad_on = torch.is_grad_enabled() and (
         h2.requires_grad or weight_shard.requires_grad
@@ -435,8 +504,13 @@ def vocab_parallel_linear_cross_entropy(hidden: Tensor, weight_shard: Tensor, ta
         (loss, lse, zl, acc, am, ent), gathered = _linear_forward(
             h2, weight_shard, bias, tgt, cw, layout, opts, cdt, budget, lib_want,
             bool(check_targets), _stream(h2))
-    return _ta._finish(want, red, tuple(target.shape), loss, lse, zl, acc, am,
-                       lambda: _z_rows_from_stats(lse, tgt, vt, opts, gathered, size), ent)
+    if q_grad:
+        loss = _soft.with_target_grad(loss, q, h2.to(cdt), weight_shard.to(cdt),
+                                      bias.to(cdt) if bias is not None else None,
+                                      _columns(cw, vs, vl), opts, lse)
+    return _ta._finish(want, red, out_shape, loss, lse, zl, acc, am,
+                       (lambda: _soft.z_loss_rows(lse, opts)) if soft else
+                       (lambda: _z_rows_from_stats(lse, tgt, vt, opts, gathered, size)), ent)
 
 
 # ============================================== Megatron-Core's fused linear CE ====
