@@ -77,10 +77,39 @@ class CEOptions:
     def __post_init__(self):
         _cast_fields(self, _CASTS)
 
+    def __hash__(self) -> int:
+        """The fields' hash, computed once (every C call's plan cache is keyed on the
+        options), on first use: not while torch.compile traces a constructor."""
+        try:
+            return self.__dict__["_hash"]
+        except KeyError:
+            h = hash(tuple(getattr(self, f) for f, _ in _CASTS))
+            object.__setattr__(self, "_hash", h)
+            return h
+
     @property
     def per_row(self) -> bool:
         """Reduction 'none': the loss (and the accuracy) has one value per row."""
         return self.reduction == FCE_REDUCTION_NONE
+
+    @classmethod
+    def cached(cls, reduction: int, ignore_index, label_smoothing, z_loss, softcap, logit_scale,
+               shift_seq_len, shift, token_scaling, batch_invariant) -> "CEOptions":
+        """The same as the constructor with these fields, from a cache of the option sets
+        seen (a training loop passes the same few again and again: one dict lookup instead
+        of building and hashing a new one each call)."""
+        key = (reduction, ignore_index, label_smoothing, z_loss, softcap, logit_scale,
+               shift_seq_len, shift, token_scaling, batch_invariant)
+        if not all(type(v) in _PLAIN for v in key):  # a tensor, say: never cached
+            return cls(*key)
+        opts = _CACHED.get(key)
+        if opts is not None:
+            return opts
+        opts = cls(*key)
+        if len(_CACHED) > 256:
+            _CACHED.clear()
+        _CACHED[key] = opts
+        return opts
 
     def replace(self, **changes) -> "CEOptions":
         return dataclasses.replace(self, **changes)
@@ -134,6 +163,8 @@ class CEOptions:
 
 _CASTS = tuple((f.name, {"int": int, "float": float, "bool": bool}[f.type])
                for f in dataclasses.fields(CEOptions))
+_CACHED: dict = {}  # CEOptions.cached: the option sets seen, by their arguments
+_PLAIN = (int, float, bool)  # the argument types CEOptions.cached keys on
 OP_ARG_NAMES = ("ignore_index", "reduction", "label_smoothing", "z_loss", "softcap",
                 "logit_scale", "shift_seq_len", "shift", "token_scaling", "batch_invariant")
 N_OP_ARGS = len(OP_ARG_NAMES)  # the scalars CEOptions.as_op_args gives
