@@ -110,4 +110,25 @@ inline std::vector<double> random_probs(std::mt19937_64& rng, int qdtype, int64_
   return q;
 }
 
+// The option sets of rule 19 (Opts above) the soft-target suites run: plain, class weights,
+// label smoothing, z-loss, softcap and logit_scale.
+struct Config {
+  const char* name;
+  Opts o;
+  bool weights;
+};
+
+inline std::vector<Config> configs() {
+  std::vector<Config> c(5);
+  c[0] = {"plain", {}, false};
+  c[1] = {"smoothing+weights+zloss", {}, true};
+  c[1].o.eps = 0.1, c[1].o.lambda = 1e-3;
+  c[2] = {"softcap+scale", {}, false};
+  c[2].o.softcap = 20.0, c[2].o.scale = 0.75;
+  c[3] = {"scale+zloss", {}, false};
+  c[3].o.scale = 1.5, c[3].o.lambda = 1e-2;
+  c[4] = {"weights", {}, true};
+  return c;
+}
+
 }  // namespace softref

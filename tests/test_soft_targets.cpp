@@ -64,25 +64,6 @@ Buf dense_buf(int dtype, int64_t rows, int64_t cols, const std::vector<double>& 
   return b;
 }
 
-struct Config {
-  const char* name;
-  Opts o;
-  bool weights;
-};
-
-std::vector<Config> configs() {
-  std::vector<Config> c(5);
-  c[0] = {"plain", {}, false};
-  c[1] = {"smoothing+weights+zloss", {}, true};
-  c[1].o.eps = 0.1, c[1].o.lambda = 1e-3;
-  c[2] = {"softcap+scale", {}, false};
-  c[2].o.softcap = 20.0, c[2].o.scale = 0.75;
-  c[3] = {"scale+zloss", {}, false};
-  c[3].o.scale = 1.5, c[3].o.lambda = 1e-2;
-  c[4] = {"weights", {}, true};
-  return c;
-}
-
 // One problem's inputs and fce_forward's outputs.
 struct Problem {
   int64_t N = 0, V = 0;

@@ -341,23 +341,11 @@ class SoftVpRunner {
   Outs whole_;
 };
 
-// The option sets of rule 19 (soft_ref.h's Opts): plain, class weights, label smoothing,
-// z-loss, softcap and logit_scale.
-struct Config {
-  const char* name;
-  Opts o;
-  bool weights;
-};
-std::vector<Config> configs() {
-  std::vector<Config> c(5);
-  c[0] = {"plain", {}, false};
-  c[1] = {"smoothing+weights+zloss", {}, true};
-  c[1].o.eps = 0.1, c[1].o.lambda = 1e-3;
-  c[2] = {"softcap+scale", {}, false};
-  c[2].o.softcap = 20.0, c[2].o.scale = 0.75;
-  c[3] = {"scale+zloss+smoothing", {}, false};
-  c[3].o.scale = 1.5, c[3].o.lambda = 1e-2, c[3].o.eps = 0.05;
-  c[4] = {"weights", {}, true};
+// soft_ref.h's option sets, the fourth with label smoothing too
+std::vector<Config> vp_configs() {
+  std::vector<Config> c = softref::configs();
+  c[3].name = "scale+zloss+smoothing";
+  c[3].o.eps = 0.05;
   return c;
 }
 
@@ -366,7 +354,7 @@ class VpSoft : public BackendTest {};
 TEST_F(VpSoft, MatchesUnshardedAndReference) {
   uint64_t seed = 1000;
   for (int dtype : {FCE_FLOAT32, FCE_FLOAT16, FCE_BFLOAT16})
-    for (const Config& cf : configs())
+    for (const Config& cf : vp_configs())
       for (int red : {FCE_REDUCTION_MEAN, FCE_REDUCTION_SUM, FCE_REDUCTION_NONE}) {
         SoftVpCase c;
         c.name = cf.name;
@@ -386,7 +374,7 @@ TEST_F(VpSoft, MatchesUnshardedAndReference) {
 // CTA over the shard).
 TEST_F(VpSoft, LayoutsAndLongRows) {
   uint64_t seed = 2000;
-  const std::vector<Config> cs = configs();
+  const std::vector<Config> cs = vp_configs();
   for (int dtype : {FCE_FLOAT32, FCE_BFLOAT16})
     for (int variant = 0; variant < 4; ++variant) {
       SoftVpCase c;
@@ -409,7 +397,7 @@ TEST_F(VpSoft, LayoutsAndLongRows) {
 // against fce_forward's.
 TEST_F(VpSoft, EntropyAndRowGradients) {
   uint64_t seed = 3000;
-  const std::vector<Config> cs = configs();
+  const std::vector<Config> cs = vp_configs();
   for (int dtype : {FCE_FLOAT32, FCE_BFLOAT16})
     for (const Config& cf : {cs[0], cs[1], cs[2]})
       for (int red : {FCE_REDUCTION_MEAN, FCE_REDUCTION_NONE}) {
@@ -777,7 +765,7 @@ class LinSoftRunner {
 
 TEST_F(VpSoft, LinearCalls) {
   uint64_t seed = 4000;
-  const std::vector<Config> cs = configs();
+  const std::vector<Config> cs = vp_configs();
   for (int dtype : {FCE_FLOAT32, FCE_BFLOAT16})
     for (const Config& cf : {cs[0], cs[1], cs[2]})
       for (int red : {FCE_REDUCTION_MEAN, FCE_REDUCTION_NONE}) {

@@ -110,7 +110,7 @@ from torch import Tensor
 
 from .. import _alloc
 from .._lib import FCE_REDUCTION_NONE
-from .._options import NOTHING, OUTPUT_FIELDS, CEOptions
+from .._options import OUTPUT_FIELDS, CEOptions
 # the ops first: they check the torch version (>= 2.4, torch.library.custom_op)
 from ._ops import (_compiling, _CrossEntropyInPlace, _CrossEntropyOnePass,
                    _CrossEntropySavedLse, _ce_forward, _ce_forward_grad, _cw, _linear_ce)
@@ -259,10 +259,8 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Optional[Tensor] = None
     t, k = _resolve_shift(shift, shift_seq_len, tuple(target.shape), logits.shape[0])
     opts = CEOptions.cached(red, ignore_index, label_smoothing, z_loss, softcap, logit_scale, t,
                             k, use_token_scaling, batch_invariant)
-    want = (_want(return_z_loss, return_token_accuracy, return_predicted_tokens, return_lse,
-                  return_entropy)
-            if (return_z_loss or return_token_accuracy or return_predicted_tokens or return_lse
-                or return_entropy) else NOTHING)
+    want = _want(return_z_loss, return_token_accuracy, return_predicted_tokens, return_lse,
+                 return_entropy)
     if q is not None:
         _soft.check_options(opts, ignore_index, want, check_targets, fn)
         if inplace_backward and q.requires_grad and torch.is_grad_enabled():
@@ -412,10 +410,8 @@ def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *
         raise ValueError(f"workspace_bytes must be >= 0, got {workspace_bytes}")
     opts = CEOptions.cached(red, ignore_index, label_smoothing, z_loss, softcap, logit_scale, t,
                             k, use_token_scaling, batch_invariant)
-    want = (_want(return_z_loss, return_token_accuracy, return_predicted_tokens, return_lse,
-                  return_entropy)
-            if (return_z_loss or return_token_accuracy or return_predicted_tokens or return_lse
-                or return_entropy) else NOTHING)
+    want = _want(return_z_loss, return_token_accuracy, return_predicted_tokens, return_lse,
+                 return_entropy)
     if q is not None:
         _soft.check_options(opts, ignore_index, want, check_targets, fn)
     loss, lse, _, _, _, zl, acc, am, ent = _linear_ce(

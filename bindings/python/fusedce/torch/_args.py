@@ -17,7 +17,7 @@ from torch import Tensor
 
 from .. import _args, _arrays
 from .._lib import FCE_REDUCTION_NONE
-from .._options import CEOptions, Want
+from .._options import NOTHING, CEOptions, Want
 from . import _calls as _tc
 
 _REDUCTIONS = {"mean": 0, "sum": 1, "none": FCE_REDUCTION_NONE}
@@ -91,6 +91,9 @@ _OUTPUT_TYPES = {
 def want(return_z_loss, return_token_accuracy, return_predicted_tokens, return_lse,
          return_entropy=False) -> Want:
     """The outputs the return_* keywords ask for."""
+    if not (return_z_loss or return_token_accuracy or return_predicted_tokens or return_lse
+            or return_entropy):
+        return NOTHING
     return Want(z_loss=bool(return_z_loss), accuracy=bool(return_token_accuracy),
                 argmax=bool(return_predicted_tokens), lse=bool(return_lse),
                 entropy=bool(return_entropy))
