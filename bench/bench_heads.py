@@ -9,8 +9,12 @@ losses against their floor and against torch eager.
     entropy          loss − 0.01 · mean(H) (an entropy bonus)
     policy           reduction "none": −mean(A · log p_y) − 0.01 · mean(H), per-token (RL)
     soft             probability targets q [N, V] (rule 19)
+    batch invariant  plain with batch_invariant=True (rule 21)
+    policy, batch invariant   policy with batch_invariant=True (a sampler's log-probs and the
+                     trainer's, bit for bit)
     torch policy     the same policy loss in torch eager (log_softmax, Categorical entropy)
-  linear cross-entropy over hidden [N, D] and weight [V, D]: plain, entropy, policy.
+  linear cross-entropy over hidden [N, D] and weight [V, D]: plain, entropy, policy, batch
+    invariant (plain with batch_invariant=True).
   distillation over logits [N, V]: forward KL and JSD(β = 0.5) against torch eager's F.kl_div.
   linear distillation (student [N, D] · [V, D], teacher [N, Dt] · [V, Dt]): forward KL and JSD
     against their floor, 6·N·D·V + 2·N·Dt·V FLOPs at the GEMM rate measured in the run, and torch
@@ -60,6 +64,14 @@ def ce_variants(N, V, gen):
     def soft():
         return fce.cross_entropy(z, q)
 
+    def invariant():
+        return fce.cross_entropy(z, y, batch_invariant=True)
+
+    def policy_invariant():
+        nll, h = fce.cross_entropy(z, y, reduction="none", return_entropy=True,
+                                   batch_invariant=True)
+        return (adv * nll).mean() - 0.01 * h.mean()
+
     def torch_policy():
         logp = F.log_softmax(z.float(), -1)
         lp_y = logp.gather(1, y.clamp(min=0)[:, None])[:, 0] * (y != bench_torch.IGNORE)
@@ -67,7 +79,8 @@ def ce_variants(N, V, gen):
         return -(adv * lp_y).mean() - 0.01 * h.mean()
 
     return [z], {"plain": plain, "lse": lse, "entropy": entropy, "policy": policy,
-                 "soft": soft, "torch policy": torch_policy}
+                 "soft": soft, "batch invariant": invariant,
+                 "policy, batch invariant": policy_invariant, "torch policy": torch_policy}
 
 
 def linear_variants(N, D, V, gen):
@@ -92,7 +105,11 @@ def linear_variants(N, D, V, gen):
         nll, e = fce.linear_cross_entropy(h, w, y, reduction="none", return_entropy=True)
         return (adv * nll).mean() - 0.01 * e.mean()
 
-    return [h, w], {"plain": plain, "entropy": entropy, "policy": policy}
+    def invariant():
+        return fce.linear_cross_entropy(h, w, y, batch_invariant=True)
+
+    return [h, w], {"plain": plain, "entropy": entropy, "policy": policy,
+                    "batch invariant": invariant}
 
 
 def distill_variants(N, V, gen):
