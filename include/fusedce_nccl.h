@@ -118,7 +118,9 @@ FCE_API fce_status fce_nccl_cross_entropy_workspace_size(const fce_options* opti
  * [shard->vocab_start, shard->vocab_start + shard->vocab_local) of shard->vocab_total; shard
  * made by fce_nccl_shard (it carries the communicator).
  *   logits       this rank's z [rows, vocab_local] of options->dtype, options->row_stride apart
- *   targets      y [rows] (global class indices; the same on every rank)
+ *   targets      y [rows] (global class indices; the same on every rank), or with a float
+ *                options->target_dtype this rank's shard of class probabilities q [rows,
+ *                vocab_local], dense (fusedce.h's fce_vp_* calls, docs/semantics.md rule 19)
  *   outputs      (required) loss, lse, z_loss, argmax, accuracy, entropy: as fce_forward
  *                writes them for the unsharded logits (loss required; entropy with
  *                options->vp_entropy); identical on every rank

@@ -52,6 +52,15 @@ size_t elem_size(int dtype) {
   }
 }
 
+int64_t targets_bytes(int target_dtype, int64_t rows, int64_t vocab_local) {
+  const int64_t ts = static_cast<int64_t>(elem_size(target_dtype));
+  const bool soft =
+      target_dtype == FCE_FLOAT32 || target_dtype == FCE_FLOAT16 || target_dtype == FCE_BFLOAT16;
+  if (!soft) return rows * ts;  // (rows is checked against kMaxBytes before)
+  if (vocab_local > 0 && rows > kMaxBytes / vocab_local / ts) return -1;
+  return rows * vocab_local * ts;
+}
+
 // The caller's options as this library's struct (defaults past the caller's struct_size), for
 // the fields this library reads itself; the libfusedce calls get the caller's pointer and do
 // their own checks (struct_size included).
@@ -132,12 +141,6 @@ fce_status shard_comm(const char* fn, const fce_vp_shard* shard, ncclComm_t* com
 fce_status check_common(const char* fn, const fce_options* options, const fce_vp_shard* shard,
                         bool full, fce_options* o, CommInfo* ci, ncclComm_t* comm_out) {
   FCE_NCCL_TRY(read_options(fn, options, o));
-  if (o->target_dtype == FCE_FLOAT32 || o->target_dtype == FCE_FLOAT16 ||
-      o->target_dtype == FCE_BFLOAT16)
-    return fail(FCE_ERROR_UNSUPPORTED,
-                "%s: options->target_dtype (%d) gives class probabilities, which fusedce_nccl "
-                "does not support (its vocabulary-parallel calls take class indices)",
-                fn, o->target_dtype);
   if (o->backend == FCE_BACKEND_CPU)
     return fail(FCE_ERROR_UNSUPPORTED,
                 "%s: options->backend is FCE_BACKEND_CPU: fusedce_nccl runs NCCL collectives on "

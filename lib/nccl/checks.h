@@ -52,6 +52,11 @@ inline size_t align_up(size_t n) { return (n + kSliceAlign - 1) / kSliceAlign * 
 // Bytes of one element of an fce_dtype; 0 for an unknown one.
 size_t elem_size(int dtype);
 
+// Bytes of a call's targets: y [rows] of class indices, or this rank's shard of class
+// probabilities q [rows, vocab_local] (a float target_dtype, docs/semantics.md rule 19); -1 on
+// overflow.
+int64_t targets_bytes(int target_dtype, int64_t rows, int64_t vocab_local);
+
 // The caller's options as this library's struct (defaults past the caller's struct_size).
 fce_status read_options(const char* fn, const fce_options* o, fce_options* local);
 

@@ -214,12 +214,13 @@ FCE_API fce_status fce_nccl_cross_entropy(const fce_options* options, const fce_
                 fn, (long long)grs, (long long)rs);
   const int64_t logits_bytes = span_bytes(rows, vocab_local, rs, es);
   const int64_t grad_bytes = with_grad ? span_bytes(rows, vocab_local, grs, es) : 0;
-  if (logits_bytes < 0 || grad_bytes < 0)
+  const int64_t y_bytes = targets_bytes(o.target_dtype, rows, vocab_local);
+  if (logits_bytes < 0 || grad_bytes < 0 || y_bytes < 0)
     return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: rows x row stride overflow", fn);
   Range r[12] = {
       {"logits", logits, static_cast<uint64_t>(logits_bytes), false, es},
       {"gradients->grad_logits", grad_logits, static_cast<uint64_t>(grad_bytes), true, es},
-      {"targets", targets, static_cast<uint64_t>(rows) * ts, false, ts},
+      {"targets", targets, static_cast<uint64_t>(y_bytes), false, ts},
       {"options->class_weights", o.class_weights, static_cast<uint64_t>(vocab_total) * 4, false,
        4},
       {},  // grad_output, then outputs->loss, ->lse, ->z_loss, ->error_flags: loss_ranges
@@ -339,13 +340,14 @@ FCE_API fce_status fce_nccl_linear_ce(const fce_options* options, const fce_vp_s
   const int64_t w_bytes = span_bytes(vocab_local, hidden, hidden, es);
   const int64_t gh_bytes = span_bytes(rows, hidden, hidden, es);
   const int64_t gw_bytes = span_bytes(vocab_local, hidden, hidden, gws);
-  if (h_bytes < 0 || w_bytes < 0 || gh_bytes < 0 || gw_bytes < 0)
+  const int64_t y_bytes = targets_bytes(o.target_dtype, rows, vocab_local);
+  if (h_bytes < 0 || w_bytes < 0 || gh_bytes < 0 || gw_bytes < 0 || y_bytes < 0)
     return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: rows, hidden or vocab_local too large", fn);
   Range r[17] = {
       {"hidden_states", hidden_states, static_cast<uint64_t>(h_bytes), false, es},
       {"weight", weight, static_cast<uint64_t>(w_bytes), false, es},
       {"bias", bias, static_cast<uint64_t>(vocab_local) * es, false, es},
-      {"targets", targets, static_cast<uint64_t>(rows) * ts, false, ts},
+      {"targets", targets, static_cast<uint64_t>(y_bytes), false, ts},
       {"options->class_weights", o.class_weights, static_cast<uint64_t>(vocab_total) * 4, false,
        4},
       {},  // grad_output, then outputs->loss, ->lse, ->z_loss, ->error_flags: loss_ranges

@@ -353,6 +353,111 @@ TEST(Nccl, EntropyAndRowGradientsMatchUnsharded) {
   ASSERT_TRUE(finish());
 }
 
+// Class probabilities (rule 19) through both calls on a one-rank communicator, whose shard of
+// q is all of it: the loss, lse and gradients equal fce_forward's and fce_linear_ce's; and q's
+// bytes are [rows, vocab_local] in the overlap check.
+TEST(Nccl, ProbabilityTargetsMatchUnsharded) {
+  REQUIRE_GPU();
+  // (the linear calls make their float32 logits in GEMMs of other shapes: the linear suites'
+  // float32 bound)
+  constexpr double kLinTolF32 = 1e-4;
+  cudaStream_t s = stream0();
+  ncclComm_t comm = comm1();
+  const int64_t N = 24, V = 3001, D = 40;
+  std::mt19937_64 rng(19);
+  std::normal_distribution<double> nd(0.0, 1.0);
+  std::vector<double> z(size_t(N * V)), q(size_t(N * V)), h(size_t(N * D)), w(size_t(V * D));
+  for (double& v : z) v = static_cast<float>(4.0 * nd(rng));
+  for (double& v : h) v = static_cast<float>(nd(rng));
+  for (double& v : w) v = static_cast<float>(0.2 * nd(rng));
+  for (int64_t r = 0; r < N; ++r) {  // a softmax of random scores, a few classes exactly 0
+    double sum = 0.0;
+    for (int64_t j = 0; j < V; ++j) {
+      double& v = q[size_t(r * V + j)];
+      v = j % 7 == 3 ? 0.0 : std::exp(2.0 * nd(rng));
+      sum += v;
+    }
+    for (int64_t j = 0; j < V; ++j) q[size_t(r * V + j)] /= sum;
+  }
+  Dev zd(encode(FCE_FLOAT32, z), s), qd(encode(FCE_FLOAT32, q), s);
+  Dev hd(encode(FCE_FLOAT32, h), s), wd(encode(FCE_FLOAT32, w), s);
+  TestOptions o = FCE_OPTIONS_INIT;
+  o.target_dtype = FCE_FLOAT32;
+  o.label_smoothing = 0.05f;
+  o.z_loss_scale = 1e-3f;
+  fce_vp_shard sh;
+  const fce_vp_shard* shard = flat::comm_shard(comm, V, 0, V, &sh);
+  ASSERT_NE(shard, nullptr);
+  for (int red : {FCE_REDUCTION_MEAN, FCE_REDUCTION_NONE}) {
+    SCOPED_TRACE(red == FCE_REDUCTION_MEAN ? "mean" : "none");
+    o.reduction = red;
+    const size_t nl = red == FCE_REDUCTION_NONE ? size_t(N) : 1;
+    Dev loss(nl * 4, s), lse(size_t(N) * 4, s), grad(size_t(N * V) * 4, s);
+    Dev gh(size_t(N * D) * 4, s), gw(size_t(V * D) * 4, s);
+    fce_outputs out = FCE_OUTPUTS_INIT;
+    out.loss = loss.p<float>();
+    out.lse = lse.p<float>();
+    fce_gradients g = FCE_GRADIENTS_INIT;
+    g.grad_logits = grad.ptr();
+    // fce_forward, then fce_nccl_cross_entropy
+    size_t wsb = 0;
+    ASSERT_TRUE(ok(fce_forward_workspace_size(&o, N, V, &wsb), "fce_forward_workspace_size"));
+    Dev ws(wsb, s);
+    ASSERT_TRUE(
+        ok(fce_forward(&o, N, V, zd.ptr(), qd.ptr(), &out, &g, ws.ptr(), wsb, s), "fce_forward"));
+    const std::vector<uint8_t> ref[3] = {loss.download(), lse.download(), grad.download()};
+    ASSERT_TRUE(ok(flat::nccl_ce_ws(&o, comm, N, V, V, 1, &wsb), "query"));
+    Dev nws(wsb, s);
+    for (Dev* d : {&loss, &lse, &grad}) d->fill(kPoisonByte);
+    ASSERT_TRUE(
+        ok(fce_nccl_cross_entropy(&o, shard, N, zd.ptr(), qd.ptr(), &out, &g, nws.ptr(), wsb, s),
+           "fce_nccl_cross_entropy"));
+    const char* what[3] = {"loss", "lse", "grad_logits"};
+    const std::vector<uint8_t> got[3] = {loss.download(), lse.download(), grad.download()};
+    for (int k = 0; k < 3; ++k)
+      EXPECT_TRUE(close_normwise(decode(FCE_FLOAT32, got[k]), decode(FCE_FLOAT32, ref[k]),
+                                 kTolF32, what[k]));
+    // fce_linear_ce, then fce_nccl_linear_ce
+    fce_gradients lg = FCE_GRADIENTS_INIT;
+    lg.grad_hidden = gh.ptr();
+    lg.grad_weight = gw.ptr();
+    size_t lo = 0, hi = 0;
+    ASSERT_TRUE(ok(fce_linear_ce_workspace_size(&o, N, D, V, 1, &lo, &hi), "linear query"));
+    Dev lws(hi, s);
+    ASSERT_TRUE(ok(fce_linear_ce(&o, N, D, V, hd.ptr(), wd.ptr(), nullptr, qd.ptr(), &out, &lg,
+                                 lws.ptr(), hi, s),
+                   "fce_linear_ce"));
+    const std::vector<uint8_t> lref[3] = {loss.download(), gh.download(), gw.download()};
+    ASSERT_TRUE(ok(flat::nccl_linear_ws(&o, comm, N, D, V, V, 1, &lo, &hi), "nccl linear query"));
+    Dev nlws(hi, s);
+    for (Dev* d : {&loss, &gh, &gw}) d->fill(kPoisonByte);
+    ASSERT_TRUE(ok(fce_nccl_linear_ce(&o, shard, N, D, hd.ptr(), wd.ptr(), nullptr, qd.ptr(),
+                                      &out, &lg, nlws.ptr(), hi, s),
+                   "fce_nccl_linear_ce"));
+    const char* lwhat[3] = {"linear loss", "grad_hidden", "grad_weight"};
+    const std::vector<uint8_t> lgot[3] = {loss.download(), gh.download(), gw.download()};
+    for (int k = 0; k < 3; ++k)
+      EXPECT_TRUE(close_normwise(decode(FCE_FLOAT32, lgot[k]), decode(FCE_FLOAT32, lref[k]),
+                                 kLinTolF32, lwhat[k]));
+  }
+  // a gradient 256 bytes past q's start overlaps it (q: rows x vocab_local elements)
+  o.reduction = FCE_REDUCTION_MEAN;
+  Dev both(2 * size_t(N * V) * 4, s), loss(4, s);
+  char* base = both.p<char>();
+  size_t wsb = 0;
+  ASSERT_TRUE(ok(flat::nccl_ce_ws(&o, comm, N, V, V, 1, &wsb), "query"));
+  Dev nws(wsb, s);
+  fce_outputs out = FCE_OUTPUTS_INIT;
+  out.loss = loss.p<float>();
+  fce_gradients g = FCE_GRADIENTS_INIT;
+  g.grad_logits = base + 256;
+  EXPECT_EQ(fce_nccl_cross_entropy(&o, shard, N, zd.ptr(), base, &out, &g, nws.ptr(), wsb, s),
+            FCE_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(fce_nccl_last_error()).find("targets"), std::string::npos)
+      << fce_nccl_last_error();
+  ASSERT_TRUE(finish());
+}
+
 // Both calls captured in CUDA graphs after an eager call; two replays give the eager bits.
 TEST(Nccl, GraphCaptureReplays) {
   REQUIRE_GPU();
