@@ -273,16 +273,8 @@ class SoftVpRunner {
     std::vector<Buf> st;
     for (const Shard& s : shards) st.push_back(stats(s));
     ASSERT_FALSE(testing::Test::HasFatalFailure());
-    Buf gathered_perm;
-    for (bool permuted : {false, true}) {
-      if (permuted && P == 1) continue;
-      SCOPED_TRACE(permuted ? "gathered in a permuted rank order" : "gathered in rank order");
-      std::vector<const Buf*> order;
-      for (int q : rank_order(P, permuted)) order.push_back(&st[static_cast<size_t>(q)]);
-      Buf gathered = gather(order, c_.N);
-      check_loss(loss(gathered, P));
-      if (permuted || P == 1) gathered_perm = std::move(gathered);
-    }
+    Buf gathered_perm =
+        gather_both_orders(st, c_.N, [&](Buf& gathered) { check_loss(loss(gathered, P)); });
     std::vector<double> grad(static_cast<size_t>(c_.N * c_.V), -12345.0);
     for (const Shard& s : shards) ASSERT_NO_FATAL_FAILURE(backward(s, gathered_perm, P, &grad));
     const double tol = tolerance(c_.dtype);

@@ -294,16 +294,8 @@ class VpCeRunner {
       all_ok = all_ok && ok;
     }
     ASSERT_TRUE(all_ok) << "phase 1 failed";
-    Buf gathered_perm;
-    for (bool permuted : {false, true}) {
-      if (permuted && P == 1) continue;
-      SCOPED_TRACE(permuted ? "gathered in a permuted rank order" : "gathered in rank order");
-      std::vector<const Buf*> order;
-      for (int q : rank_order(P, permuted)) order.push_back(&stats[static_cast<size_t>(q)]);
-      Buf gathered = gather(order, c_.N);
-      check_loss(loss(gathered, P));
-      if (permuted || P == 1) gathered_perm = std::move(gathered);
-    }
+    Buf gathered_perm =
+        gather_both_orders(stats, c_.N, [&](Buf& gathered) { check_loss(loss(gathered, P)); });
     std::vector<double> grad(static_cast<size_t>(c_.N * c_.V), -12345.0);
     for (const Shard& s : shards) {
       ASSERT_NO_FATAL_FAILURE(backward(s, gathered_perm, P, &grad));

@@ -55,6 +55,25 @@ inline Buf gather(const std::vector<const Buf*>& stats, int64_t rows) {
   return g;
 }
 
+// The ranks' statistics gathered in rank order and, with more than one rank, in a permuted
+// order, check(gathered) called on each (the loss of both must be right); returns the last
+// gathering made (the permuted one), for the backward.
+template <class Check>
+Buf gather_both_orders(const std::vector<Buf>& stats, int64_t rows, Check check) {
+  const int P = static_cast<int>(stats.size());
+  Buf last;
+  for (bool permuted : {false, true}) {
+    if (permuted && P == 1) continue;
+    SCOPED_TRACE(permuted ? "gathered in a permuted rank order" : "gathered in rank order");
+    std::vector<const Buf*> order;
+    for (int q : rank_order(P, permuted)) order.push_back(&stats[static_cast<size_t>(q)]);
+    Buf gathered = gather(order, rows);
+    check(gathered);
+    if (permuted || P == 1) last = std::move(gathered);
+  }
+  return last;
+}
+
 // Targets at read positions set to the first and the last class of every shard of every P
 // (uneven and even), so that every shard holds targets (checked by the runner).
 inline void spread_targets(int64_t N, int64_t V, int64_t T, int64_t k, std::vector<int64_t>& y) {

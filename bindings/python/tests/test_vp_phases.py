@@ -17,6 +17,17 @@ from fusedce import _lib
 from test_distributed import (OPTION_SETS, _close, _has_vp, _inputs, _shards, needs_cuda, needs_vp,
                               torch, vp)
 
+def _call_options(options, reduction, rows, vocab):
+    """(keywords, grad_output) of a test call: the option set (its class weights made for
+    this vocabulary), the reduction, and an upstream gradient per row for 'none'."""
+    kw = dict(OPTION_SETS[options])
+    if kw.pop("class_weights", False):
+        kw["class_weights"] = np.random.default_rng(7).uniform(0.5, 2.0, vocab).astype(np.float32)
+    kw["reduction"] = reduction
+    g_out = (np.random.default_rng(3).standard_normal(rows).astype(np.float32)
+             if reduction == "none" else 1.7)
+    return kw, g_out
+
 
 @needs_vp
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4])
@@ -27,12 +38,7 @@ def test_phases_match_unsharded(ranks, reduction, options):
     order, loss and gradients equal to the one-call fce_forward on the whole vocabulary."""
     rows, vocab = 12, (53 if ranks == 3 else 52)
     z, y = _inputs(rows, vocab, seed=ranks)
-    kw = dict(OPTION_SETS[options])
-    if kw.pop("class_weights", False):
-        kw["class_weights"] = np.random.default_rng(7).uniform(0.5, 2.0, vocab).astype(np.float32)
-    kw["reduction"] = reduction
-    g_out = (np.random.default_rng(3).standard_normal(rows).astype(np.float32)
-             if reduction == "none" else 1.7)
+    kw, g_out = _call_options(options, reduction, rows, vocab)
     ref = fusedce.forward(z, y, return_lse=True, return_z_loss=True, return_argmax=True,
                           return_accuracy=True, return_grad=True, grad_output=g_out, **kw)
     shards = _shards(vocab, ranks, uneven=ranks == 3)
@@ -239,12 +245,7 @@ def test_class_probabilities_match_unsharded(ranks, reduction, options):
     rows, vocab = 12, 53
     z, _ = _inputs(rows, vocab, seed=20 + ranks)
     q = _probs(rows, vocab, seed=ranks)
-    kw = dict(OPTION_SETS[options])
-    if kw.pop("class_weights", False):
-        kw["class_weights"] = np.random.default_rng(7).uniform(0.5, 2.0, vocab).astype(np.float32)
-    kw["reduction"] = reduction
-    g_out = (np.random.default_rng(3).standard_normal(rows).astype(np.float32)
-             if reduction == "none" else 1.7)
+    kw, g_out = _call_options(options, reduction, rows, vocab)
     ref = fusedce.forward(z, q, return_lse=True, return_z_loss=True, return_argmax=True,
                           return_grad=True, grad_output=g_out, **kw)
     shards = _shards(vocab, ranks, uneven=True)
