@@ -376,7 +376,8 @@ FCE_API fce_status fce_vp_linear_ce_workspace_size(const fce_options* options, i
                   grad_hidden_dtype);
   size_t lo = l.min_total, hi = l.optimal_total;
   if (with_grad && o.backend != FCE_BACKEND_CPU && !opt.soft_targets) {
-    // full speed: the token-chunk plan (class indices only) (with or without grad_weight: the larger of the two)
+    // full speed: the token-chunk plan, which class indices alone take (with or without
+    // grad_weight: the larger of the two)
     const bool fp32 = o.grad_weight_fp32 != 0 || o.dtype == FCE_FLOAT32;
     size_t chunked = 0;
     for (bool need_dw : {true, false}) {

@@ -102,7 +102,6 @@ a graph break).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import sys
 from typing import Optional, Tuple
@@ -349,7 +348,7 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: Tensor, target: Tensor,
     if soft:
         _soft.check_options(opts, ignore_index, want, check_targets, fn)
         if q_grad:  # its gradient needs the whole row's lse
-            lib_want = dataclasses.replace(lib_want, lse=True)
+            lib_want = lib_want.replace(lse=True)
     layout = Layout(group, size, vs, vt)
     if torch.is_grad_enabled() and logits.requires_grad:
         loss, lse, zl, acc, am, ent, gathered = _VocabParallelCE.apply(
@@ -484,7 +483,7 @@ def vocab_parallel_linear_cross_entropy(hidden: Tensor, weight_shard: Tensor, ta
             raise ValueError(f"{fn}: a target of class probabilities that requires a gradient is "
                              "not supported with sequence_parallel (detach it)")
         if q_grad:  # its gradient needs the whole row's lse
-            lib_want = dataclasses.replace(lib_want, lse=True)
+            lib_want = lib_want.replace(lse=True)
     layout = Layout(group, size, vs, vt)
     grad_on = torch.is_grad_enabled() and (
         h2.requires_grad or weight_shard.requires_grad
