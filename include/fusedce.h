@@ -208,7 +208,10 @@ typedef struct fce_options {
                                  rows, the row's position among them and (fce_linear_ce) the
                                  workspace size, for the same options, backend, device, dtype
                                  and vocabulary: reductions over a row run in a fixed order
-                                 chosen without the row count, GEMMs in fixed token chunks.
+                                 chosen without the row count, GEMMs in fixed token chunks;
+                                 fce_vp_stats / fce_vp_loss / fce_vp_backward: also whatever
+                                 the number of shards and their widths (statistics rows of
+                                 FCE_VP_STATS_INVARIANT exact sums).
                                  Not invariant: whatever sums over rows (the mean / sum loss,
                                  z_loss, accuracy, grad_weight, grad_bias) and, with reduction
                                  mean, the gradient (scaled by 1/D, D the batch's count).
@@ -217,7 +220,7 @@ typedef struct fce_options {
                                  fce_backward(_rescale) must start 16-byte aligned;
                                  fce_linear_ce then needs its fixed-chunk workspace (the
                                  query's) and, for a 16-bit grad_weight, few enough chunks.
-                                 Else, and in the fce_vp_* and distillation calls,
+                                 Else, and in the fce_vp_linear_* and distillation calls,
                                  FCE_ERROR_UNSUPPORTED. docs/semantics.md rule 21. 0: off */
 } fce_options;
 
@@ -580,6 +583,10 @@ FCE_API fce_status fce_linear_ce(const fce_options* options, int64_t rows, int64
  * stats and gathered_stats are float32 in the backend's memory, aligned to 16 bytes. (0.4)
  */
 #define FCE_VP_STATS 8 /* float32 per row of a shard's statistics (the layout is internal) */
+/* The same under options->batch_invariant: rows of exact sums, so that each row's results are the
+ * same bits whatever the number of shards and their widths (docs/semantics.md rule 21). Every
+ * stats and gathered_stats buffer of such a step is [.., rows, FCE_VP_STATS_INVARIANT]. */
+#define FCE_VP_STATS_INVARIANT 44
 
 /* Bit of error_flags: gathered statistics that do not tile the vocabulary (see above). */
 #define FCE_FLAG_SHARDS_INCONSISTENT 2u

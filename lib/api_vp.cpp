@@ -22,7 +22,6 @@ fce_status vp_workspace_query(const char* fn, const fce_options* options, int64_
     FCE_TRY(check_vocab_total(fn, vocab_total));
   fce::CeOptions opt;
   FCE_TRY(check_options(fn, &o, rows, vocab_total, &opt));
-  FCE_TRY(refuse_batch_invariant(fn, opt));
   FCE_TRY(check_vp_rows(fn, rows, &ranks));
   FCE_TRY(check_size_output(fn, bytes));
   *bytes = vp_workspace(o, opt, ranks, rows, vocab_total, vocab_local, backward);
@@ -59,7 +58,6 @@ FCE_API fce_status fce_vp_stats(const fce_options* options, const fce_vp_shard* 
   fce::VpStatsProblem p{};
   FCE_TRY(check_vp_vocab(fn, vocab_total, vocab_start, vocab_local, true));
   FCE_TRY(check_options(fn, o, rows, vocab_total, &p.opt));
-  FCE_TRY(refuse_batch_invariant(fn, p.opt));
   FCE_TRY(check_vp_rows(fn, rows, nullptr));
   const bool empty = rows == 0;  // per-row buffers of no elements may be NULL
   FCE_TRY(check_required(
@@ -112,7 +110,6 @@ FCE_API fce_status fce_vp_loss(const fce_options* options, const fce_vp_shard* s
   fce::VpProblem p{};
   FCE_TRY(check_vocab_total(fn, vocab_total));
   FCE_TRY(check_options(fn, o, rows, vocab_total, &p.opt));
-  FCE_TRY(refuse_batch_invariant(fn, p.opt));
   FCE_TRY(refuse_soft_accuracy(fn, *o, out));
   FCE_TRY(check_vp_rows(fn, rows, &ranks));
   const Entries e(*o, rows);
@@ -180,7 +177,6 @@ FCE_API fce_status fce_vp_backward(const fce_options* options, const fce_vp_shar
   fce::VpProblem p{};
   FCE_TRY(check_vp_vocab(fn, vocab_total, vocab_start, vocab_local, true));
   FCE_TRY(check_options(fn, o, rows, vocab_total, &p.opt));
-  FCE_TRY(refuse_batch_invariant(fn, p.opt));
   FCE_TRY(check_vp_rows(fn, rows, &ranks));
   const bool empty = rows == 0;  // per-row buffers of no elements may be NULL
   FCE_TRY(check_required(fn, {{"logits", logits, empty},

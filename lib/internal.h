@@ -181,6 +181,27 @@ constexpr int kVpEntropy = kVpHit;  // u_r = Σ_j exp(a_j − m_r)(a_j − m_r):
                                     // NaN when m_r is NaN or +inf
 constexpr uint32_t kVpHitBit = 0x80000000u;  // in kVpLocal: the row's target is in the shard
 
+// Under options->batch_invariant (docs/semantics.md rule 21) a shard's row is FCE_VP_STATS_INVARIANT
+// float32 of exact sums (exact_sum.h), none relative to the shard's maximum, so that the
+// combination is the same bits whatever the shards:
+enum VpExactStat {
+  kVxMax = 0,     // m_r as kVpMax
+  kVxArgmax = 1,  // as kVpArgmax
+  kVxTarget = 2,  // as kVpTarget (the same slot): a_y when the target is in the shard, else 0
+  kVxLocal = 3,   // vocab_local, kVpHitBit when the row is scored and its target is in the shard
+  kVxSumExp = 4,  // Σ_j exp(a_j)                          (each an ExactSum of kExactSlots)
+  kVxEntropy = kVxSumExp + 10,  // Σ_j exp(a_j) a_j, with options->vp_entropy, else 0
+  kVxSmooth = kVxEntropy + 10,  // Σ_j w_j a_j (w_j = ω_j, or ω_j q'_j for class probabilities)
+  kVxWeight = kVxSmooth + 10,   // Σ_j w_j
+  kVxCount = kVxWeight + 10
+};
+static_assert(kVxCount == FCE_VP_STATS_INVARIANT && int(kVxTarget) == int(kVpTarget),
+              "exact stats layout");
+// Float32 per row of a shard's statistics for these options.
+inline int64_t vp_stats_width(const CeOptions& opt) {
+  return opt.batch_invariant ? FCE_VP_STATS_INVARIANT : FCE_VP_STATS;
+}
+
 // fce_vp_stats (logits given) — validated as fce_forward's logits (row_stride >= vocab_local).
 struct VpStatsProblem {
   const char* fn;             // "fce_vp_stats"

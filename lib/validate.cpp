@@ -98,7 +98,8 @@ fce_status refuse_batch_invariant(const char* fn, const CeOptions& opt) {
   if (!opt.batch_invariant) return FCE_SUCCESS;
   return fail(FCE_ERROR_UNSUPPORTED,
               "%s: options->batch_invariant is not supported by this call (only fce_forward, "
-              "fce_backward, fce_backward_rescale and fce_linear_ce honour it)",
+              "fce_backward, fce_backward_rescale, fce_linear_ce, fce_vp_stats, fce_vp_loss and "
+              "fce_vp_backward honour it)",
               fn);
 }
 
@@ -254,18 +255,20 @@ fce_status check_vp_vocab(const char* fn, int64_t vocab_total, int64_t vocab_sta
 }
 
 fce_status check_vp_rows(const char* fn, int64_t rows, const int64_t* ranks_arg) {
-  if (rows > kMaxBytes / kStatsBytes)
+  // (bounded for the widest statistics row, FCE_VP_STATS_INVARIANT's)
+  if (rows > kMaxBytes / kExactStatsBytes)
     return fail(FCE_ERROR_INVALID_ARGUMENT,
-                "%s: rows (%lld) x FCE_VP_STATS overflows a 64-bit byte offset", fn,
+                "%s: rows (%lld) x a statistics row overflows a 64-bit byte offset", fn,
                 (long long)rows);
   if (!ranks_arg) return FCE_SUCCESS;
   const int64_t ranks = *ranks_arg;
   if (ranks < 1)
     return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: ranks (%lld) must be >= 1", fn,
                 (long long)ranks);
-  if (rows > 0 && ranks > kMaxBytes / kStatsBytes / rows)
+  if (rows > 0 && ranks > kMaxBytes / kExactStatsBytes / rows)
     return fail(FCE_ERROR_INVALID_ARGUMENT,
-                "%s: ranks (%lld) x rows (%lld) x FCE_VP_STATS overflows a 64-bit byte offset", fn,
+                "%s: ranks (%lld) x rows (%lld) x a statistics row overflows a 64-bit byte "
+                "offset", fn,
                 (long long)ranks, (long long)rows);
   return FCE_SUCCESS;
 }

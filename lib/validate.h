@@ -21,6 +21,8 @@ namespace abi {
 constexpr int64_t kMaxVocab = std::numeric_limits<int32_t>::max();
 constexpr int64_t kMaxBytes = std::numeric_limits<int64_t>::max() / 2;
 constexpr int64_t kStatsBytes = FCE_VP_STATS * 4;  // one row of a shard's statistics
+// ... under options->batch_invariant (the widest: the bound of the size checks)
+constexpr int64_t kExactStatsBytes = FCE_VP_STATS_INVARIANT * 4;
 
 // ---- options and sizes ----
 
@@ -293,12 +295,16 @@ struct Entries {
   // An empty problem's zeros of a reduced output (loss, accuracy): none for reduction
   // none (no row, no element), [1] for mean and sum.
   ZeroSpan reduced_zeros(void* p) const { return {p, static_cast<size_t>(reduced_floats())}; }
+  // a row of a shard's statistics: FCE_VP_STATS float32, FCE_VP_STATS_INVARIANT under
+  // options->batch_invariant
+  uint64_t stats_row_bytes() const { return o.batch_invariant ? kExactStatsBytes : kStatsBytes; }
   Arg gathered_stats(const float* p, int64_t ranks) const {
     return {"gathered_stats", p,
-            static_cast<uint64_t>(ranks) * static_cast<uint64_t>(rows) * kStatsBytes, 16, false};
+            static_cast<uint64_t>(ranks) * static_cast<uint64_t>(rows) * stats_row_bytes(), 16,
+            false};
   }
   Arg stats(const float* p) const {
-    return {"stats", p, static_cast<uint64_t>(rows) * kStatsBytes, 16, true};
+    return {"stats", p, static_cast<uint64_t>(rows) * stats_row_bytes(), 16, true};
   }
 };
 

@@ -291,8 +291,10 @@ TEST_F(VpBadInput, Options) {
           [](VpArgs& x) { x.o.shift_seq_len = 3; });
   for_all("shift without shift_seq_len", FCE_ERROR_INVALID_ARGUMENT, "options->shift",
           [](VpArgs& x) { x.o.shift = 2; });
-  for_all("batch_invariant", FCE_ERROR_UNSUPPORTED, "options->batch_invariant",
-          [](VpArgs& x) { x.o.batch_invariant = 1; });
+  // (the calls over logits honour it: test_vp_invariance.cpp)
+  for (VpFn f : {kLinStats, kLinBackward, kLinCe})
+    rejected(f, "batch_invariant", FCE_ERROR_UNSUPPORTED, "options->batch_invariant",
+             [](VpArgs& x) { x.o.batch_invariant = 1; });
   for_all("class_weights +1 byte", FCE_ERROR_MISALIGNED, "class_weights",
           [](VpArgs& x) { x.o.class_weights = reinterpret_cast<const float*>(reinterpret_cast<const char*>(x.o.class_weights) + 1); });
   if (!fce_cuda_available()) {

@@ -283,6 +283,8 @@ struct SoftSums {
 };
 SoftSums soft_shard_sums(const CeSetup& setup, const double* a, double m, int64_t r, int64_t start,
                          int64_t local);
+// ω_j q'_j of column j in [0, local) of the shard (vocab_parallel.cpp's exact statistics).
+double soft_shard_weight(const CeSetup& setup, int64_t r, int64_t start, int64_t local, int64_t j);
 void soft_shard_gradient(const CeSetup& setup, double* a, const RowStats& st, double mass,
                          int64_t r, int64_t start, int64_t local, const Upstream& up,
                          const RowTerms& terms);

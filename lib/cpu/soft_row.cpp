@@ -88,6 +88,10 @@ SoftSums soft_shard_sums(const CeSetup& setup, const double* a, double m, int64_
   return sums(setup, soft_row(setup, r, start, local), a, m);
 }
 
+double soft_shard_weight(const CeSetup& setup, int64_t r, int64_t start, int64_t local, int64_t j) {
+  return soft_row(setup, r, start, local)(setup, j);
+}
+
 void soft_shard_gradient(const CeSetup& setup, double* a, const RowStats& st, double mass,
                          int64_t r, int64_t start, int64_t local, const Upstream& up,
                          const RowTerms& terms) {

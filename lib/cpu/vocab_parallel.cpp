@@ -31,6 +31,7 @@
 
 #include "ce_row.h"
 #include "cpu/blas.h"
+#include "exact_sum.h"
 #include "linear_chunks.h"
 
 namespace fce {
@@ -65,6 +66,8 @@ struct VpSetup {
   bool entropy;               // options->vp_entropy: e_r in kVpEntropy, h_r in kVpLocal's bit
   bool soft;                  // class probabilities: ce.targets is the shard's q [rows, local]
   bool fast;                  // a = z: the float32 row (ce_row.h's float_path)
+  bool exact;                 // options->batch_invariant: the exact statistics (VpExactStat)
+  int64_t width;              // float32 per row of the statistics (vp_stats_width)
 };
 
 // grad_lse, grad_entropy: phase 3 of a gradient, [rows] or nullptr (rule 18).
@@ -79,7 +82,10 @@ VpSetup make_vp_setup(const CeOptions& opt, int64_t rows, int64_t vocab_total, i
   s.local = local;
   s.omega_shard = opt.class_weights ? opt.class_weights + start : nullptr;
   for (int64_t j = 0; j < local; ++j) s.shard_weight += omega_of(s.ce, start + j);
-  s.fast = float_path(s.ce) && !s.entropy;  // rule 18's sums and terms: the double row
+  s.exact = opt.batch_invariant;
+  s.width = vp_stats_width(opt);
+  // rule 18's sums and terms, and the exact statistics: the double row, element by element
+  s.fast = float_path(s.ce) && !s.entropy && !s.exact;
   return s;
 }
 
@@ -176,6 +182,51 @@ void row_stats_shard_f64(const VpSetup& s, const double* a, int64_t r, const Row
   write_stats(s, mf, sum, a_y, hit, u, argmax, out, e, s.soft ? &W : nullptr);
 }
 
+// The exact statistics of row r of the shard (options->batch_invariant, rule 21), double a
+// (scaled and capped) taken to float32 element by element: the maximum, the argmax and the
+// target logit as row_stats_shard_f64's, and the sums Σ exp(a_j), Σ exp(a_j) a_j (entropy),
+// Σ w_j a_j and Σ w_j (label smoothing or class probabilities; else 0) as exact sums (exact_sum.h): the
+// same bits whatever the order of the terms, and so whatever the shards. A NaN makes m_r NaN
+// (the combination's results NaN); no sum is then read.
+void row_stats_exact(const VpSetup& s, const double* a, int64_t r, const RowTarget& t,
+                     float* out) {
+  const int64_t n = s.local;
+  const bool hit = in_shard(s, t);
+  float m = -std::numeric_limits<float>::infinity();
+  int64_t argmax = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    const float x = float(a[j]);
+    if (std::isnan(x)) {
+      m = x;
+      argmax = j;
+      break;
+    }
+    if (x > m) m = x, argmax = j;
+  }
+  ExactSum S = exact_zero(), P = exact_zero(), U = exact_zero(), W = exact_zero();
+  const bool weighted = s.soft || s.ce.eps > 0.0;
+  for (int64_t j = 0; j < n && !std::isnan(m); ++j) {
+    const float x = float(a[j]);
+    float mant = 0.f;
+    int64_t e2 = 0;
+    exact_add_exp(S, x, &mant, &e2);
+    if (s.entropy && mant != 0.f) exact_add_product(P, mant, x, e2);
+    if (!weighted) continue;
+    const float w = float(s.soft ? soft_shard_weight(s.ce, r, s.start, n, j)
+                                 : omega_of(s.ce, s.start + j));
+    exact_add(W, w);
+    if (w != 0.f) exact_add_product(U, w, x);  // (a −inf logit of weight 0 adds nothing)
+  }
+  out[kVxMax] = m;
+  out[kVxArgmax] = int_as_float(s.start + argmax);
+  out[kVxLocal] = bits_float(uint32_t(s.local) | (hit ? kVpHitBit : 0u));
+  out[kVxTarget] = hit ? float(a[t.y - s.start]) : 0.0f;
+  exact_store(S, out + kVxSumExp);
+  exact_store(P, out + kVxEntropy);
+  exact_store(U, out + kVxSmooth);
+  exact_store(W, out + kVxWeight);
+}
+
 // Steps 1 and 2 on the shard's row: a_j = s · z_j, then c · tanh(a_j / c) when c > 0.
 void scale_and_softcap_shard(const VpSetup& s, double* a) {
   for (int64_t j = 0; j < s.local; ++j) {
@@ -209,7 +260,7 @@ void stats_rows(const VpSetup& s, int64_t first_row, int64_t count, const void* 
       const int64_t r = first_row + i;
       const RowTarget t = row_target(s.ce, r);
       const void* z = static_cast<const char*>(logits) + size_t(i) * size_t(stride) * esize;
-      float* out = stats + size_t(r) * kVpCount;
+      float* out = stats + size_t(r) * size_t(s.width);
       if (s.fast) {
         float* a = scratch.frows[size_t(thread)].data();
         load_row_f32(dtype, z, s.local, a);
@@ -218,7 +269,10 @@ void stats_rows(const VpSetup& s, int64_t first_row, int64_t count, const void* 
         double* a = scratch.rows[size_t(thread)].data();
         load_row(dtype, z, s.local, a);
         scale_and_softcap_shard(s, a);
-        row_stats_shard_f64(s, a, r, t, out);
+        if (s.exact)
+          row_stats_exact(s, a, r, t, out);
+        else
+          row_stats_shard_f64(s, a, r, t, out);
       }
     }
   });
@@ -237,29 +291,95 @@ struct Combined {
   double mu_m = 0.0, H = kNaN;  // rule 18 (s.entropy): μ − M and the entropy ls − (μ − M)
 };
 
+// The argmax across shards, shard q's (m, j) after those before it: the rank with the largest
+// m_r (a NaN largest), among equal maxima (NaNs among themselves) the smallest global index.
+void pick_argmax(int64_t q, float m, int32_t j, float& best_m, int32_t& best_j) {
+  bool better;
+  if (q == 0) better = true;
+  else if (std::isnan(best_m)) better = std::isnan(m) && j < best_j;
+  else if (std::isnan(m)) better = true;
+  else better = m > best_m || (m == best_m && j < best_j);
+  if (better) best_m = m, best_j = j;
+}
+
+// Two disjoint shards never report the same argmax (a global index inside each): equal ones
+// mean a shard's statistics were gathered twice (in place of another's of the same size).
+template <class At>
+bool duplicate_argmax(const At& at, int64_t ranks, int slot) {
+  for (int64_t q = 1; q < ranks; ++q)
+    for (int64_t o = 0; o < q; ++o)
+      if (float_as_int(at(q)[slot]) == float_as_int(at(o)[slot])) return true;
+  return false;
+}
+
+// The exact statistics of one row combined (options->batch_invariant, rule 21): the sums merged
+// (integer bins: the same bits in any order), then M, ls = log S − M, t, Ω, U = M Ω − Σ w a and
+// μ − M = Σ exp(a) a / S − M in double, from the merged sums alone. The argmax and the tiling
+// check as combine's.
+Combined combine_exact(const VpSetup& s, const float* gathered, int64_t ranks, int64_t r,
+                       RowKind kind) {
+  const size_t rows = size_t(s.ce.rows);
+  auto at = [&](int64_t q) { return gathered + (size_t(q) * rows + size_t(r)) * kVxCount; };
+  Combined c;
+  bool nan_seen = false;
+  double M = -kInf, t = 0.0, hits = 0.0;
+  float best_m = 0.f;
+  int32_t best_j = 0;
+  int64_t local_sum = 0;
+  ExactSum S = exact_zero(), P = exact_zero(), U = exact_zero(), W = exact_zero();
+  for (int64_t q = 0; q < ranks; ++q) {
+    const float* st = at(q);
+    const float m = st[kVxMax];
+    const int32_t j = float_as_int(st[kVxArgmax]);
+    if (std::isnan(m)) nan_seen = true;
+    else if (double(m) > M) M = m;
+    const uint32_t local_bits = float_bits(st[kVxLocal]);
+    hits += (local_bits & kVpHitBit) ? 1.0 : 0.0;
+    local_sum += int64_t(local_bits & ~kVpHitBit);
+    t += st[kVxTarget];
+    exact_merge(S, exact_load(st + kVxSumExp));
+    exact_merge(P, exact_load(st + kVxEntropy));
+    exact_merge(U, exact_load(st + kVxSmooth));
+    exact_merge(W, exact_load(st + kVxWeight));
+    pick_argmax(q, m, j, best_m, best_j);
+  }
+  // S's own NaN (a term beyond exact_sum.h's range), a NaN, +inf (its term exp(+inf − +inf),
+  // rule 10) or −inf maximum (S = 0) as combine's
+  const bool finite = std::isfinite(M) && S.nonfinite == 0.f;
+  c.M = nan_seen ? kNaN : M;
+  c.ls = finite ? exact_log(S) - M : std::isnan(c.M) || M > 0 || S.nonfinite != 0.f ? kNaN : -kInf;
+  c.lse = c.M + c.ls;
+  c.t = t;
+  c.Omega = exact_value(W);
+  // (U of a row without a finite maximum is never read: its loss is NaN, rule 10)
+  c.U = std::isfinite(M) ? M * c.Omega - exact_value(U) : kNaN;
+  c.argmax = best_j;
+  if (s.entropy) {
+    c.mu_m = finite ? exact_ratio(P, S) - M : kNaN;
+    c.H = c.ls - c.mu_m;
+  }
+  c.consistent = local_sum == s.ce.vocab && !duplicate_argmax(at, ranks, kVxArgmax) &&
+                 (kind != RowKind::kScored || s.soft || hits == 1.0);
+  return c;
+}
+
 Combined combine(const VpSetup& s, const float* gathered, int64_t ranks, int64_t r,
                  RowKind kind) {
+  if (s.exact) return combine_exact(s, gathered, ranks, r, kind);
   const size_t rows = size_t(s.ce.rows);
   auto at = [&](int64_t q) { return gathered + (size_t(q) * rows + size_t(r)) * kVpCount; };
   Combined c;
-  // M = max_r m_r (NaN if any is NaN); the argmax: the rank with the largest m_r (a NaN
-  // largest), among equal maxima (NaNs among themselves) the smallest global index.
+  // M = max_r m_r (NaN if any is NaN); the argmax (pick_argmax)
   bool nan_seen = false;
   double M = -kInf;
-  float best_m = at(0)[kVpMax];
-  int32_t best_j = float_as_int(at(0)[kVpArgmax]);
+  float best_m = 0.f;
+  int32_t best_j = 0;
   for (int64_t q = 0; q < ranks; ++q) {
     const float* st = at(q);
     const float m = st[kVpMax];
-    const int32_t j = float_as_int(st[kVpArgmax]);
     if (std::isnan(m)) nan_seen = true;
     else if (double(m) > M) M = m;
-    if (q == 0) continue;
-    bool better;
-    if (std::isnan(best_m)) better = std::isnan(m) && j < best_j;
-    else if (std::isnan(m)) better = true;
-    else better = m > best_m || (m == best_m && j < best_j);
-    if (better) best_m = m, best_j = j;
+    pick_argmax(q, m, float_as_int(st[kVpArgmax]), best_m, best_j);
   }
   if (nan_seen) M = kNaN;
   // S = Σ_r s_r exp(m_r − M) over ranks with m_r > −inf (0 when M = −inf; an m_r equal to M
@@ -303,13 +423,7 @@ Combined combine(const VpSetup& s, const float* gathered, int64_t ranks, int64_t
     c.mu_m = std::isfinite(M) ? E / S : kNaN;
     c.H = c.ls - c.mu_m;
   }
-  // Two disjoint shards never report the same argmax (a global index inside each): equal ones
-  // mean a shard's statistics were gathered twice (in place of another's of the same size).
-  bool duplicate = false;
-  for (int64_t q = 1; q < ranks && !duplicate; ++q)
-    for (int64_t o = 0; o < q && !duplicate; ++o)
-      duplicate = float_as_int(at(q)[kVpArgmax]) == float_as_int(at(o)[kVpArgmax]);
-  c.consistent = local_sum == s.ce.vocab && !duplicate &&
+  c.consistent = local_sum == s.ce.vocab && !duplicate_argmax(at, ranks, kVpArgmax) &&
                  (kind != RowKind::kScored || s.soft || hits == 1.0);
   return c;
 }

@@ -184,9 +184,10 @@ fce_status check_common(const char* fn, const fce_options* options, const fce_vp
   return FCE_SUCCESS;
 }
 
-// rows, the shard and the gathered statistics' size (P · rows · FCE_VP_STATS float32).
+// rows, the shard and the gathered statistics' size (P · rows · stats_width float32).
 fce_status check_sizes(const char* fn, int64_t rows, int64_t vocab_total, int64_t vocab_start,
-                       int64_t vocab_local, bool with_start, int ranks, size_t* gathered_bytes) {
+                       int64_t vocab_local, bool with_start, int ranks, int64_t stats_width,
+                       size_t* gathered_bytes) {
   if (rows < 0)
     return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: rows (%lld) must be >= 0", fn, (long long)rows);
   if (vocab_total < 1 || vocab_total > kMaxVocab)
@@ -201,7 +202,7 @@ fce_status check_sizes(const char* fn, int64_t rows, int64_t vocab_total, int64_
     return fail(FCE_ERROR_INVALID_ARGUMENT,
                 "%s: vocab_start (%lld) + vocab_local (%lld) must lie in [0, vocab_total (%lld)]",
                 fn, (long long)vocab_start, (long long)vocab_local, (long long)vocab_total);
-  const int64_t per_rank = static_cast<int64_t>(FCE_VP_STATS * sizeof(float));
+  const int64_t per_rank = stats_width * static_cast<int64_t>(sizeof(float));
   if (rows > kMaxBytes / per_rank / ranks)
     return fail(FCE_ERROR_INVALID_ARGUMENT,
                 "%s: rows (%lld) x %d ranks of statistics overflow the workspace", fn,

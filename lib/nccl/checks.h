@@ -102,9 +102,14 @@ struct CommInfo {
 // calls: also the rank, the device and a pending asynchronous error).
 fce_status check_common(const char* fn, const fce_options* options, const fce_vp_shard* shard,
                         bool full, fce_options* o, CommInfo* ci, ncclComm_t* comm_out);
-// rows, the shard and the gathered statistics' size (P · rows · FCE_VP_STATS float32).
+// rows, the shard and the gathered statistics' size (P · rows · stats_width float32:
+// FCE_VP_STATS, or FCE_VP_STATS_INVARIANT under options->batch_invariant, stats_width()).
 fce_status check_sizes(const char* fn, int64_t rows, int64_t vocab_total, int64_t vocab_start,
-                       int64_t vocab_local, bool with_start, int ranks, size_t* gathered_bytes);
+                       int64_t vocab_local, bool with_start, int ranks, int64_t stats_width,
+                       size_t* gathered_bytes);
+inline int64_t stats_width(const fce_options& o) {
+  return o.batch_invariant ? FCE_VP_STATS_INVARIANT : FCE_VP_STATS;
+}
 // Bytes spanned by rows of cols elements stride apart; -1 on overflow.
 int64_t span_bytes(int64_t rows, int64_t cols, int64_t stride, size_t elem);
 

@@ -31,7 +31,7 @@ namespace {
 
 // ---- cross-entropy: [gathered | scratch]
 struct CeLayout {
-  size_t gathered = 0;  // bytes of [P, rows, FCE_VP_STATS]
+  size_t gathered = 0;  // bytes of [P, rows, stats_width]
   size_t scratch_off = 0, scratch = 0;
   size_t total() const { return scratch_off + scratch; }
 };
@@ -131,7 +131,8 @@ FCE_API fce_status fce_nccl_shard(ncclComm_t comm, int64_t vocab_total, int64_t 
   if (r != ncclSuccess) return nccl_fail(fn, "ncclCommCount(comm)", r, comm);
   if (ranks < 1) return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: comm has %d ranks", fn, ranks);
   size_t gathered = 0;
-  FCE_NCCL_TRY(check_sizes(fn, 0, vocab_total, vocab_start, vocab_local, true, ranks, &gathered));
+  FCE_NCCL_TRY(check_sizes(fn, 0, vocab_total, vocab_start, vocab_local, true, ranks, FCE_VP_STATS,
+                           &gathered));
   shard->ranks = ranks;
   shard->vocab_total = vocab_total;
   shard->vocab_start = vocab_start;
@@ -154,7 +155,8 @@ FCE_API fce_status fce_nccl_cross_entropy_workspace_size(const fce_options* opti
   FCE_NCCL_TRY(check_shard_ranks(fn, shard, ci.ranks));
   const int64_t vocab_total = shard->vocab_total, vocab_local = shard->vocab_local;
   size_t gathered = 0;
-  FCE_NCCL_TRY(check_sizes(fn, rows, vocab_total, 0, vocab_local, false, ci.ranks, &gathered));
+  FCE_NCCL_TRY(check_sizes(fn, rows, vocab_total, 0, vocab_local, false, ci.ranks,
+                           stats_width(o), &gathered));
   CeLayout l;
   FCE_NCCL_TRY(ce_layout(fn, options, ci.ranks, rows, vocab_total, vocab_local, with_grad != 0,
                          gathered, &l));
@@ -183,7 +185,7 @@ FCE_API fce_status fce_nccl_cross_entropy(const fce_options* options, const fce_
   const float* grad_output = gr.grad_output;
   size_t gathered_bytes = 0;
   FCE_NCCL_TRY(check_sizes(fn, rows, vocab_total, vocab_start, vocab_local, true, ci.ranks,
-                           &gathered_bytes));
+                           stats_width(o), &gathered_bytes));
   const bool with_grad = grad_logits != nullptr;
   FCE_NCCL_TRY(check_row_grads(fn, gr, with_grad, "gradients->grad_logits is"));
   CeLayout l;
@@ -240,7 +242,7 @@ FCE_API fce_status fce_nccl_cross_entropy(const fce_options* options, const fce_
   // ---- enqueue
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   float* gathered = reinterpret_cast<float*>(workspace);
-  const size_t count = static_cast<size_t>(rows) * FCE_VP_STATS;
+  const size_t count = static_cast<size_t>(rows) * static_cast<size_t>(stats_width(o));
   float* stats = gathered + static_cast<size_t>(ci.rank) * count;
   void* scratch = static_cast<char*>(workspace) + l.scratch_off;
   const size_t scratch_bytes = workspace_bytes - l.scratch_off;
@@ -271,7 +273,8 @@ FCE_API fce_status fce_nccl_linear_ce_workspace_size(const fce_options* options,
   FCE_NCCL_TRY(check_shard_ranks(fn, shard, ci.ranks));
   const int64_t vocab_total = shard->vocab_total, vocab_local = shard->vocab_local;
   size_t gathered = 0;
-  FCE_NCCL_TRY(check_sizes(fn, rows, vocab_total, 0, vocab_local, false, ci.ranks, &gathered));
+  FCE_NCCL_TRY(check_sizes(fn, rows, vocab_total, 0, vocab_local, false, ci.ranks,
+                           FCE_VP_STATS, &gathered));
   LinLayout l;
   FCE_NCCL_TRY(lin_layout(fn, options, o, ci.ranks, rows, hidden, vocab_total, vocab_local,
                           with_grad != 0, with_grad != 0, gathered, &l));
@@ -311,7 +314,7 @@ FCE_API fce_status fce_nccl_linear_ce(const fce_options* options, const fce_vp_s
   const float* grad_output = gr.grad_output;
   size_t gathered_bytes = 0;
   FCE_NCCL_TRY(check_sizes(fn, rows, vocab_total, vocab_start, vocab_local, true, ci.ranks,
-                           &gathered_bytes));
+                           FCE_VP_STATS, &gathered_bytes));
   const bool with_grad = grad_hidden || grad_weight || grad_bias;
   FCE_NCCL_TRY(check_row_grads(fn, gr, with_grad,
                                "gradients->grad_hidden, grad_weight and grad_bias are all"));

@@ -16,6 +16,7 @@
 
 #include <climits>
 #include <cstdint>
+#include <cstring>
 
 #include "cuda/ce/memory.cuh"
 #include "internal.h"
@@ -55,6 +56,56 @@ struct SParams {
   int write_weight;            // kVpWeight = vocab (no class weights); else already written
   float scale, softcap, s_over_c;
 };
+
+// The SParams of a phase-1 launch over a (a VpStatsArgs, vocab_parallel/kernels.cuh): all but
+// the row pointers (logits, z_row_bytes, row_begin: the launcher's) and the mode flags smooth
+// and write_weight (vp_stats_kernel's launcher).
+template <class Args> SParams stats_params(const Args& a) {
+  const CeOptions& opt = a.opt;
+  SParams p;
+  memset(&p, 0, sizeof p);
+  p.stats = a.stats;
+  p.targets = a.targets;
+  p.class_weights = opt.class_weights;
+  p.ignore_index = opt.ignore_index;
+  p.shift_T = opt.shift_seq_len;
+  p.shift_k = opt.shift_seq_len > 0 ? (opt.shift > 0 ? opt.shift : 1) : 0;
+  p.vocab_start = a.vocab_start;
+  p.vocab = static_cast<int>(a.vocab_local);
+  p.vocab_total = static_cast<int>(a.vocab_total);
+  p.targets_int64 = opt.targets_int64 ? 1 : 0;
+  p.soft = opt.soft_targets ? 1 : 0;
+  p.cap = opt.softcap > 0.f ? 1 : 0;
+  p.scale = opt.logit_scale;
+  p.softcap = opt.softcap;
+  p.s_over_c = opt.softcap > 0.f ? opt.logit_scale / opt.softcap : 0.f;
+  return p;
+}
+
+// Class probabilities (rule 19): the shard's q and how q'_j = (1 − ε) q_j + ε/V is made.
+struct QParams {
+  const char* q;  // the shard's q, row 0 (global rows), [rows, vocab_local]
+  int q_dtype;
+  float keep;    // 1 − ε
+  float spread;  // ε / V
+};
+template <class Args> QParams q_params(const Args& a) {
+  const CeOptions& opt = a.opt;
+  QParams qp;
+  qp.q = static_cast<const char*>(a.targets);
+  qp.q_dtype = opt.q_dtype;
+  // as ce/device.cuh's make_params
+  qp.keep = static_cast<float>(1.0 - static_cast<double>(opt.label_smoothing));
+  qp.spread = static_cast<float>(static_cast<double>(opt.label_smoothing) /
+                                 static_cast<double>(a.vocab_total));
+  return qp;
+}
+__device__ __forceinline__ float load_q(const QParams& qp, int64_t i) {
+  if (qp.q_dtype == FCE_FLOAT32) return __ldg(reinterpret_cast<const float*>(qp.q) + i);
+  const unsigned short raw = __ldg(reinterpret_cast<const unsigned short*>(qp.q) + i);
+  return qp.q_dtype == FCE_FLOAT16 ? __half2float(__ushort_as_half(raw))
+                                   : __bfloat162float(__ushort_as_bfloat16(raw));
+}
 
 // e = Σ exp(a − m)(a − m) of sums (s, e) against m, made against m2 ≥ m: exp(m − m2)(e +
 // s (m − m2)); 0 when m = −inf (nothing summed) or exp(m − m2) is 0 (never 0·inf). (The CE

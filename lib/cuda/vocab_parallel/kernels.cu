@@ -18,6 +18,7 @@
 #include "cuda/common/launch_check.cuh"
 #include "cuda/vocab_parallel/device.cuh"
 #include "cuda/vocab_parallel/kernels.cuh"
+#include "exact_sum.h"
 #include "internal.h"
 
 // Phase 1, vp_stats_kernel: one CTA per row of the shard, ONE read of it (16-byte vectors where
@@ -235,19 +236,39 @@ struct CParams {
   float* entropy;              // ENT: [rows] H, or nullptr
 };
 
+// The argmax across shards, shard by shard: a NaN shard first (the smallest global index among
+// them: the first NaN), else the largest m_r, the smallest global index among equal maxima.
+__device__ __forceinline__ void take_argmax(float m_r, int j_r, bool& best_nan, bool& have_best,
+                                            float& best_m, int& best_j) {
+  if (isnan(m_r)) {
+    if (!best_nan || j_r < best_j) best_j = j_r;
+    best_nan = true;
+  } else if (!best_nan && (!have_best || m_r > best_m || (m_r == best_m && j_r < best_j))) {
+    best_m = m_r;
+    best_j = j_r;
+  }
+  have_best = true;
+}
+
 // ENT (options->vp_entropy, rule 18): the layout with e_r, and E = Σ_r exp(m_r − M)(e_r +
 // (m_r − M) s_r), μ − M = E/S, H = log S − E/S (NaN without a finite M); the row statistics
 // carry μ − M in pad, and NaN in t marks an inconsistent row (launch_vp_nan_rows by_t).
-template <bool ENT = false>
+// EXACT (options->batch_invariant, rule 21): the exact statistics (VpExactStat) merged, in any
+// order the same bits, then log S − M, Ω, U = M Ω − Σ w a and μ − M = Σ exp(a) a / S − M in
+// double from the merged sums (exact_sum.h).
+template <bool ENT = false, bool EXACT = false>
 __global__ void __launch_bounds__(kCombineThreads) vp_combine_kernel(const CParams p) {
+  constexpr int64_t kWidth = EXACT ? kVxCount : FCE_VP_STATS;
+  constexpr int kArgmaxSlot = EXACT ? kVxArgmax : kVpArgmax;
+  static_assert(int(kVxMax) == int(kVpMax), "the maximum leads both layouts");
   uint32_t flags = 0;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t lr = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; lr < p.rows; lr += stride) {
     const int64_t row = p.row_begin + lr;  // global: the targets and every output
     int64_t y = -1;
     const int kind = p.soft ? kValid : classify_row(p, row, &y);
-    const float* g = p.gathered + lr * FCE_VP_STATS;
-    const int64_t rank_stride = p.rows * FCE_VP_STATS;
+    const float* g = p.gathered + lr * kWidth;
+    const int64_t rank_stride = p.rows * kWidth;
 
     // M = max_r m_r, NaN if any is NaN
     float M = neg_inf();
@@ -265,7 +286,34 @@ __global__ void __launch_bounds__(kCombineThreads) vp_combine_kernel(const CPara
     bool best_nan = false, have_best = false;
     float best_m = neg_inf();
     int best_j = 0;
-    for (int64_t r = 0; r < p.ranks; ++r) {
+    float ls, mum = 0.f;  // log S and (ENT) μ − M
+    if constexpr (EXACT) {
+      ExactSum Sx = exact_zero(), Px = exact_zero(), Ux = exact_zero(), Wx = exact_zero();
+      for (int64_t r = 0; r < p.ranks; ++r) {
+        const float* st = g + r * rank_stride;
+        const unsigned bits = __float_as_uint(st[kVxLocal]);
+        H = __fadd_rn(H, (bits & kVpHitBit) ? 1.f : 0.f);
+        sum_local += static_cast<int>(bits & ~kVpHitBit);
+        T = __fadd_rn(T, st[kVxTarget]);
+        exact_merge(Sx, exact_load(st + kVxSumExp));
+        if (ENT) exact_merge(Px, exact_load(st + kVxEntropy));
+        exact_merge(Ux, exact_load(st + kVxSmooth));
+        exact_merge(Wx, exact_load(st + kVxWeight));
+        take_argmax(st[kVxMax], __float_as_int(st[kVxArgmax]), best_nan, have_best, best_m,
+                    best_j);
+      }
+      // a NaN, +inf (its term exp(+inf − +inf), rule 10) or −inf maximum (S = 0), or a term
+      // beyond the exact sums' range (S's non-finite part)
+      const double Md = M;
+      const bool finite = isfinite(M) && Sx.nonfinite == 0.f;
+      ls = finite ? static_cast<float>(exact_log(Sx) - Md)
+           : (any_nan || M > 0.f || Sx.nonfinite != 0.f) ? qnan() : neg_inf();
+      const double Omd = exact_value(Wx);
+      Om = static_cast<float>(Omd);
+      Us = isfinite(M) ? static_cast<float>(Md * Omd - exact_value(Ux)) : qnan();
+      if (ENT) mum = finite ? static_cast<float>(exact_ratio(Px, Sx) - Md) : qnan();
+    }
+    for (int64_t r = 0; r < (EXACT ? 0 : p.ranks); ++r) {
       const float4 lo = *reinterpret_cast<const float4*>(g + r * rank_stride);
       const float4 hi = *reinterpret_cast<const float4*>(g + r * rank_stride + 4);
       const float m_r = lo.x, s_r = lo.y, t_r = lo.z;
@@ -291,27 +339,21 @@ __global__ void __launch_bounds__(kCombineThreads) vp_combine_kernel(const CPara
       if (p.soft && w_r != 0.f)
         Us = __fadd_rn(Us, __fadd_rn(u_r, __fmul_rn(w_r, __fsub_rn(M, m_r))));
       sum_local += v_r;
-      // argmax: a NaN shard first (the smallest global index among them: the first NaN), else
-      // the largest m_r, the smallest global index among equal maxima
-      if (isnan(m_r)) {
-        if (!best_nan || j_r < best_j) best_j = j_r;
-        best_nan = true;
-      } else if (!best_nan && (!have_best || m_r > best_m || (m_r == best_m && j_r < best_j))) {
-        best_m = m_r;
-        best_j = j_r;
-      }
-      have_best = true;
+      take_argmax(m_r, j_r, best_nan, have_best, best_m, best_j);
     }
-    if (any_nan) S = qnan();
-    const float ls = logf(S);  // NaN when a shard holds a +inf (its s_r is NaN)
+    if constexpr (!EXACT) {
+      if (any_nan) S = qnan();
+      ls = logf(S);  // NaN when a shard holds a +inf (its s_r is NaN)
+      if (ENT) mum = isfinite(M) ? __fdiv_rn(Es, S) : qnan();
+    }
     float lse = __fadd_rn(M, ls);
     // Two disjoint shards never report the same argmax (a global index inside each): equal
     // ones mean a shard's statistics were gathered twice (in place of another's of that size).
     bool duplicate = false;
     for (int64_t r = 1; r < p.ranks && !duplicate; ++r) {
-      const float j_r = g[r * rank_stride + kVpArgmax];
+      const float j_r = g[r * rank_stride + kArgmaxSlot];
       for (int64_t q = 0; q < r && !duplicate; ++q)
-        duplicate = __float_as_int(g[q * rank_stride + kVpArgmax]) == __float_as_int(j_r);
+        duplicate = __float_as_int(g[q * rank_stride + kArgmaxSlot]) == __float_as_int(j_r);
     }
     const bool inconsistent =
         sum_local != p.vocab_total || duplicate || (kind == kValid && !p.soft && H != 1.f);
@@ -325,7 +367,6 @@ __global__ void __launch_bounds__(kCombineThreads) vp_combine_kernel(const CPara
     }
     // (pad = 1: an ignored row whose gradient must be NaN all the same, launch_vp_nan_rows)
     if constexpr (ENT) {
-      const float mum = isfinite(M) ? __fdiv_rn(Es, S) : qnan();
       if (p.entropy) p.entropy[row] = (inconsistent || !isfinite(M)) ? qnan() : __fsub_rn(ls, mum);
       if (p.stats_out)
         p.stats_out[row] = inconsistent ? CeRowStats{qnan(), qnan(), qnan(), qnan()}
@@ -439,26 +480,11 @@ fce_status launch_vp_stats(const VpStatsArgs& a, cudaStream_t s) {
                 static_cast<long long>(a.vocab_start), static_cast<long long>(a.vocab_local),
                 static_cast<long long>(a.vocab_total), static_cast<long long>(a.row_stride));
   if (a.row_count == 0) return FCE_SUCCESS;
+  if (a.opt.batch_invariant) return launch_vp_stats_exact(a, s);
   const CeOptions& opt = a.opt;
-  SParams p;
-  memset(&p, 0, sizeof p);
-  p.stats = a.stats;
-  p.targets = a.targets;
-  p.class_weights = opt.class_weights;
-  p.ignore_index = opt.ignore_index;
-  p.shift_T = opt.shift_seq_len;
-  p.shift_k = opt.shift_seq_len > 0 ? (opt.shift > 0 ? opt.shift : 1) : 0;
-  p.vocab_start = a.vocab_start;
-  p.vocab = static_cast<int>(a.vocab_local);
-  p.vocab_total = static_cast<int>(a.vocab_total);
-  p.targets_int64 = opt.targets_int64 ? 1 : 0;
+  SParams p = stats_params(a);
   p.smooth = opt.label_smoothing > 0.f && !opt.soft_targets ? 1 : 0;
-  p.soft = opt.soft_targets ? 1 : 0;
-  p.cap = opt.softcap > 0.f ? 1 : 0;
   p.write_weight = a.weight_written ? 0 : 1;
-  p.scale = opt.logit_scale;
-  p.softcap = opt.softcap;
-  p.s_over_c = opt.softcap > 0.f ? opt.logit_scale / opt.softcap : 0.f;
   switch (a.logits_dtype) {
     case FCE_FLOAT32: FCE_TRY(launch_stats_typed<float>(a, p, s)); break;
     case FCE_FLOAT16: FCE_TRY(launch_stats_typed<__half>(a, p, s)); break;
@@ -551,10 +577,15 @@ fce_status launch_vp_combine(const VpCombineArgs& a, cudaStream_t s) {
   p.entropy = a.entropy;
   int64_t blocks = (a.rows + kCombineThreads - 1) / kCombineThreads;
   if (blocks > 65536) blocks = 65536;
-  if (opt.vp_entropy)
-    vp_combine_kernel<true><<<static_cast<unsigned>(blocks), kCombineThreads, 0, s>>>(p);
+  const unsigned nb = static_cast<unsigned>(blocks);
+  if (opt.batch_invariant && opt.vp_entropy)
+    vp_combine_kernel<true, true><<<nb, kCombineThreads, 0, s>>>(p);
+  else if (opt.batch_invariant)
+    vp_combine_kernel<false, true><<<nb, kCombineThreads, 0, s>>>(p);
+  else if (opt.vp_entropy)
+    vp_combine_kernel<true><<<nb, kCombineThreads, 0, s>>>(p);
   else
-    vp_combine_kernel<<<static_cast<unsigned>(blocks), kCombineThreads, 0, s>>>(p);
+    vp_combine_kernel<<<nb, kCombineThreads, 0, s>>>(p);
   return launch_check(a.fn, "vp_combine_kernel");
 }
 

@@ -37,6 +37,10 @@ fce_status launch_vp_stats(const VpStatsArgs& a, cudaStream_t s);
 // Class probabilities (vocab_parallel/soft.cu): kVpSmooth u_r = Σ_j ω_j q'_j (m_r − a_j) and
 // kVpWeight W_r = Σ_j ω_j q'_j of the rows, against the stored m_r (launch_vp_stats' own).
 fce_status launch_vp_soft_sums(const VpStatsArgs& a, cudaStream_t s);
+// Under options->batch_invariant (vocab_parallel/exact.cu): the exact statistics
+// [rows, FCE_VP_STATS_INVARIANT] (VpExactStat) of the rows, class weights and probabilities
+// included (launch_vp_stats runs it in place of everything above).
+fce_status launch_vp_stats_exact(const VpStatsArgs& a, cudaStream_t s);
 
 // The arguments of phase 1 over a token chunk of a linear call's logits z (opt.dtype, ld
 // elements apart; fce_vp_linear_stats, fce_vp_linear_ce), kVpWeight written beforehand by

@@ -29,20 +29,6 @@ namespace {
 
 constexpr int kSoftThreads = 256;
 
-struct QParams {
-  const char* q;  // the shard's q, row 0 (global rows)
-  int q_dtype;
-  float keep;    // 1 − ε
-  float spread;  // ε / V
-};
-
-__device__ __forceinline__ float load_q(const QParams& qp, int64_t i) {
-  if (qp.q_dtype == FCE_FLOAT32) return __ldg(reinterpret_cast<const float*>(qp.q) + i);
-  const unsigned short raw = __ldg(reinterpret_cast<const unsigned short*>(qp.q) + i);
-  return qp.q_dtype == FCE_FLOAT16 ? __half2float(__ushort_as_half(raw))
-                                   : __bfloat162float(__ushort_as_bfloat16(raw));
-}
-
 // (u, w) summed over the CTA in a fixed tree; thread 0 gets the total.
 __device__ __forceinline__ double2 block_sum2(double u, double w, double2* s_warp) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
@@ -112,24 +98,8 @@ fce_status launch_vp_soft_sums(const VpStatsArgs& a, cudaStream_t s) {
       a.vocab_local > INT32_MAX || a.vocab_total < 1)
     return fail(FCE_ERROR_INTERNAL, "%s: launch_vp_soft_sums: bad arguments", a.fn);
   if (a.row_count == 0) return FCE_SUCCESS;
-  SParams p;
-  memset(&p, 0, sizeof p);
-  p.stats = a.stats;
-  p.class_weights = opt.class_weights;
-  p.vocab_start = a.vocab_start;
-  p.vocab = static_cast<int>(a.vocab_local);
-  p.vocab_total = static_cast<int>(a.vocab_total);
-  p.cap = opt.softcap > 0.f ? 1 : 0;
-  p.scale = opt.logit_scale;
-  p.softcap = opt.softcap;
-  p.s_over_c = opt.softcap > 0.f ? opt.logit_scale / opt.softcap : 0.f;
-  QParams qp;
-  qp.q = static_cast<const char*>(a.targets);
-  qp.q_dtype = opt.q_dtype;
-  // as ce/device.cuh's make_params
-  qp.keep = static_cast<float>(1.0 - static_cast<double>(opt.label_smoothing));
-  qp.spread = static_cast<float>(static_cast<double>(opt.label_smoothing) /
-                                 static_cast<double>(a.vocab_total));
+  SParams p = stats_params(a);
+  const QParams qp = q_params(a);
   switch (a.logits_dtype) {
     case FCE_FLOAT32: p.z_row_bytes = a.row_stride * 4; return launch_typed<float>(a, p, qp, s);
     case FCE_FLOAT16: p.z_row_bytes = a.row_stride * 2; return launch_typed<__half>(a, p, qp, s);

@@ -5,7 +5,8 @@
 // pointers included (cuda_check_pointers); every message starts with p.fn.
 //
 // cuda_vp_stats: launch_vp_weights (class weights only) → launch_vp_stats (with class
-// probabilities, their sums u_r and W_r after it: vocab_parallel/soft.cu).
+// probabilities, their sums u_r and W_r after it: vocab_parallel/soft.cu); under
+// options->batch_invariant launch_vp_stats runs vocab_parallel/exact.cu's kernel alone.
 // cuda_vp (loss): launch_ce_denominators (D, n from the targets) → combine → launch_ce_finalize.
 // cuda_vp (backward): launch_ce_denominators → combine (row statistics) → launch_ce_rows in
 // backward mode on the shard as a column slice [vocab_start, vocab_start + vocab_local) of rows
@@ -81,7 +82,7 @@ fce_status cuda_vp_stats(const VpStatsProblem& p) {
   if (!dtype_ok(opt.dtype))
     return fail(FCE_ERROR_INTERNAL, "%s: dtype %d reached the CUDA backend", fn, opt.dtype);
   cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
-  if (opt.class_weights)
+  if (opt.class_weights && !opt.batch_invariant)  // (the exact statistics sum them per row)
     FCE_TRY(cuda::launch_vp_weights(fn, opt, p.rows, p.vocab_start, p.vocab_local, p.stats,
                                     stream));
   cuda::VpStatsArgs a{};

@@ -9,6 +9,7 @@ pub const FCE_OPTIONS_SIZE_V1_0: u32 = 120;
 pub const FCE_OUTPUTS_SIZE_V1_0: u32 = 64;
 pub const FCE_GRADIENTS_SIZE_V1_0: u32 = 72;
 pub const FCE_VP_STATS: u32 = 8;
+pub const FCE_VP_STATS_INVARIANT: u32 = 44;
 pub const FCE_FLAG_SHARDS_INCONSISTENT: u32 = 2;
 pub const FCE_TEACHER_SIZE_V1_0: u32 = 72;
 pub type __int32_t = ::std::os::raw::c_int;
