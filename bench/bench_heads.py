@@ -19,8 +19,12 @@ losses against their floor and against torch eager.
   linear distillation (student [N, D] · [V, D], teacher [N, Dt] · [V, Dt]): forward KL and JSD
     against their floor, 6·N·D·V + 2·N·Dt·V FLOPs at the GEMM rate measured in the run, and torch
     eager (both logits whole).
+  vocabulary-parallel over logits [N, V] on one rank (fusedce.torch.distributed without a
+    process group: fce_vp_stats, fce_vp_loss, fce_vp_backward), reduction "none" with an
+    upstream per token: plain, batch invariant (rule 21: the exact statistics, the same bits
+    on any number of shards), and the one-GPU cross_entropy beside them.
 
-Writes bench/results/heads-<GPU>.json (--out for another place)."""
+Writes bench/results/<name>-<GPU>.json (--name, default heads; --out for another place)."""
 import argparse
 import os
 import sys
@@ -32,6 +36,7 @@ import harness  # noqa: E402
 CE_SHAPES = [(16384, 128256), (8192, 256000), (32768, 32000), (4096, 50257)]
 LIN_SHAPES = [(8192, 4096, 128256)]
 DISTILL_SHAPES = [(8192, 128256)]
+VP_SHAPES = [(16384, 128256), (8192, 256000), (4096, 50257)]
 LIN_DISTILL_SHAPES = [(8192, 4096, 4096, 128256)]  # N, D (student), Dt (teacher), V
 
 
@@ -161,6 +166,29 @@ def linear_distill_variants(N, D, Dt, V, gen):
     return [h, w], {"forward KL": kl, "JSD": jsd, "torch forward KL": torch_kl}
 
 
+def vp_variants(N, V, gen):
+    import torch
+
+    import fusedce.torch as fce
+    from fusedce.torch.distributed import vocab_parallel_cross_entropy
+    z = (torch.randn(N, V, device="cuda", generator=gen) * 2).to(torch.bfloat16)
+    z.requires_grad_(True)
+    y = bench_torch.targets(N, V, gen)
+    adv = torch.randn(N, device="cuda", generator=gen)
+
+    def plain():
+        return (adv * vocab_parallel_cross_entropy(z, y)).mean()
+
+    def invariant():
+        return (adv * vocab_parallel_cross_entropy(z, y, batch_invariant=True)).mean()
+
+    def one_gpu():
+        return (adv * fce.cross_entropy(z, y, reduction="none")).mean()
+
+    return [z], {"vp plain": plain, "vp batch invariant": invariant,
+                 "one-GPU cross_entropy": one_gpu}
+
+
 def run_group(section, shape, make, records, slow=False, floor_ms=None):
     import torch
     gen = torch.Generator(device="cuda").manual_seed(sum(shape))
@@ -191,6 +219,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sections", default="ce,linear,distill,linear_distill")
     ap.add_argument("--out", default=None, help="also write the JSON there")
+    ap.add_argument("--name", default="heads", help="the results file's name")
     args = ap.parse_args()
     import torch
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -212,9 +241,12 @@ def main():
             floor = (6 * N * D * V + 2 * N * Dt * V) / (tflops * 1e12) * 1e3
             run_group("linear_distill", (N, D, Dt, V), linear_distill_variants, records,
                       slow=True, floor_ms=floor)
+    if "vp" in sections:
+        for shape in VP_SHAPES:
+            run_group("vp", shape, vp_variants, records)
     run = harness.run_info(copy_tbps=round(copy_tbps, 3), gemm_tflops=round(tflops, 1),
                            note="bf16; loss + backward; x_first: over the group's first variant")
-    harness.write("heads", harness.device_name(), run, records,
+    harness.write(args.name, harness.device_name(), run, records,
                   out_dirs=[args.out] if args.out else ())
 
 

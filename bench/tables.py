@@ -389,10 +389,20 @@ def t_headline(device):
 def t_heads(device):
     """bench/bench_heads.py: per section, each variant's ms (× the section's first row, or × the
     floor), and the memory beyond the inputs and the gradients returned; shapes as columns."""
-    doc = doc_of("heads", device)
-    titles = {"ce": "cross-entropy, logits N×V", "linear": "linear cross-entropy, N×D×V",
-              "distill": "distillation, logits N×V",
-              "linear_distill": "linear distillation, N×D×Dt×V (× the floor)"}
+    return sections_table(doc_of("heads", device), {
+        "ce": "cross-entropy, logits N×V", "linear": "linear cross-entropy, N×D×V",
+        "distill": "distillation, logits N×V",
+        "linear_distill": "linear distillation, N×D×Dt×V (× the floor)"})
+
+
+def t_vp_invariance(device):
+    """bench/bench_heads.py --sections vp --name vp-invariance: the vocabulary-parallel calls on
+    one rank, plain and under batch_invariant, beside the one-GPU call."""
+    return sections_table(doc_of("vp-invariance", device), {
+        "vp": "vocabulary-parallel over logits N×V, one rank, reduction none"})
+
+
+def sections_table(doc, titles):
     lines = [f"{device_words(doc['device'])}, {runs_line(doc, doc['records'])}. bf16, loss + "
              "`.backward()`: ms (× the section's first row; linear distillation: × its floor, "
              "6·N·D·V + 2·N·Dt·V FLOPs at the GEMM rate) and the memory beyond the inputs and "
@@ -420,7 +430,8 @@ def t_heads(device):
 
 TABLES = {"headline": t_headline, "ce": t_ce, "linear": t_linear, "linear-dw": t_linear_dw, "vp": t_vp,
           "ce-raw": t_ce_raw, "linear-raw": t_linear_raw, "options": t_options,
-          "accuracy-dw": t_accuracy_dw, "cpu": t_cpu, "heads": t_heads}
+          "accuracy-dw": t_accuracy_dw, "cpu": t_cpu, "heads": t_heads,
+          "vp-invariance": t_vp_invariance}
 
 
 def render(name, device=None):

@@ -87,6 +87,7 @@ FCE_FLAG_SHARDS_INCONSISTENT = 2  # 0.4: gathered vocabulary shards that do not 
 
 # vocabulary-parallel (0.4): float32 per row of a shard's statistics (the layout is internal)
 FCE_VP_STATS = 8
+FCE_VP_STATS_INVARIANT = 44
 
 
 class Options(ctypes.Structure):

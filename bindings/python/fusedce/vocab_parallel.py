@@ -38,7 +38,7 @@ from typing import Any, NamedTuple, Optional, Tuple
 import numpy as np
 
 from . import _lib
-from ._lib import FCE_REDUCTION_NONE, FCE_VP_STATS
+from ._lib import FCE_REDUCTION_NONE, FCE_VP_STATS, FCE_VP_STATS_INVARIANT
 from ._alloc import (_Alloc, _argmax_accuracy, _class_weights, _error_flags, _grad_output,
                      _linear_grads, _out, _ptr, _user_workspace, _workspace, query_for)
 from ._args import (_backend_code, _build_options, _check_backend_kw, _check_same_device,
@@ -52,13 +52,19 @@ from ._streams import _call_stream, _device_of, _stream_int
 from .core import check_error_flags
 
 __all__ = [
-    "VP_STATS", "VPLossResult", "VPLinearGrads", "shard_range", "vp_stats", "vp_loss",
+    "VP_STATS", "VP_STATS_INVARIANT", "VPLossResult", "VPLinearGrads", "shard_range", "vp_stats", "vp_loss",
     "vp_backward", "vp_linear_stats", "vp_linear_backward", "vp_loss_workspace_size",
     "vp_backward_workspace_size", "vp_linear_stats_workspace_size",
     "vp_linear_backward_workspace_size",
 ]
 
 VP_STATS = FCE_VP_STATS  # float32 per row of a shard's statistics
+# ... with batch_invariant=True (exact sums: the results do not depend on the shards)
+VP_STATS_INVARIANT = FCE_VP_STATS_INVARIANT
+
+
+def _width(batch_invariant: bool) -> int:
+    return VP_STATS_INVARIANT if batch_invariant else VP_STATS
 
 
 class VPLossResult(NamedTuple):
@@ -106,17 +112,18 @@ def _sizes(vocab_total, vocab_start=None):
     return vt, vs
 
 
-def _gathered(g: _Arr, rows: int) -> int:
-    """Check gathered statistics [ranks, rows, VP_STATS] (or [ranks * rows, VP_STATS]) float32,
-    dense; return ranks (checked by the library, with the 16-byte alignment)."""
+def _gathered(g: _Arr, rows: int, width: int = VP_STATS) -> int:
+    """Check gathered statistics [ranks, rows, width] (or [ranks * rows, width]) float32,
+    dense (width: VP_STATS, or VP_STATS_INVARIANT with batch_invariant); return ranks (checked
+    by the library, with the 16-byte alignment)."""
     _need_dtype(g, "float32")
-    if len(g.shape) == 3 and g.shape[1:] == (rows, VP_STATS):
+    if len(g.shape) == 3 and g.shape[1:] == (rows, width):
         ranks = g.shape[0]
-    elif len(g.shape) == 2 and g.shape[1] == VP_STATS and rows > 0 and g.shape[0] % rows == 0:
+    elif len(g.shape) == 2 and g.shape[1] == width and rows > 0 and g.shape[0] % rows == 0:
         ranks = g.shape[0] // rows
     else:
-        raise ValueError(f"gathered_stats must be [ranks, {rows}, {VP_STATS}] (or "
-                         f"[ranks * {rows}, {VP_STATS}]) float32, got shape {g.shape}")
+        raise ValueError(f"gathered_stats must be [ranks, {rows}, {width}] (or "
+                         f"[ranks * {rows}, {width}]) float32, got shape {g.shape}")
     expect = []
     acc = 1
     for s in reversed(g.shape):
@@ -127,16 +134,16 @@ def _gathered(g: _Arr, rows: int) -> int:
     return ranks
 
 
-def _stats_out(stats, alloc: _Alloc, ref: _Arr, rows: int):
+def _stats_out(stats, alloc: _Alloc, ref: _Arr, rows: int, width: int = VP_STATS):
     if stats is None:
         if not ref.is_cuda and ref.framework != "torch":  # NumPy: 16-byte aligned by hand
-            buf = np.empty(rows * VP_STATS + 4, dtype=np.float32)
+            buf = np.empty(rows * width + 4, dtype=np.float32)
             off = ((-buf.ctypes.data) % 16) // 4
-            stats = buf[off:off + rows * VP_STATS].reshape(rows, VP_STATS)
+            stats = buf[off:off + rows * width].reshape(rows, width)
         else:
-            stats = alloc.empty((rows, VP_STATS), "float32", "stats")
+            stats = alloc.empty((rows, width), "float32", "stats")
     a = _out(stats, "stats", ref, "float32")
-    _matrix(a, rows, VP_STATS, dense=True, what=f"[rows, {VP_STATS}]")
+    _matrix(a, rows, width, dense=True, what=f"[rows, {width}]")
     return stats, a  # (its 16-byte alignment: the library's to check)
 
 
@@ -144,7 +151,8 @@ def _ce_options(red: int, kw: dict) -> CEOptions:
     return CEOptions.from_keywords(
         reduction=red, ignore_index=kw["ignore_index"], label_smoothing=kw["label_smoothing"],
         z_loss_scale=kw["z_loss_scale"], softcap=kw["softcap"], logit_scale=kw["logit_scale"],
-        shift_seq_len=kw["shift_seq_len"], shift=kw["shift"], token_scaling=kw["token_scaling"])
+        shift_seq_len=kw["shift_seq_len"], shift=kw["shift"], token_scaling=kw["token_scaling"],
+        batch_invariant=kw.get("batch_invariant", False))
 
 
 def _options(ref: _Arr, dtype_code: int, tcode: int, red: int, kw: dict, w: Optional[_Arr],
@@ -157,11 +165,12 @@ def _options(ref: _Arr, dtype_code: int, tcode: int, red: int, kw: dict, w: Opti
 
 def _opt_kw(reduction="mean", ignore_index=-100, class_weights=None, label_smoothing=0.0,
             z_loss_scale=0.0, softcap=0.0, logit_scale=1.0, shift_seq_len=0, shift=0,
-            token_scaling=False, deterministic=False, backend=None):
+            token_scaling=False, deterministic=False, backend=None, batch_invariant=False):
     return dict(reduction=reduction, ignore_index=ignore_index, class_weights=class_weights,
                 label_smoothing=label_smoothing, z_loss_scale=z_loss_scale, softcap=softcap,
                 logit_scale=logit_scale, shift_seq_len=shift_seq_len, shift=shift,
-                token_scaling=token_scaling, deterministic=deterministic, backend=backend)
+                token_scaling=token_scaling, deterministic=deterministic, backend=backend,
+                batch_invariant=bool(batch_invariant))
 
 
 # ======================================================================== phase 1 ====
@@ -170,14 +179,18 @@ def vp_stats(logits, targets, *, vocab_total: int, vocab_start: int, reduction="
              z_loss_scale: float = 0.0, softcap: float = 0.0, logit_scale: float = 1.0,
              shift_seq_len: int = 0, shift: int = 0, token_scaling: bool = False,
              deterministic: bool = False, dtype=None, target_dtype=None, backend=None,
-             row_stride=None, stats=None, stream=None, entropy: bool = False):
+             row_stride=None, stats=None, stream=None, entropy: bool = False,
+             batch_invariant: bool = False):
     """Phase 1 (fce_vp_stats) over this rank's logits [rows, vocab_local] (columns
     ``[vocab_start, vocab_start + vocab_local)`` of the whole vocabulary; a row stride larger
     than vocab_local is fine): returns ``stats`` float32 [rows, VP_STATS] (allocated, 16-byte
     aligned, unless given). ``targets`` [rows] are global class indices, or this rank's shard of
     class probabilities [rows, vocab_local] of the logits' dtype. ``entropy=True``: the
     statistics also carry the shard's entropy sums, for :func:`vp_loss`'s ``return_entropy``
-    (docs/semantics.md rule 18); every call of the step must then pass it."""
+    (docs/semantics.md rule 18); every call of the step must then pass it.
+    ``batch_invariant=True``: statistics of exact sums, [rows, VP_STATS_INVARIANT], so that
+    each row's loss, lse, entropy, argmax and gradient are the same bits whatever the batch and
+    the number of shards (docs/semantics.md rule 21); every call of the step must pass it."""
     _lib.require_vp()
     s_explicit = _stream_int(stream)
     z = _describe(logits, "logits", s_explicit)
@@ -194,11 +207,12 @@ def vp_stats(logits, targets, *, vocab_total: int, vocab_start: int, reduction="
     red = _reduction_code(reduction)
     w = _class_weights(class_weights, z, vt)
     kw = _opt_kw(reduction, ignore_index, class_weights, label_smoothing, z_loss_scale, softcap,
-                 logit_scale, shift_seq_len, shift, token_scaling, deterministic, backend)
+                 logit_scale, shift_seq_len, shift, token_scaling, deterministic, backend,
+                 batch_invariant)
     call_stream = _call_stream(s_explicit, [z, y, w]) if z.is_cuda else 0
     alloc = _Alloc(z, call_stream)
     with _device_of(z):
-        stats, sa = _stats_out(stats, alloc, z, rows)
+        stats, sa = _stats_out(stats, alloc, z, rows, _width(batch_invariant))
         opts = _options(z, dtype_code, tcode, red, kw, w, row_stride=rs)
         opts.vp_entropy = 1 if entropy else 0
         shard = _lib.shard(1, vt, vs, vl)
@@ -282,7 +296,7 @@ def vp_loss(gathered_stats, targets=None, *, vocab_total: int, rows=None, reduct
             return_accuracy: bool = False, loss=None, lse=None, z_loss=None, argmax=None,
             accuracy=None, error_flags=None, workspace=None, stream=None,
             check_targets: bool = False, entropy: bool = False,
-            return_entropy: bool = False) -> VPLossResult:
+            return_entropy: bool = False, batch_invariant: bool = False) -> VPLossResult:
     """Phase 3 (fce_vp_loss): the loss of the whole vocabulary from the ranks' gathered
     statistics [ranks, rows, VP_STATS] (any rank order; [ranks * rows, VP_STATS] too), identical
     on every rank. Outputs as :func:`fusedce.forward`'s (loss, and when asked lse, z_loss, argmax
@@ -292,7 +306,9 @@ def vp_loss(gathered_stats, targets=None, *, vocab_total: int, rows=None, reduct
     ``return_entropy``: each row's entropy too (docs/semantics.md rule 18), from statistics made
     with ``entropy=True``, which every call of the step must then pass (it is implied here).
     Class probabilities are not read: ``targets`` may be any rank's shard of q [rows,
-    vocab_local], or None with ``rows`` and ``target_dtype`` (the probabilities' dtype)."""
+    vocab_local], or None with ``rows`` and ``target_dtype`` (the probabilities' dtype).
+    ``batch_invariant``: as :func:`vp_stats`'s (gathered statistics [ranks, rows,
+    VP_STATS_INVARIANT])."""
     _lib.require_vp()
     s_explicit = _stream_int(stream)
     g = _describe(gathered_stats, "gathered_stats", s_explicit)
@@ -320,11 +336,12 @@ def vp_loss(gathered_stats, targets=None, *, vocab_total: int, rows=None, reduct
         if rows is not None and _int_option(rows, "rows") != y.shape[0]:
             raise ValueError(f"rows={rows} disagrees with targets of shape {y.shape}")
         rows = y.shape[0]
-    ranks = _gathered(g, rows)
+    ranks = _gathered(g, rows, _width(batch_invariant))
     red = _reduction_code(reduction)
     w = _class_weights(class_weights, g, vt)
     kw = _opt_kw(reduction, ignore_index, class_weights, label_smoothing, z_loss_scale, softcap,
-                 logit_scale, shift_seq_len, shift, token_scaling, deterministic, backend)
+                 logit_scale, shift_seq_len, shift, token_scaling, deterministic, backend,
+                 batch_invariant)
     call_stream = _call_stream(s_explicit, [g, y, w]) if g.is_cuda else 0
     alloc = _Alloc(g, call_stream)
     none = red == FCE_REDUCTION_NONE
@@ -381,12 +398,13 @@ def vp_backward(logits, targets, gathered_stats, grad_output=None, *, vocab_tota
                 shift: int = 0, token_scaling: bool = False, deterministic: bool = False,
                 dtype=None, target_dtype=None, backend=None, row_stride=None,
                 grad_row_stride=None, grad_logits=None, in_place: bool = False,
-                workspace=None, stream=None, entropy: bool = False):
+                workspace=None, stream=None, entropy: bool = False,
+                batch_invariant: bool = False):
     """Phase 3, the gradient of this rank's logits [rows, vocab_local] (fce_vp_backward) from the
     gathered statistics, scaled by ``grad_output`` (a float, or float32 () for mean/sum, [rows]
     for none; default 1). Returns grad_logits (allocated unless given; ``in_place=True`` writes
     it over the logits). The step's error flags are :func:`vp_loss`'s. ``entropy``: the
-    statistics were made with ``entropy=True``."""
+    statistics were made with ``entropy=True``; ``batch_invariant``: as :func:`vp_stats`'s."""
     _lib.require_vp()
     s_explicit = _stream_int(stream)
     z = _describe(logits, "logits", s_explicit)
@@ -401,13 +419,14 @@ def vp_backward(logits, targets, gathered_stats, grad_output=None, *, vocab_tota
     rs = _matrix(z, what="[rows, vocab_local]")
     _check_stride_kw(row_stride, rs, "row_stride")
     tcode = _targets_code(y, rows, target_dtype, vl, dtype_code)
-    ranks = _gathered(g, rows)
+    ranks = _gathered(g, rows, _width(batch_invariant))
     red = _reduction_code(reduction)
     w = _class_weights(class_weights, z, vt)
     if in_place and grad_logits is not None:
         raise ValueError("pass either in_place=True or grad_logits=, not both")
     kw = _opt_kw(reduction, ignore_index, class_weights, label_smoothing, z_loss_scale, softcap,
-                 logit_scale, shift_seq_len, shift, token_scaling, deterministic, backend)
+                 logit_scale, shift_seq_len, shift, token_scaling, deterministic, backend,
+                 batch_invariant)
     call_stream = _call_stream(s_explicit, [z, y, g, w]) if z.is_cuda else 0
     alloc = _Alloc(z, call_stream)
     with _device_of(z):

@@ -78,6 +78,62 @@ def test_rank_order_and_determinism():
 
 
 @needs_vp
+@pytest.mark.parametrize("options", ["plain", "smoothing", "entropy"])
+def test_batch_invariant_phases_do_not_depend_on_the_shards(options):
+    """batch_invariant=True: [rows, VP_STATS_INVARIANT] statistics; each row's loss, lse,
+    entropy and gradient are the same bits for 1 to 4 shards (even and uneven), any gathered
+    order and any batch the row is in, and the unsharded call's to float32 rounding."""
+    rows, vocab = 11, 300
+    z, y = _inputs(rows, vocab, seed=21)
+    kw = dict(reduction="none", batch_invariant=True)
+    if options == "smoothing":
+        kw.update(label_smoothing=0.1, z_loss_scale=1e-3)
+    entropy = options == "entropy"
+    g_out = np.random.default_rng(3).standard_normal(rows).astype(np.float32)
+
+    def step(zz, yy, gg, ranks, uneven, reverse):
+        shards = _shards(vocab, ranks, uneven=uneven)
+        stats = [vp.vp_stats(np.ascontiguousarray(zz[:, s:s + n]), yy, vocab_start=s,
+                             vocab_total=vocab, entropy=entropy, **kw) for s, n in shards]
+        assert all(st.shape == (len(yy), vp.VP_STATS_INVARIANT) for st in stats)
+        gathered = np.stack(stats[::-1] if reverse else stats)
+        res = vp.vp_loss(gathered, yy, vocab_total=vocab, return_lse=True,
+                         return_entropy=entropy, **kw)
+        grad = np.concatenate([vp.vp_backward(np.ascontiguousarray(zz[:, s:s + n]), yy,
+                                              gathered, gg, vocab_start=s, vocab_total=vocab,
+                                              entropy=entropy, **kw) for s, n in shards], axis=1)
+        return res, grad
+
+    base, base_grad = step(z, y, g_out, 1, False, False)
+    ref = fusedce.forward(z, y, return_lse=True, return_grad=True, grad_output=g_out,
+                          **{k: v for k, v in kw.items() if k != "batch_invariant"})
+    _close(base.loss, ref.loss, what="loss")
+    _close(base.lse, ref.lse, what="lse")
+    if entropy:  # H = lse − Σ p a, in float64; its gradient terms are the C suites' to check
+        a = z.astype(np.float64)
+        lse = np.log(np.exp(a - a.max(1, keepdims=True)).sum(1)) + a.max(1)
+        p = np.exp(a - lse[:, None])
+        _close(base.entropy, lse - (p * a).sum(1), what="entropy")
+    else:
+        _close(base_grad, ref.grad_logits, what="gradient")
+    for ranks in (2, 3, 4):
+        for uneven in (False, True):
+            res, grad = step(z, y, g_out, ranks, uneven, reverse=ranks % 2 == 1)
+            np.testing.assert_array_equal(res.loss, base.loss)
+            np.testing.assert_array_equal(res.lse, base.lse)
+            np.testing.assert_array_equal(grad, base_grad)
+            if entropy:
+                np.testing.assert_array_equal(res.entropy, base.entropy)
+    # rows 3..6 alone, as a batch of their own, 3 shards
+    res, grad = step(z[3:7], y[3:7], g_out[3:7], 3, True, False)
+    np.testing.assert_array_equal(res.loss, base.loss[3:7])
+    np.testing.assert_array_equal(grad, base_grad[3:7])
+    # statistics of the other width are refused
+    with pytest.raises(ValueError, match="gathered_stats must be"):
+        vp.vp_loss(np.zeros((1, rows, vp.VP_STATS), np.float32), y, vocab_total=vocab, **kw)
+
+
+@needs_vp
 def test_bfloat16_and_int32_targets():
     rows, vocab = 10, 33
     z, y = _inputs(rows, vocab, seed=5)
@@ -341,6 +397,7 @@ def test_header_version_and_constants():
     assert (_lib.HEADER_VERSION_MAJOR, _lib.HEADER_VERSION_MINOR) == (1, 0)
     assert fusedce.__version__ == "1.0.0"
     assert _lib.FCE_VP_STATS == vp.VP_STATS == 8
+    assert _lib.FCE_VP_STATS_INVARIANT == vp.VP_STATS_INVARIANT == 44
     assert _lib.FCE_FLAG_SHARDS_INCONSISTENT == 2
 
 

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from .. import _alloc, _lib
 from .._lib import FCE_VP_STATS as VP_STATS
+from .._lib import FCE_VP_STATS_INVARIANT as VP_STATS_INVARIANT
 from .._options import CEOptions, Want
 from . import _calls as _tc
 
@@ -53,11 +54,11 @@ def _gather_into(out: Tensor, src: Tensor, group, size: int) -> None:
 
 
 def _all_gather(stats: Tensor, group, size: int) -> Tensor:
-    """[size * rows, VP_STATS]: the group's statistics, rank-major (what fce_vp_loss reads as
-    [ranks, rows, VP_STATS])."""
+    """[size * rows, width]: the group's statistics [rows, width], rank-major (what fce_vp_loss
+    reads as [ranks, rows, width])."""
     if group is None:  # no torch.distributed: one rank
         return stats
-    out = stats.new_empty((size * stats.shape[0], VP_STATS))
+    out = stats.new_empty((size * stats.shape[0], stats.shape[1]))
     _gather_into(out, stats, group, size)
     return out
 
@@ -191,7 +192,8 @@ def _ce_forward(logits, targets, cw, layout: Layout, opts: CEOptions, want: Want
     n, vl = logits.shape
     key, o = _opts_struct(logits, logits.dtype, targets, opts, cw, entropy=want.entropy)
     o.row_stride = logits.stride(0) if n > 1 else vl
-    stats = torch.empty((n, VP_STATS), dtype=torch.float32, device=logits.device)
+    width = VP_STATS_INVARIANT if opts.batch_invariant else VP_STATS  # (rule 21's exact sums)
+    stats = torch.empty((n, width), dtype=torch.float32, device=logits.device)
     shard = _lib.shard(size, vt, vs, vl)
     _check(_lib.load().fce_vp_stats(ctypes.byref(o), ctypes.byref(shard), n, logits.data_ptr(),
                                     targets.data_ptr(), stats.data_ptr(), stream), "fce_vp_stats")

@@ -268,7 +268,7 @@ def _z_rows_from_stats(lse: Tensor, tgt: Tensor, vt: int, opts: CEOptions, gathe
     rule 16; scaled and capped; 0 where the shard does not hold the target) summed over the ranks
     — exact, one term is not 0 — so no logit is recomputed and no collective is made."""
     n = lse.shape[0]
-    a_y = gathered.view(size, n, VP_STATS)[:, :, 2].sum(0)
+    a_y = gathered.view(size, n, -1)[:, :, 2].sum(0)  # (slot 2 in both layouts)
     # a_y is already a = c·tanh(s·z/c): the transform of _z_loss_rows must be the identity
     plain = opts.replace(softcap=0.0, logit_scale=1.0)
     return _ta._z_loss_rows(lse, tgt, vt, plain, lambda y: a_y)
@@ -287,7 +287,7 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: Tensor, target: Tensor,
                                  return_token_accuracy: bool = False,
                                  return_predicted_tokens: bool = False, return_lse: bool = False,
                                  check_targets: bool = False, inplace_backward: bool = False,
-                                 return_entropy: bool = False):
+                                 return_entropy: bool = False, batch_invariant: bool = False):
     """Cross-entropy of logits whose vocabulary is sharded over ``group``: a drop-in for
     ``megatron.core.tensor_parallel.vocab_parallel_cross_entropy(vocab_parallel_logits, target,
     label_smoothing, tp_group)`` (see the module docstring for the differences).
@@ -308,6 +308,10 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: Tensor, target: Tensor,
     inplace_backward  the backward writes the gradient over the logits (saves one [N, V_local]
                   buffer, as Megatron's float32 path; the logits' values are destroyed by the
                   backward; a second backward through the graph raises).
+    batch_invariant  each token's loss ('none'), lse, entropy, predicted token and gradient row
+                  are the same bits whatever the batch and the number of ranks the vocabulary is
+                  sharded over (docs/semantics.md rule 21: exact statistics, all-gathered at
+                  44 float32 per token instead of 8); every rank must pass it.
     Other keywords: as :func:`fusedce.torch.cross_entropy`, over the whole vocabulary.
 
     Returns the loss, or with a return_* flag the ``CrossEntropyOutput`` named tuple of
@@ -344,6 +348,8 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: Tensor, target: Tensor,
         z_loss, softcap, logit_scale, use_token_scaling,
         (return_z_loss, return_token_accuracy, return_predicted_tokens, return_lse,
          return_entropy))
+    if batch_invariant:
+        opts = opts.replace(batch_invariant=True)
     q_grad = soft and torch.is_grad_enabled() and q.requires_grad
     if soft:
         _soft.check_options(opts, ignore_index, want, check_targets, fn)
