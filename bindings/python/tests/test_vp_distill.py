@@ -1,10 +1,12 @@
 """The vocabulary-parallel distillation phases (fce_vp_distill_*) at the array level: P simulated
 shards of both the student's and the teacher's logits in one process (NumPy, CPU backend),
-every round of statistics gathered by hand, against the unsharded fusedce.distill.
+every round of statistics gathered by hand, against the unsharded fusedce.distill; and
+fusedce.torch.distributed.vocab_parallel_distill in one process and over 2 and 3 processes on
+gloo, against fusedce.torch.distill.
 
     FUSEDCE_LIBRARY=build/libfusedce.so python -m pytest -q bindings/python/tests/test_vp_distill.py
 
-Tests skip with their reason where the library lacks the calls.
+Tests skip with their reason where the library lacks the calls or torch is missing.
 """
 
 import numpy as np
@@ -132,3 +134,80 @@ def test_errors_name_the_call():
         vp.vp_distill_stats(z, z, vocab_start=5, vocab_total=10)
     with pytest.raises(fusedce.InvalidArgumentError, match="fce_vp_distill_loss: teacher->beta"):
         vp.vp_distill_loss(g, np.zeros(4, np.int64), vocab_total=10, beta=2.0)
+
+
+# ============================================================ torch.distributed ====
+try:
+    import torch
+    import torch.distributed as dist
+except Exception:  # pragma: no cover - depends on the environment
+    torch = None
+
+needs_torch_gloo = pytest.mark.skipif(
+    torch is None or not (dist.is_available() and dist.is_gloo_available()),
+    reason="torch.distributed with gloo is not available")
+
+
+def _check_torch(group, rank, size, *, divergence, beta, reduction, dtype, seed):
+    """fusedce.torch.distributed.vocab_parallel_distill on this rank's columns against
+    fusedce.torch.distill on the whole rows (every rank makes the same inputs): the loss, the same
+    on every rank, and this rank's columns of the gradient."""
+    from fusedce.torch.distributed import vocab_parallel_distill
+    rows, vocab = 10, 41
+    g = torch.Generator().manual_seed(seed)
+    z = (torch.randn(2, rows // 2, vocab, generator=g) * 3).to(dtype)
+    t = (torch.randn(2, rows // 2, vocab, generator=g) * 3).to(dtype)
+    y = torch.randint(0, vocab, (2, rows // 2), generator=g)
+    y[0, 1] = -100
+    kw = dict(divergence=divergence, beta=beta, temperature=1.5, reduction=reduction,
+              softcap=15.0)
+    whole = z.clone().requires_grad_(True)
+    ref = fusedce.torch.distill(whole, t, target=y, **kw)
+    up = torch.rand(ref.shape, generator=g) + 0.5
+    (ref * up).sum().backward()
+    s, n = vp.shard_range(vocab, rank, size)  # uneven: 41 classes
+    cols = slice(s, s + n)
+    extra = dict(vocab_start=s, vocab_total=vocab)
+    mine = z[..., cols].clone().requires_grad_(True)
+    loss, lse = vocab_parallel_distill(mine, t[..., cols], y, group=group, return_lse=True,
+                                       **extra, **kw)
+    (loss * up).sum().backward()
+    _close(loss.detach().numpy(), ref.detach().numpy(), rtol=1e-4 if dtype != torch.float32
+           else 2e-5, what=f"loss {divergence} {reduction}")
+    _close(mine.grad.float().numpy(), whole.grad[..., cols].float().numpy(),
+           rtol=1e-2 if dtype != torch.float32 else 2e-5, what="gradient")
+    assert lse.shape == (2, rows // 2) and not lse.requires_grad
+    if group is not None:  # bitwise the same loss on every rank
+        losses = [torch.empty_like(loss) for _ in range(size)]
+        dist.all_gather(losses, loss.detach().contiguous(), group=group)
+        for other in losses:
+            assert torch.equal(other, losses[0])
+
+
+def _cases_distill(group, rank, size):
+    seed = 0
+    for divergence, beta in (("forward_kl", 0.5), ("reverse_kl", 0.5), ("jsd", 0.3)):
+        for reduction in ("mean", "sum", "none"):
+            seed += 1
+            _check_torch(group, rank, size, divergence=divergence, beta=beta,
+                         reduction=reduction, dtype=torch.float32, seed=seed)
+    _check_torch(group, rank, size, divergence="jsd", beta=0.6, reduction="mean",
+                 dtype=torch.bfloat16, seed=50)
+
+
+CASES = {"distill": _cases_distill}
+
+
+@needs_vp_distill
+@pytest.mark.skipif(torch is None, reason="torch is not installed")
+def test_torch_single_process():
+    """Without torch.distributed: one rank holding the whole vocabulary."""
+    _cases_distill(None, 0, 1)
+
+
+@needs_vp_distill
+@needs_torch_gloo
+@pytest.mark.parametrize("world", [2, 3])
+def test_torch_gloo_processes(world, tmp_path, monkeypatch):
+    from test_distributed import _spawn
+    _spawn(world, "gloo", ("distill",), tmp_path, monkeypatch, module=__name__)
