@@ -900,8 +900,9 @@ FCE_API fce_status fce_linear_distill(const fce_options* options, const fce_teac
  * vocab_total and targets. If the gathered statistics do not tile [0, vocab_total) (their
  * vocab_local do not sum to vocab_total, or one shard's statistics were gathered twice), or are
  * not the last round's (round 1's where the divergence needs 2, or statistics of different
- * round-1 combinations), the rows concerned get a NaN loss, lse and gradient, and
- * fce_vp_distill_loss sets FCE_FLAG_SHARDS_INCONSISTENT in outputs->error_flags.
+ * round-1 combinations), the rows concerned get a NaN lse and, when counted, a NaN loss and
+ * gradient row (a row not counted keeps loss 0 and its zero gradient), and fce_vp_distill_loss
+ * sets FCE_FLAG_SHARDS_INCONSISTENT in outputs->error_flags.
  *
  * Sizes as for the fce_vp_* calls: rows >= 0 (0: the empty problem), ranks >= 1,
  * 1 <= vocab_local, 0 <= vocab_start, vocab_start + vocab_local <= vocab_total <= 2^31-1.
@@ -921,9 +922,9 @@ FCE_API fce_status fce_vp_distill_rounds(const fce_teacher* teacher, int32_t* ro
  * vocab_local] (teacher->row_stride apart), both of options->dtype, into stats [rows,
  * FCE_VP_DISTILL_STATS]. previous: NULL in round 1; in round 2 the gathered statistics of round
  * 1, [shard->ranks, rows, FCE_VP_DISTILL_STATS] (required). Reads the shard's ranks (round 2),
- * vocab_total, vocab_start and vocab_local; targets are not read (every row's statistics are
- * written). No workspace. CUDA: one launch, one block per row, reading both rows twice (round 1)
- * or once (round 2). */
+ * vocab_total, vocab_start and vocab_local. It takes no targets: every row's statistics are
+ * written, a row not counted too. No workspace. CUDA: one launch, one block per row, reading
+ * both rows twice (round 1) or once (round 2). */
 FCE_API fce_status fce_vp_distill_stats(const fce_options* options, const fce_teacher* teacher,
                                         const fce_vp_shard* shard, int32_t round, int64_t rows,
                                         const void* logits, const float* previous, float* stats,
