@@ -872,6 +872,110 @@ FCE_API fce_status fce_linear_distill(const fce_options* options, const fce_teac
                                       const fce_gradients* gradients, void* workspace,
                                       size_t workspace_bytes, void* stream);
 
+/* -------------------------------------- vocabulary-parallel distillation ---- */
+/*
+ * fce_distill with the vocabulary sharded over ranks (docs/semantics.md rule 22): each of P
+ * ranks holds classes [vocab_start, vocab_start + vocab_local) of vocab_total of BOTH the
+ * student's logits and the teacher's (teacher->logits is this rank's shard [rows, vocab_local],
+ * teacher->row_stride apart as for fce_distill). A step is a number of statistics ROUNDS, each
+ * a call and a collective the caller runs, then the loss and the gradient of this rank's
+ * student columns:
+ *
+ *   for round = 1 .. R (fce_vp_distill_rounds):
+ *     fce_vp_distill_stats(round): each rank writes FCE_VP_DISTILL_STATS float32 per row of
+ *       partial statistics of its shards into stats [rows, FCE_VP_DISTILL_STATS]; round 2 also
+ *       reads round 1's gathered statistics;
+ *     the caller ALL-GATHERS the ranks' stats into gathered [ranks, rows, FCE_VP_DISTILL_STATS]
+ *       (rank-major, in one rank order that every rank sees, as for fce_vp_stats);
+ *   fce_vp_distill_loss and fce_vp_distill_backward: from the LAST round's gathered statistics.
+ *
+ * R = 1 for FCE_DIVERGENCE_FORWARD_KL and FCE_DIVERGENCE_REVERSE_KL (and for the JSD with β = 0
+ * or β = 1, which are those): a shard's maxima and Σexp of both rows and one cross sum give the
+ * whole row's divergence. R = 2 for the JSD with 0 < β < 1: its log m_j = log(β q_j + (1−β)
+ * p_j) needs both rows' global log-sum-exp first (round 1), then each shard sums its share of
+ * KL(q || m) and KL(p || m) (round 2, whose statistics also carry round 1's combination).
+ *
+ * The loss, the lse and the gradient are those of the unsharded fce_distill over the whole rows
+ * to float32 rounding, identical on every rank (the same gathered statistics give the same bits)
+ * and deterministic. Options, rows and refusals are fce_distill's (class_weights,
+ * label_smoothing, z_loss_scale, token_scaling, shift_seq_len, batch_invariant, vp_entropy and
+ * class-probability targets, outputs other than loss, lse and error_flags, and gradients other
+ * than grad_logits and grad_output are refused with FCE_ERROR_UNSUPPORTED naming the call and
+ * the field); targets [rows] (the same on every rank, or NULL: every row counts) are read by the
+ * loss and the backward only: a row whose target is options->ignore_index gets loss 0 and a zero
+ * gradient row. All ranks pass the same options, teacher (divergence, beta, temperature), rows,
+ * vocab_total and targets. If the gathered statistics do not tile [0, vocab_total) (their
+ * vocab_local do not sum to vocab_total, or one shard's statistics were gathered twice), or are
+ * not the last round's (round 1's where the divergence needs 2, or statistics of different
+ * round-1 combinations), the rows concerned get a NaN lse and, when counted, a NaN loss and
+ * gradient row (a row not counted keeps loss 0 and its zero gradient), and fce_vp_distill_loss
+ * sets FCE_FLAG_SHARDS_INCONSISTENT in outputs->error_flags.
+ *
+ * Sizes as for the fce_vp_* calls: rows >= 0 (0: the empty problem), ranks >= 1,
+ * 1 <= vocab_local, 0 <= vocab_start, vocab_start + vocab_local <= vocab_total <= 2^31-1.
+ * stats and gathered are float32 in the backend's memory, aligned to 16 bytes. Same promises as
+ * every call: caller-owned memory, one stream, no allocation, no host synchronisation,
+ * graph-capturable.
+ */
+#define FCE_VP_DISTILL_STATS 8 /* float32 per row of a shard's statistics (layout internal) */
+
+/* *rounds = the statistics rounds of this teacher's divergence: 1, or 2 for the JSD with
+ * 0 < beta < 1. Reads teacher->divergence and ->beta (the teacher is checked as by fce_distill;
+ * its logits are not read). */
+FCE_API fce_status fce_vp_distill_rounds(const fce_teacher* teacher, int32_t* rounds);
+
+/* Round `round` (1 .. fce_vp_distill_rounds) of the statistics of this rank's shards: the
+ * student's logits [rows, vocab_local] (options->row_stride apart) and teacher->logits [rows,
+ * vocab_local] (teacher->row_stride apart), both of options->dtype, into stats [rows,
+ * FCE_VP_DISTILL_STATS]. previous: NULL in round 1; in round 2 the gathered statistics of round
+ * 1, [shard->ranks, rows, FCE_VP_DISTILL_STATS] (required). Reads the shard's ranks (round 2),
+ * vocab_total, vocab_start and vocab_local. It takes no targets: every row's statistics are
+ * written, a row not counted too. No workspace. CUDA: one launch, one block per row, reading
+ * both rows twice (round 1) or once (round 2). */
+FCE_API fce_status fce_vp_distill_stats(const fce_options* options, const fce_teacher* teacher,
+                                        const fce_vp_shard* shard, int32_t round, int64_t rows,
+                                        const void* logits, const float* previous, float* stats,
+                                        void* stream);
+
+/* Workspace bytes fce_vp_distill_loss needs. */
+FCE_API fce_status fce_vp_distill_loss_workspace_size(const fce_options* options,
+                                                      const fce_teacher* teacher, int64_t ranks,
+                                                      int64_t rows, int64_t vocab_total,
+                                                      size_t* workspace_bytes);
+
+/* The loss from the last round's gathered statistics [shard->ranks, rows,
+ * FCE_VP_DISTILL_STATS]: outputs (required): loss ([1] for mean / sum, [rows] for none;
+ * required), lse (optional [rows]: the student's log-sum-exp of a / T, every row), error_flags
+ * (optional: FCE_FLAG_SHARDS_INCONSISTENT), as fce_distill writes them for the whole rows.
+ * targets [rows] or NULL as above. Reads shard->ranks and ->vocab_total, never the logits
+ * (teacher->logits is not read and may be NULL). */
+FCE_API fce_status fce_vp_distill_loss(const fce_options* options, const fce_teacher* teacher,
+                                       const fce_vp_shard* shard, int64_t rows,
+                                       const void* targets, const float* gathered,
+                                       const fce_outputs* outputs, void* workspace,
+                                       size_t workspace_bytes, void* stream);
+
+/* Workspace bytes fce_vp_distill_backward needs. */
+FCE_API fce_status fce_vp_distill_backward_workspace_size(const fce_options* options,
+                                                          const fce_teacher* teacher,
+                                                          int64_t ranks, int64_t rows,
+                                                          int64_t vocab_total,
+                                                          int64_t vocab_local,
+                                                          size_t* workspace_bytes);
+
+/* The gradient of this rank's student columns from the last round's gathered statistics:
+ * gradients (required): grad_logits [rows, vocab_local] (options->grad_row_stride apart; may be
+ * logits itself, in place) for the upstream grad_output (NULL = 1; [rows] for reduction none),
+ * the other fields NULL. Reads logits and teacher->logits (this rank's shards) once. No outputs:
+ * fce_vp_distill_loss on the same gathered statistics reports the error flags (a row of
+ * inconsistent shards gets a NaN gradient row here). */
+FCE_API fce_status fce_vp_distill_backward(const fce_options* options, const fce_teacher* teacher,
+                                           const fce_vp_shard* shard, int64_t rows,
+                                           const void* logits, const void* targets,
+                                           const float* gathered,
+                                           const fce_gradients* gradients, void* workspace,
+                                           size_t workspace_bytes, void* stream);
+
 /* --------------------------------------------------------- upstream scale ---- */
 /*
  * grad[i] = grad[i] * (*grad_output) for i < count, in place: applies an upstream gradient

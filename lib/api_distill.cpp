@@ -4,13 +4,10 @@
 #include <cmath>
 #include <cstring>
 
-#include "distill.h"
-#include "validate.h"
+#include "api_distill.h"
 
-namespace {
-
-using fce::fail;
-using namespace fce::abi;
+namespace fce {
+namespace abi {
 
 // The caller's teacher into *t: its struct_size must be a version's, reserved0 0, the
 // divergence one of fce_divergence, beta in [0, 1] and the temperature finite and > 0.
@@ -112,6 +109,14 @@ fce_status check_teacher_fields(const char* fn, const fce_teacher& t, bool linea
                   f.name, fn);
   return FCE_SUCCESS;
 }
+
+}  // namespace abi
+}  // namespace fce
+
+namespace {
+
+using fce::fail;
+using namespace fce::abi;
 
 size_t distill_workspace(const fce_options& o, const fce::DistillOptions& opt, int64_t rows,
                          int64_t vocab) {

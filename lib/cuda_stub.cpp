@@ -3,6 +3,7 @@
 // the other lib/*.cpp: CMakeLists.txt adds it when CUDA is off (lib/cuda/ otherwise).
 #include "distill.h"
 #include "internal.h"
+#include "vp_distill.h"
 
 namespace fce {
 namespace {
@@ -60,4 +61,7 @@ void cuda_linear_distill_workspace_size(const DistillOptions&, int64_t, int64_t,
   *min_bytes = *optimal_bytes = 0;
 }
 fce_status cuda_linear_distill(const LinearDistillProblem& p) { return unavailable(p.fn); }
+fce_status cuda_vp_distill_stats(const VpDistillStatsProblem& p) { return unavailable(p.fn); }
+size_t cuda_vp_distill_workspace_size(const DistillOptions&, int64_t, int64_t, bool) { return 0; }
+fce_status cuda_vp_distill(const VpDistillProblem& p) { return unavailable(p.fn); }
 }  // namespace fce

@@ -24,28 +24,6 @@ namespace {
 using namespace fcet;
 using namespace softref;
 
-// The columns [start, start + local) of a dense [rows, cols] matrix.
-std::vector<double> columns(const std::vector<double>& m, int64_t rows, int64_t cols, int64_t start,
-                            int64_t local) {
-  std::vector<double> out(static_cast<size_t>(rows * local));
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t j = 0; j < local; ++j)
-      out[static_cast<size_t>(r * local + j)] = m[static_cast<size_t>(r * cols + start + j)];
-  return out;
-}
-
-// A [rows, cols] matrix of dtype with the given row stride, its row gaps poisoned (NaN: never
-// to be read), pushed.
-Buf matrix_buf(int dtype, int64_t rows, int64_t cols, int64_t stride,
-               const std::vector<double>& dense) {
-  const Mat m = mat(dtype, rows, cols, stride);
-  Buf b(m);
-  poison_all(b, dtype);
-  write_mat(b, m, dense);
-  b.push();
-  return b;
-}
-
 TestOptions soft_options(const Opts& ro, int dtype, int qdtype, const Buf& w) {
   TestOptions o = test_options();
   o.dtype = dtype;

@@ -1,7 +1,7 @@
 // vp_common.h — what the vocabulary-parallel suites (test_vp_*.cpp) share: the shards of a
 // vocabulary, the order the ranks' stats are gathered in, targets at every shard's edges, the
 // sharded argmax against the unsharded one, the loss outputs kept for comparison, and the cases
-// of the rule 18 tests.
+// of the rule 18 tests; a shard's columns of a matrix, and a strided matrix in the backend.
 #pragma once
 
 #include <algorithm>
@@ -137,6 +137,29 @@ void for_row_terms_cases(const CaseEdits<Case>& sets, int64_t N, int64_t V, uint
         edit(c);
         run(c);
       }
+}
+
+// ------------------------------------------------------------------ shard data -------------
+// The columns [start, start + local) of a dense [rows, cols] matrix.
+inline std::vector<double> columns(const std::vector<double>& m, int64_t rows, int64_t cols,
+                                   int64_t start, int64_t local) {
+  std::vector<double> out(static_cast<size_t>(rows * local));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < local; ++j)
+      out[static_cast<size_t>(r * local + j)] = m[static_cast<size_t>(r * cols + start + j)];
+  return out;
+}
+
+// A [rows, cols] matrix of dtype with the given row stride, its row gaps poisoned (NaN: never
+// to be read), pushed.
+inline Buf matrix_buf(int dtype, int64_t rows, int64_t cols, int64_t stride,
+                      const std::vector<double>& dense) {
+  const Mat m = mat(dtype, rows, cols, stride);
+  Buf b(m);
+  poison_all(b, dtype);
+  write_mat(b, m, dense);
+  b.push();
+  return b;
 }
 
 }  // namespace

@@ -82,6 +82,33 @@ inline double kl_term(double x, double log_x, double log_y) {
   return x == 0.0 ? 0.0 : x * (log_x - log_y);
 }
 
+// The JSD's log m_j = log(β q_j + (1 − β) p_j) from the logs (rule 20).
+inline double log_mix(double b, double lqj, double lpj) {
+  return log_add_exp(std::log(b) + lqj, std::log1p(-b) + lpj);
+}
+
+// ∂loss/∂u_j from log p_j, log q_j and the row's correction k: forward p − q; reverse
+// p (log p − log q − KL); JSD (1−β) p (log p − log m − K), K = KL(p || m); 0 where p_j = 0.
+inline double distill_du(Div div, double b, double lpj, double lqj, double k) {
+  const double pj = std::exp(lpj);
+  switch (div) {
+    case Div::kForward: return pj - std::exp(lqj);
+    case Div::kReverse: return pj == 0.0 ? 0.0 : pj * ((lpj - lqj) - k);
+    case Div::kJsd: return pj == 0.0 ? 0.0 : (1.0 - b) * pj * ((lpj - log_mix(b, lqj, lpj)) - k);
+  }
+  return 0.0;
+}
+
+// ∂u/∂z = s (1 − (a/c)²) / T at the transformed u_j (a = u_j · T, the capped logit).
+inline double distill_chain(const DistillSetup& d, double uj) {
+  double chain = d.s / d.T;
+  if (d.c > 0.0) {
+    const double a = uj * d.T;
+    chain *= 1.0 - (a / d.c) * (a / d.c);
+  }
+  return chain;
+}
+
 // One row: u (the student's z, transformed in place, then its gradient ∂loss_r/∂z for an
 // upstream 1 when grad is true), v (the teacher's z, transformed in place). Returns loss_r;
 // *lse the student's lse of a / T.
@@ -103,7 +130,7 @@ inline double distill_row(const DistillSetup& d, double* u, double* v, bool grad
       case Div::kForward: loss += kl_term(qj, lqj, lpj); break;
       case Div::kReverse: loss += kl_term(pj, lpj, lqj); break;
       case Div::kJsd: {
-        const double lm = log_add_exp(std::log(b) + lqj, std::log1p(-b) + lpj);
+        const double lm = log_mix(b, lqj, lpj);
         loss += b * kl_term(qj, lqj, lm) + (1.0 - b) * kl_term(pj, lpj, lm);
         k += kl_term(pj, lpj, lm);
         break;
@@ -112,29 +139,9 @@ inline double distill_row(const DistillSetup& d, double* u, double* v, bool grad
   }
   if (div == Div::kReverse) k = loss;
   if (!grad) return loss;
-  // ∂loss/∂u_j: forward p − q; reverse p (log p − log q − KL); JSD (1−β) p (log p − log m − K),
-  // K = KL(p || m). Then ∂u/∂z = s (1 − (a/c)²) / T.
-  for (int64_t j = 0; j < V; ++j) {
-    const double lpj = lp(j), lqj = lq(j);
-    const double pj = std::exp(lpj);
-    double du = 0.0;
-    switch (div) {
-      case Div::kForward: du = pj - std::exp(lqj); break;
-      case Div::kReverse: du = pj == 0.0 ? 0.0 : pj * ((lpj - lqj) - k); break;
-      case Div::kJsd:
-        if (pj != 0.0) {
-          const double lm = log_add_exp(std::log(b) + lqj, std::log1p(-b) + lpj);
-          du = (1.0 - b) * pj * ((lpj - lm) - k);
-        }
-        break;
-    }
-    double chain = d.s / d.T;
-    if (d.c > 0.0) {
-      const double a = u[j] * d.T;  // the capped logit
-      chain *= 1.0 - (a / d.c) * (a / d.c);
-    }
-    u[j] = du * chain;
-  }
+  // ∂loss/∂u_j (distill_du), then ∂u/∂z (distill_chain).
+  for (int64_t j = 0; j < V; ++j)
+    u[j] = distill_du(div, b, lp(j), lq(j), k) * distill_chain(d, u[j]);
   return loss;
 }
 

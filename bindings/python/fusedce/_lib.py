@@ -88,6 +88,8 @@ FCE_FLAG_SHARDS_INCONSISTENT = 2  # 0.4: gathered vocabulary shards that do not 
 # vocabulary-parallel (0.4): float32 per row of a shard's statistics (the layout is internal)
 FCE_VP_STATS = 8
 FCE_VP_STATS_INVARIANT = 44
+# vocabulary-parallel distillation (1.0): the same, per row and round
+FCE_VP_DISTILL_STATS = 8
 
 
 class Options(ctypes.Structure):
@@ -355,9 +357,13 @@ VP_LINEAR_CE_SYMBOLS = ("fce_vp_linear_ce_workspace_size", "fce_vp_linear_ce")
 # distillation (1.0): a library without them raises UnsupportedError when they are called
 DISTILL_SYMBOLS = ("fce_distill_workspace_size", "fce_distill",
                    "fce_linear_distill_workspace_size", "fce_linear_distill")
+# vocabulary-parallel distillation (1.0)
+VP_DISTILL_SYMBOLS = ("fce_vp_distill_rounds", "fce_vp_distill_stats",
+                      "fce_vp_distill_loss_workspace_size", "fce_vp_distill_loss",
+                      "fce_vp_distill_backward_workspace_size", "fce_vp_distill_backward")
 SINCE = {"fce_scale_gradient": 200, "fce_backward_rescale": 200, "fce_build_info": 300,
          **{name: 400 for name in VP_SYMBOLS}, **{name: 500 for name in VP_LINEAR_CE_SYMBOLS},
-         **{name: 10000 for name in DISTILL_SYMBOLS}}
+         **{name: 10000 for name in DISTILL_SYMBOLS + VP_DISTILL_SYMBOLS}}
 
 
 def _declare(lib) -> frozenset:
@@ -407,6 +413,12 @@ def _declare(lib) -> frozenset:
             st, [opt, tch, i64, i64, i64, c.c_int, psz, psz]),
         "fce_linear_distill": (
             st, [opt, tch, i64, i64, i64, vp, vp, vp, out, grd, vp, sz, vp]),
+        "fce_vp_distill_rounds": (st, [tch, c.POINTER(c.c_int32)]),
+        "fce_vp_distill_stats": (st, [opt, tch, shd, c.c_int32, i64, vp, fp, fp, vp]),
+        "fce_vp_distill_loss_workspace_size": (st, [opt, tch, i64, i64, i64, psz]),
+        "fce_vp_distill_loss": (st, [opt, tch, shd, i64, vp, fp, out, vp, sz, vp]),
+        "fce_vp_distill_backward_workspace_size": (st, [opt, tch, i64, i64, i64, i64, psz]),
+        "fce_vp_distill_backward": (st, [opt, tch, shd, i64, vp, vp, fp, grd, vp, sz, vp]),
     }
     missing = []
     for name, (restype, argtypes) in sigs.items():

@@ -27,7 +27,14 @@ unsharded call (:func:`fusedce.forward` / :func:`fusedce.linear_ce` on the whole
 float32 rounding. Gathered shards that do not tile ``[0, vocab_total)`` give NaN rows and set
 ``FCE_FLAG_SHARDS_INCONSISTENT`` in ``error_flags`` (``check_targets=True`` raises).
 
-Needs libfusedce 0.4 (:func:`fusedce._lib.require_vp` raises UnsupportedError for an older one).
+Distillation with both the student's and the teacher's logits sharded the same way
+(docs/semantics.md rule 22): :func:`vp_distill_rounds` rounds of :func:`vp_distill_stats`
+(round 2, the JSD's, reads round 1's gathered statistics), each all-gathered, then
+:func:`vp_distill_loss` and :func:`vp_distill_backward` from the last round's gathered
+statistics; equal to :func:`fusedce.distill` on the whole rows to float32 rounding.
+
+Needs libfusedce 0.4 (:func:`fusedce._lib.require_vp` raises UnsupportedError for an older one;
+the distillation 1.0).
 """
 
 from __future__ import annotations
@@ -39,23 +46,26 @@ import numpy as np
 
 from . import _lib
 from ._lib import FCE_REDUCTION_NONE, FCE_VP_STATS, FCE_VP_STATS_INVARIANT
-from ._alloc import (_Alloc, _argmax_accuracy, _class_weights, _error_flags, _grad_output,
-                     _linear_grads, _out, _ptr, _user_workspace, _workspace, query_for)
-from ._args import (_backend_code, _build_options, _check_backend_kw, _check_same_device,
-                    _check_stride_kw, _grad_set, _matrix, _reduction_code, _target_dtype_code,
-                    _targets_code, _vector, _writable)
+from ._alloc import (_Alloc, _argmax_accuracy, _class_weights, _error_flags, _grad_logits,
+                     _grad_output, _linear_grads, _loss_lse, _out, _ptr, _user_workspace,
+                     _workspace, query_for)
+from ._args import (_backend_code, _build_options, _build_teacher, _check_backend_kw,
+                    _check_same_device, _check_stride_kw, _grad_set, _matrix, _reduction_code,
+                    _target_dtype_code, _targets_code, _vector, _writable)
 from ._arrays import (_CODE_NAMES, _FLOAT_CODES, _Arr, _describe, _dtype_name,
                       _float_code, _need_dtype)
-from ._options import CEOptions
+from ._options import CEOptions, DistillOptions
 from ._options import int_option as _int_option
 from ._streams import _call_stream, _device_of, _stream_int
 from .core import check_error_flags
 
 __all__ = [
-    "VP_STATS", "VP_STATS_INVARIANT", "VPLossResult", "VPLinearGrads", "shard_range", "vp_stats", "vp_loss",
+    "VP_STATS", "VP_STATS_INVARIANT", "VPLossResult", "VPLinearGrads", "shard_range",
+    "vp_stats", "vp_loss",
     "vp_backward", "vp_linear_stats", "vp_linear_backward", "vp_loss_workspace_size",
     "vp_backward_workspace_size", "vp_linear_stats_workspace_size",
-    "vp_linear_backward_workspace_size",
+    "vp_linear_backward_workspace_size", "VPDistillLossResult", "vp_distill_rounds",
+    "vp_distill_stats", "vp_distill_loss", "vp_distill_backward",
 ]
 
 VP_STATS = FCE_VP_STATS  # float32 per row of a shard's statistics
@@ -622,3 +632,190 @@ def vp_linear_backward_workspace_size(ranks: int, rows: int, hidden: int, vocab_
               _FLOAT_CODES[_dtype_name(grad_hidden_dtype) or "float32"], ctypes.byref(lo),
               ctypes.byref(hi))
     return int(lo.value), int(hi.value)
+
+
+# ==================================================== distillation (rule 22) ====
+class VPDistillLossResult(NamedTuple):
+    """What :func:`vp_distill_loss` returns; entries not asked for are None."""
+
+    loss: Any          # float32: () for mean/sum, [rows] for none (0 for rows not counted)
+    lse: Any           # float32 [rows]: the student's log-sum-exp of a / T over the whole row
+    error_flags: Any   # uint32 [1] (int32 for torch)
+
+
+def _distill_opts(reduction, divergence, beta, temperature, ignore_index, softcap, logit_scale):
+    return DistillOptions.from_keywords(
+        reduction=_reduction_code(reduction), divergence=divergence, beta=beta,
+        temperature=temperature, ignore_index=ignore_index, softcap=softcap,
+        logit_scale=logit_scale)
+
+
+def _distill_shards(fn: str, logits, teacher_logits, s_explicit, dtype):
+    """The student's and the teacher's shards [rows, vocab_local] of one dtype: their _Arr,
+    rows, vocab_local, the dtype code and both row strides."""
+    z = _describe(logits, "logits", s_explicit)
+    t = _describe(teacher_logits, "teacher_logits", s_explicit)
+    if len(z.shape) != 2:
+        raise ValueError(f"logits must be 2-D [rows, vocab_local], got shape {z.shape}")
+    rows, vl = z.shape
+    dtype_code = _float_code(z, _dtype_name(dtype), fn=fn)
+    _float_code(t, _CODE_NAMES[dtype_code], "the logits' dtype", fn=fn)
+    rs = _matrix(z, what="[rows, vocab_local]")
+    trs = _matrix(t, rows, vl, what="[rows, vocab_local]")
+    return z, t, rows, vl, dtype_code, rs, trs
+
+
+def _queried_workspace(fn: str, workspace, alloc: _Alloc, ref: _Arr, *query_args):
+    """(pointer, bytes, keep-alive) of the workspace of call ``fn``: the caller's, or one of
+    the size its query (``fn``_workspace_size over query_args) returns, allocated."""
+    need = ctypes.c_size_t(0)
+    query_for(fn, fn + "_workspace_size", *query_args, ctypes.byref(need))
+    if workspace is None:
+        return alloc.workspace(int(need.value))
+    return _user_workspace(workspace, ref)
+
+
+def vp_distill_rounds(divergence="forward_kl", beta: float = 0.5) -> int:
+    """fce_vp_distill_rounds: the rounds of statistics the divergence needs on shards: 1 for
+    the forward and the reverse KL, 2 for the JSD with 0 < beta < 1."""
+    opts = _distill_opts("mean", divergence, beta, 1.0, -100, 0.0, 1.0)
+    t = _build_teacher(opts)
+    n = ctypes.c_int32(0)
+    _lib.call("fce_vp_distill_rounds", ctypes.byref(t), ctypes.byref(n))
+    return int(n.value)
+
+
+def vp_distill_stats(logits, teacher_logits, previous=None, *, vocab_total: int,
+                     vocab_start: int, round: Optional[int] = None, divergence="forward_kl",
+                     beta: float = 0.5, temperature: float = 1.0, reduction="mean",
+                     ignore_index: int = -100, softcap: float = 0.0, logit_scale: float = 1.0,
+                     dtype=None, backend=None, row_stride=None, stats=None, stream=None):
+    """One round of the distillation's statistics (fce_vp_distill_stats) over this rank's
+    shards of the student's and the teacher's logits [rows, vocab_local] (columns
+    ``[vocab_start, vocab_start + vocab_local)``, one dtype): returns ``stats`` float32
+    [rows, VP_STATS]. ``previous``: None in round 1; round 1's gathered statistics [ranks, rows,
+    VP_STATS] in round 2 (the JSD with 0 < beta < 1, :func:`vp_distill_rounds`). ``round``
+    defaults to 1 without ``previous``, 2 with it."""
+    s_explicit = _stream_int(stream)
+    z, t, rows, vl, dtype_code, rs, trs = _distill_shards(
+        "fusedce.vocab_parallel.vp_distill_stats", logits, teacher_logits, s_explicit, dtype)
+    _check_stride_kw(row_stride, rs, "row_stride")
+    vt, vs = _sizes(vocab_total, vocab_start)
+    p = _describe(previous, "previous", s_explicit) if previous is not None else None
+    _check_same_device(z, t, p)
+    ranks = _gathered(p, rows) if p is not None else 1
+    rnd = (1 if p is None else 2) if round is None else _int_option(round, "round")
+    opts = _distill_opts(reduction, divergence, beta, temperature, ignore_index, softcap,
+                         logit_scale)
+    call_stream = _call_stream(s_explicit, [z, t, p]) if z.is_cuda else 0
+    alloc = _Alloc(z, call_stream)
+    with _device_of(z):
+        stats, sa = _stats_out(stats, alloc, z, rows)
+        o = _build_options(opts.ce(), backend=_check_backend_kw(z, backend), dtype=dtype_code,
+                           target_dtype=_target_dtype_code(None), row_stride=rs)
+        teacher = _build_teacher(opts, logits=t.ptr, row_stride=trs)
+        shard = _lib.shard(ranks, vt, vs, vl)
+        _lib.call("fce_vp_distill_stats", ctypes.byref(o), ctypes.byref(teacher),
+                  ctypes.byref(shard), rnd, rows, z.ptr, _ptr(p), sa.ptr, call_stream)
+    return stats
+
+
+def vp_distill_loss(gathered_stats, targets=None, *, vocab_total: int, rows=None,
+                    divergence="forward_kl", beta: float = 0.5, temperature: float = 1.0,
+                    reduction="mean", ignore_index: int = -100, softcap: float = 0.0,
+                    logit_scale: float = 1.0, dtype="float32", target_dtype=None, backend=None,
+                    return_lse: bool = False, loss=None, lse=None, error_flags=None,
+                    workspace=None, stream=None,
+                    check_targets: bool = False) -> VPDistillLossResult:
+    """The divergence of the whole rows (fce_vp_distill_loss) from the LAST round's gathered
+    statistics [ranks, rows, VP_STATS], identical on every rank: what :func:`fusedce.distill`
+    returns for the unsharded logits. ``targets`` (int32/int64 [rows], optional): rows whose
+    target is ``ignore_index`` are not counted; None counts every row (then ``rows=``).
+    ``check_targets`` reads the error flags (a host sync on CUDA) and raises ValueError for
+    statistics that do not tile the vocabulary or are of the wrong round."""
+    s_explicit = _stream_int(stream)
+    g = _describe(gathered_stats, "gathered_stats", s_explicit)
+    vt, _ = _sizes(vocab_total)
+    y = _describe(targets, "targets", s_explicit) if targets is not None else None
+    _check_same_device(g, y)
+    if y is None:
+        if rows is None:
+            raise ValueError("targets=None needs rows=")
+        rows, tcode = _int_option(rows, "rows"), _target_dtype_code(target_dtype)
+    else:
+        if len(y.shape) != 1:
+            raise ValueError(f"targets must be 1-D [rows], got shape {y.shape}")
+        if rows is not None and _int_option(rows, "rows") != y.shape[0]:
+            raise ValueError(f"rows={rows} disagrees with targets of shape {y.shape}")
+        rows = y.shape[0]
+        tcode = _targets_code(y, rows, target_dtype)
+    ranks = _gathered(g, rows)
+    opts = _distill_opts(reduction, divergence, beta, temperature, ignore_index, softcap,
+                         logit_scale)
+    call_stream = _call_stream(s_explicit, [g, y]) if g.is_cuda else 0
+    alloc = _Alloc(g, call_stream)
+    with _device_of(g):
+        loss, la, lse, lse_a = _loss_lse(alloc, g, rows, opts.per_row, loss, lse, return_lse)
+        flags, flags_ptr = _error_flags(error_flags, alloc, g)
+        o = _build_options(opts.ce(), backend=_check_backend_kw(g, backend),
+                           dtype=_FLOAT_CODES[_dtype_name(dtype) or "float32"],
+                           target_dtype=tcode)
+        teacher = _build_teacher(opts)
+        ws_ptr, ws_bytes, ws_keep = _queried_workspace(
+            "fce_vp_distill_loss", workspace, alloc, g, ctypes.byref(o), ctypes.byref(teacher),
+            ranks, rows, vt)
+        shard = _lib.shard(ranks, vt, 0, vt)
+        out = _lib.outputs(loss=la.ptr, lse=_ptr(lse_a), error_flags=flags_ptr)
+        _lib.call("fce_vp_distill_loss", ctypes.byref(o), ctypes.byref(teacher),
+                  ctypes.byref(shard), rows, _ptr(y), g.ptr, ctypes.byref(out), ws_ptr, ws_bytes,
+                  call_stream)
+        del ws_keep
+    if check_targets:
+        check_error_flags(flags)
+    return VPDistillLossResult(loss, lse, flags)
+
+
+def vp_distill_backward(logits, teacher_logits, gathered_stats, targets=None, grad_output=None,
+                        *, vocab_total: int, vocab_start: int, divergence="forward_kl",
+                        beta: float = 0.5, temperature: float = 1.0, reduction="mean",
+                        ignore_index: int = -100, softcap: float = 0.0,
+                        logit_scale: float = 1.0, dtype=None, target_dtype=None, backend=None,
+                        row_stride=None, grad_row_stride=None, grad_logits=None,
+                        in_place: bool = False, workspace=None, stream=None):
+    """The gradient of this rank's student columns (fce_vp_distill_backward) from the LAST
+    round's gathered statistics, scaled by ``grad_output`` (a float, or float32 () for mean/sum,
+    [rows] for none; default 1). Returns grad_logits [rows, vocab_local] (allocated unless
+    given; ``in_place=True`` writes it over the logits). The teacher gets no gradient."""
+    s_explicit = _stream_int(stream)
+    z, t, rows, vl, dtype_code, rs, trs = _distill_shards(
+        "fusedce.vocab_parallel.vp_distill_backward", logits, teacher_logits, s_explicit, dtype)
+    _check_stride_kw(row_stride, rs, "row_stride")
+    vt, vs = _sizes(vocab_total, vocab_start)
+    g = _describe(gathered_stats, "gathered_stats", s_explicit)
+    y = _describe(targets, "targets", s_explicit) if targets is not None else None
+    _check_same_device(z, t, g, y)
+    tcode = _targets_code(y, rows, target_dtype) if y is not None else _target_dtype_code(
+        target_dtype)
+    ranks = _gathered(g, rows)
+    opts = _distill_opts(reduction, divergence, beta, temperature, ignore_index, softcap,
+                         logit_scale)
+    call_stream = _call_stream(s_explicit, [z, t, g, y]) if z.is_cuda else 0
+    alloc = _Alloc(z, call_stream)
+    with _device_of(z):
+        grad_logits, g_a, grs = _grad_logits(
+            alloc, logits, z, rs, _CODE_NAMES[dtype_code], in_place=in_place,
+            grad_logits=grad_logits, return_grad=True, grad_row_stride=grad_row_stride)
+        go_ptr, go_keep = _grad_output(grad_output, alloc, z, rows, opts.per_row)
+        o = _build_options(opts.ce(), backend=_check_backend_kw(z, backend), dtype=dtype_code,
+                           target_dtype=tcode, row_stride=rs, grad_row_stride=grs)
+        teacher = _build_teacher(opts, logits=t.ptr, row_stride=trs)
+        ws_ptr, ws_bytes, ws_keep = _queried_workspace(
+            "fce_vp_distill_backward", workspace, alloc, z, ctypes.byref(o),
+            ctypes.byref(teacher), ranks, rows, vt, vl)
+        shard = _lib.shard(ranks, vt, vs, vl)
+        grads = _lib.gradients(grad_output=go_ptr, grad_logits=g_a.ptr)
+        _lib.call("fce_vp_distill_backward", ctypes.byref(o), ctypes.byref(teacher),
+                  ctypes.byref(shard), rows, z.ptr, _ptr(y), g.ptr, ctypes.byref(grads), ws_ptr,
+                  ws_bytes, call_stream)
+        del ws_keep, go_keep
+    return grad_logits

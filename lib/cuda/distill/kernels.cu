@@ -176,14 +176,6 @@ __device__ __forceinline__ float sum_chunk(const float (&e)[kChunk]) {  // pairw
   return ((e[0] + e[1]) + (e[2] + e[3])) + ((e[4] + e[5]) + (e[6] + e[7]));
 }
 
-__device__ __forceinline__ bool counted(const void* targets, bool int64, int64_t ignore,
-                                        int64_t r) {
-  if (!targets) return true;
-  const int64_t y = int64 ? static_cast<const int64_t*>(targets)[r]
-                          : int64_t(static_cast<const int32_t*>(targets)[r]);
-  return y != ignore;
-}
-
 // A running (m, s = Σ e^(x − m)) over part of a row. s turns NaN at a NaN element, and at +inf
 // (x − m is inf − inf there): rule 10's NaN row either way; m = −inf and s = 0 while every
 // element was −inf. m is never NaN (fmaxf drops NaN).

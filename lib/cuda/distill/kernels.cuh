@@ -1,6 +1,7 @@
 // distill/kernels.cuh — the kernels of the distillation calls (docs/semantics.md rule 20),
 // launched by distill/distill.cu (fce_distill) and distill/linear_distill.cu (each token chunk
-// of fce_linear_distill): the count of the rows that count, the row kernel (loss, lse and the
+// of fce_linear_distill; the vocabulary-parallel distillation, vocab_parallel/distill.cu, takes
+// the count, the reduction and counted): the count of the rows that count, the row kernel (loss, lse and the
 // student's gradient, one block per row), and the fixed-order reduction of the row losses.
 #pragma once
 
@@ -20,6 +21,15 @@ struct Head {
 };
 size_t head_bytes(int64_t rows, int reduction);  // a multiple of 256
 Head head_at(char* base, int64_t rows, int reduction);
+
+// Whether row r counts: every row without targets, else a row whose target is not ignore.
+__device__ __forceinline__ bool counted(const void* targets, bool int64, int64_t ignore,
+                                        int64_t r) {
+  if (!targets) return true;
+  const int64_t y = int64 ? static_cast<const int64_t*>(targets)[r]
+                          : int64_t(static_cast<const int32_t*>(targets)[r]);
+  return y != ignore;
+}
 
 // *n = the number of rows whose target is not ignore_index (rows when targets is nullptr).
 fce_status launch_count(const char* fn, const DistillOptions& opt, int64_t rows,

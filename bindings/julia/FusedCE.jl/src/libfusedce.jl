@@ -31,6 +31,7 @@ const FCE_VP_STATS = 8
 const FCE_VP_STATS_INVARIANT = 44
 const FCE_FLAG_SHARDS_INCONSISTENT = Cuint(2)  # 2u
 const FCE_TEACHER_SIZE_V1_0 = 72
+const FCE_VP_DISTILL_STATS = 8
 
 # ---------------------------------------------------------------- enum fce_status
 const fce_status = Cint
@@ -222,8 +223,11 @@ const FCE_FUNCTIONS = (:fce_version, :fce_status_string, :fce_last_error, :fce_o
                        :fce_vp_linear_backward_workspace_size, :fce_vp_linear_backward,
                        :fce_vp_linear_ce_workspace_size, :fce_vp_linear_ce,
                        :fce_distill_workspace_size, :fce_distill,
-                       :fce_linear_distill_workspace_size, :fce_linear_distill, :fce_scale_gradient,
-                       :fce_cuda_available, :fce_build_info)
+                       :fce_linear_distill_workspace_size, :fce_linear_distill,
+                       :fce_vp_distill_rounds, :fce_vp_distill_stats,
+                       :fce_vp_distill_loss_workspace_size, :fce_vp_distill_loss,
+                       :fce_vp_distill_backward_workspace_size, :fce_vp_distill_backward,
+                       :fce_scale_gradient, :fce_cuda_available, :fce_build_info)
 
 # unsigned fce_version(void)
 function fce_version()
@@ -512,6 +516,74 @@ function fce_linear_distill(options, teacher, rows, hidden, vocab, hidden_states
                     Ptr{Cvoid}),
                    options, teacher, rows, hidden, vocab, hidden_states, weight, targets, outputs,
                    gradients, workspace, workspace_bytes, stream)
+    return check_status(status)
+end
+
+# fce_status fce_vp_distill_rounds(const fce_teacher* teacher, int32_t* rounds)
+function fce_vp_distill_rounds(teacher, rounds)
+    status = ccall(libfusedce_symbol(:fce_vp_distill_rounds), Cint,
+                   (Ref{FceTeacher}, Ptr{Int32}),
+                   teacher, rounds)
+    return check_status(status)
+end
+
+# fce_status fce_vp_distill_stats(const fce_options* options, const fce_teacher* teacher,
+#     const fce_vp_shard* shard, int32_t round, int64_t rows, const void* logits,
+#     const float* previous, float* stats, void* stream)
+function fce_vp_distill_stats(options, teacher, shard, round, rows, logits, previous, stats, stream)
+    status = ccall(libfusedce_symbol(:fce_vp_distill_stats), Cint,
+                   (Ref{FceOptions}, Ref{FceTeacher}, Ref{FceVpShard}, Int32, Int64, Ptr{Cvoid},
+                    Ptr{Cfloat}, Ptr{Cfloat}, Ptr{Cvoid}),
+                   options, teacher, shard, round, rows, logits, previous, stats, stream)
+    return check_status(status)
+end
+
+# fce_status fce_vp_distill_loss_workspace_size(const fce_options* options,
+#     const fce_teacher* teacher, int64_t ranks, int64_t rows, int64_t vocab_total,
+#     size_t* workspace_bytes)
+function fce_vp_distill_loss_workspace_size(options, teacher, ranks, rows, vocab_total,
+                                            workspace_bytes)
+    status = ccall(libfusedce_symbol(:fce_vp_distill_loss_workspace_size), Cint,
+                   (Ref{FceOptions}, Ref{FceTeacher}, Int64, Int64, Int64, Ref{Csize_t}),
+                   options, teacher, ranks, rows, vocab_total, workspace_bytes)
+    return check_status(status)
+end
+
+# fce_status fce_vp_distill_loss(const fce_options* options, const fce_teacher* teacher,
+#     const fce_vp_shard* shard, int64_t rows, const void* targets, const float* gathered,
+#     const fce_outputs* outputs, void* workspace, size_t workspace_bytes, void* stream)
+function fce_vp_distill_loss(options, teacher, shard, rows, targets, gathered, outputs, workspace,
+                             workspace_bytes, stream)
+    status = ccall(libfusedce_symbol(:fce_vp_distill_loss), Cint,
+                   (Ref{FceOptions}, Ref{FceTeacher}, Ref{FceVpShard}, Int64, Ptr{Cvoid},
+                    Ptr{Cfloat}, Ref{FceOutputs}, Ptr{Cvoid}, Csize_t, Ptr{Cvoid}),
+                   options, teacher, shard, rows, targets, gathered, outputs, workspace,
+                   workspace_bytes, stream)
+    return check_status(status)
+end
+
+# fce_status fce_vp_distill_backward_workspace_size(const fce_options* options,
+#     const fce_teacher* teacher, int64_t ranks, int64_t rows, int64_t vocab_total,
+#     int64_t vocab_local, size_t* workspace_bytes)
+function fce_vp_distill_backward_workspace_size(options, teacher, ranks, rows, vocab_total,
+                                                vocab_local, workspace_bytes)
+    status = ccall(libfusedce_symbol(:fce_vp_distill_backward_workspace_size), Cint,
+                   (Ref{FceOptions}, Ref{FceTeacher}, Int64, Int64, Int64, Int64, Ref{Csize_t}),
+                   options, teacher, ranks, rows, vocab_total, vocab_local, workspace_bytes)
+    return check_status(status)
+end
+
+# fce_status fce_vp_distill_backward(const fce_options* options, const fce_teacher* teacher,
+#     const fce_vp_shard* shard, int64_t rows, const void* logits, const void* targets,
+#     const float* gathered, const fce_gradients* gradients, void* workspace,
+#     size_t workspace_bytes, void* stream)
+function fce_vp_distill_backward(options, teacher, shard, rows, logits, targets, gathered,
+                                 gradients, workspace, workspace_bytes, stream)
+    status = ccall(libfusedce_symbol(:fce_vp_distill_backward), Cint,
+                   (Ref{FceOptions}, Ref{FceTeacher}, Ref{FceVpShard}, Int64, Ptr{Cvoid},
+                    Ptr{Cvoid}, Ptr{Cfloat}, Ref{FceGradients}, Ptr{Cvoid}, Csize_t, Ptr{Cvoid}),
+                   options, teacher, shard, rows, logits, targets, gathered, gradients, workspace,
+                   workspace_bytes, stream)
     return check_status(status)
 end
 

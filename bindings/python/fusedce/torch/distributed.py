@@ -95,6 +95,10 @@ non-negative ignore_index). A target that requires a gradient gets its own, -g (
 log p_j on this rank's columns (log p_j = a_j - lse, lse the whole row's), as torch's; with
 ``sequence_parallel`` that is refused.
 
+Distillation (:func:`vocab_parallel_distill`, docs/semantics.md rule 22): the student's and the
+teacher's logits sharded the same way, :func:`fusedce.torch.distill`'s divergence over the whole
+vocabulary; one all-gather of 8 float32 per token (two for the JSD with 0 < beta < 1).
+
 These functions are plain torch.autograd.Functions calling the C library and torch.distributed:
 eager mode; torch.compile does not trace into them (they run under ``torch.compiler.disable``:
 a graph break).
@@ -118,10 +122,12 @@ from . import _soft
 from ._distributed_autograd import (_VocabParallelCE, _VocabParallelLinearCE,
                                     _VocabParallelLinearCEFused)
 from ._calls import _stream
+from ._vp_distill import VocabParallelDistill, distill_forward
 from ._distributed_calls import SCATTER, Layout, _ce_forward, _gather_tokens, _linear_forward
 
 __all__ = ["vocab_parallel_cross_entropy", "vocab_parallel_linear_cross_entropy",
-           "megatron_linear_cross_entropy", "use_in_megatron", "shard_range", "VP_STATS"]
+           "megatron_linear_cross_entropy", "use_in_megatron", "shard_range", "VP_STATS",
+           "vocab_parallel_distill"]
 
 
 def _eager_only(fn):
@@ -370,6 +376,58 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: Tensor, target: Tensor,
     return _ta._finish(want, red, out_shape, loss, lse, zl, acc, am,
                        (lambda: _soft.z_loss_rows(lse, opts)) if soft else
                        (lambda: _z_rows_from_stats(lse, tgt, vt, opts, gathered, size)), ent)
+
+
+@_eager_only
+def vocab_parallel_distill(student_logits: Tensor, teacher_logits: Tensor,
+                           target: Optional[Tensor] = None, *, group=None,
+                           vocab_start: Optional[int] = None, vocab_total: Optional[int] = None,
+                           divergence: str = "forward_kl", beta: float = 0.5,
+                           temperature: float = 1.0, reduction: str = "mean",
+                           ignore_index: int = -100, softcap: float = 0.0,
+                           logit_scale: float = 1.0, return_lse: bool = False):
+    """:func:`fusedce.torch.distill` over a vocabulary sharded across ``group``: each rank passes
+    its columns [vocab_start, vocab_start + V_local) of the student's logits [..., V_local] and
+    of the teacher's (the same shape and dtype; the teacher gets no gradient). ``target``
+    ([...], optional, the same on every rank): rows whose target is ``ignore_index`` are not
+    counted. The loss ('mean' over the rows counted, 'sum', or 'none': [...]) is the unsharded
+    call's to float32 rounding, the same on every rank; its gradient flows to this rank's
+    student columns. ``group``, ``vocab_start``, ``vocab_total``: as
+    :func:`vocab_parallel_cross_entropy`'s. ``return_lse``: (loss, the student's log-sum-exp of
+    a / T over the whole row, [...], not differentiable)."""
+    fn = "fusedce.torch.distributed.vocab_parallel_distill"
+    _lib.require_vp(fn)
+    group, rank, size = _resolve_group(group)
+    x = _ta._float_input(student_logits, fn, "student_logits")
+    if x.dim() < 1:
+        raise ValueError("student_logits must be [..., V_local]")
+    if tuple(teacher_logits.shape) != tuple(x.shape) or teacher_logits.dtype != x.dtype:
+        raise ValueError(f"teacher_logits must have student_logits' shape {tuple(x.shape)} and "
+                         f"dtype {x.dtype}, got {tuple(teacher_logits.shape)} "
+                         f"{teacher_logits.dtype}")
+    vl = x.shape[-1]
+    out_shape = tuple(x.shape[:-1])
+    student = x.reshape(-1, vl)
+    teacher = teacher_logits.detach().reshape(-1, vl)
+    if vl > 1:
+        student = student if student.stride(-1) == 1 else student.contiguous()
+        teacher = teacher if teacher.stride(-1) == 1 else teacher.contiguous()
+    n = student.shape[0]
+    tgt = None if target is None else _targets(target, n, "student_logits", student.device)
+    vs, vt = _layout(vl, rank, size, vocab_start, vocab_total)
+    layout = Layout(group, size, vs, vt)
+    kw = dict(divergence=divergence, beta=beta, temperature=temperature, reduction=reduction,
+              ignore_index=ignore_index, softcap=softcap, logit_scale=logit_scale)
+    if torch.is_grad_enabled() and student.requires_grad:
+        loss, lse = VocabParallelDistill.apply(student, teacher, tgt, layout, kw,
+                                               bool(return_lse))
+    else:
+        loss, lse, _ = distill_forward(student, teacher, tgt, layout, kw, bool(return_lse))
+    if reduction == "none":
+        loss = loss.reshape(out_shape)
+    if not return_lse:
+        return loss
+    return loss, lse.reshape(out_shape)
 
 
 @_eager_only

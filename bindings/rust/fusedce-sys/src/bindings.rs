@@ -12,6 +12,7 @@ pub const FCE_VP_STATS: u32 = 8;
 pub const FCE_VP_STATS_INVARIANT: u32 = 44;
 pub const FCE_FLAG_SHARDS_INCONSISTENT: u32 = 2;
 pub const FCE_TEACHER_SIZE_V1_0: u32 = 72;
+pub const FCE_VP_DISTILL_STATS: u32 = 8;
 pub type __int32_t = ::std::os::raw::c_int;
 pub type __uint32_t = ::std::os::raw::c_uint;
 pub type __int64_t = ::std::os::raw::c_long;
@@ -1455,6 +1456,72 @@ extern "C" {
         weight: *const ::std::os::raw::c_void,
         targets: *const ::std::os::raw::c_void,
         outputs: *const fce_outputs,
+        gradients: *const fce_gradients,
+        workspace: *mut ::std::os::raw::c_void,
+        workspace_bytes: usize,
+        stream: *mut ::std::os::raw::c_void,
+    ) -> fce_status;
+}
+extern "C" {
+    pub fn fce_vp_distill_rounds(teacher: *const fce_teacher, rounds: *mut i32) -> fce_status;
+}
+extern "C" {
+    pub fn fce_vp_distill_stats(
+        options: *const fce_options,
+        teacher: *const fce_teacher,
+        shard: *const fce_vp_shard,
+        round: i32,
+        rows: i64,
+        logits: *const ::std::os::raw::c_void,
+        previous: *const f32,
+        stats: *mut f32,
+        stream: *mut ::std::os::raw::c_void,
+    ) -> fce_status;
+}
+extern "C" {
+    pub fn fce_vp_distill_loss_workspace_size(
+        options: *const fce_options,
+        teacher: *const fce_teacher,
+        ranks: i64,
+        rows: i64,
+        vocab_total: i64,
+        workspace_bytes: *mut usize,
+    ) -> fce_status;
+}
+extern "C" {
+    pub fn fce_vp_distill_loss(
+        options: *const fce_options,
+        teacher: *const fce_teacher,
+        shard: *const fce_vp_shard,
+        rows: i64,
+        targets: *const ::std::os::raw::c_void,
+        gathered: *const f32,
+        outputs: *const fce_outputs,
+        workspace: *mut ::std::os::raw::c_void,
+        workspace_bytes: usize,
+        stream: *mut ::std::os::raw::c_void,
+    ) -> fce_status;
+}
+extern "C" {
+    pub fn fce_vp_distill_backward_workspace_size(
+        options: *const fce_options,
+        teacher: *const fce_teacher,
+        ranks: i64,
+        rows: i64,
+        vocab_total: i64,
+        vocab_local: i64,
+        workspace_bytes: *mut usize,
+    ) -> fce_status;
+}
+extern "C" {
+    pub fn fce_vp_distill_backward(
+        options: *const fce_options,
+        teacher: *const fce_teacher,
+        shard: *const fce_vp_shard,
+        rows: i64,
+        logits: *const ::std::os::raw::c_void,
+        targets: *const ::std::os::raw::c_void,
+        gathered: *const f32,
         gradients: *const fce_gradients,
         workspace: *mut ::std::os::raw::c_void,
         workspace_bytes: usize,
