@@ -139,13 +139,7 @@ FCE_API fce_status fce_vp_loss(const fce_options* options, const fce_vp_shard* s
     return empty_problem(fn, *o, args,
                          {e.reduced_zeros(loss), {z_loss, 4}, e.reduced_zeros(out.accuracy)},
                          stream);
-  p.fn = fn;
-  p.backward = false;
-  p.ranks = ranks;
-  p.rows = rows;
-  p.vocab_total = vocab_total;
-  p.targets = targets;
-  p.gathered = gathered_stats;
+  set_vp_step(&p, fn, false, ranks, rows, vocab_total, 0, 0, targets, gathered_stats);
   set_loss_outputs(&p, out);
   p.entropy = out.entropy;
   p.error_flags = out.error_flags;
@@ -207,15 +201,8 @@ FCE_API fce_status fce_vp_backward(const fce_options* options, const fce_vp_shar
   FCE_TRY(check_workspace(fn, vp_workspace(*o, p.opt, ranks, rows, vocab_total, vocab_local, true),
                           workspace, workspace_bytes));
   if (empty) return empty_problem(fn, *o, args, {}, stream);  // no row: nothing to write
-  p.fn = fn;
-  p.backward = true;
-  p.ranks = ranks;
-  p.rows = rows;
-  p.vocab_total = vocab_total;
-  p.vocab_start = vocab_start;
-  p.vocab_local = vocab_local;
-  p.targets = targets;
-  p.gathered = gathered_stats;
+  set_vp_step(&p, fn, true, ranks, rows, vocab_total, vocab_start, vocab_local, targets,
+              gathered_stats);
   p.logits = logits;
   p.grad_output = grad_output;
   p.grad = grad_logits;

@@ -191,13 +191,7 @@ FCE_API fce_status fce_vp_distill_loss(const fce_options* options, const fce_tea
   FCE_TRY(
       check_workspace(fn, vd_workspace(*o, p.opt, ranks, rows, false), workspace, workspace_bytes));
   if (empty) return empty_problem(fn, *o, args, {e.reduced_zeros(a.out.loss)}, stream);
-  p.fn = fn;
-  p.backward = false;
-  p.ranks = ranks;
-  p.rows = rows;
-  p.vocab_total = vocab_total;
-  p.targets = targets;
-  p.gathered = gathered_stats;
+  set_vp_step(&p, fn, false, ranks, rows, vocab_total, 0, 0, targets, gathered_stats);
   p.loss = a.out.loss;
   p.lse = a.out.lse;
   p.error_flags = a.out.error_flags;
@@ -264,15 +258,8 @@ FCE_API fce_status fce_vp_distill_backward(const fce_options* options, const fce
   FCE_TRY(
       check_workspace(fn, vd_workspace(*o, p.opt, ranks, rows, true), workspace, workspace_bytes));
   if (empty) return empty_problem(fn, *o, args, {}, stream);  // no row: nothing to write
-  p.fn = fn;
-  p.backward = true;
-  p.ranks = ranks;
-  p.rows = rows;
-  p.vocab_total = vocab_total;
-  p.vocab_start = vocab_start;
-  p.vocab_local = vocab_local;
-  p.targets = targets;
-  p.gathered = gathered_stats;
+  set_vp_step(&p, fn, true, ranks, rows, vocab_total, vocab_start, vocab_local, targets,
+              gathered_stats);
   p.logits = logits;
   p.teacher = t.logits;
   p.grad = grad;

@@ -243,6 +243,23 @@ void set_linear_grads(Problem* p, const fce_options& o, void* grad_hidden, void*
   p->grad_weight_fp32 = o.grad_weight_fp32 != 0;
   p->accumulate = o.accumulate != 0;
 }
+// The step of a vocabulary-parallel phase-3 problem (VpProblem, VpDistillProblem): the call,
+// loss or gradient, the ranks and rows, this rank's shard (the loss: 0, 0), the targets and the
+// gathered statistics.
+template <class Problem>
+void set_vp_step(Problem* p, const char* fn, bool backward, int64_t ranks, int64_t rows,
+                 int64_t vocab_total, int64_t vocab_start, int64_t vocab_local,
+                 const void* targets, const float* gathered) {
+  p->fn = fn;
+  p->backward = backward;
+  p->ranks = ranks;
+  p->rows = rows;
+  p->vocab_total = vocab_total;
+  p->vocab_start = vocab_start;
+  p->vocab_local = vocab_local;
+  p->targets = targets;
+  p->gathered = gathered;
+}
 // The workspace and the stream (every problem struct but VpStatsProblem).
 template <class Problem>
 void set_workspace(Problem* p, void* workspace, size_t workspace_bytes, void* stream) {

@@ -8,8 +8,8 @@
 // (w_j = ω_j, or ω_j q'_j made as vocab_parallel/soft.cu makes it). The sums are integer bins:
 // each thread's and the CTA's merge of them are exact, so the element order (16-byte vectors or
 // not, wherever the row starts) does not matter; each element's term is computed from the
-// element alone. One CTA per row, the elements read one by one (coalesced across the warp),
-// one read of the row (and of its q); no workspace. Slower than vp_stats_kernel: its cost is in
+// element alone. One CTA per row, the row read once in 16-byte vectors (and its q element by
+// element); no workspace. Slower than vp_stats_kernel: its cost is in
 // docs/performance.md.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -29,6 +29,7 @@ namespace cuda {
 namespace {
 
 constexpr int kExactThreads = 256;
+constexpr int kUnroll = 2;  // vectors in flight per thread
 
 struct XParams {
   SParams p;
@@ -86,25 +87,52 @@ __global__ void __launch_bounds__(kExactThreads) vp_stats_exact_kernel(const XPa
   t.am = -1;
   t.nan_j = INT_MAX;
   t.S = t.P = t.U = t.W = exact_zero();
-  for (int j = threadIdx.x; j < V; j += blockDim.x) {
-    const float a = xform<kGeneral>(raw_to_float<TZ>(ld_elem<TZ>(zrow + int64_t(j) * eb)), p);
-    if (isnan(a)) {
-      t.nan_j = min(t.nan_j, j);
-      continue;
+  // the row in 16-byte vectors (its ≤ 2 partial ones element by element), kUnroll in flight per
+  // thread: any split gives the same sums
+  constexpr int E = vec_elems<TZ>();
+  const int lead = static_cast<int>((reinterpret_cast<uintptr_t>(zrow) & 15) / eb);
+  const int64_t nvec = (int64_t(lead) + V + E - 1) / E;
+  const int64_t step = int64_t(blockDim.x) * kUnroll;
+  for (int64_t base = threadIdx.x; base < nvec; base += step) {
+    uint4 buf[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t v = base + int64_t(u) * blockDim.x;
+      const int64_t j0 = v * E - lead;
+      buf[u] = v < nvec
+                   ? load_vector<TZ, kStreaming, int64_t>(zrow, j0, is_full<int64_t, E>(j0, V), V)
+                   : make_uint4(0u, 0u, 0u, 0u);
     }
-    if (a > t.m) {  // indices only grow per thread: the first of its maximum
-      t.m = a;
-      t.am = j;
-    }
-    float mant;
-    int64_t n;
-    exact_add_exp(t.S, a, &mant, &n);
-    if (x.entropy && mant != 0.f) exact_add_product(t.P, mant, a, n);
-    if (x.weighted) {
-      float w = p.class_weights ? __ldg(p.class_weights + p.vocab_start + j) : 1.f;
-      if (p.soft) w = __fmul_rn(w, __fmaf_rn(x.qp.keep, load_q(x.qp, qrow + j), x.qp.spread));
-      exact_add(t.W, w);
-      if (w != 0.f) exact_add_product(t.U, w, a);  // (a −inf logit of weight 0 adds nothing)
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t j0 = (base + int64_t(u) * blockDim.x) * E - lead;
+      float z[E];
+      unpack<TZ>(buf[u], z);
+#pragma unroll
+      for (int q = 0; q < E; ++q) {
+        const int64_t jj = j0 + q;
+        if (jj < 0 || jj >= V) continue;  // (also the vectors past the row: jj >= V)
+        const int j = static_cast<int>(jj);
+        const float a = xform<kGeneral>(z[q], p);
+        if (isnan(a)) {
+          t.nan_j = min(t.nan_j, j);
+          continue;
+        }
+        if (a > t.m || (a == t.m && j < t.am)) {  // the first index of the maximum
+          t.m = a;
+          t.am = j;
+        }
+        float mant;
+        int64_t n;
+        exact_add_exp(t.S, a, &mant, &n);
+        if (x.entropy && mant != 0.f) exact_add_product(t.P, mant, a, n);
+        if (x.weighted) {
+          float w = p.class_weights ? __ldg(p.class_weights + p.vocab_start + j) : 1.f;
+          if (p.soft) w = __fmul_rn(w, __fmaf_rn(x.qp.keep, load_q(x.qp, qrow + j), x.qp.spread));
+          exact_add(t.W, w);
+          if (w != 0.f) exact_add_product(t.U, w, a);  // (a −inf logit of weight 0 adds nothing)
+        }
+      }
     }
   }
 
