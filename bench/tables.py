@@ -399,14 +399,15 @@ def t_vp_invariance(device):
     """bench/bench_heads.py --sections vp --name vp-invariance: the vocabulary-parallel calls on
     one rank, plain and under batch_invariant, beside the one-GPU call."""
     return sections_table(doc_of("vp-invariance", device), {
-        "vp": "vocabulary-parallel over logits N×V, one rank, reduction none"})
+        "vp": "vocabulary-parallel over logits N×V, one rank, reduction none"},
+        relative="the plain vocabulary-parallel call")
 
 
-def sections_table(doc, titles):
+def sections_table(doc, titles, relative="the section's first row; linear distillation: × its "
+                   "floor, 6·N·D·V + 2·N·Dt·V FLOPs at the GEMM rate"):
     lines = [f"{device_words(doc['device'])}, {runs_line(doc, doc['records'])}. bf16, loss + "
-             "`.backward()`: ms (× the section's first row; linear distillation: × its floor, "
-             "6·N·D·V + 2·N·Dt·V FLOPs at the GEMM rate) and the memory beyond the inputs and "
-             "the gradients returned.", ""]
+             f"`.backward()`: ms (× {relative}) and the memory beyond the inputs and the "
+             "gradients returned.", ""]
     for sec, title in titles.items():
         recs = [r for r in doc["records"] if r["section"] == sec]
         if not recs:
