@@ -77,3 +77,45 @@ def test_row_alone_and_in_a_batch_cpu():
             batch = f(rows)
             for a, b in zip(alone, batch):
                 assert np.array_equal(a[0].view(np.uint32), b[pos].view(np.uint32)), f.__name__
+
+
+def _bits(t):
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_unaligned_rows_alone_and_in_a_batch_cuda(dtype, inplace):
+    """Rows of 50257 16-bit logits do not start 16-byte aligned, which the CUDA calls need under
+    batch_invariant: the torch layer copies them into padded rows. A row's loss, lse and
+    gradient are the same bits alone and at several places of several batches (each place
+    another alignment), and the flag-off call's to rounding; the caller's logits are only
+    overwritten with inplace_backward."""
+    V = 50257
+    g = torch.Generator(device="cuda").manual_seed(3)
+    z = (torch.randn(96, V, device="cuda", generator=g) * 3).to(dtype)
+    y = torch.randint(0, V, (96,), device="cuda", generator=g)
+    up = torch.randn(96, device="cuda", generator=g)
+
+    def ce(rows, flag=True):
+        zz = z[rows].clone().requires_grad_(True)
+        before = zz.detach().clone()
+        loss, lse = ftorch.cross_entropy(zz, y[rows], reduction="none", return_lse=True,
+                                         batch_invariant=flag, inplace_backward=inplace)
+        (loss * up[rows]).sum().backward()
+        if not inplace:
+            assert torch.equal(zz.detach(), before), "the logits were changed"
+        return loss.detach(), lse.detach(), zz.grad.detach()
+
+    probe = 7
+    alone = ce([probe])
+    for rows, pos in (([probe] + list(range(40)), 0), (list(range(63)) + [probe], 63),
+                      (list(range(1, 96)), probe - 1)):
+        batch = ce(rows)
+        for a, b in zip(alone, batch):
+            assert torch.equal(_bits(a[0]), _bits(b[pos])), (rows[:3], pos)
+    plain = ce(list(range(96)), flag=False)
+    torch.testing.assert_close(alone[0][0], plain[0][probe], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(alone[1][0], plain[1][probe], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(alone[2][0].float(), plain[2][probe].float(), rtol=2e-2, atol=1e-6)

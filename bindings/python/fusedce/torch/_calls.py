@@ -153,7 +153,7 @@ def _ce_plan(which: str, logits: Tensor, targets: Tensor, class_weights: Optiona
     call on these tensors. The options and the workspace queries are made once per option set,
     shape and strides."""
     n, v = logits.shape
-    row_stride = logits.stride(0) if n > 1 else v
+    row_stride = logits.stride(0) if n > 1 or logits.stride(0) > v else v
     pkey = (which, logits.dtype, targets.dtype, logits.is_cuda, opts, n, v, row_stride,
             grad_row_stride, class_weights is not None)
     plan = _PLANS.get(pkey)
@@ -190,6 +190,25 @@ def _ce_plan(which: str, logits: Tensor, targets: Tensor, class_weights: Optiona
     return plan
 
 
+def _aligned_rows(logits: Tensor, opts: CEOptions) -> Optional[Tensor]:
+    """Under batch_invariant on CUDA the C calls need every row of logits to start 16-byte
+    aligned (docs/semantics.md rule 21): logits whose rows do not (a vocabulary of 50257 in 16
+    bits, a view at an odd row) copied into rows padded to a multiple of 16 bytes, as a [N, V]
+    view of the new buffer; None when they already are, or the flag is off, or on the CPU. The
+    stride decides, never the row count: a row alone and in a batch take the same copy."""
+    if not opts.batch_invariant or not logits.is_cuda:
+        return None
+    n, v = logits.shape
+    es = logits.element_size()
+    stride = logits.stride(0) if n > 1 or logits.stride(0) > v else v
+    if (stride * es) % 16 == 0 and logits.data_ptr() % 16 == 0:
+        return None
+    padded = torch.empty((n, -(-v * es // 16) * 16 // es), dtype=logits.dtype,
+                         device=logits.device)[:, :v]
+    padded.copy_(logits)
+    return padded
+
+
 def _aux_offset(n: int) -> int:
     """Where the workspace starts in a saved-lse buffer (see ce_forward's lse_workspace), in
     float32 elements: after the n lse values, on 256 bytes."""
@@ -209,10 +228,20 @@ def ce_forward(logits: Tensor, targets: Tensor, class_weights: Optional[Tensor],
     for the backward only): lse is returned as a float32 buffer whose first N values are lse and
     whose tail is the workspace of this call and of the ce_backward(rescale=...,
     lse_workspace=True) that follows, so that a loss + backward allocates once for both."""
+    padded = _aligned_rows(logits, opts)
+    if padded is not None:  # (in place: into the padded rows, then copied back over logits)
+        in_place = grad is logits
+        out = ce_forward(padded, targets, class_weights, opts, grad=padded if in_place else grad,
+                         want_lse=want_lse, want=want, check_targets=check_targets,
+                         lse_workspace=lse_workspace, upstream=upstream)
+        if in_place:
+            logits.copy_(padded)
+        return out
     n, v = logits.shape
     grad_stride = 0
     if grad is not None:
-        grad_stride = (logits.stride(0) if n > 1 else v) if grad is logits else v
+        grad_stride = ((logits.stride(0) if n > 1 or logits.stride(0) > v else v) if grad is logits
+                       else v)
     reduction = opts.reduction
     dev = logits.device
     z_loss, accuracy, argmax = extras(want, n, reduction, dev)
@@ -253,6 +282,9 @@ def ce_backward(logits: Tensor, targets: Tensor, lse: Tensor, grad_output: Tenso
     ``rescale`` (the dense gradient fce_forward wrote for an upstream 1): fce_backward_rescale,
     in place into it. ``lse_workspace``: lse is the buffer ce_forward(lse_workspace=True)
     returned, whose tail is the workspace."""
+    padded = _aligned_rows(logits, opts)
+    if padded is not None:
+        logits = padded
     n, v = logits.shape
     o, ws_bytes, _ = _ce_plan("bwd", logits, targets, class_weights, opts, 0)
     grad = rescale if rescale is not None else out
