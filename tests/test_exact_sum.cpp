@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <map>
 #include <random>
 #include <vector>
 
@@ -80,6 +81,43 @@ TEST(ExactSum, ExactWhereNothingIsDropped) {
   ExactSum p = fce::exact_zero();
   fce::exact_add_product(p, 1.f + 0x1p-23f, 1.f + 0x1p-23f);
   EXPECT_EQ(fce::exact_value(p), (1.0 + 0x1p-23) * (1.0 + 0x1p-23));
+}
+
+// The definition, independently: every term's bits added to per-bin integers over the whole
+// binary scale (a map of 32-bit bins), then the three bins from the highest term's down.
+int64_t bin_of(int64_t place) { return place >= 0 ? place / 32 : -((31 - place) / 32); }
+
+TEST(ExactSum, KeepsTheBinsOfTheDefinition) {
+  std::mt19937 rng(5);
+  std::uniform_int_distribution<int> ex(-300, 300), sign(0, 1);
+  std::uniform_int_distribution<uint32_t> mant(0, (1u << 24) - 1);
+  for (int trial = 0; trial < 50; ++trial) {
+    std::map<int64_t, __int128> bins;
+    int64_t top = INT64_MIN;
+    ExactSum s = fce::exact_zero();
+    const int spread = 1 + trial * 6;  // terms from close together to far apart
+    const int centre = ex(rng);
+    for (int t = 0; t < 400; ++t) {
+      const uint32_t m = mant(rng);
+      const int64_t e = centre + ex(rng) % spread;
+      const bool neg = sign(rng) != 0;
+      fce::exact_add_bits(s, neg, m, e);
+      if (m == 0) continue;
+      int high = 23;
+      while (!(m >> high)) --high;
+      top = std::max(top, bin_of(e + high));
+      for (int b = 0; b < 24; ++b)  // bit by bit into its bin
+        if ((m >> b) & 1u) {
+          const int64_t place = e + b, bin = bin_of(place);
+          const __int128 v = static_cast<__int128>(1) << (place - 32 * bin);
+          bins[bin] += neg ? -v : v;
+        }
+    }
+    ASSERT_EQ(s.top, top) << "trial " << trial;
+    for (int i = 0; i < fce::kExactBins; ++i)
+      EXPECT_TRUE(static_cast<__int128>(s.bin[i]) == bins[top - (fce::kExactBins - 1) + i])
+          << "trial " << trial << ", bin " << i;
+  }
 }
 
 TEST(ExactSum, ExpTermsAndTheirLog) {
