@@ -1,7 +1,8 @@
 """batch_invariant=True on fusedce.torch.distributed.vocab_parallel_cross_entropy over gloo
-processes (docs/semantics.md rule 21): each token's loss ('none'), lse, entropy and gradient
-columns are the same bits on 2 and 3 ranks as in one process over the whole vocabulary, and
-inside a smaller batch.
+processes (docs/semantics.md rule 21), and over NCCL on two GPUs where there are: each token's
+loss ('none'), lse, entropy and gradient columns are the same bits on 2 and 3 ranks as in one
+process over the whole vocabulary (on the same backend and device model), and inside a smaller
+batch.
 
     FUSEDCE_LIBRARY=build/libfusedce.so python -m pytest -q \
         bindings/python/tests/test_distributed_invariant.py
@@ -11,19 +12,20 @@ import os
 
 import pytest
 
-from test_distributed import _layout, _spawn, needs_gloo, needs_vp, torch
+import test_distributed
+from test_distributed import _layout, _spawn, needs_gloo, needs_nccl, needs_vp, torch
 
-VOCAB = 1206  # divisible by 2 and 3: equal shards
+VOCAB = 1206  # divisible by 2 and 3: equal shards (uneven ones on 4 ranks)
 CASES_KW = [dict(), dict(label_smoothing=0.1, z_loss=1e-3), dict(softcap=15.0)]
 
 
-def _inputs():
+def _inputs(dev="cpu"):
     gen = torch.Generator().manual_seed(5)
     z = torch.randn(6, 4, VOCAB, generator=gen) * 4
     y = torch.randint(0, VOCAB, (6, 4), generator=gen)
     y[1, 2] = -100
     up = torch.randn(6, 4, generator=gen)
-    return z, y, up
+    return z.to(dev), y.to(dev), up.to(dev)
 
 
 def _step(logits, y, up, group, kw, **layout):
@@ -36,9 +38,10 @@ def _step(logits, y, up, group, kw, **layout):
 
 
 def _cases_invariant(group, grank, gsize):
-    ref = torch.load(os.environ["FCE_TEST_INVARIANT_REF"])
-    z, y, up = _inputs()
-    start, local, layout = _layout(VOCAB, grank, gsize, False)
+    dev = test_distributed.DEV  # cuda:<rank> in the NCCL workers
+    ref = torch.load(os.environ["FCE_TEST_INVARIANT_REF"], map_location=dev)
+    z, y, up = _inputs(dev)
+    start, local, layout = _layout(VOCAB, grank, gsize, VOCAB % gsize != 0)
     for i, kw in enumerate(CASES_KW):
         loss, lse, ent, grad = _step(z[..., start:start + local], y, up, group, kw, **layout)
         r_loss, r_lse, r_ent, r_grad = ref[i]
@@ -64,8 +67,24 @@ def test_gloo_processes_batch_invariant(world, tmp_path, monkeypatch):
     """One process over the whole vocabulary (no process group) makes the reference; the ranks
     of a gloo group compare their results with it bit for bit. Also against the unsharded
     fusedce.torch.cross_entropy, to float32 rounding."""
+    _reference(tmp_path, monkeypatch, "cpu")
+    _spawn(world, "gloo", ("invariant",), tmp_path, monkeypatch, module=__name__)
+
+
+@needs_vp
+@needs_nccl
+@pytest.mark.skipif(torch is None or torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_nccl_processes_batch_invariant(tmp_path, monkeypatch):
+    """The same over NCCL on every GPU of the machine (the CUDA backend; uneven shards where
+    the vocabulary does not divide): the reference on cuda:0 alone."""
+    _reference(tmp_path, monkeypatch, "cuda:0")
+    _spawn(torch.cuda.device_count(), "nccl", ("invariant",), tmp_path, monkeypatch,
+           module=__name__)
+
+
+def _reference(tmp_path, monkeypatch, dev):
     from fusedce.torch import cross_entropy
-    z, y, up = _inputs()
+    z, y, up = _inputs(dev)
     ref = []
     for kw in CASES_KW:
         loss, lse, ent, grad = _step(z, y, up, None, kw)
@@ -79,6 +98,5 @@ def test_gloo_processes_batch_invariant(world, tmp_path, monkeypatch):
         torch.testing.assert_close(grad.reshape(-1, VOCAB), full.grad, rtol=1e-5, atol=1e-6)
         ref.append((loss, lse, ent, grad))
     path = str(tmp_path / "reference.pt")
-    torch.save(ref, path)
+    torch.save([tuple(t.cpu() for t in r) for r in ref], path)
     monkeypatch.setenv("FCE_TEST_INVARIANT_REF", path)
-    _spawn(world, "gloo", ("invariant",), tmp_path, monkeypatch, module=__name__)
