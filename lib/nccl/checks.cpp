@@ -136,6 +136,18 @@ fce_status shard_comm(const char* fn, const fce_vp_shard* shard, ncclComm_t* com
   return FCE_SUCCESS;
 }
 
+// The in-place all-gather of the statistics (NCCL's in-place form: sendbuff = recvbuff +
+// rank · count).
+fce_status gather_stats(const char* fn, float* gathered, int rank, size_t count, ncclComm_t comm,
+                        void* stream) {
+  if (count == 0) return FCE_SUCCESS;  // (no row: nothing to gather, on every rank alike)
+  const float* mine = gathered + static_cast<size_t>(rank) * count;
+  const ncclResult_t r =
+      ncclAllGather(mine, gathered, count, ncclFloat32, comm, static_cast<cudaStream_t>(stream));
+  if (r != ncclSuccess) return nccl_fail(fn, "ncclAllGather (statistics)", r, comm);
+  return FCE_SUCCESS;
+}
+
 // Options, backend and communicator: what the workspace queries check (full = the compute
 // calls: also the rank, the device and a pending asynchronous error).
 fce_status check_common(const char* fn, const fce_options* options, const fce_vp_shard* shard,
@@ -184,6 +196,21 @@ fce_status check_common(const char* fn, const fce_options* options, const fce_vp
   return FCE_SUCCESS;
 }
 
+fce_status begin_query(const char* fn, const fce_options* options, const fce_vp_shard* shard,
+                       const void* result, const char* result_name, Call* c) {
+  last_error_buffer()[0] = '\0';
+  if (!result) return fail(FCE_ERROR_NULL_POINTER, "%s: %s is NULL", fn, result_name);
+  FCE_NCCL_TRY(check_common(fn, options, shard, false, &c->o, &c->ci, &c->comm));
+  return check_shard_ranks(fn, shard, c->ci.ranks);
+}
+
+fce_status begin_compute(const char* fn, const fce_options* options, const fce_vp_shard* shard,
+                         const fce_outputs* outputs, const fce_gradients* gradients, Call* c) {
+  last_error_buffer()[0] = '\0';
+  FCE_NCCL_TRY(check_common(fn, options, shard, true, &c->o, &c->ci, &c->comm));
+  return read_structs(fn, shard, c->ci.ranks, outputs, gradients, &c->out, &c->g);
+}
+
 // rows, the shard and the gathered statistics' size (P · rows · stats_width float32).
 fce_status check_sizes(const char* fn, int64_t rows, int64_t vocab_total, int64_t vocab_start,
                        int64_t vocab_local, bool with_start, int ranks, int64_t stats_width,
@@ -218,6 +245,29 @@ int64_t span_bytes(int64_t rows, int64_t cols, int64_t stride, size_t elem) {
   if (stride < cols) stride = cols;
   if (rows - 1 > (max_elems - cols) / stride) return -1;
   return ((rows - 1) * stride + cols) * static_cast<int64_t>(elem);
+}
+
+fce_status row_stride(const char* fn, const char* name, int64_t stride, int64_t vocab_local,
+                      int64_t* out) {
+  *out = stride ? stride : vocab_local;
+  if (*out < vocab_local)
+    return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: %s (%lld) is less than vocab_local (%lld)", fn,
+                name, (long long)*out, (long long)vocab_local);
+  return FCE_SUCCESS;
+}
+
+fce_status logits_strides(const char* fn, const fce_options& o, int64_t vocab_local,
+                          const void* logits, const void* grad_logits, int64_t* rs, int64_t* grs) {
+  FCE_NCCL_TRY(row_stride(fn, "options->row_stride", o.row_stride, vocab_local, rs));
+  *grs = o.grad_row_stride ? o.grad_row_stride : vocab_local;
+  if (!grad_logits) return FCE_SUCCESS;
+  FCE_NCCL_TRY(row_stride(fn, "options->grad_row_stride", o.grad_row_stride, vocab_local, grs));
+  if (grad_logits == logits && *grs != *rs)
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "%s: gradients->grad_logits is logits (in place) but options->grad_row_stride "
+                "(%lld) is not options->row_stride (%lld)",
+                fn, (long long)*grs, (long long)*rs);
+  return FCE_SUCCESS;
 }
 
 fce_status check_ranges(const char* fn, const Range* r, int n, int in_place_a, int in_place_b) {

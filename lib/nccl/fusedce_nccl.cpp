@@ -146,19 +146,14 @@ FCE_API fce_status fce_nccl_cross_entropy_workspace_size(const fce_options* opti
                                                          const fce_vp_shard* shard, int64_t rows,
                                                          int with_grad, size_t* workspace_bytes) {
   const char* fn = "fce_nccl_cross_entropy_workspace_size";
-  last_error_buffer()[0] = '\0';
-  if (!workspace_bytes) return fail(FCE_ERROR_NULL_POINTER, "%s: workspace_bytes is NULL", fn);
-  fce_options o;
-  CommInfo ci;
-  ncclComm_t comm = nullptr;
-  FCE_NCCL_TRY(check_common(fn, options, shard, false, &o, &ci, &comm));
-  FCE_NCCL_TRY(check_shard_ranks(fn, shard, ci.ranks));
+  Call call;
+  FCE_NCCL_TRY(begin_query(fn, options, shard, workspace_bytes, "workspace_bytes", &call));
   const int64_t vocab_total = shard->vocab_total, vocab_local = shard->vocab_local;
   size_t gathered = 0;
-  FCE_NCCL_TRY(check_sizes(fn, rows, vocab_total, 0, vocab_local, false, ci.ranks,
-                           stats_width(o), &gathered));
+  FCE_NCCL_TRY(check_sizes(fn, rows, vocab_total, 0, vocab_local, false, call.ci.ranks,
+                           stats_width(call.o), &gathered));
   CeLayout l;
-  FCE_NCCL_TRY(ce_layout(fn, options, ci.ranks, rows, vocab_total, vocab_local, with_grad != 0,
+  FCE_NCCL_TRY(ce_layout(fn, options, call.ci.ranks, rows, vocab_total, vocab_local, with_grad != 0,
                          gathered, &l));
   *workspace_bytes = l.total();
   return FCE_SUCCESS;
@@ -170,14 +165,9 @@ FCE_API fce_status fce_nccl_cross_entropy(const fce_options* options, const fce_
                                           const fce_gradients* gradients, void* workspace,
                                           size_t workspace_bytes, void* stream) {
   const char* fn = "fce_nccl_cross_entropy";
-  last_error_buffer()[0] = '\0';
-  fce_options o;
-  CommInfo ci;
-  ncclComm_t comm = nullptr;
-  FCE_NCCL_TRY(check_common(fn, options, shard, true, &o, &ci, &comm));
-  fce_outputs out;
-  fce_gradients gr;
-  FCE_NCCL_TRY(read_structs(fn, shard, ci.ranks, outputs, gradients, &out, &gr));
+  Call call;
+  FCE_NCCL_TRY(begin_compute(fn, options, shard, outputs, gradients, &call));
+  auto& [o, ci, comm, out, gr] = call;
   const int64_t vocab_total = shard->vocab_total, vocab_start = shard->vocab_start,
                 vocab_local = shard->vocab_local;
   float* loss = out.loss;
@@ -199,21 +189,8 @@ FCE_API fce_status fce_nccl_cross_entropy(const fce_options* options, const fce_
   if (!loss && !(empty && per_row))
     return fail(FCE_ERROR_NULL_POINTER, "%s: outputs->loss is NULL", fn);
   const size_t es = elem_size(o.dtype), ts = elem_size(o.target_dtype);
-  const int64_t rs = o.row_stride ? o.row_stride : vocab_local;
-  const int64_t grs = o.grad_row_stride ? o.grad_row_stride : vocab_local;
-  if (rs < vocab_local)
-    return fail(FCE_ERROR_INVALID_ARGUMENT,
-                "%s: options->row_stride (%lld) is less than vocab_local (%lld)", fn,
-                (long long)rs, (long long)vocab_local);
-  if (with_grad && grs < vocab_local)
-    return fail(FCE_ERROR_INVALID_ARGUMENT,
-                "%s: options->grad_row_stride (%lld) is less than vocab_local (%lld)", fn,
-                (long long)grs, (long long)vocab_local);
-  if (with_grad && grad_logits == logits && grs != rs)
-    return fail(FCE_ERROR_INVALID_ARGUMENT,
-                "%s: gradients->grad_logits is logits (in place) but options->grad_row_stride (%lld) is not "
-                "options->row_stride (%lld)",
-                fn, (long long)grs, (long long)rs);
+  int64_t rs = 0, grs = 0;
+  FCE_NCCL_TRY(logits_strides(fn, o, vocab_local, logits, grad_logits, &rs, &grs));
   const int64_t logits_bytes = span_bytes(rows, vocab_local, rs, es);
   const int64_t grad_bytes = with_grad ? span_bytes(rows, vocab_local, grs, es) : 0;
   const int64_t y_bytes = targets_bytes(o.target_dtype, rows, vocab_local);
@@ -240,17 +217,13 @@ FCE_API fce_status fce_nccl_cross_entropy(const fce_options* options, const fce_
   FCE_NCCL_TRY(check_ranges(fn, r, 12, 0, 1));
 
   // ---- enqueue
-  cudaStream_t s = static_cast<cudaStream_t>(stream);
   float* gathered = reinterpret_cast<float*>(workspace);
   const size_t count = static_cast<size_t>(rows) * static_cast<size_t>(stats_width(o));
   float* stats = gathered + static_cast<size_t>(ci.rank) * count;
   void* scratch = static_cast<char*>(workspace) + l.scratch_off;
   const size_t scratch_bytes = workspace_bytes - l.scratch_off;
   FCE_NCCL_CORE(fn, fce_vp_stats(options, shard, rows, logits, targets, stats, stream));
-  if (count > 0) {  // (no row: nothing to gather, on every rank alike)
-    const ncclResult_t nr = ncclAllGather(stats, gathered, count, ncclFloat32, comm, s);
-    if (nr != ncclSuccess) return nccl_fail(fn, "ncclAllGather (statistics)", nr, comm);
-  }
+  FCE_NCCL_TRY(gather_stats(fn, gathered, ci.rank, count, comm, stream));
   if (with_grad)  // (its error flags are fce_vp_loss's, below)
     FCE_NCCL_CORE(fn, fce_vp_backward(options, shard, rows, logits, targets, gathered, &gr,
                                       scratch, scratch_bytes, stream));
@@ -264,20 +237,15 @@ FCE_API fce_status fce_nccl_linear_ce_workspace_size(const fce_options* options,
                                                      int64_t hidden, int with_grad,
                                                      size_t* min_bytes, size_t* optimal_bytes) {
   const char* fn = "fce_nccl_linear_ce_workspace_size";
-  last_error_buffer()[0] = '\0';
-  if (!min_bytes) return fail(FCE_ERROR_NULL_POINTER, "%s: min_bytes is NULL", fn);
-  fce_options o;
-  CommInfo ci;
-  ncclComm_t comm = nullptr;
-  FCE_NCCL_TRY(check_common(fn, options, shard, false, &o, &ci, &comm));
-  FCE_NCCL_TRY(check_shard_ranks(fn, shard, ci.ranks));
+  Call call;
+  FCE_NCCL_TRY(begin_query(fn, options, shard, min_bytes, "min_bytes", &call));
   const int64_t vocab_total = shard->vocab_total, vocab_local = shard->vocab_local;
   size_t gathered = 0;
-  FCE_NCCL_TRY(check_sizes(fn, rows, vocab_total, 0, vocab_local, false, ci.ranks,
+  FCE_NCCL_TRY(check_sizes(fn, rows, vocab_total, 0, vocab_local, false, call.ci.ranks,
                            FCE_VP_STATS, &gathered));
   LinLayout l;
-  FCE_NCCL_TRY(lin_layout(fn, options, o, ci.ranks, rows, hidden, vocab_total, vocab_local,
-                          with_grad != 0, with_grad != 0, gathered, &l));
+  FCE_NCCL_TRY(lin_layout(fn, options, call.o, call.ci.ranks, rows, hidden, vocab_total,
+                          vocab_local, with_grad != 0, with_grad != 0, gathered, &l));
   *min_bytes = l.min_total();
   if (optimal_bytes) *optimal_bytes = l.opt_total();
   return FCE_SUCCESS;
@@ -289,14 +257,9 @@ FCE_API fce_status fce_nccl_linear_ce(const fce_options* options, const fce_vp_s
                                       const fce_outputs* outputs, const fce_gradients* gradients,
                                       void* workspace, size_t workspace_bytes, void* stream) {
   const char* fn = "fce_nccl_linear_ce";
-  last_error_buffer()[0] = '\0';
-  fce_options o;
-  CommInfo ci;
-  ncclComm_t comm = nullptr;
-  FCE_NCCL_TRY(check_common(fn, options, shard, true, &o, &ci, &comm));
-  fce_outputs out;
-  fce_gradients gr;
-  FCE_NCCL_TRY(read_structs(fn, shard, ci.ranks, outputs, gradients, &out, &gr));
+  Call call;
+  FCE_NCCL_TRY(begin_compute(fn, options, shard, outputs, gradients, &call));
+  auto& [o, ci, comm, out, gr] = call;
   if (gr.grad_logits)
     return fail(FCE_ERROR_INVALID_ARGUMENT,
                 "%s: gradients->grad_logits is given, but %s writes only grad_hidden, "
@@ -382,10 +345,7 @@ FCE_API fce_status fce_nccl_linear_ce(const fce_options* options, const fce_vp_s
     float* stats = gathered + static_cast<size_t>(ci.rank) * count;
     FCE_NCCL_CORE(fn, fce_vp_linear_stats(options, shard, rows, hidden, hidden_states, weight,
                                           bias, targets, stats, scratch, scratch_bytes, stream));
-    if (count > 0) {  // (no row: nothing to gather, on every rank alike)
-      const ncclResult_t nr = ncclAllGather(stats, gathered, count, ncclFloat32, comm, s);
-      if (nr != ncclSuccess) return nccl_fail(fn, "ncclAllGather (statistics)", nr, comm);
-    }
+    FCE_NCCL_TRY(gather_stats(fn, gathered, ci.rank, count, comm, stream));
     FCE_NCCL_CORE(fn, fce_vp_loss(options, shard, rows, targets, gathered, &out, scratch,
                                   scratch_bytes, stream));
     return FCE_SUCCESS;
