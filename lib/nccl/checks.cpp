@@ -5,6 +5,7 @@
 
 #include <cstdarg>
 #include <cstdio>
+#include <string>
 
 namespace fce_nccl {
 
@@ -24,12 +25,15 @@ fce_status fail(fce_status status, const char* fmt, ...) {
 // A libfusedce workspace query made to size this library's call fn (its own query, or the
 // call itself): on failure the query's message, which is about the options and sizes it checks
 // as the compute calls do, under fn's name alone ("fce_nccl_cross_entropy: options->
-// label_smoothing (2) must be in [0, 1)"), not the query's, which the caller did not call.
+// label_smoothing (2) must be in [0, 1)"), not the query's, which the caller did not call; the
+// query named again in the message ("... is not supported by <query>") becomes fn too.
 fce_status query_fail(const char* fn, const char* query, fce_status status) {
-  const char* m = fce_last_error();
+  std::string m = fce_last_error();
   const size_t n = std::strlen(query);
-  if (std::strncmp(m, query, n) == 0 && std::strncmp(m + n, ": ", 2) == 0) m += n + 2;
-  return fail(status, "%s: %s", fn, m);
+  if (m.compare(0, n, query) == 0 && m.compare(n, 2, ": ") == 0) m.erase(0, n + 2);
+  for (size_t at = m.find(query); at != std::string::npos; at = m.find(query, at + 1))
+    m.replace(at, n, fn);
+  return fail(status, "%s: %s", fn, m.c_str());
 }
 
 // An NCCL call that did not return ncclSuccess: FCE_ERROR_CUDA (fusedce_nccl.h).
@@ -105,6 +109,38 @@ fce_status read_structs(const char* fn, const fce_vp_shard* shard, int ranks,
   const fce_status st = read_versioned(fn, "outputs", outputs, FCE_OUTPUTS_SIZE_V1_0, out0, out);
   if (st != FCE_SUCCESS) return st;
   return read_versioned(fn, "gradients", gradients, FCE_GRADIENTS_SIZE_V1_0, g0, g);
+}
+
+// The outputs and gradients a distillation does not write: fce_distill's refusals (its
+// statuses, this library's function named).
+fce_status refuse_distill_fields(const char* fn, const fce_outputs& out, const fce_gradients& g) {
+  const struct {
+    const char* name;
+    const void* ptr;
+    fce_status status;
+  } refused[] = {{"outputs->z_loss", out.z_loss, FCE_ERROR_UNSUPPORTED},
+                 {"outputs->argmax", out.argmax, FCE_ERROR_UNSUPPORTED},
+                 {"outputs->accuracy", out.accuracy, FCE_ERROR_UNSUPPORTED},
+                 {"outputs->entropy", out.entropy, FCE_ERROR_UNSUPPORTED},
+                 {"gradients->grad_lse", g.grad_lse, FCE_ERROR_UNSUPPORTED},
+                 {"gradients->grad_entropy", g.grad_entropy, FCE_ERROR_UNSUPPORTED},
+                 {"gradients->grad_hidden", g.grad_hidden, FCE_ERROR_INVALID_ARGUMENT},
+                 {"gradients->grad_weight", g.grad_weight, FCE_ERROR_INVALID_ARGUMENT},
+                 {"gradients->grad_bias", g.grad_bias, FCE_ERROR_INVALID_ARGUMENT}};
+  for (const auto& r : refused)
+    if (r.ptr)
+      return fail(r.status,
+                  "%s: %s is given, but %s writes only outputs->loss, ->lse and ->error_flags "
+                  "and gradients->grad_logits (for grad_output)",
+                  fn, r.name, fn);
+  if (g.grad_hidden_dtype != FCE_FLOAT32)
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "%s: gradients->grad_hidden_dtype (%d) must be FCE_FLOAT32 (the default)", fn,
+                g.grad_hidden_dtype);
+  if (g.reserved0 != 0)
+    return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: gradients->reserved0 (%d) must be 0", fn,
+                g.reserved0);
+  return FCE_SUCCESS;
 }
 
 // The all-gather of a shard made by fce_nccl_shard (fce_vp_all_gather_fn): ncclAllGather on

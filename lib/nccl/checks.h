@@ -84,6 +84,9 @@ fce_status check_row_grads(const char* fn, const fce_gradients& g, bool with_gra
 fce_status read_structs(const char* fn, const fce_vp_shard* shard, int ranks,
                         const fce_outputs* outputs, const fce_gradients* gradients,
                         fce_outputs* out, fce_gradients* g);
+// The outputs and gradients a distillation does not write (fce_distill's refusals), refused
+// before anything is enqueued: the libfusedce calls would refuse them only part-way.
+fce_status refuse_distill_fields(const char* fn, const fce_outputs& out, const fce_gradients& g);
 
 // The all-gather fce_nccl_shard puts in a shard (ncclAllGather on the communicator in its
 // context), and NCCL's result of its last run on this thread.
