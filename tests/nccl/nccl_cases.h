@@ -367,9 +367,35 @@ std::string replay_matches(cudaStream_t s, Call call, Poison poison, Download do
   return err;
 }
 
+// The eager call `call` on stream s (its status, an empty message, no CUDA error), its outputs
+// (`download`) into *out; with `graph`, then the replays of its capture (replay_matches). `what`
+// names the call in a failure.
+template <class Out, class Call, class Poison, class Download>
+::testing::AssertionResult eager_and_replays(const char* what, cudaStream_t s, bool graph,
+                                             Call call, Poison poison, Download download,
+                                             Out* out) {
+  const fce_status st = call();
+  if (st != FCE_SUCCESS) return ok(st, what);
+  if (fce_nccl_last_error()[0] != '\0')
+    return ::testing::AssertionFailure()
+           << what << ": a successful call left the message \"" << fce_nccl_last_error() << "\"";
+  cudaError_t e = cudaStreamSynchronize(s);
+  if (e == cudaSuccess) e = cudaGetLastError();
+  if (e != cudaSuccess)
+    return ::testing::AssertionFailure()
+           << what << ": CUDA error after the call: " << cudaGetErrorString(e);
+  *out = download();
+  if (!graph) return ::testing::AssertionSuccess();
+  const std::string err = replay_matches(
+      s, call, poison, [&] { return bits(download()); }, bits(*out));
+  if (!err.empty()) return ::testing::AssertionFailure() << what << ": " << err;
+  return ::testing::AssertionSuccess();
+}
+
 // fce_nccl_cross_entropy on the one-rank communicator; `graph`: after the eager call, capture
 // the call in a CUDA graph, poison the outputs, replay twice and require the eager bits.
 ::testing::AssertionResult ce_nccl(const CeCase& c, const CeData& d, CeOut* out, bool graph) {
+  if (graph && c.in_place) return ::testing::AssertionFailure() << "graph: not with in place";
   cudaStream_t s = stream0();
   ncclComm_t comm = comm1();
   CeDev b = ce_alloc(c, d, s);
@@ -390,20 +416,9 @@ std::string replay_matches(cudaStream_t s, Call call, Poison poison, Download do
                                   b.loss.p<float>(), b.lse.p<float>(), b.zl.p<float>(), grad,
                                   b.g.p<float>(), b.flags.p<uint32_t>(), b.ws.ptr(), wsb, s);
   };
-  st = call();
-  if (st != FCE_SUCCESS) return ok(st, "fce_nccl_cross_entropy");
-  if (fce_nccl_last_error()[0] != '\0')
-    return ::testing::AssertionFailure() << "a successful call left the message \""
-                                         << fce_nccl_last_error() << "\"";
-  auto f = finish();
-  if (!f) return f;
-  *out = b.download(c.in_place);
-  if (!graph) return ::testing::AssertionSuccess();
-  if (c.in_place) return ::testing::AssertionFailure() << "graph: not with in place";
-  const std::string err = replay_matches(
-      s, call, [&] { b.poison(); }, [&] { return bits(b.download(false)); }, bits(*out));
-  if (!err.empty()) return ::testing::AssertionFailure() << "fce_nccl_cross_entropy: " << err;
-  return ::testing::AssertionSuccess();
+  return eager_and_replays(
+      "fce_nccl_cross_entropy", s, graph, call, [&] { b.poison(); },
+      [&] { return b.download(c.in_place); }, out);
 }
 
 void expect_ce_equal(const CeCase& c, const CeOut& got, const CeOut& ref) {
@@ -641,16 +656,8 @@ bool lin_with_grad(const LinCase& c) { return c.gh || c.gw || (c.gb && c.bias); 
                               b.gh.ptr(), b.gw.ptr(), b.gb.ptr(), b.g.p<float>(),
                               b.flags.p<uint32_t>(), b.ws.ptr(), wsb, s);
   };
-  st = call();
-  if (st != FCE_SUCCESS) return ok(st, "fce_nccl_linear_ce");
-  auto f = finish();
-  if (!f) return f;
-  *out = b.download();
-  if (!graph) return ::testing::AssertionSuccess();
-  const std::string err =
-      replay_matches(s, call, [&] { b.poison(); }, [&] { return bits(b.download()); }, bits(*out));
-  if (!err.empty()) return ::testing::AssertionFailure() << "fce_nccl_linear_ce: " << err;
-  return ::testing::AssertionSuccess();
+  return eager_and_replays(
+      "fce_nccl_linear_ce", s, graph, call, [&] { b.poison(); }, [&] { return b.download(); }, out);
 }
 
 // test_linear_ce.cpp's bound: float32 1e-5; 16-bit: u·(4 + 2·max|z|). The two calls make the
@@ -748,6 +755,15 @@ std::vector<LinCase> lin_cases() {
     v.push_back(c);
   }
   return v;
+}
+
+// The columns [start, start + local) of a dense [rows, cols] matrix (a rank's shard).
+std::vector<double> columns(const std::vector<double>& m, int64_t rows, int64_t cols, int64_t start,
+                            int64_t local) {
+  std::vector<double> out(static_cast<size_t>(rows * local));
+  for (int64_t r = 0; r < rows; ++r)
+    std::copy_n(m.begin() + r * cols + start, local, out.begin() + r * local);
+  return out;
 }
 
 }  // namespace

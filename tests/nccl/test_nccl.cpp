@@ -518,13 +518,8 @@ void run_rank(ncclComm_t comm, int dev, int64_t start, int64_t local, int64_t ls
   FCE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   {
     // cross-entropy: this rank's columns, dense [N, local]
-    const size_t N = static_cast<size_t>(c.N);
-    std::vector<double> zs(N * static_cast<size_t>(local));
-    for (size_t r = 0; r < N; ++r)
-      for (int64_t j = 0; j < local; ++j)
-        zs[r * local + j] = cd.z[r * c.V + start + j];
     CeData part = cd;
-    part.z = zs;
+    part.z = columns(cd.z, c.N, c.V, start, local);
     CeCase pc = c;
     pc.V = local;  // the shard's buffers (sizes of the outputs: per row / scalar)
     CeDev b = ce_alloc(pc, part, s);
@@ -603,16 +598,48 @@ void run_rank(ncclComm_t comm, int dev, int64_t start, int64_t local, int64_t ls
   FCE_CUDA_CHECK(cudaStreamDestroy(s));
 }
 
+// The number of GPUs (ranks) a test over several of them runs on, up to 4; 0, after a line
+// saying so, when there are fewer than 2.
+int several_gpus(const char* test) {
+  const int P = std::min(device_count(), 4);
+  if (P >= 2) return P;
+  std::printf("SKIPPED: %s needs 2 or more CUDA devices (%d here)\n", test, device_count());
+  return 0;
+}
+
+// Uneven shards of [0, V) (the last the largest), in the reverse of the rank order.
+void split(int P, int64_t V, std::vector<int64_t>* start, std::vector<int64_t>* size) {
+  start->assign(P, 0);
+  size->assign(P, 0);
+  int64_t at = 0;
+  for (int k = 0; k < P; ++k) {  // shard k goes to rank P-1-k
+    const int64_t n = k + 1 < P ? V / P - 7 * (k + 1) : V - at;
+    (*start)[P - 1 - k] = at;
+    (*size)[P - 1 - k] = n;
+    at += n;
+  }
+}
+
+// rank(r, comm, device) on P host threads, rank r on GPU r of a communicator over GPUs 0..P-1.
+template <class Rank>
+void on_ranks(int P, Rank rank) {
+  std::vector<int> devs(P);
+  for (int r = 0; r < P; ++r) devs[r] = r;
+  std::vector<ncclComm_t> comms(P);
+  NCCL_CHECK(ncclCommInitAll(comms.data(), P, devs.data()));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < P; ++r) threads.emplace_back(rank, r, comms[r], devs[r]);
+  for (auto& t : threads) t.join();
+  for (auto& cm : comms) ncclCommDestroy(cm);
+  FCE_CUDA_CHECK(cudaSetDevice(0));
+}
+
 }  // namespace
 
 TEST(Nccl, ShardedOverSeveralGpus) {
   REQUIRE_GPU();
-  const int P = std::min(device_count(), 4);
-  if (P < 2) {
-    std::printf("SKIPPED: Nccl.ShardedOverSeveralGpus needs 2 or more CUDA devices (%d here)\n",
-                device_count());
-    GTEST_SKIP() << "one CUDA device";
-  }
+  const int P = several_gpus("Nccl.ShardedOverSeveralGpus");
+  if (P == 0) GTEST_SKIP() << "one CUDA device";
   for (int dt : {FCE_FLOAT32, FCE_BFLOAT16}) {
     CeCase c;
     c.name = "sharded";
@@ -639,33 +666,13 @@ TEST(Nccl, ShardedOverSeveralGpus) {
     LinOut lref;
     ASSERT_TRUE(ce_reference(c, cd, &cref));
     ASSERT_TRUE(lin_reference(l, ld, &lref));
-    // Uneven shards (the last the largest), in the reverse of the rank order.
-    auto split = [P](int64_t V, std::vector<int64_t>* start, std::vector<int64_t>* size) {
-      start->assign(P, 0);
-      size->assign(P, 0);
-      int64_t at = 0;
-      for (int k = 0; k < P; ++k) {  // shard k goes to rank P-1-k
-        const int64_t n = k + 1 < P ? V / P - 7 * (k + 1) : V - at;
-        (*start)[P - 1 - k] = at;
-        (*size)[P - 1 - k] = n;
-        at += n;
-      }
-    };
     std::vector<int64_t> cs, cn, ls, ln;
-    split(c.V, &cs, &cn);
-    split(l.V, &ls, &ln);
-    std::vector<int> devs(P);
-    for (int r = 0; r < P; ++r) devs[r] = r;
-    std::vector<ncclComm_t> comms(P);
-    NCCL_CHECK(ncclCommInitAll(comms.data(), P, devs.data()));
+    split(P, c.V, &cs, &cn);
+    split(P, l.V, &ls, &ln);
     std::vector<RankOut> outs(P);
-    std::vector<std::thread> threads;
-    for (int r = 0; r < P; ++r)
-      threads.emplace_back(run_rank, comms[r], devs[r], cs[r], cn[r], ls[r], ln[r], std::cref(c),
-                           std::cref(cd), std::cref(l), std::cref(ld), &outs[r]);
-    for (auto& t : threads) t.join();
-    for (auto& cm : comms) ncclCommDestroy(cm);
-    FCE_CUDA_CHECK(cudaSetDevice(0));
+    on_ranks(P, [&](int r, ncclComm_t comm, int dev) {
+      run_rank(comm, dev, cs[r], cn[r], ls[r], ln[r], c, cd, l, ld, &outs[r]);
+    });
     for (int r = 0; r < P; ++r) ASSERT_EQ(outs[r].error, "") << "rank " << r;
     // the loss (and everything fce_vp_loss writes): the same bits on every rank
     for (int r = 1; r < P; ++r) {
