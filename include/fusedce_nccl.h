@@ -13,8 +13,11 @@
  *                            its all-gathers of the statistics, one per token chunk of its
  *                            plan, through ncclAllGather; partial dloss/dh in float32) ->
  *                            ncclAllReduce (sum) of dloss/dh -> one conversion to the dtype
+ *   fce_nccl_distill         per round of fce_vp_distill_rounds: fce_vp_distill_stats ->
+ *                            ncclAllGather of the statistics; then fce_vp_distill_loss ->
+ *                            [fce_vp_distill_backward]
  *
- * (fce_nccl_cross_entropy's bracketed part only when a gradient is asked for). Every rank of the communicator makes
+ * (the bracketed parts only when a gradient is asked for). Every rank of the communicator makes
  * the same call with the same options, sizes and targets and its own shard, and gets the loss of
  * the whole vocabulary (identical on every rank, bit for bit), the gradient of its shard and,
  * for the linear CE, the FULL dloss/dh (the sum over ranks).
@@ -66,10 +69,12 @@
  * Workspace: the caller's, 16-byte aligned, of at least the size the matching query returns for
  * the same options, communicator and sizes. It holds the gathered statistics
  * [P, rows, FCE_VP_STATS] float32 (P·rows·32 bytes; fce_nccl_linear_ce with a gradient: inside
- * fce_vp_linear_ce's workspace), for fce_nccl_linear_ce with a 16-bit dtype and a gradient the
- * float32 dloss/dh [rows, hidden] being all-reduced, and then the scratch of the libfusedce
- * calls (all that is left: a larger workspace lets them take faster plans; fce_vp_linear_ce
- * makes the logits once from its optimal_bytes on, about 1 GiB at large-vocabulary sizes).
+ * fce_vp_linear_ce's workspace; fce_nccl_distill: the last round's [P, rows,
+ * FCE_VP_DISTILL_STATS], round 1's of a two-round JSD gathered into the scratch), for
+ * fce_nccl_linear_ce with a 16-bit dtype and a gradient the float32 dloss/dh [rows, hidden]
+ * being all-reduced, and then the scratch of the libfusedce calls (all that is left: a larger
+ * workspace lets them take faster plans; fce_vp_linear_ce makes the logits once from its
+ * optimal_bytes on, about 1 GiB at large-vocabulary sizes).
  *
  * Link with -lfusedce_nccl -lfusedce (pkg-config fusedce_nccl; CMake: find_package(fusedce),
  * target FusedCE::fusedce_nccl).
@@ -139,6 +144,42 @@ FCE_API fce_status fce_nccl_cross_entropy(const fce_options* options, const fce_
                                           const fce_outputs* outputs,
                                           const fce_gradients* gradients, void* workspace,
                                           size_t workspace_bytes, void* stream);
+
+/* ----------------------------------------------------------- distillation ---- */
+/* Workspace bytes fce_nccl_distill needs for this teacher (its divergence and beta: the rounds)
+ * and shard (made by fce_nccl_shard): with_grad nonzero when grad_logits will be given. */
+FCE_API fce_status fce_nccl_distill_workspace_size(const fce_options* options,
+                                                   const fce_teacher* teacher,
+                                                   const fce_vp_shard* shard, int64_t rows,
+                                                   int with_grad, size_t* workspace_bytes);
+
+/* fce_distill over logits sharded by the vocabulary (fusedce.h, "vocabulary-parallel
+ * distillation", docs/semantics.md rule 22): this rank holds the columns [shard->vocab_start,
+ * shard->vocab_start + shard->vocab_local) of shard->vocab_total of both the student's and the
+ * teacher's logits; shard made by fce_nccl_shard (it carries the communicator).
+ *   teacher      divergence, beta, temperature (the same on every rank) and logits: this
+ *                rank's teacher shard t [rows, vocab_local] of options->dtype,
+ *                teacher->row_stride apart (0 = vocab_local)
+ *   logits       this rank's student shard [rows, vocab_local], options->row_stride apart
+ *   targets      [rows] int32 / int64 (the same on every rank): a row whose target is
+ *                options->ignore_index is not counted; or NULL: every row counts
+ *   outputs      (required) loss (required), lse (optional: the student's log-sum-exp of
+ *                a / T), error_flags (optional: FCE_FLAG_SHARDS_INCONSISTENT when the ranks'
+ *                shards do not tile the vocabulary): as fce_distill writes them for the
+ *                unsharded rows, identical on every rank; the other outputs are refused
+ *   gradients    optional (NULL: the loss only). gradients->grad_logits: dloss/dz of this
+ *                rank's student columns [rows, vocab_local], options->grad_row_stride apart,
+ *                for the upstream grad_output (NULL = 1; [rows] for reduction none); may be
+ *                logits itself (in place: then grad_row_stride must equal row_stride). The
+ *                other gradients are refused.
+ * Options and refusals are fce_distill's. One all-gather of P·rows·32 bytes per round (two for
+ * the JSD with 0 < beta < 1); reads both shards twice in round 1, once in round 2 and once more
+ * for the gradient. */
+FCE_API fce_status fce_nccl_distill(const fce_options* options, const fce_teacher* teacher,
+                                    const fce_vp_shard* shard, int64_t rows, const void* logits,
+                                    const void* targets, const fce_outputs* outputs,
+                                    const fce_gradients* gradients, void* workspace,
+                                    size_t workspace_bytes, void* stream);
 
 /* ------------------------------------------------------ fused linear + CE ---- */
 /* Workspace of fce_nccl_linear_ce: min_bytes (required) works, optimal_bytes (may be NULL) runs

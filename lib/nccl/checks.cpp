@@ -5,6 +5,7 @@
 
 #include <cstdarg>
 #include <cstdio>
+#include <string>
 
 namespace fce_nccl {
 
@@ -24,12 +25,15 @@ fce_status fail(fce_status status, const char* fmt, ...) {
 // A libfusedce workspace query made to size this library's call fn (its own query, or the
 // call itself): on failure the query's message, which is about the options and sizes it checks
 // as the compute calls do, under fn's name alone ("fce_nccl_cross_entropy: options->
-// label_smoothing (2) must be in [0, 1)"), not the query's, which the caller did not call.
+// label_smoothing (2) must be in [0, 1)"), not the query's, which the caller did not call; the
+// query named again in the message ("... is not supported by <query>") becomes fn too.
 fce_status query_fail(const char* fn, const char* query, fce_status status) {
-  const char* m = fce_last_error();
+  std::string m = fce_last_error();
   const size_t n = std::strlen(query);
-  if (std::strncmp(m, query, n) == 0 && std::strncmp(m + n, ": ", 2) == 0) m += n + 2;
-  return fail(status, "%s: %s", fn, m);
+  if (m.compare(0, n, query) == 0 && m.compare(n, 2, ": ") == 0) m.erase(0, n + 2);
+  for (size_t at = m.find(query); at != std::string::npos; at = m.find(query, at + 1))
+    m.replace(at, n, fn);
+  return fail(status, "%s: %s", fn, m.c_str());
 }
 
 // An NCCL call that did not return ncclSuccess: FCE_ERROR_CUDA (fusedce_nccl.h).
@@ -107,6 +111,38 @@ fce_status read_structs(const char* fn, const fce_vp_shard* shard, int ranks,
   return read_versioned(fn, "gradients", gradients, FCE_GRADIENTS_SIZE_V1_0, g0, g);
 }
 
+// The outputs and gradients a distillation does not write: fce_distill's refusals (its
+// statuses, this library's function named).
+fce_status refuse_distill_fields(const char* fn, const fce_outputs& out, const fce_gradients& g) {
+  const struct {
+    const char* name;
+    const void* ptr;
+    fce_status status;
+  } refused[] = {{"outputs->z_loss", out.z_loss, FCE_ERROR_UNSUPPORTED},
+                 {"outputs->argmax", out.argmax, FCE_ERROR_UNSUPPORTED},
+                 {"outputs->accuracy", out.accuracy, FCE_ERROR_UNSUPPORTED},
+                 {"outputs->entropy", out.entropy, FCE_ERROR_UNSUPPORTED},
+                 {"gradients->grad_lse", g.grad_lse, FCE_ERROR_UNSUPPORTED},
+                 {"gradients->grad_entropy", g.grad_entropy, FCE_ERROR_UNSUPPORTED},
+                 {"gradients->grad_hidden", g.grad_hidden, FCE_ERROR_INVALID_ARGUMENT},
+                 {"gradients->grad_weight", g.grad_weight, FCE_ERROR_INVALID_ARGUMENT},
+                 {"gradients->grad_bias", g.grad_bias, FCE_ERROR_INVALID_ARGUMENT}};
+  for (const auto& r : refused)
+    if (r.ptr)
+      return fail(r.status,
+                  "%s: %s is given, but %s writes only outputs->loss, ->lse and ->error_flags "
+                  "and gradients->grad_logits (for grad_output)",
+                  fn, r.name, fn);
+  if (g.grad_hidden_dtype != FCE_FLOAT32)
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "%s: gradients->grad_hidden_dtype (%d) must be FCE_FLOAT32 (the default)", fn,
+                g.grad_hidden_dtype);
+  if (g.reserved0 != 0)
+    return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: gradients->reserved0 (%d) must be 0", fn,
+                g.reserved0);
+  return FCE_SUCCESS;
+}
+
 // The all-gather of a shard made by fce_nccl_shard (fce_vp_all_gather_fn): ncclAllGather on
 // the communicator the shard carries as its context, on the call's stream. NCCL's result is kept
 // (per thread) for the message of the fce_nccl_* call that ran it.
@@ -133,6 +169,18 @@ fce_status shard_comm(const char* fn, const fce_vp_shard* shard, ncclComm_t* com
                 "which puts the communicator in it",
                 fn);
   *comm = static_cast<ncclComm_t>(shard->context);
+  return FCE_SUCCESS;
+}
+
+// The in-place all-gather of the statistics (NCCL's in-place form: sendbuff = recvbuff +
+// rank · count).
+fce_status gather_stats(const char* fn, float* gathered, int rank, size_t count, ncclComm_t comm,
+                        void* stream) {
+  if (count == 0) return FCE_SUCCESS;  // (no row: nothing to gather, on every rank alike)
+  const float* mine = gathered + static_cast<size_t>(rank) * count;
+  const ncclResult_t r =
+      ncclAllGather(mine, gathered, count, ncclFloat32, comm, static_cast<cudaStream_t>(stream));
+  if (r != ncclSuccess) return nccl_fail(fn, "ncclAllGather (statistics)", r, comm);
   return FCE_SUCCESS;
 }
 
@@ -184,6 +232,21 @@ fce_status check_common(const char* fn, const fce_options* options, const fce_vp
   return FCE_SUCCESS;
 }
 
+fce_status begin_query(const char* fn, const fce_options* options, const fce_vp_shard* shard,
+                       const void* result, const char* result_name, Call* c) {
+  last_error_buffer()[0] = '\0';
+  if (!result) return fail(FCE_ERROR_NULL_POINTER, "%s: %s is NULL", fn, result_name);
+  FCE_NCCL_TRY(check_common(fn, options, shard, false, &c->o, &c->ci, &c->comm));
+  return check_shard_ranks(fn, shard, c->ci.ranks);
+}
+
+fce_status begin_compute(const char* fn, const fce_options* options, const fce_vp_shard* shard,
+                         const fce_outputs* outputs, const fce_gradients* gradients, Call* c) {
+  last_error_buffer()[0] = '\0';
+  FCE_NCCL_TRY(check_common(fn, options, shard, true, &c->o, &c->ci, &c->comm));
+  return read_structs(fn, shard, c->ci.ranks, outputs, gradients, &c->out, &c->g);
+}
+
 // rows, the shard and the gathered statistics' size (P · rows · stats_width float32).
 fce_status check_sizes(const char* fn, int64_t rows, int64_t vocab_total, int64_t vocab_start,
                        int64_t vocab_local, bool with_start, int ranks, int64_t stats_width,
@@ -218,6 +281,29 @@ int64_t span_bytes(int64_t rows, int64_t cols, int64_t stride, size_t elem) {
   if (stride < cols) stride = cols;
   if (rows - 1 > (max_elems - cols) / stride) return -1;
   return ((rows - 1) * stride + cols) * static_cast<int64_t>(elem);
+}
+
+fce_status row_stride(const char* fn, const char* name, int64_t stride, int64_t vocab_local,
+                      int64_t* out) {
+  *out = stride ? stride : vocab_local;
+  if (*out < vocab_local)
+    return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: %s (%lld) is less than vocab_local (%lld)", fn,
+                name, (long long)*out, (long long)vocab_local);
+  return FCE_SUCCESS;
+}
+
+fce_status logits_strides(const char* fn, const fce_options& o, int64_t vocab_local,
+                          const void* logits, const void* grad_logits, int64_t* rs, int64_t* grs) {
+  FCE_NCCL_TRY(row_stride(fn, "options->row_stride", o.row_stride, vocab_local, rs));
+  *grs = o.grad_row_stride ? o.grad_row_stride : vocab_local;
+  if (!grad_logits) return FCE_SUCCESS;
+  FCE_NCCL_TRY(row_stride(fn, "options->grad_row_stride", o.grad_row_stride, vocab_local, grs));
+  if (grad_logits == logits && *grs != *rs)
+    return fail(FCE_ERROR_INVALID_ARGUMENT,
+                "%s: gradients->grad_logits is logits (in place) but options->grad_row_stride "
+                "(%lld) is not options->row_stride (%lld)",
+                fn, (long long)*grs, (long long)*rs);
+  return FCE_SUCCESS;
 }
 
 fce_status check_ranges(const char* fn, const Range* r, int n, int in_place_a, int in_place_b) {

@@ -84,6 +84,9 @@ fce_status check_row_grads(const char* fn, const fce_gradients& g, bool with_gra
 fce_status read_structs(const char* fn, const fce_vp_shard* shard, int ranks,
                         const fce_outputs* outputs, const fce_gradients* gradients,
                         fce_outputs* out, fce_gradients* g);
+// The outputs and gradients a distillation does not write (fce_distill's refusals), refused
+// before anything is enqueued: the libfusedce calls would refuse them only part-way.
+fce_status refuse_distill_fields(const char* fn, const fce_outputs& out, const fce_gradients& g);
 
 // The all-gather fce_nccl_shard puts in a shard (ncclAllGather on the communicator in its
 // context), and NCCL's result of its last run on this thread.
@@ -93,6 +96,11 @@ ncclResult_t last_gather_result();
 void clear_gather_result();
 // The communicator of a shard made by fce_nccl_shard.
 fce_status shard_comm(const char* fn, const fce_vp_shard* shard, ncclComm_t* comm);
+// ncclAllGather, in place on the stream, of every rank's count float32 of statistics in its
+// slot of gathered [ranks, count] (this rank's: gathered + rank · count); nothing when count is
+// 0 (no row, on every rank alike).
+fce_status gather_stats(const char* fn, float* gathered, int rank, size_t count, ncclComm_t comm,
+                        void* stream);
 
 struct CommInfo {
   int ranks = 0, rank = 0, device = -1;
@@ -102,6 +110,22 @@ struct CommInfo {
 // calls: also the rank, the device and a pending asynchronous error).
 fce_status check_common(const char* fn, const fce_options* options, const fce_vp_shard* shard,
                         bool full, fce_options* o, CommInfo* ci, ncclComm_t* comm_out);
+// What a call reads first, each checked once (a compute call binds it as
+// auto& [o, ci, comm, out, g]; a workspace query reads o and ci).
+struct Call {
+  fce_options o;
+  CommInfo ci;
+  ncclComm_t comm = nullptr;
+  fce_outputs out;
+  fce_gradients g;
+};
+// A workspace query's start: clears the message, refuses a NULL result (result_name), then
+// check_common and the shard's ranks.
+fce_status begin_query(const char* fn, const fce_options* options, const fce_vp_shard* shard,
+                       const void* result, const char* result_name, Call* c);
+// A compute call's start: clears the message, then check_common (full) and read_structs.
+fce_status begin_compute(const char* fn, const fce_options* options, const fce_vp_shard* shard,
+                         const fce_outputs* outputs, const fce_gradients* gradients, Call* c);
 // rows, the shard and the gathered statistics' size (P · rows · stats_width float32:
 // FCE_VP_STATS, or FCE_VP_STATS_INVARIANT under options->batch_invariant, stats_width()).
 fce_status check_sizes(const char* fn, int64_t rows, int64_t vocab_total, int64_t vocab_start,
@@ -112,6 +136,14 @@ inline int64_t stats_width(const fce_options& o) {
 }
 // Bytes spanned by rows of cols elements stride apart; -1 on overflow.
 int64_t span_bytes(int64_t rows, int64_t cols, int64_t stride, size_t elem);
+// The row stride of a shard [rows, vocab_local] named `name` (0: vocab_local), at least
+// vocab_local.
+fce_status row_stride(const char* fn, const char* name, int64_t stride, int64_t vocab_local,
+                      int64_t* out);
+// The row strides of the logits and (with a gradient) of gradients->grad_logits, which must be
+// the logits' when the gradient is written in place (grad_logits == logits).
+fce_status logits_strides(const char* fn, const fce_options& o, int64_t vocab_local,
+                          const void* logits, const void* grad_logits, int64_t* rs, int64_t* grs);
 
 // One buffer of the call, for the alignment and overlap checks.
 struct Range {

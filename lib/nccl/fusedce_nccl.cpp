@@ -7,6 +7,8 @@
 //   phase 1 (fce_vp_stats / fce_vp_linear_stats) into this rank's slot of the gathered buffer,
 //   ncclAllGather in place (sendbuff = recvbuff + rank · count, NCCL's in-place form),
 //   [the gradient: fce_vp_backward], fce_vp_loss;
+// fce_nccl_distill: per round (fce_vp_distill_rounds) fce_vp_distill_stats and the all-gather,
+// then fce_vp_distill_loss and [the gradient: fce_vp_distill_backward];
 // fce_nccl_linear_ce with a gradient: fce_vp_linear_ce (its all-gathers through ncclAllGather,
 // one per token chunk; ∂h partial in float32), ncclAllReduce (sum, float32) of ∂h in place, the
 // conversion to the dtype.
@@ -29,8 +31,8 @@ using namespace fce_nccl;
 
 namespace {
 
-// ---- cross-entropy: [gathered | scratch]
-struct CeLayout {
+// ---- cross-entropy and distillation: [gathered | scratch]
+struct StatsLayout {
   size_t gathered = 0;  // bytes of [P, rows, stats_width]
   size_t scratch_off = 0, scratch = 0;
   size_t total() const { return scratch_off + scratch; }
@@ -38,7 +40,7 @@ struct CeLayout {
 
 fce_status ce_layout(const char* fn, const fce_options* options, int ranks, int64_t rows,
                      int64_t vocab_total, int64_t vocab_local, bool with_grad,
-                     size_t gathered_bytes, CeLayout* l) {
+                     size_t gathered_bytes, StatsLayout* l) {
   size_t loss_ws = 0, bw_ws = 0;
   FCE_NCCL_QUERY(fn, fce_vp_loss_workspace_size, options, ranks, rows, vocab_total, &loss_ws);
   if (with_grad)
@@ -47,6 +49,27 @@ fce_status ce_layout(const char* fn, const fce_options* options, int ranks, int6
   l->gathered = gathered_bytes;
   l->scratch_off = align_up(gathered_bytes);
   l->scratch = loss_ws > bw_ws ? loss_ws : bw_ws;
+  return FCE_SUCCESS;
+}
+
+// ---- distillation: [gathered | scratch] as the cross-entropy; the JSD's round-1 statistics
+// (two rounds) are gathered into the scratch, which the loss and the backward use only after
+// round 2 has read them.
+fce_status distill_layout(const char* fn, const fce_options* options, const fce_teacher* teacher,
+                          int ranks, int64_t rows, int64_t vocab_total, int64_t vocab_local,
+                          bool with_grad, size_t gathered_bytes, int32_t* rounds, StatsLayout* l) {
+  size_t loss_ws = 0, bw_ws = 0;
+  FCE_NCCL_QUERY(fn, fce_vp_distill_loss_workspace_size, options, teacher, ranks, rows, vocab_total,
+                 &loss_ws);
+  if (with_grad)
+    FCE_NCCL_QUERY(fn, fce_vp_distill_backward_workspace_size, options, teacher, ranks, rows,
+                   vocab_total, vocab_local, &bw_ws);
+  FCE_NCCL_QUERY(fn, fce_vp_distill_rounds, teacher, rounds);
+  const size_t first = *rounds > 1 ? gathered_bytes : 0;
+  l->gathered = gathered_bytes;
+  l->scratch_off = align_up(gathered_bytes);
+  l->scratch = loss_ws > bw_ws ? loss_ws : bw_ws;
+  if (first > l->scratch) l->scratch = first;
   return FCE_SUCCESS;
 }
 
@@ -146,19 +169,14 @@ FCE_API fce_status fce_nccl_cross_entropy_workspace_size(const fce_options* opti
                                                          const fce_vp_shard* shard, int64_t rows,
                                                          int with_grad, size_t* workspace_bytes) {
   const char* fn = "fce_nccl_cross_entropy_workspace_size";
-  last_error_buffer()[0] = '\0';
-  if (!workspace_bytes) return fail(FCE_ERROR_NULL_POINTER, "%s: workspace_bytes is NULL", fn);
-  fce_options o;
-  CommInfo ci;
-  ncclComm_t comm = nullptr;
-  FCE_NCCL_TRY(check_common(fn, options, shard, false, &o, &ci, &comm));
-  FCE_NCCL_TRY(check_shard_ranks(fn, shard, ci.ranks));
+  Call call;
+  FCE_NCCL_TRY(begin_query(fn, options, shard, workspace_bytes, "workspace_bytes", &call));
   const int64_t vocab_total = shard->vocab_total, vocab_local = shard->vocab_local;
   size_t gathered = 0;
-  FCE_NCCL_TRY(check_sizes(fn, rows, vocab_total, 0, vocab_local, false, ci.ranks,
-                           stats_width(o), &gathered));
-  CeLayout l;
-  FCE_NCCL_TRY(ce_layout(fn, options, ci.ranks, rows, vocab_total, vocab_local, with_grad != 0,
+  FCE_NCCL_TRY(check_sizes(fn, rows, vocab_total, 0, vocab_local, false, call.ci.ranks,
+                           stats_width(call.o), &gathered));
+  StatsLayout l;
+  FCE_NCCL_TRY(ce_layout(fn, options, call.ci.ranks, rows, vocab_total, vocab_local, with_grad != 0,
                          gathered, &l));
   *workspace_bytes = l.total();
   return FCE_SUCCESS;
@@ -170,14 +188,9 @@ FCE_API fce_status fce_nccl_cross_entropy(const fce_options* options, const fce_
                                           const fce_gradients* gradients, void* workspace,
                                           size_t workspace_bytes, void* stream) {
   const char* fn = "fce_nccl_cross_entropy";
-  last_error_buffer()[0] = '\0';
-  fce_options o;
-  CommInfo ci;
-  ncclComm_t comm = nullptr;
-  FCE_NCCL_TRY(check_common(fn, options, shard, true, &o, &ci, &comm));
-  fce_outputs out;
-  fce_gradients gr;
-  FCE_NCCL_TRY(read_structs(fn, shard, ci.ranks, outputs, gradients, &out, &gr));
+  Call call;
+  FCE_NCCL_TRY(begin_compute(fn, options, shard, outputs, gradients, &call));
+  auto& [o, ci, comm, out, gr] = call;
   const int64_t vocab_total = shard->vocab_total, vocab_start = shard->vocab_start,
                 vocab_local = shard->vocab_local;
   float* loss = out.loss;
@@ -188,7 +201,7 @@ FCE_API fce_status fce_nccl_cross_entropy(const fce_options* options, const fce_
                            stats_width(o), &gathered_bytes));
   const bool with_grad = grad_logits != nullptr;
   FCE_NCCL_TRY(check_row_grads(fn, gr, with_grad, "gradients->grad_logits is"));
-  CeLayout l;
+  StatsLayout l;
   FCE_NCCL_TRY(ce_layout(fn, options, ci.ranks, rows, vocab_total, vocab_local, with_grad,
                          gathered_bytes, &l));
   // The options are valid now (the libfusedce queries checked them): sizes of the buffers.
@@ -199,21 +212,8 @@ FCE_API fce_status fce_nccl_cross_entropy(const fce_options* options, const fce_
   if (!loss && !(empty && per_row))
     return fail(FCE_ERROR_NULL_POINTER, "%s: outputs->loss is NULL", fn);
   const size_t es = elem_size(o.dtype), ts = elem_size(o.target_dtype);
-  const int64_t rs = o.row_stride ? o.row_stride : vocab_local;
-  const int64_t grs = o.grad_row_stride ? o.grad_row_stride : vocab_local;
-  if (rs < vocab_local)
-    return fail(FCE_ERROR_INVALID_ARGUMENT,
-                "%s: options->row_stride (%lld) is less than vocab_local (%lld)", fn,
-                (long long)rs, (long long)vocab_local);
-  if (with_grad && grs < vocab_local)
-    return fail(FCE_ERROR_INVALID_ARGUMENT,
-                "%s: options->grad_row_stride (%lld) is less than vocab_local (%lld)", fn,
-                (long long)grs, (long long)vocab_local);
-  if (with_grad && grad_logits == logits && grs != rs)
-    return fail(FCE_ERROR_INVALID_ARGUMENT,
-                "%s: gradients->grad_logits is logits (in place) but options->grad_row_stride (%lld) is not "
-                "options->row_stride (%lld)",
-                fn, (long long)grs, (long long)rs);
+  int64_t rs = 0, grs = 0;
+  FCE_NCCL_TRY(logits_strides(fn, o, vocab_local, logits, grad_logits, &rs, &grs));
   const int64_t logits_bytes = span_bytes(rows, vocab_local, rs, es);
   const int64_t grad_bytes = with_grad ? span_bytes(rows, vocab_local, grs, es) : 0;
   const int64_t y_bytes = targets_bytes(o.target_dtype, rows, vocab_local);
@@ -240,17 +240,13 @@ FCE_API fce_status fce_nccl_cross_entropy(const fce_options* options, const fce_
   FCE_NCCL_TRY(check_ranges(fn, r, 12, 0, 1));
 
   // ---- enqueue
-  cudaStream_t s = static_cast<cudaStream_t>(stream);
   float* gathered = reinterpret_cast<float*>(workspace);
   const size_t count = static_cast<size_t>(rows) * static_cast<size_t>(stats_width(o));
   float* stats = gathered + static_cast<size_t>(ci.rank) * count;
   void* scratch = static_cast<char*>(workspace) + l.scratch_off;
   const size_t scratch_bytes = workspace_bytes - l.scratch_off;
   FCE_NCCL_CORE(fn, fce_vp_stats(options, shard, rows, logits, targets, stats, stream));
-  if (count > 0) {  // (no row: nothing to gather, on every rank alike)
-    const ncclResult_t nr = ncclAllGather(stats, gathered, count, ncclFloat32, comm, s);
-    if (nr != ncclSuccess) return nccl_fail(fn, "ncclAllGather (statistics)", nr, comm);
-  }
+  FCE_NCCL_TRY(gather_stats(fn, gathered, ci.rank, count, comm, stream));
   if (with_grad)  // (its error flags are fce_vp_loss's, below)
     FCE_NCCL_CORE(fn, fce_vp_backward(options, shard, rows, logits, targets, gathered, &gr,
                                       scratch, scratch_bytes, stream));
@@ -259,25 +255,123 @@ FCE_API fce_status fce_nccl_cross_entropy(const fce_options* options, const fce_
   return FCE_SUCCESS;
 }
 
+FCE_API fce_status fce_nccl_distill_workspace_size(const fce_options* options,
+                                                   const fce_teacher* teacher,
+                                                   const fce_vp_shard* shard, int64_t rows,
+                                                   int with_grad, size_t* workspace_bytes) {
+  const char* fn = "fce_nccl_distill_workspace_size";
+  Call call;
+  FCE_NCCL_TRY(begin_query(fn, options, shard, workspace_bytes, "workspace_bytes", &call));
+  if (!teacher) return fail(FCE_ERROR_NULL_POINTER, "%s: teacher is NULL", fn);
+  const int64_t vocab_total = shard->vocab_total, vocab_local = shard->vocab_local;
+  size_t gathered = 0;
+  FCE_NCCL_TRY(check_sizes(fn, rows, vocab_total, 0, vocab_local, false, call.ci.ranks,
+                           FCE_VP_DISTILL_STATS, &gathered));
+  int32_t rounds = 0;
+  StatsLayout l;
+  FCE_NCCL_TRY(distill_layout(fn, options, teacher, call.ci.ranks, rows, vocab_total, vocab_local,
+                              with_grad != 0, gathered, &rounds, &l));
+  *workspace_bytes = l.total();
+  return FCE_SUCCESS;
+}
+
+FCE_API fce_status fce_nccl_distill(const fce_options* options, const fce_teacher* teacher,
+                                    const fce_vp_shard* shard, int64_t rows, const void* logits,
+                                    const void* targets, const fce_outputs* outputs,
+                                    const fce_gradients* gradients, void* workspace,
+                                    size_t workspace_bytes, void* stream) {
+  const char* fn = "fce_nccl_distill";
+  Call call;
+  FCE_NCCL_TRY(begin_compute(fn, options, shard, outputs, gradients, &call));
+  auto& [o, ci, comm, out, gr] = call;
+  if (!teacher) return fail(FCE_ERROR_NULL_POINTER, "%s: teacher is NULL", fn);
+  const int64_t vocab_total = shard->vocab_total, vocab_start = shard->vocab_start,
+                vocab_local = shard->vocab_local;
+  float* loss = out.loss;
+  void* grad_logits = gr.grad_logits;
+  size_t gathered_bytes = 0;
+  FCE_NCCL_TRY(check_sizes(fn, rows, vocab_total, vocab_start, vocab_local, true, ci.ranks,
+                           FCE_VP_DISTILL_STATS, &gathered_bytes));
+  FCE_NCCL_TRY(refuse_distill_fields(fn, out, gr));
+  const bool with_grad = grad_logits != nullptr;
+  int32_t rounds = 0;
+  StatsLayout l;
+  FCE_NCCL_TRY(distill_layout(fn, options, teacher, ci.ranks, rows, vocab_total, vocab_local,
+                              with_grad, gathered_bytes, &rounds, &l));
+  // The options and the teacher are valid now (the libfusedce queries checked them): the
+  // teacher's logits and strides, the sizes of the buffers. With no row (the empty problem) a
+  // per-row buffer of no element may be NULL.
+  const fce_teacher t0 = FCE_TEACHER_INIT;
+  fce_teacher t;
+  FCE_NCCL_TRY(read_versioned(fn, "teacher", teacher, FCE_TEACHER_SIZE_V1_0, t0, &t));
+  const bool per_row = o.reduction == FCE_REDUCTION_NONE, empty = rows == 0;
+  if (!logits && !empty) return fail(FCE_ERROR_NULL_POINTER, "%s: logits is NULL", fn);
+  if (!t.logits && !empty) return fail(FCE_ERROR_NULL_POINTER, "%s: teacher->logits is NULL", fn);
+  if (!loss && !(empty && per_row))
+    return fail(FCE_ERROR_NULL_POINTER, "%s: outputs->loss is NULL", fn);
+  const size_t es = elem_size(o.dtype), ts = elem_size(o.target_dtype);
+  int64_t rs = 0, grs = 0, trs = 0;
+  FCE_NCCL_TRY(logits_strides(fn, o, vocab_local, logits, grad_logits, &rs, &grs));
+  FCE_NCCL_TRY(row_stride(fn, "teacher->row_stride", t.row_stride, vocab_local, &trs));
+  const int64_t logits_bytes = span_bytes(rows, vocab_local, rs, es);
+  const int64_t teacher_bytes = span_bytes(rows, vocab_local, trs, es);
+  const int64_t grad_bytes = with_grad ? span_bytes(rows, vocab_local, grs, es) : 0;
+  const int64_t y_bytes = targets_bytes(o.target_dtype, rows, vocab_local);
+  if (logits_bytes < 0 || teacher_bytes < 0 || grad_bytes < 0 || y_bytes < 0)
+    return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: rows x row stride overflow", fn);
+  Range r[10] = {
+      {"logits", logits, static_cast<uint64_t>(logits_bytes), false, es},
+      {"gradients->grad_logits", grad_logits, static_cast<uint64_t>(grad_bytes), true, es},
+      {"teacher->logits", t.logits, static_cast<uint64_t>(teacher_bytes), false, es},
+      {"targets", targets, static_cast<uint64_t>(y_bytes), false, ts},
+      {},  // grad_output, then outputs->loss, ->lse, ->z_loss (refused), ->error_flags
+      {},
+      {},
+      {},
+      {},
+      {"workspace", workspace, workspace_bytes, true, 16},
+  };
+  loss_ranges(o, out, rows, with_grad ? gr.grad_output : nullptr, &r[4]);
+  FCE_NCCL_TRY(check_workspace(fn, workspace, workspace_bytes, l.total()));
+  FCE_NCCL_TRY(check_ranges(fn, r, 10, 0, 1));
+
+  // ---- enqueue: the rounds (the JSD's first gathered into the scratch), the loss, the gradient
+  char* ws = static_cast<char*>(workspace);
+  void* scratch = ws + l.scratch_off;
+  const size_t scratch_bytes = workspace_bytes - l.scratch_off;
+  const size_t count = static_cast<size_t>(rows) * FCE_VP_DISTILL_STATS;
+  float* gathered = reinterpret_cast<float*>(ws);
+  const float* previous = nullptr;
+  for (int32_t round = 1; round <= rounds; ++round) {
+    float* into = round == rounds ? gathered : static_cast<float*>(scratch);
+    float* stats = into + static_cast<size_t>(ci.rank) * count;
+    FCE_NCCL_CORE(fn, fce_vp_distill_stats(options, teacher, shard, round, rows, logits, previous,
+                                           stats, stream));
+    FCE_NCCL_TRY(gather_stats(fn, into, ci.rank, count, comm, stream));
+    previous = into;
+  }
+  FCE_NCCL_CORE(fn, fce_vp_distill_loss(options, teacher, shard, rows, targets, gathered, &out,
+                                        scratch, scratch_bytes, stream));
+  if (with_grad)
+    FCE_NCCL_CORE(fn, fce_vp_distill_backward(options, teacher, shard, rows, logits, targets,
+                                              gathered, &gr, scratch, scratch_bytes, stream));
+  return FCE_SUCCESS;
+}
+
 FCE_API fce_status fce_nccl_linear_ce_workspace_size(const fce_options* options,
                                                      const fce_vp_shard* shard, int64_t rows,
                                                      int64_t hidden, int with_grad,
                                                      size_t* min_bytes, size_t* optimal_bytes) {
   const char* fn = "fce_nccl_linear_ce_workspace_size";
-  last_error_buffer()[0] = '\0';
-  if (!min_bytes) return fail(FCE_ERROR_NULL_POINTER, "%s: min_bytes is NULL", fn);
-  fce_options o;
-  CommInfo ci;
-  ncclComm_t comm = nullptr;
-  FCE_NCCL_TRY(check_common(fn, options, shard, false, &o, &ci, &comm));
-  FCE_NCCL_TRY(check_shard_ranks(fn, shard, ci.ranks));
+  Call call;
+  FCE_NCCL_TRY(begin_query(fn, options, shard, min_bytes, "min_bytes", &call));
   const int64_t vocab_total = shard->vocab_total, vocab_local = shard->vocab_local;
   size_t gathered = 0;
-  FCE_NCCL_TRY(check_sizes(fn, rows, vocab_total, 0, vocab_local, false, ci.ranks,
+  FCE_NCCL_TRY(check_sizes(fn, rows, vocab_total, 0, vocab_local, false, call.ci.ranks,
                            FCE_VP_STATS, &gathered));
   LinLayout l;
-  FCE_NCCL_TRY(lin_layout(fn, options, o, ci.ranks, rows, hidden, vocab_total, vocab_local,
-                          with_grad != 0, with_grad != 0, gathered, &l));
+  FCE_NCCL_TRY(lin_layout(fn, options, call.o, call.ci.ranks, rows, hidden, vocab_total,
+                          vocab_local, with_grad != 0, with_grad != 0, gathered, &l));
   *min_bytes = l.min_total();
   if (optimal_bytes) *optimal_bytes = l.opt_total();
   return FCE_SUCCESS;
@@ -289,14 +383,9 @@ FCE_API fce_status fce_nccl_linear_ce(const fce_options* options, const fce_vp_s
                                       const fce_outputs* outputs, const fce_gradients* gradients,
                                       void* workspace, size_t workspace_bytes, void* stream) {
   const char* fn = "fce_nccl_linear_ce";
-  last_error_buffer()[0] = '\0';
-  fce_options o;
-  CommInfo ci;
-  ncclComm_t comm = nullptr;
-  FCE_NCCL_TRY(check_common(fn, options, shard, true, &o, &ci, &comm));
-  fce_outputs out;
-  fce_gradients gr;
-  FCE_NCCL_TRY(read_structs(fn, shard, ci.ranks, outputs, gradients, &out, &gr));
+  Call call;
+  FCE_NCCL_TRY(begin_compute(fn, options, shard, outputs, gradients, &call));
+  auto& [o, ci, comm, out, gr] = call;
   if (gr.grad_logits)
     return fail(FCE_ERROR_INVALID_ARGUMENT,
                 "%s: gradients->grad_logits is given, but %s writes only grad_hidden, "
@@ -382,10 +471,7 @@ FCE_API fce_status fce_nccl_linear_ce(const fce_options* options, const fce_vp_s
     float* stats = gathered + static_cast<size_t>(ci.rank) * count;
     FCE_NCCL_CORE(fn, fce_vp_linear_stats(options, shard, rows, hidden, hidden_states, weight,
                                           bias, targets, stats, scratch, scratch_bytes, stream));
-    if (count > 0) {  // (no row: nothing to gather, on every rank alike)
-      const ncclResult_t nr = ncclAllGather(stats, gathered, count, ncclFloat32, comm, s);
-      if (nr != ncclSuccess) return nccl_fail(fn, "ncclAllGather (statistics)", nr, comm);
-    }
+    FCE_NCCL_TRY(gather_stats(fn, gathered, ci.rank, count, comm, stream));
     FCE_NCCL_CORE(fn, fce_vp_loss(options, shard, rows, targets, gathered, &out, scratch,
                                   scratch_bytes, stream));
     return FCE_SUCCESS;

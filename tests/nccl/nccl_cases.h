@@ -1,6 +1,6 @@
 // nccl_cases.h — the cases of test_nccl.cpp and their machinery: the communicator, device
-// memory, the cross-entropy and linear cases (data, options, the calls on the device, graph
-// replays), and the comparisons with the unsharded calls.
+// memory, the cross-entropy, linear and distillation cases (data, options, the calls on the
+// device, graph replays), and the comparisons with the unsharded calls.
 #pragma once
 
 #include <nccl.h>
@@ -10,7 +10,7 @@
 #include "fusedce_nccl.h"
 #include "test_util.h"
 
-// The suites' flat argument lists of the two calls (flat_calls.h does the same for libfusedce's):
+// The suites' flat argument lists of the calls (flat_calls.h does the same for libfusedce's):
 // packed into fce_vp_shard, fce_outputs and fce_gradients here; shard->ranks is the communicator's.
 namespace flat {
 
@@ -76,6 +76,29 @@ inline fce_status nccl_linear_ce(const TestOptions* o, ncclComm_t comm, int64_t 
   const fce_gradients g = linear_grads(grad_hidden, grad_weight, grad_bias, grad_output);
   return fce_nccl_linear_ce(o, shp, rows, hidden, hidden_states, weight, bias, targets,
                             &out, &g, workspace, workspace_bytes, stream);
+}
+
+inline fce_status nccl_distill_ws(const TestOptions* o, const fce_teacher* teacher, ncclComm_t comm,
+                                  int64_t rows, int64_t vocab_total, int64_t vocab_local,
+                                  int with_grad, size_t* workspace_bytes) {
+  fce_vp_shard sh{};
+  return fce_nccl_distill_workspace_size(o, teacher,
+                                         comm_shard(comm, vocab_total, 0, vocab_local, &sh), rows,
+                                         with_grad, workspace_bytes);
+}
+
+inline fce_status nccl_distill(const TestOptions* o, const fce_teacher* teacher, ncclComm_t comm,
+                               int64_t rows, int64_t vocab_total, int64_t vocab_start,
+                               int64_t vocab_local, const void* logits, const void* targets,
+                               float* loss, float* lse, void* grad_logits, const float* grad_output,
+                               uint32_t* error_flags, void* workspace, size_t workspace_bytes,
+                               void* stream) {
+  fce_vp_shard sh{};
+  const fce_vp_shard* shp = comm_shard(comm, vocab_total, vocab_start, vocab_local, &sh);
+  const fce_outputs out = outputs(o, loss, lse, nullptr, error_flags);
+  const fce_gradients g = logit_grads(grad_logits, grad_output);
+  return fce_nccl_distill(o, teacher, shp, rows, logits, targets, &out, grad_logits ? &g : nullptr,
+                          workspace, workspace_bytes, stream);
 }
 
 }  // namespace flat
@@ -367,9 +390,35 @@ std::string replay_matches(cudaStream_t s, Call call, Poison poison, Download do
   return err;
 }
 
+// The eager call `call` on stream s (its status, an empty message, no CUDA error), its outputs
+// (`download`) into *out; with `graph`, then the replays of its capture (replay_matches). `what`
+// names the call in a failure.
+template <class Out, class Call, class Poison, class Download>
+::testing::AssertionResult eager_and_replays(const char* what, cudaStream_t s, bool graph,
+                                             Call call, Poison poison, Download download,
+                                             Out* out) {
+  const fce_status st = call();
+  if (st != FCE_SUCCESS) return ok(st, what);
+  if (fce_nccl_last_error()[0] != '\0')
+    return ::testing::AssertionFailure()
+           << what << ": a successful call left the message \"" << fce_nccl_last_error() << "\"";
+  cudaError_t e = cudaStreamSynchronize(s);
+  if (e == cudaSuccess) e = cudaGetLastError();
+  if (e != cudaSuccess)
+    return ::testing::AssertionFailure()
+           << what << ": CUDA error after the call: " << cudaGetErrorString(e);
+  *out = download();
+  if (!graph) return ::testing::AssertionSuccess();
+  const std::string err = replay_matches(
+      s, call, poison, [&] { return bits(download()); }, bits(*out));
+  if (!err.empty()) return ::testing::AssertionFailure() << what << ": " << err;
+  return ::testing::AssertionSuccess();
+}
+
 // fce_nccl_cross_entropy on the one-rank communicator; `graph`: after the eager call, capture
 // the call in a CUDA graph, poison the outputs, replay twice and require the eager bits.
 ::testing::AssertionResult ce_nccl(const CeCase& c, const CeData& d, CeOut* out, bool graph) {
+  if (graph && c.in_place) return ::testing::AssertionFailure() << "graph: not with in place";
   cudaStream_t s = stream0();
   ncclComm_t comm = comm1();
   CeDev b = ce_alloc(c, d, s);
@@ -390,20 +439,9 @@ std::string replay_matches(cudaStream_t s, Call call, Poison poison, Download do
                                   b.loss.p<float>(), b.lse.p<float>(), b.zl.p<float>(), grad,
                                   b.g.p<float>(), b.flags.p<uint32_t>(), b.ws.ptr(), wsb, s);
   };
-  st = call();
-  if (st != FCE_SUCCESS) return ok(st, "fce_nccl_cross_entropy");
-  if (fce_nccl_last_error()[0] != '\0')
-    return ::testing::AssertionFailure() << "a successful call left the message \""
-                                         << fce_nccl_last_error() << "\"";
-  auto f = finish();
-  if (!f) return f;
-  *out = b.download(c.in_place);
-  if (!graph) return ::testing::AssertionSuccess();
-  if (c.in_place) return ::testing::AssertionFailure() << "graph: not with in place";
-  const std::string err = replay_matches(
-      s, call, [&] { b.poison(); }, [&] { return bits(b.download(false)); }, bits(*out));
-  if (!err.empty()) return ::testing::AssertionFailure() << "fce_nccl_cross_entropy: " << err;
-  return ::testing::AssertionSuccess();
+  return eager_and_replays(
+      "fce_nccl_cross_entropy", s, graph, call, [&] { b.poison(); },
+      [&] { return b.download(c.in_place); }, out);
 }
 
 void expect_ce_equal(const CeCase& c, const CeOut& got, const CeOut& ref) {
@@ -641,16 +679,8 @@ bool lin_with_grad(const LinCase& c) { return c.gh || c.gw || (c.gb && c.bias); 
                               b.gh.ptr(), b.gw.ptr(), b.gb.ptr(), b.g.p<float>(),
                               b.flags.p<uint32_t>(), b.ws.ptr(), wsb, s);
   };
-  st = call();
-  if (st != FCE_SUCCESS) return ok(st, "fce_nccl_linear_ce");
-  auto f = finish();
-  if (!f) return f;
-  *out = b.download();
-  if (!graph) return ::testing::AssertionSuccess();
-  const std::string err =
-      replay_matches(s, call, [&] { b.poison(); }, [&] { return bits(b.download()); }, bits(*out));
-  if (!err.empty()) return ::testing::AssertionFailure() << "fce_nccl_linear_ce: " << err;
-  return ::testing::AssertionSuccess();
+  return eager_and_replays(
+      "fce_nccl_linear_ce", s, graph, call, [&] { b.poison(); }, [&] { return b.download(); }, out);
 }
 
 // test_linear_ce.cpp's bound: float32 1e-5; 16-bit: u·(4 + 2·max|z|). The two calls make the
@@ -748,6 +778,197 @@ std::vector<LinCase> lin_cases() {
     v.push_back(c);
   }
   return v;
+}
+
+// ------------------------------------------------------------------ distillation ------------
+// A distillation case: a cross-entropy case's name, dtypes, reduction, scale, softcap, ignored
+// rows, gradient, in place, sizes and seed (its label smoothing, z-loss, class weights and argmax
+// left off; its options are ce_options'), and the teacher's divergence, beta and temperature.
+struct DistCase : CeCase {
+  int divergence = FCE_DIVERGENCE_FORWARD_KL;
+  float beta = 0.5f, T = 1.0f;
+  bool targets = true;  // else NULL: every row counts
+};
+
+std::string label(const DistCase& c) {
+  static const char* const div[] = {"forward KL", "reverse KL", "JSD"};
+  std::ostringstream s;
+  s << label(static_cast<const CeCase&>(c)) << " " << div[c.divergence] << " beta=" << c.beta
+    << " T=" << c.T;
+  return s.str();
+}
+
+// The student's logits, targets and upstream gradient as a cross-entropy case's, and the
+// teacher's logits t [N, V].
+struct DistData : CeData {
+  std::vector<double> t;
+};
+
+DistData dist_data(const DistCase& c) {
+  DistData d;
+  static_cast<CeData&>(d) = ce_data(c);
+  std::mt19937_64 rng(c.seed + 1000);
+  d.t = random_logits(rng, c.dtype, c.N, c.V, 1.0, 6.0, 5.0);
+  return d;
+}
+
+fce_teacher dist_teacher(const DistCase& c, const void* logits) {
+  fce_teacher t = FCE_TEACHER_INIT;
+  t.divergence = c.divergence;
+  t.beta = c.beta;
+  t.temperature = c.T;
+  t.logits = logits;
+  return t;
+}
+
+// A distillation case's buffers: a cross-entropy case's (ce_alloc: z, y, g, the outputs, the
+// gradient; what the distillation does not write stays poisoned) and the teacher's logits t,
+// [N, c.V] (a rank passes its shard's data and width). What a call wrote: CeOut.
+struct DistDev : CeDev {
+  Dev t;
+  const void* targets(const DistCase& c) const { return c.targets ? y.ptr() : nullptr; }
+  void* grad_ptr(const DistCase& c) const {
+    return c.grad ? (c.in_place ? z.ptr() : grad.ptr()) : nullptr;
+  }
+};
+
+DistDev dist_alloc(const DistCase& c, const DistData& d, cudaStream_t s) {
+  DistDev b;
+  static_cast<CeDev&>(b) = ce_alloc(c, d, s);
+  b.t = Dev(encode(c.dtype, d.t), s);
+  return b;
+}
+
+// The unsharded reference: fce_distill on device 0.
+::testing::AssertionResult dist_reference(const DistCase& c, const DistData& d, CeOut* out) {
+  cudaStream_t s = stream0();
+  DistCase rc = c;
+  rc.in_place = false;
+  DistDev b = dist_alloc(rc, d, s);
+  const TestOptions o = ce_options(c);
+  const fce_teacher te = dist_teacher(c, b.t.ptr());
+  size_t wsb = 0;
+  fce_status st = fce_distill_workspace_size(&o, &te, c.N, c.V, &wsb);
+  if (st != FCE_SUCCESS) return ok(st, "fce_distill_workspace_size");
+  b.ws = Dev(wsb, s);
+  b.poison();
+  const fce_outputs out_s =
+      flat::outputs(&o, b.loss.p<float>(), b.lse.p<float>(), nullptr, b.flags.p<uint32_t>());
+  const fce_gradients g = flat::logit_grads(b.grad_ptr(rc), b.g.p<float>());
+  st = fce_distill(&o, &te, c.N, c.V, b.z.ptr(), b.targets(c), &out_s, c.grad ? &g : nullptr,
+                   b.ws.ptr(), wsb, s);
+  if (st != FCE_SUCCESS) return ok(st, "fce_distill (reference)");
+  auto f = finish();
+  if (!f) return f;
+  *out = b.download(false);
+  return ::testing::AssertionSuccess();
+}
+
+// fce_nccl_distill over the columns [start, start + c.V) of vocab_total on comm (the one-rank
+// communicator: all of them), the buffers b of the rank's shard; `graph` as ce_nccl.
+::testing::AssertionResult dist_nccl_on(ncclComm_t comm, cudaStream_t s, const DistCase& c,
+                                        DistDev& b, int64_t vocab_total, int64_t start, CeOut* out,
+                                        bool graph) {
+  if (graph && c.in_place) return ::testing::AssertionFailure() << "graph: not with in place";
+  const TestOptions o = ce_options(c);
+  const fce_teacher te = dist_teacher(c, b.t.ptr());
+  size_t wsb = 0;
+  fce_status st = flat::nccl_distill_ws(&o, &te, comm, c.N, vocab_total, c.V, c.grad, &wsb);
+  if (st != FCE_SUCCESS) return ok(st, "fce_nccl_distill_workspace_size");
+  b.ws = Dev(wsb, s);
+  b.poison();
+  auto call = [&] {
+    return flat::nccl_distill(&o, &te, comm, c.N, vocab_total, start, c.V, b.z.ptr(), b.targets(c),
+                              b.loss.p<float>(), b.lse.p<float>(), b.grad_ptr(c), b.g.p<float>(),
+                              b.flags.p<uint32_t>(), b.ws.ptr(), wsb, s);
+  };
+  return eager_and_replays(
+      "fce_nccl_distill", s, graph, call, [&] { b.poison(); },
+      [&] { return b.download(c.in_place); }, out);
+}
+
+::testing::AssertionResult dist_nccl(const DistCase& c, const DistData& d, CeOut* out, bool graph) {
+  cudaStream_t s = stream0();
+  DistDev b = dist_alloc(c, d, s);
+  return dist_nccl_on(comm1(), s, c, b, c.V, 0, out, graph);
+}
+
+// The distillation's bounds against fce_distill on CUDA, those test_vp_distill.cpp puts on the
+// fce_vp_distill_* steps (distill_ref.h): a divergence is a difference of nearly equal sums, so
+// the loss 1e-4 and a float32 gradient 4e-5; the lse as every float32 output here; a 16-bit
+// gradient rounded once to the dtype.
+constexpr double kDistLossTol = 1e-4, kDistGradTolF32 = 4e-5;
+
+void expect_dist_equal(const DistCase& c, const CeOut& got, const CeOut& ref) {
+  const std::string l = label(c);
+  EXPECT_TRUE(close_normwise(decode(FCE_FLOAT32, got.loss), decode(FCE_FLOAT32, ref.loss),
+                             kDistLossTol, l + " loss"));
+  EXPECT_TRUE(close_normwise(decode(FCE_FLOAT32, got.lse), decode(FCE_FLOAT32, ref.lse), kTolF32,
+                             l + " lse"));
+  if (c.grad) {
+    const double tol = c.dtype == FCE_FLOAT32 ? kDistGradTolF32 : grad_tol(c.dtype);
+    EXPECT_TRUE(close_normwise(decode(c.dtype, got.grad), decode(c.dtype, ref.grad), tol,
+                               l + " grad_logits"));
+  }
+  EXPECT_EQ(got.flags, ref.flags) << l << " error_flags";
+}
+
+// A case of a divergence (the JSD's beta 0.5) at temperature T; the other fields as declared.
+DistCase dist_case(const char* name, int divergence, float T, int reduction = FCE_REDUCTION_MEAN,
+                   double ignore = 0.0) {
+  DistCase c;
+  c.name = name, c.divergence = divergence, c.T = T, c.reduction = reduction, c.ignore = ignore;
+  return c;
+}
+
+// fce_nccl_distill on the one-rank communicator against fce_distill; `graph`: its replays too.
+void expect_dist_matches(const DistCase& c, bool graph) {
+  SCOPED_TRACE(label(c));
+  const DistData d = dist_data(c);
+  CeOut ref, got;
+  ASSERT_TRUE(dist_reference(c, d, &ref));
+  ASSERT_TRUE(dist_nccl(c, d, &got, graph));
+  expect_dist_equal(c, got, ref);
+}
+
+// Forward KL, reverse KL and the JSD (beta = 0.5: two rounds; beta = 0: one) with temperatures
+// other than 1, each reduction, ignored rows, no targets, int32 targets, in place, the loss only.
+std::vector<DistCase> dist_cases() {
+  std::vector<DistCase> v;
+  uint64_t seed = 500;
+  for (int dt : {FCE_FLOAT32, FCE_BFLOAT16}) {
+    const int mean = FCE_REDUCTION_MEAN, jsd = FCE_DIVERGENCE_JSD;
+    std::vector<DistCase> k = {
+        dist_case("forward KL, ignored rows", FCE_DIVERGENCE_FORWARD_KL, 2.0f, mean, 0.2),
+        dist_case("reverse KL, sum, scale+softcap, int32 targets", FCE_DIVERGENCE_REVERSE_KL, 0.5f,
+                  FCE_REDUCTION_SUM, 0.1),
+        dist_case("JSD, none+per-row upstream, ignored rows", jsd, 2.0f, FCE_REDUCTION_NONE, 0.25),
+        dist_case("JSD, in place, no targets", jsd, 1.5f),
+        dist_case("JSD beta=0 (one round)", jsd, 3.0f, mean, 0.1),
+        dist_case("JSD, loss only", jsd, 2.0f, mean, 0.3)};
+    k[1].scale = 0.8f;
+    k[1].softcap = 12.0f;
+    k[1].tdtype = FCE_INT32;
+    k[3].in_place = true;
+    k[3].targets = false;
+    k[4].beta = 0.0f;
+    k[5].grad = false;
+    for (DistCase& c : k) {
+      c.dtype = dt;
+      c.seed = ++seed;
+      v.push_back(c);
+    }
+  }
+  return v;
+}
+
+// The columns [start, start + local) of a dense [rows, cols] matrix (a rank's shard).
+std::vector<double> columns(const std::vector<double>& m, int64_t rows, int64_t cols, int64_t start,
+                            int64_t local) {
+  std::vector<double> out(static_cast<size_t>(rows * local));
+  for (int64_t r = 0; r < rows; ++r)
+    std::copy_n(m.begin() + r * cols + start, local, out.begin() + r * local);
+  return out;
 }
 
 }  // namespace

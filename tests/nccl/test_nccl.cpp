@@ -7,11 +7,16 @@
 //   sum with class weights, softcap and int32 targets, in place, loss only, accumulate,
 //   grad_weight_fp32, the minimum workspace), loss / lse / z_loss / argmax / accuracy and every
 //   gradient; the entropy with grad_lse / grad_entropy (options->vp_entropy); a CUDA graph
-//   capturing both calls replays them bit for bit.
+//   capturing both calls replays them bit for bit. fce_nccl_distill against the unsharded
+//   fce_distill: forward KL, reverse KL and the JSD (beta = 0.5, two rounds; beta = 0) with
+//   temperatures other than 1, float32 and bfloat16, each reduction, ignored rows, in place, the
+//   loss only, a graph replay, and a shard that does not tile the vocabulary
+//   (FCE_FLAG_SHARDS_INCONSISTENT).
 //   Two or more GPUs: the vocabulary sharded unevenly over up to 4 of them, the shards in the
 //   reverse of the rank order, one host thread per rank: every rank's loss is the same bits,
 //   and loss, gradients and the all-reduced grad_hidden match the unsharded calls; each rank's
-//   two calls, captured in CUDA graphs (collectives included), replay them bit for bit.
+//   two calls, captured in CUDA graphs (collectives included), replay them bit for bit; the
+//   distillation over the same uneven shards, against fce_distill, the same bits on every rank.
 //   Everywhere: bad arguments (NULL comm, the CPU backend, NULL options, ...) give a status and
 //   a message naming the function and the argument, and write nothing.
 //
@@ -55,9 +60,27 @@ TEST(Nccl, BadArgumentsWithoutDevice) {
   EXPECT_NE(std::string(fce_nccl_last_error()).find("fce_nccl_linear_ce: shard is NULL"),
             std::string::npos)
       << fce_nccl_last_error();
+  // the distillation: its status and a message that says `text`
+  fce_teacher te = FCE_TEACHER_INIT;
+  auto distill = [&](const TestOptions* op) {
+    return flat::nccl_distill(op, &te, no_comm, 4, 8, 0, 8, &loss, nullptr, &loss, nullptr, nullptr,
+                              nullptr, nullptr, nullptr, 0, nullptr);
+  };
+  auto refused = [](fce_status got, fce_status want, const char* text) {
+    EXPECT_EQ(got, want) << text;
+    EXPECT_NE(std::string(fce_nccl_last_error()).find(text), std::string::npos)
+        << fce_nccl_last_error();
+  };
+  refused(distill(&o), FCE_ERROR_NULL_POINTER, "fce_nccl_distill: shard is NULL");
+  refused(flat::nccl_distill_ws(&o, &te, no_comm, 4, 8, 8, 1, &ws), FCE_ERROR_NULL_POINTER,
+          "fce_nccl_distill_workspace_size: shard is NULL");
+  refused(flat::nccl_distill_ws(&o, &te, no_comm, 4, 8, 8, 1, nullptr), FCE_ERROR_NULL_POINTER,
+          "fce_nccl_distill_workspace_size: workspace_bytes is NULL");
+  refused(distill(nullptr), FCE_ERROR_NULL_POINTER, "fce_nccl_distill: options is NULL");
   EXPECT_EQ(loss, -1.0f);
   // the CPU backend: refused before the communicator is looked at
   o.backend = FCE_BACKEND_CPU;
+  refused(distill(&o), FCE_ERROR_UNSUPPORTED, "fce_nccl_distill: options->backend");
   EXPECT_EQ(flat::nccl_linear_ws(&o, no_comm, 4, 8, 16, 16, 1, &mn, nullptr),
             FCE_ERROR_UNSUPPORTED);
   EXPECT_NE(std::string(fce_nccl_last_error()).find("fce_nccl_linear_ce_workspace_size: "
@@ -124,7 +147,11 @@ TEST(Nccl, BadArgumentsWithoutDevice) {
                       "fusedce_nccl's"),
             std::string::npos)
       << fce_nccl_last_error();
+  refused(
+      fce_nccl_distill(&o, &te, &other, 4, &loss, nullptr, nullptr, nullptr, nullptr, 0, nullptr),
+      FCE_ERROR_INVALID_ARGUMENT, "fce_nccl_distill: shard->all_gather is not fusedce_nccl's");
   EXPECT_EQ(ws, 12345u);
+  EXPECT_EQ(loss, -1.0f);
 }
 
 // The checks on a real communicator: sizes, pointers, workspace, the core's own checks (the
@@ -262,6 +289,29 @@ TEST(Nccl, EmptyBatch) {
   EXPECT_NE(std::string(fce_nccl_last_error()).find("fce_nccl_cross_entropy: rows (-1)"),
             std::string::npos)
       << fce_nccl_last_error();
+  // the distillation, two rounds (the JSD) and one: no row, no collective
+  for (int div : {FCE_DIVERGENCE_JSD, FCE_DIVERGENCE_FORWARD_KL}) {
+    fce_teacher te = FCE_TEACHER_INIT;
+    te.divergence = div;
+    o.reduction = FCE_REDUCTION_MEAN;
+    ASSERT_TRUE(ok(flat::nccl_distill_ws(&o, &te, comm, 0, V, V, 1, &wsb), "distill query"));
+    EXPECT_EQ(wsb, 0u);
+    loss.fill(kPoisonByte);
+    ASSERT_TRUE(ok(flat::nccl_distill(&o, &te, comm, 0, V, 0, V, nullptr, nullptr, loss.p<float>(),
+                                      nullptr, nullptr, nullptr, nullptr, nullptr, 0, s),
+                   "fce_nccl_distill"));
+    EXPECT_EQ(loss.download(), std::vector<uint8_t>(4, 0)) << "distillation loss of no row";
+    o.reduction = FCE_REDUCTION_NONE;
+    EXPECT_TRUE(ok(flat::nccl_distill(&o, &te, comm, 0, V, 0, V, nullptr, nullptr, nullptr, nullptr,
+                                      nullptr, nullptr, nullptr, nullptr, 0, s),
+                   "fce_nccl_distill (none)"));
+    EXPECT_EQ(flat::nccl_distill(&o, &te, comm, -1, V, 0, V, nullptr, nullptr, nullptr, nullptr,
+                                 nullptr, nullptr, nullptr, nullptr, 0, s),
+              FCE_ERROR_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(fce_nccl_last_error()).find("fce_nccl_distill: rows (-1)"),
+              std::string::npos)
+        << fce_nccl_last_error();
+  }
   ASSERT_TRUE(finish());
 }
 
@@ -287,6 +337,194 @@ TEST(Nccl, LinearCeMatchesUnsharded) {
     ASSERT_TRUE(lin_nccl(c, d, &got, false));
     expect_lin_equal(c, d, got, ref);
   }
+}
+
+TEST(Nccl, DistillMatchesUnsharded) {
+  REQUIRE_GPU();
+  for (const DistCase& c : dist_cases()) expect_dist_matches(c, false);
+}
+
+// The two rounds of the JSD and the one of the reverse KL captured in a CUDA graph after an
+// eager call; two replays give the eager bits.
+TEST(Nccl, DistillGraphCaptureReplays) {
+  REQUIRE_GPU();
+  for (int div : {FCE_DIVERGENCE_JSD, FCE_DIVERGENCE_REVERSE_KL}) {
+    DistCase c = dist_case("graph", div, 2.0f, FCE_REDUCTION_MEAN, 0.1);
+    c.dtype = FCE_BFLOAT16;
+    c.seed = 601 + div;
+    expect_dist_matches(c, true);
+  }
+}
+
+// One rank whose shard is not the whole vocabulary: the gathered statistics do not tile it, so
+// every counted row's loss and gradient are NaN, an ignored row keeps 0, and the error flag is
+// set (fce_vp_distill_loss's, passed through).
+TEST(Nccl, DistillShardsNotTiling) {
+  REQUIRE_GPU();
+  for (int div : {FCE_DIVERGENCE_JSD, FCE_DIVERGENCE_FORWARD_KL}) {
+    DistCase c = dist_case("not tiling", div, 2.0f, FCE_REDUCTION_NONE);
+    c.N = 6;
+    c.V = 40;
+    c.seed = 611 + div;
+    SCOPED_TRACE(label(c));
+    DistData d = dist_data(c);
+    d.y[1] = -100;
+    cudaStream_t s = stream0();
+    DistDev b = dist_alloc(c, d, s);
+    CeOut got;
+    ASSERT_TRUE(dist_nccl_on(comm1(), s, c, b, c.V + 8, 0, &got, false));
+    uint32_t flags = 0;
+    std::memcpy(&flags, got.flags.data(), 4);
+    EXPECT_EQ(flags, static_cast<uint32_t>(FCE_FLAG_SHARDS_INCONSISTENT));
+    const std::vector<double> loss = decode(FCE_FLOAT32, got.loss);
+    const std::vector<double> grad = decode(FCE_FLOAT32, got.grad);
+    for (int64_t r = 0; r < c.N; ++r) {
+      const bool counted = r != 1;
+      EXPECT_EQ(std::isnan(loss[size_t(r)]), counted) << "row " << r << " loss " << loss[size_t(r)];
+      if (!counted) {
+        EXPECT_EQ(loss[size_t(r)], 0.0);
+      }
+      for (int64_t j = 0; j < c.V; ++j) {
+        const double g = grad[size_t(r * c.V + j)];
+        EXPECT_TRUE(counted ? std::isnan(g) : g == 0.0) << "row " << r << " column " << j;
+      }
+    }
+  }
+}
+
+// fce_nccl_distill's own checks and those of the libfusedce calls it makes (under its name):
+// a status and a message naming the function and the argument, and nothing written.
+TEST(Nccl, DistillBadArgumentsOnDevice) {
+  REQUIRE_GPU();
+  cudaStream_t s = stream0();
+  ncclComm_t comm = comm1();
+  DistCase c;
+  c.divergence = FCE_DIVERGENCE_JSD;
+  c.N = 8;
+  c.V = 40;
+  const int64_t N = c.N, V = c.V;
+  const DistData d = dist_data(c);
+  DistDev b = dist_alloc(c, d, s);
+  TestOptions o = ce_options(c);
+  fce_teacher te = dist_teacher(c, b.t.ptr());
+  size_t wsb = 0;
+  ASSERT_TRUE(ok(flat::nccl_distill_ws(&o, &te, comm, N, V, V, 1, &wsb), "query"));
+  EXPECT_STREQ(fce_nccl_last_error(), "");
+  size_t wsb_loss = 0;
+  ASSERT_TRUE(ok(flat::nccl_distill_ws(&o, &te, comm, N, V, V, 0, &wsb_loss), "query"));
+  EXPECT_LE(wsb_loss, wsb);
+  // the JSD gathers two rounds of [1, N, 8] float32: the last in front, round 1 in the scratch
+  EXPECT_GE(wsb, size_t(N) * FCE_VP_DISTILL_STATS * 4 * 2);
+  b.ws = Dev(wsb + 256, s);
+  b.loss.fill(kPoisonByte);
+  b.grad.fill(kPoisonByte);
+  const std::vector<uint8_t> loss0 = b.loss.download(), grad0 = b.grad.download();
+  fce_vp_shard sh;
+  const fce_vp_shard* shard = flat::comm_shard(comm, V, 0, V, &sh);
+  ASSERT_NE(shard, nullptr);
+  fce_outputs out = flat::outputs(&o, b.loss.p<float>(), nullptr, nullptr, nullptr);
+  fce_gradients g = flat::logit_grads(b.grad.ptr(), nullptr);
+  const void* z = b.z.ptr();
+  const void* y = b.y.ptr();
+  auto call = [&](const fce_teacher* t, const void* logits, void* w, size_t wb,
+                  const fce_vp_shard* shp) {
+    return fce_nccl_distill(&o, t, shp, N, logits, y, &out, &g, w, wb, s);
+  };
+  auto expect = [&](fce_status want, const char* what, const fce_teacher* t, const void* logits,
+                    void* w, size_t wb, const fce_vp_shard* shp) {
+    EXPECT_EQ(call(t, logits, w, wb, shp), want) << what;
+    const std::string m = fce_nccl_last_error();
+    EXPECT_EQ(m.rfind("fce_nccl_distill: ", 0), 0u) << m;
+    EXPECT_NE(m.find(what), std::string::npos) << m;
+    EXPECT_EQ(m.find("workspace_size"), std::string::npos) << m;
+    EXPECT_EQ(m.find("fce_vp_"), std::string::npos) << m;
+  };
+  auto bad = [&](fce_status want, const char* what) {
+    expect(want, what, &te, z, b.ws.ptr(), wsb, shard);
+  };
+  // sizes, pointers and workspace
+  expect(FCE_ERROR_WORKSPACE_TOO_SMALL, "workspace_bytes", &te, z, b.ws.ptr(), wsb - 1, shard);
+  expect(FCE_ERROR_NULL_POINTER, "workspace is NULL", &te, z, nullptr, wsb, shard);
+  expect(FCE_ERROR_MISALIGNED, "workspace", &te, z, b.ws.p<char>() + 8, wsb, shard);
+  expect(FCE_ERROR_NULL_POINTER, "teacher is NULL", nullptr, z, b.ws.ptr(), wsb, shard);
+  expect(FCE_ERROR_NULL_POINTER, "logits is NULL", &te, nullptr, b.ws.ptr(), wsb, shard);
+  expect(FCE_ERROR_NULL_POINTER, "shard is NULL", &te, z, b.ws.ptr(), wsb, nullptr);
+  fce_vp_shard no_comm = sh;
+  no_comm.context = nullptr;
+  expect(FCE_ERROR_NULL_POINTER, "shard->context (the communicator) is NULL", &te, z, b.ws.ptr(),
+         wsb, &no_comm);
+  fce_vp_shard wide = sh;
+  wide.vocab_start = 1;
+  expect(FCE_ERROR_INVALID_ARGUMENT, "vocab_start", &te, z, b.ws.ptr(), wsb, &wide);
+  fce_vp_shard two = sh;
+  two.ranks = 2;
+  expect(FCE_ERROR_INVALID_ARGUMENT, "shard->ranks (2)", &te, z, b.ws.ptr(), wsb, &two);
+  fce_teacher t2 = te;
+  t2.logits = nullptr;
+  expect(FCE_ERROR_NULL_POINTER, "teacher->logits is NULL", &t2, z, b.ws.ptr(), wsb, shard);
+  t2 = te;
+  t2.row_stride = V - 1;
+  expect(FCE_ERROR_INVALID_ARGUMENT, "teacher->row_stride (39)", &t2, z, b.ws.ptr(), wsb, shard);
+  t2 = te;
+  t2.logits = b.grad.ptr();  // the gradient written over the teacher's logits
+  expect(FCE_ERROR_INVALID_ARGUMENT, "overlaps", &t2, z, b.ws.ptr(), wsb, shard);
+  t2 = te;
+  t2.logits = b.t.p<char>() + 2;
+  expect(FCE_ERROR_MISALIGNED, "teacher->logits", &t2, z, b.ws.ptr(), wsb, shard);
+  // the teacher and the options, checked by libfusedce's queries: under this call's name
+  t2 = te;
+  t2.temperature = 0.0f;
+  expect(FCE_ERROR_INVALID_ARGUMENT, "teacher->temperature (0)", &t2, z, b.ws.ptr(), wsb, shard);
+  t2 = te;
+  t2.struct_size = 3;
+  expect(FCE_ERROR_INVALID_ARGUMENT, "teacher->struct_size (3)", &t2, z, b.ws.ptr(), wsb, shard);
+  o.label_smoothing = 0.1f;
+  bad(FCE_ERROR_UNSUPPORTED, "options->label_smoothing is not supported by fce_nccl_distill");
+  o.label_smoothing = 0.0f;
+  o.row_stride = V - 1;
+  bad(FCE_ERROR_INVALID_ARGUMENT, "options->row_stride (39)");
+  o.row_stride = 0;
+  // the outputs and gradients a distillation does not write
+  out.argmax = b.ws.p<int64_t>();
+  bad(FCE_ERROR_UNSUPPORTED, "outputs->argmax");
+  out.argmax = nullptr;
+  g.grad_lse = b.ws.p<float>();
+  bad(FCE_ERROR_UNSUPPORTED, "gradients->grad_lse");
+  g.grad_lse = nullptr;
+  g.grad_hidden = b.ws.ptr();
+  bad(FCE_ERROR_INVALID_ARGUMENT, "gradients->grad_hidden");
+  g.grad_hidden = nullptr;
+  out.loss = nullptr;
+  bad(FCE_ERROR_NULL_POINTER, "outputs->loss is NULL");
+  out.loss = b.loss.p<float>();
+  // in place with another stride
+  g.grad_logits = b.z.ptr();
+  o.grad_row_stride = V + 8;
+  bad(FCE_ERROR_INVALID_ARGUMENT, "in place");
+  o.grad_row_stride = 0;
+  g.grad_logits = b.grad.ptr();
+  // the queries' own
+  size_t q = 7;
+  EXPECT_EQ(flat::nccl_distill_ws(&o, nullptr, comm, N, V, V, 1, &q), FCE_ERROR_NULL_POINTER);
+  EXPECT_NE(
+      std::string(fce_nccl_last_error()).find("fce_nccl_distill_workspace_size: teacher is NULL"),
+      std::string::npos)
+      << fce_nccl_last_error();
+  t2 = te;
+  t2.divergence = 9;
+  EXPECT_EQ(flat::nccl_distill_ws(&o, &t2, comm, N, V, V, 1, &q), FCE_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(fce_nccl_last_error())
+                .find("fce_nccl_distill_workspace_size: teacher->divergence (9)"),
+            std::string::npos)
+      << fce_nccl_last_error();
+  EXPECT_EQ(q, 7u);
+  ASSERT_TRUE(finish());
+  EXPECT_EQ(b.loss.download(), loss0) << "a failing call wrote loss";
+  EXPECT_EQ(b.grad.download(), grad0) << "a failing call wrote grad_logits";
+  // and a good call clears the message
+  ASSERT_TRUE(ok(call(&te, z, b.ws.ptr(), wsb, shard), "fce_nccl_distill"));
+  EXPECT_STREQ(fce_nccl_last_error(), "");
+  ASSERT_TRUE(finish());
 }
 
 // Rule 18 through fce_nccl_cross_entropy with options->vp_entropy on a one-rank communicator:
@@ -518,13 +756,8 @@ void run_rank(ncclComm_t comm, int dev, int64_t start, int64_t local, int64_t ls
   FCE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   {
     // cross-entropy: this rank's columns, dense [N, local]
-    const size_t N = static_cast<size_t>(c.N);
-    std::vector<double> zs(N * static_cast<size_t>(local));
-    for (size_t r = 0; r < N; ++r)
-      for (int64_t j = 0; j < local; ++j)
-        zs[r * local + j] = cd.z[r * c.V + start + j];
     CeData part = cd;
-    part.z = zs;
+    part.z = columns(cd.z, c.N, c.V, start, local);
     CeCase pc = c;
     pc.V = local;  // the shard's buffers (sizes of the outputs: per row / scalar)
     CeDev b = ce_alloc(pc, part, s);
@@ -603,16 +836,71 @@ void run_rank(ncclComm_t comm, int dev, int64_t start, int64_t local, int64_t ls
   FCE_CUDA_CHECK(cudaStreamDestroy(s));
 }
 
+// A rank on device dev: the columns [start, start + local) of the distillation case's student
+// and teacher, its call then captured in a CUDA graph and replayed.
+void dist_rank(ncclComm_t comm, int dev, int64_t start, int64_t local, const DistCase& c,
+               const DistData& d, std::string* error, CeOut* out) {
+  if (cudaSetDevice(dev) != cudaSuccess) {
+    *error = "cudaSetDevice";
+    return;
+  }
+  cudaStream_t s;
+  FCE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  {
+    DistData part = d;
+    part.z = columns(d.z, c.N, c.V, start, local);
+    part.t = columns(d.t, c.N, c.V, start, local);
+    DistCase pc = c;
+    pc.V = local;  // the shard's buffers
+    DistDev b = dist_alloc(pc, part, s);
+    const ::testing::AssertionResult r = dist_nccl_on(comm, s, pc, b, c.V, start, out, true);
+    if (!r) *error = r.message();  // (the other ranks wait in the collective: the test times out)
+  }
+  FCE_CUDA_CHECK(cudaStreamDestroy(s));
+}
+
+// The number of GPUs (ranks) a test over several of them runs on, up to 4; 0, after a line
+// saying so, when there are fewer than 2.
+int several_gpus(const char* test) {
+  const int P = std::min(device_count(), 4);
+  if (P >= 2) return P;
+  std::printf("SKIPPED: %s needs 2 or more CUDA devices (%d here)\n", test, device_count());
+  return 0;
+}
+
+// Uneven shards of [0, V) (the last the largest), in the reverse of the rank order.
+void split(int P, int64_t V, std::vector<int64_t>* start, std::vector<int64_t>* size) {
+  start->assign(P, 0);
+  size->assign(P, 0);
+  int64_t at = 0;
+  for (int k = 0; k < P; ++k) {  // shard k goes to rank P-1-k
+    const int64_t n = k + 1 < P ? V / P - 7 * (k + 1) : V - at;
+    (*start)[P - 1 - k] = at;
+    (*size)[P - 1 - k] = n;
+    at += n;
+  }
+}
+
+// rank(r, comm, device) on P host threads, rank r on GPU r of a communicator over GPUs 0..P-1.
+template <class Rank>
+void on_ranks(int P, Rank rank) {
+  std::vector<int> devs(P);
+  for (int r = 0; r < P; ++r) devs[r] = r;
+  std::vector<ncclComm_t> comms(P);
+  NCCL_CHECK(ncclCommInitAll(comms.data(), P, devs.data()));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < P; ++r) threads.emplace_back(rank, r, comms[r], devs[r]);
+  for (auto& t : threads) t.join();
+  for (auto& cm : comms) ncclCommDestroy(cm);
+  FCE_CUDA_CHECK(cudaSetDevice(0));
+}
+
 }  // namespace
 
 TEST(Nccl, ShardedOverSeveralGpus) {
   REQUIRE_GPU();
-  const int P = std::min(device_count(), 4);
-  if (P < 2) {
-    std::printf("SKIPPED: Nccl.ShardedOverSeveralGpus needs 2 or more CUDA devices (%d here)\n",
-                device_count());
-    GTEST_SKIP() << "one CUDA device";
-  }
+  const int P = several_gpus("Nccl.ShardedOverSeveralGpus");
+  if (P == 0) GTEST_SKIP() << "one CUDA device";
   for (int dt : {FCE_FLOAT32, FCE_BFLOAT16}) {
     CeCase c;
     c.name = "sharded";
@@ -639,33 +927,13 @@ TEST(Nccl, ShardedOverSeveralGpus) {
     LinOut lref;
     ASSERT_TRUE(ce_reference(c, cd, &cref));
     ASSERT_TRUE(lin_reference(l, ld, &lref));
-    // Uneven shards (the last the largest), in the reverse of the rank order.
-    auto split = [P](int64_t V, std::vector<int64_t>* start, std::vector<int64_t>* size) {
-      start->assign(P, 0);
-      size->assign(P, 0);
-      int64_t at = 0;
-      for (int k = 0; k < P; ++k) {  // shard k goes to rank P-1-k
-        const int64_t n = k + 1 < P ? V / P - 7 * (k + 1) : V - at;
-        (*start)[P - 1 - k] = at;
-        (*size)[P - 1 - k] = n;
-        at += n;
-      }
-    };
     std::vector<int64_t> cs, cn, ls, ln;
-    split(c.V, &cs, &cn);
-    split(l.V, &ls, &ln);
-    std::vector<int> devs(P);
-    for (int r = 0; r < P; ++r) devs[r] = r;
-    std::vector<ncclComm_t> comms(P);
-    NCCL_CHECK(ncclCommInitAll(comms.data(), P, devs.data()));
+    split(P, c.V, &cs, &cn);
+    split(P, l.V, &ls, &ln);
     std::vector<RankOut> outs(P);
-    std::vector<std::thread> threads;
-    for (int r = 0; r < P; ++r)
-      threads.emplace_back(run_rank, comms[r], devs[r], cs[r], cn[r], ls[r], ln[r], std::cref(c),
-                           std::cref(cd), std::cref(l), std::cref(ld), &outs[r]);
-    for (auto& t : threads) t.join();
-    for (auto& cm : comms) ncclCommDestroy(cm);
-    FCE_CUDA_CHECK(cudaSetDevice(0));
+    on_ranks(P, [&](int r, ncclComm_t comm, int dev) {
+      run_rank(comm, dev, cs[r], cn[r], ls[r], ln[r], c, cd, l, ld, &outs[r]);
+    });
     for (int r = 0; r < P; ++r) ASSERT_EQ(outs[r].error, "") << "rank " << r;
     // the loss (and everything fce_vp_loss writes): the same bits on every rank
     for (int r = 1; r < P; ++r) {
@@ -694,5 +962,51 @@ TEST(Nccl, ShardedOverSeveralGpus) {
     }
     expect_ce_equal(c, cat, cref);
     expect_lin_equal(l, ld, lcat, lref);
+  }
+}
+
+// The distillation over the same uneven shards, one thread per rank: every rank's loss and lse
+// are the same bits, the shards' gradients put together are fce_distill's, and each rank's call,
+// its rounds' all-gathers included, replays from a CUDA graph bit for bit.
+TEST(Nccl, DistillShardedOverSeveralGpus) {
+  REQUIRE_GPU();
+  const int P = several_gpus("Nccl.DistillShardedOverSeveralGpus");
+  if (P == 0) GTEST_SKIP() << "one CUDA device";
+  std::vector<DistCase> cases = {
+      dist_case("forward KL", FCE_DIVERGENCE_FORWARD_KL, 2.0f, FCE_REDUCTION_MEAN, 0.2),
+      dist_case("reverse KL, sum", FCE_DIVERGENCE_REVERSE_KL, 0.5f, FCE_REDUCTION_SUM, 0.1),
+      dist_case("JSD, none", FCE_DIVERGENCE_JSD, 2.0f, FCE_REDUCTION_NONE, 0.25),
+      dist_case("JSD, no targets", FCE_DIVERGENCE_JSD, 1.5f)};
+  cases[0].dtype = cases[3].dtype = FCE_BFLOAT16;
+  cases[3].targets = false;
+  uint64_t seed = 700;
+  for (DistCase& c : cases) {
+    c.seed = ++seed;
+    SCOPED_TRACE(label(c) + " over " + std::to_string(P) + " GPUs");
+    const DistData d = dist_data(c);
+    FCE_CUDA_CHECK(cudaSetDevice(0));
+    CeOut ref;
+    ASSERT_TRUE(dist_reference(c, d, &ref));
+    std::vector<int64_t> start, size;
+    split(P, c.V, &start, &size);
+    std::vector<CeOut> outs(P);
+    std::vector<std::string> errors(P);
+    on_ranks(P, [&](int r, ncclComm_t comm, int dev) {
+      dist_rank(comm, dev, start[r], size[r], c, d, &errors[r], &outs[r]);
+    });
+    for (int r = 0; r < P; ++r) ASSERT_EQ(errors[r], "") << "rank " << r;
+    for (int r = 1; r < P; ++r) {
+      EXPECT_EQ(outs[r].loss, outs[0].loss) << "rank " << r;
+      EXPECT_EQ(outs[r].lse, outs[0].lse) << "rank " << r;
+      EXPECT_EQ(outs[r].flags, outs[0].flags) << "rank " << r;
+    }
+    const size_t N = static_cast<size_t>(c.N), es = dtype_size(c.dtype);
+    CeOut cat = outs[0];
+    cat.grad.assign(N * static_cast<size_t>(c.V) * es, 0);
+    for (int r = 0; r < P; ++r)
+      for (size_t row = 0; row < N; ++row)
+        std::memcpy(cat.grad.data() + (row * c.V + start[r]) * es,
+                    outs[r].grad.data() + row * size[r] * es, size[r] * es);
+    expect_dist_equal(c, cat, ref);
   }
 }
