@@ -436,8 +436,7 @@ TEST(Nccl, DistillBadArgumentsOnDevice) {
     const std::string m = fce_nccl_last_error();
     EXPECT_EQ(m.rfind("fce_nccl_distill: ", 0), 0u) << m;
     EXPECT_NE(m.find(what), std::string::npos) << m;
-    EXPECT_EQ(m.find("workspace_size"), std::string::npos) << m;
-    EXPECT_EQ(m.find("fce_vp_"), std::string::npos) << m;
+    EXPECT_EQ(m.find("fce_vp_"), std::string::npos) << m;  // no core call's name
   };
   auto bad = [&](fce_status want, const char* what) {
     expect(want, what, &te, z, b.ws.ptr(), wsb, shard);
