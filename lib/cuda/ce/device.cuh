@@ -234,6 +234,29 @@ __device__ __forceinline__ float block_sum_t(const Partial& acc, float M, float 
   return tot;
 }
 
+// ROWT with t, without label smoothing: block_reduce_all<false>'s partial (the same m and s, bit
+// for bit) with the CTA's t against its maximum in sw, from each thread's t against its own
+// maximum x.m. Each level rescales t to the maximum it has just taken (rescale_t) and sums it
+// beside s, so block_reduce_all's one barrier serves both, where block_sum_t after it takes up
+// to three more in a row's critical path.
+__device__ __forceinline__ Partial block_reduce_all_t(const Partial& x, float t, Partial* s_warp) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const auto level = [](const Partial& p, float tp) {
+    Partial w = warp_reduce_max_first(p);
+    if (p.m != w.m) tp = rescale_t(p.m, w.m, p.s, tp);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) tp = __fadd_rn(tp, __shfl_xor_sync(0xffffffffu, tp, o));
+    w.sw = static_cast<double>(tp);
+    return w;
+  };
+  const Partial w = level(x, t);
+  if (lane == 0) s_warp[warp] = w;
+  __syncthreads();
+  Partial r = partial_identity();
+  if (lane < nwarps) r = s_warp[lane];
+  return level(r, static_cast<float>(r.sw));
+}
+
 // ------------------------------------------- 16-bit rows, the maximum first ----
 // A row's (or a thread's share's) maximum can be taken on the raw 16-bit values two at a time
 // (max.bf16x2 / max.f16x2, sm_80+: like fmaxf, a NaN loses against a number) when a = z (kUnit),
@@ -612,13 +635,13 @@ __device__ __forceinline__ float row_grad_entropy(const KParams& p, int64_t row)
   return p.grad_entropy ? p.grad_entropy[row] : 0.f;
 }
 
-// Rule 18's per-row constants of row (mum = t/s); a row without a loss term (ignored: its
-// terms still flow) gets every loss coefficient of g set to 0.
-__device__ __forceinline__ RowTerms row_terms(const KParams& p, int64_t row, const RowInfo& ri,
-                                              float mum, RowGrad& g) {
+// Rule 18's per-row constants of a row (mum = t/s; gl, ge: its row_grad_lse and
+// row_grad_entropy); a row without a loss term (ignored: its terms still flow) gets every loss
+// coefficient of g set to 0.
+__device__ __forceinline__ RowTerms row_terms(const KParams& p, const RowInfo& ri, float mum,
+                                              float gl, float ge, RowGrad& g) {
   if (ri.kind != kValid) g.A = g.As = g.Az = g.B = g.Y = g.ks = g.Aks = 0.f;
-  return RowTerms{__fmul_rn(row_grad_lse(p, row), p.scale),
-                  __fmul_rn(row_grad_entropy(p, row), p.scale), mum};
+  return RowTerms{__fmul_rn(gl, p.scale), __fmul_rn(ge, p.scale), mum};
 }
 
 // The target's column within a row's buffer, once per row: y − col_begin when inside

@@ -52,6 +52,7 @@ struct RegShared {
   // and the target's logit z_y, for it to store the target's gradient after its vectors.
   int own;
   float zy;
+  float gl, ge;  // ROWT: the row's grad_lse and grad_entropy (row_grad_lse, row_grad_entropy)
 };
 
 // Asks the L2 to fetch this CTA's slice of row lrow (of this launch) now: the full 16-byte
@@ -147,6 +148,26 @@ __device__ __forceinline__ void sumexp_vector(const uint4& raw, I j0, bool full,
     }
   }
 }
+// ROWT, the second pass with t (sumexp_vector_c's form, |ms| < kFfmaSumMax): each term
+// e = 2^x, x = a·log2e − C, into s2, and e·x into t2 (x clamped to −FLT_MAX: a −inf element adds
+// 0, never 0·inf). As x = (a − ms)·log2e + r exactly before its one rounding, the caller's
+// t = Σ exp(a − ms)(a − ms) is (t2 − r·s2)·2^−r·ln 2: an FFMA and a max per term beside the
+// sum's own FFMA, exponential and add, where sumexp_vector's t takes six instructions a term.
+constexpr float kLn2 = 0.693147180559945309f;
+template <class TZ, class I>
+__device__ __forceinline__ void sumexp_t_vector_c(const uint4& raw, I j0, bool full, int V, float C,
+                                                  float& s2, float& t2) {
+  constexpr int E = vec_elems<TZ>();
+  float a[E];
+  unpack_in_row<TZ>(raw, j0, full, V, a);
+#pragma unroll
+  for (int q = 0; q < E; ++q) {
+    const float x = __fmaf_rn(a[q], kLog2e, -C);
+    const float e = ex2(x);
+    s2 = __fadd_rn(s2, e);
+    t2 = __fmaf_rn(e, fmaxf(x, -3.40282347e38f), t2);
+  }
+}
 // The argmax candidate of the two passes: the first in-row element equal to the thread's
 // maximum m (> −inf), as online_vector's tracking leaves it; am < 0 until found.
 template <class TZ, class I>
@@ -175,6 +196,44 @@ struct LeanTerms {
 __device__ __forceinline__ LeanTerms lean_terms(const RowGrad& rg, const RowTerms& rt) {
   return LeanTerms{__fmaf_rn(rt.Es, rt.mum, __fadd_rn(rg.Aks, rt.Ls)), rt.Es};
 }
+// ROWT: the off-target form above for the E logits g of one vector, in place (nlsl = −ls·log2e).
+template <int MODE, bool ES, int E>
+__device__ __forceinline__ void lean_elems(const KParams& p, const RowGrad& rg, const LeanTerms& lt,
+                                           float nlsl, float (&g)[E]) {
+#pragma unroll
+  for (int q = 0; q < E; ++q) {
+    float t;
+    const float a = xform<MODE>(g[q], p, t);
+    const float d = __fsub_rn(a, rg.m);
+    const float pr = ex2(__fmaf_rn(d, kLog2e, nlsl));  // prob(a, m, ls)
+    float gq =
+        ES ? __fmul_rn(pr, __fmaf_rn(-lt.Es, fmaxf(d, -128.f), lt.C1)) : __fmul_rn(pr, lt.C1);
+    if (use_cap<MODE>(p)) gq = __fmul_rn(gq, __fmaf_rn(-t, t, 1.f));
+    g[q] = gq;
+  }
+}
+
+// ROWT: the target element's gradient (yl, inside the buffer; z its logit): the loss's own form
+// plus rule 18's terms, as grad_vector_terms.
+template <class TZ, class TG, int MODE>
+__device__ __forceinline__ void store_target_lean(const KParams& p, const RowGrad& rg,
+                                                  const RowTerms& rt, float z, int yl, char* grow) {
+  float t;
+  const float a = xform<MODE>(z, p, t);
+  const float pr = prob(a, rg.m, rg.ls);
+  const float gl = grad_target<MODE>(p, rg, pr, 0.f, t);
+  const float w = __fmaf_rn(-rt.Es, __fsub_rn(__fsub_rn(a, rg.m), rt.mum), rt.Ls);
+  const float cf = use_cap<MODE>(p) ? __fmaf_rn(-t, t, 1.f) : 1.f;
+  const float gy = pr == 0.f ? gl : __fmaf_rn(__fmul_rn(pr, w), cf, gl);
+  char* dst = grow + int64_t(yl) * Ty<TG>::kBytes;
+  if constexpr (Ty<TG>::kBytes == 4) {
+    __stcs(reinterpret_cast<float*>(dst), gy);
+  } else {
+    __stcs(reinterpret_cast<unsigned short*>(dst),
+           static_cast<unsigned short>(pack2<TG>(gy, 0.f) & 0xffffu));
+  }
+}
+
 template <class TZ, class TG, int MODE, bool ES>
 __device__ __forceinline__ void
 grad_vector_lean(const uint4& raw, int j0, bool full, bool vec_ok, const KParams& p,
@@ -189,35 +248,24 @@ grad_vector_lean(const uint4& raw, int j0, bool full, bool vec_ok, const KParams
 #pragma unroll
     for (int q = 0; q < E; ++q) zy = q == dy ? g[q] : zy;
   }
-  const float lsl = __fmul_rn(rg.ls, kLog2e);
-#pragma unroll
-  for (int q = 0; q < E; ++q) {
-    float t;
-    const float a = xform<MODE>(g[q], p, t);
-    const float d = __fsub_rn(a, rg.m);
-    const float pr = ex2(__fmaf_rn(d, kLog2e, -lsl));  // prob(a, m, ls)
-    float gq =
-        ES ? __fmul_rn(pr, __fmaf_rn(-lt.Es, fmaxf(d, -128.f), lt.C1)) : __fmul_rn(pr, lt.C1);
-    if (use_cap<MODE>(p)) gq = __fmul_rn(gq, __fmaf_rn(-t, t, 1.f));
-    g[q] = gq;
-  }
+  lean_elems<MODE, ES>(p, rg, lt, -__fmul_rn(rg.ls, kLog2e), g);
   store_grad<TG, E>(grow, j0, full, vec_ok, p.vocab, g);
-  if (dy >= 0) {  // the target: the loss's own form plus the terms, as grad_vector_terms
-    float t;
-    const float a = xform<MODE>(zy, p, t);
-    const float pr = prob(a, rg.m, rg.ls);
-    const float gl = grad_target<MODE>(p, rg, pr, 0.f, t);
-    const float w = __fmaf_rn(-rt.Es, __fsub_rn(__fsub_rn(a, rg.m), rt.mum), rt.Ls);
-    const float cf = use_cap<MODE>(p) ? __fmaf_rn(-t, t, 1.f) : 1.f;
-    const float gy = pr == 0.f ? gl : __fmaf_rn(__fmul_rn(pr, w), cf, gl);
-    char* dst = grow + int64_t(yl) * Ty<TG>::kBytes;
-    if constexpr (Ty<TG>::kBytes == 4) {
-      __stcs(reinterpret_cast<float*>(dst), gy);
-    } else {
-      __stcs(reinterpret_cast<unsigned short*>(dst),
-             static_cast<unsigned short>(pack2<TG>(gy, 0.f) & 0xffffu));
-    }
-  }
+  if (dy >= 0) store_target_lean<TZ, TG, MODE>(p, rg, rt, zy, yl, grow);
+}
+
+// ROWT, the fast slots (regs_row): grad_vector_lean's form off the target for every element of
+// one full vector, stored at dst with one 16-byte store and no test per element or per vector;
+// the target's owner stores its element after (store_target_lean), as grad_vector_full and
+// store_target do for the plain gradient. nlsl = −ls·log2e, once per row.
+template <class TZ, class TG, int MODE, bool ES>
+__device__ __forceinline__ void grad_vector_lean_full(const uint4& raw, const KParams& p,
+                                                      const RowGrad& rg, const LeanTerms& lt,
+                                                      float nlsl, char* dst) {
+  constexpr int E = vec_elems<TZ>();
+  float g[E];
+  unpack<TZ>(raw, g);
+  lean_elems<MODE, ES>(p, rg, lt, nlsl, g);
+  store_grad<TG, E>(dst, 0, true, true, p.vocab, g);
 }
 
 // The gradient of one full vector of a valid row without label smoothing, stored at dst (a
@@ -341,6 +389,17 @@ __device__ __forceinline__ void regs_row(const KParams& p, int64_t lrow, int64_t
       copy_vector_async<TZ>(svec + ns_used * nt + tid, zrow, j0, is_full<int, E>(j0, V), V, pol);
     }
   }
+  // ROWT, registers only: the row's upstream lse and entropy gradients (read with s_info after
+  // the fold), loaded now, so that their latency hides under the fold instead of stalling the
+  // gradient; by the second warp's first thread, as thread 0 has load_row_info's chain of loads
+  // to make. (Kernels with shared-memory slots read them after the fold: measured on an H200 at
+  // 8192×256000 bf16, loading them early there was 5 % slower.)
+  if constexpr (ROWT && !SMEM) {
+    if (tid == (nt > 32 ? 32 : 0)) {
+      sh.gl = row_grad_lse(p, row);
+      sh.ge = row_grad_entropy(p, row);
+    }
+  }
   // The row's target and its logit (load_row_info, thread 0): for 16-bit rows before the fold,
   // for float32 rows after it. Measured on an H100 (dev/NOTES.md, 2026-11-25):
   // after the fold, float32 forward + gradient at 4096×32000 ran 91.5 → 94.5 % of copy and
@@ -395,22 +454,27 @@ __device__ __forceinline__ void regs_row(const KParams& p, int64_t lrow, int64_t
     float sum = 0.f;
     const auto sum_pass = [&](auto with_t) {
       constexpr bool WT = decltype(with_t)::value;
-      if (!WT && fabsf(ms) < kFfmaSumMax) {  // one FFMA per term (sumexp_vector_c)
+      if (fabsf(ms) < kFfmaSumMax) {  // one FFMA per term (sumexp_vector_c)
         const float C = __fmul_rn(ms, kLog2e), r = __fmaf_rn(ms, kLog2e, -C);
-        float s2 = 0.f;
+        float s2 = 0.f, t2 = 0.f;
+        const auto add = [&](const uint4& raw, int j0, bool full) {
+          if constexpr (WT) sumexp_t_vector_c<TZ>(raw, j0, full, V, C, s2, t2);
+          else sumexp_vector_c<TZ>(raw, j0, full, V, C, s2);
+        };
         if (fast) {
 #pragma unroll
-          for (int i = 0; i < kRegVpt - 1; ++i) sumexp_vector_c<TZ>(buf[i], 0, true, V, C, s2);
-          if (has_last) sumexp_vector_c<TZ>(buf[kRegVpt - 1], 0, true, V, C, s2);
+          for (int i = 0; i < kRegVpt - 1; ++i) add(buf[i], 0, true);
+          if (has_last) add(buf[kRegVpt - 1], 0, true);
         } else {
 #pragma unroll
           for (int i = 0; i < kRegVpt; ++i) {
             const int j0 = j00 + i * jstep;
-            if (v0 + i * nt < vend)
-              sumexp_vector_c<TZ>(buf[i], j0, is_full<int, E>(j0, V), V, C, s2);
+            if (v0 + i * nt < vend) add(buf[i], j0, is_full<int, E>(j0, V));
           }
         }
-        sum = __fmul_rn(s2, ex2(-r));
+        const float back = ex2(-r);
+        sum = __fmul_rn(s2, back);
+        if constexpr (WT) tacc = __fmul_rn(__fmul_rn(__fmaf_rn(-r, s2, t2), back), kLn2);
         return;
       }
       if (fast) {
@@ -483,9 +547,10 @@ __device__ __forceinline__ void regs_row(const KParams& p, int64_t lrow, int64_t
   // every warp ends with the CTA's partial (and, after the barrier inside, s_info is there)
   // ROWT with t: the CTA's t against its maximum, carried in the partial's sw (unused without
   // smoothing, which ROWT kernels never have) through the cluster's exchange
-  Partial blk = block_reduce_all<SW>(acc, s_warp);
+  Partial blk;
   if constexpr (ROWT)
-    if (need_t) blk.sw = static_cast<double>(block_sum_t<false>(acc, blk.m, tacc, s_warp));
+    blk = need_t ? block_reduce_all_t(acc, tacc, s_warp) : block_reduce_all<SW>(acc, s_warp);
+  else blk = block_reduce_all<SW>(acc, s_warp);
 
   // ---- the row's partial: this CTA's, or the cluster's folded in rank order
   Partial fin = blk;
@@ -546,6 +611,8 @@ __device__ __forceinline__ void regs_row(const KParams& p, int64_t lrow, int64_t
   if (k > 1) fin = Partial{qnan(), qnan(), 0.0};
 #endif
   const RowInfo ri = s_info;
+  const float row_gl = !ROWT ? 0.f : SMEM ? row_grad_lse(p, row) : sh.gl;
+  const float row_ge = !ROWT ? 0.f : SMEM ? row_grad_entropy(p, row) : sh.ge;
   const RowVals vals = row_vals(p, ri, fin);
   float mum = 0.f;  // ROWT: μ − m = t/s
   if constexpr (ROWT) {
@@ -588,22 +655,24 @@ __device__ __forceinline__ void regs_row(const KParams& p, int64_t lrow, int64_t
     // their code only when this block is inside if constexpr.)
     bool done = false;
     if constexpr (ROWT) {
-      if (ri.kind == kValid || (ri.kind == kIgnored &&
-                                (row_grad_lse(p, row) != 0.f || row_grad_entropy(p, row) != 0.f))) {
+      if (ri.kind == kValid || (ri.kind == kIgnored && (row_gl != 0.f || row_ge != 0.f))) {
         RowGrad rg = make_row_grad<MODE>(p, ri, vals);
-        const RowTerms rt = row_terms(p, row, ri, mum, rg);
+        const RowTerms rt = row_terms(p, ri, mum, row_gl, row_ge, rg);
         const LeanTerms lt = lean_terms(rg, rt);
         const int yl = ri.kind == kValid ? local_target<int, E>(p, ri.y) : -2 * E;
         auto grad_all = [&](auto es) {
           constexpr bool ES = decltype(es)::value;
-          if (fast) {
+          if (fast) {  // as the plain fast slots below: the target's owner stores it after
+            const float nlsl = -__fmul_rn(rg.ls, kLog2e);
+            char* const gb = grow + int64_t(j00) * Ty<TG>::kBytes;
+            const int64_t sb = int64_t(jstep) * Ty<TG>::kBytes;
 #pragma unroll
             for (int i = 0; i < kRegVpt - 1; ++i)
-              grad_vector_lean<TZ, TG, MODE, ES>(buf[i], j00 + i * jstep, true, true, p, rg, lt, rt,
-                                                 yl, grow);
+              grad_vector_lean_full<TZ, TG, MODE, ES>(buf[i], p, rg, lt, nlsl, gb + i * sb);
             if (has_last)
-              grad_vector_lean<TZ, TG, MODE, ES>(buf[kRegVpt - 1], j00 + (kRegVpt - 1) * jstep,
-                                                 true, true, p, rg, lt, rt, yl, grow);
+              grad_vector_lean_full<TZ, TG, MODE, ES>(buf[kRegVpt - 1], p, rg, lt, nlsl,
+                                                      gb + (kRegVpt - 1) * sb);
+            if (tid == sh.own) store_target_lean<TZ, TG, MODE>(p, rg, rt, sh.zy, yl, grow);
           } else {
 #pragma unroll
             for (int i = 0; i < kRegVpt; ++i) {

@@ -187,7 +187,8 @@ __global__ void __launch_bounds__(BWD ? kBackwardThreads : kTwoPassThreads, BWD 
     const bool vec_ok = grad_vec_ok<TZ, TG>(grow, lead);
     RowGrad rg = make_row_grad<MODE>(p, ri, vals);
     RowTerms rt{};
-    if constexpr (ROWT && !SOFT) rt = row_terms(p, row, ri, mum, rg);
+    if constexpr (ROWT && !SOFT)
+      rt = row_terms(p, ri, mum, row_grad_lse(p, row), row_grad_entropy(p, row), rg);
     SoftGrad sg{};
     if constexpr (SOFT) sg = soft_grad(p, row, ri, vals, soft.Q, mum);
     const int64_t yl = ri.kind == kValid ? local_target<int64_t, E>(p, ri.y) : int64_t(-2 * E);
