@@ -214,9 +214,8 @@ __device__ __forceinline__ float rescale_t(float m, float m2, float s, float t) 
 
 // rule 18's t of a CTA against its maximum M, from each thread's t against its own maximum acc.m:
 // rescaled to M, then summed in a fixed tree (every thread gets the same bits). s_warp, which
-// block_reduce_all has just read, is reused as scratch: SYNCED says a barrier has already
-// followed that read; without it one comes first.
-template <bool SYNCED>
+// block_reduce_all has just read, is reused as scratch: the caller has had a barrier follow
+// that read.
 __device__ __forceinline__ float block_sum_t(const Partial& acc, float M, float tacc,
                                              Partial* s_warp) {
   if (acc.m != M) tacc = rescale_t(acc.m, M, acc.s, tacc);
@@ -224,7 +223,6 @@ __device__ __forceinline__ float block_sum_t(const Partial& acc, float M, float 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) tacc = __fadd_rn(tacc, __shfl_xor_sync(0xffffffffu, tacc, o));
-  if constexpr (!SYNCED) __syncthreads();  // every warp has read s_warp
   if (lane == 0) s_sum[warp] = tacc;
   __syncthreads();
   float tot = lane < nwarps ? s_sum[lane] : 0.f;
@@ -237,8 +235,8 @@ __device__ __forceinline__ float block_sum_t(const Partial& acc, float M, float 
 // ROWT with t, without label smoothing: block_reduce_all<false>'s partial (the same m and s, bit
 // for bit) with the CTA's t against its maximum in sw, from each thread's t against its own
 // maximum x.m. Each level rescales t to the maximum it has just taken (rescale_t) and sums it
-// beside s, so block_reduce_all's one barrier serves both, where block_sum_t after it takes up
-// to three more in a row's critical path.
+// beside s, so block_reduce_all's one barrier serves both, where block_reduce_all then
+// block_sum_t take four in a row's critical path.
 __device__ __forceinline__ Partial block_reduce_all_t(const Partial& x, float t, Partial* s_warp) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const auto level = [](const Partial& p, float tp) {

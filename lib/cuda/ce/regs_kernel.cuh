@@ -389,12 +389,10 @@ __device__ __forceinline__ void regs_row(const KParams& p, int64_t lrow, int64_t
       copy_vector_async<TZ>(svec + ns_used * nt + tid, zrow, j0, is_full<int, E>(j0, V), V, pol);
     }
   }
-  // ROWT, registers only: the row's upstream lse and entropy gradients (read with s_info after
-  // the fold), loaded now, so that their latency hides under the fold instead of stalling the
-  // gradient; by the second warp's first thread, as thread 0 has load_row_info's chain of loads
-  // to make. (Kernels with shared-memory slots read them after the fold: measured on an H200 at
-  // 8192×256000 bf16, loading them early there was 5 % slower.)
-  if constexpr (ROWT && !SMEM) {
+  // ROWT: the row's upstream lse and entropy gradients (read with s_info after the fold), loaded
+  // now, so that their latency hides under the fold instead of stalling the gradient; by the
+  // second warp's first thread, as thread 0 has load_row_info's chain of loads to make
+  if constexpr (ROWT) {
     if (tid == (nt > 32 ? 32 : 0)) {
       sh.gl = row_grad_lse(p, row);
       sh.ge = row_grad_entropy(p, row);
@@ -611,8 +609,7 @@ __device__ __forceinline__ void regs_row(const KParams& p, int64_t lrow, int64_t
   if (k > 1) fin = Partial{qnan(), qnan(), 0.0};
 #endif
   const RowInfo ri = s_info;
-  const float row_gl = !ROWT ? 0.f : SMEM ? row_grad_lse(p, row) : sh.gl;
-  const float row_ge = !ROWT ? 0.f : SMEM ? row_grad_entropy(p, row) : sh.ge;
+  const float row_gl = ROWT ? sh.gl : 0.f, row_ge = ROWT ? sh.ge : 0.f;
   const RowVals vals = row_vals(p, ri, fin);
   float mum = 0.f;  // ROWT: μ − m = t/s
   if constexpr (ROWT) {

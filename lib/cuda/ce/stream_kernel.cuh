@@ -65,7 +65,7 @@ __device__ __forceinline__ Partial stream_reduce(const KParams& p, const char* z
   const Partial blk = block_reduce_all<SW>(acc, s_warp);
   if (threadIdx.x == 0) *s_final = blk;
   __syncthreads();
-  if constexpr (ENT) *t_row = block_sum_t<true>(acc, blk.m, tacc, s_warp);
+  if constexpr (ENT) *t_row = block_sum_t(acc, blk.m, tacc, s_warp);
   if constexpr (SOFT)
     *soft = soft_block_sum(sacc, acc.m, blk.m, reinterpret_cast<double2*>(s_warp));
   return *s_final;
