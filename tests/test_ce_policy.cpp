@@ -575,20 +575,27 @@ int main() {
     std::fprintf(stderr, "a stated choice of the table does not hold\n");
     ++failures;
   }
-  // Rule 18's terms: never the bulk kernel; the register path unless label smoothing keeps
-  // them on the stream kernels; long forward-only rows stream as without them.
-  auto terms = [](RowsShape q, bool in_regs) {
+  // Rule 18's terms: the kernels the rows take without them (the register and bulk kernels
+  // have them), unless label smoothing keeps them on the stream kernels; long forward-only
+  // rows of sm_80 stream as without them.
+  auto terms = [](RowsShape q, bool fast) {
     q.row_terms = true;
-    q.terms_in_regs = in_regs;
+    q.fast_terms = fast;
     return q;
   };
   const RowsShape fwd_bulk{false, false, 16384, 16384, 2, true, false};  // bulk without terms
   const RowsShape grad_short{false, true, 16384, 4096, 2, true, false};
+  const RowsShape grad_bulk{false, true, 4096, 50257, 2, false, false};  // unaligned 100 KB rows
+  const Model h2 = h200();
   if (path_of(h, fwd_bulk) != RowsPath::kBulk ||
-      path_of(h, terms(fwd_bulk, true)) != RowsPath::kRegisters ||
+      path_of(h, terms(fwd_bulk, true)) != RowsPath::kBulk ||
+      path_of(h, terms(fwd, true)) != RowsPath::kBulk ||
+      path_of(h2, grad_bulk) != RowsPath::kBulk ||
+      path_of(h2, terms(grad_bulk, true)) != RowsPath::kBulk ||
       path_of(h, terms(grad_short, true)) != RowsPath::kRegisters ||
       path_of(h, terms(fwd_short, true)) != RowsPath::kRegisters ||
-      path_of(h, terms(fwd, true)) != RowsPath::kTwoPass ||
+      path_of(a, terms(fwd, true)) != RowsPath::kTwoPass ||
+      path_of(h, terms(fwd_bulk, false)) != RowsPath::kTwoPass ||
       path_of(h, terms(grad_short, false)) != RowsPath::kTwoPass ||
       path_of(h, terms(bwd, true)) != RowsPath::kBackward) {
     std::fprintf(stderr, "a stated choice of the table for rule 18's terms does not hold\n");

@@ -110,6 +110,7 @@ std::string case_name(const CeSpec& c) {
 
 struct Want {
   bool lse_terms = true, entropy_terms = true, loss_grad = true;
+  bool grad = true;  // false: the forward alone (no gradients), its entropy, lse and loss
 };
 
 // fce_forward with outputs->entropy and lse, and the one-pass gradient with grad_lse and
@@ -153,8 +154,8 @@ void check_forward(CeSpec c, int dtype, int reduction, const Want& w, uint64_t s
   gr.grad_output = g.p<const float>();
   gr.grad_lse = w.lse_terms ? gl.p<const float>() : nullptr;
   gr.grad_entropy = w.entropy_terms ? ge.p<const float>() : nullptr;
-  const fce_status st =
-      fce_forward(&o, N, V, z.ptr(), y.ptr(), &out, &gr, ws.ptr(), ws_bytes, test_stream());
+  const fce_status st = fce_forward(&o, N, V, z.ptr(), y.ptr(), &out, w.grad ? &gr : nullptr,
+                                    ws.ptr(), ws_bytes, test_stream());
   ASSERT_EQ(st, FCE_SUCCESS) << fce_last_error();
   ASSERT_TRUE(finish());
   loss.pull();
@@ -162,7 +163,7 @@ void check_forward(CeSpec c, int dtype, int reduction, const Want& w, uint64_t s
   ent.pull();
   grad.pull();
   EXPECT_TRUE(all_written(ent, rm, "entropy"));
-  EXPECT_TRUE(all_written(grad, zm, "grad_logits"));
+  if (w.grad) EXPECT_TRUE(all_written(grad, zm, "grad_logits"));
   EXPECT_TRUE(close_normwise(read_mat(ent, rm), rt.entropy, 1e-5, "entropy"));
   EXPECT_TRUE(close_normwise(read_mat(lse, rm), ref.lse, 1e-5, "lse"));
   if (reduction == FCE_REDUCTION_NONE) {
@@ -170,8 +171,9 @@ void check_forward(CeSpec c, int dtype, int reduction, const Want& w, uint64_t s
   } else {
     EXPECT_TRUE(close_scalar(read_mat(loss, lm)[0], ref.loss, 1e-5, "loss"));
   }
-  EXPECT_TRUE(
-      close_normwise(read_mat(grad, zm), total_grad(ref, rt), tolerance(dtype), "grad_logits"));
+  if (w.grad)
+    EXPECT_TRUE(
+        close_normwise(read_mat(grad, zm), total_grad(ref, rt), tolerance(dtype), "grad_logits"));
 }
 
 class Entropy : public BackendTest {};
@@ -212,68 +214,94 @@ TEST_F(Entropy, LongRows) {
       check_forward(c, dtype, FCE_REDUCTION_MEAN, {}, ++seed, 3, 70001);
 }
 
-// Adversarial rows: −inf entries, a constant row, a row near the dtype's limit, a row of huge
-// spread, a one-hot row; entropy and gradient never NaN where the reference is finite.
-TEST_F(Entropy, AdversarialRows) {
-  for (int dtype : {FCE_FLOAT32, FCE_FLOAT16, FCE_BFLOAT16}) {
-    SCOPED_TRACE(dtype_name(dtype));
-    const int64_t N = 6, V = 67;
-    const double big = dtype == FCE_FLOAT16 ? 65504.0 : dtype == FCE_BFLOAT16 ? 3.38e38 : 3.4e38;
-    std::mt19937_64 rng(11);
-    std::vector<double> z = random_logits(rng, dtype, N, V, 1.0, 10.0);
-    for (int64_t j = 0; j < V; j += 3) z[0 * V + j] = -INFINITY;           // −inf entries
-    for (int64_t j = 0; j < V; ++j) z[1 * V + j] = round_to(dtype, -big);  // constant, huge
-    for (int64_t j = 0; j < V; ++j) z[2 * V + j] = round_to(dtype, j % 2 ? big : big / 2);
-    for (int64_t j = 0; j < V; ++j) z[3 * V + j] = 0.0;                       // constant: H = log V
-    for (int64_t j = 0; j < V; ++j) z[4 * V + j] = j == 5 ? 0.0 : -INFINITY;  // one-hot: H = 0
-    for (int64_t j = 0; j < V; ++j) z[5 * V + j] = round_to(dtype, j * (big / V) - big / 2);
-    const std::vector<int64_t> y = {1, 2, -100, 4, 5, 6};
-    CeSpec c;
-    c.dtype = dtype;
-    c.reduction = FCE_REDUCTION_SUM;
-    const fceref::Options ro = reference_options(c, {});
-    const std::vector<double> g = {1.0}, gl = random_uniform(rng, N, -1, 1),
-                              ge = random_uniform(rng, N, -1, 1);
-    const fceref::CeResult ref = fceref::cross_entropy(ro, N, V, z, y, &g, true);
-    const RowTermsRef rt = row_terms_ref(ro, ref, N, V, &gl, &ge);
-    EXPECT_NEAR(rt.entropy[3], std::log(double(V)), 1e-12);
-    EXPECT_EQ(rt.entropy[4], 0.0);
-
-    const Mat zm = mat(dtype, N, V), rm = vec(FCE_FLOAT32, N);
-    Buf zb(zm);
-    write_mat(zb, zm, z);
-    zb.push();
-    Buf yb = targets_buf(y, FCE_INT64), gb = f32_buf(g), glb = f32_buf(gl), geb = f32_buf(ge);
-    Buf loss = poisoned(vec(FCE_FLOAT32, 1)), ent = poisoned(rm), grad = poisoned(zm);
-    TestOptions o = spec_options(c);
-    size_t ws_bytes = 0;
-    ASSERT_EQ(fce_forward_workspace_size(&o, N, V, &ws_bytes), FCE_SUCCESS);
-    Buf ws = workspace_buf(ws_bytes);
-    fce_outputs out = FCE_OUTPUTS_INIT;
-    out.loss = loss.p<float>();
-    out.entropy = ent.p<float>();
-    fce_gradients gr = FCE_GRADIENTS_INIT;
-    gr.grad_logits = grad.ptr();
-    gr.grad_output = gb.p<const float>();
-    gr.grad_lse = glb.p<const float>();
-    gr.grad_entropy = geb.p<const float>();
-    const fce_status st =
-        fce_forward(&o, N, V, zb.ptr(), yb.ptr(), &out, &gr, ws.ptr(), ws_bytes, test_stream());
-    ASSERT_EQ(st, FCE_SUCCESS) << fce_last_error();
-    ASSERT_TRUE(finish());
-    ent.pull();
-    grad.pull();
-    const std::vector<double> got_h = read_mat(ent, rm), got_g = read_mat(grad, zm);
-    const std::vector<double> want_g = total_grad(ref, rt);
-    // row by row: each row's scale differs wildly; an absolute floor for entropies near 0
-    for (int64_t r = 0; r < N; ++r) {
-      SCOPED_TRACE("row " + std::to_string(r));
-      EXPECT_TRUE(std::isfinite(got_h[r])) << got_h[r];
-      EXPECT_NEAR(got_h[r], rt.entropy[r], 1e-5 * (1 + std::fabs(rt.entropy[r])));
-      const std::vector<double> gr_got(got_g.begin() + r * V, got_g.begin() + (r + 1) * V);
-      const std::vector<double> gr_want(want_g.begin() + r * V, want_g.begin() + (r + 1) * V);
-      EXPECT_TRUE(close_normwise(gr_got, gr_want, tolerance(dtype), "gradient row"));
+// Rows of the lengths the CUDA bulk kernel takes on sm_90: forward-only rows of 16 KiB and
+// more, and with the gradient unaligned 16-bit rows of 64-104 KB (V = 50257: 100.5 KB).
+TEST_F(Entropy, BulkRows) {
+  uint64_t seed = 700;
+  for (int dtype : {FCE_FLOAT32, FCE_FLOAT16, FCE_BFLOAT16})
+    for (const CeSpec& c : configs()) {
+      check_forward(c, dtype, FCE_REDUCTION_MEAN, {}, ++seed, 8, 50257);
+      check_forward(c, dtype, FCE_REDUCTION_NONE, {true, false, true}, ++seed, 8, 50257);
+      check_forward(c, dtype, FCE_REDUCTION_SUM, {false, true, false}, ++seed, 8, 50257);
+      for (int64_t V : {20000, 50257})
+        check_forward(c, dtype, FCE_REDUCTION_NONE, {false, false, true, false}, ++seed, 8, V);
     }
+}
+
+// Adversarial rows: −inf entries, a constant row, a row near the dtype's limit, a row of huge
+// spread, a one-hot row; entropy and gradient never NaN where the reference is finite. V = 67,
+// and rows the CUDA bulk kernel takes (with the gradient, and the forward alone).
+void check_adversarial(int dtype, int64_t V, bool with_grad) {
+  SCOPED_TRACE(std::string(dtype_name(dtype)) + " V " + std::to_string(V) +
+               (with_grad ? " with the gradient" : " forward only"));
+  const int64_t N = 6;
+  const double big = dtype == FCE_FLOAT16 ? 65504.0 : dtype == FCE_BFLOAT16 ? 3.38e38 : 3.4e38;
+  std::mt19937_64 rng(11);
+  std::vector<double> z = random_logits(rng, dtype, N, V, 1.0, 10.0);
+  for (int64_t j = 0; j < V; j += 3) z[0 * V + j] = -INFINITY;           // −inf entries
+  for (int64_t j = 0; j < V; ++j) z[1 * V + j] = round_to(dtype, -big);  // constant, huge
+  for (int64_t j = 0; j < V; ++j) z[2 * V + j] = round_to(dtype, j % 2 ? big : big / 2);
+  for (int64_t j = 0; j < V; ++j) z[3 * V + j] = 0.0;                       // constant: H = log V
+  for (int64_t j = 0; j < V; ++j) z[4 * V + j] = j == 5 ? 0.0 : -INFINITY;  // one-hot: H = 0
+  for (int64_t j = 0; j < V; ++j) z[5 * V + j] = round_to(dtype, j * (big / V) - big / 2);
+  const std::vector<int64_t> y = {1, 2, -100, 4, 5, 6};
+  CeSpec c;
+  c.dtype = dtype;
+  c.reduction = FCE_REDUCTION_SUM;
+  const fceref::Options ro = reference_options(c, {});
+  const std::vector<double> g = {1.0}, gl = random_uniform(rng, N, -1, 1),
+                            ge = random_uniform(rng, N, -1, 1);
+  const fceref::CeResult ref = fceref::cross_entropy(ro, N, V, z, y, &g, true);
+  const RowTermsRef rt = row_terms_ref(ro, ref, N, V, &gl, &ge);
+  EXPECT_NEAR(rt.entropy[3], std::log(double(V)), 1e-12);
+  EXPECT_EQ(rt.entropy[4], 0.0);
+
+  const Mat zm = mat(dtype, N, V), rm = vec(FCE_FLOAT32, N);
+  Buf zb(zm);
+  write_mat(zb, zm, z);
+  zb.push();
+  Buf yb = targets_buf(y, FCE_INT64), gb = f32_buf(g), glb = f32_buf(gl), geb = f32_buf(ge);
+  Buf loss = poisoned(vec(FCE_FLOAT32, 1)), ent = poisoned(rm), grad = poisoned(zm);
+  TestOptions o = spec_options(c);
+  size_t ws_bytes = 0;
+  ASSERT_EQ(fce_forward_workspace_size(&o, N, V, &ws_bytes), FCE_SUCCESS);
+  Buf ws = workspace_buf(ws_bytes);
+  fce_outputs out = FCE_OUTPUTS_INIT;
+  out.loss = loss.p<float>();
+  out.entropy = ent.p<float>();
+  fce_gradients gr = FCE_GRADIENTS_INIT;
+  gr.grad_logits = grad.ptr();
+  gr.grad_output = gb.p<const float>();
+  gr.grad_lse = glb.p<const float>();
+  gr.grad_entropy = geb.p<const float>();
+  const fce_status st = fce_forward(&o, N, V, zb.ptr(), yb.ptr(), &out, with_grad ? &gr : nullptr,
+                                    ws.ptr(), ws_bytes, test_stream());
+  ASSERT_EQ(st, FCE_SUCCESS) << fce_last_error();
+  ASSERT_TRUE(finish());
+  ent.pull();
+  grad.pull();
+  const std::vector<double> got_h = read_mat(ent, rm), got_g = read_mat(grad, zm);
+  const std::vector<double> want_g = total_grad(ref, rt);
+  // row by row: each row's scale differs wildly; an absolute floor for entropies near 0
+  for (int64_t r = 0; r < N; ++r) {
+    SCOPED_TRACE("row " + std::to_string(r));
+    EXPECT_TRUE(std::isfinite(got_h[r])) << got_h[r];
+    EXPECT_NEAR(got_h[r], rt.entropy[r], 1e-5 * (1 + std::fabs(rt.entropy[r])));
+    if (!with_grad) continue;
+    const std::vector<double> gr_got(got_g.begin() + r * V, got_g.begin() + (r + 1) * V);
+    const std::vector<double> gr_want(want_g.begin() + r * V, want_g.begin() + (r + 1) * V);
+    EXPECT_TRUE(close_normwise(gr_got, gr_want, tolerance(dtype), "gradient row"));
+  }
+}
+
+TEST_F(Entropy, AdversarialRows) {
+  for (int dtype : {FCE_FLOAT32, FCE_FLOAT16, FCE_BFLOAT16}) check_adversarial(dtype, 67, true);
+}
+
+TEST_F(Entropy, AdversarialBulkRows) {
+  for (int dtype : {FCE_FLOAT32, FCE_FLOAT16, FCE_BFLOAT16}) {
+    check_adversarial(dtype, 50257, true);
+    check_adversarial(dtype, 20000, false);
   }
 }
 

@@ -6,10 +6,13 @@
 // CTA per SM keeps its ring of copies in flight all the time (a producer warp, consumer warps,
 // a finisher warp), where the register path leaves no bytes in flight between one CTA's last
 // load and the next one's first (45-88 % of copy on rows up to 128 KB on an H100; this kernel
-// 91-101 %). Chosen by the table of ce/policy.h.
+// 91-101 %). ROWT instantiations (no label smoothing) add docs/semantics.md rule 18's entropy
+// (t summed beside s) and lse / entropy gradient terms, as the register kernels' ROWT ones.
+// Chosen by the table of ce/policy.h.
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/ce/device.cuh"
 #include "cuda/ce/geometry.cuh"
@@ -73,6 +76,7 @@ struct BulkStage {
   int at;          // the chunk's offset in its stage: its source address modulo 128
   int flags;       // kStLast | kStHead | kStTail | kStDone
   float c;         // smoothing reference (general mode)
+  float gl, ge;    // ROWT with a gradient: the row's grad_lse and grad_entropy (rule 18)
   RowInfo info;
   uint4 head, tail;  // the row's partial first / last vectors (in-row elements only)
 };
@@ -156,6 +160,8 @@ __device__ __forceinline__ void bulk_row_facts(const KParams& p, int64_t lrow, B
   }
   b.c = smoothing_reference<TZ, MODE>(p, zrow);
   b.info = load_row_info<TZ, MODE>(p, p.row_begin + lrow, zrow, true);
+  b.gl = p.grad ? row_grad_lse(p, p.row_begin + lrow) : 0.f;
+  b.ge = p.grad ? row_grad_entropy(p, p.row_begin + lrow) : 0.f;
 }
 
 // The producer warp: its 32 lanes read the facts of the CTA's next 32 rows at once (into
@@ -217,11 +223,11 @@ __device__ __forceinline__ void bulk_produce(const KParams& p, BulkShared& sh, c
 // Thread ct's share of a stage's nv whole vectors (vectors ct, ct + kBulkConsumers, …, the row's
 // vectors v_begin + i), folded into its partial; U vectors read from shared memory at a time,
 // a whole group of 16-bit kUnit vectors with the maximum first (fold_group_unit) unless the
-// argmax is tracked.
-template <class TZ, int MODE>
+// argmax is tracked. WT (ROWT): *tacc carries the thread's t against acc.m too (rule 18).
+template <class TZ, int MODE, bool WT = false>
 __device__ __forceinline__ void fold_stage(const KParams& p, const uint4* sv, int nv, int v_begin,
                                            int lead, float c, int ct, Partial& acc,
-                                           bool want_argmax, int& am) {
+                                           bool want_argmax, int& am, float* tacc = nullptr) {
   constexpr int E = vec_elems<TZ>();
   constexpr int U = 4;
   for (int i0 = ct; i0 < nv; i0 += U * kBulkConsumers) {
@@ -233,27 +239,67 @@ __device__ __forceinline__ void fold_stage(const KParams& p, const uint4* sv, in
     }
     if constexpr (MODE == kUnit && E == 8) {  // a whole group: the maximum first
       if (!want_argmax && i0 + (U - 1) * kBulkConsumers < nv) {
-        fold_group_unit<TZ, U>(buf, acc);
+        fold_group_unit<TZ, U, WT>(buf, acc, tacc);
         continue;
       }
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int i = i0 + u * kBulkConsumers;
-      if (i < nv) online_vector<TZ, MODE>(buf[u], (v_begin + i) * E - lead, true, p, c, acc, want_argmax, am);
+      if (i < nv)
+        online_vector<TZ, MODE, int, WT>(buf[u], (v_begin + i) * E - lead, true, p, c, acc,
+                                         want_argmax, am, tacc);
     }
   }
 }
 
-// The consumers (threads 32..): fold the stages, finish each row.
-template <class TZ, int MODE>
+// Thread ct's share of a stage: the row's partial first vector (thread 0, before the chunks),
+// its share of the whole vectors (fold_stage), the partial last vector (the last thread, after
+// them). WT (ROWT): with t (rule 18) in *tacc.
+template <class TZ, int MODE, bool WT>
+__device__ __forceinline__ void fold_row_stage(const KParams& p, const BulkStage& b,
+                                               const uint4* sv, int ct, Partial& acc,
+                                               bool want_argmax, int& am, float* tacc) {
+  constexpr int E = vec_elems<TZ>();
+  const int lead = b.lead, nv = b.nv;
+  if ((b.flags & kStHead) && ct == 0)
+    online_vector<TZ, MODE, int, WT>(b.head, -lead, false, p, b.c, acc, want_argmax, am, tacc);
+  fold_stage<TZ, MODE, WT>(p, sv, nv, b.v_begin, lead, b.c, ct, acc, want_argmax, am, tacc);
+  if ((b.flags & kStTail) && ct == kBulkConsumers - 1)
+    online_vector<TZ, MODE, int, WT>(b.tail, (b.v_begin + nv) * E - lead, false, p, b.c, acc,
+                                     want_argmax, am, tacc);
+}
+// fold_row_stage with t where a ROWT kernel's row needs it (need_t), else without.
+template <class TZ, int MODE, bool ROWT>
+__device__ __forceinline__ void fold_row_stage_t(const KParams& p, const BulkStage& b,
+                                                 const uint4* sv, int ct, Partial& acc,
+                                                 bool want_argmax, int& am, bool need_t,
+                                                 float& tacc) {
+  if constexpr (ROWT) {
+    if (need_t) {
+      fold_row_stage<TZ, MODE, true>(p, b, sv, ct, acc, want_argmax, am, &tacc);
+      return;
+    }
+  }
+  fold_row_stage<TZ, MODE, false>(p, b, sv, ct, acc, want_argmax, am, nullptr);
+}
+// ROWT: t is needed for the entropy, its gradient and the saved statistics' μ − m (the lse
+// gradient alone needs none).
+__device__ __forceinline__ bool bulk_need_t(const KParams& p) {
+  return p.entropy_out != nullptr || p.grad_entropy != nullptr || p.stats_out != nullptr;
+}
+
+// The consumers (threads 32..): fold the stages, finish each row. ROWT: each thread's t (rule
+// 18) rides to the finisher in its partial's sw (no label smoothing in a ROWT kernel).
+template <class TZ, int MODE, bool ROWT>
 __device__ __forceinline__ void bulk_consume(const KParams& p, BulkShared& sh, RowEnd* ends,
                                              const char* ring) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  constexpr int E = vec_elems<TZ>();
   const int ct = static_cast<int>(threadIdx.x) - 32, lane = ct & 31;
   const bool want_argmax = p.argmax_out != nullptr || p.row_correct != nullptr;
+  const bool need_t = ROWT && bulk_need_t(p);
   Partial acc = partial_identity();
+  float tacc = 0.f;  // ROWT: this thread's t against acc.m
   int am = -1;
   uint32_t nrow = 0;  // rows finished by this CTA
   for (uint32_t it = 0;; ++it) {
@@ -262,22 +308,17 @@ __device__ __forceinline__ void bulk_consume(const KParams& p, BulkShared& sh, R
     const BulkStage& b = sh.st[s];
     const int flags = b.flags;
     if (flags & kStDone) break;
-    const int lead = b.lead, v_begin = b.v_begin, nv = b.nv;
+    const int lead = b.lead;
     const float c = b.c;
-    if ((flags & kStHead) && ct == 0)  // the row's partial first vector, before the chunks
-      online_vector<TZ, MODE>(b.head, -lead, false, p, c, acc, want_argmax, am);
     const uint4* sv = reinterpret_cast<const uint4*>(ring + size_t(s) * Ring<false>::kStride + b.at);
-    fold_stage<TZ, MODE>(p, sv, nv, v_begin, lead, c, ct, acc, want_argmax, am);
-    if ((flags & kStTail) && ct == kBulkConsumers - 1) {  // the partial last vector, after them
-      const int j0 = (v_begin + nv) * E - lead;
-      online_vector<TZ, MODE>(b.tail, j0, false, p, c, acc, want_argmax, am);
-    }
+    fold_row_stage_t<TZ, MODE, ROWT>(p, b, sv, ct, acc, want_argmax, am, need_t, tacc);
     if (flags & kStLast) {  // the row's end: this thread's partial to the finisher
       const int slot = nrow & 1;
       const uint32_t use = nrow >> 1;
       if (use > 0) bulk_wait(&sh.red_empty[slot], (use - 1) & 1);
       RowEnd& e = ends[slot];
       e.part[ct] = acc;
+      if constexpr (ROWT) e.part[ct].sw = static_cast<double>(tacc);
       if (want_argmax) e.am[ct] = am;
       if (ct == 0) {
         e.info = b.info;
@@ -286,6 +327,7 @@ __device__ __forceinline__ void bulk_consume(const KParams& p, BulkShared& sh, R
         e.lead = lead;
       }
       acc = partial_identity();
+      tacc = 0.f;
       am = -1;
       ++nrow;
     }
@@ -304,8 +346,10 @@ __device__ __forceinline__ void bulk_consume(const KParams& p, BulkShared& sh, R
 // warps (every warp finishes the same tree: the same bits everywhere, as block_reduce_all),
 // the outputs, the gradient from shared memory (grad_vector, as every kernel), then the argmax
 // from shared memory, and only then is the stage released (the gradient may be written over
-// the logits in global memory: in place).
-template <class TZ, class TG, int MODE>
+// the logits in global memory: in place). ROWT: the reduction carries t (warp_reduce_t, the
+// maximum first at both levels), the row's entropy is written and the gradient takes rule 18's
+// terms (grad_vector_lean, as the register kernels).
+template <class TZ, class TG, int MODE, bool ROWT>
 __device__ __forceinline__ void bulk_consume_grad(const KParams& p, BulkShared& sh, const char* ring) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using R = Ring<true>;
@@ -314,6 +358,7 @@ __device__ __forceinline__ void bulk_consume_grad(const KParams& p, BulkShared& 
   const int ct = static_cast<int>(threadIdx.x) - 32, lane = ct & 31, cw = ct >> 5;
   const int V = p.vocab;
   const bool want_argmax = p.argmax_out != nullptr || p.row_correct != nullptr;
+  const bool need_t = ROWT && bulk_need_t(p);
   int par = 0;
   for (uint32_t it = 0;; ++it) {
     const int s = static_cast<int>(it % R::kStages);
@@ -327,26 +372,59 @@ __device__ __forceinline__ void bulk_consume_grad(const KParams& p, BulkShared& 
     const int jt = (v_begin + nv) * E - lead;  // the partial last vector's first element
     const uint4* sv = reinterpret_cast<const uint4*>(ring + size_t(s) * R::kStride + b.at);
     Partial acc = partial_identity();
+    float tacc = 0.f;  // ROWT: this thread's t against acc.m
     int am = -1;
-    if (head) online_vector<TZ, MODE>(b.head, -lead, false, p, c, acc, want_argmax, am);
-    fold_stage<TZ, MODE>(p, sv, nv, v_begin, lead, c, ct, acc, want_argmax, am);
-    if (tail) online_vector<TZ, MODE>(b.tail, jt, false, p, c, acc, want_argmax, am);
+    fold_row_stage_t<TZ, MODE, ROWT>(p, b, sv, ct, acc, want_argmax, am, need_t, tacc);
     // ---- the row's partial, every consumer warp folding the 8 warp partials in order
-    Partial x = acc;
-    warp_reduce<SW>(x);
-    if (lane == 0) sh.warp[par][cw] = x;
-    consumers_sync();
     Partial fin = partial_identity();
-    if (lane < kBulkConsumerWarps) fin = sh.warp[par][lane];
-    warp_reduce<SW>(fin);
+    if constexpr (ROWT) {  // (t in sw)
+      const Partial x = warp_reduce_t(acc, tacc);
+      if (lane == 0) sh.warp[par][cw] = x;
+      consumers_sync();
+      Partial r = partial_identity();
+      if (lane < kBulkConsumerWarps) r = sh.warp[par][lane];
+      fin = warp_reduce_t(r, static_cast<float>(r.sw));
+    } else {
+      Partial x = acc;
+      warp_reduce<SW>(x);
+      if (lane == 0) sh.warp[par][cw] = x;
+      consumers_sync();
+      if (lane < kBulkConsumerWarps) fin = sh.warp[par][lane];
+      warp_reduce<SW>(fin);
+    }
     const RowInfo ri = b.info;
     const int64_t lrow = b.lrow, row = p.row_begin + lrow;
     const RowVals vals = row_vals(p, ri, fin);
-    if (ct == 0) write_row_outputs<MODE>(p, row, ri, fin, vals, c);
+    float mum = 0.f;  // ROWT: μ − m = t/s
+    if constexpr (ROWT) {
+      mum = __fdiv_rn(static_cast<float>(fin.sw), fin.s);
+      // H = log s − t/s (both terms ≥ 0: no cancellation); NaN without a finite maximum
+      if (ct == 0 && p.entropy_out) p.entropy_out[row] = isfinite(fin.m) ? __fsub_rn(vals.ls, mum) : qnan();
+    }
+    if (ct == 0) write_row_outputs<MODE>(p, row, ri, fin, vals, c, mum);
     // ---- the gradient, from shared memory
     char* grow = p.grad + lrow * p.g_row_bytes;
     const bool vec_ok = grad_vec_ok<TZ, TG>(grow, lead);
-    if (ri.kind == kValid) {
+    // ROWT: an ignored row's terms flow too (rule 18); rows without terms as below
+    bool terms = false;
+    if constexpr (ROWT)
+      terms = ri.kind == kValid || (ri.kind == kIgnored && (b.gl != 0.f || b.ge != 0.f));
+    if (terms) {
+      RowGrad rg = make_row_grad<MODE>(p, ri, vals);
+      const RowTerms rt = row_terms(p, ri, mum, b.gl, b.ge, rg);
+      const LeanTerms lt = lean_terms(rg, rt);
+      const int yl = ri.kind == kValid ? local_target<int, E>(p, ri.y) : -2 * E;
+      const auto grad_all = [&](auto es) {
+        constexpr bool ES = decltype(es)::value;
+        if (head) grad_vector_lean<TZ, TG, MODE, ES>(b.head, -lead, false, vec_ok, p, rg, lt, rt, yl, grow);
+        for (int i = ct; i < nv; i += kBulkConsumers)
+          grad_vector_lean<TZ, TG, MODE, ES>(sv[i], (v_begin + i) * E - lead, true, vec_ok, p, rg,
+                                             lt, rt, yl, grow);
+        if (tail) grad_vector_lean<TZ, TG, MODE, ES>(b.tail, jt, false, vec_ok, p, rg, lt, rt, yl, grow);
+      };
+      if (lt.Es != 0.f) grad_all(std::true_type{});
+      else grad_all(std::false_type{});
+    } else if (ri.kind == kValid) {
       const RowGrad rg = make_row_grad<MODE>(p, ri, vals);
       const int yl = local_target<int, E>(p, ri.y);
       if (head) grad_vector<TZ, TG, MODE>(b.head, -lead, false, vec_ok, p, rg, yl, grow);
@@ -390,8 +468,10 @@ __device__ __forceinline__ void bulk_consume_grad(const KParams& p, BulkShared& 
 }
 
 // The finisher warp: each row's kBulkConsumers partials in a fixed order (lane l folds
-// partials 8l … 8l + 7, then the warp tree), its outputs, and the argmax.
-template <class TZ, int MODE>
+// partials 8l … 8l + 7, then the warp tree), its outputs, and the argmax. ROWT: the row's t
+// (each partial's, in its sw) rescaled to the row's maximum and summed in the same order, and
+// the entropy.
+template <class TZ, int MODE, bool ROWT>
 __device__ __forceinline__ void bulk_finish(const KParams& p, BulkShared& sh, const RowEnd* ends) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int E = vec_elems<TZ>();
@@ -400,6 +480,7 @@ __device__ __forceinline__ void bulk_finish(const KParams& p, BulkShared& sh, co
   const int lane = threadIdx.x & 31;
   const int V = p.vocab;
   const bool want_argmax = p.argmax_out != nullptr || p.row_correct != nullptr;
+  const bool need_t = ROWT && bulk_need_t(p);
   const int64_t mine = blockIdx.x < p.rows_in_launch
                            ? (p.rows_in_launch - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
   for (int64_t k = 0; k < mine; ++k) {
@@ -415,6 +496,16 @@ __device__ __forceinline__ void bulk_finish(const KParams& p, BulkShared& sh, co
     }
     warp_reduce<SW>(f);
     const Partial fin = f;
+    float t = 0.f;  // ROWT: the row's t against fin.m
+    if (need_t) {
+#pragma unroll
+      for (int i = 0; i < PER; ++i) {
+        const float ti = static_cast<float>(th[i].sw);
+        t = __fadd_rn(t, th[i].m == fin.m ? ti : rescale_t(th[i].m, fin.m, th[i].s, ti));
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) t = __fadd_rn(t, __shfl_xor_sync(0xffffffffu, t, o));
+    }
     uint64_t best = kNoArgmax;
     if (want_argmax) {
 #pragma unroll
@@ -433,7 +524,13 @@ __device__ __forceinline__ void bulk_finish(const KParams& p, BulkShared& sh, co
     if (lane == 0) bulk_mbar_arrive(&sh.red_empty[slot]);  // the slot may be refilled
     const int64_t row = p.row_begin + lrow;
     const RowVals vals = row_vals(p, ri, fin);
-    if (lane == 0) write_row_outputs<MODE>(p, row, ri, fin, vals, c);
+    float mum = 0.f;  // ROWT: μ − m = t/s
+    if constexpr (ROWT) {
+      mum = __fdiv_rn(t, fin.s);
+      // H = log s − t/s (both terms ≥ 0: no cancellation); NaN without a finite maximum
+      if (lane == 0 && p.entropy_out) p.entropy_out[row] = isfinite(fin.m) ? __fsub_rn(vals.ls, mum) : qnan();
+    }
+    if (lane == 0) write_row_outputs<MODE>(p, row, ri, fin, vals, c, mum);
     if (want_argmax) {
       if (isnan(fin.s)) {  // a NaN or +inf in the row: scan its elements (ce/device.cuh)
         best = kNoArgmax;
@@ -459,11 +556,15 @@ __device__ __forceinline__ void bulk_finish(const KParams& p, BulkShared& sh, co
 // GRAD: the gradient too (rows of at most kBulkRowBytes of whole vectors), and
 // fce_backward_rescale (p.rescale: nothing for an upstream 1, an exact in-place scaling for 0
 // or ± a power of two, else the forward's gradient again: the same kernel, the same bits).
-template <class TZ, class TG, int MODE, bool GRAD>
+// ROWT: rule 18's entropy and lse / entropy gradient terms (no label smoothing: the unit, plain
+// and softcap modes), as the register kernels' ROWT instantiations; fce_backward_rescale never
+// runs them.
+template <class TZ, class TG, int MODE, bool GRAD, bool ROWT = false>
 __global__ void __launch_bounds__(kBulkThreads, 1) ce_rows_bulk_kernel(const KParams p) {
+  static_assert(!(ROWT && MODE == kGeneral), "ROWT carries t in the partial's sw: no label smoothing");
   pdl_trigger();  // the finalize may start once every CTA has (it waits for our values)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if constexpr (GRAD) {
+  if constexpr (GRAD && !ROWT) {
     if (p.rescale) {
       if (*p.grad_output == 1.f) return;  // the usual case: nothing to do anywhere
       bool done = true;
@@ -490,10 +591,10 @@ __global__ void __launch_bounds__(kBulkThreads, 1) ce_rows_bulk_kernel(const KPa
   if (threadIdx.x < 32) {
     bulk_produce<TZ, MODE, GRAD>(p, sh, ring);
   } else if (threadIdx.x < 32 + kBulkConsumers) {
-    if constexpr (GRAD) bulk_consume_grad<TZ, TG, MODE>(p, sh, ring);
-    else bulk_consume<TZ, MODE>(p, sh, ends.end, ring);
+    if constexpr (GRAD) bulk_consume_grad<TZ, TG, MODE, ROWT>(p, sh, ring);
+    else bulk_consume<TZ, MODE, ROWT>(p, sh, ends.end, ring);
   } else if constexpr (!GRAD) {
-    bulk_finish<TZ, MODE>(p, sh, ends.end);
+    bulk_finish<TZ, MODE, ROWT>(p, sh, ends.end);
   }
 #else
   (void)p;

@@ -232,27 +232,31 @@ __device__ __forceinline__ float block_sum_t(const Partial& acc, float M, float 
   return tot;
 }
 
+// ROWT with t: a warp's (max, Σ) with the maximum first (warp_reduce_max_first, the same bits)
+// and its t against that maximum in sw, from each lane's t against its own maximum x.m
+// (rescale_t), summed in a butterfly: every lane ends with the same bits.
+__device__ __forceinline__ Partial warp_reduce_t(const Partial& x, float t) {
+  Partial w = warp_reduce_max_first(x);
+  if (x.m != w.m) t = rescale_t(x.m, w.m, x.s, t);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) t = __fadd_rn(t, __shfl_xor_sync(0xffffffffu, t, o));
+  w.sw = static_cast<double>(t);
+  return w;
+}
+
 // ROWT with t, without label smoothing: block_reduce_all<false>'s partial (the same m and s, bit
 // for bit) with the CTA's t against its maximum in sw, from each thread's t against its own
-// maximum x.m. Each level rescales t to the maximum it has just taken (rescale_t) and sums it
+// maximum x.m. Each level rescales t to the maximum it has just taken (warp_reduce_t) and sums it
 // beside s, so block_reduce_all's one barrier serves both, where block_reduce_all then
 // block_sum_t take four in a row's critical path.
 __device__ __forceinline__ Partial block_reduce_all_t(const Partial& x, float t, Partial* s_warp) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  const auto level = [](const Partial& p, float tp) {
-    Partial w = warp_reduce_max_first(p);
-    if (p.m != w.m) tp = rescale_t(p.m, w.m, p.s, tp);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) tp = __fadd_rn(tp, __shfl_xor_sync(0xffffffffu, tp, o));
-    w.sw = static_cast<double>(tp);
-    return w;
-  };
-  const Partial w = level(x, t);
+  const Partial w = warp_reduce_t(x, t);
   if (lane == 0) s_warp[warp] = w;
   __syncthreads();
   Partial r = partial_identity();
   if (lane < nwarps) r = s_warp[lane];
-  return level(r, static_cast<float>(r.sw));
+  return warp_reduce_t(r, static_cast<float>(r.sw));
 }
 
 // ------------------------------------------- 16-bit rows, the maximum first ----
@@ -308,35 +312,92 @@ __device__ __forceinline__ void sumexp_vector_c(const uint4& raw, I j0, bool ful
 #pragma unroll
   for (int q = 0; q < E; ++q) s2 = __fadd_rn(s2, ex2(__fmaf_rn(a[q], kLog2e, -C)));
 }
+// Σ exp(a − ms) of a vector's in-row elements into s, each term as online_vector adds it (the
+// second pass of the two-pass fold). WITH_T (ROWT, docs/semantics.md rule 18): also
+// t = Σ exp(a − ms)(a − ms) into t, with a − ms clamped to −FLT_MAX so that a −inf element
+// (e = 0) adds 0, never 0·inf; without it t is not touched.
+template <class TZ, bool WITH_T, class I>
+__device__ __forceinline__ void sumexp_vector(const uint4& raw, I j0, bool full, int V, float ms,
+                                              float& s, float& t) {
+  constexpr int E = vec_elems<TZ>();
+  float a[E];
+  unpack_in_row<TZ>(raw, j0, full, V, a);
+#pragma unroll
+  for (int q = 0; q < E; ++q) {
+    if constexpr (WITH_T) {
+      const float d = fmaxf(__fsub_rn(a[q], ms), -3.40282347e38f);
+      const float e = ex2(__fmul_rn(d, kLog2e));
+      s = __fadd_rn(s, e);
+      t = __fmaf_rn(e, d, t);
+    } else {
+      s = __fadd_rn(s, ex2(__fmul_rn(__fsub_rn(a[q], ms), kLog2e)));
+    }
+  }
+}
+// ROWT, the second pass with t (sumexp_vector_c's form, |ms| < kFfmaSumMax): each term
+// e = 2^x, x = a·log2e − C, into s2, and e·x into t2 (x clamped to −FLT_MAX: a −inf element adds
+// 0, never 0·inf). As x = (a − ms)·log2e + r exactly before its one rounding, the caller's
+// t = Σ exp(a − ms)(a − ms) is (t2 − r·s2)·2^−r·ln 2: an FFMA and a max per term beside the
+// sum's own FFMA, exponential and add, where sumexp_vector's t takes six instructions a term.
+constexpr float kLn2 = 0.693147180559945309f;
+template <class TZ, class I>
+__device__ __forceinline__ void sumexp_t_vector_c(const uint4& raw, I j0, bool full, int V, float C,
+                                                  float& s2, float& t2) {
+  constexpr int E = vec_elems<TZ>();
+  float a[E];
+  unpack_in_row<TZ>(raw, j0, full, V, a);
+#pragma unroll
+  for (int q = 0; q < E; ++q) {
+    const float x = __fmaf_rn(a[q], kLog2e, -C);
+    const float e = ex2(x);
+    s2 = __fadd_rn(s2, e);
+    t2 = __fmaf_rn(e, fmaxf(x, -3.40282347e38f), t2);
+  }
+}
 // kUnit, 16-bit: U full vectors folded into acc with the maximum first: their maximum on the
 // packed raw values, one rescale of acc to the new maximum, then one FFMA and an exponential per
 // element (sumexp_vector_c) — against online_vector's maximum, test and rescale per vector.
-// The caller keeps online_vector where the argmax is tracked.
-template <class TZ, int U>
-__device__ __forceinline__ void fold_group_unit(const uint4 (&buf)[U], Partial& acc) {
+// The caller keeps online_vector where the argmax is tracked. WT (ROWT, docs/semantics.md rule
+// 18): *tacc also carries t = Σ exp(a − m)(a − m) against acc.m (rescale_t when it grows; the
+// terms by sumexp_t_vector_c, or sumexp_vector past kFfmaSumMax), as online_vector's ENT.
+template <class TZ, int U, bool WT = false>
+__device__ __forceinline__ void fold_group_unit(const uint4 (&buf)[U], Partial& acc,
+                                                float* tacc = nullptr) {
   uint32_t pm = packed_neg_inf<TZ>();
 #pragma unroll
   for (int u = 0; u < U; ++u)
     pm = max2_raw<TZ>(pm, max2_raw<TZ>(max2_raw<TZ>(buf[u].x, buf[u].y),
                                        max2_raw<TZ>(buf[u].z, buf[u].w)));
   const float mn = fmaxf(acc.m, max_total<TZ>(pm, neg_inf()));
+  if constexpr (WT) {
+    if (acc.m != mn) *tacc = rescale_t(acc.m, mn, acc.s, *tacc);
+  }
   acc.s = rescaled(acc.s, acc.m, mn);
   acc.m = mn;
   const float ms = mn == neg_inf() ? 0.f : mn;  // all −inf so far: every term is exp(−inf) = 0
   if (fabsf(ms) < kFfmaSumMax) {
     const float C = __fmul_rn(ms, kLog2e), r = __fmaf_rn(ms, kLog2e, -C);
-    float s2 = 0.f;
+    float s2 = 0.f, t2 = 0.f;
 #pragma unroll
-    for (int u = 0; u < U; ++u) sumexp_vector_c<TZ>(buf[u], 0, true, 0, C, s2);
-    acc.s = __fadd_rn(acc.s, __fmul_rn(s2, ex2(-r)));
+    for (int u = 0; u < U; ++u) {
+      if constexpr (WT) sumexp_t_vector_c<TZ>(buf[u], 0, true, 0, C, s2, t2);
+      else sumexp_vector_c<TZ>(buf[u], 0, true, 0, C, s2);
+    }
+    const float back = ex2(-r);
+    acc.s = __fadd_rn(acc.s, __fmul_rn(s2, back));
+    if constexpr (WT) *tacc = __fadd_rn(*tacc, __fmul_rn(__fmul_rn(__fmaf_rn(-r, s2, t2), back), kLn2));
   } else {  // (a huge or infinite maximum: the subtraction, exact)
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      float a[vec_elems<TZ>()];
-      unpack<TZ>(buf[u], a);
+      if constexpr (WT) {
+        sumexp_vector<TZ, true>(buf[u], 0, true, 0, ms, acc.s, *tacc);
+      } else {
+        float a[vec_elems<TZ>()];
+        unpack<TZ>(buf[u], a);
 #pragma unroll
-      for (int q = 0; q < vec_elems<TZ>(); ++q)
-        acc.s = __fadd_rn(acc.s, ex2(__fmul_rn(__fsub_rn(a[q], ms), kLog2e)));
+        for (int q = 0; q < vec_elems<TZ>(); ++q)
+          acc.s = __fadd_rn(acc.s, ex2(__fmul_rn(__fsub_rn(a[q], ms), kLog2e)));
+      }
     }
   }
 }
@@ -761,6 +822,91 @@ __device__ __forceinline__ void grad_vector_terms(const uint4& raw, I j0, bool f
     g[q] = pr == 0.f ? gl : __fmaf_rn(__fmul_rn(pr, w), cf, gl);
   }
   store_grad<TG, vec_elems<TZ>()>(grow, j0, full, vec_ok, p.vocab, g);
+}
+
+// ROWT: the gradient of one vector of a row without label smoothing (the only rows ROWT kernels
+// have), with rule 18's terms folded into one per-row constant: an element off the target is
+//   p·(A·ks + Ls − Es·((a − m) − μ')) = p·(C1 − Es·d),  d = a − m,  C1 = A·ks + Ls + Es·μ'
+// (μ' = μ − m), times the softcap factor. ES = false (no entropy gradient in the row): p·C1, the
+// plain gradient's cost; ES: a max and an FMA per element more (d is clamped to −128 in the
+// entropy term: p is then exactly 0, so a −inf logit gets 0, never 0·inf). The target element
+// (yl, inside the buffer) is stored after the vector, as store_target does.
+struct LeanTerms {
+  float C1, Es;
+};
+__device__ __forceinline__ LeanTerms lean_terms(const RowGrad& rg, const RowTerms& rt) {
+  return LeanTerms{__fmaf_rn(rt.Es, rt.mum, __fadd_rn(rg.Aks, rt.Ls)), rt.Es};
+}
+// ROWT: the off-target form above for the E logits g of one vector, in place (nlsl = −ls·log2e).
+template <int MODE, bool ES, int E>
+__device__ __forceinline__ void lean_elems(const KParams& p, const RowGrad& rg, const LeanTerms& lt,
+                                           float nlsl, float (&g)[E]) {
+#pragma unroll
+  for (int q = 0; q < E; ++q) {
+    float t;
+    const float a = xform<MODE>(g[q], p, t);
+    const float d = __fsub_rn(a, rg.m);
+    const float pr = ex2(__fmaf_rn(d, kLog2e, nlsl));  // prob(a, m, ls)
+    float gq =
+        ES ? __fmul_rn(pr, __fmaf_rn(-lt.Es, fmaxf(d, -128.f), lt.C1)) : __fmul_rn(pr, lt.C1);
+    if (use_cap<MODE>(p)) gq = __fmul_rn(gq, __fmaf_rn(-t, t, 1.f));
+    g[q] = gq;
+  }
+}
+
+// ROWT: the target element's gradient (yl, inside the buffer; z its logit): the loss's own form
+// plus rule 18's terms, as grad_vector_terms.
+template <class TZ, class TG, int MODE>
+__device__ __forceinline__ void store_target_lean(const KParams& p, const RowGrad& rg,
+                                                  const RowTerms& rt, float z, int yl, char* grow) {
+  float t;
+  const float a = xform<MODE>(z, p, t);
+  const float pr = prob(a, rg.m, rg.ls);
+  const float gl = grad_target<MODE>(p, rg, pr, 0.f, t);
+  const float w = __fmaf_rn(-rt.Es, __fsub_rn(__fsub_rn(a, rg.m), rt.mum), rt.Ls);
+  const float cf = use_cap<MODE>(p) ? __fmaf_rn(-t, t, 1.f) : 1.f;
+  const float gy = pr == 0.f ? gl : __fmaf_rn(__fmul_rn(pr, w), cf, gl);
+  char* dst = grow + int64_t(yl) * Ty<TG>::kBytes;
+  if constexpr (Ty<TG>::kBytes == 4) {
+    __stcs(reinterpret_cast<float*>(dst), gy);
+  } else {
+    __stcs(reinterpret_cast<unsigned short*>(dst),
+           static_cast<unsigned short>(pack2<TG>(gy, 0.f) & 0xffffu));
+  }
+}
+
+template <class TZ, class TG, int MODE, bool ES>
+__device__ __forceinline__ void
+grad_vector_lean(const uint4& raw, int j0, bool full, bool vec_ok, const KParams& p,
+                 const RowGrad& rg, const LeanTerms& lt, const RowTerms& rt, int yl, char* grow) {
+  constexpr int E = vec_elems<TZ>();
+  float g[E];
+  unpack<TZ>(raw, g);
+  const int dyl = yl - j0;
+  const int dy = (dyl >= 0 && dyl < E) ? dyl : -1;
+  float zy = 0.f;
+  if (dy >= 0) {
+#pragma unroll
+    for (int q = 0; q < E; ++q) zy = q == dy ? g[q] : zy;
+  }
+  lean_elems<MODE, ES>(p, rg, lt, -__fmul_rn(rg.ls, kLog2e), g);
+  store_grad<TG, E>(grow, j0, full, vec_ok, p.vocab, g);
+  if (dy >= 0) store_target_lean<TZ, TG, MODE>(p, rg, rt, zy, yl, grow);
+}
+
+// ROWT, the fast slots (regs_row): grad_vector_lean's form off the target for every element of
+// one full vector, stored at dst with one 16-byte store and no test per element or per vector;
+// the target's owner stores its element after (store_target_lean), as grad_vector_full and
+// store_target do for the plain gradient. nlsl = −ls·log2e, once per row.
+template <class TZ, class TG, int MODE, bool ES>
+__device__ __forceinline__ void grad_vector_lean_full(const uint4& raw, const KParams& p,
+                                                      const RowGrad& rg, const LeanTerms& lt,
+                                                      float nlsl, char* dst) {
+  constexpr int E = vec_elems<TZ>();
+  float g[E];
+  unpack<TZ>(raw, g);
+  lean_elems<MODE, ES>(p, rg, lt, nlsl, g);
+  store_grad<TG, E>(dst, 0, true, true, p.vocab, g);
 }
 
 // Ignored rows: 0; invalid rows: NaN (docs/semantics.md rules 2, 3).

@@ -122,8 +122,13 @@ template <class TZ, class TG, bool LOOP, bool SMEM> const void* regs_kernel(int 
                         : kernel_address(ce_rows_regs_kernel<TZ, TG, kGeneral, LOOP, SMEM>);
 }
 
-// The bulk kernel of a mode (GRAD: with the gradient; without one TG is TZ).
-template <class TZ, class TG, bool GRAD> auto bulk_kernel(int mode) {
+// The bulk kernel of a mode (GRAD: with the gradient; without one TG is TZ), with rule 18's
+// terms or not (rowt: the unit, plain and softcap modes only, as the register path's).
+template <class TZ, class TG, bool GRAD> auto bulk_kernel(int mode, bool rowt) {
+  if (rowt)
+    return mode == kUnit  ? ce_rows_bulk_kernel<TZ, TG, kUnit, GRAD, true>
+         : mode == kCap   ? ce_rows_bulk_kernel<TZ, TG, kCap, GRAD, true>
+                          : ce_rows_bulk_kernel<TZ, TG, kPlain, GRAD, true>;
   return mode == kUnit  ? ce_rows_bulk_kernel<TZ, TG, kUnit, GRAD>
        : mode == kPlain ? ce_rows_bulk_kernel<TZ, TG, kPlain, GRAD>
        : mode == kCap   ? ce_rows_bulk_kernel<TZ, TG, kCap, GRAD>
@@ -166,22 +171,23 @@ fce_status launch_rows_typed(const CeRowsArgs& a, KParams p, int pair, cudaStrea
   rq.shape.aligned_rows =
       (reinterpret_cast<uintptr_t>(a.logits) & 15) == 0 && (p.z_row_bytes & 15) == 0;
   rq.shape.rescale = p.rescale != 0;
-  // rule 18's entropy and gradient terms: the ROWT register kernels without label smoothing,
-  // else the stream kernels (ce/policy.h); never persistent (fce_backward_rescale has none)
+  // rule 18's entropy and gradient terms: the ROWT register and bulk kernels without label
+  // smoothing, else the stream kernels (ce/policy.h); never persistent (fce_backward_rescale
+  // has none)
   const bool rowt = p.entropy_out || p.grad_lse || p.grad_entropy || (p.stats_out && a.stats_mu);
   const bool soft = a.opt.soft_targets;  // rule 19: the stream kernels only
-  const bool terms_in_regs = rowt && mode != kGeneral && !soft;
+  const bool fast_terms = rowt && mode != kGeneral && !soft;
   rq.shape.row_terms = rowt || soft;
-  rq.shape.terms_in_regs = terms_in_regs;
-  rq.slot = (terms_in_regs ? kRowTermsSlots : 0) + pair * 4 + mode;
-  rq.regs_kernel = terms_in_regs ? regs_terms_kernel<TZ, TG, false>(mode)
-                                 : regs_kernel<TZ, TG, false, false>(mode);
+  rq.shape.fast_terms = fast_terms;
+  rq.slot = (fast_terms ? kRowTermsSlots : 0) + pair * 4 + mode;
+  rq.regs_kernel = fast_terms ? regs_terms_kernel<TZ, TG, false>(mode)
+                              : regs_kernel<TZ, TG, false, false>(mode);
   rq.regs_loop_kernel = regs_kernel<TZ, TG, true, false>(mode);
-  rq.regs_smem_kernel = terms_in_regs ? regs_terms_kernel<TZ, TG, true>(mode)
-                                      : regs_kernel<TZ, TG, false, true>(mode);
+  rq.regs_smem_kernel = fast_terms ? regs_terms_kernel<TZ, TG, true>(mode)
+                                   : regs_kernel<TZ, TG, false, true>(mode);
   rq.regs_smem_loop_kernel = regs_kernel<TZ, TG, true, true>(mode);
-  rq.bulk_kernel = a.grad ? kernel_address(bulk_kernel<TZ, TG, true>(mode))
-                          : kernel_address(bulk_kernel<TZ, TZ, false>(mode));
+  rq.bulk_kernel = a.grad ? kernel_address(bulk_kernel<TZ, TG, true>(mode, fast_terms))
+                          : kernel_address(bulk_kernel<TZ, TZ, false>(mode, fast_terms));
   RowsChoice choice;
   FCE_TRY(choose_rows_path(a.fn, rq, &choice));
   const RegConfig& rc = choice.rc;
@@ -206,18 +212,18 @@ fce_status launch_rows_typed(const CeRowsArgs& a, KParams p, int pair, cudaStrea
       q.rows_in_launch = n;
       const int64_t grid = n < choice.wave_rows ? n : choice.wave_rows;
       st = a.grad ? launch_rows_kernel(a.fn, "ce_rows_bulk_kernel, with the gradient",
-                                       bulk_kernel<TZ, TG, true>(mode), grid, kBulkThreads, 1, q,
-                                       s, bulk_ring_bytes(true))
+                                       bulk_kernel<TZ, TG, true>(mode, fast_terms), grid,
+                                       kBulkThreads, 1, q, s, bulk_ring_bytes(true))
                   : launch_rows_kernel(a.fn, "ce_rows_bulk_kernel",
-                                       bulk_kernel<TZ, TZ, false>(mode), grid, kBulkThreads, 1, q,
-                                       s, bulk_ring_bytes(false));
+                                       bulk_kernel<TZ, TZ, false>(mode, fast_terms), grid,
+                                       kBulkThreads, 1, q, s, bulk_ring_bytes(false));
     } else if (choice.path == RowsPath::kRegisters) {
       q.cluster = rc.k;
       q.reg_smem = rc.smem;
       q.rows_in_launch = n;
       q.prefetch_rows = choice.prefetch_rows;
       q.xmbar_ok = choice.xmbar ? 1 : 0;
-      if (terms_in_regs) {
+      if (fast_terms) {
         st = launch_regs_terms<TZ, TG>(a.fn, mode, q, rc, n, s);
       } else if (choice.persistent) {
         const int64_t grid_rows = n < choice.wave_rows ? n : choice.wave_rows;

@@ -171,7 +171,7 @@ RowsChoice choose_rows(const DeviceProps& dev, const Knobs& knobs, const RowsSha
   out.path = q.backward ? RowsPath::kBackward : RowsPath::kTwoPass;
   out.rc = RegConfig{1, kRegThreads, 0, 0};
   out.xmbar = true;
-  if (q.row_terms && !q.terms_in_regs) return out;  // the stream kernels: kBackward or kTwoPass
+  if (q.row_terms && !q.fast_terms) return out;  // the stream kernels: kBackward or kTwoPass
   const int64_t row = q.vocab * q.elem_bytes;
   // the two-pass rule (stream_min_row) or FCE_CUDA_CE_PATH keep the register path out
   const bool long_forward_only = !q.with_grad && row >= t.stream_min_row;
@@ -190,7 +190,8 @@ RowsChoice choose_rows(const DeviceProps& dev, const Knobs& knobs, const RowsSha
   const bool bulk_grad =
       ((knobs.bulk_grad && bulk_grad_rule) || knobs.bulk == 2) && row + 16 <= kBulkRowBytes;
   // (V ≤ 2^30: the bulk kernel indexes a row's elements with int)
-  if (!q.backward && !q.row_terms && (!q.with_grad || bulk_grad) && knobs.bulk && knobs.path == 0 &&
+  // (rule 18's terms take it as the other rows: its ROWT instantiations have them)
+  if (!q.backward && (!q.with_grad || bulk_grad) && knobs.bulk && knobs.path == 0 &&
       q.vocab <= (int64_t{1} << 30) && (row >= t.bulk_min_row || knobs.bulk == 2)) {
     const int ctas = kernels.bulk_ctas(q.with_grad);
     if (ctas > 0) {

@@ -31,12 +31,12 @@ struct DeviceProps {
 //   condition (row = V · element bytes)                              kernel
 //   a backward (a saved lse or row statistics)                       kBackward
 //   the entropy or the lse / entropy gradient terms (row_terms)
-//     with label smoothing (not terms_in_regs)                       kTwoPass
-//   sm_90+, forward only, row ≥ bulk_min_row, no row_terms           kBulk
+//     with label smoothing or class probabilities (not fast_terms)   kTwoPass
+//   sm_90+, forward only, row ≥ bulk_min_row                         kBulk
 //   sm_90+, with a gradient, bulk_grad_min_row < row,
 //     row + 16 ≤ kBulkRowBytes, row unaligned or > bulk_grad_aligned_row,
 //     a register shape without shared-memory slots (16-bit rows: any
-//     shape where DRAM ≥ bulk_grad_slots_dram), no row_terms       kBulk (with the gradient)
+//     shape where DRAM ≥ bulk_grad_slots_dram)                     kBulk (with the gradient)
 //   forward only, row ≥ stream_min_row                               kTwoPass
 //   the register path's shape fits a cluster resident on the device  kRegisters
 //   otherwise                                                        kTwoPass
@@ -96,11 +96,12 @@ struct RowsShape {
   int elem_bytes;     // of the logits
   bool aligned_rows;  // every row starts 16-byte aligned
   bool rescale;       // fce_backward_rescale: the register path runs persistent
-  // the entropy or the lse / entropy gradient terms (docs/semantics.md rule 18): the bulk
-  // kernel has none; the register kernels have them unless label smoothing (terms_in_regs
-  // false: then the rows take kBackward or kTwoPass)
+  // the entropy or the lse / entropy gradient terms (docs/semantics.md rule 18), or class
+  // probabilities (rule 19): the register and bulk kernels have rule 18's terms unless label
+  // smoothing (fast_terms false, or class probabilities: then the rows take kBackward or
+  // kTwoPass)
   bool row_terms = false;
-  bool terms_in_regs = false;
+  bool fast_terms = false;
 };
 
 // The kernels a shape can run on (the register kernel, persistent or not, with shared-memory
