@@ -335,12 +335,15 @@ __device__ __forceinline__ void sumexp_vector(const uint4& raw, I j0, bool full,
   }
 }
 // ROWT, the second pass with t (sumexp_vector_c's form, |ms| < kFfmaSumMax): each term
-// e = 2^x, x = a·log2e − C, into s2, and e·x into t2 (x clamped to −FLT_MAX: a −inf element adds
-// 0, never 0·inf). As x = (a − ms)·log2e + r exactly before its one rounding, the caller's
-// t = Σ exp(a − ms)(a − ms) is (t2 − r·s2)·2^−r·ln 2: an FFMA and a max per term beside the
-// sum's own FFMA, exponential and add, where sumexp_vector's t takes six instructions a term.
+// e = 2^x, x = a·log2e − C, into s2, and e·x into t2. As x = (a − ms)·log2e + r exactly before
+// its one rounding, the caller's t = Σ exp(a − ms)(a − ms) is (t2 − r·s2)·2^−r·ln 2: one FFMA
+// per term beside the sum's own FFMA, exponential and add, where sumexp_vector's t takes six
+// instructions a term. A −inf element (an out-of-row one too) makes e·x = 0·(−inf) = NaN
+// unless CLAMP (x clamped to −FLT_MAX: it adds 0, one FMNMX per term more): the callers sum
+// without it and sum again with it where t2 came out NaN (t2_again), which gives the clamped
+// form's very bits at the cost of the rows with −inf (or NaN) entries only.
 constexpr float kLn2 = 0.693147180559945309f;
-template <class TZ, class I>
+template <class TZ, bool CLAMP, class I>
 __device__ __forceinline__ void sumexp_t_vector_c(const uint4& raw, I j0, bool full, int V, float C,
                                                   float& s2, float& t2) {
   constexpr int E = vec_elems<TZ>();
@@ -351,9 +354,12 @@ __device__ __forceinline__ void sumexp_t_vector_c(const uint4& raw, I j0, bool f
     const float x = __fmaf_rn(a[q], kLog2e, -C);
     const float e = ex2(x);
     s2 = __fadd_rn(s2, e);
-    t2 = __fmaf_rn(e, fmaxf(x, -3.40282347e38f), t2);
+    t2 = __fmaf_rn(e, CLAMP ? fmaxf(x, -3.40282347e38f) : x, t2);
   }
 }
+// Whether sums of sumexp_t_vector_c<…, false> must be taken again with CLAMP: t2 is NaN (a −inf
+// element, or a NaN one, where the second sum is NaN too).
+__device__ __forceinline__ bool t2_again(float t2) { return isnan(t2); }
 // kUnit, 16-bit: U full vectors folded into acc with the maximum first: their maximum on the
 // packed raw values, one rescale of acc to the new maximum, then one FFMA and an exponential per
 // element (sumexp_vector_c) — against online_vector's maximum, test and rescale per vector.
@@ -380,8 +386,13 @@ __device__ __forceinline__ void fold_group_unit(const uint4 (&buf)[U], Partial& 
     float s2 = 0.f, t2 = 0.f;
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      if constexpr (WT) sumexp_t_vector_c<TZ>(buf[u], 0, true, 0, C, s2, t2);
+      if constexpr (WT) sumexp_t_vector_c<TZ, false>(buf[u], 0, true, 0, C, s2, t2);
       else sumexp_vector_c<TZ>(buf[u], 0, true, 0, C, s2);
+    }
+    if (WT && t2_again(t2)) {  // (a −inf element: the clamped sums)
+      s2 = t2 = 0.f;
+#pragma unroll
+      for (int u = 0; u < U; ++u) sumexp_t_vector_c<TZ, true>(buf[u], 0, true, 0, C, s2, t2);
     }
     const float back = ex2(-r);
     acc.s = __fadd_rn(acc.s, __fmul_rn(s2, back));

@@ -328,20 +328,28 @@ __device__ __forceinline__ void regs_row(const KParams& p, int64_t lrow, int64_t
       if (fabsf(ms) < kFfmaSumMax) {  // one FFMA per term (sumexp_vector_c)
         const float C = __fmul_rn(ms, kLog2e), r = __fmaf_rn(ms, kLog2e, -C);
         float s2 = 0.f, t2 = 0.f;
-        const auto add = [&](const uint4& raw, int j0, bool full) {
-          if constexpr (WT) sumexp_t_vector_c<TZ>(raw, j0, full, V, C, s2, t2);
-          else sumexp_vector_c<TZ>(raw, j0, full, V, C, s2);
-        };
-        if (fast) {
+        const auto pass = [&](auto clamp) {
+          constexpr bool CL = decltype(clamp)::value;
+          const auto add = [&](const uint4& raw, int j0, bool full) {
+            if constexpr (WT) sumexp_t_vector_c<TZ, CL>(raw, j0, full, V, C, s2, t2);
+            else sumexp_vector_c<TZ>(raw, j0, full, V, C, s2);
+          };
+          if (fast) {
 #pragma unroll
-          for (int i = 0; i < kRegVpt - 1; ++i) add(buf[i], 0, true);
-          if (has_last) add(buf[kRegVpt - 1], 0, true);
-        } else {
+            for (int i = 0; i < kRegVpt - 1; ++i) add(buf[i], 0, true);
+            if (has_last) add(buf[kRegVpt - 1], 0, true);
+          } else {
 #pragma unroll
-          for (int i = 0; i < kRegVpt; ++i) {
-            const int j0 = j00 + i * jstep;
-            if (v0 + i * nt < vend) add(buf[i], j0, is_full<int, E>(j0, V));
+            for (int i = 0; i < kRegVpt; ++i) {
+              const int j0 = j00 + i * jstep;
+              if (v0 + i * nt < vend) add(buf[i], j0, is_full<int, E>(j0, V));
+            }
           }
+        };
+        pass(std::false_type{});
+        if (WT && t2_again(t2)) {  // (a −inf element, or out-of-row ones: the clamped sums)
+          s2 = t2 = 0.f;
+          pass(std::true_type{});
         }
         const float back = ex2(-r);
         sum = __fmul_rn(s2, back);
