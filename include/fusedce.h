@@ -1027,10 +1027,15 @@ FCE_API fce_status fce_vp_linear_distill_stats(const fce_options* options,
 
 /* Workspace of fce_vp_linear_distill_backward for these sizes, grad_hidden_dtype and options
  * (min_bytes required, optimal_bytes may be NULL); reads teacher->hidden. */
-FCE_API fce_status fce_vp_linear_distill_backward_workspace_size(
-    const fce_options* options, const fce_teacher* teacher, int64_t ranks, int64_t rows,
-    int64_t hidden, int64_t vocab_total, int64_t vocab_local, int32_t grad_hidden_dtype,
-    size_t* min_bytes, size_t* optimal_bytes);
+FCE_API fce_status fce_vp_linear_distill_backward_workspace_size(const fce_options* options,
+                                                                 const fce_teacher* teacher,
+                                                                 int64_t ranks, int64_t rows,
+                                                                 int64_t hidden,
+                                                                 int64_t vocab_total,
+                                                                 int64_t vocab_local,
+                                                                 int32_t grad_hidden_dtype,
+                                                                 size_t* min_bytes,
+                                                                 size_t* optimal_bytes);
 
 /* The student's gradients of this rank from the last round's gathered statistics
  * [shard->ranks, rows, FCE_VP_DISTILL_STATS] (both logits are made again, piece by piece:
@@ -1049,11 +1054,14 @@ FCE_API fce_status fce_vp_linear_distill_backward_workspace_size(
  * inconsistent shards gets NaN gradients here). CUDA: a 16-bit grad_weight without
  * grad_weight_fp32 as fce_linear_distill's (refused with FCE_ERROR_UNSUPPORTED where that needs
  * fce_linear_ce's vocabulary-sliced plan). */
-FCE_API fce_status fce_vp_linear_distill_backward(
-    const fce_options* options, const fce_teacher* teacher, const fce_vp_shard* shard,
-    int64_t rows, int64_t hidden, const void* hidden_states, const void* weight, const void* bias,
-    const void* targets, const float* gathered_stats, const fce_gradients* gradients,
-    void* workspace, size_t workspace_bytes, void* stream);
+FCE_API fce_status fce_vp_linear_distill_backward(const fce_options* options,
+                                                  const fce_teacher* teacher,
+                                                  const fce_vp_shard* shard, int64_t rows,
+                                                  int64_t hidden, const void* hidden_states,
+                                                  const void* weight, const void* bias,
+                                                  const void* targets, const float* gathered_stats,
+                                                  const fce_gradients* gradients, void* workspace,
+                                                  size_t workspace_bytes, void* stream);
 
 /* --------------------------------------------------------- upstream scale ---- */
 /*
