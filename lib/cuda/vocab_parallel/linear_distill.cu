@@ -11,7 +11,6 @@
 // synchronisation: graph-capturable.
 #include <algorithm>
 
-#include "cuda/distill/kernels.cuh"
 #include "cuda/distill/linear_plan.cuh"
 #include "cuda/linear/plan.cuh"
 #include "vp_distill.h"
