@@ -230,26 +230,31 @@ struct VpLinearDistillProblem {
 // The problems of one token chunk of p, rows [r0, r0 + count): the chunk's logits z and t
 // (`ld` elements apart, of opt.dtype) made by the chunk; the call's per-row buffers. The backward
 // writes ∂z over z; its workspace is the backend's of fce_vp_distill_backward.
+template <class Chunk>
+void vd_chunk_sizes(Chunk* q, const VpLinearDistillProblem& p, const DistillOptions& opt,
+                    int64_t r0, int64_t count, const void* t, int64_t ld) {
+  q->fn = p.fn;
+  q->opt = opt;
+  q->ranks = p.ranks;
+  q->rows = p.rows;
+  q->vocab_total = p.vocab_total;
+  q->vocab_start = p.vocab_start;
+  q->vocab_local = p.vocab_local;
+  q->first = r0;
+  q->count = count;
+  q->row_stride = q->teacher_row_stride = ld;
+  q->teacher = t;
+  q->stream = p.stream;
+}
 inline VpDistillStatsProblem vd_stats_chunk(const VpLinearDistillProblem& p,
                                             const DistillOptions& opt, int64_t r0, int64_t count,
                                             const void* z, const void* t, int64_t ld) {
   VpDistillStatsProblem q{};
-  q.fn = p.fn;
-  q.opt = opt;
+  vd_chunk_sizes(&q, p, opt, r0, count, t, ld);
   q.round = p.round;
-  q.ranks = p.ranks;
-  q.rows = p.rows;
-  q.vocab_total = p.vocab_total;
-  q.vocab_start = p.vocab_start;
-  q.vocab_local = p.vocab_local;
-  q.first = r0;
-  q.count = count;
-  q.row_stride = q.teacher_row_stride = ld;
   q.logits = z;
-  q.teacher = t;
   q.previous = p.previous;
   q.stats = p.stats;
-  q.stream = p.stream;
   return q;
 }
 inline VpDistillProblem vd_backward_chunk(const VpLinearDistillProblem& p,
@@ -257,26 +262,16 @@ inline VpDistillProblem vd_backward_chunk(const VpLinearDistillProblem& p,
                                           void* z, const void* t, int64_t ld, void* workspace,
                                           size_t workspace_bytes) {
   VpDistillProblem q{};
-  q.fn = p.fn;
+  vd_chunk_sizes(&q, p, opt, r0, count, t, ld);
   q.backward = true;
-  q.opt = opt;
-  q.ranks = p.ranks;
-  q.rows = p.rows;
-  q.vocab_total = p.vocab_total;
-  q.vocab_start = p.vocab_start;
-  q.vocab_local = p.vocab_local;
-  q.first = r0;
-  q.count = count;
-  q.row_stride = q.teacher_row_stride = q.grad_row_stride = ld;
+  q.grad_row_stride = ld;
   q.targets = p.targets;
   q.gathered = p.gathered;
   q.logits = z;
-  q.teacher = t;
   q.grad = z;  // ∂z over z, in place
   q.grad_output = p.grad_output;
   q.workspace = workspace;
   q.workspace_bytes = workspace_bytes;
-  q.stream = p.stream;
   return q;
 }
 

@@ -86,6 +86,23 @@ struct DistillInputs {
   FloatMatrix W, Wt;  // [vocab, hidden], [vocab, teacher_hidden]
 };
 
+// The inputs of call p (a LinearDistillProblem, or a VpLinearDistillProblem over its shard of
+// `vocab` classes).
+template <class Problem>
+DistillInputs distill_inputs(const Problem& p, int64_t vocab) {
+  const int dtype = p.opt.dtype;
+  return {dtype,
+          vocab,
+          p.hidden,
+          p.teacher_hidden,
+          p.hidden_states,
+          p.hidden_row_stride,
+          p.teacher_hidden_states,
+          p.teacher_hidden_row_stride,
+          as_float(dtype, p.weight, vocab, p.hidden),
+          as_float(dtype, p.teacher_weight, vocab, p.teacher_hidden)};
+}
+
 // The student's and the teacher's logits of rows [r0, r0 + count) into chunk.logits and
 // chunk.teacher_logits ([count, vocab] each); returns the student's hidden rows as float32, *ldh
 // apart (for ∂W).

@@ -33,16 +33,7 @@ fce_status cpu_linear_distill(const LinearDistillProblem& p) {
     const DistillSetup d = make_distill_setup(p.opt, p.rows, p.vocab, p.targets, p.grad_output);
     DistillScratch scratch(p.vocab, R);
     std::vector<double> losses(size_t(p.rows), 0.0);
-    DistillInputs in{dtype,
-                     p.vocab,
-                     p.hidden,
-                     p.teacher_hidden,
-                     p.hidden_states,
-                     p.hidden_row_stride,
-                     p.teacher_hidden_states,
-                     p.teacher_hidden_row_stride,
-                     as_float(dtype, p.weight, p.vocab, p.hidden),
-                     as_float(dtype, p.teacher_weight, p.vocab, p.teacher_hidden)};
+    const DistillInputs in = distill_inputs(p, p.vocab);
     DistillBuffers chunk(distill_layout(dtype, R, p.hidden, p.teacher_hidden, p.vocab, with_grad),
                          p.workspace, p.workspace_bytes);
     WeightGrads weight_grads(p.grad_weight_fp32 ? FCE_FLOAT32 : dtype, p.grad_weight, nullptr,

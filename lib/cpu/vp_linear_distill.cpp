@@ -24,16 +24,7 @@ fce_status run(const VpLinearDistillProblem& p) {
   opt32.dtype = FCE_FLOAT32;
   // The call's buffers are allocated before any output is written (the rows' scratch, per
   // chunk, is vp_distill.cpp's).
-  DistillInputs in{dtype,
-                   Vs,
-                   p.hidden,
-                   p.teacher_hidden,
-                   p.hidden_states,
-                   p.hidden_row_stride,
-                   p.teacher_hidden_states,
-                   p.teacher_hidden_row_stride,
-                   as_float(dtype, p.weight, Vs, p.hidden),
-                   as_float(dtype, p.teacher_weight, Vs, p.teacher_hidden)};
+  const DistillInputs in = distill_inputs(p, Vs);
   DistillBuffers chunk(distill_layout(dtype, R, p.hidden, p.teacher_hidden, Vs, p.backward),
                        p.workspace, p.workspace_bytes);
   WeightGrads weight_grads(p.grad_weight_fp32 ? FCE_FLOAT32 : dtype, p.grad_weight, nullptr,
