@@ -793,8 +793,11 @@ typedef enum fce_divergence {
 /* The teacher of a distillation call, in the backend's memory, of the student's dtype
  * (options->dtype). Start from FCE_TEACHER_INIT; fields are only ever appended, and struct_size
  * must be the size of some version's struct (FCE_TEACHER_SIZE_V1_0). fce_distill reads logits
- * and row_stride (hidden_states and weight must be NULL); fce_linear_distill reads
- * hidden_states, weight, hidden and hidden_row_stride (logits must be NULL, row_stride 0). */
+ * and row_stride (hidden_states and weight must be NULL), as do fce_vp_distill_stats and
+ * fce_vp_distill_backward (their logits this rank's shard); fce_linear_distill reads
+ * hidden_states, weight, hidden and hidden_row_stride (logits must be NULL, row_stride 0), as do
+ * fce_vp_linear_distill_* (weight this rank's shard [vocab_local, hidden]); fce_vp_distill_loss
+ * reads none of them and takes either kind. */
 typedef struct fce_teacher {
   size_t struct_size;        /* sizeof(fce_teacher) */
   int32_t divergence;        /* fce_divergence: FCE_DIVERGENCE_FORWARD_KL */
@@ -948,7 +951,8 @@ FCE_API fce_status fce_vp_distill_loss_workspace_size(const fce_options* options
  * required), lse (optional [rows]: the student's log-sum-exp of a / T, every row), error_flags
  * (optional: FCE_FLAG_SHARDS_INCONSISTENT), as fce_distill writes them for the whole rows.
  * targets [rows] or NULL as above. Reads shard->ranks and ->vocab_total, never the logits
- * (teacher->logits is not read and may be NULL). */
+ * (teacher->logits is not read and may be NULL; the teacher of fce_vp_linear_distill_*, with
+ * its hidden states and weight, is accepted too). */
 FCE_API fce_status fce_vp_distill_loss(const fce_options* options, const fce_teacher* teacher,
                                        const fce_vp_shard* shard, int64_t rows,
                                        const void* targets, const float* gathered,
@@ -975,6 +979,89 @@ FCE_API fce_status fce_vp_distill_backward(const fce_options* options, const fce
                                            const float* gathered,
                                            const fce_gradients* gradients, void* workspace,
                                            size_t workspace_bytes, void* stream);
+
+/* The same step from HIDDEN STATES, so that neither the student's logits nor the teacher's
+ * exist whole: this rank's logits z = hidden_states · weightᵀ (weight: its shard [vocab_local,
+ * hidden] of the student's weight rows [vocab_start, vocab_start + vocab_local), no bias) and
+ * t = teacher->hidden_states · teacher->weightᵀ (teacher->weight: its shard [vocab_local,
+ * teacher->hidden] of the teacher's), made piece by piece in the workspace as fce_linear_distill
+ * makes them (token chunks):
+ *
+ *   for round = 1 .. R (fce_vp_distill_rounds):
+ *     fce_vp_linear_distill_stats(round), then the caller's all-gather, as above;
+ *   fce_vp_distill_loss: the loss from the last round's gathered statistics (no linear call:
+ *     it reads the statistics only, and takes the same teacher);
+ *   fce_vp_linear_distill_backward: the student's gradients of this rank.
+ *
+ * The statistics are those fce_vp_distill_stats writes for the logits the GEMMs make, and the
+ * loss and the gradients fce_linear_distill's over the whole vocabulary, to float32 rounding.
+ * The teacher is read as by fce_linear_distill (hidden_states [rows, teacher->hidden_row_stride]
+ * of options->dtype, weight, hidden; logits must be NULL and row_stride 0); options, rounds,
+ * targets and refusals as for fce_vp_distill_* (options->hidden_row_stride is the student's
+ * hidden stride); `bias` must be NULL (FCE_ERROR_UNSUPPORTED: the distillation's linear layers
+ * have none). The workspace holds a token chunk of both logits: min_bytes for the smallest,
+ * optimal_bytes for full speed; any size between works, and gives the same bits (CPU) or the
+ * plan's chunk for that size (CUDA, as fce_linear_distill). */
+
+/* Workspace of fce_vp_linear_distill_stats (min_bytes required, optimal_bytes may be NULL):
+ * reads teacher->hidden. */
+FCE_API fce_status fce_vp_linear_distill_stats_workspace_size(const fce_options* options,
+                                                              const fce_teacher* teacher,
+                                                              int64_t rows, int64_t hidden,
+                                                              int64_t vocab_local,
+                                                              size_t* min_bytes,
+                                                              size_t* optimal_bytes);
+
+/* Round `round` of the statistics of this rank's shards from hidden states: hidden_states
+ * [rows, hidden] (options->hidden_row_stride apart), weight [vocab_local, hidden], bias NULL,
+ * previous and stats as for fce_vp_distill_stats (2·N·vocab_local·(hidden + teacher->hidden)
+ * FLOPs: both logits). No targets: every row's statistics are written. */
+FCE_API fce_status fce_vp_linear_distill_stats(const fce_options* options,
+                                               const fce_teacher* teacher,
+                                               const fce_vp_shard* shard, int32_t round,
+                                               int64_t rows, int64_t hidden,
+                                               const void* hidden_states, const void* weight,
+                                               const void* bias, const float* previous,
+                                               float* stats, void* workspace,
+                                               size_t workspace_bytes, void* stream);
+
+/* Workspace of fce_vp_linear_distill_backward for these sizes, grad_hidden_dtype and options
+ * (min_bytes required, optimal_bytes may be NULL); reads teacher->hidden. */
+FCE_API fce_status fce_vp_linear_distill_backward_workspace_size(const fce_options* options,
+                                                                 const fce_teacher* teacher,
+                                                                 int64_t ranks, int64_t rows,
+                                                                 int64_t hidden,
+                                                                 int64_t vocab_total,
+                                                                 int64_t vocab_local,
+                                                                 int32_t grad_hidden_dtype,
+                                                                 size_t* min_bytes,
+                                                                 size_t* optimal_bytes);
+
+/* The student's gradients of this rank from the last round's gathered statistics
+ * [shard->ranks, rows, FCE_VP_DISTILL_STATS] (both logits are made again, piece by piece:
+ * 2·N·vocab_local·(3·hidden + teacher->hidden) FLOPs with both gradients):
+ *   grad_hidden   this rank's partial ∂h = ∂z_shard · weight [rows, hidden] dense, of
+ *                 gradients->grad_hidden_dtype (FCE_FLOAT32, or options->dtype), always
+ *                 overwritten; the caller sums it over ranks (all-reduce), as for
+ *                 fce_vp_linear_backward; or NULL.
+ *   grad_weight   ∂W of this rank's rows [vocab_local, hidden] = ∂z_shardᵀ · hidden_states, as
+ *                 fce_linear_distill's (dtype or float32 by options->grad_weight_fp32;
+ *                 options->accumulate), or NULL.
+ * At least one of them must be given (with rows = 0 neither need be); grad_output (NULL = 1;
+ * [rows] for reduction none) as fce_vp_distill_backward; grad_logits, grad_bias, grad_lse and
+ * grad_entropy are refused. targets [rows] or NULL as for fce_vp_distill_backward. No outputs:
+ * fce_vp_distill_loss on the same gathered statistics reports the error flags (a row of
+ * inconsistent shards gets NaN gradients here). CUDA: a 16-bit grad_weight without
+ * grad_weight_fp32 as fce_linear_distill's (refused with FCE_ERROR_UNSUPPORTED where that needs
+ * fce_linear_ce's vocabulary-sliced plan). */
+FCE_API fce_status fce_vp_linear_distill_backward(const fce_options* options,
+                                                  const fce_teacher* teacher,
+                                                  const fce_vp_shard* shard, int64_t rows,
+                                                  int64_t hidden, const void* hidden_states,
+                                                  const void* weight, const void* bias,
+                                                  const void* targets, const float* gathered_stats,
+                                                  const fce_gradients* gradients, void* workspace,
+                                                  size_t workspace_bytes, void* stream);
 
 /* --------------------------------------------------------- upstream scale ---- */
 /*

@@ -110,6 +110,13 @@ fce_status check_teacher_fields(const char* fn, const fce_teacher& t, bool linea
   return FCE_SUCCESS;
 }
 
+fce_status check_teacher_hidden(const char* fn, const fce_teacher& t) {
+  if (t.hidden < 1 || t.hidden > kMaxVocab)
+    return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: teacher->hidden (%lld) must be in [1, 2^31-1]", fn,
+                (long long)t.hidden);
+  return FCE_SUCCESS;
+}
+
 }  // namespace abi
 }  // namespace fce
 
@@ -135,13 +142,6 @@ void linear_workspace(const fce_options& o, const fce::DistillOptions& opt, int6
   else
     fce::cuda_linear_distill_workspace_size(opt, rows, hidden, teacher_hidden, vocab, with_grad,
                                             o.grad_weight_fp32 != 0, min_bytes, optimal_bytes);
-}
-
-fce_status check_teacher_hidden(const char* fn, const fce_teacher& t) {
-  if (t.hidden < 1 || t.hidden > kMaxVocab)
-    return fail(FCE_ERROR_INVALID_ARGUMENT, "%s: teacher->hidden (%lld) must be in [1, 2^31-1]", fn,
-                (long long)t.hidden);
-  return FCE_SUCCESS;
 }
 
 // A workspace query's start: the options, the teacher and the options a distillation takes.

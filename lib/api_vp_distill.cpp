@@ -14,23 +14,6 @@ using namespace fce::abi;
 
 static_assert(FCE_VP_DISTILL_STATS * 4 == kStatsBytes, "the statistics' rows of 32 bytes");
 
-// The checks every call shares after the options are read: the teacher, the options a
-// distillation takes (over the whole vocabulary), options->vp_entropy (the distillation's
-// statistics carry no entropy) and the teacher's fields of the linear call.
-fce_status check_common(const char* fn, const fce_options* o, const fce_teacher* teacher,
-                        int64_t rows, int64_t vocab_total, fce_teacher* t,
-                        fce::DistillOptions* opt) {
-  FCE_TRY(read_teacher(fn, teacher, t));
-  FCE_TRY(check_distill_options(fn, o, *t, rows, vocab_total, opt));
-  if (o->vp_entropy != 0)
-    return fail(FCE_ERROR_UNSUPPORTED, "%s: options->vp_entropy is not supported by %s", fn, fn);
-  return check_teacher_fields(fn, *t, false);
-}
-
-int rounds_of(const fce_teacher& t) {
-  return fce::vd_rounds(fce::vd_divergence(t.divergence, t.beta));
-}
-
 size_t vd_workspace(const fce_options& o, const fce::DistillOptions& opt, int64_t ranks,
                     int64_t rows, bool backward) {
   if (rows == 0) return 0;
@@ -51,12 +34,6 @@ fce_status shard_bytes(const char* fn, const char* name, int64_t rows, int64_t v
   return FCE_SUCCESS;
 }
 
-// gathered statistics [ranks, rows, FCE_VP_DISTILL_STATS] under the argument's name.
-fce::Arg gathered_arg(const char* name, const float* p, int64_t ranks, int64_t rows) {
-  return {name, p, static_cast<uint64_t>(ranks) * static_cast<uint64_t>(rows) * kStatsBytes, 16,
-          false};
-}
-
 // The two workspace queries (backward: vocab_local is an argument).
 fce_status workspace_query(const char* fn, const fce_options* options, const fce_teacher* teacher,
                            int64_t ranks, int64_t rows, int64_t vocab_total, int64_t vocab_local,
@@ -67,7 +44,9 @@ fce_status workspace_query(const char* fn, const fce_options* options, const fce
   else FCE_TRY(check_vocab_total(fn, vocab_total));
   fce_teacher t;
   fce::DistillOptions opt;
-  FCE_TRY(check_common(fn, &o, teacher, rows, vocab_total, &t, &opt));
+  FCE_TRY(check_vp_distill_common(fn, &o, teacher, rows, vocab_total,
+                                  backward ? TeacherFields::kLogits : TeacherFields::kAny, &t,
+                                  &opt));
   FCE_TRY(check_vp_rows(fn, rows, &ranks));
   FCE_TRY(check_size_output(fn, bytes));
   *bytes = vd_workspace(o, opt, ranks, rows, backward);
@@ -76,34 +55,27 @@ fce_status workspace_query(const char* fn, const fce_options* options, const fce
 
 }  // namespace
 
-extern "C" {
+namespace fce {
+namespace abi {
 
-FCE_API fce_status fce_vp_distill_rounds(const fce_teacher* teacher, int32_t* rounds) {
-  const char* fn = "fce_vp_distill_rounds";
-  fce::clear_error();
-  fce_teacher t;
-  FCE_TRY(read_teacher(fn, teacher, &t));
-  FCE_TRY(check_required(fn, {{"rounds", rounds}}));
-  *rounds = rounds_of(t);
-  return FCE_SUCCESS;
+fce_status check_vp_distill_common(const char* fn, const fce_options* o, const fce_teacher* teacher,
+                                   int64_t rows, int64_t vocab_total, TeacherFields fields,
+                                   fce_teacher* t, DistillOptions* opt) {
+  FCE_TRY(read_teacher(fn, teacher, t));
+  FCE_TRY(check_distill_options(fn, o, *t, rows, vocab_total, opt));
+  if (o->vp_entropy != 0)
+    return fail(FCE_ERROR_UNSUPPORTED, "%s: options->vp_entropy is not supported by %s", fn, fn);
+  if (fields == TeacherFields::kAny) return FCE_SUCCESS;
+  return check_teacher_fields(fn, *t, fields == TeacherFields::kLinear);
 }
 
-FCE_API fce_status fce_vp_distill_stats(const fce_options* options, const fce_teacher* teacher,
-                                        const fce_vp_shard* shard, int32_t round, int64_t rows,
-                                        const void* logits, const float* previous, float* stats,
-                                        void* stream) {
-  const char* fn = "fce_vp_distill_stats";
-  fce_options local;
-  FCE_TRY(begin_call(fn, options, &local));
-  FCE_TRY(check_shard(fn, shard));
-  const fce_options* o = &local;
-  const int64_t ranks = shard->ranks, vocab_total = shard->vocab_total,
-                vocab_start = shard->vocab_start, vocab_local = shard->vocab_local;
-  FCE_TRY(check_vp_vocab(fn, vocab_total, vocab_start, vocab_local, true));
-  fce::VpDistillStatsProblem p{};
-  fce_teacher t;
-  FCE_TRY(check_common(fn, o, teacher, rows, vocab_total, &t, &p.opt));
-  const int rounds = rounds_of(t);
+int vp_distill_rounds(const fce_teacher& t) {
+  return vd_rounds(vd_divergence(t.divergence, t.beta));
+}
+
+fce_status check_vp_round(const char* fn, const fce_teacher& t, int32_t round,
+                          const float* previous) {
+  const int rounds = vp_distill_rounds(t);
   if (round < 1 || round > rounds)
     return fail(FCE_ERROR_INVALID_ARGUMENT,
                 "%s: round (%d) must be in [1, %d]: the teacher's divergence needs %d round%s of "
@@ -114,7 +86,54 @@ FCE_API fce_status fce_vp_distill_stats(const fce_options* options, const fce_te
                 "%s: previous is given in round 1 (it is the gathered statistics of round 1, "
                 "read by round 2: pass NULL)",
                 fn);
-  FCE_TRY(check_vp_rows(fn, rows, round == 2 ? &ranks : nullptr));
+  return FCE_SUCCESS;
+}
+
+fce_status begin_vp_stats(const char* fn, const fce_options* options, const fce_teacher* teacher,
+                          const fce_vp_shard* shard, int32_t round, int64_t rows,
+                          const float* previous, TeacherFields fields, fce_options* o,
+                          fce_teacher* t, DistillOptions* opt) {
+  FCE_TRY(begin_call(fn, options, o));
+  FCE_TRY(check_shard(fn, shard));
+  FCE_TRY(check_vp_vocab(fn, shard->vocab_total, shard->vocab_start, shard->vocab_local, true));
+  FCE_TRY(check_vp_distill_common(fn, o, teacher, rows, shard->vocab_total, fields, t, opt));
+  FCE_TRY(check_vp_round(fn, *t, round, previous));
+  return check_vp_rows(fn, rows, round == 2 ? &shard->ranks : nullptr);
+}
+
+Arg vp_distill_gathered_arg(const char* name, const float* p, int64_t ranks, int64_t rows) {
+  return {name, p, static_cast<uint64_t>(ranks) * static_cast<uint64_t>(rows) * kStatsBytes, 16,
+          false};
+}
+
+}  // namespace abi
+}  // namespace fce
+
+extern "C" {
+
+FCE_API fce_status fce_vp_distill_rounds(const fce_teacher* teacher, int32_t* rounds) {
+  const char* fn = "fce_vp_distill_rounds";
+  fce::clear_error();
+  fce_teacher t;
+  FCE_TRY(read_teacher(fn, teacher, &t));
+  FCE_TRY(check_required(fn, {{"rounds", rounds}}));
+  *rounds = vp_distill_rounds(t);
+  return FCE_SUCCESS;
+}
+
+FCE_API fce_status fce_vp_distill_stats(const fce_options* options, const fce_teacher* teacher,
+                                        const fce_vp_shard* shard, int32_t round, int64_t rows,
+                                        const void* logits, const float* previous, float* stats,
+                                        void* stream) {
+  const char* fn = "fce_vp_distill_stats";
+  fce_options local;
+  fce_teacher t;
+  fce::VpDistillStatsProblem p{};
+  FCE_TRY(begin_vp_stats(fn, options, teacher, shard, round, rows, previous, TeacherFields::kLogits,
+                         &local, &t, &p.opt));
+  const fce_options* o = &local;
+  const int64_t ranks = shard->ranks, vocab_total = shard->vocab_total,
+                vocab_start = shard->vocab_start, vocab_local = shard->vocab_local;
   const bool empty = rows == 0;  // per-row buffers of no elements may be NULL
   FCE_TRY(check_required(fn, {{"logits", logits, empty},
                               {"teacher->logits", t.logits, empty},
@@ -132,7 +151,7 @@ FCE_API fce_status fce_vp_distill_stats(const fce_options* options, const fce_te
   const fce::Arg args[] = {
       {"logits", logits, logits_bytes, e.esize, false},
       {"teacher->logits", t.logits, teacher_bytes, e.esize, false},
-      gathered_arg("previous", round == 2 ? previous : nullptr, ranks, rows),
+      vp_distill_gathered_arg("previous", round == 2 ? previous : nullptr, ranks, rows),
       e.stats(stats),
   };
   FCE_TRY(check_args(fn, args));
@@ -144,6 +163,8 @@ FCE_API fce_status fce_vp_distill_stats(const fce_options* options, const fce_te
   p.vocab_total = vocab_total;
   p.vocab_start = vocab_start;
   p.vocab_local = vocab_local;
+  p.first = 0;
+  p.count = rows;
   p.logits = logits;
   p.teacher = t.logits;
   p.previous = previous;
@@ -172,7 +193,8 @@ FCE_API fce_status fce_vp_distill_loss(const fce_options* options, const fce_tea
   FCE_TRY(check_vocab_total(fn, vocab_total));
   fce::VpDistillProblem p{};
   fce_teacher t;
-  FCE_TRY(check_common(fn, o, teacher, rows, vocab_total, &t, &p.opt));
+  FCE_TRY(
+      check_vp_distill_common(fn, o, teacher, rows, vocab_total, TeacherFields::kAny, &t, &p.opt));
   FCE_TRY(refuse_outputs(fn, a.out, a.g));
   FCE_TRY(check_vp_rows(fn, rows, &ranks));
   const Entries e(*o, rows);
@@ -181,7 +203,7 @@ FCE_API fce_status fce_vp_distill_loss(const fce_options* options, const fce_tea
                               {"outputs->loss", a.out.loss, e.reduced_floats() == 0}}));
   const fce::Arg args[] = {
       e.targets(targets),
-      gathered_arg("gathered_stats", gathered_stats, ranks, rows),
+      vp_distill_gathered_arg("gathered_stats", gathered_stats, ranks, rows),
       e.loss(a.out.loss),
       e.lse(a.out.lse, true),
       error_flags_arg(a.out.error_flags),
@@ -222,7 +244,8 @@ FCE_API fce_status fce_vp_distill_backward(const fce_options* options, const fce
   FCE_TRY(check_vp_vocab(fn, vocab_total, vocab_start, vocab_local, true));
   fce::VpDistillProblem p{};
   fce_teacher t;
-  FCE_TRY(check_common(fn, o, teacher, rows, vocab_total, &t, &p.opt));
+  FCE_TRY(check_vp_distill_common(fn, o, teacher, rows, vocab_total, TeacherFields::kLogits, &t,
+                                  &p.opt));
   FCE_TRY(refuse_outputs(fn, a.out, a.g));
   FCE_TRY(check_vp_rows(fn, rows, &ranks));
   void* grad = a.g.grad_logits;
@@ -248,7 +271,7 @@ FCE_API fce_status fce_vp_distill_backward(const fce_options* options, const fce
       {"logits", logits, logits_bytes, e.esize, false},
       {"teacher->logits", t.logits, teacher_bytes, e.esize, false},
       e.targets(targets),
-      gathered_arg("gathered_stats", gathered_stats, ranks, rows),
+      vp_distill_gathered_arg("gathered_stats", gathered_stats, ranks, rows),
       e.grad_output(a.g.grad_output),
       {"gradients->grad_logits", grad, grad_bytes, e.esize, true},
       workspace_arg(workspace, workspace_bytes),
@@ -260,6 +283,8 @@ FCE_API fce_status fce_vp_distill_backward(const fce_options* options, const fce
   if (empty) return empty_problem(fn, *o, args, {}, stream);  // no row: nothing to write
   set_vp_step(&p, fn, true, ranks, rows, vocab_total, vocab_start, vocab_local, targets,
               gathered_stats);
+  p.first = 0;
+  p.count = rows;
   p.logits = logits;
   p.teacher = t.logits;
   p.grad = grad;

@@ -64,4 +64,10 @@ fce_status cuda_linear_distill(const LinearDistillProblem& p) { return unavailab
 fce_status cuda_vp_distill_stats(const VpDistillStatsProblem& p) { return unavailable(p.fn); }
 size_t cuda_vp_distill_workspace_size(const DistillOptions&, int64_t, int64_t, bool) { return 0; }
 fce_status cuda_vp_distill(const VpDistillProblem& p) { return unavailable(p.fn); }
+void cuda_vp_linear_distill_workspace_size(const DistillOptions&, int64_t, int64_t, int64_t,
+                                           int64_t, bool, size_t* min_bytes,
+                                           size_t* optimal_bytes) {
+  *min_bytes = *optimal_bytes = 0;
+}
+fce_status cuda_vp_linear_distill(const VpLinearDistillProblem& p) { return unavailable(p.fn); }
 }  // namespace fce

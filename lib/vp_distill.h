@@ -156,52 +156,141 @@ FCE_VD_HD inline VdRow vd_combine(const float* gathered, int64_t ranks, int64_t 
   return c;
 }
 
-// fce_vp_distill_stats, every argument checked.
+// fce_vp_distill_stats, every argument checked; also one token chunk of
+// fce_vp_linear_distill_stats (rows [first, first + count) of the call's rows, whose logits the
+// chunk made: the per-row buffers stay the call's, indexed by the call's row).
 struct VpDistillStatsProblem {
   const char* fn;  // "fce_vp_distill_stats"
   DistillOptions opt;
   int round;  // 1 or 2 (2 only for the JSD with 0 < β < 1)
   int64_t ranks, rows, vocab_total, vocab_start, vocab_local;
+  int64_t first, count;                    // the rows computed (the whole call: 0, rows)
   int64_t row_stride, teacher_row_stride;  // >= vocab_local
-  const void* logits;                      // the student's shard [rows, row_stride]
-  const void* teacher;                     // the teacher's shard [rows, teacher_row_stride]
+  const void* logits;                      // the student's shard [count, row_stride]
+  const void* teacher;                     // the teacher's shard [count, teacher_row_stride]
   const float* previous;                   // round 2: round 1's gathered [ranks, rows, 8]
   float* stats;                            // [rows, FCE_VP_DISTILL_STATS], 16-byte aligned
   void* stream;
 };
 
-// fce_vp_distill_loss (backward false) and fce_vp_distill_backward.
+// fce_vp_distill_loss (backward false) and fce_vp_distill_backward; the backward also of one
+// token chunk of fce_vp_linear_distill_backward (rows [first, first + count) as above: logits,
+// teacher and grad hold the chunk's rows; targets, gathered and grad_output are the call's).
 struct VpDistillProblem {
   const char* fn;  // "fce_vp_distill_loss" or "fce_vp_distill_backward"
   bool backward;
   DistillOptions opt;
   int64_t ranks, rows, vocab_total;
   int64_t vocab_start, vocab_local;                         // backward only
+  int64_t first, count;                                     // backward only: the rows computed
   int64_t row_stride, teacher_row_stride, grad_row_stride;  // backward only, >= vocab_local
   const void* targets;                                      // [rows] or nullptr
   const float* gathered;     // the last round's [ranks, rows, FCE_VP_DISTILL_STATS]
   float* loss;               // loss: [1] or [rows]
   float* lse;                // loss: optional [rows]
   uint32_t* error_flags;     // loss: optional
-  const void* logits;        // backward: the student's shard
-  const void* teacher;       // backward: the teacher's shard
-  void* grad;                // backward: [rows, grad_row_stride]; may == logits
+  const void* logits;        // backward: the student's shard [count, row_stride]
+  const void* teacher;       // backward: the teacher's shard [count, teacher_row_stride]
+  void* grad;                // backward: [count, grad_row_stride]; may == logits
   const float* grad_output;  // backward: nullptr = 1
   void* workspace;
   size_t workspace_bytes;
   void* stream;
 };
 
-// ---- CPU backend (lib/cpu/vp_distill.cpp) ----
+// fce_vp_linear_distill_stats (backward false) and fce_vp_linear_distill_backward: the
+// student's shard of logits z = h·W_sᵀ and the teacher's t = h'·W'_sᵀ made in token chunks in
+// the workspace, each chunk then the problems above.
+struct VpLinearDistillProblem {
+  const char* fn;  // "fce_vp_linear_distill_stats" or "fce_vp_linear_distill_backward"
+  bool backward;
+  DistillOptions opt;
+  int round;  // stats: 1 or 2
+  int64_t ranks, rows, hidden, teacher_hidden, vocab_total, vocab_start, vocab_local;
+  int64_t hidden_row_stride, teacher_hidden_row_stride;  // >= hidden / teacher_hidden
+  const void* hidden_states;                             // [rows, hidden_row_stride]
+  const void* weight;                                    // [vocab_local, hidden]
+  const void* teacher_hidden_states;                     // [rows, teacher_hidden_row_stride]
+  const void* teacher_weight;                            // [vocab_local, teacher_hidden]
+  const float* previous;                                 // stats, round 2: [ranks, rows, 8]
+  float* stats;                                          // stats: [rows, 8]
+  const void* targets;                                   // backward: [rows] or nullptr
+  const float* gathered;                                 // backward: [ranks, rows, 8]
+  const float* grad_output;                              // backward: nullptr = 1
+  void* grad_hidden;      // backward, optional: the partial ∂h [rows, hidden] dense
+  int grad_hidden_dtype;  // FCE_FLOAT32 or opt.dtype
+  void* grad_weight;      // backward, optional: [vocab_local, hidden], dtype or f32
+  bool grad_weight_fp32;
+  bool accumulate;
+  void* workspace;
+  size_t workspace_bytes;
+  void* stream;
+};
+
+// The problems of one token chunk of p, rows [r0, r0 + count): the chunk's logits z and t
+// (`ld` elements apart, of opt.dtype) made by the chunk; the call's per-row buffers. The backward
+// writes ∂z over z; its workspace is the backend's of fce_vp_distill_backward.
+template <class Chunk>
+void vd_chunk_sizes(Chunk* q, const VpLinearDistillProblem& p, const DistillOptions& opt,
+                    int64_t r0, int64_t count, const void* t, int64_t ld) {
+  q->fn = p.fn;
+  q->opt = opt;
+  q->ranks = p.ranks;
+  q->rows = p.rows;
+  q->vocab_total = p.vocab_total;
+  q->vocab_start = p.vocab_start;
+  q->vocab_local = p.vocab_local;
+  q->first = r0;
+  q->count = count;
+  q->row_stride = q->teacher_row_stride = ld;
+  q->teacher = t;
+  q->stream = p.stream;
+}
+inline VpDistillStatsProblem vd_stats_chunk(const VpLinearDistillProblem& p,
+                                            const DistillOptions& opt, int64_t r0, int64_t count,
+                                            const void* z, const void* t, int64_t ld) {
+  VpDistillStatsProblem q{};
+  vd_chunk_sizes(&q, p, opt, r0, count, t, ld);
+  q.round = p.round;
+  q.logits = z;
+  q.previous = p.previous;
+  q.stats = p.stats;
+  return q;
+}
+inline VpDistillProblem vd_backward_chunk(const VpLinearDistillProblem& p,
+                                          const DistillOptions& opt, int64_t r0, int64_t count,
+                                          void* z, const void* t, int64_t ld, void* workspace,
+                                          size_t workspace_bytes) {
+  VpDistillProblem q{};
+  vd_chunk_sizes(&q, p, opt, r0, count, t, ld);
+  q.backward = true;
+  q.grad_row_stride = ld;
+  q.targets = p.targets;
+  q.gathered = p.gathered;
+  q.logits = z;
+  q.grad = z;  // ∂z over z, in place
+  q.grad_output = p.grad_output;
+  q.workspace = workspace;
+  q.workspace_bytes = workspace_bytes;
+  return q;
+}
+
+// ---- CPU backend (lib/cpu/vp_distill.cpp, lib/cpu/vp_linear_distill.cpp) ----
 fce_status cpu_vp_distill_stats(const VpDistillStatsProblem& p);
 size_t cpu_vp_distill_workspace_size(const DistillOptions& opt, int64_t ranks, int64_t rows,
                                      bool backward);
 fce_status cpu_vp_distill(const VpDistillProblem& p);
+fce_status cpu_vp_linear_distill(const VpLinearDistillProblem& p);
 
-// ---- CUDA backend (lib/cuda/vocab_parallel/distill.cu); stubs in a build without it ----
+// ---- CUDA backend (lib/cuda/vocab_parallel/distill.cu, linear_distill.cu); stubs in a build
+// without it ----
 fce_status cuda_vp_distill_stats(const VpDistillStatsProblem& p);
 size_t cuda_vp_distill_workspace_size(const DistillOptions& opt, int64_t ranks, int64_t rows,
                                       bool backward);
 fce_status cuda_vp_distill(const VpDistillProblem& p);
+void cuda_vp_linear_distill_workspace_size(const DistillOptions& opt, int64_t rows, int64_t hidden,
+                                           int64_t teacher_hidden, int64_t vocab_local,
+                                           bool backward, size_t* min_bytes, size_t* optimal_bytes);
+fce_status cuda_vp_linear_distill(const VpLinearDistillProblem& p);
 
 }  // namespace fce

@@ -4,74 +4,28 @@
 // logits, in place), then ∂h = ∂z·W and ∂W (+)= ∂zᵀ·h accumulated in float32. The chunk's rows
 // depend on the sizes only, so every workspace of at least min_bytes gives the same result bit
 // for bit; its buffers live in the workspace when it holds optimal_bytes, else in host memory.
-#include <climits>
 #include <new>
 #include <vector>
 
 #include "cpu/blas.h"
 #include "distill_row.h"
-#include "linear_chunks.h"
+#include "distill_chunks.h"
 
 namespace fce {
-namespace {
 
 using namespace cpu;
-
-// The chunk's buffers: the student's (linear_chunks.h's layout), then the teacher's logits and,
-// for a 16-bit dtype, its hidden rows as float32.
-struct DistillLayout {
-  ChunkLayout student;
-  size_t teacher_logits, teacher_hidden;
-  size_t total() const { return student.total() + teacher_logits + teacher_hidden; }
-};
-
-DistillLayout distill_layout(int dtype, int64_t rows, int64_t hidden, int64_t teacher_hidden,
-                             int64_t vocab, bool with_grad) {
-  DistillLayout l;
-  l.student = chunk_layout(dtype, rows, hidden, vocab, with_grad && dtype != FCE_FLOAT32);
-  l.teacher_logits = align16(size_t(rows) * size_t(vocab) * 4);
-  l.teacher_hidden = dtype != FCE_FLOAT32 ? align16(size_t(rows) * size_t(teacher_hidden) * 4) : 0;
-  return l;
-}
-
-struct DistillBuffers {
-  float *logits, *hidden, *grad_hidden, *teacher_logits, *teacher_hidden;
-  std::vector<float> host;
-  DistillBuffers(const DistillLayout& l, void* workspace, size_t workspace_bytes) {
-    char* base = static_cast<char*>(workspace);
-    if (workspace_bytes < l.total()) {
-      host.resize(l.total() / 4);
-      base = reinterpret_cast<char*>(host.data());
-    }
-    logits = reinterpret_cast<float*>(base);
-    hidden = reinterpret_cast<float*>(base + l.student.logits);
-    grad_hidden = reinterpret_cast<float*>(base + l.student.logits + l.student.hidden);
-    teacher_logits = reinterpret_cast<float*>(base + l.student.total());
-    teacher_hidden = reinterpret_cast<float*>(base + l.student.total() + l.teacher_logits);
-  }
-};
-
-}  // namespace
 
 void cpu_linear_distill_workspace_size(const DistillOptions& opt, int64_t rows, int64_t hidden,
                                        int64_t teacher_hidden, int64_t vocab, bool with_grad,
                                        size_t* min_bytes, size_t* optimal_bytes) {
-  const DistillLayout one = distill_layout(opt.dtype, 1, hidden, teacher_hidden, vocab, with_grad);
-  const DistillLayout chunk =
-      distill_layout(opt.dtype, chunk_rows(rows, vocab), hidden, teacher_hidden, vocab, with_grad);
-  if (min_bytes) *min_bytes = one.total();
-  if (optimal_bytes) *optimal_bytes = chunk.total();
+  distill_chunk_sizes(opt.dtype, rows, hidden, teacher_hidden, vocab, with_grad, min_bytes,
+                      optimal_bytes);
 }
 
 fce_status cpu_linear_distill(const LinearDistillProblem& p) {
   const int64_t R = chunk_rows(p.rows, p.vocab);
-  if (p.vocab > INT_MAX || p.hidden > INT_MAX || p.hidden_row_stride > INT_MAX ||
-      p.teacher_hidden_row_stride > INT_MAX)
-    return fail(FCE_ERROR_UNSUPPORTED,
-                "%s (CPU): BLAS takes int sizes: vocab %lld, hidden %lld, "
-                "hidden_row_stride %lld, teacher->hidden_row_stride %lld must be at most %d",
-                p.fn, (long long)p.vocab, (long long)p.hidden, (long long)p.hidden_row_stride,
-                (long long)p.teacher_hidden_row_stride, INT_MAX);
+  FCE_TRY(check_blas_sizes(p.fn, "vocab", p.vocab, p.hidden, p.hidden_row_stride,
+                           p.teacher_hidden_row_stride));
   const int dtype = p.opt.dtype;
   const bool with_grad = p.with_grad();
   try {
@@ -79,8 +33,7 @@ fce_status cpu_linear_distill(const LinearDistillProblem& p) {
     const DistillSetup d = make_distill_setup(p.opt, p.rows, p.vocab, p.targets, p.grad_output);
     DistillScratch scratch(p.vocab, R);
     std::vector<double> losses(size_t(p.rows), 0.0);
-    const FloatMatrix W = as_float(dtype, p.weight, p.vocab, p.hidden);
-    const FloatMatrix Wt = as_float(dtype, p.teacher_weight, p.vocab, p.teacher_hidden);
+    const DistillInputs in = distill_inputs(p, p.vocab);
     DistillBuffers chunk(distill_layout(dtype, R, p.hidden, p.teacher_hidden, p.vocab, with_grad),
                          p.workspace, p.workspace_bytes);
     WeightGrads weight_grads(p.grad_weight_fp32 ? FCE_FLOAT32 : dtype, p.grad_weight, nullptr,
@@ -88,13 +41,8 @@ fce_status cpu_linear_distill(const LinearDistillProblem& p) {
 
     for (int64_t r0 = 0; r0 < p.rows; r0 += R) {
       const int64_t count = std::min(R, p.rows - r0);
-      int64_t ldh = 0, ldt = 0;
-      const float* h = hidden_chunk(dtype, p.hidden_states, p.hidden_row_stride, p.hidden, r0,
-                                    count, chunk.hidden, &ldh);
-      const float* ht = hidden_chunk(dtype, p.teacher_hidden_states, p.teacher_hidden_row_stride,
-                                     p.teacher_hidden, r0, count, chunk.teacher_hidden, &ldt);
-      logits_chunk(h, ldh, W, nullptr, count, p.hidden, p.vocab, chunk.logits);
-      logits_chunk(ht, ldt, Wt, nullptr, count, p.teacher_hidden, p.vocab, chunk.teacher_logits);
+      int64_t ldh = 0;
+      const float* h = distill_logits(in, r0, count, chunk, &ldh);
 
       DistillRows job;
       job.first = r0;
@@ -113,7 +61,7 @@ fce_status cpu_linear_distill(const LinearDistillProblem& p) {
       if (!with_grad) continue;
 
       if (p.grad_hidden)
-        grad_hidden_chunk(dtype, p.grad_hidden, chunk.logits, W, r0, count, p.hidden, p.vocab,
+        grad_hidden_chunk(dtype, p.grad_hidden, chunk.logits, in.W, r0, count, p.hidden, p.vocab,
                           chunk.grad_hidden);
       weight_grads.add(chunk.logits, h, ldh, count);
     }

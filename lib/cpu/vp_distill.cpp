@@ -134,12 +134,13 @@ void round2_row(const VdSetup& s, const VdRow& c, const double* u, const double*
 
 fce_status stats(const VpDistillStatsProblem& p) {
   const VdSetup s = make_vd_setup(p.opt, p.rows, p.vocab_start, p.vocab_local, nullptr, nullptr);
-  DistillScratch scratch(p.vocab_local, p.rows);
-  parallel_for(p.rows, scratch.threads, [&](int64_t begin, int64_t end, int t) {
+  DistillScratch scratch(p.vocab_local, p.count);
+  parallel_for(p.count, scratch.threads, [&](int64_t begin, int64_t end, int t) {
     double* u = scratch.u[size_t(t)].data();
     double* v = scratch.v[size_t(t)].data();
-    for (int64_t r = begin; r < end; ++r) {
-      load_shard_rows(s, p.opt.dtype, p.logits, p.row_stride, p.teacher, p.teacher_row_stride, r, u,
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r = p.first + i;  // the call's row
+      load_shard_rows(s, p.opt.dtype, p.logits, p.row_stride, p.teacher, p.teacher_row_stride, i, u,
                       v);
       float* out = p.stats + size_t(r) * kVdCount;
       if (p.round == 1) {
@@ -180,19 +181,21 @@ fce_status loss(const VpDistillProblem& p) {
 
 // fce_vp_distill_backward: per row the combination, then the gradient of the shard's columns
 // (rows not counted: 0; rows of inconsistent statistics: NaN). Each row is read whole before
-// its gradient is written (in place is fine).
+// its gradient is written (in place is fine). The mean's n counts the call's rows, all of them
+// (make_vd_setup over p.rows), whichever rows p.first and p.count pick.
 fce_status backward(const VpDistillProblem& p) {
   const VdSetup s =
       make_vd_setup(p.opt, p.rows, p.vocab_start, p.vocab_local, p.targets, p.grad_output);
   const int rounds = vd_rounds(s.div);
   const Div div = as_div(s.div);
   const size_t gsize = dtype_size(p.opt.dtype);
-  DistillScratch scratch(p.vocab_local, p.rows);
-  parallel_for(p.rows, scratch.threads, [&](int64_t begin, int64_t end, int t) {
+  DistillScratch scratch(p.vocab_local, p.count);
+  parallel_for(p.count, scratch.threads, [&](int64_t begin, int64_t end, int t) {
     double* u = scratch.u[size_t(t)].data();
     double* v = scratch.v[size_t(t)].data();
-    for (int64_t r = begin; r < end; ++r) {
-      void* g = static_cast<char*>(p.grad) + size_t(r) * size_t(p.grad_row_stride) * gsize;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r = p.first + i;  // the call's row
+      void* g = static_cast<char*>(p.grad) + size_t(i) * size_t(p.grad_row_stride) * gsize;
       if (!row_counted(s.d, r)) {
         fill_row(p.opt.dtype, g, s.local, 0.0f);
         continue;
@@ -203,7 +206,7 @@ fce_status backward(const VpDistillProblem& p) {
         fill_row(p.opt.dtype, g, s.local, std::numeric_limits<float>::quiet_NaN());
         continue;
       }
-      load_shard_rows(s, p.opt.dtype, p.logits, p.row_stride, p.teacher, p.teacher_row_stride, r, u,
+      load_shard_rows(s, p.opt.dtype, p.logits, p.row_stride, p.teacher, p.teacher_row_stride, i, u,
                       v);
       const double up = distill_upstream(s.d, r);
       for (int64_t j = 0; j < s.local; ++j) {

@@ -361,9 +361,15 @@ DISTILL_SYMBOLS = ("fce_distill_workspace_size", "fce_distill",
 VP_DISTILL_SYMBOLS = ("fce_vp_distill_rounds", "fce_vp_distill_stats",
                       "fce_vp_distill_loss_workspace_size", "fce_vp_distill_loss",
                       "fce_vp_distill_backward_workspace_size", "fce_vp_distill_backward")
+# ... from hidden states (1.0)
+VP_LINEAR_DISTILL_SYMBOLS = ("fce_vp_linear_distill_stats_workspace_size",
+                             "fce_vp_linear_distill_stats",
+                             "fce_vp_linear_distill_backward_workspace_size",
+                             "fce_vp_linear_distill_backward")
 SINCE = {"fce_scale_gradient": 200, "fce_backward_rescale": 200, "fce_build_info": 300,
          **{name: 400 for name in VP_SYMBOLS}, **{name: 500 for name in VP_LINEAR_CE_SYMBOLS},
-         **{name: 10000 for name in DISTILL_SYMBOLS + VP_DISTILL_SYMBOLS}}
+         **{name: 10000
+            for name in DISTILL_SYMBOLS + VP_DISTILL_SYMBOLS + VP_LINEAR_DISTILL_SYMBOLS}}
 
 
 def _declare(lib) -> frozenset:
@@ -419,6 +425,13 @@ def _declare(lib) -> frozenset:
         "fce_vp_distill_loss": (st, [opt, tch, shd, i64, vp, fp, out, vp, sz, vp]),
         "fce_vp_distill_backward_workspace_size": (st, [opt, tch, i64, i64, i64, i64, psz]),
         "fce_vp_distill_backward": (st, [opt, tch, shd, i64, vp, vp, fp, grd, vp, sz, vp]),
+        "fce_vp_linear_distill_stats_workspace_size": (st, [opt, tch, i64, i64, i64, psz, psz]),
+        "fce_vp_linear_distill_stats": (
+            st, [opt, tch, shd, c.c_int32, i64, i64, vp, vp, vp, fp, fp, vp, sz, vp]),
+        "fce_vp_linear_distill_backward_workspace_size": (
+            st, [opt, tch, i64, i64, i64, i64, i64, c.c_int32, psz, psz]),
+        "fce_vp_linear_distill_backward": (
+            st, [opt, tch, shd, i64, i64, vp, vp, vp, vp, fp, grd, vp, sz, vp]),
     }
     missing = []
     for name, (restype, argtypes) in sigs.items():

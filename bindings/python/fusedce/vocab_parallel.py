@@ -31,7 +31,11 @@ Distillation with both the student's and the teacher's logits sharded the same w
 (docs/semantics.md rule 22): :func:`vp_distill_rounds` rounds of :func:`vp_distill_stats`
 (round 2, the JSD's, reads round 1's gathered statistics), each all-gathered, then
 :func:`vp_distill_loss` and :func:`vp_distill_backward` from the last round's gathered
-statistics; equal to :func:`fusedce.distill` on the whole rows to float32 rounding.
+statistics; equal to :func:`fusedce.distill` on the whole rows to float32 rounding. From
+hidden states (each rank holding its rows of the student's and the teacher's weights, neither
+model's logits ever whole): :func:`vp_linear_distill_stats` for the rounds, the same
+:func:`vp_distill_loss`, then :func:`vp_linear_distill_backward` (its grad_hidden this rank's
+PARTIAL ∂h: all-reduce it); equal to :func:`fusedce.linear_distill` to float32 rounding.
 
 Needs libfusedce 0.4 (:func:`fusedce._lib.require_vp` raises UnsupportedError for an older one;
 the distillation 1.0).
@@ -50,8 +54,8 @@ from ._alloc import (_Alloc, _argmax_accuracy, _class_weights, _error_flags, _gr
                      _grad_output, _linear_grads, _loss_lse, _out, _ptr, _user_workspace,
                      _workspace, query_for)
 from ._args import (_backend_code, _build_options, _build_teacher, _check_backend_kw,
-                    _check_same_device, _check_stride_kw, _grad_set, _matrix, _reduction_code,
-                    _target_dtype_code, _targets_code, _vector, _writable)
+                    _check_same_device, _check_stride_kw, _grad_set, _hidden_weight, _matrix,
+                    _reduction_code, _target_dtype_code, _targets_code, _vector, _writable)
 from ._arrays import (_CODE_NAMES, _FLOAT_CODES, _Arr, _describe, _dtype_name,
                       _float_code, _need_dtype)
 from ._options import CEOptions, DistillOptions
@@ -65,7 +69,9 @@ __all__ = [
     "vp_backward", "vp_linear_stats", "vp_linear_backward", "vp_loss_workspace_size",
     "vp_backward_workspace_size", "vp_linear_stats_workspace_size",
     "vp_linear_backward_workspace_size", "VPDistillLossResult", "vp_distill_rounds",
-    "vp_distill_stats", "vp_distill_loss", "vp_distill_backward",
+    "vp_distill_stats", "vp_distill_loss", "vp_distill_backward", "vp_linear_distill_stats",
+    "vp_linear_distill_backward", "vp_linear_distill_stats_workspace_size",
+    "vp_linear_distill_backward_workspace_size",
 ]
 
 VP_STATS = FCE_VP_STATS  # float32 per row of a shard's statistics
@@ -819,3 +825,209 @@ def vp_distill_backward(logits, teacher_logits, gathered_stats, targets=None, gr
                   ws_bytes, call_stream)
         del ws_keep, go_keep
     return grad_logits
+
+
+# ======================================== distillation from hidden states (rule 22) ====
+class _LinearShards(NamedTuple):
+    """The inputs of the linear distillation calls, described and checked."""
+
+    h: _Arr
+    W: _Arr
+    th: _Arr
+    tW: _Arr
+    rows: int
+    dim: int
+    vocab_local: int
+    teacher_dim: int
+    dtype_code: int
+    hrs: int   # the student's hidden row stride
+    thrs: int  # the teacher's
+
+
+def _linear_shards(fn: str, hidden, weight, teacher_hidden, teacher_weight, s_explicit, dtype,
+                   hidden_row_stride) -> _LinearShards:
+    """hidden [rows, D] and this rank's weight rows [vocab_local, D], the teacher's
+    teacher_hidden [rows, D'] and weight rows [vocab_local, D'], all of one dtype."""
+    h = _describe(hidden, "hidden", s_explicit)
+    W = _describe(weight, "weight", s_explicit)
+    th = _describe(teacher_hidden, "teacher_hidden", s_explicit)
+    tW = _describe(teacher_weight, "teacher_weight", s_explicit)
+    rows, dim, vl = _hidden_weight(h, W, "vocab_local")
+    _, tdim, _ = _hidden_weight(th, tW, "vocab_local")
+    dtype_code = _float_code(h, _dtype_name(dtype), fn=fn)
+    for a in (W, th, tW):
+        _float_code(a, _CODE_NAMES[dtype_code], "the hidden states' dtype", fn=fn)
+    hrs = _matrix(h, what="[rows, hidden]")
+    _check_stride_kw(hidden_row_stride, hrs, "hidden_row_stride")
+    _matrix(W, cols=dim, dense=True, what="[vocab_local, hidden]")
+    thrs = _matrix(th, rows, what="[rows, teacher hidden]")
+    _matrix(tW, vl, tdim, dense=True, what="[vocab_local, teacher hidden]")
+    return _LinearShards(h, W, th, tW, rows, dim, vl, tdim, dtype_code, hrs, thrs)
+
+
+def vp_linear_distill_stats(hidden, weight, teacher_hidden, teacher_weight, previous=None, *,
+                            vocab_total: int, vocab_start: int, round: Optional[int] = None,
+                            divergence="forward_kl", beta: float = 0.5,
+                            temperature: float = 1.0, reduction="mean",
+                            ignore_index: int = -100, softcap: float = 0.0,
+                            logit_scale: float = 1.0, dtype=None, backend=None,
+                            hidden_row_stride=None, stats=None, workspace=None,
+                            workspace_size="optimal", stream=None):
+    """One round of the distillation's statistics from hidden states
+    (fce_vp_linear_distill_stats): :func:`vp_distill_stats` of the logits hidden [rows, D] ·
+    weightᵀ and teacher_hidden [rows, D'] · teacher_weightᵀ, weight and teacher_weight this
+    rank's rows [vocab_local, D] and [vocab_local, D'] (no bias), both logits made piece by
+    piece in the workspace (``workspace_size``: 'optimal', 'min' or bytes, when it is allocated
+    here). Returns ``stats`` float32 [rows, VP_STATS]; ``previous`` and ``round`` as for
+    :func:`vp_distill_stats`."""
+    s_explicit = _stream_int(stream)
+    a = _linear_shards("fusedce.vocab_parallel.vp_linear_distill_stats", hidden, weight,
+                       teacher_hidden, teacher_weight, s_explicit, dtype, hidden_row_stride)
+    vt, vs = _sizes(vocab_total, vocab_start)
+    p = _describe(previous, "previous", s_explicit) if previous is not None else None
+    _check_same_device(a.h, a.W, a.th, a.tW, p)
+    ranks = _gathered(p, a.rows) if p is not None else 1
+    rnd = (1 if p is None else 2) if round is None else _int_option(round, "round")
+    opts = _distill_opts(reduction, divergence, beta, temperature, ignore_index, softcap,
+                         logit_scale)
+    call_stream = _call_stream(s_explicit, [a.h, a.W, a.th, a.tW, p]) if a.h.is_cuda else 0
+    alloc = _Alloc(a.h, call_stream)
+    with _device_of(a.h):
+        stats, sa = _stats_out(stats, alloc, a.h, a.rows)
+        o = _build_options(opts.ce(), backend=_check_backend_kw(a.h, backend),
+                           dtype=a.dtype_code, target_dtype=_target_dtype_code(None),
+                           hidden_row_stride=a.hrs)
+        teacher = _build_teacher(opts, hidden_states=a.th.ptr, weight=a.tW.ptr,
+                                 hidden=a.teacher_dim, hidden_row_stride=a.thrs)
+        lo, hi = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        query_for("fce_vp_linear_distill_stats", "fce_vp_linear_distill_stats_workspace_size",
+                  ctypes.byref(o), ctypes.byref(teacher), a.rows, a.dim, a.vocab_local,
+                  ctypes.byref(lo), ctypes.byref(hi))
+        ws_ptr, ws_bytes, ws_keep = _workspace(workspace, alloc, a.h, int(lo.value),
+                                               int(hi.value), workspace_size)
+        shard = _lib.shard(ranks, vt, vs, a.vocab_local)
+        _lib.call("fce_vp_linear_distill_stats", ctypes.byref(o), ctypes.byref(teacher),
+                  ctypes.byref(shard), rnd, a.rows, a.dim, a.h.ptr, a.W.ptr, 0, _ptr(p), sa.ptr,
+                  ws_ptr, ws_bytes, call_stream)
+        del ws_keep
+    return stats
+
+
+def vp_linear_distill_backward(hidden, weight, teacher_hidden, teacher_weight, gathered_stats,
+                               targets=None, grad_output=None, *, vocab_total: int,
+                               vocab_start: int, divergence="forward_kl", beta: float = 0.5,
+                               temperature: float = 1.0, reduction="mean",
+                               ignore_index: int = -100, softcap: float = 0.0,
+                               logit_scale: float = 1.0, dtype=None, target_dtype=None,
+                               backend=None, hidden_row_stride=None, return_grad=True,
+                               grad_hidden_dtype="float32", accumulate: bool = False,
+                               grad_weight_fp32: bool = False, grad_hidden=None,
+                               grad_weight=None, workspace=None, workspace_size="optimal",
+                               stream=None) -> VPLinearGrads:
+    """The student's gradients of this rank from the LAST round's gathered statistics
+    (fce_vp_linear_distill_backward), scaled by ``grad_output`` (default 1); the inputs as for
+    :func:`vp_linear_distill_stats`. ``return_grad``: True or a subset of ('hidden',
+    'weight'), or pass the buffers. grad_hidden [rows, D] is this rank's PARTIAL ∂h, of
+    ``grad_hidden_dtype`` ('float32', the default, or the inputs' dtype): ALL-REDUCE (sum) it
+    over the ranks. grad_weight [vocab_local, D] is the shard's, complete (the inputs' dtype, or
+    float32 with ``grad_weight_fp32``; ``accumulate`` adds into it). grad_bias is None: the
+    linear layers have no bias. The loss is :func:`vp_distill_loss`'s."""
+    s_explicit = _stream_int(stream)
+    a = _linear_shards("fusedce.vocab_parallel.vp_linear_distill_backward", hidden, weight,
+                       teacher_hidden, teacher_weight, s_explicit, dtype, hidden_row_stride)
+    vt, vs = _sizes(vocab_total, vocab_start)
+    g = _describe(gathered_stats, "gathered_stats", s_explicit)
+    y = _describe(targets, "targets", s_explicit) if targets is not None else None
+    _check_same_device(a.h, a.W, a.th, a.tW, g, y)
+    tcode = _targets_code(y, a.rows, target_dtype) if y is not None else _target_dtype_code(
+        target_dtype)
+    ranks = _gathered(g, a.rows)
+    opts = _distill_opts(reduction, divergence, beta, temperature, ignore_index, softcap,
+                         logit_scale)
+    grads = _grad_set(return_grad, False)
+    dname = _CODE_NAMES[a.dtype_code]
+    gh_name = _dtype_name(grad_hidden_dtype) or "float32"
+    if gh_name not in _FLOAT_CODES:  # float32 or the inputs' dtype: the library checks which
+        raise TypeError(f"grad_hidden_dtype must be a floating-point dtype, got "
+                        f"{grad_hidden_dtype!r}")
+    gdtype = "float32" if grad_weight_fp32 else dname
+    call_stream = (_call_stream(s_explicit, [a.h, a.W, a.th, a.tW, g, y]) if a.h.is_cuda
+                   else 0)
+    alloc = _Alloc(a.h, call_stream)
+    with _device_of(a.h):
+        (grad_hidden, grad_weight, _), (gh_a, gw_a, _) = _linear_grads(
+            alloc, a.h, a.W, None, grads, grad_hidden, grad_weight, None, rows=a.rows,
+            dim=a.dim, vocab=a.vocab_local, gh_dtype=gh_name,
+            gh_like=a.h if gh_name == dname else None, gh_what="grad_hidden_dtype",
+            grad_weight_fp32=grad_weight_fp32, wdtype=gdtype, accumulate=accumulate,
+            vocab_name="vocab_local")
+        go_ptr, go_keep = _grad_output(grad_output, alloc, a.h, a.rows, opts.per_row)
+        o = _build_options(opts.ce(), backend=_check_backend_kw(a.h, backend),
+                           dtype=a.dtype_code, target_dtype=tcode, hidden_row_stride=a.hrs,
+                           accumulate=accumulate, grad_weight_fp32=grad_weight_fp32)
+        teacher = _build_teacher(opts, hidden_states=a.th.ptr, weight=a.tW.ptr,
+                                 hidden=a.teacher_dim, hidden_row_stride=a.thrs)
+        gh_code = _FLOAT_CODES[gh_name]
+        lo, hi = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        query_for("fce_vp_linear_distill_backward",
+                  "fce_vp_linear_distill_backward_workspace_size", ctypes.byref(o),
+                  ctypes.byref(teacher), ranks, a.rows, a.dim, vt, a.vocab_local, gh_code,
+                  ctypes.byref(lo), ctypes.byref(hi))
+        ws_ptr, ws_bytes, ws_keep = _workspace(workspace, alloc, a.h, int(lo.value),
+                                               int(hi.value), workspace_size)
+        shard = _lib.shard(ranks, vt, vs, a.vocab_local)
+        gr = _lib.gradients(grad_output=go_ptr, grad_hidden=_ptr(gh_a), grad_weight=_ptr(gw_a),
+                            grad_hidden_dtype=gh_code)
+        _lib.call("fce_vp_linear_distill_backward", ctypes.byref(o), ctypes.byref(teacher),
+                  ctypes.byref(shard), a.rows, a.dim, a.h.ptr, a.W.ptr, 0, _ptr(y), g.ptr,
+                  ctypes.byref(gr), ws_ptr, ws_bytes, call_stream)
+        del ws_keep, go_keep
+    return VPLinearGrads(grad_hidden, grad_weight, None)
+
+
+def _distill_query(divergence, beta, temperature, reduction, ignore_index, softcap, logit_scale,
+                   backend, dtype, teacher_hidden, **fields):
+    """The fce_options and fce_teacher of a workspace query of the linear distillation."""
+    opts = _distill_opts(reduction, divergence, beta, temperature, ignore_index, softcap,
+                         logit_scale)
+    b = _backend_code(backend)
+    o = _build_options(opts.ce(), backend=b if b is not None else _lib.FCE_BACKEND_CPU,
+                       dtype=_FLOAT_CODES[_dtype_name(dtype) or "float32"],
+                       target_dtype=_target_dtype_code(None), **fields)
+    return o, _build_teacher(opts, hidden=int(teacher_hidden))
+
+
+def vp_linear_distill_stats_workspace_size(rows: int, hidden: int, vocab_local: int,
+                                           teacher_hidden: int, *, divergence="forward_kl",
+                                           beta=0.5, temperature=1.0, backend="cpu",
+                                           dtype="float32", reduction="mean",
+                                           ignore_index=-100, softcap=0.0,
+                                           logit_scale=1.0) -> Tuple[int, int]:
+    """fce_vp_linear_distill_stats_workspace_size: (min_bytes, optimal_bytes)."""
+    o, t = _distill_query(divergence, beta, temperature, reduction, ignore_index, softcap,
+                          logit_scale, backend, dtype, teacher_hidden)
+    lo, hi = ctypes.c_size_t(0), ctypes.c_size_t(0)
+    _lib.call("fce_vp_linear_distill_stats_workspace_size", ctypes.byref(o), ctypes.byref(t),
+              int(rows), int(hidden), int(vocab_local), ctypes.byref(lo), ctypes.byref(hi))
+    return int(lo.value), int(hi.value)
+
+
+def vp_linear_distill_backward_workspace_size(ranks: int, rows: int, hidden: int,
+                                              vocab_total: int, vocab_local: int,
+                                              teacher_hidden: int, *,
+                                              grad_hidden_dtype="float32",
+                                              divergence="forward_kl", beta=0.5,
+                                              temperature=1.0, backend="cpu", dtype="float32",
+                                              reduction="mean", ignore_index=-100, softcap=0.0,
+                                              logit_scale=1.0, accumulate=False,
+                                              grad_weight_fp32=False) -> Tuple[int, int]:
+    """fce_vp_linear_distill_backward_workspace_size: (min_bytes, optimal_bytes)."""
+    o, t = _distill_query(divergence, beta, temperature, reduction, ignore_index, softcap,
+                          logit_scale, backend, dtype, teacher_hidden, accumulate=accumulate,
+                          grad_weight_fp32=grad_weight_fp32)
+    lo, hi = ctypes.c_size_t(0), ctypes.c_size_t(0)
+    _lib.call("fce_vp_linear_distill_backward_workspace_size", ctypes.byref(o), ctypes.byref(t),
+              int(ranks), int(rows), int(hidden), int(vocab_total), int(vocab_local),
+              _FLOAT_CODES[_dtype_name(grad_hidden_dtype) or "float32"], ctypes.byref(lo),
+              ctypes.byref(hi))
+    return int(lo.value), int(hi.value)

@@ -152,10 +152,10 @@ __global__ void __launch_bounds__(kThreads) stats_kernel(StatsArgs a) {
   __shared__ float sum_shared[3 * kWarps];
   __shared__ float comb[5];  // round 2: Mu, lsu, Mv, lsv, ok
   const VpDistillStatsProblem& p = a.p;
-  const int64_t r = blockIdx.x;
+  const int64_t i = blockIdx.x, r = p.first + i;  // the chunk's row, the call's
   const int n = static_cast<int>(p.vocab_local);
-  const T* zs = static_cast<const T*>(p.logits) + r * p.row_stride;
-  const T* zt = static_cast<const T*>(p.teacher) + r * p.teacher_row_stride;
+  const T* zs = static_cast<const T*>(p.logits) + i * p.row_stride;
+  const T* zt = static_cast<const T*>(p.teacher) + i * p.teacher_row_stride;
   float* out = p.stats + r * kVdCount;
   const int first = threadIdx.x < n ? int(threadIdx.x) : INT_MAX;
   if (p.round == 2 && threadIdx.x == 0) {
@@ -248,11 +248,11 @@ template <class T>
 __global__ void __launch_bounds__(kThreads) backward_kernel(RowsArgs a, Xform xf) {
   __shared__ float comb[6];  // Mu, lsu, Mv, lsv, k, ok
   const VpDistillProblem& p = a.p;
-  const int64_t r = blockIdx.x;
+  const int64_t i = blockIdx.x, r = p.first + i;  // the chunk's row, the call's
   const int n = static_cast<int>(p.vocab_local);
-  const T* zs = static_cast<const T*>(p.logits) + r * p.row_stride;
-  const T* zt = static_cast<const T*>(p.teacher) + r * p.teacher_row_stride;
-  T* g = static_cast<T*>(p.grad) + r * p.grad_row_stride;
+  const T* zs = static_cast<const T*>(p.logits) + i * p.row_stride;
+  const T* zt = static_cast<const T*>(p.teacher) + i * p.teacher_row_stride;
+  T* g = static_cast<T*>(p.grad) + i * p.grad_row_stride;
   if (!distill::counted(p.targets, p.opt.targets_int64, p.opt.ignore_index, r)) {
     for (int j = threadIdx.x; j < n; j += kThreads) g[j] = from_float<T>(0.0f);
     return;
@@ -301,13 +301,13 @@ void by_dtype(int dtype, Args&&... args) {
 template <class T>
 struct LaunchStats {
   static void run(const StatsArgs& a, cudaStream_t s) {
-    stats_kernel<T><<<unsigned(a.p.rows), kThreads, 0, s>>>(a);
+    stats_kernel<T><<<unsigned(a.p.count), kThreads, 0, s>>>(a);
   }
 };
 template <class T>
 struct LaunchBackward {
   static void run(const RowsArgs& a, const Xform& xf, cudaStream_t s) {
-    backward_kernel<T><<<unsigned(a.p.rows), kThreads, 0, s>>>(a, xf);
+    backward_kernel<T><<<unsigned(a.p.count), kThreads, 0, s>>>(a, xf);
   }
 };
 

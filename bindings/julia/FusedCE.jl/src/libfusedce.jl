@@ -227,7 +227,10 @@ const FCE_FUNCTIONS = (:fce_version, :fce_status_string, :fce_last_error, :fce_o
                        :fce_vp_distill_rounds, :fce_vp_distill_stats,
                        :fce_vp_distill_loss_workspace_size, :fce_vp_distill_loss,
                        :fce_vp_distill_backward_workspace_size, :fce_vp_distill_backward,
-                       :fce_scale_gradient, :fce_cuda_available, :fce_build_info)
+                       :fce_vp_linear_distill_stats_workspace_size, :fce_vp_linear_distill_stats,
+                       :fce_vp_linear_distill_backward_workspace_size,
+                       :fce_vp_linear_distill_backward, :fce_scale_gradient, :fce_cuda_available,
+                       :fce_build_info)
 
 # unsigned fce_version(void)
 function fce_version()
@@ -584,6 +587,64 @@ function fce_vp_distill_backward(options, teacher, shard, rows, logits, targets,
                     Ptr{Cvoid}, Ptr{Cfloat}, Ref{FceGradients}, Ptr{Cvoid}, Csize_t, Ptr{Cvoid}),
                    options, teacher, shard, rows, logits, targets, gathered, gradients, workspace,
                    workspace_bytes, stream)
+    return check_status(status)
+end
+
+# fce_status fce_vp_linear_distill_stats_workspace_size(const fce_options* options,
+#     const fce_teacher* teacher, int64_t rows, int64_t hidden, int64_t vocab_local,
+#     size_t* min_bytes, size_t* optimal_bytes)
+function fce_vp_linear_distill_stats_workspace_size(options, teacher, rows, hidden, vocab_local,
+                                                    min_bytes, optimal_bytes)
+    status = ccall(libfusedce_symbol(:fce_vp_linear_distill_stats_workspace_size), Cint,
+                   (Ref{FceOptions}, Ref{FceTeacher}, Int64, Int64, Int64, Ref{Csize_t},
+                    Ref{Csize_t}),
+                   options, teacher, rows, hidden, vocab_local, min_bytes, optimal_bytes)
+    return check_status(status)
+end
+
+# fce_status fce_vp_linear_distill_stats(const fce_options* options, const fce_teacher* teacher,
+#     const fce_vp_shard* shard, int32_t round, int64_t rows, int64_t hidden,
+#     const void* hidden_states, const void* weight, const void* bias, const float* previous,
+#     float* stats, void* workspace, size_t workspace_bytes, void* stream)
+function fce_vp_linear_distill_stats(options, teacher, shard, round, rows, hidden, hidden_states,
+                                     weight, bias, previous, stats, workspace, workspace_bytes,
+                                     stream)
+    status = ccall(libfusedce_symbol(:fce_vp_linear_distill_stats), Cint,
+                   (Ref{FceOptions}, Ref{FceTeacher}, Ref{FceVpShard}, Int32, Int64, Int64,
+                    Ptr{Cvoid}, Ptr{Cvoid}, Ptr{Cvoid}, Ptr{Cfloat}, Ptr{Cfloat}, Ptr{Cvoid},
+                    Csize_t, Ptr{Cvoid}),
+                   options, teacher, shard, round, rows, hidden, hidden_states, weight, bias,
+                   previous, stats, workspace, workspace_bytes, stream)
+    return check_status(status)
+end
+
+# fce_status fce_vp_linear_distill_backward_workspace_size(const fce_options* options,
+#     const fce_teacher* teacher, int64_t ranks, int64_t rows, int64_t hidden, int64_t vocab_total,
+#     int64_t vocab_local, int32_t grad_hidden_dtype, size_t* min_bytes, size_t* optimal_bytes)
+function fce_vp_linear_distill_backward_workspace_size(options, teacher, ranks, rows, hidden,
+                                                       vocab_total, vocab_local, grad_hidden_dtype,
+                                                       min_bytes, optimal_bytes)
+    status = ccall(libfusedce_symbol(:fce_vp_linear_distill_backward_workspace_size), Cint,
+                   (Ref{FceOptions}, Ref{FceTeacher}, Int64, Int64, Int64, Int64, Int64, Int32,
+                    Ref{Csize_t}, Ref{Csize_t}),
+                   options, teacher, ranks, rows, hidden, vocab_total, vocab_local,
+                   grad_hidden_dtype, min_bytes, optimal_bytes)
+    return check_status(status)
+end
+
+# fce_status fce_vp_linear_distill_backward(const fce_options* options, const fce_teacher* teacher,
+#     const fce_vp_shard* shard, int64_t rows, int64_t hidden, const void* hidden_states,
+#     const void* weight, const void* bias, const void* targets, const float* gathered_stats,
+#     const fce_gradients* gradients, void* workspace, size_t workspace_bytes, void* stream)
+function fce_vp_linear_distill_backward(options, teacher, shard, rows, hidden, hidden_states,
+                                        weight, bias, targets, gathered_stats, gradients, workspace,
+                                        workspace_bytes, stream)
+    status = ccall(libfusedce_symbol(:fce_vp_linear_distill_backward), Cint,
+                   (Ref{FceOptions}, Ref{FceTeacher}, Ref{FceVpShard}, Int64, Int64, Ptr{Cvoid},
+                    Ptr{Cvoid}, Ptr{Cvoid}, Ptr{Cvoid}, Ptr{Cfloat}, Ref{FceGradients}, Ptr{Cvoid},
+                    Csize_t, Ptr{Cvoid}),
+                   options, teacher, shard, rows, hidden, hidden_states, weight, bias, targets,
+                   gathered_stats, gradients, workspace, workspace_bytes, stream)
     return check_status(status)
 end
 

@@ -1529,6 +1529,67 @@ extern "C" {
     ) -> fce_status;
 }
 extern "C" {
+    pub fn fce_vp_linear_distill_stats_workspace_size(
+        options: *const fce_options,
+        teacher: *const fce_teacher,
+        rows: i64,
+        hidden: i64,
+        vocab_local: i64,
+        min_bytes: *mut usize,
+        optimal_bytes: *mut usize,
+    ) -> fce_status;
+}
+extern "C" {
+    pub fn fce_vp_linear_distill_stats(
+        options: *const fce_options,
+        teacher: *const fce_teacher,
+        shard: *const fce_vp_shard,
+        round: i32,
+        rows: i64,
+        hidden: i64,
+        hidden_states: *const ::std::os::raw::c_void,
+        weight: *const ::std::os::raw::c_void,
+        bias: *const ::std::os::raw::c_void,
+        previous: *const f32,
+        stats: *mut f32,
+        workspace: *mut ::std::os::raw::c_void,
+        workspace_bytes: usize,
+        stream: *mut ::std::os::raw::c_void,
+    ) -> fce_status;
+}
+extern "C" {
+    pub fn fce_vp_linear_distill_backward_workspace_size(
+        options: *const fce_options,
+        teacher: *const fce_teacher,
+        ranks: i64,
+        rows: i64,
+        hidden: i64,
+        vocab_total: i64,
+        vocab_local: i64,
+        grad_hidden_dtype: i32,
+        min_bytes: *mut usize,
+        optimal_bytes: *mut usize,
+    ) -> fce_status;
+}
+extern "C" {
+    pub fn fce_vp_linear_distill_backward(
+        options: *const fce_options,
+        teacher: *const fce_teacher,
+        shard: *const fce_vp_shard,
+        rows: i64,
+        hidden: i64,
+        hidden_states: *const ::std::os::raw::c_void,
+        weight: *const ::std::os::raw::c_void,
+        bias: *const ::std::os::raw::c_void,
+        targets: *const ::std::os::raw::c_void,
+        gathered_stats: *const f32,
+        gradients: *const fce_gradients,
+        workspace: *mut ::std::os::raw::c_void,
+        workspace_bytes: usize,
+        stream: *mut ::std::os::raw::c_void,
+    ) -> fce_status;
+}
+extern "C" {
     pub fn fce_scale_gradient(
         backend: i32,
         dtype: i32,
