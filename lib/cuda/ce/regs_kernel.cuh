@@ -329,9 +329,9 @@ __device__ __forceinline__ void regs_row(const KParams& p, int64_t lrow, int64_t
         const float C = __fmul_rn(ms, kLog2e), r = __fmaf_rn(ms, kLog2e, -C);
         float s2 = 0.f, t2 = 0.f;
         const auto pass = [&](auto clamp) {
-          constexpr bool CL = decltype(clamp)::value;
           const auto add = [&](const uint4& raw, int j0, bool full) {
-            if constexpr (WT) sumexp_t_vector_c<TZ, CL>(raw, j0, full, V, C, s2, t2);
+            if constexpr (WT)
+              sumexp_t_vector_c<TZ, decltype(clamp)::value>(raw, j0, full, V, C, s2, t2);
             else sumexp_vector_c<TZ>(raw, j0, full, V, C, s2);
           };
           if (fast) {
