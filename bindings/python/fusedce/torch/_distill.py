@@ -23,7 +23,7 @@ as everywhere in fusedce.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -57,6 +57,37 @@ def _rows_target(target: Optional[Tensor], lead: tuple, fn: str) -> Optional[Ten
     if target.dtype not in (torch.int64, torch.int32):
         target = target.to(torch.int64)
     return target.reshape(-1).contiguous()
+
+
+def linear_args(fn: str, hidden: Tensor, weight: Tensor, teacher_hidden: Tensor,
+                teacher_weight: Tensor, workspace_bytes: Optional[int],
+                names: Tuple[str, str, str] = ("weight", "teacher_weight", "V")) -> tuple:
+    """The checks of a linear distillation's tensors, ``names`` those of the two weights and of
+    their rows in the messages: (hidden's leading dimensions, D, D', the compute dtype, the
+    workspace budget in bytes)."""
+    w_name, tw_name, rows = names
+    if hidden.dim() < 1:
+        raise ValueError(f"{fn}: hidden must be [..., D], got a scalar")
+    d = hidden.shape[-1]
+    if weight.dim() != 2 or weight.shape[1] != d:
+        raise ValueError(f"{fn}: {w_name} must be [{rows}, {d}], got {tuple(weight.shape)}")
+    v = weight.shape[0]
+    lead = tuple(hidden.shape[:-1])
+    if teacher_hidden.dim() < 1 or tuple(teacher_hidden.shape[:-1]) != lead:
+        raise ValueError(f"{fn}: teacher_hidden must be [{', '.join(map(str, lead))}, D'] (the "
+                         f"leading dimensions of hidden), got {tuple(teacher_hidden.shape)}")
+    td = teacher_hidden.shape[-1]
+    if teacher_weight.dim() != 2 or tuple(teacher_weight.shape) != (v, td):
+        raise ValueError(f"{fn}: {tw_name} must be [{v}, {td}] (the student's classes, the "
+                         f"teacher's hidden size), got {tuple(teacher_weight.shape)}")
+    cdt = _linear_dtype(fn, (("hidden", hidden), (w_name, weight)))
+    _float_input(teacher_hidden, fn, "teacher_hidden")
+    _float_input(teacher_weight, fn, tw_name)
+    budget = (_alloc.default_workspace_bytes() if workspace_bytes is None
+              else int(workspace_bytes))
+    if budget < 0:
+        raise ValueError(f"{fn}: workspace_bytes must be >= 0, got {workspace_bytes}")
+    return lead, d, td, cdt, budget
 
 
 def _finish(loss: Tensor, opts: DistillOptions, lead: tuple) -> Tensor:
@@ -121,27 +152,8 @@ def linear_distill(hidden: Tensor, weight: Tensor, teacher_hidden: Tensor,
     'sum' compute the gradients in the forward's call (scaled in the backward); 'none' in the
     backward (the logits made again, chunk by chunk)."""
     fn = "fusedce.torch.linear_distill"
-    if hidden.dim() < 1:
-        raise ValueError(f"{fn}: hidden must be [..., D], got a scalar")
-    d = hidden.shape[-1]
-    if weight.dim() != 2 or weight.shape[1] != d:
-        raise ValueError(f"{fn}: weight must be [V, {d}], got {tuple(weight.shape)}")
-    v = weight.shape[0]
-    lead = tuple(hidden.shape[:-1])
-    if teacher_hidden.dim() < 1 or tuple(teacher_hidden.shape[:-1]) != lead:
-        raise ValueError(f"{fn}: teacher_hidden must be [{', '.join(map(str, lead))}, D'] (the "
-                         f"leading dimensions of hidden), got {tuple(teacher_hidden.shape)}")
-    td = teacher_hidden.shape[-1]
-    if teacher_weight.dim() != 2 or tuple(teacher_weight.shape) != (v, td):
-        raise ValueError(f"{fn}: teacher_weight must be [{v}, {td}] (the student's vocabulary, "
-                         f"the teacher's hidden size), got {tuple(teacher_weight.shape)}")
-    cdt = _linear_dtype(fn, (("hidden", hidden), ("weight", weight)))
-    _float_input(teacher_hidden, fn, "teacher_hidden")
-    _float_input(teacher_weight, fn, "teacher_weight")
-    budget = (_alloc.default_workspace_bytes() if workspace_bytes is None
-              else int(workspace_bytes))
-    if budget < 0:
-        raise ValueError(f"{fn}: workspace_bytes must be >= 0, got {workspace_bytes}")
+    lead, d, td, cdt, budget = linear_args(fn, hidden, weight, teacher_hidden, teacher_weight,
+                                           workspace_bytes)
     opts = _options(reduction, divergence, beta, temperature, ignore_index, softcap,
                     logit_scale)
     tgt = _rows_target(target, lead, fn)

@@ -27,6 +27,15 @@ def distill_forward(student, teacher, targets, layout, kw: dict, return_lse: boo
     return res.loss, res.lse, gathered
 
 
+def outputs(ctx, loss, lse):
+    """A distillation Function's outputs (loss, lse or None): lse not differentiable, and no
+    zero gradient made for an output that got none."""
+    ctx.set_materialize_grads(False)
+    if lse is not None:
+        ctx.mark_non_differentiable(lse)
+    return loss, lse
+
+
 class VocabParallelDistill(torch.autograd.Function):
     """Returns (loss, lse or None); lse is not differentiable. The teacher gets no gradient."""
 
@@ -35,10 +44,7 @@ class VocabParallelDistill(torch.autograd.Function):
         loss, lse, gathered = distill_forward(student, teacher, targets, layout, kw, return_lse)
         ctx.save_for_backward(student, teacher, targets, gathered)
         ctx.layout, ctx.kw = layout, kw
-        ctx.set_materialize_grads(False)
-        if lse is not None:
-            ctx.mark_non_differentiable(lse)
-        return loss, lse
+        return outputs(ctx, loss, lse)
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_lse):

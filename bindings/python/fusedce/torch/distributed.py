@@ -97,7 +97,11 @@ log p_j on this rank's columns (log p_j = a_j - lse, lse the whole row's), as to
 
 Distillation (:func:`vocab_parallel_distill`, docs/semantics.md rule 22): the student's and the
 teacher's logits sharded the same way, :func:`fusedce.torch.distill`'s divergence over the whole
-vocabulary; one all-gather of 8 float32 per token (two for the JSD with 0 < beta < 1).
+vocabulary; one all-gather of 8 float32 per token (two for the JSD with 0 < beta < 1). From
+hidden states (:func:`vocab_parallel_linear_distill`): each rank holds its rows of the student's
+and the teacher's output weights, :func:`fusedce.torch.linear_distill` over the whole vocabulary
+without either model's logits ever whole; the same all-gathers in the forward, and in the
+backward the ∂hidden all-reduce of the linear cross-entropy.
 
 These functions are plain torch.autograd.Functions calling the C library and torch.distributed:
 eager mode; torch.compile does not trace into them (they run under ``torch.compiler.disable``:
@@ -122,12 +126,15 @@ from . import _soft
 from ._distributed_autograd import (_VocabParallelCE, _VocabParallelLinearCE,
                                     _VocabParallelLinearCEFused)
 from ._calls import _stream
+from ._distill import linear_args
 from ._vp_distill import VocabParallelDistill, distill_forward
+from ._vp_linear_distill import (VocabParallelLinearDistill, _cast,
+                                 linear_distill_forward)
 from ._distributed_calls import SCATTER, Layout, _ce_forward, _gather_tokens, _linear_forward
 
 __all__ = ["vocab_parallel_cross_entropy", "vocab_parallel_linear_cross_entropy",
            "megatron_linear_cross_entropy", "use_in_megatron", "shard_range", "VP_STATS",
-           "vocab_parallel_distill"]
+           "vocab_parallel_distill", "vocab_parallel_linear_distill"]
 
 
 def _eager_only(fn):
@@ -378,6 +385,23 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: Tensor, target: Tensor,
                        (lambda: _z_rows_from_stats(lse, tgt, vt, opts, gathered, size)), ent)
 
 
+def _distill_kw(divergence, beta, temperature, reduction, ignore_index, softcap,
+                logit_scale) -> dict:
+    """The distillation's options as the calls of fusedce.vocab_parallel take them."""
+    return dict(divergence=divergence, beta=beta, temperature=temperature, reduction=reduction,
+                ignore_index=ignore_index, softcap=softcap, logit_scale=logit_scale)
+
+
+def _distill_result(loss: Tensor, lse, reduction: str, out_shape: tuple, return_lse: bool):
+    """A distillation's return: the loss ('none': the leading dimensions' shape), with
+    ``return_lse`` (loss, lse of that shape)."""
+    if reduction == "none":
+        loss = loss.reshape(out_shape)
+    if not return_lse:
+        return loss
+    return loss, lse.reshape(out_shape)
+
+
 @_eager_only
 def vocab_parallel_distill(student_logits: Tensor, teacher_logits: Tensor,
                            target: Optional[Tensor] = None, *, group=None,
@@ -414,20 +438,83 @@ def vocab_parallel_distill(student_logits: Tensor, teacher_logits: Tensor,
         teacher = teacher if teacher.stride(-1) == 1 else teacher.contiguous()
     n = student.shape[0]
     tgt = None if target is None else _targets(target, n, "student_logits", student.device)
-    vs, vt = _layout(vl, rank, size, vocab_start, vocab_total)
-    layout = Layout(group, size, vs, vt)
-    kw = dict(divergence=divergence, beta=beta, temperature=temperature, reduction=reduction,
-              ignore_index=ignore_index, softcap=softcap, logit_scale=logit_scale)
+    layout = Layout(group, size, *_layout(vl, rank, size, vocab_start, vocab_total))
+    kw = _distill_kw(divergence, beta, temperature, reduction, ignore_index, softcap,
+                     logit_scale)
     if torch.is_grad_enabled() and student.requires_grad:
         loss, lse = VocabParallelDistill.apply(student, teacher, tgt, layout, kw,
                                                bool(return_lse))
     else:
         loss, lse, _ = distill_forward(student, teacher, tgt, layout, kw, bool(return_lse))
-    if reduction == "none":
-        loss = loss.reshape(out_shape)
-    if not return_lse:
-        return loss
-    return loss, lse.reshape(out_shape)
+    return _distill_result(loss, lse, reduction, out_shape, return_lse)
+
+
+@_eager_only
+def vocab_parallel_linear_distill(hidden: Tensor, weight_shard: Tensor, teacher_hidden: Tensor,
+                                  teacher_weight_shard: Tensor, target: Optional[Tensor] = None,
+                                  *, group=None, vocab_start: Optional[int] = None,
+                                  vocab_total: Optional[int] = None,
+                                  divergence: str = "forward_kl", beta: float = 0.5,
+                                  temperature: float = 1.0, reduction: str = "mean",
+                                  ignore_index: int = -100, softcap: float = 0.0,
+                                  logit_scale: float = 1.0, return_lse: bool = False,
+                                  reduce_grad_hidden: bool = True,
+                                  workspace_bytes: Optional[int] = None):
+    """:func:`fusedce.torch.linear_distill` over a vocabulary sharded across ``group``, from
+    hidden states: neither the student's logits nor the teacher's are ever whole (each rank
+    makes its shard of both piece by piece inside a workspace).
+
+    hidden        [..., D], the same on every rank of the group (leading dimensions flattened).
+    weight_shard  [V_local, D]: this rank's rows of the student's output weight (classes
+                  [vocab_start, vocab_start + V_local)), no bias.
+    teacher_hidden  [..., D'] (hidden's leading dimensions), the same on every rank;
+                  ``teacher_weight_shard`` [V_local, D']: this rank's rows of the teacher's
+                  output weight, the same classes. The teacher gets no gradient; its tensors are
+                  cast to the student's compute dtype, as :func:`fusedce.torch.linear_distill`'s.
+    target        [...] (optional, the same on every rank): rows whose target is
+                  ``ignore_index`` are not counted.
+    group, vocab_start, vocab_total  as :func:`vocab_parallel_cross_entropy`'s.
+    divergence, beta, temperature, reduction, softcap, logit_scale  as
+                  :func:`fusedce.torch.linear_distill`'s (default reduction 'mean').
+    reduce_grad_hidden, workspace_bytes  as :func:`vocab_parallel_linear_cross_entropy`'s
+                  (``workspace_bytes``: the budget of each library call, which may differ from
+                  rank to rank here: the collectives do not depend on it).
+
+    The forward runs the rounds of statistics (``fce_vp_linear_distill_stats``, one all-gather
+    of 8 float32 per token each over the group, two for the JSD with 0 < beta < 1) and the loss
+    (``fce_vp_distill_loss``); the backward makes this rank's partial ∂hidden and the gradient of
+    its weight shard from the saved last round (``fce_vp_linear_distill_backward``: both logits
+    made again), then all-reduces ∂hidden (sum, float32) over the group, so that every rank gets
+    the full gradient in hidden's dtype. Every rank must ask for the same gradients. Under
+    autocast the matmuls run in the autocast dtype (a float32 weight_shard then gets a float32
+    gradient directly); outside it hidden and weight_shard must have one dtype. Returns the
+    float32 loss ('mean' over the rows counted, 'sum', or 'none': [...]), the unsharded call's
+    to float32 rounding (to the GEMMs' rounding for 16-bit inputs) and the same on every rank;
+    ``return_lse``: (loss, the student's log-sum-exp of a / T over the whole row, [...], not
+    differentiable)."""
+    fn = "fusedce.torch.distributed.vocab_parallel_linear_distill"
+    _lib.require_vp(fn)
+    group, rank, size = _resolve_group(group)
+    out_shape, d, td, cdt, budget = linear_args(
+        fn, hidden, weight_shard, teacher_hidden, teacher_weight_shard, workspace_bytes,
+        ("weight_shard", "teacher_weight_shard", "V_local"))
+    vl = weight_shard.shape[0]
+    h2 = hidden.reshape(-1, d)
+    th2 = teacher_hidden.detach().reshape(-1, td)
+    tw = teacher_weight_shard.detach()
+    n = h2.shape[0]
+    tgt = None if target is None else _targets(target, n, "hidden", hidden.device)
+    layout = Layout(group, size, *_layout(vl, rank, size, vocab_start, vocab_total))
+    kw = _distill_kw(divergence, beta, temperature, reduction, ignore_index, softcap,
+                     logit_scale)
+    if torch.is_grad_enabled() and (h2.requires_grad or weight_shard.requires_grad):
+        loss, lse = VocabParallelLinearDistill.apply(h2, weight_shard, th2, tw, tgt, layout, kw,
+                                                     cdt, budget, bool(return_lse),
+                                                     bool(reduce_grad_hidden))
+    else:
+        loss, lse, _ = linear_distill_forward(*_cast(h2, weight_shard, th2, tw, cdt), tgt,
+                                              layout, kw, budget, bool(return_lse))
+    return _distill_result(loss, lse, reduction, out_shape, return_lse)
 
 
 @_eager_only
