@@ -17,7 +17,8 @@ losses against their floor and against torch eager.
     invariant (plain with batch_invariant=True).
   distillation over logits [N, V]: forward KL and JSD(β = 0.5) against torch eager's F.kl_div.
   linear distillation (student [N, D] · [V, D], teacher [N, Dt] · [V, Dt]): forward KL and JSD
-    against their floor, 6·N·D·V + 2·N·Dt·V FLOPs at the GEMM rate measured in the run, and torch
+    against their floor, 6·N·D·V + 2·N·Dt·V FLOPs at the GEMM rate measured in the run, the
+    vocabulary-parallel call on one rank (its backward makes both logits again), and torch
     eager (both logits whole).
   vocabulary-parallel over logits [N, V] on one rank (fusedce.torch.distributed without a
     process group: fce_vp_stats, fce_vp_loss, fce_vp_backward), reduction "none" with an
@@ -144,6 +145,7 @@ def linear_distill_variants(N, D, Dt, V, gen):
     import torch.nn.functional as F
 
     import fusedce.torch as fce
+    from fusedce.torch.distributed import vocab_parallel_linear_distill
     h = (torch.randn(N, D, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
     w = (torch.randn(V, D, device="cuda", generator=gen) * D ** -0.5).to(torch.bfloat16)
     ht = (torch.randn(N, Dt, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
@@ -157,13 +159,20 @@ def linear_distill_variants(N, D, Dt, V, gen):
     def jsd():
         return fce.linear_distill(h, w, ht, wt, divergence="jsd", beta=0.5)
 
+    def vp_kl():  # the vocabulary-parallel call on one rank (no process group)
+        return vocab_parallel_linear_distill(h, w, ht, wt, divergence="forward_kl")
+
+    def vp_jsd():
+        return vocab_parallel_linear_distill(h, w, ht, wt, divergence="jsd", beta=0.5)
+
     def torch_kl():
         with torch.no_grad():
             log_q = F.log_softmax((ht @ wt.T).float(), -1)
         return F.kl_div(F.log_softmax((h @ w.T).float(), -1), log_q, log_target=True,
                         reduction="batchmean")
 
-    return [h, w], {"forward KL": kl, "JSD": jsd, "torch forward KL": torch_kl}
+    return [h, w], {"forward KL": kl, "JSD": jsd, "vp forward KL, one rank": vp_kl,
+                    "vp JSD, one rank": vp_jsd, "torch forward KL": torch_kl}
 
 
 def vp_variants(N, V, gen):
