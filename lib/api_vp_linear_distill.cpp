@@ -72,15 +72,13 @@ fce_status refuse_bias(const char* fn, const void* bias) {
               fn, fn);
 }
 
-// The problem's sizes and inputs (both calls).
+// The problem's step (set_vp_step, as the other vocabulary-parallel calls) and its inputs.
 void set_inputs(fce::VpLinearDistillProblem* p, const char* fn, bool backward, int64_t ranks,
-                int64_t vocab_total, int64_t vocab_start, const void* hidden_states,
-                const void* weight, const fce_teacher& t) {
-  p->fn = fn;
-  p->backward = backward;
-  p->ranks = ranks;
-  p->vocab_total = vocab_total;
-  p->vocab_start = vocab_start;
+                int64_t vocab_total, int64_t vocab_start, const void* targets,
+                const float* gathered, const void* hidden_states, const void* weight,
+                const fce_teacher& t) {
+  set_vp_step(p, fn, backward, ranks, p->rows, vocab_total, vocab_start, p->vocab_local, targets,
+              gathered);
   p->hidden_states = hidden_states;
   p->weight = weight;
   p->teacher_hidden_states = t.hidden_states;
@@ -157,7 +155,8 @@ FCE_API fce_status fce_vp_linear_distill_stats(
   vpld_workspace(*o, p.opt, rows, hidden, t.hidden, vocab_local, false, &min_bytes, &optimal_bytes);
   FCE_TRY(check_workspace(fn, min_bytes, workspace, workspace_bytes));
   if (empty) return empty_problem(fn, *o, args, {}, stream);  // no row: nothing to write
-  set_inputs(&p, fn, false, ranks, vocab_total, vocab_start, hidden_states, weight, t);
+  set_inputs(&p, fn, false, ranks, vocab_total, vocab_start, nullptr, nullptr, hidden_states,
+             weight, t);
   p.round = round;
   p.previous = previous;
   p.stats = stats;
@@ -253,9 +252,8 @@ FCE_API fce_status fce_vp_linear_distill_backward(
   FCE_TRY(check_workspace(fn, min_bytes, workspace, workspace_bytes));
   if (empty)  // ∂W is 0 (a sum over no rows): written, or with accumulate left as it is
     return empty_problem(fn, *o, args, {weight_grad_zeros(*o, grad_weight, vd * gw_size)}, stream);
-  set_inputs(&p, fn, true, ranks, vocab_total, vocab_start, hidden_states, weight, t);
-  p.targets = targets;
-  p.gathered = gathered_stats;
+  set_inputs(&p, fn, true, ranks, vocab_total, vocab_start, targets, gathered_stats, hidden_states,
+             weight, t);
   p.grad_output = a.g.grad_output;
   p.grad_hidden = grad_hidden;
   p.grad_hidden_dtype = grad_hidden_dtype;
